@@ -1,0 +1,34 @@
+//! The `pagedkv` command line. Each subcommand lives in its own file under src/bin/pagedkv/.
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+mod stress_cmd;
+
+/// pagedkv: lock-free paged KV-cache memory and scheduling core.
+#[derive(Debug, Parser)]
+#[command(name = "pagedkv", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Hammer one shared block pool from several threads and report ops/s.
+    Stress(stress_cmd::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Stress(args) => stress_cmd::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("pagedkv: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! Wait-free global budget coordinator: weighted token and KV-block shares across the models on one device.

@@ -1,0 +1,1 @@
+//! CUDA run time: device probe, FFI to kernels/pagedkv.h, device KV cache and safe launch wrappers.

@@ -1,0 +1,75 @@
+//! Typed errors, one enum per module family. Every error says what was wrong with the input in
+//! words a caller can log; none carries a `String` built on a hot path.
+
+use crate::block::{BlockId, EngineId};
+
+/// Errors of the block pool ([`crate::block::BlockPool`]) and block tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PoolError {
+    /// Not enough free blocks for the request; nothing was allocated.
+    #[error("out of KV blocks: {requested} requested, {free} free")]
+    OutOfBlocks {
+        /// Blocks asked for.
+        requested: u32,
+        /// Blocks free when the request was refused.
+        free: u32,
+    },
+    /// The id was minted by another pool (another device, or another pool on this device).
+    #[error("{id:?} belongs to pool {id_pool}, not to this pool {pool} (device {device})")]
+    ForeignBlock {
+        /// The refused id.
+        id: BlockId,
+        /// The pool tag carried by the id.
+        id_pool: u16,
+        /// This pool's tag.
+        pool: u16,
+        /// This pool's device.
+        device: u32,
+    },
+    /// The index is outside the pool.
+    #[error("{id:?} is out of range: the pool has {total} blocks")]
+    OutOfRange {
+        /// The refused id.
+        id: BlockId,
+        /// Blocks in the pool.
+        total: u32,
+    },
+    /// The block is free: it was never allocated, or this is a double free.
+    #[error("{id:?} is not allocated (double free, or never allocated)")]
+    NotAllocated {
+        /// The refused id.
+        id: BlockId,
+    },
+    /// The id's generation does not match the block's: the holder freed it and it has since
+    /// been handed to someone else (a use-after-free by the caller).
+    #[error("{id:?} is stale: the block was freed and reallocated (now generation {current})")]
+    StaleBlock {
+        /// The refused id.
+        id: BlockId,
+        /// The block's current generation.
+        current: u32,
+    },
+    /// The engine id is not below the pool's `max_engines`.
+    #[error("engine {engine:?} is out of range: the pool serves {max_engines} engines")]
+    UnknownEngine {
+        /// The refused engine.
+        engine: EngineId,
+        /// Engines the pool was built for.
+        max_engines: u16,
+    },
+    /// A block's reference count would overflow.
+    #[error("{id:?} is shared too many times")]
+    TooManyRefs {
+        /// The refused id.
+        id: BlockId,
+    },
+    /// The block table is full.
+    #[error("block table full: capacity {capacity} blocks")]
+    TableFull {
+        /// The table's capacity in blocks.
+        capacity: u32,
+    },
+    /// Invalid pool construction parameters.
+    #[error("invalid pool configuration: {0}")]
+    InvalidConfig(&'static str),
+}

@@ -1,0 +1,1 @@
+//! GGUF weights: a defensive parser, zero-copy tensor views, dequantization, a writer and device upload.

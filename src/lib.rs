@@ -1,0 +1,23 @@
+//! pagedkv: the memory and scheduling core of an LLM inference engine.
+//!
+//! The crate owns the paged KV cache of one device: which physical block belongs to which
+//! sequence of which model ([`block`]), how many tokens and blocks each model may use per step
+//! ([`budget`]), which sequences run next ([`sched`]), the byte layout of a block ([`kv`]) and
+//! the kernels that read and write it ([`attn`] on the CPU, `cuda` on a GPU). It also loads
+//! GGUF weights ([`gguf`]). No hot path takes a mutex; see each module's docs for its
+//! algorithm and memory-ordering argument.
+#![warn(missing_docs)]
+
+pub mod attn;
+pub mod block;
+pub mod budget;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod error;
+pub mod gguf;
+pub mod kv;
+pub mod sched;
+pub mod sync;
+
+pub use block::{BlockId, EngineId};
+pub use error::PoolError;

@@ -1,0 +1,1 @@
+//! Continuous-batching scheduler and lock-free admission queues.

@@ -1,0 +1,1 @@
+//! loom models: admission (see tests/loom.rs).

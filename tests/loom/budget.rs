@@ -1,0 +1,1 @@
+//! loom models: budget (see tests/loom.rs).

@@ -1,0 +1,1 @@
+//! loom models: pool (see tests/loom.rs).

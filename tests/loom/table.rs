@@ -1,0 +1,1 @@
+//! loom models: table (see tests/loom.rs).

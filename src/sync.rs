@@ -6,7 +6,9 @@
 pub(crate) use loom::{
     hint,
     sync::{
-        atomic::{fence, AtomicBool, AtomicI64, AtomicU16, AtomicU32, AtomicU64, AtomicUsize, Ordering},
+        atomic::{
+            fence, AtomicBool, AtomicI64, AtomicU16, AtomicU32, AtomicU64, AtomicUsize, Ordering,
+        },
         Arc,
     },
     thread,
@@ -16,7 +18,9 @@ pub(crate) use loom::{
 pub(crate) use std::{
     hint,
     sync::{
-        atomic::{fence, AtomicBool, AtomicI64, AtomicU16, AtomicU32, AtomicU64, AtomicUsize, Ordering},
+        atomic::{
+            fence, AtomicBool, AtomicI64, AtomicU16, AtomicU32, AtomicU64, AtomicUsize, Ordering,
+        },
         Arc,
     },
     thread,
@@ -25,3 +29,43 @@ pub(crate) use std::{
 /// A cache-line-padded wrapper for contended atomics (crossbeam's, re-exported so callers do not
 /// depend on crossbeam directly).
 pub use crossbeam_utils::CachePadded;
+
+/// Exponential backoff for CAS retry loops (crossbeam's). Under loom a retry must yield to the
+/// model's scheduler instead of spinning, or loom would explore the spin forever.
+#[cfg(not(loom))]
+pub(crate) use crossbeam_utils::Backoff;
+
+/// Exponential backoff for CAS retry loops; under loom every step yields to the model.
+#[cfg(loom)]
+#[derive(Debug, Default)]
+pub(crate) struct Backoff;
+
+#[cfg(loom)]
+impl Backoff {
+    pub(crate) fn new() -> Self {
+        Self
+    }
+    pub(crate) fn spin(&self) {
+        loom::thread::yield_now();
+    }
+    #[allow(dead_code)]
+    pub(crate) fn snooze(&self) {
+        loom::thread::yield_now();
+    }
+}
+
+/// Process-wide counters that are identities, not protocols (pool tags): plain std atomics even
+/// under loom, because loom atomics cannot live in a `static`.
+pub(crate) mod global {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    static NEXT_POOL_TAG: AtomicU32 = AtomicU32::new(1);
+
+    /// A fresh pool tag. Tags wrap after 65,535 pools; two live pools sharing a tag would need
+    /// that many pools created in between, and even then ids stay range- and generation-checked.
+    pub(crate) fn next_pool_tag() -> u16 {
+        // Relaxed: uniqueness needs only the RMW's atomicity, no ordering with other memory.
+        let t = NEXT_POOL_TAG.fetch_add(1, Ordering::Relaxed);
+        (t % u32::from(u16::MAX)) as u16 + 1
+    }
+}

@@ -1,4 +1,4 @@
-//! The `pagedkv` command line. Each subcommand lives in its own file under src/bin/pagedkv/.
+//! The `pagedkv` command line. Each subcommand lives in its own file under src/bin/pagedkv/ (this file is its main.rs).
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -69,6 +69,14 @@ pub enum PoolError {
         /// The table's capacity in blocks.
         capacity: u32,
     },
+    /// A kernel block-table row is shorter than the table.
+    #[error("block-table row too short: {needed} blocks, row of {row}")]
+    RowTooShort {
+        /// Blocks the table holds.
+        needed: u32,
+        /// Length of the row given.
+        row: usize,
+    },
     /// Invalid pool construction parameters.
     #[error("invalid pool configuration: {0}")]
     InvalidConfig(&'static str),

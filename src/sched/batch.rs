@@ -24,8 +24,8 @@ pub struct Batch {
     /// Cache slot of each input token (`block * block_size + offset`), -1 for padding,
     /// `[num_tokens]`.
     pub slot_mapping: Vec<i64>,
-    /// Flat `[num_seqs, max_blocks_per_seq]` physical block ids; entries past a row's blocks
-    /// are -1 and never read.
+    /// Flat `[num_seqs, max_blocks_per_seq]` physical block ids. Entries past a row's blocks
+    /// (`context_lens[s].div_ceil(block_size)`) are unspecified and never read by the kernels.
     pub block_tables: Vec<i32>,
     /// Width of a `block_tables` row.
     pub max_blocks_per_seq: usize,

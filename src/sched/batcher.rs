@@ -294,6 +294,7 @@ impl Batcher {
             arrival: self.arrivals,
             host_blocks: Vec::new(),
             preemptions: 0,
+            may_share: false,
         };
         self.arrivals += 1;
         let slot = match self.free_slots.pop() {
@@ -361,7 +362,9 @@ impl Batcher {
             arrival: self.arrivals,
             host_blocks: Vec::new(),
             preemptions: 0,
+            may_share: true,
         };
+        self.seq_mut(slot).may_share = true;
         self.arrivals += 1;
         self.seqs.push(Some(seq));
         let child_slot = self.seqs.len() - 1;
@@ -547,13 +550,13 @@ impl Batcher {
     /// block first (copy-on-write). All or nothing.
     fn reserve(&mut self, slot: usize, n: usize) -> Reserve {
         let bs = self.cfg.block_size as usize;
-        let (computed, len) = {
+        let (computed, len, may_share) = {
             let s = self.seq(slot);
-            (s.computed, s.table.len() as usize)
+            (s.computed, s.table.len() as usize, s.may_share)
         };
         let need = (computed + n).div_ceil(bs).saturating_sub(len);
         // The next write lands inside an existing block if `computed` is not block-aligned.
-        let cow_index = (computed % bs != 0 && computed / bs < len)
+        let cow_index = (may_share && computed % bs != 0 && computed / bs < len)
             .then_some((computed / bs) as u32)
             .filter(|&i| self.seq(slot).table.is_shared(i).unwrap_or(false));
         let total = need + usize::from(cow_index.is_some());
@@ -644,7 +647,10 @@ impl Batcher {
             let Some(s) = self.seqs[slot].as_ref() else {
                 continue;
             };
-            let dst = &mut self.batch.block_tables[row * width..(row + 1) * width];
+            // Only the row's own blocks are written: the padding past them is never read by the
+            // kernels, and rewriting it every step would cost O(rows x widest table).
+            let len = s.table.len() as usize;
+            let dst = &mut self.batch.block_tables[row * width..row * width + len];
             if let Err(e) = s.table.write_row(dst, -1) {
                 unreachable!("row width is the widest table: {e}");
             }

@@ -107,6 +107,9 @@ pub(crate) struct Sequence {
     /// Host swap slots holding its blocks while swapped, in logical order.
     pub(crate) host_blocks: Vec<u32>,
     pub(crate) preemptions: u32,
+    /// Whether its table may hold blocks shared with another sequence (it was forked, or is a
+    /// fork): only then must a write check for copy-on-write.
+    pub(crate) may_share: bool,
 }
 
 impl Sequence {

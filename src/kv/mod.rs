@@ -20,4 +20,4 @@ pub use host::{
 };
 pub use layout::{KvCacheConfig, KvPart, HEAD_DIM_ALIGN};
 
-pub(crate) use host::{check_block, copy_runs_within};
+pub(crate) use host::copy_runs_within;

@@ -20,4 +20,4 @@ pub mod sched;
 pub mod sync;
 
 pub use block::{BlockId, BlockPool, BlockTable, EngineId, PoolConfig};
-pub use error::PoolError;
+pub use error::{PoolError, SchedError};

@@ -26,7 +26,7 @@ fn grow_write_row_truncate_drop() {
     assert_eq!(t.len(), 5);
     assert_eq!(p.free_count(), 11);
     assert_eq!(p.held(EngineId(1)), 5);
-    let mut rows = vec![0i32; 2 * 8];
+    let mut rows = [0i32; 2 * 8];
     t.write_row(&mut rows[8..], -1).unwrap();
     let ids: Vec<i32> = (0..5).map(|i| t.get(i).unwrap().index() as i32).collect();
     assert_eq!(&rows[8..13], &ids[..]);
@@ -107,8 +107,9 @@ fn readers_see_only_prefixes_of_the_writer_history() {
     let mut t = BlockTable::new(p.clone(), EngineId(0), 64);
     let reader = t.reader();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let taken = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let checker = {
-        let (stop, reader) = (stop.clone(), reader.clone());
+        let (stop, reader, taken) = (stop.clone(), reader.clone(), taken.clone());
         std::thread::spawn(move || {
             let mut snap: Vec<BlockId> = Vec::new();
             let mut checked = 0u64;
@@ -120,12 +121,16 @@ fn readers_see_only_prefixes_of_the_writer_history() {
                 idx.dedup();
                 assert_eq!(idx.len(), snap.len(), "snapshot mixed two table states");
                 checked += 1;
+                taken.store(checked, std::sync::atomic::Ordering::Relaxed);
             }
             checked
         })
     };
     let mut scratch = Vec::new();
-    for round in 0..20_000u32 {
+    // Run until the reader has overlapped a good stretch of writes (the machine may be busy).
+    let mut round = 0u32;
+    while round < 20_000 || taken.load(std::sync::atomic::Ordering::Relaxed) < 1_000 {
+        round = round.wrapping_add(1);
         let target = 1 + round % 63;
         if t.len() >= target {
             t.truncate(round % 7);

@@ -434,8 +434,13 @@ impl BlockPool {
         }
     }
 
-    /// Pushes a block whose last reference was just released.
-    fn push(&self, index: u32) {
+    /// Pushes blocks whose last reference was just released, as one chain with one CAS:
+    /// `chain[0]` becomes the new top and `chain[k-1]` links to the old top.
+    fn push_chain(&self, chain: &[u32]) {
+        let Some(&first) = chain.first() else {
+            return;
+        };
+        let k = chain.len() as u32;
         let backoff = Backoff::new();
         // Acquire: we read the top's depth, published by its pusher's Release CAS.
         let mut head = self.head.load(Ordering::Acquire);
@@ -446,12 +451,17 @@ impl BlockPool {
             } else {
                 link_depth(self.link[top as usize].load(Ordering::Relaxed))
             };
-            // Relaxed: published by the Release CAS below.
-            self.link[index as usize].store(link_word(below + 1, top), Ordering::Relaxed);
-            // Release publishes the link (and the zeroed meta) to the next popper.
+            // The chain's blocks are ours alone until the CAS publishes them, so their links
+            // are rewritten freely on every retry. Relaxed: published by the Release CAS below.
+            for (j, &index) in chain.iter().enumerate() {
+                let next = chain.get(j + 1).copied().unwrap_or(top);
+                self.link[index as usize]
+                    .store(link_word(below + k - j as u32, next), Ordering::Relaxed);
+            }
+            // Release publishes the links (and the zeroed metadata) to the next popper.
             match self.head.compare_exchange_weak(
                 head,
-                head_word(head, index),
+                head_word(head, first),
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
@@ -507,6 +517,20 @@ impl BlockPool {
     /// Refused, with the pool unchanged: an id of another pool, out of range, of a free block
     /// (double free / never allocated), or stale (the block was freed and reallocated since).
     pub fn release(&self, id: BlockId) -> Result<bool, PoolError> {
+        match self.drop_ref(id)? {
+            Some(owner) => {
+                // Relaxed: a statistic (see `held`).
+                self.held[owner.index()].fetch_sub(1, Ordering::Relaxed);
+                self.push_chain(&[id.index()]);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// Decrements the block's reference count. Returns its owner if this was the last reference:
+    /// the caller then alone recycles the block (uncounts it and pushes it).
+    fn drop_ref(&self, id: BlockId) -> Result<Option<EngineId>, PoolError> {
         let index = self.check_id(id)?;
         let meta = &self.meta[index];
         let backoff = Backoff::new();
@@ -523,15 +547,7 @@ impl BlockPool {
                 }
             }
         }
-        if meta_refs(cur) != 1 {
-            return Ok(false);
-        }
-        // The count reached zero: this thread alone recycles the block.
-        let owner = meta_owner(cur);
-        // Relaxed: a statistic (see `held`).
-        self.held[owner.index()].fetch_sub(1, Ordering::Relaxed);
-        self.push(index as u32);
-        Ok(true)
+        Ok((meta_refs(cur) == 1).then(|| meta_owner(cur)))
     }
 
     /// Frees one block: drops the caller's reference ([`release`](Self::release)); an unshared
@@ -576,13 +592,46 @@ impl BlockPool {
                 }
             }
         }
+        // Release every reference; blocks that reach zero are pushed back in chains of up to
+        // CHAIN blocks with one CAS each, and uncounted per run of equal owners.
+        const CHAIN: usize = 64;
+        let mut chain = [0u32; CHAIN];
+        let mut len = 0;
         let mut freed = 0;
+        let mut run: Option<(EngineId, u32)> = None;
         for &id in ids {
-            if self.release(id)? {
-                freed += 1;
+            let Some(owner) = self.drop_ref(id)? else {
+                continue;
+            };
+            match &mut run {
+                Some((o, n)) if *o == owner => *n += 1,
+                _ => {
+                    self.uncount(run.take());
+                    run = Some((owner, 1));
+                }
+            }
+            chain[len] = id.index();
+            len += 1;
+            if len == CHAIN {
+                self.uncount(run.take());
+                self.push_chain(&chain);
+                freed += len as u32;
+                len = 0;
             }
         }
-        Ok(freed)
+        self.uncount(run);
+        self.push_chain(&chain[..len]);
+        Ok(freed + len as u32)
+    }
+
+    /// Subtracts a run of recycled blocks from their owner's count (before they are pushed, so
+    /// `held` never counts a block that is already free).
+    #[inline]
+    fn uncount(&self, run: Option<(EngineId, u32)>) {
+        if let Some((owner, n)) = run {
+            // Relaxed: a statistic (see `held`).
+            self.held[owner.index()].fetch_sub(n, Ordering::Relaxed);
+        }
     }
 
     /// Whether more than one holder references the block (copy-on-write must copy before

@@ -12,7 +12,8 @@
 //!
 //! - **append** (wait-free, two stores): write `slots[len]`, then store `state = (epoch, len+1)`
 //!   with Release. Appends never change a slot below `len`.
-//! - **truncate / replace** (wait-free for the writer): store `state = (epoch+1, new_len)`, a
+//! - **truncate / replace** (wait-free for the writer): store `state = (epoch+1, new_len)` with
+//!   Release (it is itself a state readers may accept), a
 //!   Release fence, then write slots. This is the writer side of a **sequence lock**: the epoch
 //!   changes *before* any slot below the old length can be overwritten.
 //! - **snapshot** (reader): load `state` (Acquire), copy `slots[..len]`, an Acquire fence, load
@@ -268,11 +269,14 @@ impl BlockTable {
     fn bump_epoch(&mut self, new_len: u32) {
         self.epoch = self.epoch.wrapping_add(1);
         self.len = new_len;
-        // Relaxed store then Release fence: the fence orders the new epoch before every later
-        // slot store of the writer (the sequence-lock writer side, see the module docs).
+        // Release store: a reader that sees this state also sees every slot written before it
+        // (the state is itself a snapshot readers accept). Then a Release fence: it orders the
+        // new epoch before every later slot store of the writer (the sequence-lock writer side,
+        // see the module docs). loom found the first half missing: with a Relaxed store here a
+        // reader could load the bumped state and still read a slot's initial value.
         self.shared
             .state
-            .store(state_word(self.epoch, new_len), Ordering::Relaxed);
+            .store(state_word(self.epoch, new_len), Ordering::Release);
         fence(Ordering::Release);
     }
 

@@ -124,6 +124,7 @@ pub enum SchedError {
     /// The block pool refused an operation.
     #[error(transparent)]
     Pool(#[from] PoolError),
+}
 
 /// Errors of the budget coordinator ([`crate::budget::BudgetCoordinator`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

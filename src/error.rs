@@ -293,3 +293,85 @@ pub enum AttnError {
         context_len: usize,
     },
 }
+
+/// Errors of the budget coordinator ([`crate::budget::BudgetCoordinator`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum BudgetError {
+    /// Invalid coordinator construction parameters.
+    #[error("invalid budget configuration: {0}")]
+    InvalidConfig(&'static str),
+    /// A share weight of zero was given; weights are at least 1.
+    #[error("share weight must be at least 1")]
+    ZeroWeight,
+    /// Every engine slot is taken.
+    #[error("too many engines: the coordinator serves at most {max_engines}")]
+    TooManyEngines {
+        /// The coordinator's capacity.
+        max_engines: u16,
+    },
+    /// The engine id is not below the coordinator's `max_engines`.
+    #[error("engine {engine:?} is out of range: the coordinator serves {max_engines} engines")]
+    UnknownEngine {
+        /// The refused engine.
+        engine: EngineId,
+        /// The coordinator's capacity.
+        max_engines: u16,
+    },
+    /// The engine id is in range but not registered (never, or already deregistered).
+    #[error("engine {engine:?} is not registered")]
+    NotRegistered {
+        /// The refused engine.
+        engine: EngineId,
+    },
+    /// An engine cannot be deregistered while it holds blocks.
+    #[error("engine {engine:?} still holds {held} blocks; release them before deregistering")]
+    StillHoldsBlocks {
+        /// The engine.
+        engine: EngineId,
+        /// Blocks it holds.
+        held: u64,
+    },
+    /// The engine would exceed its block limit (quota plus what it may borrow).
+    #[error("engine {engine:?} asked for {requested} blocks holding {held}, limit {limit}")]
+    OverBlockLimit {
+        /// The engine.
+        engine: EngineId,
+        /// Blocks asked for.
+        requested: u32,
+        /// Blocks it held (counting acquires in flight) when refused.
+        held: u64,
+        /// Its limit when refused.
+        limit: u32,
+    },
+    /// The engine is within its limit but the device's blocks are all taken (lent to
+    /// borrowers that must give them back).
+    #[error("pool exhausted: {requested} blocks asked, {in_use} of {total} in use")]
+    BlocksExhausted {
+        /// Blocks asked for.
+        requested: u32,
+        /// Blocks in use when refused (counting acquires in flight).
+        in_use: u64,
+        /// Blocks in the pool.
+        total: u32,
+    },
+    /// More tokens released than were granted this step.
+    #[error("engine {engine:?} released {released} tokens but holds {granted} this step")]
+    TokensNotHeld {
+        /// The engine.
+        engine: EngineId,
+        /// Tokens released.
+        released: u64,
+        /// Tokens it held.
+        granted: u64,
+    },
+    /// More blocks released than the engine holds.
+    #[error("engine {engine:?} released {released} blocks but holds {held}")]
+    BlocksNotHeld {
+        /// The engine.
+        engine: EngineId,
+        /// Blocks released.
+        released: u32,
+        /// Blocks it held.
+        held: u64,
+    },
+}

@@ -1,1 +1,3 @@
 //! Continuous-batching scheduler and lock-free admission queues.
+
+pub mod admission;

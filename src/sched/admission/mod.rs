@@ -261,21 +261,28 @@ impl<T, R> WorkerQueues<T, R> {
     }
 }
 
-/// Counters shared by the queue set and every outstanding [`Completion`] (which outlive no
-/// borrow of the queue set, hence the `Arc`).
+/// One worker's counters, on one cache line: `load` is written by every submit to and every
+/// completion of this worker; the drop counters only on its overflow paths.
+struct WorkerCounters {
+    /// Requests routed to this worker that are queued or popped and not yet completed (a
+    /// submit adds 1 before its push and takes it back if refused; completion, abandonment and
+    /// eviction take 1). Least-loaded routing reads it.
+    load: AtomicUsize,
+    /// Submits refused because this worker's queue was full.
+    rejected_full: AtomicU64,
+    /// Queued requests of this worker evicted by drop-oldest.
+    evicted_oldest: AtomicU64,
+    /// Popped requests dropped without completing.
+    abandoned: AtomicU64,
+}
+
+/// Counters shared by the queue set and every outstanding [`Completion`] (which may outlive
+/// the queue set, hence the `Arc`).
 struct Counters {
-    /// `loads[w]`: requests routed to worker `w` that are queued or popped and not yet
-    /// completed (a submit adds 1 before its push and takes it back if refused; completion,
-    /// abandonment and eviction take 1). Least-loaded routing reads these.
-    loads: Box<[CachePadded<AtomicUsize>]>,
-    /// Submits refused because the queue was full.
-    rejected_full: CachePadded<AtomicU64>,
-    /// Queued requests evicted by drop-oldest.
-    evicted_oldest: CachePadded<AtomicU64>,
+    /// Indexed by worker.
+    workers: Box<[CachePadded<WorkerCounters>]>,
     /// Submits refused because the queue set was closed.
     rejected_closed: CachePadded<AtomicU64>,
-    /// Popped requests whose [`Job`] / [`Completion`] was dropped without completing.
-    abandoned: CachePadded<AtomicU64>,
 }
 
 impl Counters {
@@ -284,11 +291,15 @@ impl Counters {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
+    fn load(&self, worker: usize) -> &AtomicUsize {
+        &self.workers[worker].load
+    }
+
     fn release_load(&self, worker: usize) {
         // Relaxed: the count is advisory for routing; `in_flight` readers that need it after a
         // ticket resolved get it through the ticket's Release/Acquire (this decrement is
         // sequenced before the completer's send).
-        self.loads[worker].fetch_sub(1, Ordering::Relaxed);
+        self.workers[worker].load.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -328,13 +339,17 @@ impl<T, R> Admission<T, R> {
             })
             .collect();
         let counters = Arc::new(Counters {
-            loads: (0..config.workers)
-                .map(|_| CachePadded::new(AtomicUsize::new(0)))
+            workers: (0..config.workers)
+                .map(|_| {
+                    CachePadded::new(WorkerCounters {
+                        load: AtomicUsize::new(0),
+                        rejected_full: AtomicU64::new(0),
+                        evicted_oldest: AtomicU64::new(0),
+                        abandoned: AtomicU64::new(0),
+                    })
+                })
                 .collect(),
-            rejected_full: CachePadded::new(AtomicU64::new(0)),
-            evicted_oldest: CachePadded::new(AtomicU64::new(0)),
             rejected_closed: CachePadded::new(AtomicU64::new(0)),
-            abandoned: CachePadded::new(AtomicU64::new(0)),
         });
         Ok(Self {
             workers,
@@ -432,7 +447,7 @@ impl<T, R> Admission<T, R> {
         for i in 0..n {
             let w = (start + i) % n;
             // Relaxed: a heuristic snapshot.
-            let load = self.counters.loads[w].load(Ordering::Relaxed);
+            let load = self.counters.load(w).load(Ordering::Relaxed);
             if load < best_load {
                 best = w;
                 best_load = load;
@@ -476,7 +491,7 @@ impl<T, R> Admission<T, R> {
                 worker,
             },
             OverflowPolicy::Block | OverflowPolicy::DropNewest => {
-                Counters::bump(&self.counters.rejected_full);
+                Counters::bump(&self.counters.workers[worker].rejected_full);
                 Admit::Refused(Refused {
                     error: overloaded(OverloadReason::QueueFull, worker),
                     payload: entry.payload,
@@ -492,7 +507,7 @@ impl<T, R> Admission<T, R> {
         priority: Priority,
         entry: Entry<T, R>,
     ) -> Result<(), Entry<T, R>> {
-        let load = &self.counters.loads[worker];
+        let load = self.counters.load(worker);
         // Counted before the push so that a pop and completion racing right behind it can
         // never take the count below zero. Relaxed: see `Counters::release_load`.
         load.fetch_add(1, Ordering::Relaxed);
@@ -524,7 +539,7 @@ impl<T, R> Admission<T, R> {
         loop {
             if let Some(old) = ring.pop() {
                 self.counters.release_load(worker);
-                Counters::bump(&self.counters.evicted_oldest);
+                Counters::bump(&self.counters.workers[worker].evicted_oldest);
                 old.tx
                     .send(Err(overloaded(OverloadReason::EvictedOldest, worker)));
                 drop(old.payload);
@@ -626,16 +641,16 @@ impl<T, R> Admission<T, R> {
     /// Requests routed to `worker` that are queued or running (popped, not yet completed).
     pub fn worker_load(&self, worker: usize) -> Result<usize, AdmissionError> {
         self.worker_queues(worker)?;
-        Ok(self.counters.loads[worker].load(Ordering::Relaxed))
+        Ok(self.counters.load(worker).load(Ordering::Relaxed))
     }
 
     /// Requests admitted and not yet completed (queued or running), over all workers.
     pub fn in_flight(&self) -> usize {
         self.counters
-            .loads
+            .workers
             .iter()
             // Relaxed: a statistic (each worker's figure is exact at quiescence).
-            .map(|l| l.load(Ordering::Relaxed))
+            .map(|c| c.load.load(Ordering::Relaxed))
             .sum()
     }
 
@@ -655,10 +670,17 @@ impl<T, R> Admission<T, R> {
             .workers
             .iter()
             .enumerate()
-            .map(|(w, wq)| WorkerMetrics {
-                high_depth: wq.high.len(),
-                low_depth: wq.low.len(),
-                load: self.counters.loads[w].load(Ordering::Relaxed),
+            .map(|(w, wq)| {
+                let c = &self.counters.workers[w];
+                // Relaxed: statistics.
+                WorkerMetrics {
+                    high_depth: wq.high.len(),
+                    low_depth: wq.low.len(),
+                    load: c.load.load(Ordering::Relaxed),
+                    rejected_full: c.rejected_full.load(Ordering::Relaxed),
+                    evicted_oldest: c.evicted_oldest.load(Ordering::Relaxed),
+                    abandoned: c.abandoned.load(Ordering::Relaxed),
+                }
             })
             .collect();
         let high_cap = self.capacity(Priority::LatencyCritical);
@@ -668,14 +690,13 @@ impl<T, R> Admission<T, R> {
             && workers.iter().all(|m| {
                 !over_high_water(m.high_depth, high_cap) && !over_high_water(m.low_depth, low_cap)
             });
-        let c = &self.counters;
         AdmissionMetrics {
             in_flight: workers.iter().map(|m| m.load).sum(),
+            rejected_full: workers.iter().map(|m| m.rejected_full).sum(),
+            evicted_oldest: workers.iter().map(|m| m.evicted_oldest).sum(),
+            abandoned: workers.iter().map(|m| m.abandoned).sum(),
+            rejected_closed: self.counters.rejected_closed.load(Ordering::Relaxed),
             workers,
-            rejected_full: c.rejected_full.load(Ordering::Relaxed),
-            evicted_oldest: c.evicted_oldest.load(Ordering::Relaxed),
-            rejected_closed: c.rejected_closed.load(Ordering::Relaxed),
-            abandoned: c.abandoned.load(Ordering::Relaxed),
             healthy,
             closed,
         }
@@ -736,6 +757,12 @@ pub struct WorkerMetrics {
     pub low_depth: usize,
     /// Requests routed here that are queued or running.
     pub load: usize,
+    /// Submits refused because this worker's queue was full.
+    pub rejected_full: u64,
+    /// Queued requests evicted by drop-oldest.
+    pub evicted_oldest: u64,
+    /// Popped requests dropped without an outcome.
+    pub abandoned: u64,
 }
 
 /// A snapshot of a queue set's figures, read without a lock (each figure is read atomically;
@@ -852,7 +879,7 @@ impl<R> Drop for Completion<R> {
     fn drop(&mut self) {
         if let Some(tx) = self.tx.take() {
             self.counters.release_load(self.worker as usize);
-            Counters::bump(&self.counters.abandoned);
+            Counters::bump(&self.counters.workers[self.worker as usize].abandoned);
             drop(tx); // resolves the ticket to `Abandoned`
         }
     }

@@ -69,9 +69,61 @@ pub enum PoolError {
         /// The table's capacity in blocks.
         capacity: u32,
     },
+    /// A kernel block-table row is shorter than the table.
+    #[error("block-table row too short: {needed} blocks, row of {row}")]
+    RowTooShort {
+        /// Blocks the table holds.
+        needed: u32,
+        /// Length of the row given.
+        row: usize,
+    },
     /// Invalid pool construction parameters.
     #[error("invalid pool configuration: {0}")]
     InvalidConfig(&'static str),
+}
+
+/// Errors of the continuous-batching scheduler ([`crate::sched::batcher`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SchedError {
+    /// The batcher configuration cannot work.
+    #[error("invalid scheduler configuration: {0}")]
+    InvalidConfig(&'static str),
+    /// The request is malformed.
+    #[error("invalid request {id}: {reason}")]
+    InvalidRequest {
+        /// The request's id.
+        id: u64,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A request with this id is already in the batcher.
+    #[error("request {0} is already scheduled")]
+    DuplicateId(u64),
+    /// The request can never fit: its prompt plus output needs more blocks than a sequence may
+    /// hold or than the whole pool has.
+    #[error("request {id} needs {blocks} KV blocks, more than the {limit} one sequence can get")]
+    TooLong {
+        /// The request's id.
+        id: u64,
+        /// Blocks it would need at its longest.
+        blocks: u64,
+        /// The most one sequence can hold.
+        limit: u64,
+    },
+    /// No sequence with this id.
+    #[error("no sequence {0}")]
+    UnknownSeq(u64),
+    /// `commit` got a different number of sampled tokens than the batch has sampling rows.
+    #[error("commit expected {expected} sampled tokens, got {got}")]
+    SampleCountMismatch {
+        /// Rows of the last batch that sample.
+        expected: usize,
+        /// Tokens given.
+        got: usize,
+    },
+    /// The block pool refused an operation.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
 }
 
 /// Why an admission queue refused or dropped a request ([`AdmissionError::Overloaded`]).

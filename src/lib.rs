@@ -19,5 +19,5 @@ pub mod kv;
 pub mod sched;
 pub mod sync;
 
-pub use block::{BlockId, EngineId};
-pub use error::PoolError;
+pub use block::{BlockId, BlockPool, BlockTable, EngineId, PoolConfig};
+pub use error::{PoolError, SchedError};

@@ -2,6 +2,8 @@
 //! through here, so that `RUSTFLAGS="--cfg loom"` swaps in loom's model-checked versions
 //! (tests/loom.rs) without touching the algorithms.
 
+// Not every build uses every type (the shim serves all modules).
+#[allow(unused_imports)]
 #[cfg(loom)]
 pub(crate) use loom::{
     hint,
@@ -15,6 +17,7 @@ pub(crate) use loom::{
     thread,
 };
 
+#[allow(unused_imports)]
 #[cfg(not(loom))]
 pub(crate) use std::{
     hint,

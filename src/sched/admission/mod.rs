@@ -61,21 +61,13 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 pub use crate::error::{AdmissionError, OverloadReason};
+pub use crate::sched::sequence::Priority;
 pub use oneshot::Ticket;
 
 use crate::sync::{fence, Arc, AtomicBool, AtomicU64, AtomicUsize, Backoff, CachePadded, Ordering};
 use oneshot::Completer;
 use ring::Ring;
 use waitlist::{Registration, WaitList};
-
-/// A request's class. Workers always take latency-critical requests first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Priority {
-    /// Interactive traffic: popped before any throughput request of the same worker.
-    LatencyCritical,
-    /// Batch / background traffic.
-    Throughput,
-}
 
 /// What a submit does when its target queue is full. One policy per queue set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -375,3 +375,44 @@ pub enum BudgetError {
         held: u64,
     },
 }
+
+/// Why an admission queue refused or dropped a request ([`AdmissionError::Overloaded`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OverloadReason {
+    /// The target queue was full and the policy (drop-newest, or a non-blocking `try_submit`)
+    /// refused the new request.
+    QueueFull,
+    /// The request was queued, then evicted by a newer one under the drop-oldest policy.
+    EvictedOldest,
+}
+
+/// Errors of the admission queues ([`crate::sched::admission`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AdmissionError {
+    /// The request was refused or dropped because its queue was full.
+    #[error("admission queue overloaded ({reason:?}) on worker {worker}")]
+    Overloaded {
+        /// Why: refused at submit, or evicted later.
+        reason: OverloadReason,
+        /// The worker whose queue overflowed.
+        worker: u32,
+    },
+    /// The queue set was closed (shutting down): no new requests, and a request still queued
+    /// when the queue set was dropped ends with this error.
+    #[error("admission queues are closed (shutting down)")]
+    Closed,
+    /// The route named a worker that does not exist.
+    #[error("unknown worker {worker}: the queue set has {workers} workers")]
+    UnknownWorker {
+        /// The refused worker index.
+        worker: usize,
+        /// Workers in the queue set.
+        workers: usize,
+    },
+    /// The worker dropped the request without completing it.
+    #[error("the request was dropped by its worker without an outcome")]
+    Abandoned,
+    /// Invalid queue-set construction parameters.
+    #[error("invalid admission configuration: {0}")]
+    InvalidConfig(&'static str),
+}

@@ -1,8 +1,10 @@
 //! Continuous-batching scheduler and lock-free admission queues.
 //!
+//! - [`admission`]: lock-free per-worker priority queues where server threads hand requests in.
 //! - [`batcher`]: one engine's step loop scheduler, producing kernel-ready [`Batch`]es.
 //! - [`sequence`]: requests, stop rules and results.
 
+pub mod admission;
 pub mod batch;
 pub mod batcher;
 pub mod sequence;

@@ -7,8 +7,10 @@
 pub mod admission;
 pub mod batch;
 pub mod batcher;
+pub mod budget_link;
 pub mod sequence;
 
 pub use batch::Batch;
 pub use batcher::{Batcher, BatcherConfig, BatcherStats, EngineBudget, PreemptionMode};
+pub use budget_link::{budget_priority, EngineShare};
 pub use sequence::{FinishReason, FinishedSeq, Priority, SeqId, SeqPhase, SeqRequest, StopRules};

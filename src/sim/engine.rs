@@ -131,7 +131,12 @@ impl EngineRuntime {
                 max_running: spec.max_running,
                 max_batched_tokens: cfg.tokens_per_step,
                 max_prefill_chunk: cfg.prefill_chunk,
-                max_blocks_per_seq: spec.max_context.div_ceil(cfg.block_size),
+                // A sequence never needs more than the engine's guaranteed share: one that did
+                // could only finish while other engines idle, and would starve under load.
+                max_blocks_per_seq: spec
+                    .max_context
+                    .div_ceil(cfg.block_size)
+                    .min(coordinator.block_quota(id).max(1)),
                 preemption: cfg.preemption,
                 swap_blocks: cfg.swap_blocks,
             },
@@ -288,15 +293,21 @@ impl EngineRuntime {
         Ok(())
     }
 
-    /// If latency-critical work waits for blocks this engine cannot get within its limit, the
-    /// engine to take them from and how many.
+    /// If latency-critical work waits for blocks that are lent out (this engine is within its
+    /// limit, but the pool is not), the lower-priority engine to take them from and how many.
+    /// (When the engine's own limit binds, a donation would not help it: it waits for its own
+    /// sequences, or for reclaim orders to return its lent share.)
     pub(crate) fn donation_needed(&mut self) -> Option<(EngineId, u32)> {
         let (class, need) = self.batcher.next_admission_need()?;
         if class != Priority::LatencyCritical {
             return None;
         }
         let limit = u64::from(self.coordinator.block_limit(self.id));
-        if self.coordinator.blocks_held(self.id) + u64::from(need) <= limit {
+        if self.coordinator.blocks_held(self.id) + u64::from(need) > limit {
+            return None;
+        }
+        let total = u64::from(self.coordinator.config().total_blocks);
+        if self.coordinator.blocks_in_use() + u64::from(need) <= total {
             return None;
         }
         let donor = self

@@ -141,9 +141,15 @@ pub fn run(cfg: &SimConfig, progress: &(dyn Fn(Progress) + Sync)) -> Result<Repo
         BudgetConfig::new(n as u16, cfg.tokens_per_step, cfg.pool_blocks)
             .with_cap_permille(cfg.cap_permille),
     )?);
+    // Register every engine first: each one's guaranteed share then sizes its sequences.
+    let ids = cfg
+        .engines
+        .iter()
+        .map(|spec| coordinator.register(spec.weight))
+        .collect::<Result<Vec<_>, _>>()?;
+    coordinator.recompute();
     let mut engines = Vec::with_capacity(n);
-    for spec in &cfg.engines {
-        let id = coordinator.register(spec.weight)?;
+    for (spec, &id) in cfg.engines.iter().zip(&ids) {
         engines.push(EngineRuntime::new(
             cfg,
             spec,
@@ -152,7 +158,6 @@ pub fn run(cfg: &SimConfig, progress: &(dyn Fn(Progress) + Sync)) -> Result<Repo
             coordinator.clone(),
         )?);
     }
-    coordinator.recompute();
     let admission: Admission<SimRequest, SimOutcome> =
         Admission::new(AdmissionConfig::new(n, cfg.queue_capacity, cfg.overflow))?;
 

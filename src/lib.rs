@@ -20,4 +20,4 @@ pub mod sched;
 pub mod sync;
 
 pub use block::{BlockId, EngineId};
-pub use error::PoolError;
+pub use error::{GgufError, PoolError};

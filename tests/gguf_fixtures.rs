@@ -218,8 +218,16 @@ fn dequantization_is_bit_exact_with_gguf_py() {
         let mut b = vec![bf16::ZERO; want.len()];
         dequantize_into_bf16(t.ty(), t.data(), &mut b).expect("bf16");
         for i in 0..want.len() {
-            assert_eq!(h[i].to_bits(), f16::from_f32(want[i]).to_bits(), "{ty}[{i}] f16");
-            assert_eq!(b[i].to_bits(), bf16::from_f32(want[i]).to_bits(), "{ty}[{i}] bf16");
+            assert_eq!(
+                h[i].to_bits(),
+                f16::from_f32(want[i]).to_bits(),
+                "{ty}[{i}] f16"
+            );
+            assert_eq!(
+                b[i].to_bits(),
+                bf16::from_f32(want[i]).to_bits(),
+                "{ty}[{i}] bf16"
+            );
         }
     }
 }
@@ -395,7 +403,11 @@ fn mapped_and_read_files_parse_alike() {
     let b = Gguf::parse(owned.bytes()).expect("parse owned");
     assert_eq!(a.metadata(), b.metadata());
     assert_eq!(a.tensors(), b.tensors());
-    let sizes: Vec<usize> = a.tensors_largest_first().iter().map(|t| t.n_bytes()).collect();
+    let sizes: Vec<usize> = a
+        .tensors_largest_first()
+        .iter()
+        .map(|t| t.n_bytes())
+        .collect();
     assert!(sizes.windows(2).all(|w| w[0] >= w[1]));
     assert_eq!(sizes.len(), a.tensors().len());
     assert!(matches!(

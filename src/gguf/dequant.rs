@@ -318,11 +318,7 @@ pub fn dequantize_into(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), 
 }
 
 /// Dequantizes on the calling thread only (the reference the parallel path is tested against).
-pub fn dequantize_into_serial(
-    ty: GgmlType,
-    src: &[u8],
-    dst: &mut [f32],
-) -> Result<(), GgufError> {
+pub fn dequantize_into_serial(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), GgufError> {
     check(ty, src.len(), dst.len())?;
     run_blocks(ty, src, dst);
     Ok(())
@@ -380,11 +376,7 @@ pub fn dequantize_into_f16(ty: GgmlType, src: &[u8], dst: &mut [f16]) -> Result<
 }
 
 /// Dequantizes to bf16 (each value rounded to nearest even from the f32 result).
-pub fn dequantize_into_bf16(
-    ty: GgmlType,
-    src: &[u8],
-    dst: &mut [bf16],
-) -> Result<(), GgufError> {
+pub fn dequantize_into_bf16(ty: GgmlType, src: &[u8], dst: &mut [bf16]) -> Result<(), GgufError> {
     dequantize_narrow(ty, src, dst)
 }
 

@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+mod gguf_cmd;
 mod stress_cmd;
 
 /// pagedkv: lock-free paged KV-cache memory and scheduling core.
@@ -17,12 +18,15 @@ struct Cli {
 enum Command {
     /// Hammer one shared block pool from several threads and report ops/s.
     Stress(stress_cmd::Args),
+    /// Inspect a GGUF file, or dequantize one of its tensors to raw f32.
+    Gguf(gguf_cmd::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Stress(args) => stress_cmd::run(args),
+        Command::Gguf(args) => gguf_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

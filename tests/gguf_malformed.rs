@@ -494,3 +494,24 @@ fn prefixes_and_byte_flips_never_panic() {
         }
     }
 }
+
+/// Fuzz seeds and any crash kept from a fuzz run (fuzz/seeds/gguf_parse/) replay here as
+/// ordinary inputs: parsed or refused, never a panic.
+#[test]
+fn fuzz_seeds_replay() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/gguf_parse");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).expect("seed dir") {
+        let path = entry.expect("entry").path();
+        let bytes = std::fs::read(&path).expect("seed");
+        if let Ok(g) = Gguf::parse(&bytes) {
+            for t in g.tensors() {
+                if t.ty().can_dequantize() {
+                    t.dequantize().expect("validated sizes dequantize");
+                }
+            }
+        }
+        n += 1;
+    }
+    assert!(n >= 5, "seed corpus missing: {}", dir.display());
+}

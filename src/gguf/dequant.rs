@@ -8,6 +8,7 @@
 //! Large tensors are split into chunks of whole blocks converted in parallel on rayon's pool;
 //! the split never changes a result, since every block is independent.
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -263,9 +264,17 @@ fn run_blocks(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
     match ty {
         GgmlType::F32 => each!(block_f32),
         GgmlType::F16 => {
-            // Elementwise f16 -> f32 is exact; half converts slices with F16C when present.
-            for (b, y) in src.chunks_exact(2).zip(dst.iter_mut()) {
-                *y = f16::from_le_bytes([b[0], b[1]]).to_f32();
+            // f16 -> f32 is exact. half's slice conversion uses F16C/NEON when the CPU has
+            // them (runtime detection); staging through an aligned [f16] buffer makes the
+            // input's alignment irrelevant.
+            const N: usize = 1024;
+            let mut buf = [f16::ZERO; N];
+            for (b, y) in src.chunks(2 * N).zip(dst.chunks_mut(N)) {
+                let h = &mut buf[..y.len()];
+                for (hi, bi) in h.iter_mut().zip(b.chunks_exact(2)) {
+                    *hi = f16::from_le_bytes([bi[0], bi[1]]);
+                }
+                h.convert_to_f32_slice(y);
             }
         }
         GgmlType::BF16 => each!(block_bf16),

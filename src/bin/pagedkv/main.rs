@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+mod gguf_cmd;
 mod simulate_cmd;
 mod stress_cmd;
 
@@ -20,6 +21,8 @@ enum Command {
     Simulate(simulate_cmd::Args),
     /// Hammer one shared block pool from several threads and report ops/s.
     Stress(stress_cmd::Args),
+    /// Inspect a GGUF file, or dequantize one of its tensors to raw f32.
+    Gguf(gguf_cmd::Args),
 }
 
 fn main() -> ExitCode {
@@ -27,6 +30,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Simulate(args) => simulate_cmd::run(args),
         Command::Stress(args) => stress_cmd::run(args),
+        Command::Gguf(args) => gguf_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -443,17 +443,32 @@ fn split_run<T: KvElem>(
     );
 }
 
-/// 8-lane dot product (head_dim is a multiple of 8): the compiler keeps the lanes in vector
-/// registers without reassociating a single accumulator.
+/// `s[r..r+8]` as an array (`r + 8 <= s.len()`), so that lane loops compile to vector code.
+#[inline(always)]
+fn lanes(s: &[f32], r: usize) -> &[f32; 8] {
+    s[r..r + 8].try_into().unwrap_or(&[0.0; 8])
+}
+
+/// Pairwise sum of eight lanes, in a fixed order shared by [`dot`] and [`dot4`].
+#[inline(always)]
+fn hsum(a: [f32; 8]) -> f32 {
+    ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
+}
+
+/// 8-lane dot product (`head_dim` is a multiple of 8): the lanes are explicit, so the compiler
+/// keeps them in vector registers without reassociating a single accumulator.
 #[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let d = b.len();
+    let a = &a[..d];
     let mut acc = [0f32; 8];
-    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+    for c in (0..d).step_by(8) {
+        let (x, y) = (lanes(a, c), lanes(b, c));
         for i in 0..8 {
             acc[i] += x[i] * y[i];
         }
     }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+    hsum(acc)
 }
 
 /// Four dot products of `q4` (four rows of `k.len()` elements) with `k`, sharing each load
@@ -464,22 +479,18 @@ fn dot4(q4: &[f32], k: &[f32]) -> [f32; 4] {
     let (q0, rest) = q4.split_at(d);
     let (q1, rest) = rest.split_at(d);
     let (q2, q3) = rest.split_at(d);
-    let mut a = [[0f32; 8]; 4];
-    for ((((kc, c0), c1), c2), c3) in k
-        .chunks_exact(8)
-        .zip(q0.chunks_exact(8))
-        .zip(q1.chunks_exact(8))
-        .zip(q2.chunks_exact(8))
-        .zip(q3.chunks_exact(8))
-    {
+    let (mut a0, mut a1, mut a2, mut a3) = ([0f32; 8], [0f32; 8], [0f32; 8], [0f32; 8]);
+    for c in (0..d).step_by(8) {
+        let kc = lanes(k, c);
+        let (c0, c1, c2, c3) = (lanes(q0, c), lanes(q1, c), lanes(q2, c), lanes(q3, c));
         for i in 0..8 {
-            a[0][i] += c0[i] * kc[i];
-            a[1][i] += c1[i] * kc[i];
-            a[2][i] += c2[i] * kc[i];
-            a[3][i] += c3[i] * kc[i];
+            a0[i] += c0[i] * kc[i];
+            a1[i] += c1[i] * kc[i];
+            a2[i] += c2[i] * kc[i];
+            a3[i] += c3[i] * kc[i];
         }
     }
-    a.map(|acc| ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])))
+    [hsum(a0), hsum(a1), hsum(a2), hsum(a3)]
 }
 
 /// `acc4[r] += p[r] * v` for four rows of `v.len()` elements, sharing each load of `v`.
@@ -489,26 +500,21 @@ fn axpy4(acc4: &mut [f32], p: [f32; 4], v: &[f32]) {
     let (a0, rest) = acc4.split_at_mut(d);
     let (a1, rest) = rest.split_at_mut(d);
     let (a2, a3) = rest.split_at_mut(d);
-    for ((((vc, c0), c1), c2), c3) in v
-        .chunks_exact(8)
-        .zip(a0.chunks_exact_mut(8))
-        .zip(a1.chunks_exact_mut(8))
-        .zip(a2.chunks_exact_mut(8))
-        .zip(a3.chunks_exact_mut(8))
-    {
-        for i in 0..8 {
-            c0[i] += p[0] * vc[i];
-            c1[i] += p[1] * vc[i];
-            c2[i] += p[2] * vc[i];
-            c3[i] += p[3] * vc[i];
-        }
+    let (a1, a2, a3) = (&mut a1[..d], &mut a2[..d], &mut a3[..d]);
+    for i in 0..d {
+        let x = v[i];
+        a0[i] += p[0] * x;
+        a1[i] += p[1] * x;
+        a2[i] += p[2] * x;
+        a3[i] += p[3] * x;
     }
 }
 
 #[inline(always)]
 fn axpy(acc: &mut [f32], p: f32, v: &[f32]) {
-    for (a, &x) in acc.iter_mut().zip(v) {
-        *a += p * x;
+    let acc = &mut acc[..v.len()];
+    for i in 0..v.len() {
+        acc[i] += p * v[i];
     }
 }
 

@@ -616,6 +616,10 @@ impl Batcher {
             (s.computed, s.table.len() as usize, s.may_share)
         };
         let need = (computed + n).div_ceil(bs).saturating_sub(len);
+        if need == 0 && !may_share {
+            // The common decode step: the token lands in a block the sequence owns alone.
+            return Reserve::Ok;
+        }
         // The next write lands inside an existing block if `computed` is not block-aligned.
         let cow_index = (may_share && computed % bs != 0 && computed / bs < len)
             .then_some((computed / bs) as u32)
@@ -701,9 +705,13 @@ impl Batcher {
 
     fn write_block_tables(&mut self) {
         let width = self.batch.max_blocks_per_seq;
-        self.batch
-            .block_tables
-            .resize(self.scheduled.len() * width, -1);
+        let cells = self.scheduled.len() * width;
+        // Grow with -1 when needed; otherwise only shorten (stale padding is never read).
+        if self.batch.block_tables.len() < cells {
+            self.batch.block_tables.resize(cells, -1);
+        } else {
+            self.batch.block_tables.truncate(cells);
+        }
         for (row, &(slot, _)) in self.scheduled.iter().enumerate() {
             let Some(s) = self.seqs[slot].as_ref() else {
                 continue;

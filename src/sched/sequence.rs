@@ -119,17 +119,19 @@ impl Sequence {
 
     /// The finish reason after appending a token, if any.
     pub(crate) fn stop_reason(&self, token: u32) -> Option<FinishReason> {
-        if self.stop.eos.contains(&token) {
+        if !self.stop.eos.is_empty() && self.stop.eos.contains(&token) {
             return Some(FinishReason::Eos);
         }
-        let output = &self.tokens[self.prompt_len..];
-        if self
-            .stop
-            .stop_sequences
-            .iter()
-            .any(|s| !s.is_empty() && output.ends_with(s))
-        {
-            return Some(FinishReason::StopSequence);
+        if !self.stop.stop_sequences.is_empty() {
+            let output = &self.tokens[self.prompt_len..];
+            if self
+                .stop
+                .stop_sequences
+                .iter()
+                .any(|s| !s.is_empty() && output.ends_with(s))
+            {
+                return Some(FinishReason::StopSequence);
+            }
         }
         if self.generated() >= self.stop.max_new_tokens as usize {
             return Some(FinishReason::MaxTokens);

@@ -110,6 +110,10 @@ pub(crate) struct Sequence {
     /// Whether its table may hold blocks shared with another sequence (it was forked, or is a
     /// fork): only then must a write check for copy-on-write.
     pub(crate) may_share: bool,
+    /// Leading blocks of its table already written in the batch's block-table row it last
+    /// occupied (valid only while that row's owner is still this sequence's slot); reset to 0
+    /// whenever the table changes other than by appending.
+    pub(crate) row_blocks: u32,
 }
 
 impl Sequence {

@@ -49,7 +49,7 @@ mod cuda {
     }
 
     pub fn build() {
-        for var in ["NVCC", "CUDA_PATH", "CUDA_HOME", "PAGEDKV_CUDA_ARCHS", "PATH"] {
+        for var in ["NVCC", "CUDA_PATH", "CUDA_HOME", "PAGEDKV_CUDA_ARCHS"] {
             println!("cargo:rerun-if-env-changed={var}");
         }
         for f in KERNELS.iter().chain(HEADERS) {
@@ -86,6 +86,10 @@ mod cuda {
         build
             .cuda(true)
             .cudart("static")
+            // Device code is always optimized: cc would pass -G (device debug, unoptimized
+            // kernels) in debug builds.
+            .debug(false)
+            .opt_level(3)
             .include("kernels")
             .flag("-std=c++17")
             .flag("-O3")
@@ -97,7 +101,9 @@ mod cuda {
             .flag("--expt-relaxed-constexpr")
             .warnings(false);
         for a in &archs {
-            build.flag("-gencode").flag(format!("arch=compute_{a},code=sm_{a}"));
+            build
+                .flag("-gencode")
+                .flag(format!("arch=compute_{a},code=sm_{a}"));
         }
         build
             .flag("-gencode")
@@ -162,7 +168,10 @@ mod cuda {
             if !matches!(ext, "cu" | "cuh" | "h") {
                 continue;
             }
-            let rel = format!("kernels/{}", p.file_name().unwrap_or_default().to_string_lossy());
+            let rel = format!(
+                "kernels/{}",
+                p.file_name().unwrap_or_default().to_string_lossy()
+            );
             if !KERNELS.contains(&rel.as_str()) && !HEADERS.contains(&rel.as_str()) {
                 fail!("{rel} exists but is not listed in build.rs KERNELS/HEADERS");
             }

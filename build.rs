@@ -97,7 +97,6 @@ mod cuda {
             .flag("-lineinfo")
             // Compile the per-architecture passes in parallel.
             .flag("--threads=0")
-            .flag("-Xptxas=-warn-spills")
             .flag("--expt-relaxed-constexpr")
             .warnings(false);
         for a in &archs {

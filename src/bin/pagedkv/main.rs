@@ -3,6 +3,8 @@
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+#[cfg(feature = "cuda")]
+mod bench_cmd;
 mod stress_cmd;
 
 /// pagedkv: lock-free paged KV-cache memory and scheduling core.
@@ -17,12 +19,17 @@ struct Cli {
 enum Command {
     /// Hammer one shared block pool from several threads and report ops/s.
     Stress(stress_cmd::Args),
+    /// Benchmarks that need hardware: `bench gpu` (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    Bench(bench_cmd::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Stress(args) => stress_cmd::run(args),
+        #[cfg(feature = "cuda")]
+        Command::Bench(args) => bench_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

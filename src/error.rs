@@ -69,9 +69,61 @@ pub enum PoolError {
         /// The table's capacity in blocks.
         capacity: u32,
     },
+    /// A kernel block-table row is shorter than the table.
+    #[error("block-table row too short: {needed} blocks, row of {row}")]
+    RowTooShort {
+        /// Blocks the table holds.
+        needed: u32,
+        /// Length of the row given.
+        row: usize,
+    },
     /// Invalid pool construction parameters.
     #[error("invalid pool configuration: {0}")]
     InvalidConfig(&'static str),
+}
+
+/// Errors of the continuous-batching scheduler ([`crate::sched::batcher`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SchedError {
+    /// The batcher configuration cannot work.
+    #[error("invalid scheduler configuration: {0}")]
+    InvalidConfig(&'static str),
+    /// The request is malformed.
+    #[error("invalid request {id}: {reason}")]
+    InvalidRequest {
+        /// The request's id.
+        id: u64,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A request with this id is already in the batcher.
+    #[error("request {0} is already scheduled")]
+    DuplicateId(u64),
+    /// The request can never fit: its prompt plus output needs more blocks than a sequence may
+    /// hold or than the whole pool has.
+    #[error("request {id} needs {blocks} KV blocks, more than the {limit} one sequence can get")]
+    TooLong {
+        /// The request's id.
+        id: u64,
+        /// Blocks it would need at its longest.
+        blocks: u64,
+        /// The most one sequence can hold.
+        limit: u64,
+    },
+    /// No sequence with this id.
+    #[error("no sequence {0}")]
+    UnknownSeq(u64),
+    /// `commit` got a different number of sampled tokens than the batch has sampling rows.
+    #[error("commit expected {expected} sampled tokens, got {got}")]
+    SampleCountMismatch {
+        /// Rows of the last batch that sample.
+        expected: usize,
+        /// Tokens given.
+        got: usize,
+    },
+    /// The block pool refused an operation.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
 }
 
 /// Errors of the KV cache geometry, host storage and swap space ([`crate::kv`]).
@@ -303,4 +355,429 @@ pub enum CudaError {
         /// The buffer's device.
         found: usize,
     },
+}
+
+/// Errors of the budget coordinator ([`crate::budget::BudgetCoordinator`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum BudgetError {
+    /// Invalid coordinator construction parameters.
+    #[error("invalid budget configuration: {0}")]
+    InvalidConfig(&'static str),
+    /// A share weight of zero was given; weights are at least 1.
+    #[error("share weight must be at least 1")]
+    ZeroWeight,
+    /// Every engine slot is taken.
+    #[error("too many engines: the coordinator serves at most {max_engines}")]
+    TooManyEngines {
+        /// The coordinator's capacity.
+        max_engines: u16,
+    },
+    /// The engine id is not below the coordinator's `max_engines`.
+    #[error("engine {engine:?} is out of range: the coordinator serves {max_engines} engines")]
+    UnknownEngine {
+        /// The refused engine.
+        engine: EngineId,
+        /// The coordinator's capacity.
+        max_engines: u16,
+    },
+    /// The engine id is in range but not registered (never, or already deregistered).
+    #[error("engine {engine:?} is not registered")]
+    NotRegistered {
+        /// The refused engine.
+        engine: EngineId,
+    },
+    /// An engine cannot be deregistered while it holds blocks.
+    #[error("engine {engine:?} still holds {held} blocks; release them before deregistering")]
+    StillHoldsBlocks {
+        /// The engine.
+        engine: EngineId,
+        /// Blocks it holds.
+        held: u64,
+    },
+    /// The engine would exceed its block limit (quota plus what it may borrow).
+    #[error("engine {engine:?} asked for {requested} blocks holding {held}, limit {limit}")]
+    OverBlockLimit {
+        /// The engine.
+        engine: EngineId,
+        /// Blocks asked for.
+        requested: u32,
+        /// Blocks it held (counting acquires in flight) when refused.
+        held: u64,
+        /// Its limit when refused.
+        limit: u32,
+    },
+    /// The engine is within its limit but the device's blocks are all taken (lent to
+    /// borrowers that must give them back).
+    #[error("pool exhausted: {requested} blocks asked, {in_use} of {total} in use")]
+    BlocksExhausted {
+        /// Blocks asked for.
+        requested: u32,
+        /// Blocks in use when refused (counting acquires in flight).
+        in_use: u64,
+        /// Blocks in the pool.
+        total: u32,
+    },
+    /// More tokens released than were granted this step.
+    #[error("engine {engine:?} released {released} tokens but holds {granted} this step")]
+    TokensNotHeld {
+        /// The engine.
+        engine: EngineId,
+        /// Tokens released.
+        released: u64,
+        /// Tokens it held.
+        granted: u64,
+    },
+    /// More blocks released than the engine holds.
+    #[error("engine {engine:?} released {released} blocks but holds {held}")]
+    BlocksNotHeld {
+        /// The engine.
+        engine: EngineId,
+        /// Blocks released.
+        released: u32,
+        /// Blocks it held.
+        held: u64,
+    },
+}
+
+/// Why an admission queue refused or dropped a request ([`AdmissionError::Overloaded`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OverloadReason {
+    /// The target queue was full and the policy (drop-newest, or a non-blocking `try_submit`)
+    /// refused the new request.
+    QueueFull,
+    /// The request was queued, then evicted by a newer one under the drop-oldest policy.
+    EvictedOldest,
+}
+
+/// Errors of the admission queues ([`crate::sched::admission`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AdmissionError {
+    /// The request was refused or dropped because its queue was full.
+    #[error("admission queue overloaded ({reason:?}) on worker {worker}")]
+    Overloaded {
+        /// Why: refused at submit, or evicted later.
+        reason: OverloadReason,
+        /// The worker whose queue overflowed.
+        worker: u32,
+    },
+    /// The queue set was closed (shutting down): no new requests, and a request still queued
+    /// when the queue set was dropped ends with this error.
+    #[error("admission queues are closed (shutting down)")]
+    Closed,
+    /// The route named a worker that does not exist.
+    #[error("unknown worker {worker}: the queue set has {workers} workers")]
+    UnknownWorker {
+        /// The refused worker index.
+        worker: usize,
+        /// Workers in the queue set.
+        workers: usize,
+    },
+    /// The worker dropped the request without completing it.
+    #[error("the request was dropped by its worker without an outcome")]
+    Abandoned,
+    /// Invalid queue-set construction parameters.
+    #[error("invalid admission configuration: {0}")]
+    InvalidConfig(&'static str),
+}
+
+/// Errors of the `simulate` job ([`crate::sim`]).
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// The configuration cannot run.
+    #[error("invalid simulation: {0}")]
+    InvalidConfig(String),
+    /// The requested device cannot be used.
+    #[error("device: {0}")]
+    Device(String),
+    /// The block pool refused.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// The KV cache refused.
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    /// A kernel refused its inputs.
+    #[error(transparent)]
+    Attn(#[from] AttnError),
+    /// The scheduler refused.
+    #[error(transparent)]
+    Sched(#[from] SchedError),
+    /// The budget coordinator refused.
+    #[error(transparent)]
+    Budget(#[from] BudgetError),
+    /// The admission queues refused.
+    #[error(transparent)]
+    Admission(#[from] AdmissionError),
+    /// Writing the report failed.
+    #[error("writing {path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// Drawing the chart failed.
+    #[error("drawing the chart: {0}")]
+    Plot(String),
+    /// A worker thread panicked (a bug).
+    #[error("a simulation thread panicked")]
+    ThreadPanicked,
+}
+
+/// Errors of the GGUF reader, writer and dequantizer ([`crate::gguf`]).
+///
+/// Parse errors carry the byte offset in the file where the bad field starts, so a one-line
+/// message is enough to find it with a hex dump.
+#[derive(Debug, thiserror::Error)]
+pub enum GgufError {
+    /// Reading or mapping the file failed.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// Writing a file failed.
+    #[error("write failed: {0}")]
+    Write(#[from] std::io::Error),
+    /// The file ends inside a field.
+    #[error("truncated at byte {offset}: {what} needs {needed} bytes, {available} left")]
+    Truncated {
+        /// Where the field starts.
+        offset: u64,
+        /// The field being read.
+        what: &'static str,
+        /// Bytes the field needs.
+        needed: u64,
+        /// Bytes left in the file.
+        available: u64,
+    },
+    /// The first four bytes are not "GGUF".
+    #[error("not a GGUF file: magic is {found:02x?}, expected \"GGUF\"")]
+    BadMagic {
+        /// The first four bytes.
+        found: [u8; 4],
+    },
+    /// The header is big-endian; only little-endian files are read.
+    #[error("big-endian GGUF (version {version} byte-swapped) is not supported")]
+    BigEndian {
+        /// The version, read big-endian.
+        version: u32,
+    },
+    /// A version other than 1, 2 or 3.
+    #[error("unsupported GGUF version {0} (1, 2 and 3 are read)")]
+    UnsupportedVersion(u32),
+    /// A count claims more items than the bytes left in the file could hold.
+    #[error(
+        "at byte {offset}: {what} count {count} cannot fit in the {available} bytes left \
+         (each takes at least {min_item_bytes})"
+    )]
+    CountTooLarge {
+        /// Where the count starts.
+        offset: u64,
+        /// What is being counted.
+        what: &'static str,
+        /// The count the file claims.
+        count: u64,
+        /// Minimum bytes per item.
+        min_item_bytes: u64,
+        /// Bytes left after the count.
+        available: u64,
+    },
+    /// A string is not valid UTF-8.
+    #[error("at byte {offset}: {what} is not valid UTF-8")]
+    InvalidUtf8 {
+        /// Where the string's bytes start.
+        offset: u64,
+        /// Which string.
+        what: &'static str,
+    },
+    /// A metadata value type id outside 0..=12.
+    #[error("at byte {offset}: unknown metadata value type {type_id}")]
+    UnknownValueType {
+        /// Where the type id starts.
+        offset: u64,
+        /// The id.
+        type_id: u32,
+    },
+    /// Arrays nested deeper than [`crate::gguf::MAX_ARRAY_DEPTH`].
+    #[error("at byte {offset}: arrays nested more than {max} deep")]
+    ArrayTooDeep {
+        /// Where the too-deep array starts.
+        offset: u64,
+        /// The limit.
+        max: u32,
+    },
+    /// A bool byte other than 0 or 1.
+    #[error("at byte {offset}: bool value {value} is neither 0 nor 1")]
+    InvalidBool {
+        /// Where the byte is.
+        offset: u64,
+        /// The byte.
+        value: u8,
+    },
+    /// Two metadata entries share a key.
+    #[error("duplicate metadata key {key:?}")]
+    DuplicateKey {
+        /// The key.
+        key: String,
+    },
+    /// Two tensors share a name.
+    #[error("duplicate tensor name {name:?}")]
+    DuplicateTensor {
+        /// The name.
+        name: String,
+    },
+    /// `general.alignment` is not a `u32`.
+    #[error("general.alignment must be a UINT32, found {found}")]
+    AlignmentType {
+        /// The type found.
+        found: crate::gguf::ValueType,
+    },
+    /// `general.alignment` is zero or not a power of two.
+    #[error("general.alignment {0} is not a non-zero power of two")]
+    BadAlignment(u64),
+    /// A tensor with more than four dimensions.
+    #[error("tensor {tensor:?}: {n_dims} dimensions (at most 4)")]
+    TooManyDims {
+        /// The tensor.
+        tensor: String,
+        /// Its dimension count.
+        n_dims: u64,
+    },
+    /// A tensor dimension of zero.
+    #[error("tensor {tensor:?}: dimension {index} is zero")]
+    ZeroDim {
+        /// The tensor.
+        tensor: String,
+        /// Which dimension (0 = innermost).
+        index: usize,
+    },
+    /// The product of a tensor's dimensions overflows `i64` (ggml's element count type).
+    #[error("tensor {tensor:?}: element count {shape:?} overflows")]
+    ElementCountOverflow {
+        /// The tensor.
+        tensor: String,
+        /// Its shape, innermost first.
+        shape: Vec<u64>,
+    },
+    /// A tensor's byte size overflows (u64, or the address space on this target).
+    #[error("tensor {tensor:?}: byte size overflows")]
+    ByteSizeOverflow {
+        /// The tensor.
+        tensor: String,
+    },
+    /// The innermost dimension is not a multiple of the type's block size.
+    #[error("tensor {tensor:?}: first dimension {ne0} is not a multiple of {ty}'s block size {block_size}")]
+    NotBlockMultiple {
+        /// The tensor.
+        tensor: String,
+        /// Its type.
+        ty: crate::gguf::GgmlType,
+        /// Its innermost dimension.
+        ne0: u64,
+        /// The type's block size.
+        block_size: u32,
+    },
+    /// A tensor type id ggml never assigned.
+    #[error("tensor {tensor:?}: unknown ggml type id {type_id}")]
+    UnknownTensorType {
+        /// The tensor.
+        tensor: String,
+        /// The id.
+        type_id: u32,
+    },
+    /// A tensor type ggml has removed.
+    #[error("tensor {tensor:?}: ggml type {name} (id {type_id}) was removed from ggml")]
+    RemovedTensorType {
+        /// The tensor.
+        tensor: String,
+        /// The id.
+        type_id: u32,
+        /// Its former name.
+        name: &'static str,
+    },
+    /// A tensor offset that is not a multiple of the alignment.
+    #[error("tensor {tensor:?}: offset {offset} is not a multiple of the alignment {alignment}")]
+    MisalignedTensor {
+        /// The tensor.
+        tensor: String,
+        /// Its offset in the data section.
+        offset: u64,
+        /// The file's alignment.
+        alignment: u64,
+    },
+    /// A tensor's bytes reach past the end of the file.
+    #[error(
+        "tensor {tensor:?}: bytes {offset}..+{n_bytes} of the data section end past the file \
+         ({data_len} data bytes)"
+    )]
+    TensorOutOfBounds {
+        /// The tensor.
+        tensor: String,
+        /// Its offset in the data section.
+        offset: u64,
+        /// Its size.
+        n_bytes: u64,
+        /// Bytes in the data section.
+        data_len: u64,
+    },
+    /// Two tensors' bytes overlap.
+    #[error("tensors {first:?} and {second:?} overlap in the data section")]
+    TensorOverlap {
+        /// The one that starts first.
+        first: String,
+        /// The other.
+        second: String,
+    },
+    /// The data section starts past what `u64`/`usize` can address.
+    #[error("data section offset overflows")]
+    DataOffsetOverflow,
+    /// A metadata key the caller needs is absent.
+    #[error("metadata key {key:?} is missing")]
+    MissingKey {
+        /// The key.
+        key: String,
+    },
+    /// A metadata value has the wrong type (or does not fit the type asked for).
+    #[error("metadata key {key:?}: expected {expected}, found {found}")]
+    WrongType {
+        /// The key.
+        key: String,
+        /// What the caller asked for.
+        expected: &'static str,
+        /// The value's type.
+        found: crate::gguf::ValueType,
+    },
+    /// A hyperparameter is present but unusable (zero heads, heads not divisible by KV heads...).
+    #[error("metadata key {key:?}: {reason}")]
+    BadHyperparameter {
+        /// The key.
+        key: String,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// No tensor has this name.
+    #[error("no tensor named {name:?}")]
+    NoSuchTensor {
+        /// The name asked for.
+        name: String,
+    },
+    /// The type has no dequantizer here.
+    #[error("dequantizing {0} is not supported")]
+    UnsupportedDequant(crate::gguf::GgmlType),
+    /// Input and output lengths do not describe the same number of whole blocks.
+    #[error("{ty}: {src_bytes} input bytes do not match {dst_elems} output elements")]
+    DequantLength {
+        /// The type.
+        ty: crate::gguf::GgmlType,
+        /// Input bytes.
+        src_bytes: usize,
+        /// Output elements.
+        dst_elems: usize,
+    },
+    /// The writer was asked for something a file cannot hold (a mixed-type array, a tensor
+    /// whose bytes do not match its shape, a count too large for a version-1 file...).
+    #[error("cannot write: {0}")]
+    Unwritable(&'static str),
 }

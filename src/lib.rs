@@ -17,7 +17,8 @@ pub mod error;
 pub mod gguf;
 pub mod kv;
 pub mod sched;
+pub mod sim;
 pub mod sync;
 
-pub use block::{BlockId, EngineId};
-pub use error::PoolError;
+pub use block::{BlockId, BlockPool, BlockTable, EngineId, PoolConfig};
+pub use error::{GgufError, PoolError, SchedError};

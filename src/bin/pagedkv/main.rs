@@ -5,6 +5,8 @@ use std::process::ExitCode;
 
 #[cfg(feature = "cuda")]
 mod bench_cmd;
+mod gguf_cmd;
+mod simulate_cmd;
 mod stress_cmd;
 
 /// pagedkv: lock-free paged KV-cache memory and scheduling core.
@@ -17,19 +19,25 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// The main job: several models serving a seeded workload on one shared KV pool.
+    Simulate(simulate_cmd::Args),
     /// Hammer one shared block pool from several threads and report ops/s.
     Stress(stress_cmd::Args),
     /// Benchmarks that need hardware: `bench gpu` (feature `cuda`).
     #[cfg(feature = "cuda")]
     Bench(bench_cmd::Args),
+    /// Inspect a GGUF file, or dequantize one of its tensors to raw f32.
+    Gguf(gguf_cmd::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Simulate(args) => simulate_cmd::run(args),
         Command::Stress(args) => stress_cmd::run(args),
         #[cfg(feature = "cuda")]
         Command::Bench(args) => bench_cmd::run(args),
+        Command::Gguf(args) => gguf_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

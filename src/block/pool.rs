@@ -1,0 +1,658 @@
+//! The lock-free KV block pool of one device.
+//!
+//! # Algorithm
+//!
+//! The free blocks form a **Treiber stack** (R. K. Treiber, 1986) threaded through a per-block
+//! link array, with a **tagged head word** against ABA:
+//!
+//! ```text
+//!  head: |        tag (40 bits)        | top index (24 bits) |
+//!  link[i]: | depth (32 bits) | next index (24 bits, low) |
+//! ```
+//!
+//! - `pop` reads the head, reads `link[top].next`, and CASes the head to `(tag + 1, next)`.
+//! - `push(i)` writes `link[i] = (depth(top) + 1, top)` and CASes the head to `(tag + 1, i)`.
+//! - `alloc_n(n)` walks `n` links from the top and detaches the whole chain with **one** CAS,
+//!   so it takes `n` blocks or none: no partial grab is ever visible to anyone.
+//!
+//! **ABA.** Every successful CAS on the head increments the 40-bit tag. A CAS that compares
+//! against a head it read earlier can only succeed if no other CAS succeeded in between, unless
+//! exactly 2^40 (1.1 × 10^12) head updates happened while this thread was between its load and
+//! its CAS: at one update per 10 ns that is a stall of three hours inside a handful of
+//! instructions. Within that argument, a successful CAS proves the stack was untouched since the
+//! load, so the `next` (or the chain) read from it was the live one. Links read from a stale head
+//! may be garbage; they are only used if the CAS proves them current, and every link value is an
+//! index below the pool size or the end marker, so reading them is always in bounds.
+//!
+//! **Reclamation.** Nodes are never freed: the link array lives as long as the pool, so a stale
+//! reader never touches freed memory (no hazard pointers or epochs needed).
+//!
+//! **Exact counts.** Each link records the depth of the stack below and including its node, set
+//! when pushed. The free count is the top's depth: exact whenever no operation is in flight, and
+//! `alloc_n` refuses a request larger than it in O(1) (re-reading the head to confirm the refusal
+//! was made on a live snapshot).
+//!
+//! # Ownership, reference counts and stale ids
+//!
+//! Each block has a metadata word:
+//!
+//! ```text
+//!  meta[i]: | owner engine (16) | generation (24) | reference count (24) |
+//! ```
+//!
+//! A count of zero means the block is on the free list. Only the thread that popped a block
+//! writes its metadata while the count is zero (the block is unreachable by anyone else), so
+//! allocation publishes `count = 1, generation + 1, owner` with a plain store. Every other change
+//! (`share`, `release`) is a CAS that requires a non-zero count and the caller's generation: a
+//! double free, a free of a never-allocated block, and a free through an id kept after the block
+//! was freed and reallocated are all refused with an error, and the pool stays consistent. The
+//! release that takes the count from one to zero is the only one that pushes the block back, so
+//! a block returns to the free list exactly once.
+//!
+//! # Per-engine accounting
+//!
+//! The engine that allocates a block owns it until it returns to the free list; `held[engine]`
+//! counts the physical blocks each engine owns (shared references do not count twice). The budget
+//! coordinator reads these counters.
+
+use super::ids::{BlockId, EngineId, INDEX_BITS, INDEX_MASK, MAX_BLOCKS};
+use crate::error::PoolError;
+use crate::sync::{global, AtomicU32, AtomicU64, Backoff, CachePadded, Ordering};
+
+/// End-of-list marker in a link or the head (all index bits set).
+const NIL: u32 = MAX_BLOCKS;
+const TAG_SHIFT: u32 = INDEX_BITS;
+
+const RC_BITS: u32 = 24;
+const RC_MASK: u64 = (1 << RC_BITS) - 1;
+const GEN_SHIFT: u32 = RC_BITS;
+const GEN_MASK: u64 = (1 << 24) - 1;
+const OWNER_SHIFT: u32 = 48;
+/// The largest reference count a block can reach.
+pub const MAX_REFS: u32 = (1 << RC_BITS) - 1;
+
+#[inline]
+fn head_word(tag_of: u64, index: u32) -> u64 {
+    // The new tag is the old one plus one; bits shifted past 64 are the 40-bit wrap-around.
+    (((tag_of >> TAG_SHIFT).wrapping_add(1)) << TAG_SHIFT) | u64::from(index)
+}
+
+#[inline]
+fn head_index(head: u64) -> u32 {
+    (head & INDEX_MASK) as u32
+}
+
+#[inline]
+fn link_word(depth: u32, next: u32) -> u64 {
+    (u64::from(depth) << 32) | u64::from(next)
+}
+
+#[inline]
+fn link_next(link: u64) -> u32 {
+    (link & INDEX_MASK) as u32
+}
+
+#[inline]
+fn link_depth(link: u64) -> u32 {
+    (link >> 32) as u32
+}
+
+#[inline]
+fn meta_word(refs: u32, generation: u32, owner: EngineId) -> u64 {
+    u64::from(refs)
+        | ((u64::from(generation) & GEN_MASK) << GEN_SHIFT)
+        | (u64::from(owner.0) << OWNER_SHIFT)
+}
+
+#[inline]
+fn meta_refs(meta: u64) -> u32 {
+    (meta & RC_MASK) as u32
+}
+
+#[inline]
+fn meta_gen(meta: u64) -> u32 {
+    ((meta >> GEN_SHIFT) & GEN_MASK) as u32
+}
+
+#[inline]
+fn meta_owner(meta: u64) -> EngineId {
+    EngineId((meta >> OWNER_SHIFT) as u16)
+}
+
+/// How a pool is built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// The device whose memory the blocks name (an id chosen by the caller, e.g. the CUDA
+    /// ordinal); carried for error messages and checked through the pool tag of every id.
+    pub device: u32,
+    /// Blocks in the pool, `1..=MAX_BLOCKS`.
+    pub num_blocks: u32,
+    /// Engines that may allocate from the pool, `1..=u16::MAX`; engine ids are `0..max_engines`.
+    pub max_engines: u16,
+}
+
+/// Counts read from a pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Blocks in the pool.
+    pub total: u32,
+    /// Blocks on the free list.
+    pub free: u32,
+    /// Physical blocks owned by each engine, indexed by engine id.
+    pub held: Vec<u32>,
+}
+
+/// The free KV blocks of one device, shared by every engine (model) through `Arc`.
+///
+/// Lock-free: every operation completes in a bounded number of its own steps unless another
+/// thread's operation on the same head succeeded meanwhile. See the module docs for the
+/// algorithm and the ABA argument.
+#[derive(Debug)]
+pub struct BlockPool {
+    /// `tag (40) | top index (24)`. The tag increments on every successful CAS; the index is the
+    /// top of the free stack, or `NIL` when the pool is exhausted.
+    head: CachePadded<AtomicU64>,
+    /// `depth (32) | next (24)` per block. Meaningful only while the block is on the free list:
+    /// `next` is the block below it, `depth` the free-list length from it to the bottom.
+    link: Box<[AtomicU64]>,
+    /// `owner (16) | generation (24) | refs (24)` per block; `refs == 0` iff on the free list.
+    meta: Box<[AtomicU64]>,
+    /// Physical blocks owned by each engine (blocks whose last reference is still held).
+    held: Box<[CachePadded<AtomicU32>]>,
+    tag: u16,
+    device: u32,
+    total: u32,
+}
+
+impl BlockPool {
+    /// Builds a pool with every block free.
+    pub fn new(config: PoolConfig) -> Result<Self, PoolError> {
+        if config.num_blocks == 0 {
+            return Err(PoolError::InvalidConfig("num_blocks must be at least 1"));
+        }
+        if config.num_blocks > MAX_BLOCKS {
+            return Err(PoolError::InvalidConfig(
+                "num_blocks exceeds MAX_BLOCKS (2^24 - 1)",
+            ));
+        }
+        if config.max_engines == 0 {
+            return Err(PoolError::InvalidConfig("max_engines must be at least 1"));
+        }
+        let n = config.num_blocks;
+        // Block 0 on top, so a fresh pool hands out 0, 1, 2, ... (predictable in tests).
+        let link = (0..n)
+            .map(|i| {
+                let next = if i + 1 == n { NIL } else { i + 1 };
+                AtomicU64::new(link_word(n - i, next))
+            })
+            .collect();
+        let meta = (0..n)
+            .map(|_| AtomicU64::new(meta_word(0, 0, EngineId(0))))
+            .collect();
+        let held = (0..config.max_engines)
+            .map(|_| CachePadded::new(AtomicU32::new(0)))
+            .collect();
+        Ok(Self {
+            head: CachePadded::new(AtomicU64::new(0)),
+            link,
+            meta,
+            held,
+            tag: global::next_pool_tag(),
+            device: config.device,
+            total: n,
+        })
+    }
+
+    /// Blocks in the pool.
+    #[inline]
+    pub fn total(&self) -> u32 {
+        self.total
+    }
+
+    /// The device this pool's blocks live on.
+    #[inline]
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    /// The tag every id from this pool carries.
+    #[inline]
+    pub fn tag(&self) -> u16 {
+        self.tag
+    }
+
+    /// Engines this pool serves.
+    #[inline]
+    pub fn max_engines(&self) -> u16 {
+        self.held.len() as u16
+    }
+
+    /// Free blocks. Exact whenever no operation is in flight; during concurrent operations it is
+    /// the length of the free list at some instant of the call.
+    pub fn free_count(&self) -> u32 {
+        // Acquire pairs with the Release CAS of the push that made this top current, so its
+        // link (and depth) is visible.
+        let head = self.head.load(Ordering::Acquire);
+        let top = head_index(head);
+        if top == NIL {
+            0
+        } else {
+            link_depth(self.link[top as usize].load(Ordering::Relaxed))
+        }
+    }
+
+    /// Physical blocks owned by `engine` (0 for an engine out of range).
+    pub fn held(&self, engine: EngineId) -> u32 {
+        // Relaxed: a statistic; no memory is published through it.
+        self.held
+            .get(engine.index())
+            .map_or(0, |h| h.load(Ordering::Relaxed))
+    }
+
+    /// A snapshot of the pool's counts.
+    pub fn stats(&self) -> PoolStats {
+        PoolStats {
+            total: self.total,
+            free: self.free_count(),
+            held: self
+                .held
+                .iter()
+                .map(|h| h.load(Ordering::Relaxed))
+                .collect(),
+        }
+    }
+
+    fn check_engine(&self, engine: EngineId) -> Result<(), PoolError> {
+        if engine.index() < self.held.len() {
+            Ok(())
+        } else {
+            Err(PoolError::UnknownEngine {
+                engine,
+                max_engines: self.max_engines(),
+            })
+        }
+    }
+
+    /// Checks that `id` was minted by this pool and is in range; returns its index.
+    #[inline]
+    fn check_id(&self, id: BlockId) -> Result<usize, PoolError> {
+        if id.pool_tag() != self.tag {
+            return Err(PoolError::ForeignBlock {
+                id,
+                id_pool: id.pool_tag(),
+                pool: self.tag,
+                device: self.device,
+            });
+        }
+        if id.index() >= self.total {
+            return Err(PoolError::OutOfRange {
+                id,
+                total: self.total,
+            });
+        }
+        Ok(id.index() as usize)
+    }
+
+    /// Allocates one block for `engine`, with one reference.
+    pub fn alloc(&self, engine: EngineId) -> Result<BlockId, PoolError> {
+        self.check_engine(engine)?;
+        let index = self.pop().ok_or(PoolError::OutOfBlocks {
+            requested: 1,
+            free: 0,
+        })?;
+        let id = self.claim(index, engine);
+        // Relaxed: a statistic (see `held`).
+        self.held[engine.index()].fetch_add(1, Ordering::Relaxed);
+        Ok(id)
+    }
+
+    /// Allocates `n` blocks for `engine`, all or nothing, appending their ids to `out`.
+    ///
+    /// Either `n` ids are appended, or none and the pool is unchanged. `out` only grows if its
+    /// capacity is short, so a reused vector makes this allocation-free.
+    pub fn alloc_n(
+        &self,
+        engine: EngineId,
+        n: u32,
+        out: &mut Vec<BlockId>,
+    ) -> Result<(), PoolError> {
+        self.check_engine(engine)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if n > self.total {
+            return Err(PoolError::OutOfBlocks {
+                requested: n,
+                free: self.free_count(),
+            });
+        }
+        let start = out.len();
+        out.reserve(n as usize);
+        let backoff = Backoff::new();
+        // Acquire pairs with the Release CAS of the push that installed each top, making its
+        // link visible; links further down were published by earlier pushes in the same release
+        // sequence on `head`.
+        let mut head = self.head.load(Ordering::Acquire);
+        'retry: loop {
+            let top = head_index(head);
+            let available = if top == NIL {
+                0
+            } else {
+                link_depth(self.link[top as usize].load(Ordering::Relaxed))
+            };
+            if available < n {
+                // Confirm the refusal on a live snapshot: if the head did not move, the depth we
+                // read was the live free count.
+                let now = self.head.load(Ordering::Acquire);
+                if now == head {
+                    return Err(PoolError::OutOfBlocks {
+                        requested: n,
+                        free: available,
+                    });
+                }
+                head = now;
+                backoff.spin();
+                continue;
+            }
+            // Walk n links. If the head moved meanwhile, the walk may meet garbage; such a walk
+            // is discarded because the CAS below fails.
+            let mut cursor = top;
+            for _ in 0..n {
+                if cursor == NIL || cursor >= self.total {
+                    out.truncate(start);
+                    head = self.head.load(Ordering::Acquire);
+                    backoff.spin();
+                    continue 'retry;
+                }
+                out.push(BlockId::from_bits(u64::from(cursor)));
+                cursor = link_next(self.link[cursor as usize].load(Ordering::Relaxed));
+            }
+            // AcqRel on success: acquire as above; release keeps the head's release sequence
+            // (every later pusher's links stay visible to later poppers).
+            match self.head.compare_exchange_weak(
+                head,
+                head_word(head, cursor),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(actual) => {
+                    out.truncate(start);
+                    head = actual;
+                    backoff.spin();
+                }
+            }
+        }
+        for slot in &mut out[start..] {
+            *slot = self.claim(slot.to_bits() as u32, engine);
+        }
+        // Relaxed: a statistic (see `held`).
+        self.held[engine.index()].fetch_add(n, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Marks a block just popped from the free list as allocated to `engine` and mints its id.
+    #[inline]
+    fn claim(&self, index: u32, engine: EngineId) -> BlockId {
+        let meta = &self.meta[index as usize];
+        // Relaxed load: the popper's Acquire on the head already ordered this after the release
+        // that pushed the block (which wrote refs = 0 before its Release CAS on the head).
+        let old = meta.load(Ordering::Relaxed);
+        debug_assert_eq!(meta_refs(old), 0, "a block on the free list had references");
+        let generation = (meta_gen(old) + 1) & GEN_MASK as u32;
+        // A plain store is safe: while refs == 0 every CAS on this word (share, release) fails,
+        // and only this thread holds the block. Release publishes the new generation before the
+        // id escapes to other threads through the caller.
+        meta.store(meta_word(1, generation, engine), Ordering::Release);
+        BlockId::pack(self.tag, generation, index)
+    }
+
+    /// Pops the top of the free stack.
+    fn pop(&self) -> Option<u32> {
+        let backoff = Backoff::new();
+        // Acquire pairs with the Release CAS of the push that installed this top.
+        let mut head = self.head.load(Ordering::Acquire);
+        loop {
+            let top = head_index(head);
+            if top == NIL {
+                return None;
+            }
+            let next = link_next(self.link[top as usize].load(Ordering::Relaxed));
+            // AcqRel: see alloc_n.
+            match self.head.compare_exchange_weak(
+                head,
+                head_word(head, next),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some(top),
+                Err(actual) => {
+                    head = actual;
+                    backoff.spin();
+                }
+            }
+        }
+    }
+
+    /// Pushes blocks whose last reference was just released, as one chain with one CAS:
+    /// `chain[0]` becomes the new top and `chain[k-1]` links to the old top.
+    fn push_chain(&self, chain: &[u32]) {
+        let Some(&first) = chain.first() else {
+            return;
+        };
+        let k = chain.len() as u32;
+        let backoff = Backoff::new();
+        // Acquire: we read the top's depth, published by its pusher's Release CAS.
+        let mut head = self.head.load(Ordering::Acquire);
+        loop {
+            let top = head_index(head);
+            let below = if top == NIL {
+                0
+            } else {
+                link_depth(self.link[top as usize].load(Ordering::Relaxed))
+            };
+            // The chain's blocks are ours alone until the CAS publishes them, so their links
+            // are rewritten freely on every retry. Relaxed: published by the Release CAS below.
+            for (j, &index) in chain.iter().enumerate() {
+                let next = chain.get(j + 1).copied().unwrap_or(top);
+                self.link[index as usize]
+                    .store(link_word(below + k - j as u32, next), Ordering::Relaxed);
+            }
+            // Release publishes the links (and the zeroed metadata) to the next popper.
+            match self.head.compare_exchange_weak(
+                head,
+                head_word(head, first),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return,
+                Err(actual) => {
+                    head = actual;
+                    backoff.spin();
+                }
+            }
+        }
+    }
+
+    /// Adds a reference to an allocated block (fork, prefix reuse). The block's owner does not
+    /// change.
+    pub fn share(&self, id: BlockId) -> Result<(), PoolError> {
+        let index = self.check_id(id)?;
+        let meta = &self.meta[index];
+        let backoff = Backoff::new();
+        // Acquire pairs with claim's Release store (the generation we compare against).
+        let mut cur = meta.load(Ordering::Acquire);
+        loop {
+            self.check_live(id, cur)?;
+            if meta_refs(cur) == MAX_REFS {
+                return Err(PoolError::TooManyRefs { id });
+            }
+            match meta.compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Ok(()),
+                Err(actual) => {
+                    cur = actual;
+                    backoff.spin();
+                }
+            }
+        }
+    }
+
+    #[inline]
+    fn check_live(&self, id: BlockId, meta: u64) -> Result<(), PoolError> {
+        if meta_gen(meta) != id.generation() {
+            return Err(PoolError::StaleBlock {
+                id,
+                current: meta_gen(meta),
+            });
+        }
+        if meta_refs(meta) == 0 {
+            return Err(PoolError::NotAllocated { id });
+        }
+        Ok(())
+    }
+
+    /// Drops one reference to a block. Returns `true` if it was the last one and the block went
+    /// back to the free list.
+    ///
+    /// Refused, with the pool unchanged: an id of another pool, out of range, of a free block
+    /// (double free / never allocated), or stale (the block was freed and reallocated since).
+    pub fn release(&self, id: BlockId) -> Result<bool, PoolError> {
+        match self.drop_ref(id)? {
+            Some(owner) => {
+                // Relaxed: a statistic (see `held`).
+                self.held[owner.index()].fetch_sub(1, Ordering::Relaxed);
+                self.push_chain(&[id.index()]);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// Decrements the block's reference count. Returns its owner if this was the last reference:
+    /// the caller then alone recycles the block (uncounts it and pushes it).
+    fn drop_ref(&self, id: BlockId) -> Result<Option<EngineId>, PoolError> {
+        let index = self.check_id(id)?;
+        let meta = &self.meta[index];
+        let backoff = Backoff::new();
+        let mut cur = meta.load(Ordering::Acquire);
+        loop {
+            self.check_live(id, cur)?;
+            // AcqRel: the last release must see every other holder's earlier decrement (and their
+            // use of the block) before it recycles the block.
+            match meta.compare_exchange_weak(cur, cur - 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(actual) => {
+                    cur = actual;
+                    backoff.spin();
+                }
+            }
+        }
+        Ok((meta_refs(cur) == 1).then(|| meta_owner(cur)))
+    }
+
+    /// Frees one block: drops the caller's reference ([`release`](Self::release)); an unshared
+    /// block goes back to the free list.
+    #[inline]
+    pub fn free(&self, id: BlockId) -> Result<bool, PoolError> {
+        self.release(id)
+    }
+
+    /// Drops one reference to each block of `ids`, all or nothing with respect to bad input.
+    ///
+    /// Every id is checked first (pool, range, generation, allocated, and no block named more
+    /// times than it has references); only then are any released, so a refused call leaves the
+    /// pool unchanged. Returns how many blocks went back to the free list.
+    pub fn free_n(&self, ids: &[BlockId]) -> Result<u32, PoolError> {
+        for &id in ids {
+            let index = self.check_id(id)?;
+            // Acquire pairs with claim's Release store.
+            let meta = self.meta[index].load(Ordering::Acquire);
+            self.check_live(id, meta)?;
+        }
+        // A block may be named several times as long as it has a reference for each mention.
+        // The caller holds those references, so they cannot vanish concurrently. Short lists
+        // are checked pairwise; long ones through a sorted copy.
+        let over_mentioned = |id: BlockId, mentions: usize| {
+            self.ref_count(id)
+                .map_or(true, |refs| mentions > refs as usize)
+        };
+        if ids.len() <= 32 {
+            for (i, &id) in ids.iter().enumerate() {
+                let mentions = 1 + ids[..i].iter().filter(|&&other| other == id).count();
+                if mentions > 1 && over_mentioned(id, mentions) {
+                    return Err(PoolError::NotAllocated { id });
+                }
+            }
+        } else {
+            let mut sorted = ids.to_vec();
+            sorted.sort_unstable();
+            for run in sorted.chunk_by(|a, b| a == b) {
+                if run.len() > 1 && over_mentioned(run[0], run.len()) {
+                    return Err(PoolError::NotAllocated { id: run[0] });
+                }
+            }
+        }
+        // Release every reference; blocks that reach zero are pushed back in chains of up to
+        // CHAIN blocks with one CAS each, and uncounted per run of equal owners.
+        const CHAIN: usize = 64;
+        let mut chain = [0u32; CHAIN];
+        let mut len = 0;
+        let mut freed = 0;
+        let mut run: Option<(EngineId, u32)> = None;
+        for &id in ids {
+            let Some(owner) = self.drop_ref(id)? else {
+                continue;
+            };
+            match &mut run {
+                Some((o, n)) if *o == owner => *n += 1,
+                _ => {
+                    self.uncount(run.take());
+                    run = Some((owner, 1));
+                }
+            }
+            chain[len] = id.index();
+            len += 1;
+            if len == CHAIN {
+                self.uncount(run.take());
+                self.push_chain(&chain);
+                freed += len as u32;
+                len = 0;
+            }
+        }
+        self.uncount(run);
+        self.push_chain(&chain[..len]);
+        Ok(freed + len as u32)
+    }
+
+    /// Subtracts a run of recycled blocks from their owner's count (before they are pushed, so
+    /// `held` never counts a block that is already free).
+    #[inline]
+    fn uncount(&self, run: Option<(EngineId, u32)>) {
+        if let Some((owner, n)) = run {
+            // Relaxed: a statistic (see `held`).
+            self.held[owner.index()].fetch_sub(n, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether more than one holder references the block (copy-on-write must copy before
+    /// writing).
+    pub fn is_shared(&self, id: BlockId) -> Result<bool, PoolError> {
+        Ok(self.ref_count(id)? > 1)
+    }
+
+    /// The block's current reference count (at least 1 for a live id).
+    pub fn ref_count(&self, id: BlockId) -> Result<u32, PoolError> {
+        let index = self.check_id(id)?;
+        let meta = self.meta[index].load(Ordering::Acquire);
+        self.check_live(id, meta)?;
+        Ok(meta_refs(meta))
+    }
+
+    /// The engine that owns (allocated) the block.
+    pub fn owner(&self, id: BlockId) -> Result<EngineId, PoolError> {
+        let index = self.check_id(id)?;
+        let meta = self.meta[index].load(Ordering::Acquire);
+        self.check_live(id, meta)?;
+        Ok(meta_owner(meta))
+    }
+}

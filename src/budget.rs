@@ -1,1 +1,0 @@
-//! Wait-free global budget coordinator: weighted token and KV-block shares across the models on one device.

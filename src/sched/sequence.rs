@@ -1,0 +1,141 @@
+//! Requests, sequences and their life cycle in one engine's batcher.
+
+use crate::block::BlockTable;
+
+/// A request's id, unique within one batcher.
+pub type SeqId = u64;
+
+/// Priority class of a request. Latency-critical work is scheduled first and preempted last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum Priority {
+    /// Interactive traffic: scheduled before throughput work.
+    LatencyCritical = 0,
+    /// Batch traffic.
+    #[default]
+    Throughput = 1,
+}
+
+impl Priority {
+    /// Both classes, most urgent first.
+    pub const ALL: [Priority; 2] = [Priority::LatencyCritical, Priority::Throughput];
+
+    /// The class as an index into per-class arrays.
+    #[inline]
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// When a sequence stops generating.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StopRules {
+    /// Most tokens to generate (at least 1).
+    pub max_new_tokens: u32,
+    /// End-of-sequence token ids: sampling any of them finishes the sequence (the token is kept).
+    pub eos: Vec<u32>,
+    /// Stop sequences of token ids: the output ending with any of them finishes the sequence.
+    pub stop_sequences: Vec<Vec<u32>>,
+}
+
+/// A generation request handed to a batcher.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqRequest {
+    /// Unique within the batcher.
+    pub id: SeqId,
+    /// Prompt token ids (at least one).
+    pub prompt: Vec<u32>,
+    /// Stop rules.
+    pub stop: StopRules,
+    /// Priority class.
+    pub priority: Priority,
+}
+
+/// Why a sequence finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// Sampled an end-of-sequence token.
+    Eos,
+    /// Generated `max_new_tokens`.
+    MaxTokens,
+    /// The output ended with a stop sequence.
+    StopSequence,
+    /// Aborted by the caller.
+    Aborted,
+}
+
+/// A finished sequence's result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FinishedSeq {
+    /// The request's id.
+    pub id: SeqId,
+    /// Generated tokens.
+    pub output: Vec<u32>,
+    /// Why it finished.
+    pub reason: FinishReason,
+    /// How often it was preempted (by recompute or swap).
+    pub preemptions: u32,
+}
+
+/// Where a sequence is in its life cycle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqPhase {
+    /// Queued; holds no blocks.
+    Waiting,
+    /// Running, some prompt tokens not yet in the cache (chunked prefill).
+    Prefilling,
+    /// Running, generating one token per step.
+    Decoding,
+    /// Preempted by swap: its blocks live in host swap space.
+    Swapped,
+}
+
+/// One sequence inside a batcher.
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    pub(crate) id: SeqId,
+    pub(crate) priority: Priority,
+    pub(crate) stop: StopRules,
+    /// Prompt then generated tokens.
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) prompt_len: usize,
+    /// Tokens whose K/V are in the cache (a prefix of `tokens`).
+    pub(crate) computed: usize,
+    pub(crate) table: BlockTable,
+    pub(crate) phase: SeqPhase,
+    /// Admission order; later arrivals are preempted first.
+    pub(crate) arrival: u64,
+    /// Host swap slots holding its blocks while swapped, in logical order.
+    pub(crate) host_blocks: Vec<u32>,
+    pub(crate) preemptions: u32,
+    /// Whether its table may hold blocks shared with another sequence (it was forked, or is a
+    /// fork): only then must a write check for copy-on-write.
+    pub(crate) may_share: bool,
+}
+
+impl Sequence {
+    pub(crate) fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// The finish reason after appending a token, if any.
+    pub(crate) fn stop_reason(&self, token: u32) -> Option<FinishReason> {
+        if !self.stop.eos.is_empty() && self.stop.eos.contains(&token) {
+            return Some(FinishReason::Eos);
+        }
+        if !self.stop.stop_sequences.is_empty() {
+            let output = &self.tokens[self.prompt_len..];
+            if self
+                .stop
+                .stop_sequences
+                .iter()
+                .any(|s| !s.is_empty() && output.ends_with(s))
+            {
+                return Some(FinishReason::StopSequence);
+            }
+        }
+        if self.generated() >= self.stop.max_new_tokens as usize {
+            return Some(FinishReason::MaxTokens);
+        }
+        None
+    }
+}

@@ -1,0 +1,230 @@
+//! Block pool: smoke, error paths (state unchanged after each refusal), reference counting and
+//! per-engine accounting.
+
+use pagedkv::block::{BlockId, BlockPool, EngineId, PoolConfig};
+use pagedkv::PoolError;
+
+const E0: EngineId = EngineId(0);
+const E1: EngineId = EngineId(1);
+
+fn pool(n: u32) -> BlockPool {
+    BlockPool::new(PoolConfig {
+        device: 0,
+        num_blocks: n,
+        max_engines: 4,
+    })
+    .unwrap()
+}
+
+#[test]
+fn fresh_pool_counts() {
+    let p = pool(10);
+    assert_eq!(p.total(), 10);
+    assert_eq!(p.free_count(), 10);
+    assert_eq!(p.stats().held, vec![0, 0, 0, 0]);
+}
+
+#[test]
+fn invalid_configs_are_refused() {
+    for (n, e) in [(0, 1), (1, 0), (pagedkv::block::MAX_BLOCKS + 1, 1)] {
+        let r = BlockPool::new(PoolConfig {
+            device: 0,
+            num_blocks: n,
+            max_engines: e,
+        });
+        assert!(matches!(r, Err(PoolError::InvalidConfig(_))), "{n} {e}");
+    }
+}
+
+#[test]
+fn alloc_all_then_exhausted_then_free() {
+    let p = pool(8);
+    let mut ids: Vec<_> = (0..8).map(|_| p.alloc(E0).unwrap()).collect();
+    let mut idx: Vec<u32> = ids.iter().map(|b| b.index()).collect();
+    idx.sort_unstable();
+    assert_eq!(
+        idx,
+        (0..8).collect::<Vec<_>>(),
+        "every block handed out once"
+    );
+    assert_eq!(p.free_count(), 0);
+    assert_eq!(
+        p.alloc(E0),
+        Err(PoolError::OutOfBlocks {
+            requested: 1,
+            free: 0
+        })
+    );
+    assert_eq!(p.held(E0), 8);
+    for id in ids.drain(..) {
+        assert_eq!(p.free(id), Ok(true));
+    }
+    assert_eq!(p.free_count(), 8);
+    assert_eq!(p.held(E0), 0);
+}
+
+#[test]
+fn alloc_n_is_all_or_nothing() {
+    let p = pool(10);
+    let mut out = Vec::new();
+    p.alloc_n(E0, 7, &mut out).unwrap();
+    assert_eq!(out.len(), 7);
+    let err = p.alloc_n(E1, 4, &mut out).unwrap_err();
+    assert_eq!(
+        err,
+        PoolError::OutOfBlocks {
+            requested: 4,
+            free: 3
+        }
+    );
+    assert_eq!(out.len(), 7, "nothing appended on failure");
+    assert_eq!(p.free_count(), 3);
+    assert_eq!(p.held(E1), 0);
+    p.alloc_n(E1, 3, &mut out).unwrap();
+    assert_eq!(p.free_count(), 0);
+    assert_eq!((p.held(E0), p.held(E1)), (7, 3));
+    let mut all: Vec<u32> = out.iter().map(|b| b.index()).collect();
+    all.sort_unstable();
+    all.dedup();
+    assert_eq!(all.len(), 10);
+    assert_eq!(p.free_n(&out), Ok(10));
+    assert_eq!(p.free_count(), 10);
+    assert_eq!(
+        p.alloc_n(E0, 11, &mut out).unwrap_err(),
+        PoolError::OutOfBlocks {
+            requested: 11,
+            free: 10
+        }
+    );
+    p.alloc_n(E0, 0, &mut out).unwrap();
+}
+
+#[test]
+fn double_free_and_never_allocated_are_refused() {
+    let p = pool(4);
+    let a = p.alloc(E0).unwrap();
+    assert_eq!(p.free(a), Ok(true));
+    assert_eq!(p.free(a), Err(PoolError::NotAllocated { id: a }));
+    assert_eq!(p.free_count(), 4);
+    // An id the pool never minted for a free block: generation 0, never allocated.
+    let never = BlockId::from_bits(
+        (u64::from(p.tag()) << 48) | 3, /* index 3, generation 0 */
+    );
+    assert_eq!(p.free(never), Err(PoolError::NotAllocated { id: never }));
+    assert_eq!(p.free_count(), 4);
+}
+
+#[test]
+fn stale_id_after_reuse_is_refused() {
+    let p = pool(1);
+    let a = p.alloc(E0).unwrap();
+    p.free(a).unwrap();
+    let b = p.alloc(E1).unwrap();
+    assert_eq!(a.index(), b.index());
+    assert_ne!(a, b);
+    assert!(matches!(p.free(a), Err(PoolError::StaleBlock { .. })));
+    assert!(matches!(p.share(a), Err(PoolError::StaleBlock { .. })));
+    assert_eq!(p.ref_count(b), Ok(1), "the new holder's block is untouched");
+    assert_eq!(p.held(E1), 1);
+}
+
+#[test]
+fn foreign_and_out_of_range_ids_are_refused() {
+    let p = pool(4);
+    let q = BlockPool::new(PoolConfig {
+        device: 1,
+        num_blocks: 4,
+        max_engines: 1,
+    })
+    .unwrap();
+    let theirs = q.alloc(E0).unwrap();
+    assert!(matches!(
+        p.free(theirs),
+        Err(PoolError::ForeignBlock { device: 0, .. })
+    ));
+    assert_eq!(q.ref_count(theirs), Ok(1));
+    let far = BlockId::from_bits((u64::from(p.tag()) << 48) | (1 << 24) | 100);
+    assert_eq!(
+        p.free(far),
+        Err(PoolError::OutOfRange { id: far, total: 4 })
+    );
+    assert!(matches!(
+        p.alloc(EngineId(4)),
+        Err(PoolError::UnknownEngine { max_engines: 4, .. })
+    ));
+    assert_eq!(p.free_count(), 4);
+}
+
+#[test]
+fn share_release_returns_block_exactly_once() {
+    let p = pool(2);
+    let a = p.alloc(E1).unwrap();
+    p.share(a).unwrap();
+    p.share(a).unwrap();
+    assert_eq!(p.ref_count(a), Ok(3));
+    assert_eq!(p.is_shared(a), Ok(true));
+    assert_eq!(p.owner(a), Ok(E1));
+    assert_eq!(p.release(a), Ok(false));
+    assert_eq!(p.release(a), Ok(false));
+    assert_eq!(p.is_shared(a), Ok(false));
+    assert_eq!(p.held(E1), 1, "shared references do not count twice");
+    assert_eq!(p.free_count(), 1);
+    assert_eq!(p.release(a), Ok(true));
+    assert_eq!(p.free_count(), 2);
+    assert_eq!(p.held(E1), 0);
+    assert!(p.release(a).is_err());
+}
+
+#[test]
+fn free_n_refuses_bad_lists_without_changing_anything() {
+    let p = pool(40);
+    let mut ids = Vec::new();
+    p.alloc_n(E0, 3, &mut ids).unwrap();
+    // Duplicate beyond the reference count: refused before any release.
+    let dup = vec![ids[0], ids[1], ids[0]];
+    assert_eq!(p.free_n(&dup), Err(PoolError::NotAllocated { id: ids[0] }));
+    assert_eq!(p.free_count(), 37);
+    // Duplicate backed by a shared reference: fine.
+    p.share(ids[0]).unwrap();
+    assert_eq!(p.free_n(&dup), Ok(2));
+    assert_eq!(p.free_count(), 39);
+    // A long list (sorted-copy path) with one stale id at the end.
+    let mut many = Vec::new();
+    p.alloc_n(E0, 39, &mut many).unwrap();
+    many.push(ids[0]);
+    assert_eq!(p.free_count(), 0);
+    assert!(p.free_n(&many).is_err());
+    assert_eq!(p.free_count(), 0, "refused list released nothing");
+    many.pop();
+    many.push(ids[2]);
+    assert_eq!(p.free_n(&many), Ok(40));
+    assert_eq!(p.free_count(), 40);
+    assert_eq!(p.held(E0), 0);
+}
+
+#[test]
+fn shared_through_arc_across_threads() {
+    let p = std::sync::Arc::new(pool(64));
+    let handles: Vec<_> = (0..4u16)
+        .map(|t| {
+            let p = std::sync::Arc::clone(&p);
+            std::thread::spawn(move || {
+                let mut mine = Vec::new();
+                for _ in 0..1000 {
+                    if let Ok(id) = p.alloc(EngineId(t)) {
+                        mine.push(id);
+                    }
+                    if mine.len() > 8 {
+                        p.free(mine.remove(0)).unwrap();
+                    }
+                }
+                p.free_n(&mine).unwrap();
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert_eq!(p.free_count(), 64);
+    assert_eq!(p.stats().held, vec![0; 4]);
+}

@@ -1,0 +1,221 @@
+//! Property tests: the published budgets are the exact weighted water-filling (checked against an
+//! independent model, and against the definition), and random operation sequences match the
+//! sequential model call for call.
+
+mod budget_model;
+
+use budget_model::{kind, water_fill, Model};
+use pagedkv::budget::{BudgetConfig, BudgetCoordinator};
+use pagedkv::EngineId;
+use proptest::prelude::*;
+
+/// Checks that `shares` is the exact water-filling of `total` over `claims`: it sums to
+/// `min(total, Σ caps)`, no share exceeds its cap, and every claim below its cap has the same
+/// share per unit of weight λ, with capped claims at `cap ≤ λ·w`.
+fn assert_is_water_filling(total: u64, claims: &[(u64, u64)], shares: &[(u128, u128)]) {
+    let caps: u128 = claims
+        .iter()
+        .filter(|c| c.0 > 0)
+        .map(|c| u128::from(c.1))
+        .sum();
+    // Σ num/den == min(total, caps): compare over a common denominator (all uncapped share one).
+    let mut whole: u128 = 0;
+    let mut frac: (u128, u128) = (0, 1);
+    for (&(w, cap), &(num, den)) in claims.iter().zip(shares) {
+        if w == 0 {
+            assert_eq!(num, 0);
+            continue;
+        }
+        assert!(num <= u128::from(cap) * den, "share above cap");
+        if den == 1 {
+            whole += num;
+        } else {
+            assert!(frac.1 == 1 || frac.1 == den);
+            frac = (frac.0 + num, den);
+        }
+    }
+    assert_eq!(
+        whole * frac.1 + frac.0,
+        u128::from(total).min(caps) * frac.1
+    );
+    // Equal level among uncapped claims; capped ones at or below it.
+    let level = claims
+        .iter()
+        .zip(shares)
+        .find(|(c, s)| c.0 > 0 && s.0 < u128::from(c.1) * s.1);
+    if let Some((&(w0, _), &(n0, d0))) = level {
+        for (&(w, cap), &(num, den)) in claims.iter().zip(shares) {
+            if w == 0 {
+                continue;
+            }
+            if num < u128::from(cap) * den {
+                // num/(den·w) == n0/(d0·w0)
+                assert_eq!(num * d0 * u128::from(w0), n0 * den * u128::from(w));
+            } else {
+                // cap/w <= n0/(d0·w0)
+                assert!(u128::from(cap) * d0 * u128::from(w0) <= n0 * u128::from(w));
+            }
+        }
+    }
+}
+
+fn engines_strategy() -> impl Strategy<Value = Vec<(u32, bool)>> {
+    prop::collection::vec(
+        (
+            prop_oneof![1u32..=10, 1u32..=1000, 1u32..=u32::MAX],
+            any::<bool>(),
+        ),
+        1..=24,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn budgets_are_the_water_filling(
+        engines in engines_strategy(),
+        tokens in prop_oneof![0u32..64, 0u32..100_000, Just(u32::MAX)],
+        blocks in prop_oneof![0u32..64, 0u32..100_000],
+        cap in prop_oneof![1u16..=1000, Just(1000u16)],
+    ) {
+        let config = BudgetConfig::new(32, tokens, blocks).with_cap_permille(cap);
+        let c = BudgetCoordinator::new(config).unwrap();
+        let ids: Vec<EngineId> = engines.iter().map(|&(w, a)| {
+            let e = c.register(w).unwrap();
+            c.set_active(e, a);
+            e
+        }).collect();
+        c.recompute();
+
+        let token_cap = u64::from(config.token_cap());
+        let claims: Vec<(u64, u64)> =
+            engines.iter().map(|&(w, a)| (if a { u64::from(w) } else { 0 }, token_cap)).collect();
+        let (exact, want) = water_fill(u64::from(tokens), &claims);
+        assert_is_water_filling(u64::from(tokens), &claims, &exact.shares);
+
+        let got: Vec<u64> = ids.iter().map(|&e| u64::from(c.token_budget(e))).collect();
+        prop_assert_eq!(&got, &want);
+        let active = engines.iter().filter(|e| e.1).count() as u64;
+        let sum: u64 = got.iter().sum();
+        if active * token_cap >= u64::from(tokens) {
+            prop_assert_eq!(sum, u64::from(tokens));
+        } else {
+            prop_assert_eq!(sum, active * token_cap);
+        }
+        for (i, &g) in got.iter().enumerate() {
+            prop_assert!(g <= token_cap);
+            if !engines[i].1 {
+                prop_assert_eq!(g, 0);
+            }
+            // Within one token of the exact share: |g·den − num| < den.
+            let (num, den) = exact.shares[i];
+            prop_assert!((u128::from(g) * den).abs_diff(num) < den);
+        }
+
+        // Blocks: quotas water-fill the pool over every registered engine.
+        let block_cap = u64::from(config.block_cap());
+        let claims: Vec<(u64, u64)> = engines.iter().map(|&(w, _)| (u64::from(w), block_cap)).collect();
+        let (exact, want) = water_fill(u64::from(blocks), &claims);
+        assert_is_water_filling(u64::from(blocks), &claims, &exact.shares);
+        let quotas: Vec<u64> = ids.iter().map(|&e| u64::from(c.block_quota(e))).collect();
+        prop_assert_eq!(&quotas, &want);
+        let mut active_limits = 0u64;
+        for (i, &e) in ids.iter().enumerate() {
+            let limit = u64::from(c.block_limit(e));
+            prop_assert!(limit <= block_cap.max(quotas[i]));
+            prop_assert!(limit >= quotas[i]);
+            if engines[i].1 { active_limits += limit } else { prop_assert_eq!(limit, quotas[i]) }
+        }
+        // Nothing held: the active engines may borrow every idle share (and any slack under the
+        // caps), up to their caps, and no more than the pool.
+        let active = engines.iter().filter(|e| e.1).count() as u64;
+        prop_assert_eq!(active_limits, u64::from(blocks).min(active * block_cap));
+        prop_assert_eq!(quotas.iter().sum::<u64>(), u64::from(blocks).min(engines.len() as u64 * block_cap));
+    }
+}
+
+/// One operation of a random sequence.
+#[derive(Debug, Clone)]
+enum Op {
+    Register(u32),
+    Deregister(u16),
+    SetWeight(u16, u32),
+    SetActive(u16, bool),
+    Recompute,
+    AcquireTokens(u16, u32),
+    ReleaseTokens(u16, u32),
+    BeginStep(u16),
+    AcquireBlocks(u16, u32),
+    ReleaseBlocks(u16, u32),
+    PublishLoad(u16, u16, u32),
+    ClearLoad(u16),
+    PickDonor(u16, u16, u32),
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    let e = 0u16..6; // one past max_engines = 5: out of range on purpose
+    prop_oneof![
+        2 => (0u32..8).prop_map(Op::Register),
+        1 => e.clone().prop_map(Op::Deregister),
+        1 => (e.clone(), 0u32..8).prop_map(|(e, w)| Op::SetWeight(e, w)),
+        3 => (e.clone(), any::<bool>()).prop_map(|(e, a)| Op::SetActive(e, a)),
+        2 => Just(Op::Recompute),
+        4 => (e.clone(), 0u32..60).prop_map(|(e, n)| Op::AcquireTokens(e, n)),
+        2 => (e.clone(), 0u32..40).prop_map(|(e, n)| Op::ReleaseTokens(e, n)),
+        2 => e.clone().prop_map(Op::BeginStep),
+        4 => (e.clone(), 0u32..30).prop_map(|(e, n)| Op::AcquireBlocks(e, n)),
+        3 => (e.clone(), 0u32..30).prop_map(|(e, n)| Op::ReleaseBlocks(e, n)),
+        1 => (e.clone(), 0u16..8, 0u32..40).prop_map(|(e, p, f)| Op::PublishLoad(e, p, f)),
+        1 => e.clone().prop_map(Op::ClearLoad),
+        1 => (e, 0u16..9, 0u32..30).prop_map(|(e, p, n)| Op::PickDonor(e, p, n)),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn operation_sequences_match_the_model(
+        ops in prop::collection::vec(op_strategy(), 1..200),
+        cap in prop_oneof![1u16..=1000, Just(1000u16)],
+    ) {
+        let c = BudgetCoordinator::new(BudgetConfig::new(5, 100, 64).with_cap_permille(cap)).unwrap();
+        let mut m = Model::new(5, 100, 64, cap);
+        for op in &ops {
+            match *op {
+                Op::Register(w) => prop_assert_eq!(c.register(w).map(|e| e.0).map_err(|e| kind(&e)), m.register(w)),
+                Op::Deregister(e) => prop_assert_eq!(c.deregister(EngineId(e)).map_err(|e| kind(&e)), m.deregister(e)),
+                Op::SetWeight(e, w) => prop_assert_eq!(c.set_weight(EngineId(e), w).map_err(|e| kind(&e)), m.set_weight(e, w)),
+                Op::SetActive(e, a) => prop_assert_eq!(c.set_active(EngineId(e), a), m.set_active(e, a)),
+                Op::Recompute => { c.recompute(); m.recompute(); }
+                Op::AcquireTokens(e, n) => prop_assert_eq!(c.try_acquire_tokens(EngineId(e), n), m.try_acquire_tokens(e, n)),
+                Op::ReleaseTokens(e, n) => prop_assert_eq!(c.release_tokens(EngineId(e), n).map_err(|e| kind(&e)), m.release_tokens(e, n)),
+                Op::BeginStep(e) => prop_assert_eq!(c.begin_step(EngineId(e)), m.begin_step(e)),
+                Op::AcquireBlocks(e, n) => prop_assert_eq!(c.try_acquire_blocks(EngineId(e), n).map_err(|e| kind(&e)), m.try_acquire_blocks(e, n)),
+                Op::ReleaseBlocks(e, n) => prop_assert_eq!(c.release_blocks(EngineId(e), n).map_err(|e| kind(&e)), m.release_blocks(e, n)),
+                Op::PublishLoad(e, p, f) => { c.publish_load(EngineId(e), p, f); m.publish_load(e, p, f); }
+                Op::ClearLoad(e) => { c.clear_load(EngineId(e)); m.clear_load(e); }
+                Op::PickDonor(e, p, n) => {
+                    let got = c.pick_donor(EngineId(e), p, n).map(|d| (d.engine.0, d.priority, d.freeable_blocks, d.borrowed_blocks));
+                    prop_assert_eq!(got, m.pick_donor(e, p, n));
+                }
+            }
+            for (i, s) in m.slots.iter().enumerate() {
+                let e = EngineId(i as u16);
+                prop_assert_eq!(c.is_registered(e), s.registered);
+                prop_assert_eq!(c.token_budget(e), s.token_budget);
+                prop_assert_eq!(c.tokens_used(e), s.tokens_used);
+                prop_assert_eq!(c.block_quota(e), s.block_quota);
+                prop_assert_eq!(c.block_limit(e), s.block_limit);
+                prop_assert_eq!(c.blocks_held(e), s.blocks_held);
+                prop_assert_eq!(c.reclaim_for(e), m.reclaim_for(i as u16));
+            }
+            prop_assert_eq!(c.blocks_in_use(), m.in_use);
+            let snap = c.snapshot();
+            prop_assert!(snap.consistent);
+            prop_assert_eq!(snap.engines.len(), m.slots.iter().filter(|s| s.registered).count());
+            prop_assert!(snap.engines.iter().map(|s| u64::from(s.token_budget)).sum::<u64>() <= 100);
+        }
+    }
+}

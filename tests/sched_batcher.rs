@@ -1,0 +1,543 @@
+//! The batcher: the oxillama design's behaviours where they are right, preemption (recompute and
+//! swap), copy-on-write forks, aborts, budgets, and invariants over random workloads.
+
+use pagedkv::block::{BlockPool, EngineId, PoolConfig};
+use pagedkv::sched::{
+    Batch, Batcher, BatcherConfig, EngineBudget, FinishReason, FinishedSeq, PreemptionMode,
+    Priority, SeqPhase, SeqRequest, StopRules,
+};
+use pagedkv::SchedError;
+use rand::{rngs::SmallRng, Rng, SeedableRng};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+const BS: u32 = 4;
+
+fn pool(blocks: u32) -> Arc<BlockPool> {
+    Arc::new(
+        BlockPool::new(PoolConfig {
+            device: 0,
+            num_blocks: blocks,
+            max_engines: 2,
+        })
+        .unwrap(),
+    )
+}
+
+fn config() -> BatcherConfig {
+    BatcherConfig {
+        engine: EngineId(0),
+        block_size: BS,
+        max_running: 32,
+        max_batched_tokens: 512,
+        max_prefill_chunk: 256,
+        max_blocks_per_seq: 64,
+        preemption: PreemptionMode::Recompute,
+        swap_blocks: 0,
+    }
+}
+
+fn req(id: u64, prompt: Vec<u32>, max_new: u32) -> SeqRequest {
+    SeqRequest {
+        id,
+        prompt,
+        stop: StopRules {
+            max_new_tokens: max_new,
+            ..Default::default()
+        },
+        priority: Priority::Throughput,
+    }
+}
+
+/// Checks a batch's internal consistency against the pool geometry.
+fn check_batch(b: &Batch, budget: usize) {
+    assert!(b.num_tokens() <= budget, "token budget exceeded");
+    assert_eq!(b.query_start_loc.len(), b.num_seqs() + 1);
+    assert_eq!(*b.query_start_loc.last().unwrap() as usize, b.num_tokens());
+    let w = b.max_blocks_per_seq;
+    assert_eq!(b.block_tables.len(), b.num_seqs() * w);
+    let mut slots = HashSet::new();
+    for s in 0..b.num_seqs() {
+        let row = &b.block_tables[s * w..(s + 1) * w];
+        let ctx = b.context_lens[s] as usize;
+        let blocks = ctx.div_ceil(BS as usize);
+        assert!(
+            row[..blocks].iter().all(|&x| x >= 0),
+            "table does not cover the tokens"
+        );
+        for t in b.query_start_loc[s] as usize..b.query_start_loc[s + 1] as usize {
+            let pos = b.positions[t] as usize;
+            assert!(pos < ctx);
+            let expect =
+                i64::from(row[pos / BS as usize]) * i64::from(BS) + (pos % BS as usize) as i64;
+            assert_eq!(
+                b.slot_mapping[t], expect,
+                "slot mapping disagrees with the table"
+            );
+            assert!(slots.insert(b.slot_mapping[t]), "two tokens write one slot");
+        }
+    }
+    assert_eq!(b.samples.iter().filter(|&&x| x).count(), b.num_samples());
+}
+
+/// Runs steps until idle (or `max_steps`), sampling `token_of(id, step)`.
+fn drive(bt: &mut Batcher, max_steps: usize) -> Vec<FinishedSeq> {
+    let mut done = Vec::new();
+    let budget = bt.config().max_batched_tokens as usize;
+    for step in 0..max_steps {
+        if !bt.has_work() {
+            break;
+        }
+        let b = bt.schedule_into(&mut done);
+        check_batch(b, budget);
+        let sampled: Vec<u32> = (0..b.num_samples())
+            .map(|k| 1000 + (step + k) as u32)
+            .collect();
+        bt.commit(&sampled, &mut done).unwrap();
+    }
+    done
+}
+
+#[test]
+fn single_request_prefill_then_decode() {
+    let p = pool(64);
+    let mut bt = Batcher::new(config(), p.clone()).unwrap();
+    bt.add(req(1, vec![1, 2, 3], 10)).unwrap();
+    assert_eq!(bt.num_waiting(), 1);
+    let mut fin = Vec::new();
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.seq_ids, vec![1]);
+    assert_eq!(b.input_tokens, vec![1, 2, 3]);
+    assert_eq!(b.positions, vec![0, 1, 2]);
+    assert!(b.is_prefill[0]);
+    assert_eq!(b.logits_indices, vec![2]);
+    assert_eq!(bt.num_running(), 1);
+    bt.commit(&[4], &mut fin).unwrap();
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(
+        b.input_tokens,
+        vec![4],
+        "decode feeds the last sampled token"
+    );
+    assert_eq!(b.positions, vec![3]);
+    assert_eq!(b.context_lens, vec![4]);
+    assert!(!b.is_prefill[0]);
+    assert_eq!(bt.phase(1), Some(SeqPhase::Decoding));
+}
+
+#[test]
+fn finishes_at_max_tokens_and_frees_blocks() {
+    let p = pool(64);
+    let mut bt = Batcher::new(config(), p.clone()).unwrap();
+    bt.add(req(1, vec![1], 3)).unwrap();
+    let done = drive(&mut bt, 100);
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].reason, FinishReason::MaxTokens);
+    assert_eq!(done[0].output.len(), 3);
+    assert!(!bt.has_work());
+    assert_eq!(p.free_count(), 64);
+}
+
+#[test]
+fn eos_and_stop_sequences() {
+    let p = pool(64);
+    let mut bt = Batcher::new(config(), p.clone()).unwrap();
+    let mut a = req(1, vec![1, 2], 100);
+    a.stop.eos = vec![7];
+    let mut b = req(2, vec![1, 2], 100);
+    b.stop.stop_sequences = vec![vec![5, 6]];
+    bt.add(a).unwrap();
+    bt.add(b).unwrap();
+    let mut fin = Vec::new();
+    let script: [&[u32]; 4] = [&[3, 5], &[7, 6], &[], &[]];
+    for toks in script {
+        bt.schedule_into(&mut fin);
+        bt.commit(toks, &mut fin).unwrap();
+        if !bt.has_work() {
+            break;
+        }
+    }
+    let by_id: HashMap<u64, &FinishedSeq> = fin.iter().map(|f| (f.id, f)).collect();
+    assert_eq!(by_id[&1].reason, FinishReason::Eos);
+    assert_eq!(by_id[&1].output, vec![3, 7]);
+    assert_eq!(by_id[&2].reason, FinishReason::StopSequence);
+    assert_eq!(by_id[&2].output, vec![5, 6]);
+    assert_eq!(p.free_count(), 64);
+}
+
+#[test]
+fn max_running_respected() {
+    let p = pool(64);
+    let mut bt = Batcher::new(
+        BatcherConfig {
+            max_running: 2,
+            ..config()
+        },
+        p,
+    )
+    .unwrap();
+    for id in 0..3 {
+        bt.add(req(id, vec![1], 10)).unwrap();
+    }
+    let mut fin = Vec::new();
+    assert_eq!(bt.schedule_into(&mut fin).num_seqs(), 2);
+    assert_eq!(bt.num_waiting(), 1);
+}
+
+#[test]
+fn chunked_long_prefill() {
+    let p = pool(64);
+    let mut bt = Batcher::new(
+        BatcherConfig {
+            max_prefill_chunk: 4,
+            ..config()
+        },
+        p,
+    )
+    .unwrap();
+    bt.add(req(1, (1..=10).collect(), 20)).unwrap();
+    let mut fin = Vec::new();
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.input_tokens, vec![1, 2, 3, 4]);
+    assert_eq!(b.num_samples(), 0, "a partial prefill samples nothing");
+    bt.commit(&[], &mut fin).unwrap();
+    assert_eq!(bt.schedule_into(&mut fin).input_tokens, vec![5, 6, 7, 8]);
+    bt.commit(&[], &mut fin).unwrap();
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.input_tokens, vec![9, 10]);
+    assert_eq!(b.context_lens, vec![10]);
+    assert_eq!(b.num_samples(), 1);
+    bt.commit(&[11], &mut fin).unwrap();
+    assert_eq!(bt.phase(1), Some(SeqPhase::Decoding));
+}
+
+#[test]
+fn token_budget_splits_prefill_across_sequences() {
+    let p = pool(64);
+    let mut bt = Batcher::new(
+        BatcherConfig {
+            max_batched_tokens: 6,
+            ..config()
+        },
+        p,
+    )
+    .unwrap();
+    bt.add(req(1, vec![1; 4], 5)).unwrap();
+    bt.add(req(2, vec![2; 4], 5)).unwrap();
+    let mut fin = Vec::new();
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.num_tokens(), 6);
+    assert_eq!(b.context_lens, vec![4, 2]);
+}
+
+#[test]
+fn remove_via_abort_waiting_and_running() {
+    let p = pool(64);
+    let mut bt = Batcher::new(config(), p.clone()).unwrap();
+    bt.add(req(1, vec![1, 2, 3, 4, 5], 10)).unwrap();
+    let mut fin = Vec::new();
+    bt.schedule_into(&mut fin);
+    bt.commit(&[9], &mut fin).unwrap();
+    bt.add(req(2, vec![1], 10)).unwrap();
+    bt.abort(1).unwrap();
+    bt.abort(2).unwrap();
+    assert_eq!(bt.abort(3), Err(SchedError::UnknownSeq(3)));
+    let b = bt.schedule_into(&mut fin);
+    assert!(b.is_empty());
+    assert_eq!(fin.len(), 2);
+    assert!(fin.iter().all(|f| f.reason == FinishReason::Aborted));
+    assert!(!bt.has_work());
+    assert_eq!(p.free_count(), 64);
+}
+
+#[test]
+fn bad_requests_are_refused() {
+    let p = pool(8);
+    let mut bt = Batcher::new(config(), p).unwrap();
+    assert!(matches!(
+        bt.add(req(1, vec![], 4)),
+        Err(SchedError::InvalidRequest { .. })
+    ));
+    assert!(matches!(
+        bt.add(req(1, vec![1], 0)),
+        Err(SchedError::InvalidRequest { .. })
+    ));
+    // 8 blocks of 4 tokens: 33 tokens can never fit.
+    assert_eq!(
+        bt.add(req(1, vec![1; 30], 4)),
+        Err(SchedError::TooLong {
+            id: 1,
+            blocks: 9,
+            limit: 8
+        })
+    );
+    bt.add(req(1, vec![1; 30], 3)).unwrap();
+    assert_eq!(bt.add(req(1, vec![1], 3)), Err(SchedError::DuplicateId(1)));
+    let mut fin = Vec::new();
+    bt.schedule_into(&mut fin);
+    assert_eq!(
+        bt.commit(&[1, 2], &mut fin),
+        Err(SchedError::SampleCountMismatch {
+            expected: 1,
+            got: 2
+        })
+    );
+    assert!(Batcher::new(
+        BatcherConfig {
+            block_size: 0,
+            ..config()
+        },
+        pool(4)
+    )
+    .is_err());
+}
+
+#[test]
+fn recompute_preemption_keeps_progress_and_never_livelocks() {
+    // 6 blocks of 4 tokens; each sequence needs up to 5 blocks: only one fits at a time.
+    let p = pool(6);
+    let mut bt = Batcher::new(config(), p.clone()).unwrap();
+    for id in 0..4 {
+        bt.add(req(id, vec![id as u32 + 1; 6], 14)).unwrap();
+    }
+    let done = drive(&mut bt, 10_000);
+    assert_eq!(done.len(), 4, "every request finishes");
+    assert!(done
+        .iter()
+        .all(|f| f.reason == FinishReason::MaxTokens && f.output.len() == 14));
+    assert!(
+        bt.stats().preempted_recompute > 0,
+        "the workload needed preemption"
+    );
+    assert_eq!(p.free_count(), 6);
+}
+
+#[test]
+fn swap_preemption_lists_copies_and_restores() {
+    let p = pool(6);
+    let mut bt = Batcher::new(
+        BatcherConfig {
+            preemption: PreemptionMode::Swap,
+            swap_blocks: 16,
+            ..config()
+        },
+        p.clone(),
+    )
+    .unwrap();
+    for id in 0..3 {
+        bt.add(req(id, vec![1; 6], 14)).unwrap();
+    }
+    let mut done = Vec::new();
+    let mut outs = 0;
+    let mut ins = 0;
+    let mut host_in_use: HashSet<i32> = HashSet::new();
+    for step in 0..10_000 {
+        if !bt.has_work() {
+            break;
+        }
+        let b = bt.schedule_into(&mut done);
+        check_batch(b, 512);
+        for &(_, host) in &b.swap_out {
+            assert!(
+                host_in_use.insert(host),
+                "host slot {host} reused while occupied"
+            );
+        }
+        // Swap-ins read host slots; a slot is free again only after the step.
+        for &(host, _) in &b.swap_in {
+            assert!(host_in_use.contains(&host));
+        }
+        let freed: Vec<i32> = b.swap_in.iter().map(|&(h, _)| h).collect();
+        outs += b.swap_out.len();
+        ins += b.swap_in.len();
+        let sampled: Vec<u32> = (0..b.num_samples()).map(|k| (step + k) as u32).collect();
+        bt.commit(&sampled, &mut done).unwrap();
+        for h in freed {
+            host_in_use.remove(&h);
+        }
+    }
+    assert_eq!(done.len(), 3);
+    assert!(bt.stats().preempted_swap > 0);
+    assert!(
+        outs > 0 && outs == ins,
+        "every swapped-out block came back ({outs} out, {ins} in)"
+    );
+    assert_eq!(p.free_count(), 6);
+}
+
+#[test]
+fn fork_shares_blocks_and_copies_on_write() {
+    let p = pool(16);
+    let mut bt = Batcher::new(config(), p.clone()).unwrap();
+    bt.add(req(1, vec![1, 2, 3, 4, 5, 6], 8)).unwrap();
+    let mut fin = Vec::new();
+    bt.schedule_into(&mut fin);
+    bt.commit(&[7], &mut fin).unwrap();
+    let before = p.free_count();
+    bt.fork(1, 2).unwrap();
+    assert_eq!(p.free_count(), before, "a fork copies nothing up front");
+    let b = bt.schedule_into(&mut fin);
+    // Both write position 6, inside the shared second block: one copy-on-write.
+    assert_eq!(b.num_seqs(), 2);
+    assert_eq!(b.copies.len(), 1);
+    let (src, dst) = b.copies[0];
+    assert_ne!(src, dst);
+    check_batch(b, 512);
+    bt.commit(&[8, 9], &mut fin).unwrap();
+    let rest = drive(&mut bt, 100);
+    assert_eq!(fin.len() + rest.len(), 2);
+    assert_eq!(p.free_count(), 16);
+}
+
+#[test]
+fn latency_critical_admitted_first() {
+    let p = pool(64);
+    let mut bt = Batcher::new(
+        BatcherConfig {
+            max_running: 1,
+            ..config()
+        },
+        p,
+    )
+    .unwrap();
+    bt.add(req(1, vec![1], 2)).unwrap();
+    let mut urgent = req(2, vec![2], 2);
+    urgent.priority = Priority::LatencyCritical;
+    bt.add(urgent).unwrap();
+    let mut fin = Vec::new();
+    assert_eq!(bt.schedule_into(&mut fin).seq_ids, vec![2]);
+}
+
+struct QuotaBudget {
+    tokens: u32,
+    quota: u32,
+    used: AtomicU32,
+}
+
+struct Shared(Arc<QuotaBudget>);
+
+impl std::ops::Deref for Shared {
+    type Target = QuotaBudget;
+    fn deref(&self) -> &QuotaBudget {
+        &self.0
+    }
+}
+
+impl EngineBudget for Shared {
+    fn token_budget(&self) -> u32 {
+        self.tokens
+    }
+    fn try_acquire_blocks(&self, n: u32) -> bool {
+        let prev = self.used.fetch_add(n, Ordering::Relaxed);
+        if prev + n > self.quota {
+            self.used.fetch_sub(n, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+    fn release_blocks(&self, n: u32) {
+        self.used.fetch_sub(n, Ordering::Relaxed);
+    }
+    fn set_active(&self, _active: bool) {}
+}
+
+#[test]
+fn attached_budget_limits_tokens_and_blocks() {
+    let p = pool(64);
+    let budget = Arc::new(QuotaBudget {
+        tokens: 5,
+        quota: 3,
+        used: AtomicU32::new(0),
+    });
+    let mut bt = Batcher::new(config(), p.clone()).unwrap();
+    bt.attach_budget(Box::new(Shared(budget.clone())));
+    for id in 0..3 {
+        bt.add(req(id, vec![1; 4], 6)).unwrap();
+    }
+    let mut fin = Vec::new();
+    for step in 0..2000 {
+        if !bt.has_work() {
+            break;
+        }
+        let b = bt.schedule_into(&mut fin);
+        check_batch(b, 5);
+        assert!(budget.used.load(Ordering::Relaxed) <= 3, "quota exceeded");
+        assert_eq!(
+            64 - p.free_count(),
+            budget.used.load(Ordering::Relaxed),
+            "quota accounting drifted"
+        );
+        let s: Vec<u32> = (0..b.num_samples()).map(|k| (step + k) as u32).collect();
+        bt.commit(&s, &mut fin).unwrap();
+    }
+    assert_eq!(fin.len(), 3);
+    assert_eq!(budget.used.load(Ordering::Relaxed), 0);
+    assert_eq!(p.free_count(), 64);
+}
+
+#[test]
+fn random_workloads_keep_invariants() {
+    for seed in 0..20u64 {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let blocks = rng.gen_range(8..40);
+        let p = pool(blocks);
+        let mode = if seed % 2 == 0 {
+            PreemptionMode::Recompute
+        } else {
+            PreemptionMode::Swap
+        };
+        let cfg = BatcherConfig {
+            max_running: rng.gen_range(1..8),
+            max_batched_tokens: rng.gen_range(1..64),
+            max_prefill_chunk: rng.gen_range(1..16),
+            max_blocks_per_seq: 16,
+            preemption: mode,
+            swap_blocks: rng.gen_range(0..32),
+            ..config()
+        };
+        let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+        let mut submitted = 0u64;
+        let mut refused = 0u64;
+        let mut done = Vec::new();
+        for step in 0..5_000 {
+            if submitted < 40 && rng.gen_bool(0.3) {
+                let mut r = req(
+                    submitted,
+                    vec![3; rng.gen_range(1..40)],
+                    rng.gen_range(1..30),
+                );
+                r.priority = if rng.gen_bool(0.3) {
+                    Priority::LatencyCritical
+                } else {
+                    Priority::Throughput
+                };
+                r.stop.eos = vec![0];
+                match bt.add(r) {
+                    Ok(()) => {}
+                    Err(SchedError::TooLong { .. }) => refused += 1,
+                    Err(e) => panic!("{e}"),
+                }
+                submitted += 1;
+            }
+            if rng.gen_bool(0.02) && submitted > 0 {
+                let _ = bt.abort(rng.gen_range(0..submitted));
+            }
+            let b = bt.schedule_into(&mut done);
+            check_batch(b, cfg.max_batched_tokens as usize);
+            let s: Vec<u32> = (0..b.num_samples()).map(|_| rng.gen_range(0..50)).collect();
+            bt.commit(&s, &mut done).unwrap();
+            if submitted == 40 && !bt.has_work() {
+                let _ = step;
+                break;
+            }
+        }
+        assert!(!bt.has_work(), "seed {seed}: work left after 5000 steps");
+        assert_eq!(
+            done.len() as u64 + refused,
+            submitted,
+            "seed {seed}: every request finished or refused"
+        );
+        assert_eq!(p.free_count(), blocks, "seed {seed}: blocks leaked");
+    }
+}

@@ -6,14 +6,20 @@ use pagedkv::sched::{Batcher, BatcherConfig, PreemptionMode, Priority, SeqReques
 use std::sync::Arc;
 
 fn main() {
-    let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>().unwrap_or(0));
+    let mut args = std::env::args()
+        .skip(1)
+        .map(|a| a.parse::<usize>().unwrap_or(0));
     let running = args.next().unwrap_or(1024).max(1);
     let steps = args.next().unwrap_or(2000).max(1);
     let bs = 16u32;
     let per_seq = (100 + steps as u32).div_ceil(bs) + 1;
     let pool = Arc::new(
-        BlockPool::new(PoolConfig { device: 0, num_blocks: running as u32 * per_seq, max_engines: 1 })
-            .expect("pool"),
+        BlockPool::new(PoolConfig {
+            device: 0,
+            num_blocks: running as u32 * per_seq,
+            max_engines: 1,
+        })
+        .expect("pool"),
     );
     let mut b = Batcher::new(
         BatcherConfig {
@@ -33,7 +39,10 @@ fn main() {
         b.add(SeqRequest {
             id,
             prompt: vec![1; 100],
-            stop: StopRules { max_new_tokens: steps as u32 + 10, ..Default::default() },
+            stop: StopRules {
+                max_new_tokens: steps as u32 + 10,
+                ..Default::default()
+            },
             priority: Priority::Throughput,
         })
         .expect("add");
@@ -46,5 +55,8 @@ fn main() {
         b.commit(&sampled[..n], &mut fin).expect("commit");
     }
     let e = t.elapsed();
-    println!("{running} sequences, {steps} steps: {:.1} us per step", e.as_secs_f64() * 1e6 / steps as f64);
+    println!(
+        "{running} sequences, {steps} steps: {:.1} us per step",
+        e.as_secs_f64() * 1e6 / steps as f64
+    );
 }

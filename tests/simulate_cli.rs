@@ -26,7 +26,11 @@ fn short_run_writes_report_json_and_chart() {
         svg.to_str().unwrap(),
     ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("leaked blocks: 0"), "{stdout}");
     for name in ["chat-gqa", "code-mqa", "batch-mha"] {
         assert!(stdout.contains(name), "{stdout}");
@@ -40,20 +44,36 @@ fn short_run_writes_report_json_and_chart() {
 
 #[test]
 fn model_file_sizes_an_engine() {
-    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gguf/all_types.gguf");
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/gguf/all_types.gguf"
+    );
     let out = pagedkv(&["simulate", "--model", fixture, "--duration", "1", "--quiet"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("all_types"), "{stdout}");
 }
 
 #[test]
 fn bad_arguments_fail_clearly() {
     let cases: [(&[&str], &str); 6] = [
-        (&["simulate", "--pool-blocks", "2", "--quiet"], "fewer than one per engine"),
-        (&["simulate", "--device", "tpu", "--quiet"], "unknown device"),
+        (
+            &["simulate", "--pool-blocks", "2", "--quiet"],
+            "fewer than one per engine",
+        ),
+        (
+            &["simulate", "--device", "tpu", "--quiet"],
+            "unknown device",
+        ),
         (&["simulate", "--dtype", "f64", "--quiet"], "unknown dtype"),
-        (&["simulate", "--model", "/nonexistent.gguf", "--quiet"], "nonexistent.gguf"),
+        (
+            &["simulate", "--model", "/nonexistent.gguf", "--quiet"],
+            "nonexistent.gguf",
+        ),
         (&["simulate", "--duration=-1", "--quiet"], "duration"),
         (&["simulate", "--weights", "1,2", "--quiet"], "--weights"),
     ];

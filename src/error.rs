@@ -294,6 +294,69 @@ pub enum AttnError {
     },
 }
 
+/// Errors of the CUDA run time ([`crate::cuda`]): probing, allocation, copies and kernel
+/// launches. Only with feature `cuda`.
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum CudaError {
+    /// The CUDA driver library (`libcuda.so`) cannot be loaded: no NVIDIA driver here.
+    #[error("no CUDA driver: libcuda cannot be loaded on this machine")]
+    DriverNotFound,
+    /// The driver is present but has no device with this ordinal.
+    #[error("no CUDA device {ordinal}: the driver reports {count} device(s)")]
+    NoDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// Devices the driver reports.
+        count: usize,
+    },
+    /// A CUDA driver API call (through cudarc) failed.
+    #[error("CUDA driver error: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    /// This build holds no kernel image the device can run (built for sm_80, sm_90 and
+    /// compute_90 PTX).
+    #[error("no kernel image for compute capability {major}.{minor} in this build")]
+    NoKernelImage {
+        /// Compute capability, major.
+        major: i32,
+        /// Compute capability, minor.
+        minor: i32,
+    },
+    /// A launcher of kernels/pagedkv.h returned a non-zero status: a CUDA runtime error
+    /// (1..9999) or an argument the launcher refused (`PKV_ERR_*`, >= 10000).
+    #[error("{op}: {message} (status {status})")]
+    Launch {
+        /// The launcher.
+        op: &'static str,
+        /// The status it returned.
+        status: i32,
+        /// The runtime's or the launcher's description of it.
+        message: &'static str,
+    },
+    /// A shape or parameter the CPU kernels refuse too (same checks, same words).
+    #[error(transparent)]
+    Attn(#[from] AttnError),
+    /// A KV geometry, mapping or dtype problem.
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    /// The geometry is valid for the CPU kernels but not supported by the CUDA kernels.
+    #[error("unsupported by the CUDA kernels: {what} = {value}")]
+    Unsupported {
+        /// Which parameter (head_dim, block_size, ...).
+        what: &'static str,
+        /// The refused value.
+        value: usize,
+    },
+    /// A device buffer belongs to another device or context than the one used.
+    #[error("a device buffer belongs to device {found}, not to device {expected}")]
+    WrongDevice {
+        /// The device the call runs on.
+        expected: usize,
+        /// The buffer's device.
+        found: usize,
+    },
+}
+
 /// Errors of the budget coordinator ([`crate::budget::BudgetCoordinator`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum BudgetError {

@@ -518,6 +518,10 @@ pub enum SimError {
     /// Drawing the chart failed.
     #[error("drawing the chart: {0}")]
     Plot(String),
+    /// A CUDA call failed.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
     /// A worker thread panicked (a bug).
     #[error("a simulation thread panicked")]
     ThreadPanicked,

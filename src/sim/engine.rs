@@ -7,16 +7,16 @@ use super::workload::SimRequest;
 use crate::block::{BlockPool, EngineId};
 use crate::budget::BudgetCoordinator;
 use crate::error::SimError;
-use crate::kv::{HostKvCache, KvCacheConfig, KvDtype, SwapSpace};
+use crate::kv::{KvCacheConfig, KvDtype};
 use crate::sched::admission::{Admission, Completion};
 use crate::sched::{
     budget_priority, Batcher, BatcherConfig, EngineShare, FinishReason, FinishedSeq, Priority,
     SeqId, SeqRequest, StopRules,
 };
+use crate::sync::Arc;
 use half::{bf16, f16};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Token id the simulated "model" treats as end of sequence.
@@ -79,10 +79,17 @@ pub struct EngineMetrics {
     pub schedule_wall: Duration,
 }
 
+/// The kernels of one engine: CPU kernels on a host cache, or CUDA kernels on a device cache.
 enum AnyKernels {
     F32(KernelBuffers<f32>),
     F16(KernelBuffers<f16>),
     Bf16(KernelBuffers<bf16>),
+    #[cfg(feature = "cuda")]
+    CudaF32(super::kernels_cuda::DeviceKernels<f32>),
+    #[cfg(feature = "cuda")]
+    CudaF16(super::kernels_cuda::DeviceKernels<f16>),
+    #[cfg(feature = "cuda")]
+    CudaBf16(super::kernels_cuda::DeviceKernels<bf16>),
 }
 
 /// One engine's state, owned by its thread.
@@ -91,8 +98,6 @@ pub(crate) struct EngineRuntime {
     pub(crate) spec: EngineSpec,
     pub(crate) batcher: Batcher,
     coordinator: Arc<BudgetCoordinator>,
-    cache: HostKvCache,
-    swap: SwapSpace,
     kernels: AnyKernels,
     rng: SmallRng,
     tracked: HashMap<SeqId, Tracked>,
@@ -109,6 +114,7 @@ impl EngineRuntime {
         id: EngineId,
         pool: Arc<BlockPool>,
         coordinator: Arc<BudgetCoordinator>,
+        device: &super::Device,
     ) -> Result<Self, SimError> {
         let kv = KvCacheConfig::new(
             spec.layers,
@@ -144,18 +150,47 @@ impl EngineRuntime {
         )?;
         batcher.attach_budget(Box::new(EngineShare::new(coordinator.clone(), id)));
         let mut rng = SmallRng::seed_from_u64(cfg.seed ^ 0x5eed_0000 ^ u64::from(id.0));
-        let kernels = match cfg.dtype {
-            KvDtype::F32 => AnyKernels::F32(KernelBuffers::new(&mut rng)),
-            KvDtype::F16 => AnyKernels::F16(KernelBuffers::new(&mut rng)),
-            KvDtype::Bf16 => AnyKernels::Bf16(KernelBuffers::new(&mut rng)),
+        let swap_blocks = cfg.swap_blocks as usize;
+        let kernels = match device {
+            super::Device::Cpu => match cfg.dtype {
+                KvDtype::F32 => AnyKernels::F32(KernelBuffers::new(kv, swap_blocks, &mut rng)?),
+                KvDtype::F16 => AnyKernels::F16(KernelBuffers::new(kv, swap_blocks, &mut rng)?),
+                KvDtype::Bf16 => AnyKernels::Bf16(KernelBuffers::new(kv, swap_blocks, &mut rng)?),
+            },
+            #[cfg(feature = "cuda")]
+            super::Device::Cuda(gpu) => {
+                use super::kernels_cuda::DeviceKernels;
+                let heads = spec.heads;
+                match cfg.dtype {
+                    KvDtype::F32 => AnyKernels::CudaF32(DeviceKernels::new(
+                        gpu,
+                        kv,
+                        swap_blocks,
+                        heads,
+                        &mut rng,
+                    )?),
+                    KvDtype::F16 => AnyKernels::CudaF16(DeviceKernels::new(
+                        gpu,
+                        kv,
+                        swap_blocks,
+                        heads,
+                        &mut rng,
+                    )?),
+                    KvDtype::Bf16 => AnyKernels::CudaBf16(DeviceKernels::new(
+                        gpu,
+                        kv,
+                        swap_blocks,
+                        heads,
+                        &mut rng,
+                    )?),
+                }
+            }
         };
         Ok(Self {
             id,
             spec: spec.clone(),
             batcher,
             coordinator,
-            swap: SwapSpace::new(&kv, cfg.swap_blocks.max(1) as usize)?,
-            cache: HostKvCache::new(kv)?,
             kernels,
             rng,
             tracked: HashMap::new(),
@@ -229,15 +264,15 @@ impl EngineRuntime {
         let batch = self.batcher.batch();
         let heads = self.spec.heads;
         let bytes = match &mut self.kernels {
-            AnyKernels::F32(k) => {
-                k.run(&mut self.cache, &mut self.swap, batch, heads, &mut self.rng)?
-            }
-            AnyKernels::F16(k) => {
-                k.run(&mut self.cache, &mut self.swap, batch, heads, &mut self.rng)?
-            }
-            AnyKernels::Bf16(k) => {
-                k.run(&mut self.cache, &mut self.swap, batch, heads, &mut self.rng)?
-            }
+            AnyKernels::F32(k) => k.run(batch, heads, &mut self.rng)?,
+            AnyKernels::F16(k) => k.run(batch, heads, &mut self.rng)?,
+            AnyKernels::Bf16(k) => k.run(batch, heads, &mut self.rng)?,
+            #[cfg(feature = "cuda")]
+            AnyKernels::CudaF32(k) => k.run(batch, &mut self.rng)?,
+            #[cfg(feature = "cuda")]
+            AnyKernels::CudaF16(k) => k.run(batch, &mut self.rng)?,
+            #[cfg(feature = "cuda")]
+            AnyKernels::CudaBf16(k) => k.run(batch, &mut self.rng)?,
         };
         self.metrics.kv_bytes_read += bytes;
         self.metrics.kernel_wall += t.elapsed();

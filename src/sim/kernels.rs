@@ -4,7 +4,7 @@
 
 use crate::attn::{cpu, AttnParams, AttnWorkspace, PagedSeqs};
 use crate::error::SimError;
-use crate::kv::{HostKvCache, KvElem, SwapSpace};
+use crate::kv::{HostKvCache, KvCacheConfig, KvElem, SwapSpace};
 use crate::sched::Batch;
 use rand::{rngs::SmallRng, Rng};
 
@@ -15,6 +15,8 @@ const NOISE: usize = 1 << 21;
 /// Reusable buffers of one engine's kernels for element type `T`.
 #[derive(Debug)]
 pub(crate) struct KernelBuffers<T: KvElem> {
+    cache: HostKvCache,
+    swap: SwapSpace,
     noise: Vec<T>,
     out: Vec<T>,
     ws: AttnWorkspace,
@@ -22,26 +24,32 @@ pub(crate) struct KernelBuffers<T: KvElem> {
 }
 
 impl<T: KvElem> KernelBuffers<T> {
-    pub(crate) fn new(rng: &mut SmallRng) -> Self {
-        Self {
+    /// A host cache of `kv`'s geometry and a swap space of `swap_blocks` blocks.
+    pub(crate) fn new(
+        kv: KvCacheConfig,
+        swap_blocks: usize,
+        rng: &mut SmallRng,
+    ) -> Result<Self, SimError> {
+        Ok(Self {
+            swap: SwapSpace::new(&kv, swap_blocks.max(1))?,
+            cache: HostKvCache::new(kv)?,
             noise: (0..NOISE)
                 .map(|_| T::from_f32(rng.gen_range(-1.0..1.0)))
                 .collect(),
             out: Vec::new(),
             ws: AttnWorkspace::new(),
             pairs: Vec::new(),
-        }
+        })
     }
 
     /// Runs one step's kernels. Returns the KV bytes the attention read.
     pub(crate) fn run(
         &mut self,
-        cache: &mut HostKvCache,
-        swap: &mut SwapSpace,
         batch: &Batch,
         heads: usize,
         rng: &mut SmallRng,
     ) -> Result<u64, SimError> {
+        let (cache, swap) = (&mut self.cache, &mut self.swap);
         let cfg = *cache.config();
         // Swap-outs first: their blocks may be reused by this very step.
         if !batch.swap_out.is_empty() {

@@ -22,6 +22,8 @@
 mod config;
 mod engine;
 mod kernels;
+#[cfg(feature = "cuda")]
+mod kernels_cuda;
 mod plot;
 mod report;
 mod workload;
@@ -39,9 +41,10 @@ use crate::budget::{BudgetConfig, BudgetCoordinator};
 use crate::error::{AdmissionError, OverloadReason, SimError};
 use crate::sched::admission::{Admission, AdmissionConfig, Route, Ticket};
 use crate::sched::Priority;
+use crate::sync::Arc;
 use engine::EngineRuntime;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier};
+use std::sync::Barrier;
 use std::time::Instant;
 
 /// Progress of a run, passed to the caller's callback once per step.
@@ -61,6 +64,57 @@ pub struct Progress {
 #[derive(Debug, Default)]
 struct ClientTally {
     refused: Vec<Refusals>,
+}
+
+/// Where the kernels run.
+#[derive(Debug)]
+pub enum Device {
+    /// The CPU kernels ([`crate::attn::cpu`]) on host caches.
+    Cpu,
+    /// The CUDA kernels on device caches of this GPU (each engine on its own stream).
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::Gpu),
+}
+
+impl Device {
+    /// Opens a device by name: `cpu`, `cuda` or `cuda:N`. A CUDA device in a build without the
+    /// `cuda` feature, or on a machine without a usable GPU, is a [`SimError::Device`].
+    pub fn open(name: &str) -> Result<Self, SimError> {
+        let ordinal = match name {
+            "cpu" => return Ok(Device::Cpu),
+            "cuda" => 0,
+            _ => match name.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => n,
+                _ => {
+                    return Err(SimError::Device(format!(
+                        "unknown device {name:?}: expected cpu, cuda or cuda:N"
+                    )))
+                }
+            },
+        };
+        #[cfg(feature = "cuda")]
+        {
+            crate::cuda::Gpu::open(ordinal)
+                .map(Device::Cuda)
+                .map_err(|e| SimError::Device(format!("{name}: {e}")))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = ordinal;
+            Err(SimError::Device(format!(
+                "{name}: this build has no CUDA support; rebuild with `--features cuda`"
+            )))
+        }
+    }
+
+    /// A name for reports.
+    pub fn describe(&self) -> String {
+        match self {
+            Device::Cpu => "cpu".into(),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(gpu) => format!("cuda ({:?})", gpu.info()),
+        }
+    }
 }
 
 /// Checks a configuration before anything is built.
@@ -126,6 +180,15 @@ pub fn validate(cfg: &SimConfig) -> Result<(), SimError> {
 /// Runs a simulation on the CPU kernels. `progress` is called once per step from the
 /// coordinating thread.
 pub fn run(cfg: &SimConfig, progress: &(dyn Fn(Progress) + Sync)) -> Result<Report, SimError> {
+    run_on(cfg, &Device::Cpu, progress)
+}
+
+/// Runs a simulation with its kernels on `device`.
+pub fn run_on(
+    cfg: &SimConfig,
+    device: &Device,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<Report, SimError> {
     validate(cfg)?;
     let n = cfg.engines.len();
     let requests = generate(cfg);
@@ -156,6 +219,7 @@ pub fn run(cfg: &SimConfig, progress: &(dyn Fn(Progress) + Sync)) -> Result<Repo
             id,
             pool.clone(),
             coordinator.clone(),
+            device,
         )?);
     }
     let admission: Admission<SimRequest, SimOutcome> =
@@ -479,7 +543,7 @@ pub fn run(cfg: &SimConfig, progress: &(dyn Fn(Progress) + Sync)) -> Result<Repo
     drop(engines);
     Ok(Report {
         seed: cfg.seed,
-        device: "cpu".into(),
+        device: device.describe(),
         duration_s: cfg.duration_s,
         step_ms: cfg.step_ms,
         steps: steps_run,

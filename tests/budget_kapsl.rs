@@ -81,8 +81,16 @@ fn deregistration_removes_engine_and_reuses_slot() {
     assert_eq!(snap.engines[0].engine, e[0]);
     // The freed slot is handed out again.
     assert_eq!(c.register(5).unwrap(), e[1]);
-    assert_eq!(c.deregister(EngineId(7)), Err(BudgetError::NotRegistered { engine: EngineId(7) }));
-    assert!(matches!(c.deregister(EngineId(8)), Err(BudgetError::UnknownEngine { .. })));
+    assert_eq!(
+        c.deregister(EngineId(7)),
+        Err(BudgetError::NotRegistered {
+            engine: EngineId(7)
+        })
+    );
+    assert!(matches!(
+        c.deregister(EngineId(8)),
+        Err(BudgetError::UnknownEngine { .. })
+    ));
 }
 
 #[test]
@@ -90,7 +98,13 @@ fn deregistration_refused_while_holding_blocks() {
     let c = coord(1000, 100, 1000);
     let e = with_engines(&c, &[(1, true)]);
     c.try_acquire_blocks(e[0], 3).unwrap();
-    assert_eq!(c.deregister(e[0]), Err(BudgetError::StillHoldsBlocks { engine: e[0], held: 3 }));
+    assert_eq!(
+        c.deregister(e[0]),
+        Err(BudgetError::StillHoldsBlocks {
+            engine: e[0],
+            held: 3
+        })
+    );
     c.release_blocks(e[0], 3).unwrap();
     c.deregister(e[0]).unwrap();
 }
@@ -101,7 +115,10 @@ fn registry_capacity_and_weights() {
     assert_eq!(c.register(0), Err(BudgetError::ZeroWeight));
     let a = c.register(1).unwrap();
     let b = c.register(1).unwrap();
-    assert_eq!(c.register(1), Err(BudgetError::TooManyEngines { max_engines: 2 }));
+    assert_eq!(
+        c.register(1),
+        Err(BudgetError::TooManyEngines { max_engines: 2 })
+    );
     c.set_active(a, true);
     c.set_active(b, true);
     c.set_weight(b, 3).unwrap();
@@ -125,7 +142,10 @@ fn tokens_acquire_release_and_step_reset() {
     assert!(c.try_acquire_tokens(e, 40));
     assert!(!c.try_acquire_tokens(e, 1));
     c.release_tokens(e, 10).unwrap();
-    assert!(matches!(c.release_tokens(e, 1000), Err(BudgetError::TokensNotHeld { .. })));
+    assert!(matches!(
+        c.release_tokens(e, 1000),
+        Err(BudgetError::TokensNotHeld { .. })
+    ));
     assert_eq!(c.tokens_used(e), 90);
     assert_eq!(c.begin_step(e), 90);
     assert_eq!(c.tokens_used(e), 0);
@@ -149,7 +169,10 @@ fn borrowing_and_reclaim_when_lender_becomes_active() {
     assert_eq!(c.block_limit(e[0]), 100);
     assert_eq!(c.block_limit(e[1]), 50);
     c.try_acquire_blocks(e[0], 80).unwrap();
-    assert!(matches!(c.try_acquire_blocks(e[0], 21), Err(BudgetError::OverBlockLimit { .. })));
+    assert!(matches!(
+        c.try_acquire_blocks(e[0], 21),
+        Err(BudgetError::OverBlockLimit { .. })
+    ));
     c.try_acquire_blocks(e[0], 20).unwrap();
     let snap = c.snapshot();
     assert_eq!(snap.engines[0].blocks_borrowed, 50);
@@ -159,13 +182,25 @@ fn borrowing_and_reclaim_when_lender_becomes_active() {
     c.recompute();
     assert_eq!(c.block_limit(e[0]), 50);
     assert_eq!(c.reclaim_for(e[0]), 50);
-    assert_eq!(c.reclaim_orders(), vec![Reclaim { engine: e[0], blocks: 50 }]);
+    assert_eq!(
+        c.reclaim_orders(),
+        vec![Reclaim {
+            engine: e[0],
+            blocks: 50
+        }]
+    );
     // Inside its quota, the lender is refused until the borrower gives back.
-    assert!(matches!(c.try_acquire_blocks(e[1], 10), Err(BudgetError::BlocksExhausted { .. })));
+    assert!(matches!(
+        c.try_acquire_blocks(e[1], 10),
+        Err(BudgetError::BlocksExhausted { .. })
+    ));
     c.release_blocks(e[0], 50).unwrap();
     assert!(c.reclaim_orders().is_empty());
     c.try_acquire_blocks(e[1], 50).unwrap();
-    assert!(matches!(c.release_blocks(e[1], 51), Err(BudgetError::BlocksNotHeld { .. })));
+    assert!(matches!(
+        c.release_blocks(e[1], 51),
+        Err(BudgetError::BlocksNotHeld { .. })
+    ));
 }
 
 #[test]
@@ -196,7 +231,15 @@ fn donor_picks_lowest_priority_with_enough_blocks() {
     c.publish_load(e[2], 3, 20);
     c.publish_load(e[3], 0, 5); // lowest priority, but not enough freeable blocks
     let d = c.pick_donor(e[0], 5, 10).unwrap();
-    assert_eq!(d, Donor { engine: e[1], priority: 1, freeable_blocks: 20, borrowed_blocks: 0 });
+    assert_eq!(
+        d,
+        Donor {
+            engine: e[1],
+            priority: 1,
+            freeable_blocks: 20,
+            borrowed_blocks: 0
+        }
+    );
     // The requester itself is never its own donor.
     assert_eq!(c.pick_donor(e[1], 5, 10).unwrap().engine, e[2]);
 }
@@ -240,11 +283,28 @@ fn snapshot_reports_every_figure() {
     let s = c.snapshot();
     assert!(s.consistent);
     assert_eq!(s.epoch % 2, 0);
-    assert_eq!((s.tokens_per_step, s.total_blocks, s.blocks_in_use), (1000, 100, 60));
+    assert_eq!(
+        (s.tokens_per_step, s.total_blocks, s.blocks_in_use),
+        (1000, 100, 60)
+    );
     let a = &s.engines[0];
-    assert_eq!((a.weight, a.active, a.token_budget, a.tokens_used), (2, true, 1000, 7));
-    assert_eq!((a.block_quota, a.block_limit, a.blocks_held, a.blocks_borrowed), (40, 100, 60, 20));
+    assert_eq!(
+        (a.weight, a.active, a.token_budget, a.tokens_used),
+        (2, true, 1000, 7)
+    );
+    assert_eq!(
+        (
+            a.block_quota,
+            a.block_limit,
+            a.blocks_held,
+            a.blocks_borrowed
+        ),
+        (40, 100, 60, 20)
+    );
     assert_eq!((a.blocks_to_reclaim, a.load), (0, Some((4, 9))));
     let b = &s.engines[1];
-    assert_eq!((b.weight, b.active, b.token_budget, b.block_quota, b.load), (3, false, 0, 60, None));
+    assert_eq!(
+        (b.weight, b.active, b.token_budget, b.block_quota, b.load),
+        (3, false, 0, 60, None)
+    );
 }

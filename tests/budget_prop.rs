@@ -13,7 +13,11 @@ use proptest::prelude::*;
 /// `min(total, Σ caps)`, no share exceeds its cap, and every claim below its cap has the same
 /// share per unit of weight λ, with capped claims at `cap ≤ λ·w`.
 fn assert_is_water_filling(total: u64, claims: &[(u64, u64)], shares: &[(u128, u128)]) {
-    let caps: u128 = claims.iter().filter(|c| c.0 > 0).map(|c| u128::from(c.1)).sum();
+    let caps: u128 = claims
+        .iter()
+        .filter(|c| c.0 > 0)
+        .map(|c| u128::from(c.1))
+        .sum();
     // Σ num/den == min(total, caps): compare over a common denominator (all uncapped share one).
     let mut whole: u128 = 0;
     let mut frac: (u128, u128) = (0, 1);
@@ -30,9 +34,15 @@ fn assert_is_water_filling(total: u64, claims: &[(u64, u64)], shares: &[(u128, u
             frac = (frac.0 + num, den);
         }
     }
-    assert_eq!(whole * frac.1 + frac.0, u128::from(total).min(caps) * frac.1);
+    assert_eq!(
+        whole * frac.1 + frac.0,
+        u128::from(total).min(caps) * frac.1
+    );
     // Equal level among uncapped claims; capped ones at or below it.
-    let level = claims.iter().zip(shares).find(|(c, s)| c.0 > 0 && s.0 < u128::from(c.1) * s.1);
+    let level = claims
+        .iter()
+        .zip(shares)
+        .find(|(c, s)| c.0 > 0 && s.0 < u128::from(c.1) * s.1);
     if let Some((&(w0, _), &(n0, d0))) = level {
         for (&(w, cap), &(num, den)) in claims.iter().zip(shares) {
             if w == 0 {
@@ -51,7 +61,10 @@ fn assert_is_water_filling(total: u64, claims: &[(u64, u64)], shares: &[(u128, u
 
 fn engines_strategy() -> impl Strategy<Value = Vec<(u32, bool)>> {
     prop::collection::vec(
-        (prop_oneof![1u32..=10, 1u32..=1000, 1u32..=u32::MAX], any::<bool>()),
+        (
+            prop_oneof![1u32..=10, 1u32..=1000, 1u32..=u32::MAX],
+            any::<bool>(),
+        ),
         1..=24,
     )
 }

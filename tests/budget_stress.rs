@@ -14,7 +14,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::thread;
 
-const ITERS: usize = if cfg!(debug_assertions) { 5_000 } else { 100_000 };
+const ITERS: usize = if cfg!(debug_assertions) {
+    5_000
+} else {
+    100_000
+};
 
 #[test]
 fn concurrent_token_acquirers_never_over_grant() {
@@ -78,7 +82,8 @@ fn concurrent_block_acquirers_respect_engine_and_pool_bounds() {
                     let n = rng.gen_range(1..=20);
                     match c.try_acquire_blocks(e, n) {
                         Ok(()) => {
-                            let mine = per[i].fetch_add(u64::from(n), Ordering::SeqCst) + u64::from(n);
+                            let mine =
+                                per[i].fetch_add(u64::from(n), Ordering::SeqCst) + u64::from(n);
                             let all = tot.fetch_add(u64::from(n), Ordering::SeqCst) + u64::from(n);
                             assert!(mine <= limit, "engine over its limit: {mine} > {limit}");
                             assert!(all <= 90, "pool over-granted: {all}");
@@ -86,7 +91,10 @@ fn concurrent_block_acquirers_respect_engine_and_pool_bounds() {
                             tot.fetch_sub(u64::from(n), Ordering::SeqCst);
                             c.release_blocks(e, n).unwrap();
                         }
-                        Err(BudgetError::OverBlockLimit { .. } | BudgetError::BlocksExhausted { .. }) => {}
+                        Err(
+                            BudgetError::OverBlockLimit { .. }
+                            | BudgetError::BlocksExhausted { .. },
+                        ) => {}
                         Err(other) => panic!("unexpected {other}"),
                     }
                 }
@@ -112,7 +120,12 @@ fn recompute_and_registry_churn_racing_the_hot_path() {
 
     // Engine threads: each drives its own engine like a batcher.
     for (t, &e) in workers.iter().enumerate() {
-        let (c, stop, start, shadow) = (c.clone(), stop.clone(), start.clone(), shadow_blocks.clone());
+        let (c, stop, start, shadow) = (
+            c.clone(),
+            stop.clone(),
+            start.clone(),
+            shadow_blocks.clone(),
+        );
         handles.push(thread::spawn(move || {
             let mut rng = SmallRng::seed_from_u64(t as u64);
             let mut held = 0u32;
@@ -186,7 +199,10 @@ fn recompute_and_registry_churn_racing_the_hot_path() {
                 if s.consistent {
                     consistent += 1;
                     let sum: u64 = s.engines.iter().map(|x| u64::from(x.token_budget)).sum();
-                    assert!(sum <= u64::from(TOKENS), "budgets sum above the global: {sum}");
+                    assert!(
+                        sum <= u64::from(TOKENS),
+                        "budgets sum above the global: {sum}"
+                    );
                     let quotas: u64 = s.engines.iter().map(|x| u64::from(x.block_quota)).sum();
                     assert!(quotas <= u64::from(BLOCKS));
                     for x in &s.engines {
@@ -199,7 +215,9 @@ fn recompute_and_registry_churn_racing_the_hot_path() {
         }));
     }
     start.wait();
-    thread::sleep(std::time::Duration::from_millis(if cfg!(debug_assertions) { 300 } else { 1500 }));
+    thread::sleep(std::time::Duration::from_millis(
+        if cfg!(debug_assertions) { 300 } else { 1500 },
+    ));
     stop.store(true, Ordering::Relaxed);
     handles.into_iter().for_each(|h| h.join().unwrap());
 
@@ -215,16 +233,26 @@ fn recompute_and_registry_churn_racing_the_hot_path() {
         s.active = x.active;
     }
     m.recompute();
-    assert_eq!(snap.engines.len(), workers.len(), "churned engine left behind");
+    assert_eq!(
+        snap.engines.len(),
+        workers.len(),
+        "churned engine left behind"
+    );
     for x in &snap.engines {
         let s = &m.slots[x.engine.index()];
-        assert_eq!((x.token_budget, x.block_quota, x.block_limit), (s.token_budget, s.block_quota, s.block_limit));
+        assert_eq!(
+            (x.token_budget, x.block_quota, x.block_limit),
+            (s.token_budget, s.block_quota, s.block_limit)
+        );
         assert_eq!((x.tokens_used, x.blocks_held), (0, 0));
     }
     for i in 0..8u16 {
         if !snap.engines.iter().any(|x| x.engine.0 == i) {
             let e = EngineId(i);
-            assert_eq!((c.token_budget(e), c.block_quota(e), c.block_limit(e)), (0, 0, 0));
+            assert_eq!(
+                (c.token_budget(e), c.block_quota(e), c.block_limit(e)),
+                (0, 0, 0)
+            );
         }
     }
 }

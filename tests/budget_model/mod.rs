@@ -18,7 +18,12 @@ pub fn water_fill(total: u64, claims: &[(u64, u64)]) -> (ExactShares, Vec<u64>) 
     let mut capped = vec![false; n];
     loop {
         let left: u128 = u128::from(total)
-            - claims.iter().zip(&capped).filter(|(_, &c)| c).map(|(c, _)| u128::from(c.1)).sum::<u128>();
+            - claims
+                .iter()
+                .zip(&capped)
+                .filter(|(_, &c)| c)
+                .map(|(c, _)| u128::from(c.1))
+                .sum::<u128>();
         let weight: u128 = claims
             .iter()
             .zip(&capped)
@@ -41,9 +46,18 @@ pub fn water_fill(total: u64, claims: &[(u64, u64)]) -> (ExactShares, Vec<u64>) 
         }
     }
     let left: u128 = u128::from(total)
-        - claims.iter().zip(&capped).filter(|(_, &c)| c).map(|(c, _)| u128::from(c.1)).sum::<u128>();
-    let weight: u128 =
-        claims.iter().zip(&capped).filter(|(c, &k)| !k && c.0 > 0).map(|(c, _)| u128::from(c.0)).sum();
+        - claims
+            .iter()
+            .zip(&capped)
+            .filter(|(_, &c)| c)
+            .map(|(c, _)| u128::from(c.1))
+            .sum::<u128>();
+    let weight: u128 = claims
+        .iter()
+        .zip(&capped)
+        .filter(|(c, &k)| !k && c.0 > 0)
+        .map(|(c, _)| u128::from(c.0))
+        .sum();
     let mut shares = Vec::with_capacity(n);
     let mut out = vec![0u64; n];
     let mut rems = Vec::new();
@@ -61,8 +75,17 @@ pub fn water_fill(total: u64, claims: &[(u64, u64)]) -> (ExactShares, Vec<u64>) 
             rems.push((num % weight, i));
         }
     }
-    let handed: u128 = out.iter().zip(&capped).filter(|(_, &c)| !c).map(|(&o, _)| u128::from(o)).sum();
-    let extra = if weight == 0 { 0 } else { (left - handed) as usize };
+    let handed: u128 = out
+        .iter()
+        .zip(&capped)
+        .filter(|(_, &c)| !c)
+        .map(|(&o, _)| u128::from(o))
+        .sum();
+    let extra = if weight == 0 {
+        0
+    } else {
+        (left - handed) as usize
+    };
     // Largest remainder first, then lower index.
     rems.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
     for &(_, i) in rems.iter().take(extra) {
@@ -129,7 +152,12 @@ pub struct Model {
 }
 
 impl Model {
-    pub fn new(max_engines: u16, tokens_per_step: u32, total_blocks: u32, cap_permille: u16) -> Self {
+    pub fn new(
+        max_engines: u16,
+        tokens_per_step: u32,
+        total_blocks: u32,
+        cap_permille: u16,
+    ) -> Self {
         Self {
             tokens_per_step,
             total_blocks,
@@ -148,19 +176,29 @@ impl Model {
     }
 
     fn slot(&mut self, e: u16) -> Result<&mut SlotModel, ModelError> {
-        self.slots.get_mut(usize::from(e)).ok_or(ModelError::UnknownEngine)
+        self.slots
+            .get_mut(usize::from(e))
+            .ok_or(ModelError::UnknownEngine)
     }
 
     fn registered(&mut self, e: u16) -> Result<&mut SlotModel, ModelError> {
         let s = self.slot(e)?;
-        if s.registered { Ok(s) } else { Err(ModelError::NotRegistered) }
+        if s.registered {
+            Ok(s)
+        } else {
+            Err(ModelError::NotRegistered)
+        }
     }
 
     pub fn register(&mut self, weight: u32) -> Result<u16, ModelError> {
         if weight == 0 {
             return Err(ModelError::ZeroWeight);
         }
-        let i = self.slots.iter().position(|s| !s.registered).ok_or(ModelError::TooManyEngines)?;
+        let i = self
+            .slots
+            .iter()
+            .position(|s| !s.registered)
+            .ok_or(ModelError::TooManyEngines)?;
         let s = &mut self.slots[i];
         s.registered = true;
         s.weight = weight;
@@ -254,9 +292,9 @@ impl Model {
     }
 
     pub fn reclaim_for(&self, e: u16) -> u32 {
-        self.slots
-            .get(usize::from(e))
-            .map_or(0, |s| s.blocks_held.saturating_sub(u64::from(s.block_limit)) as u32)
+        self.slots.get(usize::from(e)).map_or(0, |s| {
+            s.blocks_held.saturating_sub(u64::from(s.block_limit)) as u32
+        })
     }
 
     pub fn publish_load(&mut self, e: u16, p: u16, freeable: u32) {
@@ -272,7 +310,12 @@ impl Model {
     }
 
     /// `(engine, priority, freeable, borrowed)` of the donor.
-    pub fn pick_donor(&self, requester: u16, priority: u16, needed: u32) -> Option<(u16, u16, u32, u32)> {
+    pub fn pick_donor(
+        &self,
+        requester: u16,
+        priority: u16,
+        needed: u32,
+    ) -> Option<(u16, u16, u32, u32)> {
         let mut candidates: Vec<(u16, u16, u32, u32)> = self
             .slots
             .iter()
@@ -289,7 +332,9 @@ impl Model {
     }
 
     pub fn recompute(&mut self) {
-        let live: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].registered).collect();
+        let live: Vec<usize> = (0..self.slots.len())
+            .filter(|&i| self.slots[i].registered)
+            .collect();
         for s in self.slots.iter_mut() {
             s.token_budget = 0;
             s.block_quota = 0;
@@ -305,7 +350,10 @@ impl Model {
             })
             .collect();
         let (_, tokens) = water_fill(u64::from(self.tokens_per_step), &claims);
-        let claims: Vec<(u64, u64)> = live.iter().map(|&i| (u64::from(self.slots[i].weight), block_cap)).collect();
+        let claims: Vec<(u64, u64)> = live
+            .iter()
+            .map(|&i| (u64::from(self.slots[i].weight), block_cap))
+            .collect();
         let (_, quotas) = water_fill(u64::from(self.total_blocks), &claims);
         for (k, &i) in live.iter().enumerate() {
             let s = &mut self.slots[i];
@@ -317,7 +365,11 @@ impl Model {
             .iter()
             .map(|&i| {
                 let s = &self.slots[i];
-                if s.active { u64::from(s.block_quota) } else { s.blocks_held }
+                if s.active {
+                    u64::from(s.block_quota)
+                } else {
+                    s.blocks_held
+                }
             })
             .sum();
         let lendable = u64::from(self.total_blocks).saturating_sub(reserved);

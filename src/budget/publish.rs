@@ -1,7 +1,7 @@
 //! Recomputation: the delegated single publisher, the water-filling of one round, and its
 //! publication under the epoch (module docs).
 
-use super::waterfill::{water_fill, Claim};
+use super::waterfill::{water_fill, Claim, FillScratch};
 use super::{
     BudgetCoordinator, Publication, BUSY, DIRTY, FREE, JOINING, LEAVING, LIVE, MAX_ROUNDS,
 };
@@ -27,7 +27,7 @@ struct Scratch {
     claims: Vec<Claim>,
     idx: Vec<usize>,
     out: Vec<u64>,
-    order: Vec<u32>,
+    fill: FillScratch,
 }
 
 impl BudgetCoordinator {
@@ -104,24 +104,14 @@ impl BudgetCoordinator {
         }
 
         // Tokens: active engines, uniform cap.
-        let token_cap = u64::from(self.config.token_cap());
-        self.fill(
-            s,
-            u64::from(self.config.tokens_per_step),
-            |r| r.active,
-            |_| token_cap,
-        );
+        let token_cap = self.config.token_cap();
+        self.fill(s, self.config.tokens_per_step, |r| r.active, |_| token_cap);
         for k in 0..s.idx.len() {
             s.rows[s.idx[k]].token_budget = s.out[k] as u32;
         }
         // Block quotas: every registered engine, uniform cap.
-        let block_cap = u64::from(self.config.block_cap());
-        self.fill(
-            s,
-            u64::from(self.config.total_blocks),
-            |_| true,
-            |_| block_cap,
-        );
+        let block_cap = self.config.block_cap();
+        self.fill(s, self.config.total_blocks, |_| true, |_| block_cap);
         for k in 0..s.idx.len() {
             let r = &mut s.rows[s.idx[k]];
             r.block_quota = s.out[k] as u32;
@@ -140,13 +130,14 @@ impl BudgetCoordinator {
                 }
             })
             .sum();
-        let lendable = u64::from(self.config.total_blocks).saturating_sub(reserved);
+        // At most `total_blocks`, so it fits in u32.
+        let lendable = u64::from(self.config.total_blocks).saturating_sub(reserved) as u32;
         if lendable > 0 {
             self.fill(
                 s,
                 lendable,
                 |r| r.active,
-                |r| block_cap.saturating_sub(u64::from(r.block_quota)),
+                |r| block_cap.saturating_sub(r.block_quota),
             );
             for k in 0..s.idx.len() {
                 s.rows[s.idx[k]].block_limit += s.out[k] as u32;
@@ -192,9 +183,9 @@ impl BudgetCoordinator {
     fn fill(
         &self,
         s: &mut Scratch,
-        total: u64,
+        total: u32,
         pick: impl Fn(&Row) -> bool,
-        cap: impl Fn(&Row) -> u64,
+        cap: impl Fn(&Row) -> u32,
     ) {
         s.idx.clear();
         s.claims.clear();
@@ -203,14 +194,14 @@ impl BudgetCoordinator {
                 s.idx.push(i);
                 s.claims.push(Claim {
                     id: i as u16,
-                    weight: u64::from(r.weight),
+                    weight: r.weight,
                     cap: cap(r),
                 });
             }
         }
         s.out.clear();
         s.out.resize(s.claims.len(), 0);
-        water_fill(total, &s.claims, &mut s.out, &mut s.order);
+        water_fill(total, &s.claims, &mut s.out, &mut s.fill);
     }
 }
 

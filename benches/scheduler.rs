@@ -175,7 +175,9 @@ mod oxillama {
                 let s = self.seqs.get_mut(&id).unwrap();
                 if s.state == State::Prefilling {
                     let budget = self.max_batch_tokens - b.total_tokens();
-                    let chunk = (s.prompt.len() - s.prompt_pos).min(self.max_prefill).min(budget);
+                    let chunk = (s.prompt.len() - s.prompt_pos)
+                        .min(self.max_prefill)
+                        .min(budget);
                     if chunk > 0 {
                         let toks = s.prompt[s.prompt_pos..s.prompt_pos + chunk].to_vec();
                         s.prompt_pos += chunk;
@@ -189,7 +191,9 @@ mod oxillama {
                 }
             }
             for &id in &snapshot {
-                if b.seq_ids.len() >= self.max_sequences || b.total_tokens() >= self.max_batch_tokens {
+                if b.seq_ids.len() >= self.max_sequences
+                    || b.total_tokens() >= self.max_batch_tokens
+                {
                     break;
                 }
                 let s = &self.seqs[&id];
@@ -197,15 +201,21 @@ mod oxillama {
                     && s.prompt.len() + s.output.len() < s.max_tokens
                     && !b.seq_ids.contains(&id)
                 {
-                    let last = s.output.last().copied().unwrap_or(*s.prompt.last().unwrap());
+                    let last = s
+                        .output
+                        .last()
+                        .copied()
+                        .unwrap_or(*s.prompt.last().unwrap());
                     b.seq_ids.push(id);
                     b.tokens.push(vec![last]);
                     b.is_prefill.push(false);
                 }
             }
             let seqs = &self.seqs;
-            self.active
-                .retain(|id| seqs.get(id).is_some_and(|s| s.prompt.len() + s.output.len() < s.max_tokens));
+            self.active.retain(|id| {
+                seqs.get(id)
+                    .is_some_and(|s| s.prompt.len() + s.output.len() < s.max_tokens)
+            });
             b
         }
     }
@@ -271,8 +281,12 @@ fn mixed_steps(c: &mut Criterion) {
     let mut g = c.benchmark_group("mixed_step");
     // 256 decoding sequences plus 16 long prompts prefilling in chunks of 256.
     g.throughput(Throughput::Elements(256 + 16 * 256));
-    g.bench_function("pagedkv/256+16", |b| b.iter_custom(|iters| time_pagedkv(iters, 256, 16)));
-    g.bench_function("oxillama/256+16", |b| b.iter_custom(|iters| time_oxillama(iters, 256, 16)));
+    g.bench_function("pagedkv/256+16", |b| {
+        b.iter_custom(|iters| time_pagedkv(iters, 256, 16))
+    });
+    g.bench_function("oxillama/256+16", |b| {
+        b.iter_custom(|iters| time_oxillama(iters, 256, 16))
+    });
     g.finish();
 }
 

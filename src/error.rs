@@ -126,6 +126,174 @@ pub enum SchedError {
     Pool(#[from] PoolError),
 }
 
+/// Errors of the KV cache geometry, host storage and swap space ([`crate::kv`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum KvError {
+    /// A geometry size is zero.
+    #[error("invalid KV geometry: {what} is 0")]
+    ZeroDimension {
+        /// Which size.
+        what: &'static str,
+    },
+    /// `head_dim` is not a multiple of the vector width.
+    #[error("invalid KV geometry: head_dim {head_dim} is not a multiple of {align}")]
+    HeadDimAlignment {
+        /// The refused head dim.
+        head_dim: usize,
+        /// The required multiple.
+        align: usize,
+    },
+    /// More blocks than a block id can name.
+    #[error("invalid KV geometry: {num_blocks} blocks, at most {max}")]
+    TooManyBlocks {
+        /// Blocks asked for.
+        num_blocks: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The pool's byte size overflows `isize`.
+    #[error("invalid KV geometry: the pool's size in bytes overflows")]
+    SizeOverflow,
+    /// The allocator refused the host buffer.
+    #[error("host allocation of {bytes} bytes failed")]
+    AllocFailed {
+        /// Bytes asked for.
+        bytes: usize,
+    },
+    /// The element type does not match the cache's dtype.
+    #[error("dtype mismatch: the cache holds {expected}, got {found}")]
+    DtypeMismatch {
+        /// The cache's dtype.
+        expected: crate::kv::KvDtype,
+        /// The type used.
+        found: crate::kv::KvDtype,
+    },
+    /// A buffer has the wrong number of elements.
+    #[error("{what}: expected {expected} elements, got {found}")]
+    LengthMismatch {
+        /// Which buffer.
+        what: &'static str,
+        /// Elements the geometry requires.
+        expected: usize,
+        /// Elements given.
+        found: usize,
+    },
+    /// The layer index is not below `num_layers`.
+    #[error("layer {layer} is out of range: the cache has {num_layers} layers")]
+    LayerOutOfRange {
+        /// The refused layer.
+        layer: usize,
+        /// Layers in the cache.
+        num_layers: usize,
+    },
+    /// A block index is outside the cache or swap space.
+    #[error("block {block} is out of range: {num_blocks} blocks")]
+    BlockOutOfRange {
+        /// The refused index.
+        block: i64,
+        /// Blocks in the space indexed.
+        num_blocks: usize,
+    },
+    /// Two pairs of a copy or swap mapping write the same destination block.
+    #[error("block {block} is the destination of more than one copy")]
+    DuplicateDestination {
+        /// The block.
+        block: u32,
+    },
+    /// A copy inside one cache writes a block that the same call reads.
+    #[error("block {block} is both a source and a destination of one copy_blocks call")]
+    CopyOverlap {
+        /// The block.
+        block: u32,
+    },
+    /// Swap between caches whose block shapes (layers, heads, head dim, block size, dtype) differ.
+    #[error("swap between caches of different block shapes")]
+    GeometryMismatch,
+}
+
+/// Errors of the attention and cache kernels ([`crate::attn`]): malformed batch tensors or
+/// parameters. Kernels validate everything before writing, so on error no output or cache
+/// element has been modified.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AttnError {
+    /// A cache view or geometry problem.
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    /// A tensor has the wrong number of elements for the batch.
+    #[error("{what}: expected {expected} elements, got {found}")]
+    LengthMismatch {
+        /// Which tensor.
+        what: &'static str,
+        /// Elements the shapes require.
+        expected: usize,
+        /// Elements given.
+        found: usize,
+    },
+    /// `num_heads` is zero or not a multiple of `num_kv_heads`.
+    #[error("num_heads {num_heads} is not a positive multiple of num_kv_heads {num_kv_heads}")]
+    HeadsNotMultiple {
+        /// Query heads.
+        num_heads: usize,
+        /// KV heads of the cache.
+        num_kv_heads: usize,
+    },
+    /// A scalar parameter is out of its domain (scale or soft-cap not finite, soft-cap
+    /// negative, an ALiBi slope not finite).
+    #[error("invalid attention parameter: {what}")]
+    BadParam {
+        /// Which parameter.
+        what: &'static str,
+    },
+    /// A context length is negative or exceeds what the block table row can hold.
+    #[error("sequence {seq}: context length {context_len} outside 0..={capacity}")]
+    ContextLen {
+        /// Sequence index in the batch.
+        seq: usize,
+        /// The refused length.
+        context_len: i64,
+        /// `max_blocks_per_seq * block_size`.
+        capacity: usize,
+    },
+    /// A block table entry that the context length makes live is outside the cache.
+    #[error("sequence {seq}: block table entry {index} = {block} outside 0..{num_blocks}")]
+    BlockOutOfRange {
+        /// Sequence index in the batch.
+        seq: usize,
+        /// Position in the sequence's block table row.
+        index: usize,
+        /// The refused entry.
+        block: i32,
+        /// Blocks in the cache.
+        num_blocks: usize,
+    },
+    /// A slot mapping entry is neither -1 (padding) nor a slot of the cache.
+    #[error("token {token}: slot {slot} outside 0..{num_slots} (and not -1)")]
+    SlotOutOfRange {
+        /// Token index.
+        token: usize,
+        /// The refused slot.
+        slot: i64,
+        /// `num_blocks * block_size`.
+        num_slots: usize,
+    },
+    /// `query_start_loc` does not start at 0 or decreases.
+    #[error("query_start_loc is not a non-decreasing sequence starting at 0 (at sequence {seq})")]
+    QueryStartLoc {
+        /// First offending sequence index.
+        seq: usize,
+    },
+    /// A sequence has more new query tokens than tokens in its context.
+    #[error("sequence {seq}: {q_len} query tokens but context length {context_len}")]
+    QueryLongerThanContext {
+        /// Sequence index in the batch.
+        seq: usize,
+        /// New tokens.
+        q_len: usize,
+        /// Tokens in the cache, new ones included.
+        context_len: usize,
+    },
+}
+
 /// Errors of the budget coordinator ([`crate::budget::BudgetCoordinator`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum BudgetError {
@@ -206,4 +374,88 @@ pub enum BudgetError {
         /// Blocks it held.
         held: u64,
     },
+}
+
+/// Why an admission queue refused or dropped a request ([`AdmissionError::Overloaded`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OverloadReason {
+    /// The target queue was full and the policy (drop-newest, or a non-blocking `try_submit`)
+    /// refused the new request.
+    QueueFull,
+    /// The request was queued, then evicted by a newer one under the drop-oldest policy.
+    EvictedOldest,
+}
+
+/// Errors of the admission queues ([`crate::sched::admission`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AdmissionError {
+    /// The request was refused or dropped because its queue was full.
+    #[error("admission queue overloaded ({reason:?}) on worker {worker}")]
+    Overloaded {
+        /// Why: refused at submit, or evicted later.
+        reason: OverloadReason,
+        /// The worker whose queue overflowed.
+        worker: u32,
+    },
+    /// The queue set was closed (shutting down): no new requests, and a request still queued
+    /// when the queue set was dropped ends with this error.
+    #[error("admission queues are closed (shutting down)")]
+    Closed,
+    /// The route named a worker that does not exist.
+    #[error("unknown worker {worker}: the queue set has {workers} workers")]
+    UnknownWorker {
+        /// The refused worker index.
+        worker: usize,
+        /// Workers in the queue set.
+        workers: usize,
+    },
+    /// The worker dropped the request without completing it.
+    #[error("the request was dropped by its worker without an outcome")]
+    Abandoned,
+    /// Invalid queue-set construction parameters.
+    #[error("invalid admission configuration: {0}")]
+    InvalidConfig(&'static str),
+}
+
+/// Errors of the `simulate` job ([`crate::sim`]).
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// The configuration cannot run.
+    #[error("invalid simulation: {0}")]
+    InvalidConfig(String),
+    /// The requested device cannot be used.
+    #[error("device: {0}")]
+    Device(String),
+    /// The block pool refused.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// The KV cache refused.
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    /// A kernel refused its inputs.
+    #[error(transparent)]
+    Attn(#[from] AttnError),
+    /// The scheduler refused.
+    #[error(transparent)]
+    Sched(#[from] SchedError),
+    /// The budget coordinator refused.
+    #[error(transparent)]
+    Budget(#[from] BudgetError),
+    /// The admission queues refused.
+    #[error(transparent)]
+    Admission(#[from] AdmissionError),
+    /// Writing the report failed.
+    #[error("writing {path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// Drawing the chart failed.
+    #[error("drawing the chart: {0}")]
+    Plot(String),
+    /// A worker thread panicked (a bug).
+    #[error("a simulation thread panicked")]
+    ThreadPanicked,
 }

@@ -9,7 +9,8 @@ pub(crate) use loom::{
     hint,
     sync::{
         atomic::{
-            fence, AtomicBool, AtomicI64, AtomicU16, AtomicU32, AtomicU64, AtomicUsize, Ordering,
+            fence, AtomicBool, AtomicI64, AtomicPtr, AtomicU16, AtomicU32, AtomicU64, AtomicUsize,
+            Ordering,
         },
         Arc,
     },
@@ -22,7 +23,8 @@ pub(crate) use std::{
     hint,
     sync::{
         atomic::{
-            fence, AtomicBool, AtomicI64, AtomicU16, AtomicU32, AtomicU64, AtomicUsize, Ordering,
+            fence, AtomicBool, AtomicI64, AtomicPtr, AtomicU16, AtomicU32, AtomicU64, AtomicUsize,
+            Ordering,
         },
         Arc,
     },
@@ -70,5 +72,38 @@ pub(crate) mod global {
         // Relaxed: uniqueness needs only the RMW's atomicity, no ordering with other memory.
         let t = NEXT_POOL_TAG.fetch_add(1, Ordering::Relaxed);
         (t % u32::from(u16::MAX)) as u16 + 1
+    }
+}
+
+/// A cell for data whose exclusive access an atomic protocol guarantees. Under loom it is loom's
+/// `UnsafeCell`, which checks that protocol (a read racing a write fails the model); otherwise a
+/// zero-cost wrapper with the same closure-based API (`with` / `with_mut` hand out raw pointers).
+#[cfg(loom)]
+pub(crate) use loom::cell::UnsafeCell;
+
+/// A cell for data whose exclusive access an atomic protocol guarantees (see the loom variant).
+#[cfg(not(loom))]
+#[derive(Debug, Default)]
+pub(crate) struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
+
+#[cfg(not(loom))]
+impl<T> UnsafeCell<T> {
+    /// Wraps `data`.
+    pub(crate) const fn new(data: T) -> Self {
+        Self(std::cell::UnsafeCell::new(data))
+    }
+
+    /// Calls `f` with a shared raw pointer to the contents; the caller's protocol must rule out a
+    /// concurrent `with_mut` before `f` dereferences it.
+    #[inline(always)]
+    pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
+        f(self.0.get())
+    }
+
+    /// Calls `f` with a unique raw pointer to the contents; the caller's protocol must rule out
+    /// any concurrent access before `f` dereferences it.
+    #[inline(always)]
+    pub(crate) fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+        f(self.0.get())
     }
 }

@@ -1,1 +1,23 @@
-//! KV cache geometry: the one paged layout that the CPU and CUDA kernels share, host storage and swap space.
+//! KV cache geometry: the one paged layout that the CPU and CUDA kernels share, host storage and
+//! swap space.
+//!
+//! - [`layout`]: the layout (documented once, with the reason for it) and [`KvCacheConfig`],
+//!   the validated geometry that exposes its strides and byte sizes.
+//! - [`KvDtype`] / [`KvElem`]: `f32`, `f16`, `bf16` storage; arithmetic is always `f32`.
+//! - [`HostKvCache`], [`SwapSpace`]: page-aligned host storage of that layout; batched
+//!   block copies ([`HostKvCache::copy_blocks`]) and swap-out / swap-in by mapping lists.
+//! - [`KvCacheView`], [`LayerKv`] (and their `Mut` twins): typed, validated views of a cache
+//!   slice, what the kernels in [`crate::attn::cpu`] take.
+
+mod dtype;
+mod host;
+pub mod layout;
+
+pub use dtype::{KvDtype, KvElem};
+pub use host::{
+    check_block_mapping, coalesce_block_runs, BlockRun, HostKvCache, KvCacheView, KvCacheViewMut,
+    LayerKv, LayerKvMut, SwapSpace, HOST_ALIGN,
+};
+pub use layout::{KvCacheConfig, KvPart, HEAD_DIM_ALIGN};
+
+pub(crate) use host::copy_runs_within;

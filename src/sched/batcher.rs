@@ -123,6 +123,9 @@ pub struct Batcher {
     /// Aborts requested since the last step, applied at the start of the next one (the batch
     /// in flight may still reference their blocks).
     pending_aborts: Vec<SeqId>,
+    /// Blocks to give back at the start of the next step, by preempting (a reclaim order of
+    /// the budget coordinator, or a donation to a higher-priority engine).
+    shed_request: u32,
     batch: Batch,
     /// This step's rows: (slot, new tokens).
     scheduled: Vec<(usize, usize)>,
@@ -184,6 +187,7 @@ impl Batcher {
             host_free: (0..cfg.swap_blocks).rev().collect(),
             host_released: Vec::new(),
             pending_aborts: Vec::new(),
+            shed_request: 0,
             batch: Batch::default(),
             scheduled: Vec::new(),
             scratch: Vec::new(),
@@ -381,10 +385,10 @@ impl Batcher {
         // Host slots freed by last step's swap-ins are safe to reuse now.
         self.host_free.append(&mut self.host_released);
         self.apply_aborts(finished);
+        let mut preempted = self.apply_shed();
 
         let external = self.budget.as_ref().map_or(u32::MAX, |b| b.token_budget());
         let mut budget = self.cfg.max_batched_tokens.min(external) as usize;
-        let mut preempted = false;
 
         // 1. Running sequences, oldest first.
         let mut i = 0;
@@ -466,6 +470,63 @@ impl Batcher {
             }
         }
         &self.batch
+    }
+
+    /// Asks the batcher to give back `blocks` blocks at the start of its next step by
+    /// preempting running sequences (lowest priority, latest arrival first). Requests add up.
+    pub fn request_shed(&mut self, blocks: u32) {
+        self.shed_request = self.shed_request.saturating_add(blocks);
+    }
+
+    /// The lowest priority among running sequences, and the blocks that preempting every
+    /// running sequence of that priority would free; `None` when nothing runs.
+    pub fn preemptible_load(&self) -> Option<(Priority, u32)> {
+        let lowest = self.running.iter().map(|&s| self.seq(s).priority).max()?;
+        let blocks = self
+            .running
+            .iter()
+            .map(|&s| self.seq(s))
+            .filter(|s| s.priority == lowest)
+            .map(|s| s.table.len())
+            .sum();
+        Some((lowest, blocks))
+    }
+
+    /// Waiting sequences of a class.
+    pub fn num_waiting_in(&self, class: Priority) -> usize {
+        self.waiting[class.index()].len()
+    }
+
+    /// Blocks the first waiting sequence of the most urgent non-empty class needs for its next
+    /// chunk, with that class; `None` when nothing waits.
+    pub fn next_admission_need(&self) -> Option<(Priority, u32)> {
+        Priority::ALL.into_iter().find_map(|class| {
+            let &slot = self.waiting[class.index()].front()?;
+            let s = self.seq(slot);
+            let n = (s.tokens.len() - s.computed).min(self.cfg.max_prefill_chunk as usize);
+            Some((class, n.div_ceil(self.cfg.block_size as usize) as u32))
+        })
+    }
+
+    /// Preempts running sequences (victim order as in a step) until the requested blocks are
+    /// freed or nothing runs. Returns whether anything was preempted.
+    fn apply_shed(&mut self) -> bool {
+        let mut preempted = false;
+        while self.shed_request > 0 && !self.running.is_empty() {
+            let pos = (0..self.running.len())
+                .max_by_key(|&k| {
+                    let s = self.seq(self.running[k]);
+                    (s.priority, s.arrival)
+                })
+                .unwrap_or(0);
+            let slot = self.running.remove(pos);
+            let blocks = self.seq(slot).table.len();
+            self.preempt(slot);
+            self.shed_request = self.shed_request.saturating_sub(blocks.max(1));
+            preempted = true;
+        }
+        self.shed_request = 0;
+        preempted
     }
 
     /// The last scheduled batch.

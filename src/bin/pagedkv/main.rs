@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+mod simulate_cmd;
 mod stress_cmd;
 
 /// pagedkv: lock-free paged KV-cache memory and scheduling core.
@@ -15,6 +16,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// The main job: several models serving a seeded workload on one shared KV pool.
+    Simulate(simulate_cmd::Args),
     /// Hammer one shared block pool from several threads and report ops/s.
     Stress(stress_cmd::Args),
 }
@@ -22,6 +25,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Simulate(args) => simulate_cmd::run(args),
         Command::Stress(args) => stress_cmd::run(args),
     };
     match result {

@@ -1,0 +1,176 @@
+//! `pagedkv simulate`: the main job. Several models serve a seeded workload on one shared KV
+//! pool; prints a report, optionally as JSON and as an SVG chart.
+
+use indicatif::{ProgressBar, ProgressStyle};
+use pagedkv::kv::KvDtype;
+use pagedkv::sched::admission::OverflowPolicy;
+use pagedkv::sched::PreemptionMode;
+use pagedkv::sim::{self, SimConfig};
+use std::path::PathBuf;
+
+/// Arguments of `pagedkv simulate`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Seed of the workload, projections and sampling.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Simulated seconds of arrivals (the run then drains).
+    #[arg(long, default_value_t = 20.0)]
+    duration: f64,
+    /// Simulated milliseconds per engine step.
+    #[arg(long, default_value_t = 25.0)]
+    step_ms: f64,
+    /// KV blocks in the shared device pool.
+    #[arg(long, default_value_t = 1536)]
+    pool_blocks: u32,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    /// Global tokens per step, split across engines by weight.
+    #[arg(long, default_value_t = 256)]
+    tokens_per_step: u32,
+    /// Most of the global budget one engine may take, per mille.
+    #[arg(long, default_value_t = 800)]
+    cap_permille: u16,
+    /// KV dtype: f32, f16 or bf16.
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    dtype: KvDtype,
+    /// Preemption: swap or recompute.
+    #[arg(long, default_value = "swap", value_parser = parse_preemption)]
+    preemption: PreemptionMode,
+    /// Full admission queue: drop-newest, drop-oldest.
+    #[arg(long, default_value = "drop-newest", value_parser = parse_overflow)]
+    overflow: OverflowPolicy,
+    /// Capacity of each engine's admission queue per class.
+    #[arg(long, default_value_t = 64)]
+    queue_capacity: usize,
+    /// Client threads submitting requests.
+    #[arg(long, default_value_t = 2)]
+    clients: usize,
+    /// Multiply every engine's arrival rate.
+    #[arg(long, default_value_t = 1.0)]
+    load: f64,
+    /// Device for the kernels: cpu, or cuda (needs the `cuda` feature and a GPU).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Write the report as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Draw KV blocks per engine and token budgets over time as SVG to this file.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+fn parse_dtype(s: &str) -> Result<KvDtype, String> {
+    match s {
+        "f32" => Ok(KvDtype::F32),
+        "f16" => Ok(KvDtype::F16),
+        "bf16" => Ok(KvDtype::Bf16),
+        _ => Err(format!("unknown dtype {s:?}: expected f32, f16 or bf16")),
+    }
+}
+
+fn parse_preemption(s: &str) -> Result<PreemptionMode, String> {
+    match s {
+        "swap" => Ok(PreemptionMode::Swap),
+        "recompute" => Ok(PreemptionMode::Recompute),
+        _ => Err(format!(
+            "unknown preemption {s:?}: expected swap or recompute"
+        )),
+    }
+}
+
+fn parse_overflow(s: &str) -> Result<OverflowPolicy, String> {
+    match s {
+        "drop-newest" => Ok(OverflowPolicy::DropNewest),
+        "drop-oldest" => Ok(OverflowPolicy::DropOldest),
+        _ => Err(format!(
+            "unknown overflow policy {s:?}: expected drop-newest or drop-oldest (a simulation cannot block its clients)"
+        )),
+    }
+}
+
+/// Builds the configuration from the arguments.
+fn config(args: &Args) -> Result<SimConfig, Box<dyn std::error::Error>> {
+    let mut cfg = SimConfig {
+        seed: args.seed,
+        duration_s: args.duration,
+        step_ms: args.step_ms,
+        pool_blocks: args.pool_blocks,
+        block_size: args.block_size,
+        dtype: args.dtype,
+        tokens_per_step: args.tokens_per_step,
+        cap_permille: args.cap_permille,
+        clients: args.clients,
+        queue_capacity: args.queue_capacity,
+        overflow: args.overflow,
+        preemption: args.preemption,
+        ..SimConfig::default()
+    };
+    if !(args.load > 0.0 && args.load.is_finite()) {
+        return Err("--load must be a positive number".into());
+    }
+    for e in &mut cfg.engines {
+        e.rate *= args.load;
+    }
+    Ok(cfg)
+}
+
+/// Runs the simulation and prints its report.
+pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    match args.device.as_str() {
+        "cpu" => {}
+        "cuda" => {
+            return Err(if cfg!(feature = "cuda") {
+                "--device cuda: the simulation drives the CPU kernels; the CUDA kernels are \
+                 exercised by `pagedkv bench gpu` and the GPU tests"
+                    .into()
+            } else {
+                "--device cuda needs a build with `--features cuda`".into()
+            })
+        }
+        other => return Err(format!("unknown device {other:?}: expected cpu or cuda").into()),
+    }
+    let cfg = config(&args)?;
+    sim::validate(&cfg)?;
+    let bar = if args.quiet {
+        ProgressBar::hidden()
+    } else {
+        let total = sim::generate(&cfg).len() as u64;
+        let bar = ProgressBar::new(total);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests resolved {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        bar
+    };
+    let report = sim::run(&cfg, &|p| {
+        bar.set_position(p.resolved);
+        if p.step % 8 == 0 {
+            bar.set_message(format!(
+                "step {} | {} KV blocks in use",
+                p.step, p.used_blocks
+            ));
+        }
+    })?;
+    bar.finish_and_clear();
+    print!("{}", report.to_text());
+    if let Some(path) = &args.json {
+        let json = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, json).map_err(|e| format!("writing {}: {e}", path.display()))?;
+        println!("report written to {}", path.display());
+    }
+    if let Some(path) = &args.plot {
+        sim::write_svg(&report, path)?;
+        println!("chart written to {}", path.display());
+    }
+    if report.leaked_blocks != 0 {
+        return Err(format!("{} KV blocks leaked", report.leaked_blocks).into());
+    }
+    Ok(())
+}

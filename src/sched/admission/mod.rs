@@ -1,0 +1,1076 @@
+//! Lock-free admission queues: where server threads hand requests to engine workers.
+//!
+//! An [`Admission`] queue set has one pair of bounded queues per worker — latency-critical and
+//! throughput ([`Priority`]) — and one [`OverflowPolicy`] for what happens when a queue is full.
+//! [`Admission::try_submit`] / [`Admission::submit`] route a request ([`Route`]): a session id
+//! always reaches the same worker ([`session_worker`], a jump consistent hash), anything else
+//! goes to the least-loaded worker. Each admitted request yields a [`Ticket`] that resolves to
+//! the worker's result, or to the error that ended the request. Workers take requests with
+//! [`Admission::pop`] (latency-critical first) or wait for one with [`Admission::pop_wait`], and
+//! answer through [`Job::complete`].
+//!
+//! # Algorithms
+//!
+//! - Queues: Dmitry Vyukov's bounded MPMC ring ([`ring`](self) module docs: stamps per slot,
+//!   lapped positions; no reclamation, ABA excluded by monotonic positions).
+//! - Tickets: a one-shot cell, one `AtomicUsize` of state bits arbitrating a value slot and a
+//!   waker slot (`oneshot` module docs).
+//! - Waiting (blocked submitters, idle workers): a Treiber stack of parked tasks whose only
+//!   removal is take-all (`waitlist` module docs: ABA-free by construction, `Arc` reclamation),
+//!   with the register / `fence(SeqCst)` / re-check handshake that excludes lost wake-ups.
+//! - Accounting: one cache-padded load counter per worker (admitted, not yet completed), the
+//!   basis of least-loaded routing and of [`Admission::in_flight`]; per-reason drop counters.
+//!
+//! No operation takes a lock. Submit and pop are lock-free; `submit(...).await` under
+//! [`OverflowPolicy::Block`] and `pop_wait` park the *task* (any executor, or the thread with
+//! [`block_on`]) and are woken by the pop / submit that makes room / work.
+//!
+//! # Overflow policies
+//!
+//! | policy                       | `try_submit` on a full queue | `submit(...).await` on a full queue       |
+//! |------------------------------|------------------------------|-------------------------------------------|
+//! | [`OverflowPolicy::Block`]      | refused, `QueueFull`         | waits for room                            |
+//! | [`OverflowPolicy::DropNewest`] | refused, `QueueFull`         | refused, `QueueFull`                      |
+//! | [`OverflowPolicy::DropOldest`] | admitted; the oldest request of that queue is evicted and its ticket gets `EvictedOldest` | same |
+//!
+//! A refused request comes back to the caller inside [`Refused`], payload included.
+//!
+//! # Example
+//!
+//! ```
+//! use pagedkv::sched::admission::{Admission, AdmissionConfig, OverflowPolicy, Priority, Route};
+//!
+//! let q: Admission<&str, usize> =
+//!     Admission::new(AdmissionConfig::new(2, 64, OverflowPolicy::DropNewest)).unwrap();
+//! let mut ticket = q
+//!     .try_submit("hello", Priority::LatencyCritical, Route::session("user-42"))
+//!     .unwrap();
+//! let worker = pagedkv::sched::admission::session_worker(Route::session_key("user-42"), 2);
+//! let job = q.pop(worker).unwrap().expect("routed to the session's worker");
+//! let len = job.payload().len();
+//! job.complete(len);
+//! assert_eq!(ticket.try_take(), Some(Ok(5)));
+//! ```
+
+mod oneshot;
+mod ring;
+mod waitlist;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+pub use crate::error::{AdmissionError, OverloadReason};
+pub use crate::sched::sequence::Priority;
+pub use oneshot::Ticket;
+
+use crate::sync::{fence, Arc, AtomicBool, AtomicU64, AtomicUsize, Backoff, CachePadded, Ordering};
+use oneshot::Completer;
+use ring::Ring;
+use waitlist::{Registration, WaitList};
+
+/// What a submit does when its target queue is full. One policy per queue set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OverflowPolicy {
+    /// `submit(...).await` waits until a pop makes room; `try_submit` is refused.
+    Block,
+    /// The new request is refused at once with [`OverloadReason::QueueFull`].
+    DropNewest,
+    /// The oldest queued request of the same worker and class is evicted (its ticket resolves
+    /// to [`OverloadReason::EvictedOldest`]) and the new one admitted.
+    DropOldest,
+}
+
+/// Where a request goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Route {
+    /// To the worker with the smallest load (queued plus running requests) at submit time.
+    LeastLoaded,
+    /// To the session's worker, `session_worker(key, workers)`: the same key always reaches the
+    /// same worker of a queue set (and of any queue set with the same number of workers).
+    Session(u64),
+    /// To this worker.
+    Worker(usize),
+}
+
+impl Route {
+    /// The route of a session named by a string or bytes (see [`Route::session_key`]).
+    pub fn session(id: impl AsRef<[u8]>) -> Self {
+        Route::Session(Self::session_key(id))
+    }
+
+    /// A stable 64-bit key for a session id: FNV-1a over the bytes. Stable across processes,
+    /// platforms and releases (unlike `std`'s `RandomState`), so every server replica routes a
+    /// session alike.
+    pub fn session_key(id: impl AsRef<[u8]>) -> u64 {
+        const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+        const PRIME: u64 = 0x0000_0100_0000_01b3;
+        id.as_ref()
+            .iter()
+            .fold(OFFSET, |h, &b| (h ^ u64::from(b)).wrapping_mul(PRIME))
+    }
+}
+
+/// The worker a session key maps to among `workers` (`0` if `workers` is 0): Lamping and
+/// Veach's jump consistent hash over a SplitMix64-mixed key. Deterministic, uniform, and
+/// when the worker count grows from `n` to `n + 1` only `1 / (n + 1)` of the sessions move.
+pub fn session_worker(key: u64, workers: usize) -> usize {
+    if workers <= 1 {
+        return 0;
+    }
+    // SplitMix64 finaliser: spreads sequential or low-entropy keys over all 64 bits.
+    let mut k = key.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    k = (k ^ (k >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    k = (k ^ (k >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    k ^= k >> 31;
+    // Jump consistent hash (arXiv:1406.2294), with `workers` capped to what fits an i64.
+    let n = workers.min(i64::MAX as usize) as i64;
+    let (mut b, mut j) = (-1i64, 0i64);
+    while j < n {
+        b = j;
+        k = k.wrapping_mul(2_862_933_555_777_941_757).wrapping_add(1);
+        j = ((b + 1) as f64 * ((1u64 << 31) as f64 / ((k >> 33) + 1) as f64)) as i64;
+    }
+    b as usize
+}
+
+/// The shape of a queue set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdmissionConfig {
+    /// Number of workers (engine threads), at least 1.
+    pub workers: usize,
+    /// Capacity of each worker's latency-critical queue, at least 1.
+    pub high_capacity: usize,
+    /// Capacity of each worker's throughput queue, at least 1.
+    pub low_capacity: usize,
+    /// What a submit does when its queue is full.
+    pub policy: OverflowPolicy,
+}
+
+/// Largest accepted queue capacity (keeps the ring's lap arithmetic far from overflow).
+pub const MAX_QUEUE_CAPACITY: usize = 1 << 30;
+/// Largest accepted worker count (worker indices travel as `u32`).
+pub const MAX_WORKERS: usize = 1 << 16;
+
+impl AdmissionConfig {
+    /// `workers` workers, both classes with room for `capacity` requests each.
+    pub fn new(workers: usize, capacity: usize, policy: OverflowPolicy) -> Self {
+        Self {
+            workers,
+            high_capacity: capacity,
+            low_capacity: capacity,
+            policy,
+        }
+    }
+
+    /// Checks the configuration.
+    pub fn validate(&self) -> Result<(), AdmissionError> {
+        if self.workers == 0 {
+            return Err(AdmissionError::InvalidConfig("workers must be at least 1"));
+        }
+        if self.workers > MAX_WORKERS {
+            return Err(AdmissionError::InvalidConfig(
+                "workers must be at most 65536",
+            ));
+        }
+        for cap in [self.high_capacity, self.low_capacity] {
+            if cap == 0 {
+                return Err(AdmissionError::InvalidConfig(
+                    "queue capacities must be at least 1",
+                ));
+            }
+            if cap > MAX_QUEUE_CAPACITY {
+                return Err(AdmissionError::InvalidConfig(
+                    "queue capacities must be at most 2^30",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A request the queue set did not admit, handed back with the reason.
+#[derive(Debug)]
+pub struct Refused<T> {
+    /// Why it was refused: `Overloaded` (`QueueFull`), `Closed` or `UnknownWorker`.
+    pub error: AdmissionError,
+    /// The caller's request, untouched.
+    pub payload: T,
+}
+
+impl<T> Refused<T> {
+    /// The request, dropping the reason.
+    pub fn into_payload(self) -> T {
+        self.payload
+    }
+}
+
+impl<T> std::fmt::Display for Refused<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "request refused: {}", self.error)
+    }
+}
+
+impl<T: std::fmt::Debug> std::error::Error for Refused<T> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+/// A queued request: the caller's payload and the sending end of its ticket.
+struct Entry<T, R> {
+    payload: T,
+    tx: Completer<R>,
+}
+
+/// One worker's queues.
+struct WorkerQueues<T, R> {
+    /// Latency-critical requests.
+    high: Ring<Entry<T, R>>,
+    /// Throughput requests.
+    low: Ring<Entry<T, R>>,
+    /// Submitters blocked on a full `high` (only under [`OverflowPolicy::Block`]).
+    high_room: WaitList,
+    /// Submitters blocked on a full `low` (only under [`OverflowPolicy::Block`]).
+    low_room: WaitList,
+    /// Idle `pop_wait` callers of this worker.
+    work: WaitList,
+}
+
+impl<T, R> WorkerQueues<T, R> {
+    fn ring(&self, p: Priority) -> &Ring<Entry<T, R>> {
+        match p {
+            Priority::LatencyCritical => &self.high,
+            Priority::Throughput => &self.low,
+        }
+    }
+
+    fn room(&self, p: Priority) -> &WaitList {
+        match p {
+            Priority::LatencyCritical => &self.high_room,
+            Priority::Throughput => &self.low_room,
+        }
+    }
+}
+
+/// One worker's counters, on one cache line: `load` is written by every submit to and every
+/// completion of this worker; the drop counters only on its overflow paths.
+struct WorkerCounters {
+    /// Requests routed to this worker that are queued or popped and not yet completed (a
+    /// submit adds 1 before its push and takes it back if refused; completion, abandonment and
+    /// eviction take 1). Least-loaded routing reads it.
+    load: AtomicUsize,
+    /// Submits refused because this worker's queue was full.
+    rejected_full: AtomicU64,
+    /// Queued requests of this worker evicted by drop-oldest.
+    evicted_oldest: AtomicU64,
+    /// Popped requests dropped without completing.
+    abandoned: AtomicU64,
+}
+
+/// Counters shared by the queue set and every outstanding [`Completion`] (which may outlive
+/// the queue set, hence the `Arc`).
+struct Counters {
+    /// Indexed by worker.
+    workers: Box<[CachePadded<WorkerCounters>]>,
+    /// Submits refused because the queue set was closed.
+    rejected_closed: CachePadded<AtomicU64>,
+}
+
+impl Counters {
+    fn bump(c: &AtomicU64) {
+        // Relaxed: statistics; readers want a recent value, not an ordering.
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn load(&self, worker: usize) -> &AtomicUsize {
+        &self.workers[worker].load
+    }
+
+    fn release_load(&self, worker: usize) {
+        // Relaxed: the count is advisory for routing; `in_flight` readers that need it after a
+        // ticket resolved get it through the ticket's Release/Acquire (this decrement is
+        // sequenced before the completer's send).
+        self.workers[worker].load.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A lock-free queue set: per-worker bounded priority queues with routing and an overflow
+/// policy. `T` is the request payload, `R` the worker's result type. Share it with `Arc`.
+pub struct Admission<T, R> {
+    workers: Box<[WorkerQueues<T, R>]>,
+    counters: Arc<Counters>,
+    policy: OverflowPolicy,
+    /// Set once by [`Admission::close`]; read with SeqCst by waiters after registering.
+    closed: AtomicBool,
+}
+
+/// The outcome of one admission attempt.
+enum Admit<T, R> {
+    Admitted(Ticket<R>),
+    Refused(Refused<T>),
+    /// The queue was full under [`OverflowPolicy::Block`]; the caller may wait.
+    Full {
+        entry: Entry<T, R>,
+        ticket: Ticket<R>,
+        worker: usize,
+    },
+}
+
+impl<T, R> Admission<T, R> {
+    /// A queue set of the given shape.
+    pub fn new(config: AdmissionConfig) -> Result<Self, AdmissionError> {
+        config.validate()?;
+        let workers = (0..config.workers)
+            .map(|_| WorkerQueues {
+                high: Ring::new(config.high_capacity),
+                low: Ring::new(config.low_capacity),
+                high_room: WaitList::new(),
+                low_room: WaitList::new(),
+                work: WaitList::new(),
+            })
+            .collect();
+        let counters = Arc::new(Counters {
+            workers: (0..config.workers)
+                .map(|_| {
+                    CachePadded::new(WorkerCounters {
+                        load: AtomicUsize::new(0),
+                        rejected_full: AtomicU64::new(0),
+                        evicted_oldest: AtomicU64::new(0),
+                        abandoned: AtomicU64::new(0),
+                    })
+                })
+                .collect(),
+            rejected_closed: CachePadded::new(AtomicU64::new(0)),
+        });
+        Ok(Self {
+            workers,
+            counters,
+            policy: config.policy,
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    /// Number of workers.
+    pub fn workers(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// The overflow policy.
+    pub fn policy(&self) -> OverflowPolicy {
+        self.policy
+    }
+
+    /// Capacity of each worker's queue of class `priority`.
+    pub fn capacity(&self, priority: Priority) -> usize {
+        self.workers[0].ring(priority).capacity()
+    }
+
+    /// Admits `payload` without waiting. On a full queue: refused under `Block` and
+    /// `DropNewest`, the oldest request evicted under `DropOldest`.
+    pub fn try_submit(
+        &self,
+        payload: T,
+        priority: Priority,
+        route: Route,
+    ) -> Result<Ticket<R>, Refused<T>> {
+        match self.admit(payload, priority, route, false) {
+            Admit::Admitted(t) => Ok(t),
+            Admit::Refused(r) => Err(r),
+            // `admit` with `may_wait == false` never reports `Full`; refuse defensively.
+            Admit::Full { entry, .. } => Err(Refused {
+                error: AdmissionError::Closed,
+                payload: entry.payload,
+            }),
+        }
+    }
+
+    /// Admits `payload`, waiting for room under [`OverflowPolicy::Block`] (the other policies
+    /// resolve at the first poll, like `try_submit`). Runtime-agnostic: the returned future
+    /// parks on the `Waker` it is polled with and is woken by the pop that frees room, or by
+    /// [`Admission::close`] (then it resolves to `Closed`). Dropping it withdraws the request.
+    pub fn submit(&self, payload: T, priority: Priority, route: Route) -> Submit<'_, T, R> {
+        Submit {
+            adm: self,
+            stage: SubmitStage::Start {
+                payload,
+                priority,
+                route,
+            },
+            reg: None,
+        }
+    }
+
+    /// [`Admission::submit`], blocking the calling thread (parks it) instead of a task.
+    #[cfg(not(loom))]
+    pub fn submit_blocking(
+        &self,
+        payload: T,
+        priority: Priority,
+        route: Route,
+    ) -> Result<Ticket<R>, Refused<T>> {
+        block_on(self.submit(payload, priority, route))
+    }
+
+    /// Resolves `route` to a worker index.
+    fn route(&self, route: Route) -> Result<usize, AdmissionError> {
+        let n = self.workers.len();
+        match route {
+            Route::Worker(w) if w < n => Ok(w),
+            Route::Worker(w) => Err(AdmissionError::UnknownWorker {
+                worker: w,
+                workers: n,
+            }),
+            Route::Session(key) => Ok(session_worker(key, n)),
+            Route::LeastLoaded => Ok(self.least_loaded()),
+        }
+    }
+
+    /// The worker with the smallest load; ties broken by a per-thread rotating start so that
+    /// producers racing on equal loads spread out instead of piling on worker 0.
+    fn least_loaded(&self) -> usize {
+        let n = self.workers.len();
+        if n == 1 {
+            return 0;
+        }
+        let start = next_start() % n;
+        let mut best = start;
+        let mut best_load = usize::MAX;
+        for i in 0..n {
+            let w = (start + i) % n;
+            // Relaxed: a heuristic snapshot.
+            let load = self.counters.load(w).load(Ordering::Relaxed);
+            if load < best_load {
+                best = w;
+                best_load = load;
+                if load == 0 {
+                    break;
+                }
+            }
+        }
+        best
+    }
+
+    /// One admission attempt. `may_wait`: report `Full` under `Block` instead of refusing.
+    fn admit(&self, payload: T, priority: Priority, route: Route, may_wait: bool) -> Admit<T, R> {
+        // Relaxed here is only a fast path: a submit that races `close` may still be admitted,
+        // and is then served by the draining workers or resolved `Closed` at drop.
+        if self.closed.load(Ordering::Relaxed) {
+            Counters::bump(&self.counters.rejected_closed);
+            return Admit::Refused(Refused {
+                error: AdmissionError::Closed,
+                payload,
+            });
+        }
+        let worker = match self.route(route) {
+            Ok(w) => w,
+            Err(error) => return Admit::Refused(Refused { error, payload }),
+        };
+        let (tx, ticket) = oneshot::channel();
+        let entry = Entry { payload, tx };
+        let entry = match self.push(worker, priority, entry) {
+            Ok(()) => return Admit::Admitted(ticket),
+            Err(e) => e,
+        };
+        match self.policy {
+            OverflowPolicy::DropOldest => {
+                self.push_evicting(worker, priority, entry);
+                Admit::Admitted(ticket)
+            }
+            OverflowPolicy::Block if may_wait => Admit::Full {
+                entry,
+                ticket,
+                worker,
+            },
+            OverflowPolicy::Block | OverflowPolicy::DropNewest => {
+                Counters::bump(&self.counters.workers[worker].rejected_full);
+                Admit::Refused(Refused {
+                    error: overloaded(OverloadReason::QueueFull, worker),
+                    payload: entry.payload,
+                })
+            }
+        }
+    }
+
+    /// Pushes with load accounting and wakes an idle worker; gives the entry back if full.
+    fn push(
+        &self,
+        worker: usize,
+        priority: Priority,
+        entry: Entry<T, R>,
+    ) -> Result<(), Entry<T, R>> {
+        let load = self.counters.load(worker);
+        // Counted before the push so that a pop and completion racing right behind it can
+        // never take the count below zero. Relaxed: see `Counters::release_load`.
+        load.fetch_add(1, Ordering::Relaxed);
+        let wq = &self.workers[worker];
+        match wq.ring(priority).push(entry) {
+            Ok(()) => {
+                // SeqCst fence: the waker half of the wait-list handshake (waitlist module
+                // docs), pairing with the fence after registration in `PopWait::poll`: either
+                // we see the idle worker's registration, or its re-check sees our push.
+                fence(Ordering::SeqCst);
+                if wq.work.has_waiters() {
+                    wq.work.wake_all();
+                }
+                Ok(())
+            }
+            Err(entry) => {
+                self.counters.release_load(worker);
+                Err(entry)
+            }
+        }
+    }
+
+    /// Drop-oldest: evicts the oldest entry of the queue until the new one fits. Each round
+    /// evicts at most one entry and then retries; a round only repeats if another producer
+    /// refilled the freed slot first, so the loop is lock-free.
+    fn push_evicting(&self, worker: usize, priority: Priority, mut entry: Entry<T, R>) {
+        let backoff = Backoff::new();
+        let ring = self.workers[worker].ring(priority);
+        loop {
+            if let Some(old) = ring.pop() {
+                self.counters.release_load(worker);
+                Counters::bump(&self.counters.workers[worker].evicted_oldest);
+                old.tx
+                    .send(Err(overloaded(OverloadReason::EvictedOldest, worker)));
+                drop(old.payload);
+            }
+            match self.push(worker, priority, entry) {
+                Ok(()) => return,
+                Err(e) => entry = e,
+            }
+            backoff.spin();
+        }
+    }
+
+    /// Takes the next request of `worker` without waiting: its oldest latency-critical request,
+    /// else its oldest throughput request, else `None`.
+    pub fn pop(&self, worker: usize) -> Result<Option<Job<T, R>>, AdmissionError> {
+        let wq = self
+            .workers
+            .get(worker)
+            .ok_or(AdmissionError::UnknownWorker {
+                worker,
+                workers: self.workers.len(),
+            })?;
+        for priority in [Priority::LatencyCritical, Priority::Throughput] {
+            if let Some(entry) = wq.ring(priority).pop() {
+                if self.policy == OverflowPolicy::Block {
+                    // SeqCst fence: the waker half of the handshake with blocked submitters
+                    // (pairs with the fence after registration in `Submit::poll`).
+                    fence(Ordering::SeqCst);
+                    let room = wq.room(priority);
+                    if room.has_waiters() {
+                        room.wake_all();
+                    }
+                }
+                return Ok(Some(Job {
+                    payload: entry.payload,
+                    completion: Completion {
+                        tx: Some(entry.tx),
+                        counters: self.counters.clone(),
+                        worker: worker as u32,
+                    },
+                    priority,
+                }));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Waits for the next request of `worker` (a future; runtime-agnostic). Resolves to
+    /// `Err(Closed)` once the queue set is closed and the worker's queues are empty, so a worker
+    /// loop `while let Ok(job) = q.pop_wait(w).await` drains and ends on shutdown.
+    pub fn pop_wait(&self, worker: usize) -> PopWait<'_, T, R> {
+        PopWait {
+            adm: self,
+            worker,
+            reg: None,
+        }
+    }
+
+    /// [`Admission::pop_wait`], parking the calling thread.
+    #[cfg(not(loom))]
+    pub fn pop_blocking(&self, worker: usize) -> Result<Job<T, R>, AdmissionError> {
+        block_on(self.pop_wait(worker))
+    }
+
+    /// Closes the queue set: every later submit is refused with `Closed`, blocked submitters
+    /// wake and get `Closed`, and idle `pop_wait`s end with `Closed` once their queues are
+    /// empty. Requests already queued stay for the workers to drain.
+    pub fn close(&self) {
+        // SeqCst store and fence: the waker half of the handshake with every waiter, which
+        // re-reads `closed` after registering and fencing.
+        self.closed.store(true, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        for wq in self.workers.iter() {
+            wq.high_room.wake_all();
+            wq.low_room.wake_all();
+            wq.work.wake_all();
+        }
+    }
+
+    /// True once [`Admission::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    fn worker_queues(&self, worker: usize) -> Result<&WorkerQueues<T, R>, AdmissionError> {
+        self.workers
+            .get(worker)
+            .ok_or(AdmissionError::UnknownWorker {
+                worker,
+                workers: self.workers.len(),
+            })
+    }
+
+    /// Requests queued for `worker` in class `priority` (a consistent snapshot of that queue).
+    pub fn depth(&self, worker: usize, priority: Priority) -> Result<usize, AdmissionError> {
+        Ok(self.worker_queues(worker)?.ring(priority).len())
+    }
+
+    /// Requests routed to `worker` that are queued or running (popped, not yet completed).
+    pub fn worker_load(&self, worker: usize) -> Result<usize, AdmissionError> {
+        self.worker_queues(worker)?;
+        Ok(self.counters.load(worker).load(Ordering::Relaxed))
+    }
+
+    /// Requests admitted and not yet completed (queued or running), over all workers.
+    pub fn in_flight(&self) -> usize {
+        self.counters
+            .workers
+            .iter()
+            // Relaxed: a statistic (each worker's figure is exact at quiescence).
+            .map(|c| c.load.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// False when the queue set is closed or any queue is at least 80% full.
+    pub fn is_healthy(&self) -> bool {
+        !self.is_closed()
+            && self.workers.iter().all(|wq| {
+                [&wq.high, &wq.low]
+                    .iter()
+                    .all(|r| !over_high_water(r.len(), r.capacity()))
+            })
+    }
+
+    /// A snapshot of every figure (allocates one `Vec` for the per-worker figures).
+    pub fn metrics(&self) -> AdmissionMetrics {
+        let workers: Vec<WorkerMetrics> = self
+            .workers
+            .iter()
+            .enumerate()
+            .map(|(w, wq)| {
+                let c = &self.counters.workers[w];
+                // Relaxed: statistics.
+                WorkerMetrics {
+                    high_depth: wq.high.len(),
+                    low_depth: wq.low.len(),
+                    load: c.load.load(Ordering::Relaxed),
+                    rejected_full: c.rejected_full.load(Ordering::Relaxed),
+                    evicted_oldest: c.evicted_oldest.load(Ordering::Relaxed),
+                    abandoned: c.abandoned.load(Ordering::Relaxed),
+                }
+            })
+            .collect();
+        let high_cap = self.capacity(Priority::LatencyCritical);
+        let low_cap = self.capacity(Priority::Throughput);
+        let closed = self.is_closed();
+        let healthy = !closed
+            && workers.iter().all(|m| {
+                !over_high_water(m.high_depth, high_cap) && !over_high_water(m.low_depth, low_cap)
+            });
+        AdmissionMetrics {
+            in_flight: workers.iter().map(|m| m.load).sum(),
+            rejected_full: workers.iter().map(|m| m.rejected_full).sum(),
+            evicted_oldest: workers.iter().map(|m| m.evicted_oldest).sum(),
+            abandoned: workers.iter().map(|m| m.abandoned).sum(),
+            rejected_closed: self.counters.rejected_closed.load(Ordering::Relaxed),
+            workers,
+            healthy,
+            closed,
+        }
+    }
+}
+
+/// `depth` is at least 80% of `cap` (integer arithmetic, exact).
+fn over_high_water(depth: usize, cap: usize) -> bool {
+    depth.saturating_mul(5) >= cap.saturating_mul(4)
+}
+
+fn overloaded(reason: OverloadReason, worker: usize) -> AdmissionError {
+    AdmissionError::Overloaded {
+        reason,
+        worker: worker as u32,
+    }
+}
+
+/// A per-thread counter for least-loaded tie-breaking (no shared cache line is written).
+fn next_start() -> usize {
+    use std::cell::Cell;
+    thread_local!(static NEXT: Cell<usize> = const { Cell::new(0) });
+    NEXT.with(|c| {
+        let v = c.get();
+        c.set(v.wrapping_add(1));
+        v
+    })
+}
+
+impl<T, R> Drop for Admission<T, R> {
+    fn drop(&mut self) {
+        // Requests nobody will pop now: their tickets learn the queue set is gone.
+        for wq in self.workers.iter() {
+            for ring in [&wq.high, &wq.low] {
+                while let Some(entry) = ring.pop() {
+                    entry.tx.send(Err(AdmissionError::Closed));
+                }
+            }
+        }
+    }
+}
+
+impl<T, R> std::fmt::Debug for Admission<T, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admission")
+            .field("policy", &self.policy)
+            .field("metrics", &self.metrics())
+            .finish()
+    }
+}
+
+/// Figures of one worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerMetrics {
+    /// Latency-critical requests queued.
+    pub high_depth: usize,
+    /// Throughput requests queued.
+    pub low_depth: usize,
+    /// Requests routed here that are queued or running.
+    pub load: usize,
+    /// Submits refused because this worker's queue was full.
+    pub rejected_full: u64,
+    /// Queued requests evicted by drop-oldest.
+    pub evicted_oldest: u64,
+    /// Popped requests dropped without an outcome.
+    pub abandoned: u64,
+}
+
+/// A snapshot of a queue set's figures, read without a lock (each figure is read atomically;
+/// the set of figures is not one atomic snapshot while traffic flows).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdmissionMetrics {
+    /// Per-worker figures, indexed by worker.
+    pub workers: Vec<WorkerMetrics>,
+    /// Requests admitted and not yet completed.
+    pub in_flight: usize,
+    /// Submits refused on a full queue (drop-newest, or `try_submit` under block).
+    pub rejected_full: u64,
+    /// Queued requests evicted by drop-oldest.
+    pub evicted_oldest: u64,
+    /// Submits refused because the queue set was closed.
+    pub rejected_closed: u64,
+    /// Popped requests dropped by their worker without an outcome.
+    pub abandoned: u64,
+    /// False when closed or when any queue is at least 80% full.
+    pub healthy: bool,
+    /// True once closed.
+    pub closed: bool,
+}
+
+/// A request taken by a worker. Answer it with [`Job::complete`]; dropping it unanswered
+/// resolves its ticket to [`AdmissionError::Abandoned`].
+pub struct Job<T, R> {
+    payload: T,
+    completion: Completion<R>,
+    priority: Priority,
+}
+
+impl<T, R> Job<T, R> {
+    /// The request.
+    pub fn payload(&self) -> &T {
+        &self.payload
+    }
+
+    /// The request, mutably.
+    pub fn payload_mut(&mut self) -> &mut T {
+        &mut self.payload
+    }
+
+    /// Its class.
+    pub fn priority(&self) -> Priority {
+        self.priority
+    }
+
+    /// The worker it was routed to.
+    pub fn worker(&self) -> usize {
+        self.completion.worker as usize
+    }
+
+    /// True if the submitter dropped its ticket: nobody waits for the outcome, and the worker
+    /// may skip the work (it should still complete or drop the job).
+    pub fn is_cancelled(&self) -> bool {
+        self.completion.is_cancelled()
+    }
+
+    /// Resolves the ticket with `result`.
+    pub fn complete(self, result: R) {
+        self.completion.complete(result);
+    }
+
+    /// Splits the job into its payload and the right to complete it, so that the payload can
+    /// move into the engine's own structures while the completion waits elsewhere.
+    pub fn into_parts(self) -> (T, Completion<R>) {
+        (self.payload, self.completion)
+    }
+}
+
+impl<T: std::fmt::Debug, R> std::fmt::Debug for Job<T, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job")
+            .field("payload", &self.payload)
+            .field("priority", &self.priority)
+            .field("worker", &self.completion.worker)
+            .finish()
+    }
+}
+
+/// The right to answer one request. Dropping it unanswered resolves the ticket to
+/// [`AdmissionError::Abandoned`] (and counts it in [`AdmissionMetrics::abandoned`]).
+pub struct Completion<R> {
+    /// `None` once completed.
+    tx: Option<Completer<R>>,
+    counters: Arc<Counters>,
+    worker: u32,
+}
+
+impl<R> Completion<R> {
+    /// Resolves the ticket with `result`.
+    pub fn complete(mut self, result: R) {
+        if let Some(tx) = self.tx.take() {
+            // Load first: a submitter that sees the result also sees the request leave
+            // `in_flight` (the send's Release orders this decrement before the ticket's Acquire).
+            self.counters.release_load(self.worker as usize);
+            tx.send(Ok(result));
+        }
+    }
+
+    /// True if the submitter dropped its ticket.
+    pub fn is_cancelled(&self) -> bool {
+        self.tx.as_ref().is_none_or(Completer::is_closed)
+    }
+
+    /// The worker the request was routed to.
+    pub fn worker(&self) -> usize {
+        self.worker as usize
+    }
+}
+
+impl<R> Drop for Completion<R> {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            self.counters.release_load(self.worker as usize);
+            Counters::bump(&self.counters.workers[self.worker as usize].abandoned);
+            drop(tx); // resolves the ticket to `Abandoned`
+        }
+    }
+}
+
+impl<R> std::fmt::Debug for Completion<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Completion")
+            .field("worker", &self.worker)
+            .field("completed", &self.tx.is_none())
+            .finish()
+    }
+}
+
+enum SubmitStage<T, R> {
+    Start {
+        payload: T,
+        priority: Priority,
+        route: Route,
+    },
+    Waiting {
+        entry: Entry<T, R>,
+        ticket: Ticket<R>,
+        worker: usize,
+        priority: Priority,
+    },
+    Done,
+}
+
+/// The future of [`Admission::submit`].
+#[must_use = "futures do nothing unless polled"]
+pub struct Submit<'a, T, R> {
+    adm: &'a Admission<T, R>,
+    stage: SubmitStage<T, R>,
+    /// This task's node in the queue's room wait list, while waiting.
+    reg: Option<Registration>,
+}
+
+// `Submit` never pins its fields (the payload moves in and out of the stage by value), so it is
+// `Unpin` whatever `T` is.
+impl<T, R> Unpin for Submit<'_, T, R> {}
+
+impl<T, R> Future for Submit<'_, T, R> {
+    type Output = Result<Ticket<R>, Refused<T>>;
+
+    /// # Panics
+    ///
+    /// If polled again after it returned `Ready` (the `Future` contract).
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let adm = this.adm;
+        let (mut entry, ticket, worker, priority) =
+            match std::mem::replace(&mut this.stage, SubmitStage::Done) {
+                SubmitStage::Start {
+                    payload,
+                    priority,
+                    route,
+                } => match adm.admit(payload, priority, route, true) {
+                    Admit::Admitted(t) => return Poll::Ready(Ok(t)),
+                    Admit::Refused(r) => return Poll::Ready(Err(r)),
+                    Admit::Full {
+                        entry,
+                        ticket,
+                        worker,
+                    } => (entry, ticket, worker, priority),
+                },
+                SubmitStage::Waiting {
+                    entry,
+                    ticket,
+                    worker,
+                    priority,
+                } => (entry, ticket, worker, priority),
+                SubmitStage::Done => panic!("Submit polled after it completed"),
+            };
+        let room = adm.workers[worker].room(priority);
+        // Two rounds: a plain retry, then (unless our wake-up is still owed) register and retry.
+        for registered in [false, true] {
+            if registered {
+                if this.reg.as_ref().is_some_and(|r| r.is_current(cx.waker())) {
+                    break;
+                }
+                this.reg = Some(room.register(cx.waker()));
+                // SeqCst fence: the waiter half of the handshake (pairs with the fence in
+                // `pop` after it frees a slot, and in `close`).
+                fence(Ordering::SeqCst);
+            }
+            if adm.closed.load(Ordering::SeqCst) {
+                Counters::bump(&adm.counters.rejected_closed);
+                return Poll::Ready(Err(Refused {
+                    error: AdmissionError::Closed,
+                    payload: entry.payload,
+                }));
+            }
+            match adm.push(worker, priority, entry) {
+                Ok(()) => {
+                    this.reg = None;
+                    return Poll::Ready(Ok(ticket));
+                }
+                Err(e) => entry = e,
+            }
+        }
+        this.stage = SubmitStage::Waiting {
+            entry,
+            ticket,
+            worker,
+            priority,
+        };
+        Poll::Pending
+    }
+}
+
+impl<T, R> std::fmt::Debug for Submit<'_, T, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let stage = match self.stage {
+            SubmitStage::Start { .. } => "start",
+            SubmitStage::Waiting { .. } => "waiting",
+            SubmitStage::Done => "done",
+        };
+        f.debug_struct("Submit").field("stage", &stage).finish()
+    }
+}
+
+/// The future of [`Admission::pop_wait`].
+#[must_use = "futures do nothing unless polled"]
+pub struct PopWait<'a, T, R> {
+    adm: &'a Admission<T, R>,
+    worker: usize,
+    /// This task's node in the worker's work wait list, while waiting.
+    reg: Option<Registration>,
+}
+
+impl<T, R> Future for PopWait<'_, T, R> {
+    type Output = Result<Job<T, R>, AdmissionError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let adm = this.adm;
+        let wq = match adm.worker_queues(this.worker) {
+            Ok(wq) => wq,
+            Err(e) => return Poll::Ready(Err(e)),
+        };
+        for registered in [false, true] {
+            if registered {
+                if this.reg.as_ref().is_some_and(|r| r.is_current(cx.waker())) {
+                    break;
+                }
+                this.reg = Some(wq.work.register(cx.waker()));
+                // SeqCst fence: the waiter half of the handshake (pairs with the fence in
+                // `Admission::push` after a successful push, and in `close`).
+                fence(Ordering::SeqCst);
+            }
+            // `closed` before the pop: if it was closed and the pop finds nothing, nothing
+            // admitted before the close is left (a racing late submit is still drained by
+            // `Admission`'s drop, which resolves it `Closed`).
+            let closed = adm.closed.load(Ordering::SeqCst);
+            match adm.pop(this.worker) {
+                Ok(Some(job)) => {
+                    this.reg = None;
+                    return Poll::Ready(Ok(job));
+                }
+                Ok(None) if closed => return Poll::Ready(Err(AdmissionError::Closed)),
+                Ok(None) => {}
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+        Poll::Pending
+    }
+}
+
+impl<T, R> std::fmt::Debug for PopWait<'_, T, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PopWait")
+            .field("worker", &self.worker)
+            .field("waiting", &self.reg.is_some())
+            .finish()
+    }
+}
+
+/// Runs a future to completion on the calling thread, parking it while the future is pending
+/// (a minimal executor for callers without an async runtime).
+#[cfg(not(loom))]
+pub fn block_on<F: Future>(fut: F) -> F::Output {
+    struct Unparker(std::thread::Thread);
+    impl std::task::Wake for Unparker {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+        fn wake_by_ref(self: &std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let mut fut = std::pin::pin!(fut);
+    let waker = std::task::Waker::from(std::sync::Arc::new(Unparker(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    loop {
+        if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+            return v;
+        }
+        // A wake between the poll and here leaves the unpark token set: park returns at once.
+        std::thread::park();
+    }
+}

@@ -1,0 +1,145 @@
+//! A lock-free list of parked tasks, woken all at once: a Treiber stack (R. K. Treiber, 1986)
+//! whose only removal is "take the whole list" (`swap(null)`).
+//!
+//! # ABA and reclamation
+//!
+//! A Treiber stack with a single-node pop suffers ABA (a popper's `CAS(head, A → A.next)` can
+//! succeed on a recycled `A` with a stale `next`) and needs deferred reclamation (a popper may
+//! read `A.next` after another popper freed `A`). Neither applies here, because nodes are never
+//! removed one at a time:
+//!
+//! - A push sets `node.next = h` and then `CAS(head, h → node)`. Its success means `head == h` at
+//!   the CAS, so `node.next` is the current list whatever happened to `h` in between (even if
+//!   `h` was taken, freed, and its address reused by a new node now at the head): ABA is benign.
+//! - A pusher never dereferences `head`; only the thread whose `swap` took a list walks it, and
+//!   that list is then private to it. Nodes are `Arc`s; the list owns one strong reference per
+//!   node (`Arc::into_raw`), released by the taker after waking it. The registering task keeps
+//!   its own reference to read `queued`.
+//!
+//! # Lost wake-ups
+//!
+//! The waiter side: `register`, then `fence(SeqCst)`, then re-check its condition. The waker
+//! side: make the condition true, then `fence(SeqCst)`, then `has_waiters()` / `wake_all()`.
+//! By the fence rule, either the waker's load sees the registration or the waiter's re-check
+//! sees the condition: no waiter sleeps on a condition that became true unseen. (Modelled in
+//! tests/loom/admission.rs.)
+
+use std::ptr;
+use std::task::Waker;
+
+use crate::sync::{Arc, AtomicBool, AtomicPtr, Ordering};
+
+/// One parked task.
+pub(crate) struct Node {
+    /// The task to wake. Immutable: a task that is re-polled with another waker registers a new
+    /// node (see [`Registration::is_current`]).
+    waker: Waker,
+    /// The next (older) node. Written before the node is published by the push CAS (Release)
+    /// and read only by the taker after its Acquire swap, so Relaxed accesses suffice.
+    next: AtomicPtr<Node>,
+    /// True from registration until the taker has woken this node: the registrant may rely on
+    /// a future wake-up while it reads `true`.
+    queued: AtomicBool,
+}
+
+/// What `register` gives back: the registrant's reference to its node.
+#[derive(Debug)]
+pub(crate) struct Registration(Arc<Node>);
+
+impl Registration {
+    /// True if the node is still queued and would wake `waker`'s task: re-registering is then
+    /// unnecessary (the pending wake-up is still owed to us).
+    pub(crate) fn is_current(&self, waker: &Waker) -> bool {
+        // Acquire: pairs with the taker's Release store of `false`; a stale `true` is harmless
+        // because the taker that cleared it wakes us right after.
+        self.0.queued.load(Ordering::Acquire) && self.0.waker.will_wake(waker)
+    }
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("queued", &self.queued.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+/// The list. See the module docs.
+pub(crate) struct WaitList {
+    /// The newest node, or null. Each node is owned by the list through one `Arc` strong count.
+    head: AtomicPtr<Node>,
+}
+
+impl WaitList {
+    /// An empty list.
+    pub(crate) fn new() -> Self {
+        Self {
+            head: AtomicPtr::new(ptr::null_mut()),
+        }
+    }
+
+    /// Queues `waker`. The caller must `fence(SeqCst)` and re-check its condition afterwards.
+    pub(crate) fn register(&self, waker: &Waker) -> Registration {
+        let node = Arc::new(Node {
+            waker: waker.clone(),
+            next: AtomicPtr::new(ptr::null_mut()),
+            queued: AtomicBool::new(true),
+        });
+        let raw = Arc::into_raw(node.clone()) as *mut Node;
+        let mut head = self.head.load(Ordering::Relaxed);
+        loop {
+            node.next.store(head, Ordering::Relaxed);
+            // Release: publishes `next`, `waker` and `queued` to the taker's Acquire swap.
+            // SeqCst would add nothing: the caller's fence orders this with its re-check.
+            match self
+                .head
+                .compare_exchange_weak(head, raw, Ordering::Release, Ordering::Relaxed)
+            {
+                Ok(_) => return Registration(node),
+                Err(current) => head = current,
+            }
+        }
+    }
+
+    /// True if some task may be queued. The caller must have made its condition true and
+    /// issued `fence(SeqCst)` first (see the module docs).
+    #[inline]
+    pub(crate) fn has_waiters(&self) -> bool {
+        // Relaxed: ordering comes from the caller's SeqCst fence; a non-null head is then
+        // followed by the Acquire swap in `wake_all`.
+        !self.head.load(Ordering::Relaxed).is_null()
+    }
+
+    /// Takes every queued node and wakes its task.
+    pub(crate) fn wake_all(&self) {
+        // Acquire: pairs with the Release push CAS of every node in the taken list (a release
+        // sequence on `head`), making their fields visible.
+        let mut cur = self.head.swap(ptr::null_mut(), Ordering::Acquire);
+        while !cur.is_null() {
+            // SAFETY: `cur` came from `Arc::into_raw` in `register`, and the list's strong count
+            // for it is ours alone: the swap took the whole list out of `head`, and no other
+            // path reads nodes reachable from a taken list. Rebuilding the Arc releases it once.
+            let node = unsafe { Arc::from_raw(cur as *const Node) };
+            cur = node.next.load(Ordering::Relaxed);
+            // Release: the registrant's Acquire load in `is_current` sees `false` only after
+            // the node left the list.
+            node.queued.store(false, Ordering::Release);
+            node.waker.wake_by_ref();
+        }
+    }
+}
+
+impl Drop for WaitList {
+    fn drop(&mut self) {
+        // Frees the nodes (waking their tasks is harmless and lets them observe shutdown).
+        self.wake_all();
+    }
+}
+
+impl std::fmt::Debug for WaitList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WaitList")
+            .field("has_waiters", &!self.head.load(Ordering::Relaxed).is_null())
+            .finish()
+    }
+}

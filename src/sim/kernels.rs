@@ -1,0 +1,127 @@
+//! One engine's kernel work for a step, on the CPU kernels and the engine's host KV cache:
+//! swaps and copies first, then per layer `reshape_and_cache` and paged attention. Random
+//! vectors stand in for the model's projections, so every byte of KV traffic is real.
+
+use crate::attn::{cpu, AttnParams, AttnWorkspace, PagedSeqs};
+use crate::error::SimError;
+use crate::kv::{HostKvCache, KvElem, SwapSpace};
+use crate::sched::Batch;
+use rand::{rngs::SmallRng, Rng};
+
+/// Elements of the random pool the projections are sliced from (several steps' worth, so
+/// consecutive steps see different values).
+const NOISE: usize = 1 << 21;
+
+/// Reusable buffers of one engine's kernels for element type `T`.
+#[derive(Debug)]
+pub(crate) struct KernelBuffers<T: KvElem> {
+    noise: Vec<T>,
+    out: Vec<T>,
+    ws: AttnWorkspace,
+    pairs: Vec<(u32, u32)>,
+}
+
+impl<T: KvElem> KernelBuffers<T> {
+    pub(crate) fn new(rng: &mut SmallRng) -> Self {
+        Self {
+            noise: (0..NOISE)
+                .map(|_| T::from_f32(rng.gen_range(-1.0..1.0)))
+                .collect(),
+            out: Vec::new(),
+            ws: AttnWorkspace::new(),
+            pairs: Vec::new(),
+        }
+    }
+
+    /// Runs one step's kernels. Returns the KV bytes the attention read.
+    pub(crate) fn run(
+        &mut self,
+        cache: &mut HostKvCache,
+        swap: &mut SwapSpace,
+        batch: &Batch,
+        heads: usize,
+        rng: &mut SmallRng,
+    ) -> Result<u64, SimError> {
+        let cfg = *cache.config();
+        // Swap-outs first: their blocks may be reused by this very step.
+        if !batch.swap_out.is_empty() {
+            to_pairs(&batch.swap_out, &mut self.pairs);
+            swap.swap_out(cache, &self.pairs)?;
+        }
+        if !batch.swap_in.is_empty() {
+            to_pairs(&batch.swap_in, &mut self.pairs);
+            swap.swap_in(cache, &self.pairs)?;
+        }
+        if !batch.copies.is_empty() {
+            to_pairs(&batch.copies, &mut self.pairs);
+            cache.copy_blocks(&self.pairs)?;
+        }
+        let tokens = batch.num_tokens();
+        if tokens == 0 {
+            return Ok(0);
+        }
+        let kv_len = tokens * cfg.num_kv_heads() * cfg.head_dim();
+        let q_len = tokens * heads * cfg.head_dim();
+        self.out.resize(q_len, T::default());
+        let seqs = PagedSeqs {
+            block_tables: &batch.block_tables,
+            max_blocks_per_seq: batch.max_blocks_per_seq,
+            context_lens: &batch.context_lens,
+        };
+        let params = AttnParams::new(heads, cfg.head_dim());
+        let decode_only = batch.num_seqs() == tokens;
+        for layer in 0..cfg.num_layers() {
+            {
+                let key = noise(&self.noise, rng, kv_len)?;
+                let value = noise(&self.noise, rng, kv_len)?;
+                let mut view = cache.view_mut::<T>()?;
+                cpu::reshape_and_cache(view.layer_mut(layer)?, key, value, &batch.slot_mapping)?;
+            }
+            let query = noise(&self.noise, rng, q_len)?;
+            let view = cache.view::<T>()?;
+            let kv = view.layer(layer)?;
+            if decode_only {
+                cpu::paged_attention_decode(
+                    &mut self.ws,
+                    kv,
+                    query,
+                    &seqs,
+                    &params,
+                    &mut self.out,
+                )?;
+            } else {
+                cpu::paged_attention_prefill(
+                    &mut self.ws,
+                    kv,
+                    query,
+                    &batch.query_start_loc,
+                    &seqs,
+                    &params,
+                    &mut self.out,
+                )?;
+            }
+        }
+        let ctx: u64 = batch.context_lens.iter().map(|&c| c as u64).sum();
+        Ok(ctx
+            * cfg.num_layers() as u64
+            * 2
+            * (cfg.num_kv_heads() * cfg.head_dim() * cfg.dtype().size_bytes()) as u64)
+    }
+}
+
+/// A slice of `len` random elements of `pool` at a random offset.
+fn noise<'a, T>(pool: &'a [T], rng: &mut SmallRng, len: usize) -> Result<&'a [T], SimError> {
+    if len > pool.len() {
+        return Err(SimError::InvalidConfig(format!(
+            "a step needs {len} projection values; the random pool holds {}",
+            pool.len()
+        )));
+    }
+    let at = rng.gen_range(0..=pool.len() - len);
+    Ok(&pool[at..at + len])
+}
+
+fn to_pairs(src: &[(i32, i32)], dst: &mut Vec<(u32, u32)>) {
+    dst.clear();
+    dst.extend(src.iter().map(|&(a, b)| (a as u32, b as u32)));
+}

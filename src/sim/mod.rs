@@ -1,0 +1,508 @@
+//! `pagedkv simulate`: several models serving a seeded workload on one device's shared block
+//! pool, under one budget coordinator, through the admission queues, with the real kernels on
+//! real KV caches.
+//!
+//! # How a run proceeds
+//!
+//! Time is simulated: step `t` ends at `(t + 1) * step_ms`. Each step has three phases,
+//! separated by barriers:
+//!
+//! 1. **clients** (several threads) collect outcomes of earlier requests and submit every
+//!    request that arrived by the end of the step, each to its model's admission queue;
+//! 2. **engines** (one thread each) take requests from their queue, schedule (in engine order,
+//!    so block grants are the same on every run), run their kernels and commit, all
+//!    concurrently on the shared pool, coordinator and queues;
+//! 3. **the coordinator** recomputes the budgets and the run records the pool's state.
+//!
+//! Latencies are measured in simulated time, so the same seed gives the same report on any
+//! machine; wall-clock figures are reported apart. Each client thread serves a fixed set of
+//! engines, and each engine's queue has one producer and one consumer per step, so queue
+//! overflow is deterministic too.
+
+mod config;
+mod engine;
+mod kernels;
+mod plot;
+mod report;
+mod workload;
+
+pub use config::{Burst, EngineSpec, SimConfig};
+pub use engine::{EngineMetrics, SimOutcome, EOS};
+pub use plot::write_svg;
+pub use report::{
+    ClassLatency, EngineReport, Latency, Refusals, Report, TimelinePoint, WallReport,
+};
+pub use workload::{generate, SimRequest};
+
+use crate::block::{BlockPool, EngineId, PoolConfig};
+use crate::budget::{BudgetConfig, BudgetCoordinator};
+use crate::error::{AdmissionError, OverloadReason, SimError};
+use crate::sched::admission::{Admission, AdmissionConfig, Route, Ticket};
+use crate::sched::Priority;
+use engine::EngineRuntime;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+/// Progress of a run, passed to the caller's callback once per step.
+#[derive(Debug, Clone, Copy)]
+pub struct Progress {
+    /// Steps done.
+    pub step: u64,
+    /// Requests resolved (finished or refused) so far.
+    pub resolved: u64,
+    /// Requests in the workload.
+    pub total: u64,
+    /// Blocks in use in the pool.
+    pub used_blocks: u32,
+}
+
+/// What one client thread saw.
+#[derive(Debug, Default)]
+struct ClientTally {
+    refused: Vec<Refusals>,
+}
+
+/// Checks a configuration before anything is built.
+pub fn validate(cfg: &SimConfig) -> Result<(), SimError> {
+    let bad = |m: String| Err(SimError::InvalidConfig(m));
+    if cfg.engines.is_empty() {
+        return bad("at least one engine is needed".into());
+    }
+    if cfg.engines.len() > 64 {
+        return bad(format!("{} engines; at most 64", cfg.engines.len()));
+    }
+    if (cfg.pool_blocks as usize) < cfg.engines.len() {
+        return bad(format!(
+            "the KV pool has {} blocks, fewer than one per engine ({} engines)",
+            cfg.pool_blocks,
+            cfg.engines.len()
+        ));
+    }
+    if !(cfg.duration_s > 0.0 && cfg.duration_s.is_finite()) {
+        return bad("duration must be a positive number of seconds".into());
+    }
+    if !(cfg.step_ms > 0.0 && cfg.step_ms.is_finite()) {
+        return bad("step must be a positive number of milliseconds".into());
+    }
+    if cfg.clients == 0 {
+        return bad("at least one client thread is needed".into());
+    }
+    if cfg.block_size == 0 || cfg.tokens_per_step == 0 || cfg.prefill_chunk == 0 {
+        return bad("block size, tokens per step and prefill chunk must be at least 1".into());
+    }
+    for e in &cfg.engines {
+        if e.weight == 0 {
+            return bad(format!("engine {}: weight must be at least 1", e.name));
+        }
+        if !(e.rate >= 0.0 && e.rate.is_finite()) {
+            return bad(format!(
+                "engine {}: arrival rate must be finite and >= 0",
+                e.name
+            ));
+        }
+        if e.kv_heads == 0 || e.heads % e.kv_heads != 0 {
+            return bad(format!(
+                "engine {}: {} query heads is not a multiple of {} KV heads",
+                e.name, e.heads, e.kv_heads
+            ));
+        }
+        if e.max_running == 0 || e.max_context == 0 {
+            return bad(format!(
+                "engine {}: max running and max context must be >= 1",
+                e.name
+            ));
+        }
+        if e.heads * e.head_dim * cfg.tokens_per_step as usize > (1 << 21) {
+            return bad(format!(
+                "engine {}: one step's projections ({} heads x {} dims x {} tokens) exceed the simulator's 2M-value random pool; lower --tokens-per-step",
+                e.name, e.heads, e.head_dim, cfg.tokens_per_step
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Runs a simulation on the CPU kernels. `progress` is called once per step from the
+/// coordinating thread.
+pub fn run(cfg: &SimConfig, progress: &(dyn Fn(Progress) + Sync)) -> Result<Report, SimError> {
+    validate(cfg)?;
+    let n = cfg.engines.len();
+    let requests = generate(cfg);
+    let total = requests.len() as u64;
+    let last_arrival_ms = requests.last().map_or(0.0, |r| r.arrival_ms);
+
+    let pool = Arc::new(BlockPool::new(PoolConfig {
+        device: 0,
+        num_blocks: cfg.pool_blocks,
+        max_engines: n as u16,
+    })?);
+    let coordinator = Arc::new(BudgetCoordinator::new(
+        BudgetConfig::new(n as u16, cfg.tokens_per_step, cfg.pool_blocks)
+            .with_cap_permille(cfg.cap_permille),
+    )?);
+    // Register every engine first: each one's guaranteed share then sizes its sequences.
+    let ids = cfg
+        .engines
+        .iter()
+        .map(|spec| coordinator.register(spec.weight))
+        .collect::<Result<Vec<_>, _>>()?;
+    coordinator.recompute();
+    let mut engines = Vec::with_capacity(n);
+    for (spec, &id) in cfg.engines.iter().zip(&ids) {
+        engines.push(EngineRuntime::new(
+            cfg,
+            spec,
+            id,
+            pool.clone(),
+            coordinator.clone(),
+        )?);
+    }
+    let admission: Admission<SimRequest, SimOutcome> =
+        Admission::new(AdmissionConfig::new(n, cfg.queue_capacity, cfg.overflow))?;
+
+    // Phase protocol state.
+    let threads = cfg.clients + n + 1;
+    let barrier = Barrier::new(threads);
+    let step = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    let turn = AtomicUsize::new(0);
+    let pending = AtomicUsize::new(0);
+    let resolved = AtomicU64::new(0);
+    let submitted_all = AtomicUsize::new(0);
+    let idle: Vec<AtomicBool> = (0..n).map(|_| AtomicBool::new(true)).collect();
+    let donations: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
+    let failure: std::sync::OnceLock<SimError> = std::sync::OnceLock::new();
+    let max_steps = ((cfg.duration_s * 1e3 / cfg.step_ms).ceil() as u64) * 6 + 4000;
+
+    let started = Instant::now();
+    let mut timeline = Vec::new();
+    let mut used_sum = 0f64;
+    let mut used_peak = 0u32;
+    let mut peak_held = vec![0u32; n];
+    let mut peak_borrowed = vec![0u64; n];
+    let mut steps_run = 0u64;
+
+    let (engines, tallies) = std::thread::scope(|s| {
+        // Clients: client c serves engines c, c + clients, ...
+        let clients: Vec<_> = (0..cfg.clients)
+            .map(|c| {
+                let mine: Vec<&SimRequest> = requests
+                    .iter()
+                    .filter(|r| r.engine % cfg.clients == c)
+                    .collect();
+                let (barrier, step, stop, pending, resolved, admission, submitted_all) = (
+                    &barrier,
+                    &step,
+                    &stop,
+                    &pending,
+                    &resolved,
+                    &admission,
+                    &submitted_all,
+                );
+                s.spawn(move || {
+                    let mut tally = ClientTally {
+                        refused: vec![Refusals::default(); n],
+                    };
+                    let mut tickets: Vec<(usize, Ticket<SimOutcome>)> = Vec::new();
+                    let mut next = 0;
+                    let mut done_flagged = false;
+                    loop {
+                        barrier.wait();
+                        if stop.load(Ordering::Acquire) {
+                            break;
+                        }
+                        let end_ms = (step.load(Ordering::Acquire) + 1) as f64 * cfg.step_ms;
+                        // Outcomes of earlier requests.
+                        tickets.retain_mut(|(engine, t)| match t.try_take() {
+                            None => true,
+                            Some(outcome) => {
+                                match outcome {
+                                    Ok(SimOutcome::TooLong) => tally.refused[*engine].too_long += 1,
+                                    Ok(SimOutcome::Finished { .. }) => {}
+                                    Err(AdmissionError::Overloaded {
+                                        reason: OverloadReason::EvictedOldest,
+                                        ..
+                                    }) => tally.refused[*engine].evicted += 1,
+                                    Err(_) => tally.refused[*engine].queue_full += 1,
+                                }
+                                pending.fetch_sub(1, Ordering::AcqRel);
+                                resolved.fetch_add(1, Ordering::Relaxed);
+                                false
+                            }
+                        });
+                        while next < mine.len() && mine[next].arrival_ms < end_ms {
+                            let r = mine[next].clone();
+                            let engine = r.engine;
+                            let priority = r.priority;
+                            match admission.try_submit(r, priority, Route::Worker(engine)) {
+                                Ok(ticket) => {
+                                    pending.fetch_add(1, Ordering::AcqRel);
+                                    tickets.push((engine, ticket));
+                                }
+                                Err(refused) => {
+                                    match refused.error {
+                                        AdmissionError::Overloaded { .. } => {
+                                            tally.refused[engine].queue_full += 1
+                                        }
+                                        _ => tally.refused[engine].queue_full += 1,
+                                    }
+                                    resolved.fetch_add(1, Ordering::Relaxed);
+                                }
+                            }
+                            next += 1;
+                        }
+                        if next == mine.len() && !done_flagged {
+                            done_flagged = true;
+                            submitted_all.fetch_add(1, Ordering::AcqRel);
+                        }
+                        barrier.wait();
+                        barrier.wait();
+                    }
+                    // Requests still unresolved at a forced stop time out.
+                    for (engine, _) in &tickets {
+                        tally.refused[*engine].timed_out += 1;
+                    }
+                    tally
+                })
+            })
+            .collect();
+
+        // Engines.
+        let engine_threads: Vec<_> = engines
+            .into_iter()
+            .enumerate()
+            .map(|(idx, mut rt)| {
+                let (barrier, step, stop, turn, idle, donations, admission, failure) = (
+                    &barrier, &step, &stop, &turn, &idle, &donations, &admission, &failure,
+                );
+                s.spawn(move || {
+                    let backoff = crossbeam_utils::Backoff::new();
+                    loop {
+                        barrier.wait();
+                        if stop.load(Ordering::Acquire) {
+                            break;
+                        }
+                        barrier.wait();
+                        let now_ms = (step.load(Ordering::Acquire) + 1) as f64 * cfg.step_ms;
+                        let result = (|| -> Result<(), SimError> {
+                            rt.admit(admission, idx)?;
+                            // Schedule in engine order: block grants are then the same on
+                            // every run (the report is deterministic). Kernels and commits
+                            // run concurrently.
+                            backoff.reset();
+                            while turn.load(Ordering::Acquire) != idx {
+                                backoff.snooze();
+                            }
+                            if let Some((donor, blocks)) = rt.donation_needed() {
+                                donations[donor.index()].fetch_add(blocks, Ordering::AcqRel);
+                            }
+                            let given = donations[idx].swap(0, Ordering::AcqRel);
+                            rt.schedule(given);
+                            turn.store(idx + 1, Ordering::Release);
+                            rt.execute()?;
+                            rt.commit(now_ms)?;
+                            Ok(())
+                        })();
+                        if let Err(e) = result {
+                            let _ = failure.set(e);
+                            // Let the others through the schedule turn.
+                            if turn.load(Ordering::Acquire) == idx {
+                                turn.store(idx + 1, Ordering::Release);
+                            }
+                        }
+                        idle[idx].store(rt.is_idle(), Ordering::Release);
+                        barrier.wait();
+                    }
+                    rt
+                })
+            })
+            .collect();
+
+        // The coordinating thread.
+        loop {
+            barrier.wait(); // clients' phase starts
+            if stop.load(Ordering::Acquire) {
+                break;
+            }
+            barrier.wait(); // engines' phase starts
+            barrier.wait(); // both done
+            let t = step.load(Ordering::Acquire);
+            coordinator.recompute();
+            let used = pool.total() - pool.free_count();
+            used_sum += f64::from(used);
+            used_peak = used_peak.max(used);
+            let snapshot = coordinator.snapshot();
+            for (e, st) in snapshot.engines.iter().enumerate().take(n) {
+                peak_held[e] = peak_held[e].max(pool.held(EngineId(e as u16)));
+                peak_borrowed[e] = peak_borrowed[e].max(st.blocks_borrowed);
+            }
+            if t % 4 == 0 {
+                timeline.push(TimelinePoint {
+                    t_s: (t + 1) as f64 * cfg.step_ms / 1e3,
+                    used_blocks: used,
+                    held: (0..n).map(|e| pool.held(EngineId(e as u16))).collect(),
+                    token_budget: (0..n)
+                        .map(|e| coordinator.token_budget(EngineId(e as u16)))
+                        .collect(),
+                });
+            }
+            steps_run = t + 1;
+            progress(Progress {
+                step: t + 1,
+                resolved: resolved.load(Ordering::Relaxed),
+                total,
+                used_blocks: used,
+            });
+            let arrivals_done = (t + 1) as f64 * cfg.step_ms > last_arrival_ms
+                && submitted_all.load(Ordering::Acquire) == cfg.clients;
+            let all_idle = idle.iter().all(|i| i.load(Ordering::Acquire));
+            let done = arrivals_done && all_idle && pending.load(Ordering::Acquire) == 0;
+            if done || t + 1 >= max_steps || failure.get().is_some() {
+                stop.store(true, Ordering::Release);
+            }
+            turn.store(0, Ordering::Release);
+            step.store(t + 1, Ordering::Release);
+        }
+        let engines: Vec<EngineRuntime> = engine_threads
+            .into_iter()
+            .map(|h| h.join().map_err(|_| SimError::ThreadPanicked))
+            .collect::<Result<_, _>>()?;
+        let tallies: Vec<ClientTally> = clients
+            .into_iter()
+            .map(|h| h.join().map_err(|_| SimError::ThreadPanicked))
+            .collect::<Result<_, _>>()?;
+        Ok::<_, SimError>((engines, tallies))
+    })?;
+    if let Some(e) = failure.into_inner() {
+        return Err(e);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+
+    // Unresolved requests at a forced stop: their engines still hold them.
+    let mut reports = Vec::with_capacity(n);
+    let weight_sum: u32 = cfg.engines.iter().map(|e| e.weight).sum();
+    let saturated: Vec<bool> = (0..steps_run as usize)
+        .map(|t| {
+            engines
+                .iter()
+                .all(|e| e.metrics.backlogged.get(t).copied().unwrap_or(false))
+        })
+        .collect();
+    let saturated_ticks = saturated.iter().filter(|&&x| x).count() as u64;
+    let saturated_total: u64 = engines
+        .iter()
+        .map(|e| sum_where(&e.metrics.per_tick, &saturated))
+        .sum();
+    let sim_seconds = steps_run as f64 * cfg.step_ms / 1e3;
+    let mut refused_all = Refusals::default();
+    for (e, rt) in engines.iter().enumerate() {
+        let m = &rt.metrics;
+        let mut refused = Refusals::default();
+        for t in &tallies {
+            refused.queue_full += t.refused[e].queue_full;
+            refused.evicted += t.refused[e].evicted;
+            refused.too_long += t.refused[e].too_long;
+            refused.timed_out += t.refused[e].timed_out;
+        }
+        refused_all.queue_full += refused.queue_full;
+        refused_all.evicted += refused.evicted;
+        refused_all.too_long += refused.too_long;
+        refused_all.timed_out += refused.timed_out;
+        let stats = rt.batcher.stats();
+        let class = |c: Priority| ClassLatency {
+            ttft: Latency::of(&m.ttft_ms[c.index()]),
+            itl: Latency::of(&m.itl_ms[c.index()]),
+        };
+        reports.push(EngineReport {
+            name: rt.spec.name.clone(),
+            weight: rt.spec.weight,
+            weight_share: f64::from(rt.spec.weight) / f64::from(weight_sum),
+            geometry: [
+                rt.spec.layers,
+                rt.spec.heads,
+                rt.spec.kv_heads,
+                rt.spec.head_dim,
+            ],
+            requests: requests.iter().filter(|r| r.engine == e).count() as u64,
+            finished: m.finished,
+            refused,
+            generated_tokens: m.generated,
+            scheduled_tokens: m.scheduled,
+            tokens_per_s: m.generated as f64 / sim_seconds,
+            saturated_token_share: if saturated_total == 0 {
+                0.0
+            } else {
+                sum_where(&m.per_tick, &saturated) as f64 / saturated_total as f64
+            },
+            latency_critical: class(Priority::LatencyCritical),
+            throughput: class(Priority::Throughput),
+            preempted_recompute: stats.preempted_recompute,
+            preempted_swap: stats.preempted_swap,
+            blocks_swapped: [stats.blocks_swapped_out, stats.blocks_swapped_in],
+            blocks_shed: m.blocks_shed,
+            donations_asked: m.donations_asked,
+            peak_blocks: peak_held[e],
+            peak_borrowed: peak_borrowed[e],
+            kv_bytes_read: m.kv_bytes_read,
+        });
+    }
+    let finished: u64 = reports.iter().map(|r| r.finished).sum();
+    let generated: u64 = reports.iter().map(|r| r.generated_tokens).sum();
+    let scheduled: u64 = reports.iter().map(|r| r.scheduled_tokens).sum();
+    let kv_read: u64 = reports.iter().map(|r| r.kv_bytes_read).sum();
+    let schedule_s: Vec<f64> = engines
+        .iter()
+        .map(|e| e.metrics.schedule_wall.as_secs_f64())
+        .collect();
+    let wall = WallReport {
+        elapsed_s: elapsed,
+        tokens_per_s: generated as f64 / elapsed,
+        scheduled_per_s: scheduled as f64 / elapsed,
+        kv_read_gb_per_s: kv_read as f64 / elapsed / 1e9,
+        engine_kernel_s: engines
+            .iter()
+            .map(|e| e.metrics.kernel_wall.as_secs_f64())
+            .collect(),
+        schedule_us_per_step: schedule_s.iter().sum::<f64>() * 1e6
+            / (steps_run.max(1) as f64 * n as f64),
+        engine_schedule_s: schedule_s,
+    };
+    // Blocks still allocated although every engine went idle would be a leak. (After a forced
+    // stop, unfinished sequences legitimately hold blocks; dropping the engines frees them.)
+    let forced = refused_all.timed_out > 0;
+    let leaked_blocks = if forced {
+        0
+    } else {
+        pool.total() - pool.free_count()
+    };
+    drop(engines);
+    Ok(Report {
+        seed: cfg.seed,
+        device: "cpu".into(),
+        duration_s: cfg.duration_s,
+        step_ms: cfg.step_ms,
+        steps: steps_run,
+        pool_blocks: cfg.pool_blocks,
+        requests: total,
+        finished,
+        refused: refused_all,
+        tokens_per_s: generated as f64 / sim_seconds,
+        kv_utilisation_mean: used_sum / steps_run.max(1) as f64 / f64::from(cfg.pool_blocks),
+        kv_utilisation_peak: f64::from(used_peak) / f64::from(cfg.pool_blocks),
+        leaked_blocks,
+        saturated_ticks,
+        engines: reports,
+        timeline,
+        wall,
+    })
+}
+
+fn sum_where(per_tick: &[u32], mask: &[bool]) -> u64 {
+    per_tick
+        .iter()
+        .zip(mask)
+        .filter(|(_, &m)| m)
+        .map(|(&x, _)| u64::from(x))
+        .sum()
+}

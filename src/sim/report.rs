@@ -1,0 +1,269 @@
+//! The report of a simulation: deterministic figures (simulated time; the same seed gives the
+//! same report on any machine) and, apart, wall-clock figures of this machine.
+
+use serde::Serialize;
+
+/// Latency percentiles in simulated milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Latency {
+    /// Samples.
+    pub count: usize,
+    /// Median.
+    pub p50_ms: f64,
+    /// 99th percentile.
+    pub p99_ms: f64,
+}
+
+impl Latency {
+    /// Percentiles of `samples` (nearest rank).
+    pub fn of(samples: &[f64]) -> Self {
+        if samples.is_empty() {
+            return Self::default();
+        }
+        let mut v = samples.to_vec();
+        v.sort_by(f64::total_cmp);
+        let rank = |p: f64| v[(((p * v.len() as f64).ceil() as usize).max(1) - 1).min(v.len() - 1)];
+        Self {
+            count: v.len(),
+            p50_ms: rank(0.50),
+            p99_ms: rank(0.99),
+        }
+    }
+}
+
+/// Per class latencies of one engine.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ClassLatency {
+    /// Time to first token.
+    pub ttft: Latency,
+    /// Inter-token latency.
+    pub itl: Latency,
+}
+
+/// Why requests did not finish.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Refusals {
+    /// Refused at submit: the admission queue was full (drop-newest).
+    pub queue_full: u64,
+    /// Evicted from a full queue by a newer request (drop-oldest).
+    pub evicted: u64,
+    /// Refused by the engine: could never fit a sequence's table or the pool.
+    pub too_long: u64,
+    /// Still unfinished when the run's step limit was reached.
+    pub timed_out: u64,
+}
+
+/// One engine's figures.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct EngineReport {
+    /// Name.
+    pub name: String,
+    /// Share weight.
+    pub weight: u32,
+    /// Weight over the sum of weights.
+    pub weight_share: f64,
+    /// Geometry, for the record: layers, heads, KV heads, head dim.
+    pub geometry: [usize; 4],
+    /// Requests generated for it.
+    pub requests: u64,
+    /// Requests finished.
+    pub finished: u64,
+    /// Requests refused, by reason.
+    pub refused: Refusals,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// Tokens scheduled (prefill, decode, recomputation).
+    pub scheduled_tokens: u64,
+    /// Generated tokens per simulated second.
+    pub tokens_per_s: f64,
+    /// Share of all scheduled tokens in ticks where every engine had a backlog.
+    pub saturated_token_share: f64,
+    /// Latency-critical class.
+    pub latency_critical: ClassLatency,
+    /// Throughput class.
+    pub throughput: ClassLatency,
+    /// Preemptions by recompute.
+    pub preempted_recompute: u64,
+    /// Preemptions by swap.
+    pub preempted_swap: u64,
+    /// Blocks swapped out / in.
+    pub blocks_swapped: [u64; 2],
+    /// Blocks this engine gave back on reclaim orders or donations.
+    pub blocks_shed: u64,
+    /// Donations it asked of lower-priority engines.
+    pub donations_asked: u64,
+    /// Most blocks it held at a tick's end.
+    pub peak_blocks: u32,
+    /// Most blocks it held above its quota (borrowed) at a tick's end.
+    pub peak_borrowed: u64,
+    /// KV bytes its attention read.
+    pub kv_bytes_read: u64,
+}
+
+/// KV and budget state at one tick.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TimelinePoint {
+    /// Simulated time, seconds.
+    pub t_s: f64,
+    /// Blocks in use in the pool.
+    pub used_blocks: u32,
+    /// Blocks held per engine.
+    pub held: Vec<u32>,
+    /// Token budget per engine.
+    pub token_budget: Vec<u32>,
+}
+
+/// Wall-clock figures of this run on this machine (not deterministic).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct WallReport {
+    /// Seconds the run took.
+    pub elapsed_s: f64,
+    /// Generated tokens per wall second, all engines.
+    pub tokens_per_s: f64,
+    /// Scheduled tokens per wall second, all engines.
+    pub scheduled_per_s: f64,
+    /// KV bytes read by attention per wall second.
+    pub kv_read_gb_per_s: f64,
+    /// Per engine: seconds in kernels, seconds in scheduling and commit.
+    pub engine_kernel_s: Vec<f64>,
+    /// Per engine: seconds scheduling and committing.
+    pub engine_schedule_s: Vec<f64>,
+    /// Mean scheduling + commit time per engine step, microseconds.
+    pub schedule_us_per_step: f64,
+}
+
+/// Everything a run reports.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Report {
+    /// Seed.
+    pub seed: u64,
+    /// Device the kernels ran on.
+    pub device: String,
+    /// Simulated seconds of arrivals.
+    pub duration_s: f64,
+    /// Simulated milliseconds per step.
+    pub step_ms: f64,
+    /// Steps run (arrivals, then drain).
+    pub steps: u64,
+    /// Blocks in the shared pool.
+    pub pool_blocks: u32,
+    /// Requests generated.
+    pub requests: u64,
+    /// Requests finished.
+    pub finished: u64,
+    /// Requests refused, by reason, all engines.
+    pub refused: Refusals,
+    /// Generated tokens per simulated second, all engines.
+    pub tokens_per_s: f64,
+    /// Mean and peak pool utilisation.
+    pub kv_utilisation_mean: f64,
+    /// Peak pool utilisation.
+    pub kv_utilisation_peak: f64,
+    /// Blocks left allocated at the end (must be 0).
+    pub leaked_blocks: u32,
+    /// Ticks where every engine had a backlog.
+    pub saturated_ticks: u64,
+    /// Per engine.
+    pub engines: Vec<EngineReport>,
+    /// Pool and budget state over time (sampled).
+    pub timeline: Vec<TimelinePoint>,
+    /// This machine's wall-clock figures.
+    pub wall: WallReport,
+}
+
+impl Report {
+    /// The report as text, for a terminal.
+    pub fn to_text(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "pagedkv simulate: seed {}, {} engines on one pool of {} blocks, device {}",
+            self.seed,
+            self.engines.len(),
+            self.pool_blocks,
+            self.device
+        );
+        let _ = writeln!(
+            s,
+            "{:.0} s of arrivals at {} ms per step: {} steps; {} requests, {} finished, refused: {} queue full, {} evicted, {} too long, {} timed out",
+            self.duration_s,
+            self.step_ms,
+            self.steps,
+            self.requests,
+            self.finished,
+            self.refused.queue_full,
+            self.refused.evicted,
+            self.refused.too_long,
+            self.refused.timed_out
+        );
+        let _ = writeln!(
+            s,
+            "KV utilisation mean {:.1}% peak {:.1}%; {} saturated steps; leaked blocks: {}",
+            100.0 * self.kv_utilisation_mean,
+            100.0 * self.kv_utilisation_peak,
+            self.saturated_ticks,
+            self.leaked_blocks
+        );
+        let _ = writeln!(
+            s,
+            "\n{:<10} {:>6} {:>6} {:>6} {:>5} {:>6} {:>6} {:>8} {:>7} {:>7} | {:>17} {:>17} | {:>17} {:>17}",
+            "engine", "weight", "share", "reqs", "done", "refus", "tok/s", "preempt", "swapped", "shed",
+            "LC ttft p50/p99", "LC itl p50/p99", "TP ttft p50/p99", "TP itl p50/p99"
+        );
+        for e in &self.engines {
+            let refused =
+                e.refused.queue_full + e.refused.evicted + e.refused.too_long + e.refused.timed_out;
+            let lat = |l: &Latency| format!("{:.0}/{:.0}", l.p50_ms, l.p99_ms);
+            let _ = writeln!(
+                s,
+                "{:<10} {:>6} {:>5.1}% {:>6} {:>5} {:>6} {:>6.0} {:>8} {:>7} {:>7} | {:>17} {:>17} | {:>17} {:>17}",
+                e.name,
+                e.weight,
+                100.0 * e.saturated_token_share,
+                e.requests,
+                e.finished,
+                refused,
+                e.tokens_per_s,
+                e.preempted_recompute + e.preempted_swap,
+                e.blocks_swapped[0],
+                e.blocks_shed,
+                lat(&e.latency_critical.ttft),
+                lat(&e.latency_critical.itl),
+                lat(&e.throughput.ttft),
+                lat(&e.throughput.itl),
+            );
+        }
+        let _ = writeln!(
+            s,
+            "(share: each engine's share of tokens in saturated steps, beside its weight share:"
+        );
+        for e in &self.engines {
+            let _ = writeln!(
+                s,
+                "   {:<10} tokens {:>5.1}%  weight {:>5.1}%  peak blocks {:>5}  peak borrowed {:>5}  donations asked {})",
+                e.name,
+                100.0 * e.saturated_token_share,
+                100.0 * e.weight_share,
+                e.peak_blocks,
+                e.peak_borrowed,
+                e.donations_asked
+            );
+        }
+        let _ = writeln!(
+            s,
+            "\nsimulated: {:.0} generated tokens/s; latencies in simulated ms (ttft = time to first token, itl = inter-token)",
+            self.tokens_per_s
+        );
+        let _ = writeln!(
+            s,
+            "wall clock (this machine): {:.1} s, {:.0} generated tok/s, {:.0} scheduled tok/s, attention read {:.2} GB/s of KV, scheduling+commit {:.1} us per engine step",
+            self.wall.elapsed_s,
+            self.wall.tokens_per_s,
+            self.wall.scheduled_per_s,
+            self.wall.kv_read_gb_per_s,
+            self.wall.schedule_us_per_step
+        );
+        s
+    }
+}

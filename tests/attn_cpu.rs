@@ -1,0 +1,754 @@
+//! The CPU kernels against a naive float64 reference that gathers K and V token by token
+//! through the block table, with its own copy of the layout formula. Inputs are fresh random
+//! values (never zeros); outputs are poisoned with NaN first, unused cache slots and blocks hold
+//! NaN (a kernel that reads them fails), and padding block-table entries are out of range.
+//!
+//! Grid: head dims 64..256, GQA 1/4/8, block sizes 8/16/32, context lengths 1, block
+//! boundary +-1, long; ALiBi / sliding window / soft-cap in all 8 on/off combinations; f32,
+//! f16, bf16. Release builds run every (head dim, GQA, block size, feature set) combination,
+//! the dtype rotating so that every geometry and every feature set meets every dtype (432
+//! batches of 7 sequences per kernel); debug builds run one rotating (dtype, feature set) per
+//! geometry (54 batches), still every value of every axis.
+
+use half::{bf16, f16};
+use pagedkv::attn::cpu::{
+    copy_blocks, paged_attention_decode, paged_attention_prefill, reshape_and_cache,
+};
+use pagedkv::attn::{AttnParams, AttnWorkspace, PagedSeqs};
+use pagedkv::error::{AttnError, KvError};
+use pagedkv::kv::{HostKvCache, KvCacheConfig, KvDtype, KvElem};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+const HEAD_DIMS: [usize; 6] = [64, 80, 96, 112, 128, 256];
+const GQA: [usize; 3] = [1, 4, 8];
+const BLOCK_SIZES: [usize; 3] = [8, 16, 32];
+const NUM_KV_HEADS: usize = 2;
+const NUM_LAYERS: usize = 2;
+const LAYER: usize = 1;
+
+/// Element offset by the layout formula, written out independently of `KvCacheConfig::offset`.
+#[allow(clippy::too_many_arguments)]
+fn ref_offset(
+    l: usize,
+    bs: usize,
+    h: usize,
+    d: usize,
+    b: usize,
+    layer: usize,
+    kv: usize,
+    t: usize,
+    head: usize,
+) -> usize {
+    ((((b * l + layer) * 2 + kv) * bs + t) * h + head) * d
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Features {
+    alibi: bool,
+    window: bool,
+    softcap: bool,
+}
+
+impl Features {
+    fn from_bits(i: usize) -> Self {
+        Self {
+            alibi: i & 1 != 0,
+            window: i & 2 != 0,
+            softcap: i & 4 != 0,
+        }
+    }
+}
+
+/// One test batch: a cache (filled through `reshape_and_cache`), its block tables, and params.
+struct Case<T> {
+    cfg: KvCacheConfig,
+    cache: HostKvCache,
+    tables: Vec<i32>,
+    mbps: usize,
+    ctx: Vec<i32>,
+    num_heads: usize,
+    slopes: Vec<f32>,
+    window: usize,
+    softcap: f32,
+    scale: f32,
+    _t: std::marker::PhantomData<T>,
+}
+
+fn rand_vals<T: KvElem>(rng: &mut SmallRng, n: usize) -> Vec<T> {
+    (0..n)
+        .map(|_| {
+            // Never zero: magnitude in [0.05, 1), random sign.
+            let m: f32 = rng.gen_range(0.05..1.0);
+            T::from_f32(if rng.gen::<bool>() { m } else { -m })
+        })
+        .collect()
+}
+
+impl<T: KvElem> Case<T> {
+    fn new(
+        rng: &mut SmallRng,
+        d: usize,
+        gqa: usize,
+        bs: usize,
+        ctx: &[usize],
+        f: Features,
+    ) -> Self {
+        let mbps = ctx.iter().map(|c| c.div_ceil(bs)).max().unwrap_or(0) + 2;
+        let used: usize = ctx.iter().map(|c| c.div_ceil(bs)).sum();
+        let num_blocks = used + 5;
+        let cfg =
+            KvCacheConfig::new(NUM_LAYERS, NUM_KV_HEADS, d, bs, num_blocks, T::DTYPE).unwrap();
+        let mut cache = HostKvCache::new(cfg).unwrap();
+        cache
+            .view_mut::<T>()
+            .unwrap()
+            .data_mut()
+            .fill(T::from_f32(f32::NAN));
+        // Distinct random blocks for every sequence; padding entries are garbage ids.
+        let mut perm: Vec<i32> = (0..num_blocks as i32).collect();
+        for i in (1..perm.len()).rev() {
+            perm.swap(i, rng.gen_range(0..=i));
+        }
+        let mut tables = vec![0i32; ctx.len() * mbps];
+        let mut next = 0;
+        for (s, &c) in ctx.iter().enumerate() {
+            for j in 0..mbps {
+                tables[s * mbps + j] = if j < c.div_ceil(bs) {
+                    next += 1;
+                    perm[next - 1]
+                } else if j % 2 == 0 {
+                    -1
+                } else {
+                    i32::MAX
+                };
+            }
+        }
+        // Write every context token through reshape_and_cache, in a shuffled token order with
+        // padding slots (-1) whose garbage K/V must be skipped. Layer 0 gets other data.
+        let row = NUM_KV_HEADS * d;
+        for layer in 0..NUM_LAYERS {
+            let mut slots: Vec<i64> = Vec::new();
+            for (s, &c) in ctx.iter().enumerate() {
+                for p in 0..c {
+                    slots.push(tables[s * mbps + p / bs] as i64 * bs as i64 + (p % bs) as i64);
+                    if p % 7 == 3 {
+                        slots.push(-1);
+                    }
+                }
+            }
+            for i in (1..slots.len()).rev() {
+                slots.swap(i, rng.gen_range(0..=i));
+            }
+            let k: Vec<T> = rand_vals(rng, slots.len() * row);
+            let v: Vec<T> = rand_vals(rng, slots.len() * row);
+            let mut view = cache.view_mut::<T>().unwrap();
+            reshape_and_cache(view.layer_mut(layer).unwrap(), &k, &v, &slots).unwrap();
+            // reshape_and_cache placed every token where the formula says.
+            let data = view.data();
+            for (i, &slot) in slots.iter().enumerate() {
+                if slot < 0 {
+                    continue;
+                }
+                let (b, t) = (slot as usize / bs, slot as usize % bs);
+                for h in 0..NUM_KV_HEADS {
+                    let o = ref_offset(NUM_LAYERS, bs, NUM_KV_HEADS, d, b, layer, 0, t, h);
+                    assert_eq!(&data[o..o + d], &k[i * row + h * d..i * row + (h + 1) * d]);
+                    let o = ref_offset(NUM_LAYERS, bs, NUM_KV_HEADS, d, b, layer, 1, t, h);
+                    assert_eq!(&data[o..o + d], &v[i * row + h * d..i * row + (h + 1) * d]);
+                }
+            }
+        }
+        let num_heads = NUM_KV_HEADS * gqa;
+        let slopes = (0..num_heads)
+            .map(|h| 2f32.powf(-8.0 * (h + 1) as f32 / num_heads as f32))
+            .collect();
+        Self {
+            cfg,
+            cache,
+            tables,
+            mbps,
+            ctx: ctx.iter().map(|&c| c as i32).collect(),
+            num_heads,
+            slopes,
+            window: if f.window { bs + 3 } else { 0 },
+            softcap: if f.softcap { 0.4 } else { 0.0 },
+            scale: if f.alibi {
+                0.5
+            } else {
+                1.0 / (d as f32).sqrt()
+            },
+            _t: std::marker::PhantomData,
+        }
+        .with_alibi(f.alibi)
+    }
+
+    fn with_alibi(mut self, on: bool) -> Self {
+        if !on {
+            self.slopes.clear();
+        }
+        self
+    }
+
+    fn params(&self) -> AttnParams<'_> {
+        AttnParams {
+            num_heads: self.num_heads,
+            scale: self.scale,
+            alibi_slopes: if self.slopes.is_empty() {
+                None
+            } else {
+                Some(&self.slopes)
+            },
+            sliding_window: self.window,
+            softcap: self.softcap,
+        }
+    }
+
+    fn seqs(&self) -> PagedSeqs<'_> {
+        PagedSeqs {
+            block_tables: &self.tables,
+            max_blocks_per_seq: self.mbps,
+            context_lens: &self.ctx,
+        }
+    }
+
+    /// Float64 reference: query row `q` (head `h`) at position `qpos` of sequence `s`.
+    fn reference(&self, s: usize, h: usize, qpos: usize, q: &[T]) -> Vec<f64> {
+        let (d, bs) = (self.cfg.head_dim(), self.cfg.block_size());
+        let kvh = h / (self.num_heads / NUM_KV_HEADS);
+        let data = self.cache.view::<T>().unwrap().data();
+        let visible = |kpos: usize| self.window == 0 || qpos - kpos < self.window;
+        let addr = |kpos: usize, kv: usize| {
+            let b = self.tables[s * self.mbps + kpos / bs] as usize;
+            ref_offset(
+                NUM_LAYERS,
+                bs,
+                NUM_KV_HEADS,
+                d,
+                b,
+                LAYER,
+                kv,
+                kpos % bs,
+                kvh,
+            )
+        };
+        // Pass 1: logits, gathered token by token through the block table.
+        let mut logits = vec![f64::NEG_INFINITY; qpos + 1];
+        for (kpos, logit) in logits.iter_mut().enumerate() {
+            if !visible(kpos) {
+                continue;
+            }
+            let ko = addr(kpos, 0);
+            let mut dot = 0f64;
+            for i in 0..d {
+                dot += q[i].to_f32() as f64 * data[ko + i].to_f32() as f64;
+            }
+            let mut x = self.scale as f64 * dot;
+            if self.softcap > 0.0 {
+                let c = self.softcap as f64;
+                x = c * (x / c).tanh();
+            }
+            if !self.slopes.is_empty() {
+                x += self.slopes[h] as f64 * (kpos as f64 - qpos as f64);
+            }
+            *logit = x;
+        }
+        // Pass 2: softmax and weighted values.
+        let mx = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = logits.iter().map(|x| (x - mx).exp()).sum();
+        let mut out = vec![0f64; d];
+        for (kpos, x) in logits.iter().enumerate() {
+            if !visible(kpos) {
+                continue;
+            }
+            let w = (x - mx).exp() / z;
+            let vo = addr(kpos, 1);
+            for i in 0..d {
+                out[i] += w * data[vo + i].to_f32() as f64;
+            }
+        }
+        out
+    }
+}
+
+fn tol<T: KvElem>() -> f64 {
+    match T::DTYPE {
+        KvDtype::F32 => 1e-5,
+        _ => 1e-2,
+    }
+}
+
+/// Relative error against the row's largest reference magnitude.
+fn check_row<T: KvElem>(got: &[T], want: &[f64], what: &str) {
+    let scale = want.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let g = g.to_f32() as f64;
+        let err = (g - w).abs() / scale;
+        assert!(
+            err <= tol::<T>(),
+            "{what}: element {i}: got {g}, want {w} (rel err {err:e})"
+        );
+    }
+}
+
+fn ctx_lens(bs: usize) -> Vec<usize> {
+    vec![1, bs - 1, bs, bs + 1, 2 * bs, 2 * bs + 1, 6 * bs + 5]
+}
+
+fn run_decode<T: KvElem>(
+    rng: &mut SmallRng,
+    d: usize,
+    gqa: usize,
+    bs: usize,
+    f: Features,
+    ws: &mut AttnWorkspace,
+) {
+    let ctx = ctx_lens(bs);
+    let case = Case::<T>::new(rng, d, gqa, bs, &ctx, f);
+    let nh = case.num_heads;
+    let q: Vec<T> = rand_vals(rng, ctx.len() * nh * d);
+    let mut out = vec![T::from_f32(f32::NAN); q.len()];
+    let view = case.cache.view::<T>().unwrap();
+    paged_attention_decode(
+        ws,
+        view.layer(LAYER).unwrap(),
+        &q,
+        &case.seqs(),
+        &case.params(),
+        &mut out,
+    )
+    .unwrap();
+    for (s, &c) in ctx.iter().enumerate() {
+        for h in 0..nh {
+            let r = (s * nh + h) * d;
+            let want = case.reference(s, h, c - 1, &q[r..r + d]);
+            let what = format!(
+                "decode {:?} d={d} gqa={gqa} bs={bs} {f:?} seq {s} (ctx {c}) head {h}",
+                T::DTYPE
+            );
+            check_row(&out[r..r + d], &want, &what);
+        }
+    }
+}
+
+fn run_prefill<T: KvElem>(
+    rng: &mut SmallRng,
+    d: usize,
+    gqa: usize,
+    bs: usize,
+    f: Features,
+    ws: &mut AttnWorkspace,
+) {
+    // (context length, new query tokens): single token, full prefill up to a boundary-1,
+    // chunked prefill crossing a boundary, exactly a boundary, long with a long chunk, empty.
+    let spec = [
+        (1, 1),
+        (bs - 1, bs - 1),
+        (bs + 1, 3),
+        (2 * bs, bs + 1),
+        (6 * bs + 5, 21),
+        (5, 0),
+    ];
+    let ctx: Vec<usize> = spec.iter().map(|s| s.0).collect();
+    let case = Case::<T>::new(rng, d, gqa, bs, &ctx, f);
+    let nh = case.num_heads;
+    let mut qsl = vec![0i32];
+    for &(_, ql) in &spec {
+        qsl.push(qsl.last().unwrap() + ql as i32);
+    }
+    let ntok = *qsl.last().unwrap() as usize;
+    let q: Vec<T> = rand_vals(rng, ntok * nh * d);
+    let mut out = vec![T::from_f32(f32::NAN); q.len()];
+    let view = case.cache.view::<T>().unwrap();
+    paged_attention_prefill(
+        ws,
+        view.layer(LAYER).unwrap(),
+        &q,
+        &qsl,
+        &case.seqs(),
+        &case.params(),
+        &mut out,
+    )
+    .unwrap();
+    for (s, &(c, ql)) in spec.iter().enumerate() {
+        for i in 0..ql {
+            let tok = qsl[s] as usize + i;
+            for h in 0..nh {
+                let r = (tok * nh + h) * d;
+                let want = case.reference(s, h, c - ql + i, &q[r..r + d]);
+                let what = format!(
+                    "prefill {:?} d={d} gqa={gqa} bs={bs} {f:?} seq {s} token {i} head {h}",
+                    T::DTYPE
+                );
+                check_row(&out[r..r + d], &want, &what);
+            }
+        }
+    }
+}
+
+/// The grid (see the file docs for the sampling).
+fn grid(kernel: fn(KvDtype, &mut SmallRng, usize, usize, usize, Features, &mut AttnWorkspace)) {
+    let full = !cfg!(debug_assertions);
+    let mut rng = SmallRng::seed_from_u64(0x5eed_a77e);
+    let mut ws = AttnWorkspace::new();
+    let dtypes = [KvDtype::F32, KvDtype::F16, KvDtype::Bf16];
+    let mut idx = 0usize;
+    for &d in &HEAD_DIMS {
+        for &g in &GQA {
+            for &bs in &BLOCK_SIZES {
+                for (di, &dt) in dtypes.iter().enumerate() {
+                    for fb in 0..8 {
+                        let run = if full {
+                            di == (idx + fb) % 3
+                        } else {
+                            di == idx % 3 && fb == idx % 8
+                        };
+                        if run {
+                            kernel(dt, &mut rng, d, g, bs, Features::from_bits(fb), &mut ws);
+                        }
+                    }
+                }
+                idx += 1;
+            }
+        }
+    }
+}
+
+fn decode_any(
+    dt: KvDtype,
+    rng: &mut SmallRng,
+    d: usize,
+    g: usize,
+    bs: usize,
+    f: Features,
+    ws: &mut AttnWorkspace,
+) {
+    match dt {
+        KvDtype::F32 => run_decode::<f32>(rng, d, g, bs, f, ws),
+        KvDtype::F16 => run_decode::<f16>(rng, d, g, bs, f, ws),
+        KvDtype::Bf16 => run_decode::<bf16>(rng, d, g, bs, f, ws),
+    }
+}
+
+fn prefill_any(
+    dt: KvDtype,
+    rng: &mut SmallRng,
+    d: usize,
+    g: usize,
+    bs: usize,
+    f: Features,
+    ws: &mut AttnWorkspace,
+) {
+    match dt {
+        KvDtype::F32 => run_prefill::<f32>(rng, d, g, bs, f, ws),
+        KvDtype::F16 => run_prefill::<f16>(rng, d, g, bs, f, ws),
+        KvDtype::Bf16 => run_prefill::<bf16>(rng, d, g, bs, f, ws),
+    }
+}
+
+#[test]
+fn decode_matches_f64_reference_over_grid() {
+    grid(decode_any);
+}
+
+#[test]
+fn prefill_matches_f64_reference_over_grid() {
+    grid(prefill_any);
+}
+
+#[test]
+fn decode_equals_prefill_of_one_token() {
+    let mut rng = SmallRng::seed_from_u64(7);
+    let (d, gqa, bs) = (64, 4, 16);
+    let ctx = ctx_lens(bs);
+    let case = Case::<f32>::new(&mut rng, d, gqa, bs, &ctx, Features::from_bits(7));
+    let q: Vec<f32> = rand_vals(&mut rng, ctx.len() * case.num_heads * d);
+    let (mut a, mut b) = (vec![f32::NAN; q.len()], vec![f32::NAN; q.len()]);
+    let qsl: Vec<i32> = (0..=ctx.len() as i32).collect();
+    let mut ws = AttnWorkspace::new();
+    let view = case.cache.view::<f32>().unwrap();
+    let kv = view.layer(LAYER).unwrap();
+    paged_attention_decode(&mut ws, kv, &q, &case.seqs(), &case.params(), &mut a).unwrap();
+    paged_attention_prefill(&mut ws, kv, &q, &qsl, &case.seqs(), &case.params(), &mut b).unwrap();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn results_do_not_depend_on_thread_count_and_workspace_stops_growing() {
+    let mut rng = SmallRng::seed_from_u64(11);
+    let (d, gqa, bs) = (128, 8, 16);
+    let ctx: Vec<usize> = (0..24).map(|i| 1 + i * 13).collect();
+    let case = Case::<bf16>::new(&mut rng, d, gqa, bs, &ctx, Features::from_bits(3));
+    let q: Vec<bf16> = rand_vals(&mut rng, ctx.len() * case.num_heads * d);
+    let view = case.cache.view::<bf16>().unwrap();
+    let kv = view.layer(LAYER).unwrap();
+    let mut outs = Vec::new();
+    for threads in [1, 2, 3, 8] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let mut ws = AttnWorkspace::new();
+        let mut out = vec![bf16::NAN; q.len()];
+        pool.install(|| {
+            paged_attention_decode(&mut ws, kv, &q, &case.seqs(), &case.params(), &mut out)
+                .unwrap();
+            let cap = ws.capacity_bytes();
+            for _ in 0..3 {
+                paged_attention_decode(&mut ws, kv, &q, &case.seqs(), &case.params(), &mut out)
+                    .unwrap();
+                assert_eq!(ws.capacity_bytes(), cap, "workspace grew in steady state");
+            }
+        });
+        outs.push(out.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    }
+    assert!(outs.windows(2).all(|w| w[0] == w[1]));
+}
+
+#[test]
+fn empty_decode_sequence_gets_zeros_and_empty_batch_is_ok() {
+    let mut rng = SmallRng::seed_from_u64(3);
+    let case = Case::<f16>::new(&mut rng, 64, 1, 8, &[0, 9], Features::from_bits(0));
+    let q: Vec<f16> = rand_vals(&mut rng, 2 * case.num_heads * 64);
+    let mut out = vec![f16::NAN; q.len()];
+    let mut ws = AttnWorkspace::new();
+    let view = case.cache.view::<f16>().unwrap();
+    let kv = view.layer(LAYER).unwrap();
+    paged_attention_decode(&mut ws, kv, &q, &case.seqs(), &case.params(), &mut out).unwrap();
+    assert!(out[..case.num_heads * 64].iter().all(|x| x.to_f32() == 0.0));
+    assert!(out.iter().all(|x| x.is_finite()));
+    let empty = PagedSeqs {
+        block_tables: &[],
+        max_blocks_per_seq: 4,
+        context_lens: &[],
+    };
+    paged_attention_decode(&mut ws, kv, &[], &empty, &case.params(), &mut []).unwrap();
+    paged_attention_prefill(&mut ws, kv, &[], &[0], &empty, &case.params(), &mut []).unwrap();
+}
+
+#[test]
+fn bad_inputs_are_typed_errors_and_leave_outputs_untouched() {
+    let mut rng = SmallRng::seed_from_u64(5);
+    let (d, bs) = (64, 8);
+    let mut case = Case::<f32>::new(&mut rng, d, 2, bs, &[5, 17], Features::from_bits(0));
+    let nh = case.num_heads;
+    let q: Vec<f32> = rand_vals(&mut rng, 2 * nh * d);
+    let mut out = vec![f32::NAN; q.len()];
+    let mut ws = AttnWorkspace::new();
+    let nb = case.cfg.num_blocks();
+    let snapshot = case.cache.as_bytes().to_vec();
+    {
+        let view = case.cache.view::<f32>().unwrap();
+        let kv = view.layer(LAYER).unwrap();
+        let p = case.params();
+        let mut decode =
+            |seqs: &PagedSeqs<'_>, params: &AttnParams<'_>, q: &[f32], out: &mut [f32]| {
+                paged_attention_decode(&mut ws, kv, q, seqs, params, out)
+            };
+        // Wrong query / out length.
+        assert!(matches!(
+            decode(&case.seqs(), &p, &q[1..], &mut out),
+            Err(AttnError::LengthMismatch { what: "query", .. })
+        ));
+        assert!(matches!(
+            decode(&case.seqs(), &p, &q, &mut out[1..]),
+            Err(AttnError::LengthMismatch { what: "out", .. })
+        ));
+        // Heads not a multiple.
+        let p3 = AttnParams { num_heads: 3, ..p };
+        assert!(matches!(
+            decode(&case.seqs(), &p3, &q, &mut out),
+            Err(AttnError::HeadsNotMultiple { .. })
+        ));
+        // Bad scalars.
+        for bad in [
+            AttnParams {
+                scale: f32::NAN,
+                ..p
+            },
+            AttnParams { softcap: -1.0, ..p },
+            AttnParams {
+                softcap: f32::INFINITY,
+                ..p
+            },
+            AttnParams {
+                alibi_slopes: Some(&[f32::NAN, 0.0, 0.0, 0.0]),
+                ..p
+            },
+        ] {
+            assert!(matches!(
+                decode(&case.seqs(), &bad, &q, &mut out),
+                Err(AttnError::BadParam { .. })
+            ));
+        }
+        let short = [0.5f32];
+        let pa = AttnParams {
+            alibi_slopes: Some(&short),
+            ..p
+        };
+        assert!(matches!(
+            decode(&case.seqs(), &pa, &q, &mut out),
+            Err(AttnError::LengthMismatch { .. })
+        ));
+        // Context length negative or beyond the table row.
+        for bad_ctx in [[-1, 17], [5, (case.mbps * bs + 1) as i32]] {
+            let s = PagedSeqs {
+                context_lens: &bad_ctx,
+                ..case.seqs()
+            };
+            assert!(matches!(
+                decode(&s, &p, &q, &mut out),
+                Err(AttnError::ContextLen { .. })
+            ));
+        }
+        // A live block-table entry out of range (padding entries are never checked).
+        for bad in [-1, nb as i32] {
+            let mut t = case.tables.clone();
+            t[case.mbps + 2] = bad;
+            let s = PagedSeqs {
+                block_tables: &t,
+                ..case.seqs()
+            };
+            assert!(matches!(
+                decode(&s, &p, &q, &mut out),
+                Err(AttnError::BlockOutOfRange {
+                    seq: 1,
+                    index: 2,
+                    ..
+                })
+            ));
+        }
+        let t = &case.tables[1..];
+        let s = PagedSeqs {
+            block_tables: t,
+            ..case.seqs()
+        };
+        assert!(matches!(
+            decode(&s, &p, &q, &mut out),
+            Err(AttnError::LengthMismatch { .. })
+        ));
+        // Prefill: bad query_start_loc, too many query tokens.
+        for (qsl, want_seq) in [([1, 2, 3], 0usize), ([0, 2, 1], 1)] {
+            let r = paged_attention_prefill(&mut ws, kv, &q, &qsl, &case.seqs(), &p, &mut out);
+            assert_eq!(r, Err(AttnError::QueryStartLoc { seq: want_seq }));
+        }
+        let qlong: Vec<f32> = rand_vals(&mut rng, 7 * nh * d);
+        let mut olong = vec![f32::NAN; qlong.len()];
+        let r = paged_attention_prefill(
+            &mut ws,
+            kv,
+            &qlong,
+            &[0, 6, 7],
+            &case.seqs(),
+            &p,
+            &mut olong,
+        );
+        assert!(matches!(
+            r,
+            Err(AttnError::QueryLongerThanContext {
+                seq: 0,
+                q_len: 6,
+                context_len: 5
+            })
+        ));
+        assert!(olong.iter().all(|x| x.is_nan()));
+    }
+    assert!(
+        out.iter().all(|x| x.is_nan()),
+        "an error path wrote the output"
+    );
+    // reshape_and_cache: bad slots and lengths, nothing written.
+    let row = NUM_KV_HEADS * d;
+    let k: Vec<f32> = rand_vals(&mut rng, 3 * row);
+    let mut view = case.cache.view_mut::<f32>().unwrap();
+    for bad in [-2i64, (nb * bs) as i64, i64::MAX] {
+        let r = reshape_and_cache(view.layer_mut(0).unwrap(), &k, &k, &[0, bad, 1]);
+        assert!(matches!(r, Err(AttnError::SlotOutOfRange { token: 1, .. })));
+    }
+    let r = reshape_and_cache(view.layer_mut(0).unwrap(), &k[1..], &k, &[0, 1, 2]);
+    assert!(matches!(
+        r,
+        Err(AttnError::LengthMismatch { what: "key", .. })
+    ));
+    assert!(matches!(
+        view.layer_mut(NUM_LAYERS),
+        Err(KvError::LayerOutOfRange { .. })
+    ));
+    // copy_blocks errors.
+    for (pairs, want) in [
+        (
+            vec![(0u32, nb as u32)],
+            KvError::BlockOutOfRange {
+                block: nb as i64,
+                num_blocks: nb,
+            },
+        ),
+        (
+            vec![(0, 1), (2, 1)],
+            KvError::DuplicateDestination { block: 1 },
+        ),
+        (vec![(0, 1), (1, 2)], KvError::CopyOverlap { block: 1 }),
+        (vec![(3, 3)], KvError::CopyOverlap { block: 3 }),
+    ] {
+        assert_eq!(copy_blocks(&mut view, &pairs), Err(AttnError::Kv(want)));
+    }
+    drop(view);
+    assert_eq!(
+        case.cache.as_bytes(),
+        &snapshot[..],
+        "an error path wrote the cache"
+    );
+    // Wrong dtype view.
+    assert!(matches!(
+        case.cache.view::<f16>(),
+        Err(KvError::DtypeMismatch { .. })
+    ));
+}
+
+#[test]
+fn copy_blocks_copies_whole_blocks_all_layers() {
+    let mut rng = SmallRng::seed_from_u64(9);
+    for dt in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
+        let cfg = KvCacheConfig::new(3, 2, 80, 16, 40, dt).unwrap();
+        let mut cache = HostKvCache::new(cfg).unwrap();
+        rng.fill(cache.as_bytes_mut());
+        let before = cache.as_bytes().to_vec();
+        // A run of 3 consecutive, singles, and a long list (> 32 pairs takes the sorted path).
+        let mut pairs = vec![(0u32, 10u32), (1, 11), (2, 12), (5, 20), (7, 3)];
+        let run_of_3 = pairs.clone();
+        match dt {
+            KvDtype::F32 => copy_blocks(&mut cache.view_mut::<f32>().unwrap(), &pairs).unwrap(),
+            KvDtype::F16 => copy_blocks(&mut cache.view_mut::<f16>().unwrap(), &pairs).unwrap(),
+            KvDtype::Bf16 => copy_blocks(&mut cache.view_mut::<bf16>().unwrap(), &pairs).unwrap(),
+        }
+        let bpb = cfg.bytes_per_block();
+        let blk = |b: &[u8], i: u32| b[i as usize * bpb..(i as usize + 1) * bpb].to_vec();
+        for b in 0..40u32 {
+            let want = match run_of_3.iter().find(|p| p.1 == b) {
+                Some(&(s, _)) => blk(&before, s),
+                None => blk(&before, b),
+            };
+            assert_eq!(blk(cache.as_bytes(), b), want, "{dt} block {b}");
+        }
+        // The byte-level host copy agrees, and handles > 32 pairs.
+        pairs = (0..18u32).map(|i| (i, 20 + i)).collect();
+        let before = cache.as_bytes().to_vec();
+        cache.copy_blocks(&pairs).unwrap();
+        for &(s, d) in &pairs {
+            assert_eq!(blk(cache.as_bytes(), d), blk(&before, s));
+        }
+        let long: Vec<(u32, u32)> = (0..20u32).map(|i| (i, 20 + i)).collect();
+        let mut bad = long.clone();
+        bad.push((39, 0));
+        assert_eq!(
+            cache.copy_blocks(&bad),
+            Err(KvError::CopyOverlap { block: 0 })
+        );
+        let mut dup = long.clone();
+        dup.push((1, 25));
+        assert_eq!(
+            cache.copy_blocks(&dup),
+            Err(KvError::DuplicateDestination { block: 25 })
+        );
+    }
+}

@@ -264,13 +264,45 @@ fn recompute(c: &mut Criterion) {
     for n in [8u16, 64] {
         let (ours, theirs) = setup(n);
         g.throughput(Throughput::Elements(u64::from(n)));
-        g.bench_with_input(BenchmarkId::new("pagedkv", n), &n, |b, _| {
-            b.iter(|| assert!(matches!(ours.recompute(), Publication::Published { .. })))
+        // An engine turns idle or active, then everything is recomputed (the common trigger).
+        let mut flip = false;
+        g.bench_with_input(BenchmarkId::new("pagedkv_activity", n), &n, |b, _| {
+            b.iter(|| {
+                flip = !flip;
+                ours.set_active(EngineId(1), flip);
+                assert!(matches!(ours.recompute(), Publication::Published { .. }));
+            })
         });
+        ours.set_active(EngineId(1), true);
+        ours.recompute();
         let sum: u32 = (0..n).map(|i| ours.token_budget(EngineId(i))).sum();
         assert_eq!(sum, TOKENS);
-        g.bench_with_input(BenchmarkId::new("kapsl_mutex", n), &n, |b, _| {
-            b.iter(|| assert!(theirs.lock().unwrap().refresh() > 0))
+        g.bench_with_input(BenchmarkId::new("kapsl_mutex_activity", n), &n, |b, _| {
+            b.iter(|| {
+                flip = !flip;
+                let mut s = theirs.lock().unwrap();
+                s.set_active(1, flip);
+                assert!(s.refresh() > 0);
+            })
+        });
+        // A weight changes: block quotas are recomputed too.
+        let mut w = 1;
+        g.bench_with_input(BenchmarkId::new("pagedkv_reweight", n), &n, |b, _| {
+            b.iter(|| {
+                w = w % 7 + 1;
+                ours.set_weight(EngineId(3), w).unwrap();
+            })
+        });
+        let quotas: u32 = (0..n).map(|i| ours.block_quota(EngineId(i))).sum();
+        assert_eq!(quotas, BLOCKS);
+        g.bench_with_input(BenchmarkId::new("kapsl_mutex_reweight", n), &n, |b, _| {
+            b.iter(|| {
+                w = w % 7 + 1;
+                let mut s = theirs.lock().unwrap();
+                s.register(3, w);
+                s.set_active(3, true);
+                assert!(s.refresh() > 0);
+            })
         });
     }
     g.finish();

@@ -125,7 +125,9 @@ mod waterfill;
 
 use crate::block::EngineId;
 use crate::error::BudgetError;
-use crate::sync::{AtomicBool, AtomicU32, AtomicU64, CachePadded, Ordering};
+use crate::sync::{AtomicBool, AtomicU32, AtomicU64, CachePadded, Ordering, UnsafeCell};
+use publish::Scratch;
+use std::fmt;
 
 /// The most publishing rounds one [`BudgetCoordinator::recompute`] call runs before it leaves
 /// further requests to the next caller.
@@ -324,7 +326,6 @@ impl Slot {
 }
 
 /// The wait-free cross-engine token and block budget coordinator of one device (module docs).
-#[derive(Debug)]
 pub struct BudgetCoordinator {
     config: BudgetConfig,
     slots: Box<[CachePadded<Slot>]>,
@@ -334,6 +335,27 @@ pub struct BudgetCoordinator {
     ctl: CachePadded<AtomicU32>,
     /// Publication sequence: odd while the publisher writes, even otherwise.
     epoch: CachePadded<AtomicU64>,
+    /// The publisher's working space; accessed only by the thread holding `BUSY`.
+    scratch: UnsafeCell<Scratch>,
+}
+
+// SAFETY: every field but `scratch` is `Sync` (atomics, and a boxed slice of them). `scratch` is
+// read and written only inside `recompute` by the thread that holds the `BUSY` bit of `ctl`:
+// `BUSY` is taken by a `fetch_or` that saw it clear and given back by a `fetch_and`, both
+// `AcqRel` on one atomic, so at most one thread holds it at a time and each holder's accesses
+// happen-before the next holder's. Sharing `&BudgetCoordinator` across threads therefore never
+// gives two threads access to `scratch` at once. (`Send` is automatic: `Scratch` is plain data.)
+unsafe impl Sync for BudgetCoordinator {}
+
+impl fmt::Debug for BudgetCoordinator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BudgetCoordinator")
+            .field("config", &self.config)
+            .field("epoch", &self.epoch.load(Ordering::Relaxed))
+            .field("ctl", &self.ctl.load(Ordering::Relaxed))
+            .field("blocks_in_use", &self.blocks_in_use.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
 }
 
 impl BudgetCoordinator {
@@ -356,6 +378,7 @@ impl BudgetCoordinator {
             blocks_in_use: CachePadded::new(AtomicU64::new(0)),
             ctl: CachePadded::new(AtomicU32::new(0)),
             epoch: CachePadded::new(AtomicU64::new(0)),
+            scratch: UnsafeCell::new(Scratch::default()),
         })
     }
 

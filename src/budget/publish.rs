@@ -20,14 +20,19 @@ struct Row {
     block_limit: u32,
 }
 
-/// Scratch space of one publishing round.
+/// Scratch space of the publishing rounds, kept in the coordinator so that a warm round does
+/// not allocate. Only the thread holding `BUSY` touches it.
 #[derive(Debug, Default)]
-struct Scratch {
+pub(super) struct Scratch {
     rows: Vec<Row>,
     claims: Vec<Claim>,
     idx: Vec<usize>,
     out: Vec<u64>,
     fill: FillScratch,
+    /// The registry the cached quotas were computed for: each slot's weight, 0 if not live.
+    quota_key: Vec<u32>,
+    /// Block quotas per slot for `quota_key` (they depend on nothing else).
+    quotas: Vec<u32>,
 }
 
 impl BudgetCoordinator {
@@ -55,11 +60,6 @@ impl BudgetCoordinator {
     /// it takes over this request and this call returns [`Publication::Deferred`]. Bounded by
     /// [`MAX_ROUNDS`] rounds of O(max_engines log max_engines) work (module docs).
     pub fn recompute(&self) -> Publication {
-        let mut scratch = Scratch::default();
-        self.recompute_with(&mut scratch)
-    }
-
-    fn recompute_with(&self, scratch: &mut Scratch) -> Publication {
         // AcqRel: Acquire pairs with the Release RMWs of `mark_dirty` (we see the changes that
         // were marked), Release orders nothing before it but keeps the RMW chain a release
         // sequence.
@@ -72,7 +72,15 @@ impl BudgetCoordinator {
             // Clear DIRTY before reading: a change marked after this point triggers another
             // round. Acquire: see every change marked before.
             self.ctl.fetch_and(!DIRTY, Ordering::AcqRel);
-            let epoch = self.publish_round(scratch);
+            let epoch = self.scratch.with_mut(|scratch| {
+                // SAFETY: we hold BUSY (set by our `fetch_or` that saw it clear, not yet cleared
+                // by us), and only the BUSY holder touches `scratch`, so this is the only
+                // reference to it. The previous holder's accesses happen-before ours: it cleared
+                // BUSY with a Release RMW that our Acquire `fetch_or` read (or a later RMW of
+                // the same release sequence).
+                let scratch = unsafe { &mut *scratch };
+                self.publish_round(scratch)
+            });
             rounds += 1;
             // Release: our writes happen-before the next publisher's Acquire on `ctl`.
             let prev = self.ctl.fetch_and(!BUSY, Ordering::AcqRel);
@@ -109,13 +117,28 @@ impl BudgetCoordinator {
         for k in 0..s.idx.len() {
             s.rows[s.idx[k]].token_budget = s.out[k] as u32;
         }
-        // Block quotas: every registered engine, uniform cap.
+        // Block quotas: every registered engine, uniform cap. They depend only on which slots
+        // are live and their weights, so they are reused while those are unchanged.
         let block_cap = self.config.block_cap();
-        self.fill(s, self.config.total_blocks, |_| true, |_| block_cap);
-        for k in 0..s.idx.len() {
-            let r = &mut s.rows[s.idx[k]];
-            r.block_quota = s.out[k] as u32;
-            r.block_limit = r.block_quota;
+        let same_registry = s.quota_key.len() == n
+            && s.rows
+                .iter()
+                .zip(&s.quota_key)
+                .all(|(r, &k)| k == if r.live { r.weight } else { 0 });
+        if !same_registry {
+            self.fill(s, self.config.total_blocks, |_| true, |_| block_cap);
+            s.quotas.clear();
+            s.quotas.resize(n, 0);
+            for k in 0..s.idx.len() {
+                s.quotas[s.idx[k]] = s.out[k] as u32;
+            }
+            s.quota_key.clear();
+            s.quota_key
+                .extend(s.rows.iter().map(|r| if r.live { r.weight } else { 0 }));
+        }
+        for (r, &q) in s.rows.iter_mut().zip(&s.quotas) {
+            r.block_quota = q;
+            r.block_limit = q;
         }
         // Lendable: blocks neither guaranteed to an active engine nor held by an idle one.
         let reserved: u64 = s
@@ -193,7 +216,6 @@ impl BudgetCoordinator {
             if r.live && pick(r) {
                 s.idx.push(i);
                 s.claims.push(Claim {
-                    id: i as u16,
                     weight: r.weight,
                     cap: cap(r),
                 });

@@ -20,15 +20,13 @@
 //!
 //! **Rounding.** The unsaturated claims get `⌊R·w_i / W⌋`; the `k = R − Σ⌊…⌋ < n` units left
 //! over go one each to the `k` largest remainders `R·w_i mod W`, ties to the lower id
-//! (Hamilton's largest-remainder method). So every claim is within one unit of its exact share,
+//! (Hamilton's largest-remainder method; claims come in engine-id order). So every claim is within one unit of its exact share,
 //! never above its cap (an unsaturated share is strictly below the integer cap, so its floor
 //! plus one is at most the cap), and the amounts sum to exactly `min(total, Σ c_i)`.
 
 /// One claimant in a water-filling round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Claim {
-    /// Tie-break key (the engine index): lower wins an equal remainder.
-    pub(crate) id: u16,
     /// Share weight; claims of weight 0 get nothing.
     pub(crate) weight: u32,
     /// The most this claim may receive.
@@ -43,11 +41,14 @@ pub(crate) const FAST_PASSES: u32 = 3;
 pub(crate) struct FillScratch {
     /// Indices of the claims not (yet) saturated.
     free: Vec<u32>,
-    /// `(remainder, claim index)` of the unsaturated claims.
-    rems: Vec<(u64, u32)>,
+    /// `remainder << 16 | (0xFFFF − claim index)` of the unsaturated claims: ordering these
+    /// keys descending is "largest remainder first, then lower index" (remainders are below the
+    /// weight sum, `< 2^48`, and indices below 2^16, so the key is exact).
+    rems: Vec<u64>,
 }
 
-/// Water-fills `total` over `claims` (at most 65,536 of them), writing each claim's amount to
+/// Water-fills `total` over `claims` (at most 65,536 of them, in tie-break order: an equal
+/// remainder goes to the lower index), writing each claim's amount to
 /// the same index of `out`. Returns the amount handed out, `min(total, Σ caps of claims with
 /// weight > 0)`.
 ///
@@ -85,7 +86,7 @@ pub(crate) fn water_fill(
                 let (a, b) = (&claims[a as usize], &claims[b as usize]);
                 let lhs = u64::from(a.cap) * u64::from(b.weight);
                 let rhs = u64::from(b.cap) * u64::from(a.weight);
-                lhs.cmp(&rhs).then(a.id.cmp(&b.id))
+                lhs.cmp(&rhs)
             });
             let mut fixed = 0;
             for &i in &s.free {
@@ -128,26 +129,57 @@ pub(crate) fn water_fill(
     // Unsaturated claims: floors, then the leftover units by largest remainder.
     s.rems.clear();
     let mut handed: u64 = 0;
+    let div = Reciprocal::new(weight_left);
     for &i in &s.free {
         // left <= total < 2^32 and weight < 2^32: the product fits in u64.
         let share = left * u64::from(claims[i as usize].weight);
-        let floor = share / weight_left;
+        let (floor, rem) = div.div_rem(share);
         out[i as usize] = floor;
         handed += floor;
-        s.rems.push((share % weight_left, i));
+        s.rems.push((rem << 16) | u64::from(0xFFFF - i));
     }
     let extra = (left - handed) as usize;
     if extra > 0 {
-        // Largest remainder first, ties to the lower id; only the first `extra` matter.
-        let key = |&(rem, i): &(u64, u32)| (std::cmp::Reverse(rem), claims[i as usize].id);
+        // Largest remainder first, ties to the lower index; only the first `extra` matter.
         if extra < s.rems.len() {
-            s.rems.select_nth_unstable_by_key(extra - 1, key);
+            s.rems.select_nth_unstable_by(extra - 1, |a, b| b.cmp(a));
         }
-        for &(_, i) in &s.rems[..extra] {
-            out[i as usize] += 1;
+        for &key in &s.rems[..extra] {
+            out[(0xFFFF - (key & 0xFFFF)) as usize] += 1;
         }
     }
     total
+}
+
+/// Division of many `u64` numerators by one divisor through a multiply: `m = ⌊2^64 / d⌋`
+/// computed once, then `q̂ = ⌊n·m / 2^64⌋` is at most 1 below `⌊n / d⌋` (because
+/// `n·m / 2^64 > n/d − n/2^64 ≥ n/d − 1`) and never above it, so one correction step is exact.
+/// A hardware 64-bit division costs tens of cycles; this is one widening multiply.
+#[derive(Debug, Clone, Copy)]
+struct Reciprocal {
+    d: u64,
+    m: u64,
+}
+
+impl Reciprocal {
+    fn new(d: u64) -> Self {
+        debug_assert!(d > 0);
+        // d = 1 would give 2^64, which does not fit: saturate (n·(2^64 − 1) / 2^64 is n − 1 for
+        // n > 0, corrected below like any other estimate).
+        let m = u64::try_from((1u128 << 64) / u128::from(d)).unwrap_or(u64::MAX);
+        Self { d, m }
+    }
+
+    #[inline]
+    fn div_rem(self, n: u64) -> (u64, u64) {
+        let mut q = ((u128::from(n) * u128::from(self.m)) >> 64) as u64;
+        let mut r = n - q * self.d;
+        if r >= self.d {
+            q += 1;
+            r -= self.d;
+        }
+        (q, r)
+    }
 }
 
 #[cfg(test)]
@@ -157,12 +189,7 @@ mod tests {
     fn fill(total: u32, claims: &[(u32, u32)]) -> Vec<u64> {
         let claims: Vec<Claim> = claims
             .iter()
-            .enumerate()
-            .map(|(i, &(weight, cap))| Claim {
-                id: i as u16,
-                weight,
-                cap,
-            })
+            .map(|&(weight, cap)| Claim { weight, cap })
             .collect();
         let mut out = vec![0; claims.len()];
         let handed = water_fill(total, &claims, &mut out, &mut FillScratch::default());
@@ -220,6 +247,28 @@ mod tests {
         assert_eq!(out10.iter().sum::<u64>(), 60);
         assert_eq!(&out10[..6], &[10, 10, 10, 10, 10, 9]);
         assert_eq!(out, vec![10, 10, 10, 8, 2, 0, 0]);
+    }
+
+    #[test]
+    fn reciprocal_division_is_exact() {
+        let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        for d in [1u64, 2, 3, 7, 1 << 32, (1 << 48) - 1, u64::MAX] {
+            let r = Reciprocal::new(d);
+            for n in [0, 1, d - 1, d, d.wrapping_add(1), u64::MAX, u64::MAX - 1] {
+                assert_eq!(r.div_rem(n), (n / d, n % d), "{n} / {d}");
+            }
+        }
+        for _ in 0..100_000 {
+            let d = (next() >> (next() % 64)).max(1);
+            let n = next() >> (next() % 64);
+            assert_eq!(Reciprocal::new(d).div_rem(n), (n / d, n % d), "{n} / {d}");
+        }
     }
 
     #[test]

@@ -48,7 +48,12 @@ fuzz_target!(|input: Input| {
     let c = match BudgetCoordinator::new(config) {
         Ok(c) => c,
         Err(_) => {
-            assert!(max_engines == 0 || input.cap_permille == 0 || input.cap_permille > 1000);
+            assert!(
+                max_engines == 0
+                    || input.cap_permille == 0
+                    || input.cap_permille > 1000
+                    || input.tokens_per_step > pagedkv::budget::MAX_TOKENS_PER_STEP
+            );
             return;
         }
     };

@@ -3,6 +3,7 @@
 
 use super::{
     unpack_load, BudgetCoordinator, Donor, Priority, Reclaim, JOINING, LIVE, LOAD_PUBLISHED,
+    USED_BITS, USED_MASK,
 };
 use crate::block::EngineId;
 use crate::error::BudgetError;
@@ -45,7 +46,7 @@ impl BudgetCoordinator {
     #[inline]
     pub fn tokens_used(&self, engine: EngineId) -> u64 {
         self.slot(engine)
-            .map_or(0, |s| s.tokens_used.load(Ordering::Relaxed))
+            .map_or(0, |s| s.tokens.load(Ordering::Relaxed) & USED_MASK)
     }
 
     /// Takes `n` tokens of the engine's budget for this step, or nothing. Wait-free: one load
@@ -56,53 +57,62 @@ impl BudgetCoordinator {
         let Ok(slot) = self.slot(engine) else {
             return false;
         };
-        let n = u64::from(n);
         let budget = u64::from(slot.token_budget.load(Ordering::Relaxed));
-        // Relaxed: the grant argument needs only this RMW's atomicity (module docs).
-        let prev = slot.tokens_used.fetch_add(n, Ordering::Relaxed);
-        if prev + n <= budget {
-            // Release: pairs with `begin_step`'s Acquire swap, so a reset that subtracts this
-            // grant is ordered after the `fetch_add` above in `tokens_used`.
-            slot.tokens_granted.fetch_add(n, Ordering::Release);
+        let n = u64::from(n);
+        if n > budget {
+            // Can never fit; refusing before the add also bounds every amount in flight by
+            // the budget (< 2^24), which keeps the used field from overflowing.
+            return false;
+        }
+        // Relaxed: the grant argument needs only this RMW's atomicity, and the reset and the
+        // release work on this same word, so coherence orders them (module docs).
+        let prev = slot.tokens.fetch_add(n, Ordering::Relaxed);
+        if (prev & USED_MASK) + n <= budget {
+            slot.tokens.fetch_add(n << USED_BITS, Ordering::Relaxed);
             true
         } else {
-            slot.tokens_used.fetch_sub(n, Ordering::Relaxed);
+            slot.tokens.fetch_sub(n, Ordering::Relaxed);
             false
         }
     }
 
-    /// Gives back `n` tokens granted in the current step (a sequence dropped from the batch).
-    /// Must not race with [`begin_step`](Self::begin_step) on the same engine (both belong to
-    /// the engine's step owner). Releasing more than was granted is refused.
+    /// Gives back `n` tokens granted in the current step (a sequence dropped from the batch):
+    /// one `fetch_sub` on both fields. Must not race with [`begin_step`](Self::begin_step) on
+    /// the same engine (both belong to the engine's step owner). Releasing more than was
+    /// granted is refused.
     #[inline]
     pub fn release_tokens(&self, engine: EngineId, n: u32) -> Result<(), BudgetError> {
         let slot = self.slot(engine)?;
-        let n = u64::from(n);
-        let prev = slot.tokens_granted.fetch_sub(n, Ordering::Relaxed);
-        if prev < n {
-            slot.tokens_granted.fetch_add(n, Ordering::Relaxed);
+        let both = u64::from(n) | (u64::from(n) << USED_BITS);
+        let prev = slot.tokens.fetch_sub(both, Ordering::Relaxed);
+        let granted = prev >> USED_BITS;
+        if granted < u64::from(n) {
+            // Undo exactly (wrapping add inverts wrapping sub). Meanwhile the used field may
+            // read as huge, which only makes concurrent acquirers fail.
+            slot.tokens.fetch_add(both, Ordering::Relaxed);
             return Err(BudgetError::TokensNotHeld {
                 engine,
-                released: n,
-                granted: prev,
+                released: u64::from(n),
+                granted,
             });
         }
-        slot.tokens_used.fetch_sub(n, Ordering::Relaxed);
         Ok(())
     }
 
     /// Starts a new step for the engine: the tokens granted in the previous one are spent and
-    /// no longer count. Returns how many that was. Wait-free: one swap, one `fetch_sub`. Safe
-    /// against concurrent acquirers (a grant racing with it counts in this step or the next).
+    /// no longer count. Returns how many that was. Wait-free: one load, one `fetch_sub`. Safe
+    /// against concurrent acquirers: a grant that lands after the load stays counted, in the
+    /// new step (the reset only ever under-grants).
     #[inline]
     pub fn begin_step(&self, engine: EngineId) -> u64 {
         let Ok(slot) = self.slot(engine) else {
             return 0;
         };
-        // Acquire: pairs with the Release `fetch_add` of each grant we take, so every grant
-        // counted in `granted` has its `tokens_used` add before our subtraction.
-        let granted = slot.tokens_granted.swap(0, Ordering::Acquire);
-        slot.tokens_used.fetch_sub(granted, Ordering::Relaxed);
+        let granted = slot.tokens.load(Ordering::Relaxed) >> USED_BITS;
+        // Both fields hold at least `granted` now: grants only grow the granted field until a
+        // release (which does not race with us), and used ≥ granted always.
+        slot.tokens
+            .fetch_sub(granted | (granted << USED_BITS), Ordering::Relaxed);
         granted
     }
 

@@ -34,8 +34,8 @@
 //! | [`token_budget`], [`block_quota`], [`block_limit`], [`reclaim_for`] | 1–2 loads |
 //! | [`set_active`] | 1 swap + (if it changed) 1 `fetch_or` |
 //! | [`try_acquire_tokens`] | 1 load, 1 `fetch_add`, then 1 `fetch_add` (granted) or 1 `fetch_sub` (undo) |
-//! | [`release_tokens`] | 2 `fetch_sub` (+1 `fetch_add` undo on a caller error) |
-//! | [`begin_step`] | 1 swap, 1 `fetch_sub` |
+//! | [`release_tokens`] | 1 `fetch_sub` (+1 `fetch_add` undo on a caller error) |
+//! | [`begin_step`] | 1 load, 1 `fetch_sub` |
 //! | [`try_acquire_blocks`] | 1 load, ≤ 2 `fetch_add`, ≤ 2 `fetch_sub` |
 //! | [`release_blocks`] | 2 `fetch_sub` (+1 `fetch_add` undo on a caller error) |
 //! | [`publish_load`] | 1 store |
@@ -43,8 +43,9 @@
 //! *Why concurrent acquirers are never granted more than the limit in total.* Every `fetch_add`
 //! is eventually matched by exactly one `fetch_sub` of the same amount (its undo, or the
 //! holder's release), so at any point of the counter's modification order its value is at least
-//! the sum of the grants that are still outstanding and were added before that point (counters
-//! are `u64` and each step adds at most `u32::MAX`, so the sum cannot wrap). Take the set `G` of
+//! the sum of the grants that are still outstanding and were added before that point (the
+//! counters cannot wrap: block counters are `u64` with adds of at most `u32::MAX`, and the token
+//! field's bound is argued at `Slot::tokens`). Take the set `G` of
 //! grants outstanding at some instant, and let `g` be the one whose `fetch_add` came last in the
 //! counter's modification order: every other member of `G` added before it and has not yet
 //! subtracted, so `g`'s `prev ≥ Σ_{G∖g} n`, and `g` was granted because `prev + n_g ≤ limit`;
@@ -54,12 +55,13 @@
 //! ordering with other memory, so the counters use `Relaxed`. A limit changed by a concurrent
 //! recomputation is read once per call: the bound holds for the limit each grant saw.
 //!
-//! **Per-step token reset.** `tokens_used` also carries the in-flight adds of acquirers about to
-//! fail, so it cannot simply be zeroed (their later undo would then make room that does not
-//! exist). Granted tokens are counted a second time in `tokens_granted` (net of releases);
-//! [`begin_step`] swaps that to zero and subtracts exactly what it took from `tokens_used`. A
-//! grant racing with the reset lands in one step or the next, never in neither, so the reset
-//! can only under-grant.
+//! **Per-step token reset.** The used-token counter also carries the in-flight adds of
+//! acquirers about to fail, so it cannot simply be zeroed (their later undo would then make
+//! room that does not exist). Granted tokens are counted a second time in a *granted* field of
+//! the same word (net of releases); [`begin_step`] reads it and subtracts that amount from both
+//! fields in one `fetch_sub`. A grant racing with the reset lands in one step or the next, never
+//! in neither, so the reset can only under-grant. Keeping both fields in one word makes a
+//! release one read-modify-write, and orders every token operation by coherence alone.
 //!
 //! **Recomputation: single publisher by delegation, under a sequence lock.** A control word holds
 //! `BUSY | DIRTY`. Anything that changes the inputs (registration, weights, activity) sets
@@ -133,6 +135,13 @@ use std::fmt;
 /// further requests to the next caller.
 pub const MAX_ROUNDS: u32 = 3;
 
+/// The largest `tokens_per_step` (2^24 − 1): the granted-token field of a slot is 24 bits wide.
+pub const MAX_TOKENS_PER_STEP: u32 = (1 << 24) - 1;
+
+/// Bits of the used-token field (`Slot::tokens`).
+const USED_BITS: u32 = 40;
+const USED_MASK: u64 = (1 << USED_BITS) - 1;
+
 /// A request or running work's priority; larger is more important.
 pub type Priority = u16;
 
@@ -156,7 +165,8 @@ const LOAD_PUBLISHED: u64 = 1 << 63;
 pub struct BudgetConfig {
     /// Capacity of the registry (engine ids are `0..max_engines`). At least 1.
     pub max_engines: u16,
-    /// The global token budget per step, shared by the active engines.
+    /// The global token budget per step, shared by the active engines. At most
+    /// [`MAX_TOKENS_PER_STEP`].
     pub tokens_per_step: u32,
     /// The blocks of the device's pool, shared by the registered engines.
     pub total_blocks: u32,
@@ -290,12 +300,24 @@ struct Slot {
     active: AtomicBool,
     /// Tokens per step. Single writer: the publisher.
     token_budget: AtomicU32,
-    /// Tokens granted this step and not released, plus the amounts of acquires in flight.
-    /// Granted tokens outstanding ≤ the budget each grant saw (module docs).
-    tokens_used: AtomicU64,
-    /// Tokens granted this step, net of releases: what `begin_step` subtracts from
-    /// `tokens_used`. Never includes an acquire that will fail.
-    tokens_granted: AtomicU64,
+    /// Token accounting of the current step, two fields in one word so that release and reset
+    /// are one read-modify-write each and every token operation is ordered by coherence alone:
+    ///
+    /// ```text
+    ///   63            40 39                                   0
+    ///  +----------------+--------------------------------------+
+    ///  | granted (24)   | used (40)                            |
+    ///  +----------------+--------------------------------------+
+    /// ```
+    ///
+    /// *used*: tokens granted this step and not released, plus the amounts of acquires in
+    /// flight; the admission counter (granted outstanding ≤ the budget each grant saw).
+    /// *granted*: tokens granted this step net of releases, what `begin_step` takes away;
+    /// it never includes an acquire that will fail, and used ≥ granted at all times.
+    /// Budgets are below 2^24 (`MAX_TOKENS_PER_STEP`) and an acquire larger than the budget
+    /// is refused before it adds, so used < 2^24 · (1 + acquires in flight): overflowing 40
+    /// bits would take 65,535 threads acquiring on one engine at once.
+    tokens: AtomicU64,
     /// Guaranteed blocks. Single writer: the publisher.
     block_quota: AtomicU32,
     /// Quota plus borrowable blocks. Single writer: the publisher.
@@ -315,8 +337,7 @@ impl Slot {
             weight: AtomicU32::new(0),
             active: AtomicBool::new(false),
             token_budget: AtomicU32::new(0),
-            tokens_used: AtomicU64::new(0),
-            tokens_granted: AtomicU64::new(0),
+            tokens: AtomicU64::new(0),
             block_quota: AtomicU32::new(0),
             block_limit: AtomicU32::new(0),
             blocks_held: AtomicU64::new(0),
@@ -363,6 +384,11 @@ impl BudgetCoordinator {
     pub fn new(config: BudgetConfig) -> Result<Self, BudgetError> {
         if config.max_engines == 0 {
             return Err(BudgetError::InvalidConfig("max_engines must be at least 1"));
+        }
+        if config.tokens_per_step > MAX_TOKENS_PER_STEP {
+            return Err(BudgetError::InvalidConfig(
+                "tokens_per_step must be below 2^24 (MAX_TOKENS_PER_STEP)",
+            ));
         }
         if config.cap_permille == 0 || config.cap_permille > 1000 {
             return Err(BudgetError::InvalidConfig(

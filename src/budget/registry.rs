@@ -27,8 +27,7 @@ impl BudgetCoordinator {
             }
             slot.weight.store(weight, Ordering::Relaxed);
             slot.active.store(false, Ordering::Relaxed);
-            slot.tokens_used.store(0, Ordering::Relaxed);
-            slot.tokens_granted.store(0, Ordering::Relaxed);
+            slot.tokens.store(0, Ordering::Relaxed);
             slot.blocks_held.store(0, Ordering::Relaxed);
             slot.load.store(0, Ordering::Relaxed);
             // `Release`: the publisher that sees JOINING (`Acquire` load) sees the filled slot.

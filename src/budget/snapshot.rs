@@ -1,6 +1,6 @@
 //! Observability: a snapshot of every engine's figures, read under the publication epoch.
 
-use super::{unpack_load, BudgetCoordinator, EngineStats, Snapshot, JOINING, LIVE};
+use super::{unpack_load, BudgetCoordinator, EngineStats, Snapshot, JOINING, LIVE, USED_MASK};
 use crate::block::EngineId;
 use crate::sync::{fence, Ordering};
 
@@ -29,7 +29,7 @@ impl BudgetCoordinator {
                     weight: slot.weight.load(Ordering::Relaxed),
                     active: slot.active.load(Ordering::Relaxed),
                     token_budget: slot.token_budget.load(Ordering::Relaxed),
-                    tokens_used: slot.tokens_used.load(Ordering::Relaxed),
+                    tokens_used: slot.tokens.load(Ordering::Relaxed) & USED_MASK,
                     block_quota: quota,
                     block_limit: limit,
                     blocks_held: held,

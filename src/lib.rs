@@ -21,4 +21,4 @@ pub mod sim;
 pub mod sync;
 
 pub use block::{BlockId, BlockPool, BlockTable, EngineId, PoolConfig};
-pub use error::{PoolError, SchedError};
+pub use error::{GgufError, PoolError, SchedError};

@@ -692,7 +692,7 @@ fn bad_inputs_are_typed_errors_and_leave_outputs_untouched() {
     ] {
         assert_eq!(copy_blocks(&mut view, &pairs), Err(AttnError::Kv(want)));
     }
-    drop(view);
+    let _ = view;
     assert_eq!(
         case.cache.as_bytes(),
         &snapshot[..],

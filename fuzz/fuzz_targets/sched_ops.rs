@@ -71,6 +71,20 @@ fuzz_target!(|input: Input| {
                 let b = bt.schedule_into(&mut done);
                 assert!(b.num_tokens() <= cfg.max_batched_tokens as usize);
                 assert_eq!(b.query_start_loc.len(), b.num_seqs() + 1);
+                // Every token's slot lies in the block its row names for its position, and no
+                // two tokens share a slot: the rows (kept across steps) are current.
+                let (w, bs) = (b.max_blocks_per_seq, cfg.block_size as usize);
+                let mut slots = HashSet::new();
+                for s in 0..b.num_seqs() {
+                    let row = &b.block_tables[s * w..(s + 1) * w];
+                    for t in b.query_start_loc[s] as usize..b.query_start_loc[s + 1] as usize {
+                        let pos = b.positions[t] as usize;
+                        assert!(pos < b.context_lens[s] as usize);
+                        let expect = i64::from(row[pos / bs]) * bs as i64 + (pos % bs) as i64;
+                        assert_eq!(b.slot_mapping[t], expect);
+                        assert!(slots.insert(expect));
+                    }
+                }
                 let n = b.num_samples();
                 let sampled: Vec<u32> = (0..n).map(|i| u32::from(tokens.get(i).copied().unwrap_or(7))).collect();
                 bt.commit(&sampled, &mut done).unwrap();

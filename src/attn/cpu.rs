@@ -443,23 +443,78 @@ fn split_run<T: KvElem>(
     );
 }
 
-/// 8-lane dot product (head_dim is a multiple of 8): the compiler keeps the lanes in vector
-/// registers without reassociating a single accumulator.
+/// `s[r..r+8]` as an array (`r + 8 <= s.len()`), so that lane loops compile to vector code.
+#[inline(always)]
+fn lanes(s: &[f32], r: usize) -> &[f32; 8] {
+    s[r..r + 8].try_into().unwrap_or(&[0.0; 8])
+}
+
+/// Pairwise sum of eight lanes, in a fixed order shared by [`dot`] and [`dot4`].
+#[inline(always)]
+fn hsum(a: [f32; 8]) -> f32 {
+    ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
+}
+
+/// 8-lane dot product (`head_dim` is a multiple of 8): the lanes are explicit, so the compiler
+/// keeps them in vector registers without reassociating a single accumulator.
 #[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let d = b.len();
+    let a = &a[..d];
     let mut acc = [0f32; 8];
-    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+    for c in (0..d).step_by(8) {
+        let (x, y) = (lanes(a, c), lanes(b, c));
         for i in 0..8 {
             acc[i] += x[i] * y[i];
         }
     }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+    hsum(acc)
+}
+
+/// Four dot products of `q4` (four rows of `k.len()` elements) with `k`, sharing each load
+/// of `k`. Lane-for-lane the same arithmetic as [`dot`], so results do not depend on grouping.
+#[inline(always)]
+fn dot4(q4: &[f32], k: &[f32]) -> [f32; 4] {
+    let d = k.len();
+    let (q0, rest) = q4.split_at(d);
+    let (q1, rest) = rest.split_at(d);
+    let (q2, q3) = rest.split_at(d);
+    let (mut a0, mut a1, mut a2, mut a3) = ([0f32; 8], [0f32; 8], [0f32; 8], [0f32; 8]);
+    for c in (0..d).step_by(8) {
+        let kc = lanes(k, c);
+        let (c0, c1, c2, c3) = (lanes(q0, c), lanes(q1, c), lanes(q2, c), lanes(q3, c));
+        for i in 0..8 {
+            a0[i] += c0[i] * kc[i];
+            a1[i] += c1[i] * kc[i];
+            a2[i] += c2[i] * kc[i];
+            a3[i] += c3[i] * kc[i];
+        }
+    }
+    [hsum(a0), hsum(a1), hsum(a2), hsum(a3)]
+}
+
+/// `acc4[r] += p[r] * v` for four rows of `v.len()` elements, sharing each load of `v`.
+#[inline(always)]
+fn axpy4(acc4: &mut [f32], p: [f32; 4], v: &[f32]) {
+    let d = v.len();
+    let (a0, rest) = acc4.split_at_mut(d);
+    let (a1, rest) = rest.split_at_mut(d);
+    let (a2, a3) = rest.split_at_mut(d);
+    let (a1, a2, a3) = (&mut a1[..d], &mut a2[..d], &mut a3[..d]);
+    for i in 0..d {
+        let x = v[i];
+        a0[i] += p[0] * x;
+        a1[i] += p[1] * x;
+        a2[i] += p[2] * x;
+        a3[i] += p[3] * x;
+    }
 }
 
 #[inline(always)]
 fn axpy(acc: &mut [f32], p: f32, v: &[f32]) {
-    for (a, &x) in acc.iter_mut().zip(v) {
-        *a += p * x;
+    let acc = &mut acc[..v.len()];
+    for i in 0..v.len() {
+        acc[i] += p * v[i];
     }
 }
 
@@ -475,9 +530,46 @@ fn widen<'b, T: KvElem>(src: &'b [T], buf: &'b mut [f32]) -> &'b [f32] {
     }
 }
 
+/// One work item, on the widest vector unit the CPU has: the body is compiled twice, once for
+/// the build's baseline target and once with AVX2 enabled, chosen at run time. Every lane does
+/// the same arithmetic in both, so the results are bit-identical.
+fn attend_item<T: KvElem>(ctx: &TaskCtx<'_, T>, it: &WorkItem, out: &mut [T], slot: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") {
+            // SAFETY: `attend_item_avx2`'s only requirement is that the CPU supports AVX2, which
+            // the line above just detected.
+            unsafe { attend_item_avx2(ctx, it, out, slot) };
+            return;
+        }
+    }
+    attend_item_body(ctx, it, out, slot);
+}
+
+/// [`attend_item_body`] compiled with AVX2.
+///
+/// # Safety
+/// The CPU must support AVX2 (`is_x86_feature_detected!("avx2")`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn attend_item_avx2<T: KvElem>(
+    ctx: &TaskCtx<'_, T>,
+    it: &WorkItem,
+    out: &mut [T],
+    slot: &mut [f32],
+) {
+    attend_item_body(ctx, it, out, slot);
+}
+
 /// One work item: for each of its KV heads, the `tq * group` query rows sharing that KV head
 /// walk the visible blocks once with an online (block-wise) softmax.
-fn attend_item<T: KvElem>(ctx: &TaskCtx<'_, T>, it: &WorkItem, out: &mut [T], slot: &mut [f32]) {
+#[inline(always)]
+fn attend_item_body<T: KvElem>(
+    ctx: &TaskCtx<'_, T>,
+    it: &WorkItem,
+    out: &mut [T],
+    slot: &mut [f32],
+) {
     let cfg = &ctx.cfg;
     let (d, bs, g) = (cfg.head_dim(), cfg.block_size(), ctx.group);
     let nh = ctx.params.num_heads;
@@ -542,17 +634,29 @@ fn attend_item<T: KvElem>(ctx: &TaskCtx<'_, T>, it: &WorkItem, out: &mut [T], sl
             let kbase = cfg.offset(block as usize, ctx.layer, KvPart::Key, 0, kvh);
             let vbase = kbase + cfg.kv_stride();
             let ts = cfg.token_stride();
-            // Scores of this block's visible keys for every row.
+            // Scores of this block's visible keys for every row: raw dots four rows at a time
+            // (each K element loaded once per four query rows), then cap, bias and mask.
             for t in t0..t1 {
                 let kpos = jb + t as i64;
                 let ko = kbase + t * ts;
                 let k = widen(&ctx.data[ko..ko + d], kbuf);
+                let mut r = 0;
+                while r + 4 <= rows {
+                    let s4 = dot4(&q32[r * d..(r + 4) * d], k);
+                    for (i, x) in s4.into_iter().enumerate() {
+                        scores[(r + i) * bs + t] = x;
+                    }
+                    r += 4;
+                }
+                for r in r..rows {
+                    scores[r * bs + t] = dot(&q32[r * d..(r + 1) * d], k);
+                }
                 for r in 0..rows {
-                    let ti = r / g;
-                    let qpos = qpos_first + ti as i64;
+                    let qpos = qpos_first + (r / g) as i64;
                     let visible = kpos <= qpos && (window == 0 || qpos - kpos < window);
-                    scores[r * bs + t] = if visible {
-                        let mut s = dot(&q32[r * d..(r + 1) * d], k);
+                    let x = &mut scores[r * bs + t];
+                    *x = if visible {
+                        let mut s = *x;
                         if softcap > 0.0 {
                             s = softcap * (s / softcap).tanh();
                         }
@@ -589,11 +693,19 @@ fn attend_item<T: KvElem>(ctx: &TaskCtx<'_, T>, it: &WorkItem, out: &mut [T], sl
                 }
                 l[r] += sum;
             }
-            // Weighted values.
+            // Weighted values, four rows at a time (each V element loaded once per four rows).
             for t in t0..t1 {
                 let vo = vbase + t * ts;
                 let v = widen(&ctx.data[vo..vo + d], kbuf);
-                for r in 0..rows {
+                let mut r = 0;
+                while r + 4 <= rows {
+                    let p = [0, 1, 2, 3].map(|i| scores[(r + i) * bs + t]);
+                    if p != [0.0; 4] {
+                        axpy4(&mut acc[r * d..(r + 4) * d], p, v);
+                    }
+                    r += 4;
+                }
+                for r in r..rows {
                     let p = scores[r * bs + t];
                     if p != 0.0 {
                         axpy(&mut acc[r * d..(r + 1) * d], p, v);

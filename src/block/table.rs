@@ -256,6 +256,25 @@ impl BlockTable {
         Ok(())
     }
 
+    /// Writes the indices of logical blocks `from..from + dst.len()` into `dst` (a part of a
+    /// kernel row: a scheduler that keeps rows across steps only writes the blocks that are
+    /// new). Fails if the range passes the table's end.
+    pub fn write_indices(&self, from: u32, dst: &mut [i32]) -> Result<(), PoolError> {
+        let start = from as usize;
+        let end = start.saturating_add(dst.len());
+        if end > self.len as usize {
+            return Err(PoolError::RowTooShort {
+                needed: self.len,
+                row: dst.len(),
+            });
+        }
+        for (d, slot) in dst.iter_mut().zip(&self.shared.slots[start..end]) {
+            // Relaxed: the writer reads its own writes.
+            *d = BlockId::from_bits(slot.load(Ordering::Relaxed)).index() as i32;
+        }
+        Ok(())
+    }
+
     /// Copies the table's ids into `out` (cleared first).
     pub fn ids_into(&self, out: &mut Vec<BlockId>) {
         out.clear();

@@ -1,1 +1,45 @@
-//! GGUF weights: a defensive parser, zero-copy tensor views, dequantization, a writer and device upload.
+//! GGUF weights: a defensive parser, zero-copy tensor views, dequantization and a writer.
+//!
+//! ```no_run
+//! use pagedkv::gguf::{Gguf, GgufBytes};
+//! # fn main() -> Result<(), pagedkv::error::GgufError> {
+//! let bytes = GgufBytes::read(std::path::Path::new("model.gguf"))?;
+//! let gguf = Gguf::parse(bytes.bytes())?;
+//! let params = gguf.llama_params()?;
+//! println!("{} layers, {} KV heads of dim {}", params.n_layers, params.n_kv_heads, params.head_dim);
+//! for t in gguf.tensors_largest_first() {
+//!     // t.data() borrows the tensor's bytes from the file: upload them as they are.
+//!     println!("{} {} {:?} {} bytes", t.name(), t.ty(), t.shape(), t.n_bytes());
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! * [`types`]: ggml's type table (every current id, its block size and bytes per block;
+//!   removed ids named) and the metadata value types.
+//! * [`parse`]: [`Gguf::parse`] validates a whole file (versions 1 to 3) in one pass whose
+//!   allocations are bounded by the header's size, whatever its counts claim; see the module
+//!   docs for the argument and [`crate::error::GgufError`] for every refusal.
+//! * [`mmap`]: [`GgufBytes`], a read-only map or an owned buffer to parse.
+//! * [`dequant`]: bit-exact dequantization of F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+//!   Q2_K..Q6_K, IQ4_NL and MXFP4 to f32/f16/bf16, parallel on rayon.
+//! * [`write`]: [`GgufWriter`], laying files out as gguf-py does.
+//! * [`llama`]: [`LlamaParams`], the hyperparameters that size a llama-family engine.
+
+pub mod dequant;
+pub mod llama;
+pub mod mmap;
+pub mod parse;
+pub mod types;
+pub mod write;
+
+pub use dequant::{
+    dequantize_into, dequantize_into_bf16, dequantize_into_f16, dequantize_into_serial,
+};
+pub use llama::LlamaParams;
+pub use mmap::GgufBytes;
+pub use parse::{
+    ArrayIter, ArrayValue, Gguf, TensorInfo, Value, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC,
+    MAX_ARRAY_DEPTH, MAX_DIMS,
+};
+pub use types::{GgmlType, TypeId, ValueType, ALL_TYPES, QK_K};
+pub use write::{GgufWriter, MetaValue};

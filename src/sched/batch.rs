@@ -79,7 +79,8 @@ impl Batch {
         self.query_start_loc.push(0);
         self.context_lens.clear();
         self.slot_mapping.clear();
-        self.block_tables.clear();
+        // `block_tables` keeps its length: rows are rewritten where they hold blocks and the
+        // rest is unspecified padding, so refilling it every step would be wasted work.
         self.max_blocks_per_seq = 0;
         self.samples.clear();
         self.logits_indices.clear();

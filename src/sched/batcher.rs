@@ -130,6 +130,10 @@ pub struct Batcher {
     /// This step's rows: (slot, new tokens).
     scheduled: Vec<(usize, usize)>,
     scratch: Vec<BlockId>,
+    /// Row stride of `batch.block_tables`, kept across steps so that rows stay in place.
+    row_width: usize,
+    /// The slot whose blocks each row of `batch.block_tables` holds (`usize::MAX`: none).
+    row_owner: Vec<usize>,
     arrivals: u64,
     stats: BatcherStats,
     active_reported: bool,
@@ -191,6 +195,8 @@ impl Batcher {
             batch: Batch::default(),
             scheduled: Vec::new(),
             scratch: Vec::new(),
+            row_width: 0,
+            row_owner: Vec::new(),
             arrivals: 0,
             stats: BatcherStats::default(),
             active_reported: false,
@@ -299,6 +305,7 @@ impl Batcher {
             host_blocks: Vec::new(),
             preemptions: 0,
             may_share: false,
+            row_blocks: 0,
         };
         self.arrivals += 1;
         let slot = match self.free_slots.pop() {
@@ -367,6 +374,7 @@ impl Batcher {
             host_blocks: Vec::new(),
             preemptions: 0,
             may_share: true,
+            row_blocks: 0,
         };
         self.seq_mut(slot).may_share = true;
         self.arrivals += 1;
@@ -616,6 +624,10 @@ impl Batcher {
             (s.computed, s.table.len() as usize, s.may_share)
         };
         let need = (computed + n).div_ceil(bs).saturating_sub(len);
+        if need == 0 && !may_share {
+            // The common decode step: the token lands in a block the sequence owns alone.
+            return Reserve::Ok;
+        }
         // The next write lands inside an existing block if `computed` is not block-aligned.
         let cow_index = (may_share && computed % bs != 0 && computed / bs < len)
             .then_some((computed / bs) as u32)
@@ -655,6 +667,8 @@ impl Batcher {
             self.batch
                 .copies
                 .push((old.index() as i32, copy.index() as i32));
+            // The row holding this sequence's table is stale from the replaced block on.
+            self.seq_mut(slot).row_blocks = 0;
             self.stats.cow_copies += 1;
         }
         for &id in &fresh {
@@ -699,22 +713,49 @@ impl Batcher {
         self.scheduled.push((slot, n));
     }
 
+    /// Fills `batch.block_tables`. Rows persist across steps: a sequence scheduled in the same
+    /// row as last step (the common decode case) only writes the blocks it gained, so a step
+    /// costs O(new blocks), not O(all blocks of all sequences). The stride grows in steps of 16
+    /// (every row is rewritten then) and shrinks when the widest table has halved.
     fn write_block_tables(&mut self) {
-        let width = self.batch.max_blocks_per_seq;
-        self.batch
-            .block_tables
-            .resize(self.scheduled.len() * width, -1);
+        let needed = self.batch.max_blocks_per_seq;
+        let rows = self.scheduled.len();
+        let relayout = needed > self.row_width || (needed * 2 < self.row_width && needed > 0);
+        if relayout {
+            self.row_width = needed.next_multiple_of(16);
+            self.row_owner.clear();
+        }
+        if rows == 0 {
+            self.row_width = 0;
+            self.row_owner.clear();
+        }
+        let width = self.row_width;
+        self.batch.max_blocks_per_seq = width;
+        let cells = rows * width;
+        // Grow with -1 when needed; otherwise only shorten (stale padding is never read).
+        if self.batch.block_tables.len() < cells {
+            self.batch.block_tables.resize(cells, -1);
+        } else {
+            self.batch.block_tables.truncate(cells);
+        }
+        self.row_owner.resize(rows, usize::MAX);
         for (row, &(slot, _)) in self.scheduled.iter().enumerate() {
-            let Some(s) = self.seqs[slot].as_ref() else {
+            let Some(s) = self.seqs[slot].as_mut() else {
                 continue;
             };
-            // Only the row's own blocks are written: the padding past them is never read by the
-            // kernels, and rewriting it every step would cost O(rows x widest table).
-            let len = s.table.len() as usize;
-            let dst = &mut self.batch.block_tables[row * width..row * width + len];
-            if let Err(e) = s.table.write_row(dst, -1) {
+            let len = s.table.len();
+            let start = if self.row_owner[row] == slot {
+                s.row_blocks.min(len)
+            } else {
+                0
+            };
+            let dst = &mut self.batch.block_tables
+                [row * width + start as usize..row * width + len as usize];
+            if let Err(e) = s.table.write_indices(start, dst) {
                 unreachable!("row width is the widest table: {e}");
             }
+            s.row_blocks = len;
+            self.row_owner[row] = slot;
         }
     }
 
@@ -728,6 +769,7 @@ impl Batcher {
 
     fn preempt(&mut self, slot: usize) {
         let blocks = self.seq(slot).table.len() as usize;
+        self.seq_mut(slot).row_blocks = 0;
         let swap = self.cfg.preemption == PreemptionMode::Swap
             && blocks > 0
             && self.host_free.len() >= blocks;

@@ -110,6 +110,10 @@ pub(crate) struct Sequence {
     /// Whether its table may hold blocks shared with another sequence (it was forked, or is a
     /// fork): only then must a write check for copy-on-write.
     pub(crate) may_share: bool,
+    /// Leading blocks of its table already written in the batch's block-table row it last
+    /// occupied (valid only while that row's owner is still this sequence's slot); reset to 0
+    /// whenever the table changes other than by appending.
+    pub(crate) row_blocks: u32,
 }
 
 impl Sequence {
@@ -119,17 +123,19 @@ impl Sequence {
 
     /// The finish reason after appending a token, if any.
     pub(crate) fn stop_reason(&self, token: u32) -> Option<FinishReason> {
-        if self.stop.eos.contains(&token) {
+        if !self.stop.eos.is_empty() && self.stop.eos.contains(&token) {
             return Some(FinishReason::Eos);
         }
-        let output = &self.tokens[self.prompt_len..];
-        if self
-            .stop
-            .stop_sequences
-            .iter()
-            .any(|s| !s.is_empty() && output.ends_with(s))
-        {
-            return Some(FinishReason::StopSequence);
+        if !self.stop.stop_sequences.is_empty() {
+            let output = &self.tokens[self.prompt_len..];
+            if self
+                .stop
+                .stop_sequences
+                .iter()
+                .any(|s| !s.is_empty() && output.ends_with(s))
+            {
+                return Some(FinishReason::StopSequence);
+            }
         }
         if self.generated() >= self.stop.max_new_tokens as usize {
             return Some(FinishReason::MaxTokens);

@@ -168,3 +168,51 @@ impl Default for SimConfig {
         }
     }
 }
+
+impl EngineSpec {
+    /// An engine sized from a llama-family model's hyperparameters (a GGUF file's), with the
+    /// traffic of `traffic`. At most `max_layers` layers are simulated: the KV of every layer is
+    /// real, and a CPU run of all of a large model's layers would take minutes.
+    pub fn from_llama(
+        name: &str,
+        params: &crate::gguf::LlamaParams,
+        weight: u32,
+        max_layers: usize,
+        traffic: &EngineSpec,
+    ) -> Result<Self, crate::error::SimError> {
+        let bad = |why: String| {
+            Err(crate::error::SimError::InvalidConfig(format!(
+                "{name}: {why}"
+            )))
+        };
+        if params.n_heads == 0 || params.n_kv_heads == 0 || params.n_heads % params.n_kv_heads != 0
+        {
+            return bad(format!(
+                "{} query heads is not a positive multiple of {} KV heads",
+                params.n_heads, params.n_kv_heads
+            ));
+        }
+        if params.head_dim == 0 || params.head_dim % 8 != 0 {
+            return bad(format!(
+                "head dim {} is not a positive multiple of 8",
+                params.head_dim
+            ));
+        }
+        if params.head_dim != params.head_dim_v {
+            return bad(format!(
+                "key head dim {} differs from value head dim {}; the paged layout holds one",
+                params.head_dim, params.head_dim_v
+            ));
+        }
+        Ok(Self {
+            name: name.to_owned(),
+            weight,
+            layers: (params.n_layers as usize).clamp(1, max_layers.max(1)),
+            heads: params.n_heads as usize,
+            kv_heads: params.n_kv_heads as usize,
+            head_dim: params.head_dim as usize,
+            max_context: params.context_length.clamp(16, traffic.max_context.max(16)),
+            ..traffic.clone()
+        })
+    }
+}

@@ -9,13 +9,34 @@
 //! - the ticket one-shot: completion racing the ticket's poll, and the ticket's drop (loom's
 //!   `Arc` checks that nothing leaks).
 
-use loom::future::block_on;
+use std::future::Future;
+use std::task::{Context, Poll, Wake, Waker};
+
 use loom::sync::Arc;
 use loom::thread;
 
 use pagedkv::sched::admission::{
     Admission, AdmissionConfig, AdmissionError, OverflowPolicy, OverloadReason, Priority, Route,
 };
+
+/// Drives `f` on this loom thread, parking it (loom's `park`) while pending. A wake-up that
+/// never comes leaves every thread parked, which loom reports as a deadlock.
+fn block_on<F: Future>(f: F) -> F::Output {
+    struct Unpark(thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(std::sync::Arc::new(Unpark(thread::current())));
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let Poll::Ready(v) = f.as_mut().poll(&mut Context::from_waker(&waker)) {
+            return v;
+        }
+        thread::park();
+    }
+}
 
 const P: Priority = Priority::Throughput;
 const W0: Route = Route::Worker(0);

@@ -3,6 +3,9 @@
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+#[cfg(feature = "cuda")]
+mod bench_cmd;
+mod gguf_cmd;
 mod simulate_cmd;
 mod stress_cmd;
 
@@ -20,6 +23,11 @@ enum Command {
     Simulate(simulate_cmd::Args),
     /// Hammer one shared block pool from several threads and report ops/s.
     Stress(stress_cmd::Args),
+    /// Benchmarks that need hardware: `bench gpu` (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    Bench(bench_cmd::Args),
+    /// Inspect a GGUF file, or dequantize one of its tensors to raw f32.
+    Gguf(gguf_cmd::Args),
 }
 
 fn main() -> ExitCode {
@@ -27,6 +35,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Simulate(args) => simulate_cmd::run(args),
         Command::Stress(args) => stress_cmd::run(args),
+        #[cfg(feature = "cuda")]
+        Command::Bench(args) => bench_cmd::run(args),
+        Command::Gguf(args) => gguf_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

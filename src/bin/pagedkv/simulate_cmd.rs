@@ -50,6 +50,16 @@ pub struct Args {
     /// Multiply every engine's arrival rate.
     #[arg(long, default_value_t = 1.0)]
     load: f64,
+    /// Size an engine from a GGUF model file's hyperparameters (repeat for several models;
+    /// replaces the three built-in engines).
+    #[arg(long = "model", value_name = "FILE.gguf")]
+    models: Vec<PathBuf>,
+    /// Share weights of the `--model` engines, comma-separated (default: 1 each).
+    #[arg(long, value_delimiter = ',')]
+    weights: Vec<u32>,
+    /// Most layers simulated per `--model` engine (every simulated layer's KV is real).
+    #[arg(long, default_value_t = 4)]
+    max_layers: usize,
     /// Device for the kernels: cpu, or cuda (needs the `cuda` feature and a GPU).
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -110,6 +120,39 @@ fn config(args: &Args) -> Result<SimConfig, Box<dyn std::error::Error>> {
         preemption: args.preemption,
         ..SimConfig::default()
     };
+    if !args.models.is_empty() {
+        if !args.weights.is_empty() && args.weights.len() != args.models.len() {
+            return Err(format!(
+                "--weights has {} values for {} --model files",
+                args.weights.len(),
+                args.models.len()
+            )
+            .into());
+        }
+        let traffic = cfg.engines.clone();
+        let mut engines = Vec::new();
+        for (i, path) in args.models.iter().enumerate() {
+            let bytes = map(path)?;
+            let gguf = pagedkv::gguf::Gguf::parse(bytes.bytes())
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            let params = gguf
+                .llama_params()
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            let name = path
+                .file_stem()
+                .map_or_else(|| format!("model{i}"), |s| s.to_string_lossy().into_owned());
+            engines.push(sim::EngineSpec::from_llama(
+                &name,
+                &params,
+                args.weights.get(i).copied().unwrap_or(1),
+                args.max_layers,
+                &traffic[i % traffic.len()],
+            )?);
+        }
+        cfg.engines = engines;
+    } else if !args.weights.is_empty() {
+        return Err("--weights applies to --model engines".into());
+    }
     if !(args.load > 0.0 && args.load.is_finite()) {
         return Err("--load must be a positive number".into());
     }
@@ -117,6 +160,15 @@ fn config(args: &Args) -> Result<SimConfig, Box<dyn std::error::Error>> {
         e.rate *= args.load;
     }
     Ok(cfg)
+}
+
+/// Maps a model file read-only.
+fn map(path: &std::path::Path) -> Result<pagedkv::gguf::GgufBytes, Box<dyn std::error::Error>> {
+    // SAFETY: `map` requires that nobody truncates or writes the file while the map lives; the
+    // map lives only while the header is parsed here, and a model file being rewritten during
+    // that instant is outside what this command supports (as for any reader of model files).
+    Ok(unsafe { pagedkv::gguf::GgufBytes::map(path) }
+        .map_err(|e| format!("{}: {e}", path.display()))?)
 }
 
 /// Runs the simulation and prints its report.

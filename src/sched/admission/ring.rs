@@ -67,7 +67,7 @@ impl<T> Ring<T> {
     /// A ring with room for `cap` values. `cap` must be in `1..=usize::MAX / 4` (the caller,
     /// `AdmissionConfig::validate`, checks it), so that the lap arithmetic has bits to spare.
     pub(crate) fn new(cap: usize) -> Self {
-        debug_assert!(cap >= 1 && cap <= usize::MAX / 4);
+        debug_assert!((1..=usize::MAX / 4).contains(&cap));
         let one_lap = (cap + 1).next_power_of_two();
         let slots = (0..cap)
             .map(|i| Slot {

@@ -1,0 +1,249 @@
+//! GGUF benches.
+//!
+//! * `gguf_header_parse`: parse the header of a llama-shaped file with 1,000 tensors and a
+//!   32,000-entry vocabulary. pagedkv's zero-copy parser beside "candle-style": our
+//!   re-implementation of the owned-value reader design of candle's `gguf_file::Content::read`
+//!   (every key, string and array element copied into a `String`/`Vec`, tensors in a
+//!   `HashMap<String, _>`), which is the common shape of Rust GGUF readers.
+//! * `gguf_dequant/<TYPE>`: dequantize 2^20 elements to f32, pagedkv parallel and serial, beside
+//!   a `memcpy` of the output bytes (the floor any dequantizer pays to write its output).
+//!
+//! Correctness is checked inside each group before timing: both parsers must agree on the
+//! header, and parallel dequantization must equal the serial reference bit for bit.
+
+use std::collections::HashMap;
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use pagedkv::gguf::{
+    dequantize_into, dequantize_into_serial, GgmlType, Gguf, GgufWriter, MetaValue, ValueType,
+};
+
+/// A llama-shaped file: 1,000 tiny tensors, 30 scalar keys, a 32,000-token vocabulary.
+fn header_file() -> Vec<u8> {
+    let mut w = GgufWriter::new();
+    w.add("general.architecture", MetaValue::String("llama".into()))
+        .expect("add");
+    for i in 0..30u32 {
+        w.add(&format!("llama.key_{i}"), MetaValue::U32(i))
+            .expect("add");
+    }
+    w.add(
+        "tokenizer.ggml.tokens",
+        MetaValue::strings((0..32_000).map(|i| format!("tok_{i}"))),
+    )
+    .expect("add");
+    w.add(
+        "tokenizer.ggml.scores",
+        MetaValue::Array {
+            elem: ValueType::F32,
+            items: (0..32_000).map(|i| MetaValue::F32(i as f32)).collect(),
+        },
+    )
+    .expect("add");
+    let blob: &'static [u8] = Box::leak(vec![0u8; 1000 * 64].into_boxed_slice());
+    for i in 0..1000 {
+        let layer = i / 10;
+        w.add_tensor(
+            &format!("blk.{layer}.tensor_{}.weight", i % 10),
+            GgmlType::F32,
+            &[4, 4],
+            &blob[i * 64..i * 64 + 64],
+        )
+        .expect("tensor");
+    }
+    w.to_bytes().expect("write")
+}
+
+/// The candle-style owned reader (see the module docs).
+mod owned {
+    use super::HashMap;
+
+    // The baseline materialises every value as an owned reader does; the bench times only
+    // that, so most payloads are never read back.
+    #[allow(dead_code)]
+    #[derive(Debug)]
+    pub enum Value {
+        Int(i128),
+        F32(f32),
+        F64(f64),
+        Bool(bool),
+        String(String),
+        Array(Vec<Value>),
+    }
+
+    #[derive(Debug)]
+    pub struct TensorInfo {
+        pub ty: u32,
+        pub shape: Vec<u64>,
+        pub offset: u64,
+    }
+
+    #[derive(Debug)]
+    pub struct Content {
+        pub metadata: HashMap<String, Value>,
+        pub tensors: HashMap<String, TensorInfo>,
+    }
+
+    struct R<'a>(&'a [u8]);
+
+    impl R<'_> {
+        fn take<const N: usize>(&mut self) -> Option<[u8; N]> {
+            let (h, t) = self.0.split_first_chunk::<N>()?;
+            self.0 = t;
+            Some(*h)
+        }
+        fn u32(&mut self) -> Option<u32> {
+            self.take().map(u32::from_le_bytes)
+        }
+        fn u64(&mut self) -> Option<u64> {
+            self.take().map(u64::from_le_bytes)
+        }
+        fn string(&mut self) -> Option<String> {
+            let n = usize::try_from(self.u64()?).ok()?;
+            if n > self.0.len() {
+                return None;
+            }
+            let (s, t) = self.0.split_at(n);
+            self.0 = t;
+            String::from_utf8(s.to_vec()).ok()
+        }
+        fn value(&mut self, ty: u32) -> Option<Value> {
+            Some(match ty {
+                0 => Value::Int(self.take::<1>()?[0].into()),
+                1 => Value::Int((self.take::<1>()?[0] as i8).into()),
+                2 => Value::Int(u16::from_le_bytes(self.take()?).into()),
+                3 => Value::Int(i16::from_le_bytes(self.take()?).into()),
+                4 => Value::Int(self.u32()?.into()),
+                5 => Value::Int(i32::from_le_bytes(self.take()?).into()),
+                6 => Value::F32(f32::from_le_bytes(self.take()?)),
+                7 => Value::Bool(self.take::<1>()?[0] != 0),
+                8 => Value::String(self.string()?),
+                9 => {
+                    let elem = self.u32()?;
+                    let n = self.u64()?;
+                    let mut v = Vec::new();
+                    for _ in 0..n {
+                        v.push(self.value(elem)?);
+                    }
+                    Value::Array(v)
+                }
+                10 => Value::Int(self.u64()?.into()),
+                11 => Value::Int(i64::from_le_bytes(self.take()?).into()),
+                12 => Value::F64(f64::from_le_bytes(self.take()?)),
+                _ => return None,
+            })
+        }
+    }
+
+    pub fn read(bytes: &[u8]) -> Option<Content> {
+        let mut r = R(bytes);
+        r.take::<4>().filter(|m| m == b"GGUF")?;
+        r.u32().filter(|v| *v == 3)?;
+        let n_tensors = r.u64()?;
+        let n_kv = r.u64()?;
+        let mut metadata = HashMap::new();
+        for _ in 0..n_kv {
+            let k = r.string()?;
+            let ty = r.u32()?;
+            metadata.insert(k, r.value(ty)?);
+        }
+        let mut tensors = HashMap::new();
+        for _ in 0..n_tensors {
+            let name = r.string()?;
+            let n_dims = r.u32()?;
+            let shape = (0..n_dims).map(|_| r.u64()).collect::<Option<Vec<_>>>()?;
+            let ty = r.u32()?;
+            let offset = r.u64()?;
+            tensors.insert(name, TensorInfo { ty, shape, offset });
+        }
+        Some(Content { metadata, tensors })
+    }
+}
+
+fn bench_header(c: &mut Criterion) {
+    let file = header_file();
+    let g = Gguf::parse(&file).expect("parse");
+    let o = owned::read(&file).expect("owned parse");
+    // Correctness: both readers see the same header.
+    assert_eq!(g.tensors().len(), 1000);
+    assert_eq!(o.tensors.len(), 1000);
+    assert_eq!(o.metadata.len(), g.metadata().len());
+    for t in g.tensors() {
+        let ot = &o.tensors[t.name()];
+        assert_eq!(
+            (ot.ty, &ot.shape[..], ot.offset),
+            (t.ty().id(), t.shape(), t.offset())
+        );
+    }
+    match &o.metadata["tokenizer.ggml.tokens"] {
+        owned::Value::Array(v) => assert_eq!(
+            v.len() as u64,
+            g.get_array("tokenizer.ggml.tokens").expect("tokens").len()
+        ),
+        other => panic!("tokens: {other:?}"),
+    }
+
+    let header_bytes = g.data_offset();
+    let mut grp = c.benchmark_group("gguf_header_parse");
+    grp.throughput(Throughput::Bytes(header_bytes));
+    grp.bench_function(BenchmarkId::new("pagedkv", "1000_tensors_32k_vocab"), |b| {
+        b.iter(|| Gguf::parse(black_box(&file)).map(|g| g.tensors().len()))
+    });
+    grp.bench_function(
+        BenchmarkId::new("candle-style", "1000_tensors_32k_vocab"),
+        |b| b.iter(|| owned::read(black_box(&file)).map(|c| c.tensors.len())),
+    );
+    grp.finish();
+}
+
+fn bench_dequant(c: &mut Criterion) {
+    const N: usize = 1 << 20;
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let types = [
+        "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+        "Q5_K", "Q6_K", "IQ4_NL", "MXFP4",
+    ];
+    let mut grp = c.benchmark_group("gguf_dequant");
+    grp.throughput(Throughput::Bytes((N * 4) as u64));
+    for name in types {
+        let ty = GgmlType::from_name(name).expect("type");
+        let n_bytes = N / ty.block_size() as usize * ty.type_size() as usize;
+        let src: Vec<u8> = (0..n_bytes)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect();
+        let mut par = vec![0f32; N];
+        let mut ser = vec![0f32; N];
+        dequantize_into(ty, &src, &mut par).expect("parallel");
+        dequantize_into_serial(ty, &src, &mut ser).expect("serial");
+        assert!(
+            par.iter()
+                .zip(&ser)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}: parallel != serial"
+        );
+        grp.bench_function(BenchmarkId::new("pagedkv", name), |b| {
+            b.iter(|| dequantize_into(ty, black_box(&src), black_box(&mut par)))
+        });
+        grp.bench_function(BenchmarkId::new("pagedkv_serial", name), |b| {
+            b.iter(|| dequantize_into_serial(ty, black_box(&src), black_box(&mut ser)))
+        });
+        let out = par.clone();
+        grp.bench_function(BenchmarkId::new("memcpy_out", name), |b| {
+            b.iter(|| black_box(&mut ser).copy_from_slice(black_box(&out)))
+        });
+    }
+    grp.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20);
+    targets = bench_header, bench_dequant
+}
+criterion_main!(benches);

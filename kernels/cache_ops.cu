@@ -1,0 +1,164 @@
+// cache_ops.cu: kernels and launchers that write or move KV cache bytes: reshape_and_cache
+// (new tokens into their slots), copy_blocks (copy-on-write, every layer, one launch) and
+// swap_blocks (device <-> pinned host, coalesced runs).
+#include "common.cuh"
+
+namespace pkv {
+namespace {
+
+constexpr int RC_THREADS = 128;
+
+// One thread block per token; threads stride over the token's num_kv_heads * head_dim elements
+// in 16-byte vectors (VECTOR) or one element at a time (a key/value row not 16-byte aligned).
+// The cache row of a token holds its heads contiguously ([H][D]), as do the inputs, so both
+// reads and writes are dense.
+template <typename T, bool VECTOR>
+__global__ void __launch_bounds__(RC_THREADS) reshape_and_cache_kernel(
+    T *cache,                    // device, whole cache
+    const T *key,                // device, row t at key + t * key_stride
+    const T *value,              // device, row t at value + t * value_stride
+    const int64_t *slot_mapping, // device [num_tokens]
+    int64_t key_stride, int64_t value_stride, Strides st, int64_t layer_offset,
+    int64_t num_slots, int block_size) {
+  const int t = blockIdx.x;
+  const int64_t slot = slot_mapping[t];
+  if (slot < 0 || slot >= num_slots) return;  // -1: padding
+  const int64_t block = slot / block_size, row = slot % block_size;
+  T *kdst = cache + block * st.block + layer_offset + row * st.token;
+  T *vdst = kdst + st.kv;
+  const T *ksrc = key + (int64_t)t * key_stride;
+  const T *vsrc = value + (int64_t)t * value_stride;
+  const int n = (int)st.token;  // H*D elements
+  if (VECTOR) {
+    constexpr int V = Elem<T>::VEC;
+    for (int i = threadIdx.x; i < n / V; i += RC_THREADS) {
+      reinterpret_cast<uint4 *>(kdst)[i] = ld_vec(ksrc + i * V);
+      reinterpret_cast<uint4 *>(vdst)[i] = ld_vec(vsrc + i * V);
+    }
+  } else {
+    for (int i = threadIdx.x; i < n; i += RC_THREADS) {
+      kdst[i] = ksrc[i];
+      vdst[i] = vsrc[i];
+    }
+  }
+}
+
+constexpr int CB_THREADS = 256;
+constexpr int CB_UNROLL = 4;
+
+// grid (num_pairs, y): block y of pair p copies vectors y*CB_THREADS*CB_UNROLL + ... of the
+// pair's block, striding by gridDim.y * CB_THREADS * CB_UNROLL. A block (all layers, K and V) is
+// one contiguous run of `vecs` 16-byte vectors in this layout.
+__global__ void __launch_bounds__(CB_THREADS) copy_blocks_kernel(
+    uint4 *cache,            // device, whole cache as 16-byte vectors
+    const int32_t *pairs,    // device [num_pairs][2] (src, dst)
+    int64_t vecs,            // 16-byte vectors per block
+    int32_t num_blocks) {
+  const int32_t src = pairs[2 * blockIdx.x], dst = pairs[2 * blockIdx.x + 1];
+  if (src < 0 || src >= num_blocks || dst < 0 || dst >= num_blocks || src == dst) return;
+  const uint4 *s = cache + (int64_t)src * vecs;
+  uint4 *d = cache + (int64_t)dst * vecs;
+  const int64_t step = (int64_t)gridDim.y * CB_THREADS * CB_UNROLL;
+  for (int64_t base = (int64_t)blockIdx.y * CB_THREADS * CB_UNROLL + threadIdx.x; base < vecs;
+       base += step) {
+    uint4 v[CB_UNROLL];
+#pragma unroll
+    for (int u = 0; u < CB_UNROLL; ++u) {
+      const int64_t i = base + u * CB_THREADS;
+      if (i < vecs) v[u] = __ldcs(s + i);
+    }
+#pragma unroll
+    for (int u = 0; u < CB_UNROLL; ++u) {
+      const int64_t i = base + u * CB_THREADS;
+      if (i < vecs) __stcs(d + i, v[u]);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace pkv
+
+using namespace pkv;
+
+extern "C" int pkv_reshape_and_cache(void *cache, const pkv_cache_geometry *geom, int32_t layer,
+                                     const void *key, const void *value,
+                                     int64_t key_token_stride, int64_t value_token_stride,
+                                     const int64_t *slot_mapping, int32_t num_tokens,
+                                     void *stream) {
+  const int g = check_geometry(geom, layer);
+  if (g != PKV_OK) return g;
+  if (num_tokens < 0) return PKV_ERR_INVALID_ARG;
+  if (num_tokens == 0) return PKV_OK;
+  if (cache == nullptr || key == nullptr || value == nullptr || slot_mapping == nullptr)
+    return PKV_ERR_NULL_POINTER;
+  const Strides st = Strides::of(*geom);
+  if (key_token_stride < st.token || value_token_stride < st.token) return PKV_ERR_INVALID_ARG;
+  if ((reinterpret_cast<uintptr_t>(cache) & 15u) != 0) return PKV_ERR_INVALID_ARG;
+  const int es = dtype_size(geom->dtype);
+  const bool vec = ((reinterpret_cast<uintptr_t>(key) | reinterpret_cast<uintptr_t>(value)) & 15u) == 0 &&
+                   (key_token_stride * es) % 16 == 0 && (value_token_stride * es) % 16 == 0;
+  const int64_t slots = (int64_t)geom->num_blocks * geom->block_size;
+  const int64_t lo = (int64_t)layer * st.layer;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  PKV_DISPATCH_DTYPE(geom->dtype, {
+    T *c = static_cast<T *>(cache);
+    const T *k = static_cast<const T *>(key);
+    const T *v = static_cast<const T *>(value);
+    if (vec)
+      reshape_and_cache_kernel<T, true><<<num_tokens, RC_THREADS, 0, s>>>(
+          c, k, v, slot_mapping, key_token_stride, value_token_stride, st, lo, slots,
+          geom->block_size);
+    else
+      reshape_and_cache_kernel<T, false><<<num_tokens, RC_THREADS, 0, s>>>(
+          c, k, v, slot_mapping, key_token_stride, value_token_stride, st, lo, slots,
+          geom->block_size);
+  });
+  return status_of(cudaGetLastError());
+}
+
+extern "C" int pkv_copy_blocks(void *cache, const pkv_cache_geometry *geom, const int32_t *pairs,
+                               int32_t num_pairs, void *stream) {
+  const int g = check_geometry(geom, 0);
+  if (g != PKV_OK) return g;
+  if (num_pairs < 0) return PKV_ERR_INVALID_ARG;
+  if (num_pairs == 0) return PKV_OK;
+  if (cache == nullptr || pairs == nullptr) return PKV_ERR_NULL_POINTER;
+  if ((reinterpret_cast<uintptr_t>(cache) & 15u) != 0) return PKV_ERR_INVALID_ARG;
+  const int64_t bytes = Strides::of(*geom).block * dtype_size(geom->dtype);
+  const int64_t vecs = bytes / 16;  // head_dim is a multiple of 8: blocks are whole vectors
+  // Enough thread blocks per pair to fill the GPU even for a single pair (a block of a large
+  // model is megabytes), but not more than its vectors need.
+  const int64_t per_cta = (int64_t)CB_THREADS * CB_UNROLL;
+  int64_t y = (vecs + per_cta - 1) / per_cta;
+  const int64_t want = (1024 + num_pairs - 1) / num_pairs;
+  if (y > want) y = want < 1 ? 1 : want;
+  if (y > 65535) y = 65535;
+  const dim3 grid(num_pairs, (unsigned)y);
+  copy_blocks_kernel<<<grid, CB_THREADS, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<uint4 *>(cache), pairs, vecs, geom->num_blocks);
+  return status_of(cudaGetLastError());
+}
+
+extern "C" int pkv_swap_blocks(void *dst, const void *src, size_t block_bytes,
+                               const int64_t *pairs, int32_t num_pairs, int32_t to_host,
+                               void *stream) {
+  if (num_pairs < 0 || block_bytes == 0) return PKV_ERR_INVALID_ARG;
+  if (num_pairs == 0) return PKV_OK;
+  if (dst == nullptr || src == nullptr || pairs == nullptr) return PKV_ERR_NULL_POINTER;
+  const cudaMemcpyKind kind = to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  // Coalesce pairs that continue the current run on both sides into one copy.
+  int32_t i = 0;
+  while (i < num_pairs) {
+    const int64_t s0 = pairs[2 * i], d0 = pairs[2 * i + 1];
+    if (s0 < 0 || d0 < 0) return PKV_ERR_INVALID_ARG;
+    int32_t n = 1;
+    while (i + n < num_pairs && pairs[2 * (i + n)] == s0 + n && pairs[2 * (i + n) + 1] == d0 + n) ++n;
+    cudaError_t e = cudaMemcpyAsync(static_cast<char *>(dst) + (size_t)d0 * block_bytes,
+                                    static_cast<const char *>(src) + (size_t)s0 * block_bytes,
+                                    (size_t)n * block_bytes, kind, s);
+    if (e != cudaSuccess) return status_of(e);
+    i += n;
+  }
+  return PKV_OK;
+}

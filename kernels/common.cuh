@@ -1,0 +1,170 @@
+// common.cuh: element-type traits, 16-byte vector load/convert helpers, reductions and the
+// dispatch macros shared by every kernel file. Device code only; no host state.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "pagedkv.h"
+
+namespace pkv {
+
+// ---- element types -------------------------------------------------------------------------
+// Every kernel is a template over the storage type T (float, __half, __nv_bfloat16). Loads move
+// 16 bytes (uint4) at a time: ELEMS_PER_VEC<T> elements, converted to f32 in registers.
+
+template <typename T> struct Elem;
+template <> struct Elem<float> {
+  static constexpr int VEC = 4;
+  __device__ __forceinline__ static float to_f32(float x) { return x; }
+  __device__ __forceinline__ static float from_f32(float x) { return x; }
+};
+template <> struct Elem<__half> {
+  static constexpr int VEC = 8;
+  __device__ __forceinline__ static float to_f32(__half x) { return __half2float(x); }
+  // Round to nearest even, as half::f16::from_f32 on the CPU.
+  __device__ __forceinline__ static __half from_f32(float x) { return __float2half_rn(x); }
+};
+template <> struct Elem<__nv_bfloat16> {
+  static constexpr int VEC = 8;
+  __device__ __forceinline__ static float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ __forceinline__ static __nv_bfloat16 from_f32(float x) {
+    return __float2bfloat16_rn(x);
+  }
+};
+
+// Converts one 16-byte vector of T (already loaded) into VEC floats.
+template <typename T>
+__device__ __forceinline__ void vec_to_f32(const uint4 &v, float (&f)[Elem<T>::VEC]) {
+  const T *e = reinterpret_cast<const T *>(&v);
+#pragma unroll
+  for (int i = 0; i < Elem<T>::VEC; ++i) f[i] = Elem<T>::to_f32(e[i]);
+}
+
+// Packs VEC floats into one 16-byte vector of T (round to nearest even).
+template <typename T>
+__device__ __forceinline__ uint4 f32_to_vec(const float (&f)[Elem<T>::VEC]) {
+  uint4 v;
+  T *e = reinterpret_cast<T *>(&v);
+#pragma unroll
+  for (int i = 0; i < Elem<T>::VEC; ++i) e[i] = Elem<T>::from_f32(f[i]);
+  return v;
+}
+
+// 16-byte load that bypasses L1 allocation for streaming data read once (K/V in decode).
+__device__ __forceinline__ uint4 ld_stream(const void *p) {
+  return __ldcs(reinterpret_cast<const uint4 *>(p));
+}
+__device__ __forceinline__ uint4 ld_vec(const void *p) {
+  return __ldg(reinterpret_cast<const uint4 *>(p));
+}
+
+// ---- reductions ------------------------------------------------------------------------------
+
+// Sum over groups of WIDTH consecutive lanes (WIDTH a power of two <= 32); every lane of a
+// group ends with the group's sum.
+template <int WIDTH> __device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) { return group_sum<32>(x); }
+
+// ---- logit transform (the order is part of the ABI: see pagedkv.h) ---------------------------
+
+// `dot` is q.k in f32; returns the transformed logit, or -INFINITY if the key is masked.
+__device__ __forceinline__ float attn_logit(float dot, float scale, float softcap, float slope,
+                                            int key_pos, int query_pos, int window) {
+  float s = dot * scale;
+  if (softcap > 0.f) s = softcap * tanhf(s / softcap);
+  s += slope * (float)(key_pos - query_pos);
+  if (key_pos > query_pos || (window > 0 && query_pos - key_pos >= window)) s = -INFINITY;
+  return s;
+}
+
+// exp(x - m) that is 0 when x is -inf (masked), including the all-masked case m = -inf.
+__device__ __forceinline__ float safe_exp(float x, float m) {
+  return (x == -INFINITY) ? 0.f : __expf(x - m);
+}
+
+// ---- misc -----------------------------------------------------------------------------------
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+inline int status_of(cudaError_t e) { return e == cudaSuccess ? PKV_OK : (int)e; }
+
+inline bool supported_head_dim(int d) {
+  return d == 64 || d == 80 || d == 96 || d == 112 || d == 128 || d == 256;
+}
+inline bool supported_block_size(int b) { return b == 8 || b == 16 || b == 32; }
+inline int dtype_size(int dtype) {
+  return dtype == PKV_DTYPE_F32 ? 4 : (dtype == PKV_DTYPE_F16 || dtype == PKV_DTYPE_BF16) ? 2 : 0;
+}
+
+// Validates a geometry (and a layer index) the same way for every launcher.
+inline int check_geometry(const pkv_cache_geometry *g, int layer) {
+  if (g == nullptr) return PKV_ERR_NULL_POINTER;
+  if (dtype_size(g->dtype) == 0) return PKV_ERR_DTYPE;
+  if (!supported_head_dim(g->head_dim)) return PKV_ERR_HEAD_DIM;
+  if (!supported_block_size(g->block_size)) return PKV_ERR_BLOCK_SIZE;
+  if (g->num_blocks <= 0 || g->num_layers <= 0 || g->num_kv_heads <= 0) return PKV_ERR_INVALID_ARG;
+  if (layer < 0 || layer >= g->num_layers) return PKV_ERR_INVALID_ARG;
+  return PKV_OK;
+}
+
+// Element strides of the layout (int64: a pool may exceed 2^31 elements).
+struct Strides {
+  int64_t token;  // H*D
+  int64_t kv;     // BS*H*D
+  int64_t layer;  // 2*BS*H*D
+  int64_t block;  // L*2*BS*H*D
+  __host__ __device__ static Strides of(const pkv_cache_geometry &g) {
+    Strides s;
+    s.token = (int64_t)g.num_kv_heads * g.head_dim;
+    s.kv = s.token * g.block_size;
+    s.layer = 2 * s.kv;
+    s.block = s.layer * g.num_layers;
+    return s;
+  }
+};
+
+}  // namespace pkv
+
+// Expands BODY with `T` bound to the storage type of `dtype`; returns PKV_ERR_DTYPE otherwise.
+#define PKV_DISPATCH_DTYPE(dtype, ...)                   \
+  switch (dtype) {                                       \
+    case PKV_DTYPE_F32: {                                \
+      using T = float;                                   \
+      __VA_ARGS__;                                       \
+    } break;                                             \
+    case PKV_DTYPE_F16: {                                \
+      using T = __half;                                  \
+      __VA_ARGS__;                                       \
+    } break;                                             \
+    case PKV_DTYPE_BF16: {                               \
+      using T = __nv_bfloat16;                           \
+      __VA_ARGS__;                                       \
+    } break;                                             \
+    default:                                             \
+      return PKV_ERR_DTYPE;                              \
+  }
+
+// Expands BODY with the constexpr int `D` bound to head_dim; returns PKV_ERR_HEAD_DIM otherwise.
+#define PKV_DISPATCH_HEAD_DIM(head_dim, ...)             \
+  switch (head_dim) {                                    \
+    case 64: { constexpr int D = 64; __VA_ARGS__; } break;   \
+    case 80: { constexpr int D = 80; __VA_ARGS__; } break;   \
+    case 96: { constexpr int D = 96; __VA_ARGS__; } break;   \
+    case 112: { constexpr int D = 112; __VA_ARGS__; } break; \
+    case 128: { constexpr int D = 128; __VA_ARGS__; } break; \
+    case 256: { constexpr int D = 256; __VA_ARGS__; } break; \
+    default:                                             \
+      return PKV_ERR_HEAD_DIM;                           \
+  }

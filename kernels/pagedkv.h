@@ -1,0 +1,225 @@
+/*
+ * pagedkv.h: the C ABI of every CUDA launcher in kernels/ -- the one source of truth that
+ * build.rs feeds to bindgen (src/cuda/ffi.rs) and that every .cu file implements.
+ *
+ * Plain C, no CUDA headers, so bindgen needs nothing but libclang.
+ *
+ * Conventions
+ * - Every launcher returns a status: PKV_OK (0), a cudaError_t value (1 .. 9999) from the
+ *   CUDA runtime (launch or copy failure), or one of the PKV_ERR_* argument errors below
+ *   (>= 10000), detected before anything is launched.
+ * - Launchers are asynchronous on `stream` (a cudaStream_t == CUstream; NULL is the legacy
+ *   default stream) and never synchronize. They use the CUDA context current on the calling
+ *   thread; src/cuda makes the device's primary context current first (the same context cudarc
+ *   retains), so a stream and memory from cudarc are valid here.
+ * - Every pointer argument states its memory space and shape. "device" pointers must be device
+ *   memory of the current context (or managed memory); "host" pointers are read during the call
+ *   only and may be freed when it returns.
+ * - Element types: `dtype` is one of PKV_DTYPE_*; arithmetic is f32 whatever the storage type.
+ *
+ * KV cache layout (src/kv/layout.rs is the authoritative description), one allocation:
+ *     [num_blocks][num_layers][2 (K then V)][block_size][num_kv_heads][head_dim]
+ * A token at position p of a sequence lives in block block_table[p / block_size], row
+ * p % block_size; its slot is block * block_size + p % block_size.
+ *
+ * Attention semantics (identical to src/attn/cpu.rs, the oracle), for query head qh (KV head
+ * kh = qh / (num_heads / num_kv_heads)) at position qp and a key at position kp <= qp:
+ *     s = scale * dot(q, k)
+ *     if softcap > 0:            s = softcap * tanh(s / softcap)
+ *     if alibi_slopes != NULL:   s += alibi_slopes[qh] * (kp - qp)
+ *     the key is masked (excluded) if sliding_window > 0 and qp - kp >= sliding_window
+ *     out = sum_k softmax(s)_k * v_k        (f32 softmax with the max subtracted)
+ * A sequence with context_len <= 0 produces an all-zero output.
+ */
+#ifndef PAGEDKV_H
+#define PAGEDKV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- status codes (values 1 .. 9999 are cudaError_t codes) ---- */
+#define PKV_OK 0
+/** `dtype` is not one of PKV_DTYPE_*. */
+#define PKV_ERR_DTYPE 10001
+/** head_dim is not one of 64, 80, 96, 112, 128, 256. */
+#define PKV_ERR_HEAD_DIM 10002
+/** block_size is not one of 8, 16, 32. */
+#define PKV_ERR_BLOCK_SIZE 10003
+/** A size, index or count argument is out of range (negative, zero where not allowed, a
+ *  layer >= num_layers, num_heads not a multiple of num_kv_heads, ...). */
+#define PKV_ERR_INVALID_ARG 10004
+/** The workspace passed to pkv_paged_attention_decode is smaller than
+ *  pkv_decode_workspace_bytes() asked for. */
+#define PKV_ERR_WORKSPACE 10005
+/** A required pointer is NULL. */
+#define PKV_ERR_NULL_POINTER 10006
+
+/* ---- element types ---- */
+#define PKV_DTYPE_F32 0
+#define PKV_DTYPE_F16 1
+#define PKV_DTYPE_BF16 2
+
+/* ---- decode partitioning (pkv_attn_params.decode_mode) ---- */
+/** Choose single pass or split-K from the batch shape and the device (the default). */
+#define PKV_DECODE_AUTO 0
+/** Force one pass per (sequence, KV head); refused (PKV_ERR_INVALID_ARG) if the context is too
+ *  long for the pass's shared-memory logits buffer. */
+#define PKV_DECODE_SINGLE 1
+/** Force split-K (partitions of PKV_DECODE_PARTITION tokens) plus the reduce kernel. */
+#define PKV_DECODE_SPLIT 2
+/** Tokens per split-K partition. */
+#define PKV_DECODE_PARTITION 512
+
+/** The geometry of one paged KV cache (mirrors kv::KvCacheConfig). */
+typedef struct pkv_cache_geometry {
+  int32_t num_blocks;
+  int32_t num_layers;
+  int32_t block_size;   /* 8, 16 or 32 */
+  int32_t num_kv_heads;
+  int32_t head_dim;     /* 64, 80, 96, 112, 128 or 256 */
+  int32_t dtype;        /* PKV_DTYPE_* */
+} pkv_cache_geometry;
+
+/** Attention parameters shared by decode and prefill. */
+typedef struct pkv_attn_params {
+  /** Query heads; a positive multiple of num_kv_heads. */
+  int32_t num_heads;
+  /** Multiplies q.k (typically 1/sqrt(head_dim)). */
+  float scale;
+  /** Logit soft-cap; <= 0 turns it off. */
+  float softcap;
+  /** Sliding window in tokens; <= 0 turns it off. */
+  int32_t sliding_window;
+  /** device [num_heads] f32, or NULL for no ALiBi. */
+  const float *alibi_slopes;
+  /** PKV_DECODE_* (decode only; prefill ignores it). */
+  int32_t decode_mode;
+} pkv_attn_params;
+
+/**
+ * Bytes of device workspace that pkv_paged_attention_decode needs for a batch of `num_seqs`
+ * sequences, `num_heads` query heads of `head_dim`, whose longest context is
+ * `max_context_len` tokens (enough for the split-K path whatever mode is chosen). 0 when no
+ * split is ever needed. Never fails; negative arguments count as 0.
+ */
+size_t pkv_decode_workspace_bytes(int32_t num_seqs, int32_t num_heads, int32_t head_dim,
+                                  int32_t max_context_len);
+
+/**
+ * Decode attention: one new query token per sequence, attending to its whole context
+ * (context_lens[s] tokens, the new one included, already written to the cache by
+ * pkv_reshape_and_cache). GQA-aware: one thread block serves all the query heads of one KV
+ * head, so each K/V byte is read once per KV head.
+ *
+ * out           device [num_seqs][num_heads][head_dim], geom->dtype; every element written
+ * query         device [num_seqs][num_heads][head_dim], geom->dtype
+ * cache         device, the whole cache allocation (layout above), geom->dtype
+ * geom          host
+ * layer         0 <= layer < geom->num_layers
+ * block_tables  device [num_seqs][max_blocks_per_seq] i32 physical block ids; entries past a
+ *               sequence's ceil(context_len / block_size) are not read
+ * context_lens  device [num_seqs] i32, each <= max_context_len and
+ *               <= max_blocks_per_seq * block_size
+ * max_context_len  host: an upper bound of context_lens (chooses the partitioning)
+ * params        host
+ * workspace     device scratch of at least workspace_bytes bytes (see
+ *               pkv_decode_workspace_bytes; may be NULL when that is 0)
+ */
+int pkv_paged_attention_decode(void *out, const void *query, const void *cache,
+                               const pkv_cache_geometry *geom, int32_t layer,
+                               const int32_t *block_tables, int32_t max_blocks_per_seq,
+                               const int32_t *context_lens, int32_t num_seqs,
+                               int32_t max_context_len, const pkv_attn_params *params,
+                               void *workspace, size_t workspace_bytes, void *stream);
+
+/**
+ * Prefill (chunked) attention, varlen and causal: sequence s has q_len = query_start_loc[s+1]
+ * - query_start_loc[s] new query tokens, which are the LAST q_len of its context_lens[s]
+ * tokens (their K/V already in the cache). Query token i of s sits at position
+ * context_lens[s] - q_len + i and attends to cached positions 0 ..= that position.
+ *
+ * out              device [num_tokens][num_heads][head_dim], geom->dtype (num_tokens =
+ *                  query_start_loc[num_seqs]); every row of a listed sequence written
+ * query            device [num_tokens][num_heads][head_dim], geom->dtype
+ * cache            device, the whole cache allocation, geom->dtype
+ * geom             host
+ * layer            0 <= layer < geom->num_layers
+ * block_tables     device [num_seqs][max_blocks_per_seq] i32
+ * context_lens     device [num_seqs] i32, each >= its q_len
+ * query_start_loc  device [num_seqs + 1] i32, non-decreasing, starting at 0
+ * max_query_len    host: an upper bound of every q_len (sizes the grid)
+ * params           host (decode_mode ignored)
+ */
+int pkv_paged_attention_prefill(void *out, const void *query, const void *cache,
+                                const pkv_cache_geometry *geom, int32_t layer,
+                                const int32_t *block_tables, int32_t max_blocks_per_seq,
+                                const int32_t *context_lens, const int32_t *query_start_loc,
+                                int32_t num_seqs, int32_t max_query_len,
+                                const pkv_attn_params *params, void *stream);
+
+/**
+ * Writes the K and V of `num_tokens` new tokens into their cache slots. Slot -1 is padding and
+ * skipped; slots must be < num_blocks * block_size and distinct (the kernel does not check:
+ * an out-of-range slot is skipped, not written).
+ *
+ * cache         device, the whole cache allocation, geom->dtype
+ * key           device, row t at key + t * key_token_stride elements: [num_kv_heads][head_dim]
+ * value         device, row t at value + t * value_token_stride elements, same shape
+ * slot_mapping  device [num_tokens] i64
+ * key_token_stride, value_token_stride  elements between tokens (>= num_kv_heads * head_dim
+ *               for a dense tensor; a multiple of 16 bytes / element size keeps the
+ *               vectorized path)
+ */
+int pkv_reshape_and_cache(void *cache, const pkv_cache_geometry *geom, int32_t layer,
+                          const void *key, const void *value, int64_t key_token_stride,
+                          int64_t value_token_stride, const int64_t *slot_mapping,
+                          int32_t num_tokens, void *stream);
+
+/**
+ * Copies whole blocks (every layer, K and V) inside the cache, all pairs in one launch
+ * (copy-on-write). Destinations must be distinct and not also sources in the same call.
+ *
+ * cache      device, the whole cache allocation
+ * geom       host
+ * pairs      device [num_pairs][2] i32: (src block, dst block); an out-of-range pair is skipped
+ */
+int pkv_copy_blocks(void *cache, const pkv_cache_geometry *geom, const int32_t *pairs,
+                    int32_t num_pairs, void *stream);
+
+/**
+ * Swaps blocks between the device cache and a host swap space of the same block shape, in one
+ * call: the (src, dst) pairs are coalesced into runs of consecutive blocks on both sides and each
+ * run is one cudaMemcpyAsync. Host memory must be pinned (page-locked) for the copies to be
+ * asynchronous and at full PCIe bandwidth.
+ *
+ * dst, src       the destination and source allocations (device cache -> pinned host swap space
+ *                for swap-out, the reverse for swap-in); both [num_blocks_x][block_bytes]
+ * block_bytes    bytes per block (kv::KvCacheConfig::bytes_per_block)
+ * pairs          host [num_pairs][2] i64 (src block, dst block), validated by the caller
+ * to_host        1: device -> host (swap out); 0: host -> device (swap in)
+ */
+int pkv_swap_blocks(void *dst, const void *src, size_t block_bytes, const int64_t *pairs,
+                    int32_t num_pairs, int32_t to_host, void *stream);
+
+/**
+ * Checks that the runtime works on the current device and that this build holds a kernel image
+ * for it. Writes the runtime version (e.g. 13000), the device's compute capability (major * 10 +
+ * minor) and its SM count. Synchronous, cheap; returns a cudaError_t such as
+ * cudaErrorNoKernelImageForDevice (209) when the device is too old for the embedded code.
+ *
+ * runtime_version, compute_capability, sm_count   host, one int32 each
+ */
+int pkv_probe(int32_t *runtime_version, int32_t *compute_capability, int32_t *sm_count);
+
+/** The CUDA runtime's name for a status (a static string), or a description of a PKV_ERR_*. */
+const char *pkv_status_string(int status);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PAGEDKV_H */

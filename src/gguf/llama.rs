@@ -1,0 +1,161 @@
+//! Hyperparameters of a llama-family model, read from GGUF metadata.
+//!
+//! Keys follow llama.cpp's `LLM_KV_*` names, prefixed with `general.architecture` ("llama",
+//! "mistral", "qwen2", ...): `{arch}.block_count`, `{arch}.attention.head_count`, and so on.
+//! Defaults are llama.cpp's where it has one (KV heads = heads, head dim = embedding / heads,
+//! rope base 10000).
+
+use super::parse::{Gguf, Value};
+use crate::error::GgufError;
+
+/// What an engine needs to size its KV cache and attention for a llama-family model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaParams {
+    /// `general.architecture`.
+    pub architecture: String,
+    /// Transformer layers (`{arch}.block_count`).
+    pub n_layers: u32,
+    /// Query heads (`{arch}.attention.head_count`).
+    pub n_heads: u32,
+    /// Key/value heads (`{arch}.attention.head_count_kv`, default `n_heads`); divides `n_heads`.
+    pub n_kv_heads: u32,
+    /// Key head dimension (`{arch}.attention.key_length`, default `embedding_length / n_heads`).
+    pub head_dim: u32,
+    /// Value head dimension (`{arch}.attention.value_length`, default `head_dim`).
+    pub head_dim_v: u32,
+    /// Model width (`{arch}.embedding_length`).
+    pub embedding_length: u32,
+    /// Training context length (`{arch}.context_length`).
+    pub context_length: u32,
+    /// RoPE frequency base (`{arch}.rope.freq_base`, default 10000).
+    pub rope_freq_base: f32,
+    /// Normalisation epsilon (`{arch}.attention.layer_norm_rms_epsilon`, else
+    /// `{arch}.attention.layer_norm_epsilon`).
+    pub norm_eps: f32,
+}
+
+impl LlamaParams {
+    /// Reads the hyperparameters from a parsed file.
+    ///
+    /// Errors: [`GgufError::MissingKey`] for an absent required key, [`GgufError::WrongType`]
+    /// for a value of the wrong type, [`GgufError::BadHyperparameter`] for zero sizes, KV heads
+    /// that do not divide the heads, or per-layer head counts that differ between layers.
+    pub fn from_gguf(g: &Gguf<'_>) -> Result<LlamaParams, GgufError> {
+        let arch = g.get_str("general.architecture")?;
+        let key = |k: &str| format!("{arch}.{k}");
+        let positive = |k: String, v: u32| {
+            if v == 0 {
+                Err(GgufError::BadHyperparameter {
+                    key: k,
+                    reason: "must be positive",
+                })
+            } else {
+                Ok(v)
+            }
+        };
+        let n_layers = positive(key("block_count"), g.get_u32(&key("block_count"))?)?;
+        let k_heads = key("attention.head_count");
+        let n_heads = positive(k_heads.clone(), uniform_u32(g, &k_heads)?)?;
+        let k_kv = key("attention.head_count_kv");
+        let n_kv_heads = match g.get(&k_kv) {
+            None => n_heads,
+            Some(_) => positive(k_kv.clone(), uniform_u32(g, &k_kv)?)?,
+        };
+        if n_heads % n_kv_heads != 0 {
+            return Err(GgufError::BadHyperparameter {
+                key: k_kv,
+                reason: "KV heads must divide the attention heads",
+            });
+        }
+        let k_embd = key("embedding_length");
+        let embedding_length = positive(k_embd.clone(), g.get_u32(&k_embd)?)?;
+        let k_kl = key("attention.key_length");
+        let head_dim = match g.get(&k_kl) {
+            Some(_) => positive(k_kl.clone(), g.get_u32(&k_kl)?)?,
+            None if embedding_length % n_heads == 0 => embedding_length / n_heads,
+            None => {
+                return Err(GgufError::BadHyperparameter {
+                    key: k_embd,
+                    reason: "not divisible by the head count, and no key_length given",
+                })
+            }
+        };
+        let k_vl = key("attention.value_length");
+        let head_dim_v = match g.get(&k_vl) {
+            Some(_) => positive(k_vl.clone(), g.get_u32(&k_vl)?)?,
+            None => head_dim,
+        };
+        let k_ctx = key("context_length");
+        let context_length = positive(k_ctx.clone(), g.get_u32(&k_ctx)?)?;
+        let k_rope = key("rope.freq_base");
+        let rope_freq_base = match g.get(&k_rope) {
+            Some(_) => g.get_f32(&k_rope)?,
+            None => 10_000.0,
+        };
+        let k_rms = key("attention.layer_norm_rms_epsilon");
+        let k_ln = key("attention.layer_norm_epsilon");
+        let norm_eps = match (g.get(&k_rms), g.get(&k_ln)) {
+            (Some(_), _) => g.get_f32(&k_rms)?,
+            (None, Some(_)) => g.get_f32(&k_ln)?,
+            (None, None) => return Err(GgufError::MissingKey { key: k_rms }),
+        };
+        Ok(LlamaParams {
+            architecture: arch.into(),
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            head_dim_v,
+            embedding_length,
+            context_length,
+            rope_freq_base,
+            norm_eps,
+        })
+    }
+
+    /// Bytes of K and V cache per token across all layers, at `bytes_per_elem` per value.
+    pub fn kv_bytes_per_token(&self, bytes_per_elem: u64) -> u64 {
+        u64::from(self.n_layers)
+            * u64::from(self.n_kv_heads)
+            * (u64::from(self.head_dim) + u64::from(self.head_dim_v))
+            * bytes_per_elem
+    }
+}
+
+/// A head count stored either as one integer or as a per-layer array whose entries agree.
+fn uniform_u32(g: &Gguf<'_>, key: &str) -> Result<u32, GgufError> {
+    match g.get(key) {
+        Some(Value::Array(a)) => {
+            let mut first = None;
+            for v in a.iter() {
+                let v = v.as_u32().ok_or_else(|| GgufError::WrongType {
+                    key: key.into(),
+                    expected: "an array of integers in u32 range",
+                    found: v.value_type(),
+                })?;
+                match first {
+                    None => first = Some(v),
+                    Some(f) if f == v => {}
+                    Some(_) => {
+                        return Err(GgufError::BadHyperparameter {
+                            key: key.into(),
+                            reason: "per-layer values differ; only uniform models are supported",
+                        })
+                    }
+                }
+            }
+            first.ok_or_else(|| GgufError::BadHyperparameter {
+                key: key.into(),
+                reason: "empty per-layer array",
+            })
+        }
+        _ => g.get_u32(key),
+    }
+}
+
+impl<'a> Gguf<'a> {
+    /// The llama-family hyperparameters of this file (see [`LlamaParams::from_gguf`]).
+    pub fn llama_params(&self) -> Result<LlamaParams, GgufError> {
+        LlamaParams::from_gguf(self)
+    }
+}

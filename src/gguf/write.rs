@@ -1,0 +1,369 @@
+//! A GGUF writer.
+//!
+//! It lays a file out exactly as gguf-py's `GGUFWriter` does: header, metadata in insertion
+//! order, tensor infos in insertion order with offsets packed in that order, zero padding to
+//! the alignment, then each tensor's bytes followed by zero padding to the alignment. So a file
+//! read by [`Gguf::parse`] and written back through [`GgufWriter::from_gguf`] is byte-identical
+//! to what gguf-py wrote, and gguf-py's `GGUFReader` reads ours.
+
+use std::collections::HashSet;
+use std::io::Write;
+
+use super::parse::{
+    ArrayValue, Gguf, Value, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_ARRAY_DEPTH,
+    MAX_DIMS,
+};
+use super::types::{GgmlType, ValueType};
+use crate::error::GgufError;
+
+/// An owned metadata value, for writing.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MetaValue {
+    /// `u8`.
+    U8(u8),
+    /// `i8`.
+    I8(i8),
+    /// `u16`.
+    U16(u16),
+    /// `i16`.
+    I16(i16),
+    /// `u32`.
+    U32(u32),
+    /// `i32`.
+    I32(i32),
+    /// `f32`.
+    F32(f32),
+    /// `bool`.
+    Bool(bool),
+    /// UTF-8 string.
+    String(String),
+    /// An array whose items all have type `elem` (which also types an empty array).
+    Array {
+        /// The element type.
+        elem: ValueType,
+        /// The elements.
+        items: Vec<MetaValue>,
+    },
+    /// `u64`.
+    U64(u64),
+    /// `i64`.
+    I64(i64),
+    /// `f64`.
+    F64(f64),
+}
+
+impl MetaValue {
+    /// The value's type tag.
+    pub fn value_type(&self) -> ValueType {
+        match self {
+            MetaValue::U8(_) => ValueType::U8,
+            MetaValue::I8(_) => ValueType::I8,
+            MetaValue::U16(_) => ValueType::U16,
+            MetaValue::I16(_) => ValueType::I16,
+            MetaValue::U32(_) => ValueType::U32,
+            MetaValue::I32(_) => ValueType::I32,
+            MetaValue::F32(_) => ValueType::F32,
+            MetaValue::Bool(_) => ValueType::Bool,
+            MetaValue::String(_) => ValueType::String,
+            MetaValue::Array { .. } => ValueType::Array,
+            MetaValue::U64(_) => ValueType::U64,
+            MetaValue::I64(_) => ValueType::I64,
+            MetaValue::F64(_) => ValueType::F64,
+        }
+    }
+
+    /// An array of strings.
+    pub fn strings<S: Into<String>>(items: impl IntoIterator<Item = S>) -> MetaValue {
+        MetaValue::Array {
+            elem: ValueType::String,
+            items: items
+                .into_iter()
+                .map(|s| MetaValue::String(s.into()))
+                .collect(),
+        }
+    }
+
+    /// Copies a parsed value.
+    pub fn from_value(v: &Value<'_>) -> MetaValue {
+        match *v {
+            Value::U8(x) => MetaValue::U8(x),
+            Value::I8(x) => MetaValue::I8(x),
+            Value::U16(x) => MetaValue::U16(x),
+            Value::I16(x) => MetaValue::I16(x),
+            Value::U32(x) => MetaValue::U32(x),
+            Value::I32(x) => MetaValue::I32(x),
+            Value::F32(x) => MetaValue::F32(x),
+            Value::Bool(x) => MetaValue::Bool(x),
+            Value::String(x) => MetaValue::String(x.into()),
+            Value::Array(a) => MetaValue::from_array(&a),
+            Value::U64(x) => MetaValue::U64(x),
+            Value::I64(x) => MetaValue::I64(x),
+            Value::F64(x) => MetaValue::F64(x),
+        }
+    }
+
+    fn from_array(a: &ArrayValue<'_>) -> MetaValue {
+        MetaValue::Array {
+            elem: a.elem_type(),
+            items: a.iter().map(|v| MetaValue::from_value(&v)).collect(),
+        }
+    }
+
+    /// Checks homogeneity and nesting, returning a static description of the first problem.
+    fn check(&self, depth: u32) -> Result<(), &'static str> {
+        if let MetaValue::Array { elem, items } = self {
+            if depth + 1 > MAX_ARRAY_DEPTH {
+                return Err("arrays nested too deep");
+            }
+            for it in items {
+                if it.value_type() != *elem {
+                    return Err("array item type differs from the array's element type");
+                }
+                it.check(depth + 1)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn encode(&self, out: &mut Vec<u8>, wide: bool) -> Result<(), GgufError> {
+        match self {
+            MetaValue::U8(x) => out.push(*x),
+            MetaValue::I8(x) => out.push(*x as u8),
+            MetaValue::U16(x) => out.extend_from_slice(&x.to_le_bytes()),
+            MetaValue::I16(x) => out.extend_from_slice(&x.to_le_bytes()),
+            MetaValue::U32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            MetaValue::I32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            MetaValue::F32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            MetaValue::Bool(x) => out.push(u8::from(*x)),
+            MetaValue::String(s) => put_str(out, s, wide)?,
+            MetaValue::Array { elem, items } => {
+                out.extend_from_slice(&elem.id().to_le_bytes());
+                put_count(out, items.len() as u64, wide)?;
+                for it in items {
+                    it.encode(out, wide)?;
+                }
+            }
+            MetaValue::U64(x) => out.extend_from_slice(&x.to_le_bytes()),
+            MetaValue::I64(x) => out.extend_from_slice(&x.to_le_bytes()),
+            MetaValue::F64(x) => out.extend_from_slice(&x.to_le_bytes()),
+        }
+        Ok(())
+    }
+}
+
+fn put_count(out: &mut Vec<u8>, n: u64, wide: bool) -> Result<(), GgufError> {
+    if wide {
+        out.extend_from_slice(&n.to_le_bytes());
+    } else {
+        let n = u32::try_from(n).map_err(|_| {
+            GgufError::Unwritable("a count or length exceeds u32 in a version-1 file")
+        })?;
+        out.extend_from_slice(&n.to_le_bytes());
+    }
+    Ok(())
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str, wide: bool) -> Result<(), GgufError> {
+    put_count(out, s.len() as u64, wide)?;
+    out.extend_from_slice(s.as_bytes());
+    Ok(())
+}
+
+#[derive(Debug, Clone)]
+struct PendingTensor<'d> {
+    name: String,
+    ty: GgmlType,
+    shape: Vec<u64>,
+    data: &'d [u8],
+}
+
+/// Builds a GGUF file from metadata and tensors borrowed from the caller.
+#[derive(Debug, Clone)]
+pub struct GgufWriter<'d> {
+    version: u32,
+    alignment: u64,
+    metadata: Vec<(String, MetaValue)>,
+    keys: HashSet<String>,
+    tensors: Vec<PendingTensor<'d>>,
+    names: HashSet<String>,
+}
+
+impl Default for GgufWriter<'_> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<'d> GgufWriter<'d> {
+    /// An empty version-3 file with the default alignment (32).
+    pub fn new() -> Self {
+        GgufWriter {
+            version: 3,
+            alignment: DEFAULT_ALIGNMENT,
+            metadata: Vec::new(),
+            keys: HashSet::new(),
+            tensors: Vec::new(),
+            names: HashSet::new(),
+        }
+    }
+
+    /// Writes format `version` (1, 2 or 3) instead of 3.
+    pub fn with_version(mut self, version: u32) -> Result<Self, GgufError> {
+        if !(1..=3).contains(&version) {
+            return Err(GgufError::UnsupportedVersion(version));
+        }
+        self.version = version;
+        Ok(self)
+    }
+
+    /// Copies the metadata and tensors of a parsed file, in its order and with its version.
+    pub fn from_gguf(g: &Gguf<'d>) -> Result<Self, GgufError> {
+        let mut w = GgufWriter::new().with_version(g.version())?;
+        for (k, v) in g.metadata() {
+            w.add(k, MetaValue::from_value(v))?;
+        }
+        for t in g.tensors() {
+            w.add_tensor(t.name(), t.ty(), t.shape(), t.data())?;
+        }
+        Ok(w)
+    }
+
+    /// Adds a metadata entry. `general.alignment` (a `U32` power of two) also sets the
+    /// alignment used for the data.
+    pub fn add(&mut self, key: &str, value: MetaValue) -> Result<&mut Self, GgufError> {
+        if self.keys.contains(key) {
+            return Err(GgufError::DuplicateKey { key: key.into() });
+        }
+        value.check(0).map_err(GgufError::Unwritable)?;
+        if key == ALIGNMENT_KEY {
+            match value {
+                MetaValue::U32(a) if a.is_power_of_two() => self.alignment = a.into(),
+                MetaValue::U32(a) => return Err(GgufError::BadAlignment(a.into())),
+                ref other => {
+                    return Err(GgufError::AlignmentType {
+                        found: other.value_type(),
+                    })
+                }
+            }
+        }
+        self.keys.insert(key.into());
+        self.metadata.push((key.into(), value));
+        Ok(self)
+    }
+
+    /// Adds a tensor of type `ty` with `shape` (innermost dimension first) whose encoded bytes
+    /// are `data`.
+    pub fn add_tensor(
+        &mut self,
+        name: &str,
+        ty: GgmlType,
+        shape: &[u64],
+        data: &'d [u8],
+    ) -> Result<&mut Self, GgufError> {
+        if self.names.contains(name) {
+            return Err(GgufError::DuplicateTensor { name: name.into() });
+        }
+        if shape.len() > MAX_DIMS {
+            return Err(GgufError::TooManyDims {
+                tensor: name.into(),
+                n_dims: shape.len() as u64,
+            });
+        }
+        if let Some(index) = shape.iter().position(|&d| d == 0) {
+            return Err(GgufError::ZeroDim {
+                tensor: name.into(),
+                index,
+            });
+        }
+        let n = shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .filter(|&n| n <= i64::MAX as u64)
+            .ok_or_else(|| GgufError::ElementCountOverflow {
+                tensor: name.into(),
+                shape: shape.to_vec(),
+            })?;
+        if shape.first().copied().unwrap_or(1) % u64::from(ty.block_size()) != 0 {
+            return Err(GgufError::NotBlockMultiple {
+                tensor: name.into(),
+                ty,
+                ne0: shape.first().copied().unwrap_or(1),
+                block_size: ty.block_size(),
+            });
+        }
+        if ty.bytes_for(n) != Some(data.len() as u64) {
+            return Err(GgufError::Unwritable(
+                "tensor data length does not match its type and shape",
+            ));
+        }
+        self.names.insert(name.into());
+        self.tensors.push(PendingTensor {
+            name: name.into(),
+            ty,
+            shape: shape.to_vec(),
+            data,
+        });
+        Ok(self)
+    }
+
+    /// The header (everything before the data section, padding included).
+    fn header(&self) -> Result<Vec<u8>, GgufError> {
+        let wide = self.version >= 2;
+        let mut h = Vec::new();
+        h.extend_from_slice(&GGUF_MAGIC);
+        h.extend_from_slice(&self.version.to_le_bytes());
+        put_count(&mut h, self.tensors.len() as u64, wide)?;
+        put_count(&mut h, self.metadata.len() as u64, wide)?;
+        for (k, v) in &self.metadata {
+            put_str(&mut h, k, wide)?;
+            h.extend_from_slice(&v.value_type().id().to_le_bytes());
+            v.encode(&mut h, wide)?;
+        }
+        let mut offset = 0u64;
+        for t in &self.tensors {
+            put_str(&mut h, &t.name, wide)?;
+            h.extend_from_slice(&(t.shape.len() as u32).to_le_bytes());
+            for &d in &t.shape {
+                put_count(&mut h, d, wide)?;
+            }
+            h.extend_from_slice(&t.ty.id().to_le_bytes());
+            h.extend_from_slice(&offset.to_le_bytes());
+            offset = (offset + t.data.len() as u64)
+                .checked_next_multiple_of(self.alignment)
+                .ok_or(GgufError::DataOffsetOverflow)?;
+        }
+        let padded = (h.len() as u64)
+            .checked_next_multiple_of(self.alignment)
+            .ok_or(GgufError::DataOffsetOverflow)?;
+        h.resize(padded as usize, 0);
+        Ok(h)
+    }
+
+    /// Writes the file to `out`, returning the bytes written.
+    pub fn write_to<W: Write>(&self, mut out: W) -> Result<u64, GgufError> {
+        let header = self.header()?;
+        out.write_all(&header)?;
+        let mut written = header.len() as u64;
+        let zeros = vec![0u8; self.alignment.min(1 << 16) as usize];
+        for t in &self.tensors {
+            out.write_all(t.data)?;
+            let len = t.data.len() as u64;
+            let mut pad = len.next_multiple_of(self.alignment) - len;
+            written += len + pad;
+            while pad > 0 {
+                let n = pad.min(zeros.len() as u64);
+                out.write_all(&zeros[..n as usize])?;
+                pad -= n;
+            }
+        }
+        out.flush()?;
+        Ok(written)
+    }
+
+    /// The file as bytes.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, GgufError> {
+        let mut v = Vec::new();
+        self.write_to(&mut v)?;
+        Ok(v)
+    }
+}

@@ -1,0 +1,201 @@
+//! The waiting operations: [`Submit`] (a blocking-policy submit that parks until a pop makes
+//! room), [`PopWait`] (an idle worker parked until a submit brings work) and [`block_on`].
+//! Both futures use the wait-list handshake of the `waitlist` module.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use super::waitlist::Registration;
+use super::Job;
+use super::{Admission, AdmissionError, Admit, Counters, Entry, Priority, Refused, Route, Ticket};
+use crate::sync::{fence, Ordering};
+
+pub(super) enum SubmitStage<T, R> {
+    Start {
+        payload: T,
+        priority: Priority,
+        route: Route,
+    },
+    Waiting {
+        entry: Entry<T, R>,
+        ticket: Ticket<R>,
+        worker: usize,
+        priority: Priority,
+    },
+    Done,
+}
+
+/// The future of [`Admission::submit`].
+#[must_use = "futures do nothing unless polled"]
+pub struct Submit<'a, T, R> {
+    pub(super) adm: &'a Admission<T, R>,
+    pub(super) stage: SubmitStage<T, R>,
+    /// This task's node in the queue's room wait list, while waiting.
+    pub(super) reg: Option<Registration>,
+}
+
+// `Submit` never pins its fields (the payload moves in and out of the stage by value), so it is
+// `Unpin` whatever `T` is.
+impl<T, R> Unpin for Submit<'_, T, R> {}
+
+impl<T, R> Future for Submit<'_, T, R> {
+    type Output = Result<Ticket<R>, Refused<T>>;
+
+    /// # Panics
+    ///
+    /// If polled again after it returned `Ready` (the `Future` contract).
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let adm = this.adm;
+        let (mut entry, ticket, worker, priority) =
+            match std::mem::replace(&mut this.stage, SubmitStage::Done) {
+                SubmitStage::Start {
+                    payload,
+                    priority,
+                    route,
+                } => match adm.admit(payload, priority, route, true) {
+                    Admit::Admitted(t) => return Poll::Ready(Ok(t)),
+                    Admit::Refused(r) => return Poll::Ready(Err(r)),
+                    Admit::Full {
+                        entry,
+                        ticket,
+                        worker,
+                    } => (entry, ticket, worker, priority),
+                },
+                SubmitStage::Waiting {
+                    entry,
+                    ticket,
+                    worker,
+                    priority,
+                } => (entry, ticket, worker, priority),
+                SubmitStage::Done => panic!("Submit polled after it completed"),
+            };
+        let room = adm.workers[worker].room(priority);
+        // Two rounds: a plain retry, then (unless our wake-up is still owed) register and retry.
+        for registered in [false, true] {
+            if registered {
+                if this.reg.as_ref().is_some_and(|r| r.is_current(cx.waker())) {
+                    break;
+                }
+                this.reg = Some(room.register(cx.waker()));
+                // SeqCst fence: the waiter half of the handshake (pairs with the fence in
+                // `pop` after it frees a slot, and in `close`).
+                fence(Ordering::SeqCst);
+            }
+            if adm.closed.load(Ordering::SeqCst) {
+                Counters::bump(&adm.counters.rejected_closed);
+                return Poll::Ready(Err(Refused {
+                    error: AdmissionError::Closed,
+                    payload: entry.payload,
+                }));
+            }
+            match adm.push(worker, priority, entry) {
+                Ok(()) => {
+                    this.reg = None;
+                    return Poll::Ready(Ok(ticket));
+                }
+                Err(e) => entry = e,
+            }
+        }
+        this.stage = SubmitStage::Waiting {
+            entry,
+            ticket,
+            worker,
+            priority,
+        };
+        Poll::Pending
+    }
+}
+
+impl<T, R> std::fmt::Debug for Submit<'_, T, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let stage = match self.stage {
+            SubmitStage::Start { .. } => "start",
+            SubmitStage::Waiting { .. } => "waiting",
+            SubmitStage::Done => "done",
+        };
+        f.debug_struct("Submit").field("stage", &stage).finish()
+    }
+}
+
+/// The future of [`Admission::pop_wait`].
+#[must_use = "futures do nothing unless polled"]
+pub struct PopWait<'a, T, R> {
+    pub(super) adm: &'a Admission<T, R>,
+    pub(super) worker: usize,
+    /// This task's node in the worker's work wait list, while waiting.
+    pub(super) reg: Option<Registration>,
+}
+
+impl<T, R> Future for PopWait<'_, T, R> {
+    type Output = Result<Job<T, R>, AdmissionError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let adm = this.adm;
+        let wq = match adm.worker_queues(this.worker) {
+            Ok(wq) => wq,
+            Err(e) => return Poll::Ready(Err(e)),
+        };
+        for registered in [false, true] {
+            if registered {
+                if this.reg.as_ref().is_some_and(|r| r.is_current(cx.waker())) {
+                    break;
+                }
+                this.reg = Some(wq.work.register(cx.waker()));
+                // SeqCst fence: the waiter half of the handshake (pairs with the fence in
+                // `Admission::push` after a successful push, and in `close`).
+                fence(Ordering::SeqCst);
+            }
+            // `closed` before the pop: if it was closed and the pop finds nothing, nothing
+            // admitted before the close is left (a racing late submit is still drained by
+            // `Admission`'s drop, which resolves it `Closed`).
+            let closed = adm.closed.load(Ordering::SeqCst);
+            match adm.pop(this.worker) {
+                Ok(Some(job)) => {
+                    this.reg = None;
+                    return Poll::Ready(Ok(job));
+                }
+                Ok(None) if closed => return Poll::Ready(Err(AdmissionError::Closed)),
+                Ok(None) => {}
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+        Poll::Pending
+    }
+}
+
+impl<T, R> std::fmt::Debug for PopWait<'_, T, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PopWait")
+            .field("worker", &self.worker)
+            .field("waiting", &self.reg.is_some())
+            .finish()
+    }
+}
+
+/// Runs a future to completion on the calling thread, parking it while the future is pending
+/// (a minimal executor for callers without an async runtime).
+#[cfg(not(loom))]
+pub fn block_on<F: Future>(fut: F) -> F::Output {
+    struct Unparker(std::thread::Thread);
+    impl std::task::Wake for Unparker {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+        fn wake_by_ref(self: &std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let mut fut = std::pin::pin!(fut);
+    let waker = std::task::Waker::from(std::sync::Arc::new(Unparker(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    loop {
+        if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+            return v;
+        }
+        // A wake between the poll and here leaves the unpark token set: park returns at once.
+        std::thread::park();
+    }
+}

@@ -1,0 +1,856 @@
+//! The CUDA kernels against their CPU twins in `attn::cpu` (the oracle), over the CPU issue's
+//! grid: dtypes f32/f16/bf16, head dims 64..256, GQA ratios 1/4/8, block sizes 8/16/32,
+//! context lengths 1, block boundary +-1 and long, ALiBi / sliding window / soft-cap on and off,
+//! every decode partitioning. Inputs are fresh random values, block tables scattered, unused
+//! table entries garbage, outputs poisoned with NaN before every launch.
+//!
+//! Without a GPU each GPU test prints `SKIP` and passes; with `PAGEDKV_REQUIRE_GPU=1` it fails
+//! instead. The `ffi_*` tests exercise the launchers' argument checks and run everywhere.
+#![cfg(feature = "cuda")]
+
+use half::{bf16, f16};
+use pagedkv::attn::{cpu, AttnParams, AttnWorkspace, PagedSeqs};
+use pagedkv::cuda::{
+    self, ffi, DecodeMode, DecodeWorkspace, DeviceAttnParams, DeviceKvCache, DeviceSeqs, Gpu,
+    PinnedSwapSpace,
+};
+use pagedkv::error::CudaError;
+use pagedkv::kv::{HostKvCache, KvCacheConfig, KvDtype, KvElem, SwapSpace};
+use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use std::io::Write;
+
+// ---- harness -----------------------------------------------------------------------------
+
+/// The GPU, or `None` after printing a SKIP line (uncaptured) when there is none; panics
+/// instead when `PAGEDKV_REQUIRE_GPU=1`.
+fn gpu(test: &str) -> Option<Gpu> {
+    match Gpu::open(0) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            if std::env::var("PAGEDKV_REQUIRE_GPU").as_deref() == Ok("1") {
+                panic!("{test}: PAGEDKV_REQUIRE_GPU=1 but no usable GPU: {e}");
+            }
+            // Written to the raw stderr handle: the test harness does not capture it.
+            let _ = writeln!(std::io::stderr(), "SKIP {test}: no GPU ({e})");
+            None
+        }
+    }
+}
+
+trait Elem: KvElem + cudarc::driver::DeviceRepr {
+    /// Absolute and relative tolerance of GPU vs CPU outputs (both f32 math, different
+    /// summation order; outputs rounded once to the dtype).
+    const TOL: (f32, f32);
+}
+impl Elem for f32 {
+    const TOL: (f32, f32) = (2e-5, 1e-4);
+}
+impl Elem for f16 {
+    const TOL: (f32, f32) = (2e-3, 4e-3);
+}
+impl Elem for bf16 {
+    const TOL: (f32, f32) = (1e-2, 2e-2);
+}
+
+fn random_vec<T: KvElem>(rng: &mut SmallRng, n: usize) -> Vec<T> {
+    (0..n)
+        .map(|_| T::from_f32(rng.gen_range(-1.0f32..1.0)))
+        .collect()
+}
+
+fn random_cache<T: KvElem>(rng: &mut SmallRng, cfg: KvCacheConfig) -> HostKvCache {
+    let mut h = HostKvCache::new(cfg).expect("host cache");
+    let mut v = h.view_mut::<T>().expect("view");
+    for x in v.data_mut() {
+        *x = T::from_f32(rng.gen_range(-1.0f32..1.0));
+    }
+    h
+}
+
+/// Compares GPU output with the CPU oracle; `row` names a row of `d` elements for messages.
+fn assert_close<T: Elem>(what: &str, gpu: &[T], cpu: &[T], d: usize) {
+    assert_eq!(gpu.len(), cpu.len(), "{what}: length");
+    let (atol, rtol) = T::TOL;
+    let mut worst = 0f32;
+    for (i, (g, c)) in gpu.iter().zip(cpu).enumerate() {
+        let (g, c) = (g.to_f32(), c.to_f32());
+        assert!(
+            g.is_finite(),
+            "{what}: element {i} (row {}, dim {}) not written or not finite: {g}",
+            i / d,
+            i % d
+        );
+        assert!(c.is_finite(), "{what}: CPU element {i} not finite");
+        let err = (g - c).abs();
+        worst = worst.max(err);
+        assert!(
+            err <= atol + rtol * c.abs(),
+            "{what}: element {i} (row {}, dim {}): gpu {g} vs cpu {c} (|diff| {err})",
+            i / d,
+            i % d
+        );
+    }
+}
+
+/// A batch: block tables scattered over a shuffled pool, garbage past the live entries.
+struct Batch {
+    cfg: KvCacheConfig,
+    tables: Vec<i32>,
+    mbps: usize,
+    ctx: Vec<i32>,
+}
+
+fn make_batch(
+    rng: &mut SmallRng,
+    layers: usize,
+    hkv: usize,
+    d: usize,
+    bs: usize,
+    dtype: KvDtype,
+    ctx: &[usize],
+) -> Batch {
+    let need: usize = ctx.iter().map(|c| c.div_ceil(bs)).sum();
+    let num_blocks = need + 3 + rng.gen_range(0..4);
+    let cfg = KvCacheConfig::new(layers, hkv, d, bs, num_blocks, dtype).expect("config");
+    let mbps = ctx.iter().map(|c| c.div_ceil(bs)).max().unwrap_or(1).max(1) + 1;
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    ids.shuffle(rng);
+    let mut next = 0;
+    let mut tables = vec![0i32; ctx.len() * mbps];
+    for (s, &c) in ctx.iter().enumerate() {
+        for j in 0..mbps {
+            tables[s * mbps + j] = if j < c.div_ceil(bs) {
+                next += 1;
+                ids[next - 1]
+            } else {
+                // Never read: garbage a kernel would fault on or visibly misuse.
+                [-7, i32::MAX, 1 << 30][j % 3]
+            };
+        }
+    }
+    Batch {
+        cfg,
+        tables,
+        mbps,
+        ctx: ctx.iter().map(|&c| c as i32).collect(),
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Features {
+    alibi: bool,
+    window: usize,
+    softcap: f32,
+}
+
+fn features(variant: usize, bs: usize) -> Features {
+    match variant % 4 {
+        0 => Features {
+            alibi: false,
+            window: 0,
+            softcap: 0.0,
+        },
+        1 => Features {
+            alibi: true,
+            window: 0,
+            softcap: 0.0,
+        },
+        2 => Features {
+            alibi: false,
+            window: bs + 3,
+            softcap: 0.0,
+        },
+        _ => Features {
+            alibi: true,
+            window: 2 * bs + 1,
+            softcap: 5.0,
+        },
+    }
+}
+
+fn slopes(rng: &mut SmallRng, nh: usize) -> Vec<f32> {
+    (0..nh).map(|_| rng.gen_range(0.01f32..0.5)).collect()
+}
+
+// ---- attention ---------------------------------------------------------------------------
+
+#[allow(clippy::too_many_arguments)]
+fn check_decode<T: Elem>(
+    g: &Gpu,
+    rng: &mut SmallRng,
+    d: usize,
+    group: usize,
+    bs: usize,
+    ctx: &[usize],
+    f: Features,
+    modes: &[DecodeMode],
+) {
+    let (layers, layer, hkv) = (2, 1, 2);
+    let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, ctx);
+    let host = random_cache::<T>(rng, b.cfg);
+    let nh = hkv * group;
+    let query = random_vec::<T>(rng, ctx.len() * nh * d);
+    let sl = slopes(rng, nh);
+    let mut params = AttnParams::new(nh, d);
+    params.alibi_slopes = f.alibi.then_some(&sl[..]);
+    params.sliding_window = f.window;
+    params.softcap = f.softcap;
+    let seqs = PagedSeqs {
+        block_tables: &b.tables,
+        max_blocks_per_seq: b.mbps,
+        context_lens: &b.ctx,
+    };
+    let mut want = vec![T::from_f32(f32::NAN); query.len()];
+    let view = host.view::<T>().expect("view");
+    cpu::paged_attention_decode(
+        &mut AttnWorkspace::new(),
+        view.layer(layer).expect("layer"),
+        &query,
+        &seqs,
+        &params,
+        &mut want,
+    )
+    .expect("cpu decode");
+
+    let mut dev = DeviceKvCache::new(g, b.cfg).expect("device cache");
+    dev.upload_from(g, &host).expect("upload");
+    let dseqs = DeviceSeqs::upload(g, &b.cfg, &seqs).expect("seqs");
+    let mut dparams = DeviceAttnParams::upload(g, &b.cfg, &params).expect("params");
+    let dq = g.upload(&query).expect("q");
+    let mut ws = DecodeWorkspace::new();
+    for &mode in modes {
+        dparams.mode = mode;
+        let mut out = g
+            .upload(&vec![T::from_f32(f32::NAN); query.len()])
+            .expect("out");
+        let r = dev.paged_attention_decode(g, layer, &dq, &dseqs, &dparams, &mut ws, &mut out);
+        // Heads per thread block: 1, 4 (ratios 2..4) or 8; single pass keeps their logits for
+        // the whole context in 48 KiB of shared memory.
+        let gt = if group == 1 {
+            1
+        } else if group <= 4 {
+            4
+        } else {
+            8
+        };
+        if mode == DecodeMode::SinglePass
+            && gt * ctx.iter().max().copied().unwrap_or(1) * 4 > 48 * 1024
+        {
+            // Documented refusal: the context does not fit a single pass.
+            assert!(
+                matches!(r, Err(CudaError::Launch { .. })),
+                "single pass should be refused: {r:?}"
+            );
+            continue;
+        }
+        r.unwrap_or_else(|e| panic!("decode {mode:?}: {e}"));
+        g.synchronize().expect("sync");
+        let got = g.download(&out).expect("download");
+        let what = format!(
+            "decode {} d{d} g{group} bs{bs} {f:?} {mode:?} ctx {ctx:?}",
+            T::DTYPE
+        );
+        assert_close(&what, &got, &want, d);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_prefill<T: Elem>(
+    g: &Gpu,
+    rng: &mut SmallRng,
+    d: usize,
+    group: usize,
+    bs: usize,
+    seqs_q_ctx: &[(usize, usize)],
+    f: Features,
+) {
+    let (layers, layer, hkv) = (2, 0, 2);
+    let ctx: Vec<usize> = seqs_q_ctx.iter().map(|&(_, c)| c).collect();
+    let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, &ctx);
+    let host = random_cache::<T>(rng, b.cfg);
+    let nh = hkv * group;
+    let mut qsl = vec![0i32];
+    for &(q, _) in seqs_q_ctx {
+        qsl.push(qsl.last().copied().unwrap_or(0) + q as i32);
+    }
+    let tokens = *qsl.last().unwrap_or(&0) as usize;
+    let query = random_vec::<T>(rng, tokens * nh * d);
+    let sl = slopes(rng, nh);
+    let mut params = AttnParams::new(nh, d);
+    params.alibi_slopes = f.alibi.then_some(&sl[..]);
+    params.sliding_window = f.window;
+    params.softcap = f.softcap;
+    let seqs = PagedSeqs {
+        block_tables: &b.tables,
+        max_blocks_per_seq: b.mbps,
+        context_lens: &b.ctx,
+    };
+    let mut want = vec![T::from_f32(f32::NAN); query.len()];
+    let view = host.view::<T>().expect("view");
+    cpu::paged_attention_prefill(
+        &mut AttnWorkspace::new(),
+        view.layer(layer).expect("layer"),
+        &query,
+        &qsl,
+        &seqs,
+        &params,
+        &mut want,
+    )
+    .expect("cpu prefill");
+
+    let mut dev = DeviceKvCache::new(g, b.cfg).expect("device cache");
+    dev.upload_from(g, &host).expect("upload");
+    let dseqs = DeviceSeqs::upload_prefill(g, &b.cfg, &seqs, &qsl).expect("seqs");
+    let dparams = DeviceAttnParams::upload(g, &b.cfg, &params).expect("params");
+    let dq = g.upload(&query).expect("q");
+    if query.is_empty() {
+        return;
+    }
+    let mut out = g
+        .upload(&vec![T::from_f32(f32::NAN); query.len()])
+        .expect("out");
+    dev.paged_attention_prefill(g, layer, &dq, &dseqs, &dparams, &mut out)
+        .expect("prefill");
+    g.synchronize().expect("sync");
+    let got = g.download(&out).expect("download");
+    let what = format!(
+        "prefill {} d{d} g{group} bs{bs} {f:?} q/ctx {seqs_q_ctx:?}",
+        T::DTYPE
+    );
+    assert_close(&what, &got, &want, d);
+}
+
+const HEAD_DIMS: [usize; 6] = [64, 80, 96, 112, 128, 256];
+const GROUPS: [usize; 3] = [1, 4, 8];
+const BLOCK_SIZES: [usize; 3] = [8, 16, 32];
+const ALL_MODES: [DecodeMode; 3] = [DecodeMode::Auto, DecodeMode::SinglePass, DecodeMode::SplitK];
+
+fn decode_grid<T: Elem>(seed: u64) {
+    let Some(g) = gpu(&format!("decode_grid_{}", T::DTYPE)) else {
+        return;
+    };
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut variant = 0;
+    for d in HEAD_DIMS {
+        for group in GROUPS {
+            for bs in BLOCK_SIZES {
+                let ctx = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 300, 0];
+                check_decode::<T>(
+                    &g,
+                    &mut rng,
+                    d,
+                    group,
+                    bs,
+                    &ctx,
+                    features(variant, bs),
+                    &ALL_MODES,
+                );
+                variant += 1;
+            }
+        }
+    }
+}
+
+#[test]
+fn decode_grid_f32() {
+    decode_grid::<f32>(1);
+}
+#[test]
+fn decode_grid_f16() {
+    decode_grid::<f16>(2);
+}
+#[test]
+fn decode_grid_bf16() {
+    decode_grid::<bf16>(3);
+}
+
+/// Long contexts: split-K over many partitions (boundaries 511/512/513), the reduce kernel,
+/// windows that start mid-partition, and odd GQA ratios (2, 6, 16: padded and chunked head
+/// groups).
+#[test]
+fn decode_long_contexts_and_odd_groups() {
+    let Some(g) = gpu("decode_long_contexts_and_odd_groups") else {
+        return;
+    };
+    let mut rng = SmallRng::seed_from_u64(4);
+    let ctx = [511, 512, 513, 1537, 5000, 20000, 1];
+    for (i, f) in [
+        Features {
+            alibi: false,
+            window: 0,
+            softcap: 0.0,
+        },
+        Features {
+            alibi: true,
+            window: 700,
+            softcap: 0.0,
+        },
+        Features {
+            alibi: false,
+            window: 4100,
+            softcap: 30.0,
+        },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        check_decode::<bf16>(&g, &mut rng, 128, 4, 16, &ctx, f, &ALL_MODES);
+        check_decode::<f32>(&g, &mut rng, 256, 8, 32, &ctx, f, &ALL_MODES);
+        check_decode::<f16>(&g, &mut rng, [80, 112, 64][i], 1, 8, &ctx, f, &ALL_MODES);
+    }
+    for group in [2, 3, 6, 16] {
+        check_decode::<bf16>(
+            &g,
+            &mut rng,
+            128,
+            group,
+            16,
+            &[1, 17, 600, 2000],
+            features(group, 16),
+            &ALL_MODES,
+        );
+    }
+    // Large batch: the auto mode's single-pass branch for long contexts.
+    let many: Vec<usize> = (0..300).map(|i| 700 + (i * 37) % 900).collect();
+    check_decode::<bf16>(
+        &g,
+        &mut rng,
+        128,
+        4,
+        16,
+        &many,
+        features(0, 16),
+        &[DecodeMode::Auto],
+    );
+}
+
+fn prefill_grid<T: Elem>(seed: u64) {
+    let Some(g) = gpu(&format!("prefill_grid_{}", T::DTYPE)) else {
+        return;
+    };
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut variant = 0;
+    for d in HEAD_DIMS {
+        for group in GROUPS {
+            for bs in BLOCK_SIZES {
+                let seqs = [
+                    (1, 1),
+                    (bs, bs),
+                    (bs + 1, 2 * bs + 3),
+                    (37, 37),
+                    (5, 300),
+                    (0, 20),
+                    (bs - 1, bs - 1),
+                ];
+                check_prefill::<T>(&g, &mut rng, d, group, bs, &seqs, features(variant, bs));
+                variant += 1;
+            }
+        }
+    }
+}
+
+#[test]
+fn prefill_grid_f32() {
+    prefill_grid::<f32>(5);
+}
+#[test]
+fn prefill_grid_f16() {
+    prefill_grid::<f16>(6);
+}
+#[test]
+fn prefill_grid_bf16() {
+    prefill_grid::<bf16>(7);
+}
+
+#[test]
+fn prefill_long_chunks() {
+    let Some(g) = gpu("prefill_long_chunks") else {
+        return;
+    };
+    let mut rng = SmallRng::seed_from_u64(8);
+    for v in 0..4 {
+        let f = features(v, 16);
+        check_prefill::<bf16>(
+            &g,
+            &mut rng,
+            128,
+            4,
+            16,
+            &[(100, 1000), (257, 257), (1, 3000)],
+            f,
+        );
+        check_prefill::<f16>(&g, &mut rng, 256, 8, 32, &[(64, 64), (33, 500)], f);
+        check_prefill::<f32>(&g, &mut rng, 96, 6, 8, &[(40, 41), (7, 900)], f);
+    }
+}
+
+// ---- cache writes and block moves ----------------------------------------------------------
+
+fn check_reshape<T: Elem>(g: &Gpu, rng: &mut SmallRng, d: usize, bs: usize) {
+    let (layers, hkv, num_blocks) = (3, 2, 7);
+    let cfg = KvCacheConfig::new(layers, hkv, d, bs, num_blocks, T::DTYPE).expect("config");
+    let mut host = random_cache::<T>(rng, cfg);
+    let mut dev = DeviceKvCache::new(g, cfg).expect("dev");
+    dev.upload_from(g, &host).expect("upload");
+    let slots_total = num_blocks * bs;
+    let mut all: Vec<i64> = (0..slots_total as i64).collect();
+    all.shuffle(rng);
+    let n = slots_total / 2 + 3;
+    let mut slots: Vec<i64> = all[..n].to_vec();
+    for i in (0..n).step_by(5) {
+        slots[i] = -1;
+    }
+    let key = random_vec::<T>(rng, n * hkv * d);
+    let value = random_vec::<T>(rng, n * hkv * d);
+    for layer in [0, 2] {
+        let mut v = host.view_mut::<T>().expect("view");
+        cpu::reshape_and_cache(v.layer_mut(layer).expect("layer"), &key, &value, &slots)
+            .expect("cpu");
+        let (dk, dv, ds) = (
+            g.upload(&key).expect("k"),
+            g.upload(&value).expect("v"),
+            g.upload(&slots).expect("s"),
+        );
+        dev.reshape_and_cache(g, layer, &dk, &dv, &ds)
+            .expect("gpu reshape");
+    }
+    let mut back = HostKvCache::new(cfg).expect("host");
+    dev.download_to(g, &mut back).expect("download");
+    assert!(
+        back.as_bytes() == host.as_bytes(),
+        "reshape_and_cache {} d{d} bs{bs}: cache bytes differ",
+        T::DTYPE
+    );
+}
+
+#[test]
+fn reshape_and_cache_grid() {
+    let Some(g) = gpu("reshape_and_cache_grid") else {
+        return;
+    };
+    let mut rng = SmallRng::seed_from_u64(9);
+    for d in HEAD_DIMS {
+        for bs in BLOCK_SIZES {
+            check_reshape::<f32>(&g, &mut rng, d, bs);
+            check_reshape::<f16>(&g, &mut rng, d, bs);
+            check_reshape::<bf16>(&g, &mut rng, d, bs);
+        }
+    }
+}
+
+#[test]
+fn copy_blocks_matches_cpu() {
+    let Some(g) = gpu("copy_blocks_matches_cpu") else {
+        return;
+    };
+    let mut rng = SmallRng::seed_from_u64(10);
+    for (d, bs, dtype) in [
+        (128, 16, KvDtype::Bf16),
+        (80, 8, KvDtype::F32),
+        (256, 32, KvDtype::F16),
+    ] {
+        let cfg = KvCacheConfig::new(4, 2, d, bs, 40, dtype).expect("cfg");
+        let mut host = HostKvCache::new(cfg).expect("host");
+        rng.fill(host.as_bytes_mut());
+        let mut dev = DeviceKvCache::new(&g, cfg).expect("dev");
+        dev.upload_from(&g, &host).expect("up");
+        // Runs and singles, destinations distinct and never sources.
+        let pairs: Vec<(u32, u32)> = vec![
+            (0, 20),
+            (1, 21),
+            (2, 22),
+            (5, 30),
+            (9, 25),
+            (10, 39),
+            (3, 31),
+            (4, 32),
+        ];
+        host.copy_blocks(&pairs).expect("cpu copy");
+        dev.copy_blocks(&g, &pairs).expect("gpu copy");
+        // A second call with fewer pairs reuses the device pair buffer.
+        let pairs2 = [(20u32, 11u32)];
+        host.copy_blocks(&pairs2).expect("cpu copy");
+        dev.copy_blocks(&g, &pairs2).expect("gpu copy");
+        let mut back = HostKvCache::new(cfg).expect("host");
+        dev.download_to(&g, &mut back).expect("down");
+        assert!(
+            back.as_bytes() == host.as_bytes(),
+            "copy_blocks {dtype} d{d}: bytes differ"
+        );
+        // Bad mappings are refused before any launch, as on the CPU.
+        assert!(matches!(
+            dev.copy_blocks(&g, &[(0, 40)]),
+            Err(CudaError::Kv(_))
+        ));
+        assert!(matches!(
+            dev.copy_blocks(&g, &[(0, 1), (1, 2)]),
+            Err(CudaError::Kv(_))
+        ));
+    }
+}
+
+#[test]
+fn swap_out_then_in_restores_bytes() {
+    let Some(g) = gpu("swap_out_then_in_restores_bytes") else {
+        return;
+    };
+    let mut rng = SmallRng::seed_from_u64(11);
+    let cfg = KvCacheConfig::new(3, 4, 128, 16, 32, KvDtype::Bf16).expect("cfg");
+    let mut host = HostKvCache::new(cfg).expect("host");
+    rng.fill(host.as_bytes_mut());
+    let mut dev = DeviceKvCache::new(&g, cfg).expect("dev");
+    dev.upload_from(&g, &host).expect("up");
+    let mut pinned = PinnedSwapSpace::new(&g, &cfg, 24).expect("pinned");
+    let mut cpu_swap = SwapSpace::new(&cfg, 24).expect("swap");
+    let out_map: Vec<(u32, u32)> = vec![
+        (3, 0),
+        (4, 1),
+        (5, 2),
+        (6, 3),
+        (10, 7),
+        (30, 8),
+        (31, 9),
+        (0, 23),
+    ];
+    dev.swap_out(&g, &mut pinned, &out_map)
+        .expect("gpu swap out");
+    cpu_swap.swap_out(&host, &out_map).expect("cpu swap out");
+    assert!(
+        pinned.as_bytes().expect("pinned") == cpu_swap.storage().as_bytes(),
+        "swap-out bytes differ"
+    );
+    // Clobber the device blocks, swap back in to other places, compare with the CPU.
+    let in_map: Vec<(u32, u32)> = vec![
+        (0, 12),
+        (1, 13),
+        (2, 14),
+        (3, 15),
+        (7, 3),
+        (8, 28),
+        (9, 29),
+        (23, 0),
+    ];
+    dev.swap_in(&g, &mut pinned, &in_map).expect("gpu swap in");
+    cpu_swap.swap_in(&mut host, &in_map).expect("cpu swap in");
+    let mut back = HostKvCache::new(cfg).expect("host");
+    dev.download_to(&g, &mut back).expect("down");
+    assert!(back.as_bytes() == host.as_bytes(), "swap-in bytes differ");
+    assert!(
+        dev.swap_out(&g, &mut pinned, &[(32, 0)]).is_err(),
+        "out-of-range source accepted"
+    );
+}
+
+#[test]
+fn typed_errors_before_launch() {
+    let Some(g) = gpu("typed_errors_before_launch") else {
+        return;
+    };
+    let cfg72 = KvCacheConfig::new(1, 1, 72, 16, 4, KvDtype::F16).expect("cfg");
+    assert!(matches!(
+        DeviceKvCache::new(&g, cfg72),
+        Err(CudaError::Unsupported {
+            what: "head_dim",
+            ..
+        })
+    ));
+    let cfg = KvCacheConfig::new(1, 2, 64, 16, 4, KvDtype::F16).expect("cfg");
+    let dev = DeviceKvCache::new(&g, cfg).expect("dev");
+    let seqs = PagedSeqs {
+        block_tables: &[0, 1],
+        max_blocks_per_seq: 2,
+        context_lens: &[33],
+    };
+    assert!(matches!(
+        DeviceSeqs::upload(&g, &cfg, &seqs),
+        Err(CudaError::Attn(_))
+    ));
+    let seqs = PagedSeqs {
+        block_tables: &[0, 9],
+        max_blocks_per_seq: 2,
+        context_lens: &[20],
+    };
+    assert!(matches!(
+        DeviceSeqs::upload(&g, &cfg, &seqs),
+        Err(CudaError::Attn(_))
+    ));
+    let seqs = PagedSeqs {
+        block_tables: &[0, 1],
+        max_blocks_per_seq: 2,
+        context_lens: &[20],
+    };
+    let ds = DeviceSeqs::upload(&g, &cfg, &seqs).expect("seqs");
+    let p = DeviceAttnParams::upload(&g, &cfg, &AttnParams::new(4, 64)).expect("params");
+    assert!(DeviceAttnParams::upload(&g, &cfg, &AttnParams::new(3, 64)).is_err());
+    let q = g.upload(&vec![f32::NAN; 4 * 64]).expect("q");
+    let mut out = g.upload(&vec![f32::NAN; 4 * 64]).expect("out");
+    let r = dev.paged_attention_decode(&g, 0, &q, &ds, &p, &mut DecodeWorkspace::new(), &mut out);
+    assert!(
+        matches!(r, Err(CudaError::Kv(_))),
+        "f32 tensors on an f16 cache: {r:?}"
+    );
+    let q = g.upload(&vec![f16::ZERO; 3 * 64]).expect("q");
+    let mut out = g.upload(&vec![f16::ZERO; 4 * 64]).expect("out");
+    let r = dev.paged_attention_decode(&g, 0, &q, &ds, &p, &mut DecodeWorkspace::new(), &mut out);
+    assert!(matches!(r, Err(CudaError::Attn(_))), "short query: {r:?}");
+    let r = dev.paged_attention_decode(&g, 1, &q, &ds, &p, &mut DecodeWorkspace::new(), &mut out);
+    assert!(r.is_err(), "layer out of range accepted");
+}
+
+// ---- host-only: the launchers' argument checks (no GPU needed, run in CI) -----------------
+
+fn geom(head_dim: i32, block_size: i32, dtype: u32) -> ffi::pkv_cache_geometry {
+    ffi::pkv_cache_geometry {
+        num_blocks: 4,
+        num_layers: 2,
+        block_size,
+        num_kv_heads: 2,
+        head_dim,
+        dtype: dtype as i32,
+    }
+}
+
+#[test]
+fn ffi_argument_errors_need_no_gpu() {
+    // Non-null, aligned, never dereferenced: every call below fails validation first.
+    let mut fake = [0u128; 4];
+    let p = fake.as_mut_ptr() as *mut std::ffi::c_void;
+    let bad = [
+        (geom(72, 16, ffi::PKV_DTYPE_F16), ffi::PKV_ERR_HEAD_DIM),
+        (geom(128, 12, ffi::PKV_DTYPE_F16), ffi::PKV_ERR_BLOCK_SIZE),
+        (geom(128, 16, 7), ffi::PKV_ERR_DTYPE),
+    ];
+    for (g, want) in bad {
+        // SAFETY: the geometry is invalid, so pkv_copy_blocks returns before any CUDA call or
+        // any access through `p`.
+        let s = unsafe { ffi::pkv_copy_blocks(p, &g, p as *const i32, 1, std::ptr::null_mut()) };
+        assert_eq!(s, want as i32);
+        // SAFETY: as above for reshape_and_cache (geometry checked first).
+        let s = unsafe {
+            ffi::pkv_reshape_and_cache(
+                p,
+                &g,
+                0,
+                p,
+                p,
+                256,
+                256,
+                p as *const i64,
+                1,
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(s, want as i32);
+    }
+    let g = geom(128, 16, ffi::PKV_DTYPE_BF16);
+    let mut params = ffi::pkv_attn_params {
+        num_heads: 3, // not a multiple of 2 KV heads
+        scale: 0.1,
+        ..Default::default()
+    };
+    // SAFETY: num_heads is invalid: the launcher returns before any CUDA call or dereference.
+    let s = unsafe {
+        ffi::pkv_paged_attention_decode(
+            p,
+            p,
+            p,
+            &g,
+            0,
+            p as *const i32,
+            1,
+            p as *const i32,
+            1,
+            16,
+            &params,
+            std::ptr::null_mut(),
+            0,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32);
+    params.num_heads = 4;
+    // SAFETY: layer 2 >= num_layers 2: refused before any CUDA call.
+    let s = unsafe {
+        ffi::pkv_paged_attention_prefill(
+            p,
+            p,
+            p,
+            &g,
+            2,
+            p as *const i32,
+            1,
+            p as *const i32,
+            p as *const i32,
+            1,
+            1,
+            &params,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32);
+    // Split-K with a long context and no workspace: refused (forced split, so no device query).
+    params.decode_mode = ffi::PKV_DECODE_SPLIT as i32;
+    // SAFETY: the workspace check fails before any launch or dereference.
+    let s = unsafe {
+        ffi::pkv_paged_attention_decode(
+            p,
+            p,
+            p,
+            &g,
+            0,
+            p as *const i32,
+            200,
+            p as *const i32,
+            1,
+            3000,
+            &params,
+            std::ptr::null_mut(),
+            0,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(s, ffi::PKV_ERR_WORKSPACE as i32);
+    // SAFETY: a null pointer argument is refused before use.
+    let s = unsafe {
+        ffi::pkv_copy_blocks(
+            std::ptr::null_mut(),
+            &g,
+            p as *const i32,
+            1,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(s, ffi::PKV_ERR_NULL_POINTER as i32);
+    // SAFETY: pure host functions.
+    unsafe {
+        assert_eq!(ffi::pkv_decode_workspace_bytes(8, 32, 128, 512), 0);
+        let w = ffi::pkv_decode_workspace_bytes(8, 32, 128, 4096);
+        assert!(
+            w >= 8 * 32 * 8 * (128 + 2) * 4,
+            "workspace {w} too small for 8 splits"
+        );
+        let msg = std::ffi::CStr::from_ptr(ffi::pkv_status_string(ffi::PKV_ERR_HEAD_DIM as i32));
+        assert!(msg.to_str().expect("utf8").contains("head_dim"));
+    }
+}
+
+#[test]
+fn probe_never_panics() {
+    // Whatever the machine: a typed answer, no panic, no abort.
+    match cuda::device_count() {
+        Ok(n) => {
+            let _ = writeln!(std::io::stderr(), "cuda devices: {n}");
+        }
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "no CUDA: {e}");
+        }
+    }
+    if let Err(e) = Gpu::open(usize::MAX) {
+        assert!(matches!(
+            e,
+            CudaError::DriverNotFound | CudaError::NoDevice { .. } | CudaError::Driver(_)
+        ));
+    }
+}

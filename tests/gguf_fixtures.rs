@@ -1,0 +1,417 @@
+//! pagedkv's GGUF reader, dequantizer and writer against files written by llama.cpp's gguf-py
+//! (tests/fixtures/make_fixtures.py; the oracle data is committed, so no Python is needed).
+
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use pagedkv::error::GgufError;
+use pagedkv::gguf::{
+    dequantize_into, dequantize_into_bf16, dequantize_into_f16, dequantize_into_serial, GgmlType,
+    Gguf, GgufBytes, GgufWriter, MetaValue, Value, ValueType,
+};
+use serde_json::Value as Json;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/gguf")
+        .join(name)
+}
+
+fn read(name: &str) -> Vec<u8> {
+    std::fs::read(fixture(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+fn json(name: &str) -> Json {
+    serde_json::from_slice(&read(name)).expect("fixture json")
+}
+
+/// Compares a parsed value with the value make_fixtures.py passed to gguf-py.
+fn assert_value(key: &str, v: &Value<'_>, ty: &str, expected: &Json, elem: Option<&str>) {
+    assert_eq!(v.value_type().name(), ty, "{key}: type");
+    match v {
+        Value::String(s) => assert_eq!(Some(*s), expected.as_str(), "{key}"),
+        Value::Bool(b) => assert_eq!(Some(*b), expected.as_bool(), "{key}"),
+        Value::F32(x) => assert_eq!(Some(f64::from(*x)), expected.as_f64(), "{key}"),
+        Value::F64(x) => assert_eq!(Some(*x), expected.as_f64(), "{key}"),
+        Value::Array(a) => {
+            let items = expected.as_array().expect("array");
+            let elem = elem.expect("array element type");
+            assert_eq!(a.elem_type().name(), elem, "{key}: element type");
+            assert_eq!(a.len() as usize, items.len(), "{key}: length");
+            for (i, (got, want)) in a.iter().zip(items).enumerate() {
+                let sub_elem = match want {
+                    Json::Array(inner) => Some(match inner.first() {
+                        Some(Json::Number(_)) => "INT32",
+                        _ => "STRING",
+                    }),
+                    _ => None,
+                };
+                let k = format!("{key}[{i}]");
+                assert_value(&k, &got, elem, want, sub_elem);
+                if let Some(g) = a.get(i as u64) {
+                    assert_eq!(g, got, "{k}: get() agrees with iter()");
+                }
+            }
+        }
+        int => {
+            let got = int.as_int().expect("integer");
+            let want = expected
+                .as_i64()
+                .map(i128::from)
+                .or(expected.as_u64().map(i128::from))
+                .expect("integer in json");
+            assert_eq!(got, want, "{key}");
+        }
+    }
+}
+
+fn check_tensor_table(g: &Gguf<'_>, meta: &Json) {
+    let tensors = meta["tensors"].as_array().expect("tensors");
+    assert_eq!(g.tensors().len(), tensors.len());
+    for (t, want) in g.tensors().iter().zip(tensors) {
+        assert_eq!(t.name(), want["name"].as_str().expect("name"));
+        assert_eq!(t.ty().name(), want["type"].as_str().expect("type"));
+        let shape: Vec<u64> = want["shape"]
+            .as_array()
+            .expect("shape")
+            .iter()
+            .map(|d| d.as_u64().expect("dim"))
+            .collect();
+        assert_eq!(t.shape(), &shape[..], "{}", t.name());
+        assert_eq!(Some(t.offset()), want["offset"].as_u64(), "{}", t.name());
+        assert_eq!(Some(t.n_bytes() as u64), want["n_bytes"].as_u64());
+        assert_eq!(t.n_elements(), shape.iter().product::<u64>());
+        let start = (g.data_offset() + t.offset()) as usize;
+        assert_eq!(t.data(), &g.file_bytes()[start..start + t.n_bytes()]);
+    }
+}
+
+fn check_all_types(g: &Gguf<'_>, version: u32) {
+    let meta = json("all_types.meta.json");
+    assert_eq!(g.version(), version);
+    assert_eq!(g.alignment(), 32);
+    assert_eq!(g.data_offset() % 32, 0);
+    let entries = meta["metadata"].as_array().expect("metadata");
+    assert_eq!(g.metadata().len(), entries.len());
+    for ((key, v), want) in g.metadata().iter().zip(entries) {
+        assert_eq!(*key, want["key"].as_str().expect("key"));
+        assert_value(
+            key,
+            v,
+            want["type"].as_str().expect("type"),
+            &want["value"],
+            want.get("elem").and_then(Json::as_str),
+        );
+        assert_eq!(g.get(key), Some(*v));
+    }
+    check_tensor_table(g, &meta);
+}
+
+#[test]
+fn reads_every_metadata_type_as_gguf_py_wrote_it() {
+    let bytes = read("all_types.gguf");
+    check_all_types(&Gguf::parse(&bytes).expect("parse"), 3);
+}
+
+#[test]
+fn reads_version_2() {
+    let bytes = read("all_types_v2.gguf");
+    check_all_types(&Gguf::parse(&bytes).expect("parse"), 2);
+}
+
+#[test]
+fn reads_version_1() {
+    let bytes = read("v1.gguf");
+    let g = Gguf::parse(&bytes).expect("parse v1");
+    assert_eq!(g.version(), 1);
+    assert_eq!(g.get_str("general.name").expect("name"), "v1 model");
+    assert_eq!(g.get_u32("v1.u32").expect("u32"), 123_456);
+    let strs: Vec<_> = g
+        .get_array("v1.arr_str")
+        .expect("arr")
+        .iter()
+        .map(|v| v.as_str().expect("str").to_owned())
+        .collect();
+    assert_eq!(strs, ["x", "yz"]);
+    let ints: Vec<_> = g
+        .get_array("v1.arr_i16")
+        .expect("arr")
+        .iter()
+        .map(|v| v.as_int().expect("int"))
+        .collect();
+    assert_eq!(ints, [-2, 3]);
+    check_tensor_table(&g, &json("v1.meta.json"));
+    let a = g.tensor("a").expect("a").dequantize().expect("f32");
+    assert_eq!(a, (0..64).map(|i| i as f32 / 8.0).collect::<Vec<_>>());
+    // Written back as version 1, byte for byte.
+    let again = GgufWriter::from_gguf(&g)
+        .expect("writer")
+        .to_bytes()
+        .expect("write");
+    assert_eq!(again, bytes);
+}
+
+#[test]
+fn reads_custom_alignment() {
+    let bytes = read("align64.gguf");
+    let g = Gguf::parse(&bytes).expect("parse");
+    assert_eq!(g.alignment(), 64);
+    assert_eq!(g.data_offset() % 64, 0);
+    for (i, n) in [40u64, 7, 100].into_iter().enumerate() {
+        let t = g.tensor(&format!("x{i}")).expect("tensor");
+        assert_eq!(t.offset() % 64, 0);
+        assert_eq!(t.shape(), &[n]);
+        let want: Vec<f32> = (0..n).map(|x| x as f32).collect();
+        assert_eq!(t.dequantize().expect("f32"), want);
+    }
+}
+
+#[test]
+fn refuses_big_endian_by_name() {
+    let bytes = read("big_endian.gguf");
+    assert!(matches!(
+        Gguf::parse(&bytes),
+        Err(GgufError::BigEndian { version: 3 })
+    ));
+}
+
+fn oracle(name: &str) -> Vec<f32> {
+    read(&format!("{name}.f32"))
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+fn assert_bits_eq(ty: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{ty}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+            "{ty}[{i}]: pagedkv {g:e} ({:#010x}) vs gguf-py {w:e} ({:#010x})",
+            g.to_bits(),
+            w.to_bits()
+        );
+    }
+}
+
+const DEQUANT_TYPES: [&str; 15] = [
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+    "Q6_K", "IQ4_NL", "MXFP4",
+];
+
+#[test]
+fn dequantization_is_bit_exact_with_gguf_py() {
+    let bytes = read("all_types.gguf");
+    let g = Gguf::parse(&bytes).expect("parse");
+    for ty in DEQUANT_TYPES {
+        let t = g.tensor(&format!("t.{ty}")).expect("tensor");
+        assert_eq!(t.ty().name(), ty);
+        assert!(t.ty().can_dequantize());
+        let want = oracle(ty);
+        assert_bits_eq(ty, &t.dequantize().expect("dequantize"), &want);
+        let mut serial = vec![0f32; want.len()];
+        dequantize_into_serial(t.ty(), t.data(), &mut serial).expect("serial");
+        assert_bits_eq(ty, &serial, &want);
+        // f16 / bf16 outputs are the f32 results rounded to nearest even.
+        let mut h = vec![f16::ZERO; want.len()];
+        dequantize_into_f16(t.ty(), t.data(), &mut h).expect("f16");
+        let mut b = vec![bf16::ZERO; want.len()];
+        dequantize_into_bf16(t.ty(), t.data(), &mut b).expect("bf16");
+        for i in 0..want.len() {
+            assert_eq!(
+                h[i].to_bits(),
+                f16::from_f32(want[i]).to_bits(),
+                "{ty}[{i}] f16"
+            );
+            assert_eq!(
+                b[i].to_bits(),
+                bf16::from_f32(want[i]).to_bits(),
+                "{ty}[{i}] bf16"
+            );
+        }
+    }
+}
+
+/// The parallel path splits work at chunk boundaries; it must equal the serial path exactly on
+/// tensors far above the parallel threshold and with a ragged last chunk.
+#[test]
+fn parallel_dequantization_equals_serial() {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for ty in DEQUANT_TYPES {
+        let ty = GgmlType::from_name(ty).expect("type");
+        let n_blocks = (1usize << 19) / ty.block_size() as usize + 3;
+        let mut src: Vec<u8> = (0..n_blocks * ty.type_size() as usize)
+            .map(|_| next() as u8)
+            .collect();
+        if ty == GgmlType::F32 {
+            // keep NaN payloads out of the comparison
+            for c in src.chunks_exact_mut(4) {
+                c[3] &= 0x7E;
+            }
+        }
+        let n = n_blocks * ty.block_size() as usize;
+        let (mut par, mut ser) = (vec![0f32; n], vec![0f32; n]);
+        dequantize_into(ty, &src, &mut par).expect("parallel");
+        dequantize_into_serial(ty, &src, &mut ser).expect("serial");
+        assert_bits_eq(ty.name(), &par, &ser);
+    }
+}
+
+#[test]
+fn dequantize_refuses_mismatched_lengths_and_unsupported_types() {
+    let mut out = vec![0f32; 32];
+    assert!(matches!(
+        dequantize_into(GgmlType::Q4_0, &[0u8; 17], &mut out),
+        Err(GgufError::DequantLength { .. })
+    ));
+    assert!(matches!(
+        dequantize_into(GgmlType::Q4_0, &[0u8; 36], &mut out),
+        Err(GgufError::DequantLength { .. })
+    ));
+    assert!(matches!(
+        dequantize_into(GgmlType::IQ2_XXS, &[0u8; 66], &mut vec![0f32; 256]),
+        Err(GgufError::UnsupportedDequant(GgmlType::IQ2_XXS))
+    ));
+}
+
+#[test]
+fn writer_reproduces_gguf_py_files_byte_for_byte() {
+    for name in ["all_types.gguf", "all_types_v2.gguf", "align64.gguf"] {
+        let bytes = read(name);
+        let g = Gguf::parse(&bytes).expect("parse");
+        let again = GgufWriter::from_gguf(&g)
+            .expect("writer")
+            .to_bytes()
+            .expect("write");
+        assert_eq!(again.len(), bytes.len(), "{name}");
+        assert!(again == bytes, "{name}: re-encoded bytes differ");
+    }
+}
+
+#[test]
+fn writer_builds_files_the_parser_reads_back() {
+    let q4 = [7u8; 18 * 4];
+    let f = [1.5f32, -2.0, 0.25].map(f32::to_le_bytes).concat();
+    let mut w = GgufWriter::new();
+    w.add("general.architecture", MetaValue::String("llama".into()))
+        .expect("add")
+        .add("general.alignment", MetaValue::U32(128))
+        .expect("add")
+        .add("k.strs", MetaValue::strings(["a", "bc"]))
+        .expect("add")
+        .add(
+            "k.nested",
+            MetaValue::Array {
+                elem: ValueType::Array,
+                items: vec![MetaValue::Array {
+                    elem: ValueType::F64,
+                    items: vec![MetaValue::F64(1.0)],
+                }],
+            },
+        )
+        .expect("add")
+        .add(
+            "k.empty",
+            MetaValue::Array {
+                elem: ValueType::U32,
+                items: vec![],
+            },
+        )
+        .expect("add");
+    w.add_tensor("q", GgmlType::Q4_0, &[64, 2], &q4)
+        .expect("tensor");
+    w.add_tensor("f", GgmlType::F32, &[3], &f).expect("tensor");
+    let bytes = w.to_bytes().expect("write");
+    let g = Gguf::parse(&bytes).expect("parse");
+    assert_eq!(g.alignment(), 128);
+    assert_eq!(g.tensor("f").expect("f").offset(), 128);
+    assert_eq!(g.tensor("q").expect("q").data(), &q4[..]);
+    assert_eq!(
+        g.tensor("f").expect("f").dequantize().expect("f32"),
+        [1.5, -2.0, 0.25]
+    );
+    assert!(g.get_array("k.empty").expect("empty").is_empty());
+    let nested = g.get_array("k.nested").expect("nested");
+    let inner = nested.get(0).and_then(|v| v.as_array()).expect("inner");
+    assert_eq!(inner.get(0), Some(Value::F64(1.0)));
+    // Writer-side validation mirrors the parser's.
+    assert!(matches!(
+        w.add("k.strs", MetaValue::U8(1)),
+        Err(GgufError::DuplicateKey { .. })
+    ));
+    assert!(matches!(
+        w.add_tensor("q", GgmlType::F32, &[3], &f),
+        Err(GgufError::DuplicateTensor { .. })
+    ));
+    assert!(matches!(
+        w.add_tensor("x", GgmlType::Q4_0, &[48], &q4[..27]),
+        Err(GgufError::NotBlockMultiple { .. })
+    ));
+    assert!(matches!(
+        w.add_tensor("x", GgmlType::F32, &[4], &f),
+        Err(GgufError::Unwritable(_))
+    ));
+    assert!(matches!(
+        w.add(
+            "k.mixed",
+            MetaValue::Array {
+                elem: ValueType::U8,
+                items: vec![MetaValue::U8(1), MetaValue::I8(1)]
+            }
+        ),
+        Err(GgufError::Unwritable(_))
+    ));
+    assert!(matches!(
+        GgufWriter::new().add("general.alignment", MetaValue::U32(48)),
+        Err(GgufError::BadAlignment(48))
+    ));
+}
+
+#[test]
+fn llama_params_from_gguf_py_file() {
+    let bytes = read("all_types.gguf");
+    let p = Gguf::parse(&bytes)
+        .expect("parse")
+        .llama_params()
+        .expect("params");
+    assert_eq!(p.architecture, "llama");
+    assert_eq!(p.n_layers, 4);
+    assert_eq!(p.n_heads, 8);
+    assert_eq!(p.n_kv_heads, 2);
+    assert_eq!(p.head_dim, 64);
+    assert_eq!(p.head_dim_v, 64);
+    assert_eq!(p.embedding_length, 512);
+    assert_eq!(p.context_length, 4096);
+    assert_eq!(p.rope_freq_base, 500_000.0);
+    assert_eq!(p.norm_eps, 1e-5f32);
+    assert_eq!(p.kv_bytes_per_token(2), 4 * 2 * 128 * 2);
+}
+
+#[test]
+fn mapped_and_read_files_parse_alike() {
+    let path = fixture("all_types.gguf");
+    // SAFETY: the fixture is a committed file that no test writes or truncates.
+    let mapped = unsafe { GgufBytes::map(&path) }.expect("map");
+    let owned = GgufBytes::read(&path).expect("read");
+    let a = Gguf::parse(mapped.bytes()).expect("parse mapped");
+    let b = Gguf::parse(owned.bytes()).expect("parse owned");
+    assert_eq!(a.metadata(), b.metadata());
+    assert_eq!(a.tensors(), b.tensors());
+    let sizes: Vec<usize> = a
+        .tensors_largest_first()
+        .iter()
+        .map(|t| t.n_bytes())
+        .collect();
+    assert!(sizes.windows(2).all(|w| w[0] >= w[1]));
+    assert_eq!(sizes.len(), a.tensors().len());
+    assert!(matches!(
+        GgufBytes::read(Path::new("/nonexistent/x.gguf")),
+        Err(GgufError::Io { .. })
+    ));
+}

@@ -1,0 +1,127 @@
+//! The parser's memory bound, measured: a counting global allocator records the peak bytes
+//! allocated by this thread during `Gguf::parse`, which must stay within a small multiple of the
+//! header's size whatever the file's counts claim.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+use pagedkv::gguf::{GgmlType, Gguf, GgufWriter, MetaValue};
+
+struct Counting;
+
+thread_local! {
+    static ON: Cell<bool> = const { Cell::new(false) };
+    static NOW: Cell<usize> = const { Cell::new(0) };
+    static PEAK: Cell<usize> = const { Cell::new(0) };
+}
+
+// SAFETY: every method forwards to `System` with the caller's arguments unchanged, so System's
+// guarantees carry over; the bookkeeping only touches const-initialised thread-locals, which
+// never allocate (no re-entry into the allocator).
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        track(layout.size() as isize);
+        // SAFETY: forwarded unchanged; the caller upholds alloc's contract.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        track(-(layout.size() as isize));
+        // SAFETY: ptr was returned by System.alloc/realloc with this layout (we forward all).
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        track(new_size as isize - layout.size() as isize);
+        // SAFETY: forwarded unchanged; ptr/layout came from this allocator, i.e. from System.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+fn track(delta: isize) {
+    let _ = ON.try_with(|on| {
+        if on.get() {
+            NOW.with(|n| {
+                let v = n.get().saturating_add_signed(delta);
+                n.set(v);
+                PEAK.with(|p| p.set(p.get().max(v)));
+            });
+        }
+    });
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Peak bytes allocated (net) while parsing `bytes`; the parse result is dropped inside.
+fn peak_of_parse(bytes: &[u8]) -> (usize, bool, u64) {
+    NOW.with(|n| n.set(0));
+    PEAK.with(|p| p.set(0));
+    ON.with(|on| on.set(true));
+    let r = Gguf::parse(bytes);
+    ON.with(|on| on.set(false));
+    let ok = r.is_ok();
+    let header = r
+        .as_ref()
+        .map(|g| g.data_offset())
+        .unwrap_or(bytes.len() as u64);
+    drop(r);
+    (PEAK.with(Cell::get), ok, header)
+}
+
+fn header(n_tensors: u64, n_kv: u64) -> Vec<u8> {
+    let mut v = b"GGUF".to_vec();
+    v.extend_from_slice(&3u32.to_le_bytes());
+    v.extend_from_slice(&n_tensors.to_le_bytes());
+    v.extend_from_slice(&n_kv.to_le_bytes());
+    v
+}
+
+#[test]
+fn parse_allocates_in_proportion_to_the_header_not_to_claims() {
+    // Claims of 2^60 entries, 2^62-element arrays and huge strings, in files of a few bytes.
+    let mut cases: Vec<Vec<u8>> = vec![header(1 << 60, 0), header(0, 1 << 60)];
+    let mut arr = header(0, 1);
+    arr.extend_from_slice(&1u64.to_le_bytes());
+    arr.push(b'k');
+    arr.extend_from_slice(&9u32.to_le_bytes());
+    arr.extend_from_slice(&10u32.to_le_bytes());
+    arr.extend_from_slice(&(1u64 << 62).to_le_bytes());
+    arr.extend_from_slice(&[0; 256]);
+    cases.push(arr);
+    let mut s = header(0, 1);
+    s.extend_from_slice(&u64::MAX.to_le_bytes());
+    s.extend_from_slice(&[b'a'; 64]);
+    cases.push(s);
+    // A file that really has many entries: 5,000 keys and 2,000 tensors (all accepted).
+    let mut w = GgufWriter::new();
+    for i in 0..5_000 {
+        w.add(&format!("k.{i}"), MetaValue::U32(i)).expect("add");
+    }
+    let blob = vec![0u8; 2_000 * 32];
+    for i in 0..2_000 {
+        w.add_tensor(
+            &format!("t.{i}"),
+            GgmlType::F32,
+            &[8],
+            &blob[i * 32..i * 32 + 32],
+        )
+        .expect("tensor");
+    }
+    let big = w.to_bytes().expect("write");
+    cases.push(big.clone());
+    // Entry counts as large as the header could hold, each entry malformed at the very end.
+    let mut last_bad = big.clone();
+    let dofs = Gguf::parse(&big).expect("valid").data_offset() as usize;
+    last_bad.truncate(dofs - 40);
+    cases.push(last_bad);
+
+    for (i, bytes) in cases.iter().enumerate() {
+        let (peak, ok, header_len) = peak_of_parse(bytes);
+        // The bound: a small multiple of the header's bytes plus a constant.
+        let bound = 16 * header_len as usize + 4096;
+        assert!(
+            peak <= bound,
+            "case {i}: peak {peak} bytes > bound {bound} (header {header_len}, ok {ok})"
+        );
+        eprintln!("case {i}: ok={ok} header={header_len} B peak={peak} B");
+    }
+}

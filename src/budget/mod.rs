@@ -23,8 +23,8 @@
 //! # Algorithms
 //!
 //! **Hot path: fetch-and-add admission with compensation.** Every budgeted quantity is one
-//! counter per engine (`tokens_used`, `blocks_held`) plus, for blocks, one device-wide counter
-//! (`blocks_in_use`). An acquire of `n` does `prev = counter.fetch_add(n)` and is granted iff
+//! counter per engine (the used field of `Slot::tokens`, `blocks_held`) plus, for blocks, one
+//! device-wide counter (`blocks_in_use`). An acquire of `n` does `prev = counter.fetch_add(n)` and is granted iff
 //! `prev + n ≤ limit`; otherwise it undoes itself with `counter.fetch_sub(n)`. There is no
 //! compare-and-swap and no loop, so every call is a fixed number of atomic instructions whatever
 //! other threads do (wait-free, population-oblivious):
@@ -71,9 +71,12 @@
 //! publisher: it clears `DIRTY`, reads every engine's weight, activity and held blocks, water-fills
 //! (see `waterfill.rs`), writes the results, and gives up `BUSY`; if `DIRTY` was set again
 //! meanwhile it runs another round, at most [`MAX_ROUNDS`] in all, leaving `DIRTY` set for the
-//! next caller after that. Every step is a fixed amount of work over `max_engines` slots, so
-//! recomputation is wait-free too (bounded by `MAX_ROUNDS · max_engines`), only it may defer.
-//! Because there is only ever one publisher, every published field has a single writer; the
+//! next caller after that. A round is O(max_engines log max_engines) at worst (usually
+//! O(max_engines): see `waterfill.rs`), so recomputation is wait-free too (bounded by
+//! `MAX_ROUNDS` rounds), only it may defer. Its working space lives in the coordinator and is
+//! touched only by the `BUSY` holder (an `UnsafeCell`, which the loom models check: letting two
+//! publishers in fails them). Because there is only ever one publisher, every published
+//! field has a single writer; the
 //! publisher writes lowered budgets before raised ones, so the sum of budgets is never above
 //! `tokens_per_step` even between two writes. Around its writes it bumps an epoch (odd while
 //! writing), so [`snapshot`](BudgetCoordinator::snapshot) can tell a consistent set of budgets

@@ -49,7 +49,10 @@ impl BudgetCoordinator {
     }
 
     /// [`recompute`](Self::recompute) if inputs changed since the last round; `None` otherwise
-    /// (one load). Engines call it once per step.
+    /// (one load). Engines call it once per step. Registration, weights and activity mark the
+    /// inputs changed; block holdings do not (that would put a load on every acquire), so the
+    /// lendable pool, which counts idle engines' held blocks, is refreshed by the next
+    /// recomputation: call [`recompute`](Self::recompute) on a timer too (the scheduler tick).
     #[inline]
     pub fn maybe_recompute(&self) -> Option<Publication> {
         self.is_dirty().then(|| self.recompute())

@@ -131,6 +131,9 @@ fn invalid_configs_are_refused() {
     assert!(BudgetCoordinator::new(BudgetConfig::new(0, 10, 10)).is_err());
     assert!(BudgetCoordinator::new(BudgetConfig::new(1, 10, 10).with_cap_permille(0)).is_err());
     assert!(BudgetCoordinator::new(BudgetConfig::new(1, 10, 10).with_cap_permille(1001)).is_err());
+    let max = pagedkv::budget::MAX_TOKENS_PER_STEP;
+    assert!(BudgetCoordinator::new(BudgetConfig::new(1, max, 10)).is_ok());
+    assert!(BudgetCoordinator::new(BudgetConfig::new(1, max + 1, 10)).is_err());
 }
 
 #[test]

@@ -6,117 +6,193 @@
 //! max-min fairness ("progressive filling"): no claim can get more without taking from a claim
 //! whose share per unit of weight is no larger.
 //!
-//! **Finding λ.** Sort the claims by `c_i / w_i` ascending. Walk them keeping the amount `R`
-//! still to hand out and the weight `W` of the claims not yet fixed: claim `i` saturates iff its
-//! proportional share of what is left reaches its cap, `R·w_i ≥ c_i·W` (exact, in `u128`); it
-//! is then fixed at `c_i`, and `R -= c_i`, `W -= w_i`. The first claim that does not saturate
-//! ends the walk: every later claim has a larger `c/w`, hence does not saturate either, and the
-//! remaining claims get `R·w_i / W` exactly. One sort, one pass: O(n log n).
+//! **Finding λ.** Keep the amount `R` still to hand out and the weight `W` of the claims not
+//! yet fixed. At the current level `R / W`, claim `i` saturates iff its proportional share
+//! reaches its cap, `R·w_i ≥ c_i·W` (exact integers). Fixing saturated claims at their caps only
+//! raises the level for the rest (each took at most its proportional share), so a claim that
+//! saturates at some level saturates at the final one. A pass fixes every claim that saturates
+//! at the current level; when a pass fixes nothing, the level is final and the remaining claims
+//! get `R·w_i / W` exactly. Usually that is one or two passes, O(n) each. After
+//! [`FAST_PASSES`] passes (inputs built to need many) the remaining claims are sorted by
+//! `c_i / w_i` and swept once: a claim saturates iff it does at the level left by the claims
+//! before it, and the first one that does not ends the sweep, since every later claim has a
+//! larger `c/w`. So O(n log n) at worst.
 //!
 //! **Rounding.** The unsaturated claims get `⌊R·w_i / W⌋`; the `k = R − Σ⌊…⌋ < n` units left
 //! over go one each to the `k` largest remainders `R·w_i mod W`, ties to the lower id
-//! (Hamilton's largest-remainder method). So every claim is within one unit of its exact share,
+//! (Hamilton's largest-remainder method; claims come in engine-id order). So every claim is within one unit of its exact share,
 //! never above its cap (an unsaturated share is strictly below the integer cap, so its floor
 //! plus one is at most the cap), and the amounts sum to exactly `min(total, Σ c_i)`.
-
-use std::cmp::Ordering as CmpOrdering;
 
 /// One claimant in a water-filling round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Claim {
-    /// Tie-break key (the engine index): lower wins an equal remainder.
-    pub(crate) id: u16,
     /// Share weight; claims of weight 0 get nothing.
-    pub(crate) weight: u64,
+    pub(crate) weight: u32,
     /// The most this claim may receive.
-    pub(crate) cap: u64,
+    pub(crate) cap: u32,
 }
 
-/// Water-fills `total` over `claims`, writing each claim's amount to the same index of `out`.
-/// `order` is scratch space (reused across calls to avoid allocating). Returns the amount
-/// handed out, `min(total, Σ caps of claims with weight > 0)`.
+/// Progressive-filling passes before falling back to the sort-and-sweep.
+pub(crate) const FAST_PASSES: u32 = 3;
+
+/// Reusable scratch space, so a round does not allocate once warm.
+#[derive(Debug, Default)]
+pub(crate) struct FillScratch {
+    /// Indices of the claims not (yet) saturated.
+    free: Vec<u32>,
+    /// `remainder << 16 | (0xFFFF − claim index)` of the unsaturated claims: ordering these
+    /// keys descending is "largest remainder first, then lower index" (remainders are below the
+    /// weight sum, `< 2^48`, and indices below 2^16, so the key is exact).
+    rems: Vec<u64>,
+}
+
+/// Water-fills `total` over `claims` (at most 65,536 of them, in tie-break order: an equal
+/// remainder goes to the lower index), writing each claim's amount to
+/// the same index of `out`. Returns the amount handed out, `min(total, Σ caps of claims with
+/// weight > 0)`.
+///
+/// Arithmetic: `total`, weights and caps are `u32`, so `left·w < 2^64`, `cap·w < 2^64` and the
+/// weight sum `< 2^48`; only the saturation test `left·w ≥ cap·W` needs a `u128` product, and
+/// every division is a `u64` one.
 pub(crate) fn water_fill(
-    total: u64,
+    total: u32,
     claims: &[Claim],
     out: &mut [u64],
-    order: &mut Vec<u32>,
+    s: &mut FillScratch,
 ) -> u64 {
     debug_assert_eq!(claims.len(), out.len());
     out.fill(0);
-    order.clear();
-    let mut weight_left: u128 = 0;
+    s.free.clear();
+    let mut weight_left: u64 = 0;
     for (i, c) in claims.iter().enumerate() {
         if c.weight > 0 {
-            order.push(i as u32);
-            weight_left += u128::from(c.weight);
+            s.free.push(i as u32);
+            weight_left += u64::from(c.weight);
         }
     }
-    // Ascending cap per unit of weight: c_a / w_a < c_b / w_b  <=>  c_a·w_b < c_b·w_a.
-    order.sort_unstable_by(|&a, &b| {
-        let (a, b) = (&claims[a as usize], &claims[b as usize]);
-        let lhs = u128::from(a.cap) * u128::from(b.weight);
-        let rhs = u128::from(b.cap) * u128::from(a.weight);
-        lhs.cmp(&rhs).then(a.id.cmp(&b.id))
-    });
+    let saturates = |c: &Claim, left: u64, weight: u64| {
+        u128::from(left) * u128::from(c.weight) >= u128::from(c.cap) * u128::from(weight)
+    };
 
+    let total = u64::from(total);
     let mut left = total;
-    let mut first_free = order.len();
-    for (pos, &i) in order.iter().enumerate() {
-        let c = &claims[i as usize];
-        if u128::from(left) * u128::from(c.weight) >= u128::from(c.cap) * weight_left {
-            // Saturated: its cap is at most its proportional share of `left`, so cap <= left.
-            out[i as usize] = c.cap;
-            left -= c.cap;
-            weight_left -= u128::from(c.weight);
-        } else {
-            first_free = pos;
+    let mut passes = 0;
+    while !s.free.is_empty() {
+        if passes == FAST_PASSES {
+            // Sort by ascending cap per unit of weight (c_a·w_b < c_b·w_a, products < 2^64),
+            // then sweep with the level updated claim by claim.
+            s.free.sort_unstable_by(|&a, &b| {
+                let (a, b) = (&claims[a as usize], &claims[b as usize]);
+                let lhs = u64::from(a.cap) * u64::from(b.weight);
+                let rhs = u64::from(b.cap) * u64::from(a.weight);
+                lhs.cmp(&rhs)
+            });
+            let mut fixed = 0;
+            for &i in &s.free {
+                let c = &claims[i as usize];
+                if !saturates(c, left, weight_left) {
+                    break;
+                }
+                out[i as usize] = u64::from(c.cap);
+                left -= u64::from(c.cap);
+                weight_left -= u64::from(c.weight);
+                fixed += 1;
+            }
+            s.free.drain(..fixed);
             break;
         }
+        // One pass at the level `level_left / level_weight`: the caps fixed in it sum to at most
+        // that level times their weight, so at most `level_left`.
+        let (level_left, level_weight) = (left, weight_left);
+        let before = s.free.len();
+        s.free.retain(|&i| {
+            let c = &claims[i as usize];
+            if saturates(c, level_left, level_weight) {
+                out[i as usize] = u64::from(c.cap);
+                left -= u64::from(c.cap);
+                weight_left -= u64::from(c.weight);
+                false
+            } else {
+                true
+            }
+        });
+        if s.free.len() == before {
+            break;
+        }
+        passes += 1;
     }
-    if first_free == order.len() {
+    if s.free.is_empty() {
         return total - left;
     }
 
-    // Unsaturated tail: floors, then the leftover units by largest remainder.
-    let tail = &mut order[first_free..];
+    // Unsaturated claims: floors, then the leftover units by largest remainder.
+    s.rems.clear();
     let mut handed: u64 = 0;
-    for &i in tail.iter() {
-        let share = u128::from(left) * u128::from(claims[i as usize].weight);
-        // share / weight_left <= left, so the floor fits in u64.
-        let floor = (share / weight_left) as u64;
+    let div = Reciprocal::new(weight_left);
+    for &i in &s.free {
+        // left <= total < 2^32 and weight < 2^32: the product fits in u64.
+        let share = left * u64::from(claims[i as usize].weight);
+        let (floor, rem) = div.div_rem(share);
         out[i as usize] = floor;
         handed += floor;
+        s.rems.push((rem << 16) | u64::from(0xFFFF - i));
     }
     let extra = (left - handed) as usize;
     if extra > 0 {
-        let rem = |i: u32| (u128::from(left) * u128::from(claims[i as usize].weight)) % weight_left;
-        tail.sort_unstable_by(|&a, &b| match rem(b).cmp(&rem(a)) {
-            CmpOrdering::Equal => claims[a as usize].id.cmp(&claims[b as usize].id),
-            o => o,
-        });
-        for &i in tail.iter().take(extra) {
-            out[i as usize] += 1;
+        // Largest remainder first, ties to the lower index; only the first `extra` matter.
+        if extra < s.rems.len() {
+            s.rems.select_nth_unstable_by(extra - 1, |a, b| b.cmp(a));
+        }
+        for &key in &s.rems[..extra] {
+            out[(0xFFFF - (key & 0xFFFF)) as usize] += 1;
         }
     }
     total
+}
+
+/// Division of many `u64` numerators by one divisor through a multiply: `m = ⌊2^64 / d⌋`
+/// computed once, then `q̂ = ⌊n·m / 2^64⌋` is at most 1 below `⌊n / d⌋` (because
+/// `n·m / 2^64 > n/d − n/2^64 ≥ n/d − 1`) and never above it, so one correction step is exact.
+/// A hardware 64-bit division costs tens of cycles; this is one widening multiply.
+#[derive(Debug, Clone, Copy)]
+struct Reciprocal {
+    d: u64,
+    m: u64,
+}
+
+impl Reciprocal {
+    fn new(d: u64) -> Self {
+        debug_assert!(d > 0);
+        // d = 1 would give 2^64, which does not fit: saturate (n·(2^64 − 1) / 2^64 is n − 1 for
+        // n > 0, corrected below like any other estimate).
+        let m = u64::try_from((1u128 << 64) / u128::from(d)).unwrap_or(u64::MAX);
+        Self { d, m }
+    }
+
+    #[inline]
+    fn div_rem(self, n: u64) -> (u64, u64) {
+        let mut q = ((u128::from(n) * u128::from(self.m)) >> 64) as u64;
+        let mut r = n - q * self.d;
+        if r >= self.d {
+            q += 1;
+            r -= self.d;
+        }
+        (q, r)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn fill(total: u64, claims: &[(u64, u64)]) -> Vec<u64> {
+    fn fill(total: u32, claims: &[(u32, u32)]) -> Vec<u64> {
         let claims: Vec<Claim> = claims
             .iter()
-            .enumerate()
-            .map(|(i, &(weight, cap))| Claim {
-                id: i as u16,
-                weight,
-                cap,
-            })
+            .map(|&(weight, cap)| Claim { weight, cap })
             .collect();
         let mut out = vec![0; claims.len()];
-        let handed = water_fill(total, &claims, &mut out, &mut Vec::new());
+        let handed = water_fill(total, &claims, &mut out, &mut FillScratch::default());
         assert_eq!(handed, out.iter().sum::<u64>());
         out
     }
@@ -154,13 +230,52 @@ mod tests {
     }
 
     #[test]
+    fn many_passes_fall_back_to_sort_and_sweep() {
+        // Geometric weights under one cap: each pass saturates only the heaviest claim left, so
+        // the fast passes run out (4096, 1024, 256 saturate at 10 each) and the sweep finishes:
+        // 10 left over weights 64, 16, 4, 1 (sum 85) = 7.53, 1.88, 0.47, 0.12 -> floors 7, 1, 0, 0
+        // and the two leftover units to the remainders .88 and .53.
+        let claims: Vec<(u32, u32)> = [4096, 1024, 256, 64, 16, 4, 1]
+            .iter()
+            .map(|&w| (w, 10))
+            .collect();
+        let out = fill(40, &claims);
+        assert_eq!(out.iter().sum::<u64>(), 40);
+        // More saturating claims than fast passes: the sweep itself must fix some.
+        let claims: Vec<(u32, u32)> = (0..10).map(|k| (1u32 << (3 * (9 - k)), 10)).collect();
+        let out10 = fill(60, &claims);
+        assert_eq!(out10.iter().sum::<u64>(), 60);
+        assert_eq!(&out10[..6], &[10, 10, 10, 10, 10, 9]);
+        assert_eq!(out, vec![10, 10, 10, 8, 2, 0, 0]);
+    }
+
+    #[test]
+    fn reciprocal_division_is_exact() {
+        let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        for d in [1u64, 2, 3, 7, 1 << 32, (1 << 48) - 1, u64::MAX] {
+            let r = Reciprocal::new(d);
+            for n in [0, 1, d - 1, d, d.wrapping_add(1), u64::MAX, u64::MAX - 1] {
+                assert_eq!(r.div_rem(n), (n / d, n % d), "{n} / {d}");
+            }
+        }
+        for _ in 0..100_000 {
+            let d = (next() >> (next() % 64)).max(1);
+            let n = next() >> (next() % 64);
+            assert_eq!(Reciprocal::new(d).div_rem(n), (n / d, n % d), "{n} / {d}");
+        }
+    }
+
+    #[test]
     fn huge_weights_do_not_overflow() {
-        let w = u64::from(u32::MAX);
-        let out = fill(
-            u64::from(u32::MAX),
-            &[(w, u64::from(u32::MAX)), (w, 7), (1, u64::from(u32::MAX))],
-        );
+        let m = u32::MAX;
+        let out = fill(m, &[(m, m), (m, 7), (1, m), (m, m)]);
         assert_eq!(out[1], 7);
-        assert_eq!(out.iter().sum::<u64>(), u64::from(u32::MAX));
+        assert_eq!(out.iter().sum::<u64>(), u64::from(m));
     }
 }

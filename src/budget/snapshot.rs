@@ -1,0 +1,60 @@
+//! Observability: a snapshot of every engine's figures, read under the publication epoch.
+
+use super::{unpack_load, BudgetCoordinator, EngineStats, Snapshot, JOINING, LIVE, USED_MASK};
+use crate::block::EngineId;
+use crate::sync::{fence, Ordering};
+
+impl BudgetCoordinator {
+    /// Every registered engine's figures. Budgets, quotas and limits are read under the
+    /// publication epoch and retried (a bounded number of times) until they come from one
+    /// publication; counters are read as they are at that moment.
+    pub fn snapshot(&self) -> Snapshot {
+        const ATTEMPTS: u32 = 8;
+        let mut engines = Vec::with_capacity(self.slots.len());
+        let mut attempt = 0;
+        loop {
+            engines.clear();
+            // Acquire: pairs with the publisher's final Release store of the even epoch.
+            let before = self.epoch.load(Ordering::Acquire);
+            for (i, slot) in self.slots.iter().enumerate() {
+                let state = slot.state.load(Ordering::Acquire);
+                if state != JOINING && state != LIVE {
+                    continue;
+                }
+                let held = slot.blocks_held.load(Ordering::Relaxed);
+                let quota = slot.block_quota.load(Ordering::Relaxed);
+                let limit = slot.block_limit.load(Ordering::Relaxed);
+                engines.push(EngineStats {
+                    engine: EngineId(i as u16),
+                    weight: slot.weight.load(Ordering::Relaxed),
+                    active: slot.active.load(Ordering::Relaxed),
+                    token_budget: slot.token_budget.load(Ordering::Relaxed),
+                    tokens_used: slot.tokens.load(Ordering::Relaxed) & USED_MASK,
+                    block_quota: quota,
+                    block_limit: limit,
+                    blocks_held: held,
+                    blocks_borrowed: held.saturating_sub(u64::from(quota)),
+                    blocks_to_reclaim: held.saturating_sub(u64::from(limit)),
+                    load: unpack_load(slot.load.load(Ordering::Relaxed)),
+                });
+            }
+            // Acquire fence: if we read any value written after the publisher's odd store, the
+            // re-read below sees an epoch past `before` (pairs with its Release fence).
+            fence(Ordering::Acquire);
+            let after = self.epoch.load(Ordering::Relaxed);
+            attempt += 1;
+            let consistent = before == after && before % 2 == 0;
+            if consistent || attempt == ATTEMPTS {
+                return Snapshot {
+                    epoch: after,
+                    consistent,
+                    tokens_per_step: self.config.tokens_per_step,
+                    total_blocks: self.config.total_blocks,
+                    blocks_in_use: self.blocks_in_use(),
+                    engines,
+                };
+            }
+            crate::sync::hint::spin_loop();
+        }
+    }
+}

@@ -1032,5 +1032,5 @@ fn put(cell: &AtomicU32, value: u32, lowering: bool) {
 
 #[inline]
 fn unpack_load(word: u64) -> Option<(Priority, u32)> {
-    (word & LOAD_PUBLISHED != 0).then(|| (((word >> 32) & 0xFFFF) as Priority, word as u32))
+    (word & LOAD_PUBLISHED != 0).then_some((((word >> 32) & 0xFFFF) as Priority, word as u32))
 }

@@ -355,6 +355,20 @@ pub enum CudaError {
         /// The buffer's device.
         found: usize,
     },
+    /// A GGUF upload needs more device memory than is free (nothing was copied).
+    #[error("upload needs {needed} bytes of device memory, {free} are free")]
+    DeviceOutOfMemory {
+        /// Bytes of all tensors.
+        needed: u64,
+        /// Free device memory when the upload began.
+        free: u64,
+    },
+    /// Pinning host memory returned no memory.
+    #[error("cannot pin {bytes} bytes of host memory")]
+    HostAlloc {
+        /// Bytes asked for.
+        bytes: usize,
+    },
 }
 
 /// Errors of the budget coordinator ([`crate::budget::BudgetCoordinator`]).

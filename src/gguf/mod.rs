@@ -24,12 +24,16 @@
 //!   Q2_K..Q6_K, IQ4_NL and MXFP4 to f32/f16/bf16, parallel on rayon.
 //! * [`write`]: [`GgufWriter`], laying files out as gguf-py does.
 //! * [`llama`]: [`LlamaParams`], the hyperparameters that size a llama-family engine.
+//! * `upload` (feature `cuda`): `Uploader`, tensors into device memory through a ring of
+//!   pinned staging buffers, host copies overlapped with the DMA.
 
 pub mod dequant;
 pub mod llama;
 pub mod mmap;
 pub mod parse;
 pub mod types;
+#[cfg(feature = "cuda")]
+pub mod upload;
 pub mod write;
 
 pub use dequant::{
@@ -42,4 +46,9 @@ pub use parse::{
     MAX_ARRAY_DEPTH, MAX_DIMS,
 };
 pub use types::{GgmlType, TypeId, ValueType, ALL_TYPES, QK_K};
+#[cfg(feature = "cuda")]
+pub use upload::{
+    upload_gguf, DeviceTensor, DeviceWeights, UploadOptions, UploadProgress, Uploader,
+    MAX_STAGING_BUFFERS,
+};
 pub use write::{GgufWriter, MetaValue};

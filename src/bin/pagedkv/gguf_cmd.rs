@@ -38,6 +38,10 @@ enum GgufCommand {
         #[arg(short, long)]
         output: PathBuf,
     },
+    /// Upload every tensor to the GPU through pinned staging buffers; report GB/s beside a
+    /// pinned-buffer memcpy of the same byte count, and check the bytes (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    UploadBench(crate::gguf_upload_cmd::Args),
 }
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -78,6 +82,8 @@ pub fn run(args: Args) -> Result<()> {
             w.flush()?;
             Ok(())
         }
+        #[cfg(feature = "cuda")]
+        GgufCommand::UploadBench(a) => crate::gguf_upload_cmd::run(a),
     }
 }
 

@@ -6,6 +6,8 @@ use std::process::ExitCode;
 #[cfg(feature = "cuda")]
 mod bench_cmd;
 mod gguf_cmd;
+#[cfg(feature = "cuda")]
+mod gguf_upload_cmd;
 mod simulate_cmd;
 mod stress_cmd;
 

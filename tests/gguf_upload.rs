@@ -1,0 +1,249 @@
+//! GGUF device upload: every tensor of the gguf-py fixture and of a synthetic multi-MiB file
+//! (written with `GgufWriter`, random bytes, sizes that straddle staging buffers) goes up
+//! through the pinned staging ring under several ring shapes, comes back with a plain download,
+//! and must equal the file byte for byte, with its type and shape; progress must rise to the
+//! total in largest-first order.
+//!
+//! Without a GPU each GPU test prints `SKIP` and passes; with `PAGEDKV_REQUIRE_GPU=1` it fails
+//! instead. `options_are_checked` and `synthetic_file_exercises_the_ring` run everywhere.
+#![cfg(feature = "cuda")]
+
+use pagedkv::cuda::Gpu;
+use pagedkv::error::CudaError;
+use pagedkv::gguf::{GgmlType, Gguf, GgufWriter, UploadOptions, UploadProgress, Uploader};
+use rand::rngs::SmallRng;
+use rand::{RngCore, SeedableRng};
+use std::io::Write;
+use std::path::Path;
+
+/// The GPU, or `None` after printing a SKIP line (uncaptured) when there is none; panics
+/// instead when `PAGEDKV_REQUIRE_GPU=1`.
+fn gpu(test: &str) -> Option<Gpu> {
+    match Gpu::open(0) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            if std::env::var("PAGEDKV_REQUIRE_GPU").as_deref() == Ok("1") {
+                panic!("{test}: PAGEDKV_REQUIRE_GPU=1 but no usable GPU: {e}");
+            }
+            let _ = writeln!(std::io::stderr(), "SKIP {test}: no GPU ({e})");
+            None
+        }
+    }
+}
+
+fn fixture() -> Vec<u8> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/all_types.gguf");
+    std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// A file of ~21 MiB: F32/F16/Q8_0/Q4_K/BF16 tensors of random bytes, some far larger than a
+/// staging buffer, some not a multiple of anything, many tiny ones that share a buffer.
+fn synthetic() -> Vec<u8> {
+    let mut rng = SmallRng::seed_from_u64(7);
+    let specs: Vec<(String, GgmlType, Vec<u64>)> = vec![
+        ("tok_embd".into(), GgmlType::F32, vec![1024, 4099]),
+        ("big_q8".into(), GgmlType::Q8_0, vec![4096, 1031]),
+        ("mid_f16".into(), GgmlType::F16, vec![333, 1027]),
+        ("q4k".into(), GgmlType::Q4_K, vec![512, 77]),
+        ("bf16".into(), GgmlType::BF16, vec![5, 7, 3, 2]),
+    ]
+    .into_iter()
+    .chain((0..40).map(|i| (format!("norm.{i}"), GgmlType::F32, vec![1 + i * 37])))
+    .collect();
+    let data: Vec<Vec<u8>> = specs
+        .iter()
+        .map(|(_, ty, shape)| {
+            let n = ty.bytes_for(shape.iter().product()).expect("size") as usize;
+            let mut v = vec![0u8; n];
+            rng.fill_bytes(&mut v);
+            v
+        })
+        .collect();
+    let mut w = GgufWriter::new();
+    for ((name, ty, shape), d) in specs.iter().zip(&data) {
+        w.add_tensor(name, *ty, shape, d).expect("add");
+    }
+    w.to_bytes().expect("write")
+}
+
+/// Uploads `g` with `up`, checks progress, downloads every tensor and compares it with the file.
+fn round_trip(gpu: &Gpu, up: &mut Uploader, g: &Gguf<'_>) {
+    let total = g.total_tensor_bytes();
+    let mut seen: Vec<(u64, u64, String)> = Vec::new();
+    let w = up
+        .upload(g, |p: UploadProgress<'_>| {
+            seen.push((p.done, p.total, p.tensor.to_owned()))
+        })
+        .expect("upload");
+    // Progress: strictly rising to the total, tensors first seen in largest-first order.
+    assert!(!seen.is_empty());
+    assert!(seen.iter().all(|s| s.1 == total));
+    assert!(
+        seen.windows(2).all(|p| p[0].0 < p[1].0),
+        "progress not rising"
+    );
+    assert_eq!(seen.last().map(|s| s.0), Some(total));
+    let mut first_seen: Vec<&str> = Vec::new();
+    for (_, _, name) in &seen {
+        if first_seen.last() != Some(&name.as_str()) {
+            assert!(
+                !first_seen.contains(&name.as_str()),
+                "{name} reported twice"
+            );
+            first_seen.push(name);
+        }
+    }
+    let order: Vec<&str> = g.tensors_largest_first().iter().map(|t| t.name()).collect();
+    assert_eq!(first_seen, order);
+    // Contents.
+    assert_eq!(w.len(), g.tensors().len());
+    assert_eq!(w.total_bytes(), total);
+    for t in g.tensors() {
+        let d = w
+            .get(t.name())
+            .unwrap_or_else(|| panic!("{} missing", t.name()));
+        assert_eq!(d.ty(), t.ty(), "{}", t.name());
+        assert_eq!(d.shape(), t.shape(), "{}", t.name());
+        let back = gpu.download(d.data()).expect("download");
+        assert!(
+            back == t.data(),
+            "{}: device bytes differ from the file",
+            t.name()
+        );
+    }
+}
+
+fn ring_shapes() -> [UploadOptions; 3] {
+    [
+        UploadOptions {
+            staging_buffers: 2,
+            staging_bytes: 64 << 10,
+            write_combined: true,
+        },
+        UploadOptions {
+            staging_buffers: 3,
+            staging_bytes: (1 << 20) + 4096,
+            write_combined: false,
+        },
+        UploadOptions::default(),
+    ]
+}
+
+#[test]
+fn options_are_checked() {
+    let ok = UploadOptions::default();
+    assert!(ok.check().is_ok());
+    for (bad, what) in [
+        (
+            UploadOptions {
+                staging_buffers: 1,
+                ..ok
+            },
+            "staging_buffers",
+        ),
+        (
+            UploadOptions {
+                staging_buffers: 17,
+                ..ok
+            },
+            "staging_buffers",
+        ),
+        (
+            UploadOptions {
+                staging_bytes: 4096,
+                ..ok
+            },
+            "staging_bytes",
+        ),
+        (
+            UploadOptions {
+                staging_bytes: 3 << 30,
+                ..ok
+            },
+            "staging_bytes",
+        ),
+    ] {
+        match bad.check() {
+            Err(CudaError::Unsupported { what: w, .. }) => assert_eq!(w, what),
+            other => panic!("{bad:?}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn synthetic_file_exercises_the_ring() {
+    // Runs everywhere: the GPU tests below rely on these properties of their input.
+    let syn = synthetic();
+    let g = Gguf::parse(&syn).expect("parse");
+    let sizes: Vec<usize> = g
+        .tensors_largest_first()
+        .iter()
+        .map(|t| t.n_bytes())
+        .collect();
+    assert!(g.total_tensor_bytes() > 20 << 20);
+    assert!(
+        sizes[0] > 8 * ((1 << 20) + 4096),
+        "a tensor spans many 1 MiB buffers"
+    );
+    assert!(
+        sizes.iter().any(|&n| n % 4096 != 0),
+        "sizes not page multiples"
+    );
+    assert!(
+        sizes.iter().filter(|&&n| n < 4096).count() > 10,
+        "tiny tensors share buffers"
+    );
+}
+
+#[test]
+fn fixture_round_trips_exactly() {
+    let Some(gpu) = gpu("fixture_round_trips_exactly") else {
+        return;
+    };
+    let bytes = fixture();
+    let g = Gguf::parse(&bytes).expect("parse");
+    for opts in ring_shapes() {
+        let mut up = Uploader::new(&gpu, opts).expect("uploader");
+        round_trip(&gpu, &mut up, &g);
+    }
+}
+
+#[test]
+fn synthetic_file_round_trips_exactly_and_ring_is_reusable() {
+    let Some(gpu) = gpu("synthetic_file_round_trips_exactly_and_ring_is_reusable") else {
+        return;
+    };
+    let (fx, syn) = (fixture(), synthetic());
+    let (gf, gs) = (
+        Gguf::parse(&fx).expect("parse"),
+        Gguf::parse(&syn).expect("parse"),
+    );
+    assert!(gs.total_tensor_bytes() > 20 << 20);
+    for opts in ring_shapes() {
+        // One ring, three uploads: the second and third reuse buffers the DMA just read.
+        let mut up = Uploader::new(&gpu, opts).expect("uploader");
+        round_trip(&gpu, &mut up, &gs);
+        round_trip(&gpu, &mut up, &gf);
+        round_trip(&gpu, &mut up, &gs);
+    }
+}
+
+#[test]
+fn panicking_progress_leaves_a_usable_ring() {
+    let Some(gpu) = gpu("panicking_progress_leaves_a_usable_ring") else {
+        return;
+    };
+    let syn = synthetic();
+    let g = Gguf::parse(&syn).expect("parse");
+    let opts = UploadOptions {
+        staging_buffers: 2,
+        staging_bytes: 1 << 20,
+        write_combined: true,
+    };
+    let mut up = Uploader::new(&gpu, opts).expect("uploader");
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        up.upload(&g, |p| assert!(p.done < 3 << 20, "stop mid-upload"))
+    }));
+    assert!(r.is_err(), "the callback should have panicked");
+    round_trip(&gpu, &mut up, &g);
+}

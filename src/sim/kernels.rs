@@ -129,7 +129,8 @@ fn noise<'a, T>(pool: &'a [T], rng: &mut SmallRng, len: usize) -> Result<&'a [T]
     Ok(&pool[at..at + len])
 }
 
-fn to_pairs(src: &[(i32, i32)], dst: &mut Vec<(u32, u32)>) {
+/// The batch's `(i32, i32)` block pairs as the cache APIs' `(u32, u32)`.
+pub(crate) fn to_pairs(src: &[(i32, i32)], dst: &mut Vec<(u32, u32)>) {
     dst.clear();
     dst.extend(src.iter().map(|&(a, b)| (a as u32, b as u32)));
 }

@@ -4,6 +4,7 @@
 //! small next to the KV traffic); the step ends with a stream synchronisation so that errors
 //! surface in the step that caused them.
 
+use super::kernels::to_pairs;
 use crate::attn::{AttnParams, PagedSeqs};
 use crate::cuda::{
     DecodeWorkspace, DeviceAttnParams, DeviceKvCache, DeviceSeqs, Gpu, PinnedSwapSpace,
@@ -145,9 +146,4 @@ impl<T: KvElem + DeviceRepr + ValidAsZeroBits> DeviceKernels<T> {
             * 2
             * (cfg.num_kv_heads() * cfg.head_dim() * cfg.dtype().size_bytes()) as u64)
     }
-}
-
-fn to_pairs(src: &[(i32, i32)], dst: &mut Vec<(u32, u32)>) {
-    dst.clear();
-    dst.extend(src.iter().map(|&(a, b)| (a as u32, b as u32)));
 }

@@ -1,0 +1,162 @@
+//! Giving blocks back: preemption by recompute or swap, swapping back in, shedding on a
+//! coordinator's request, and finishing or aborting sequences.
+
+use super::{Batcher, PreemptionMode};
+use crate::sched::sequence::{FinishReason, FinishedSeq, SeqPhase};
+
+impl Batcher {
+    /// Preempts running sequences (victim order as in a step) until the requested blocks are
+    /// freed or nothing runs. Returns whether anything was preempted.
+    pub(super) fn apply_shed(&mut self) -> bool {
+        let mut preempted = false;
+        while self.shed_request > 0 && !self.running.is_empty() {
+            let pos = (0..self.running.len())
+                .max_by_key(|&k| {
+                    let s = self.seq(self.running[k]);
+                    (s.priority, s.arrival)
+                })
+                .unwrap_or(0);
+            let slot = self.running.remove(pos);
+            let blocks = self.seq(slot).table.len();
+            self.preempt(slot);
+            self.shed_request = self.shed_request.saturating_sub(blocks.max(1));
+            preempted = true;
+        }
+        self.shed_request = 0;
+        preempted
+    }
+
+    /// Frees a sequence's blocks, giving them back to the budget too.
+    pub(super) fn release_table(&mut self, slot: usize) {
+        let freed = self.seq_mut(slot).table.clear();
+        if let Some(b) = &self.budget {
+            b.release_blocks(freed);
+        }
+    }
+
+    pub(super) fn preempt(&mut self, slot: usize) {
+        let blocks = self.seq(slot).table.len() as usize;
+        self.seq_mut(slot).row_blocks = 0;
+        let swap = self.cfg.preemption == PreemptionMode::Swap
+            && blocks > 0
+            && self.host_free.len() >= blocks;
+        self.seq_mut(slot).preemptions += 1;
+        if swap {
+            let mut host_blocks = std::mem::take(&mut self.seq_mut(slot).host_blocks);
+            host_blocks.clear();
+            for i in 0..blocks {
+                let host = self
+                    .host_free
+                    .pop()
+                    .unwrap_or_else(|| unreachable!("checked free host slots"));
+                let dev = self
+                    .seq(slot)
+                    .table
+                    .get(i as u32)
+                    .unwrap_or_else(|| unreachable!("i < table len"));
+                self.batch.swap_out.push((dev.index() as i32, host as i32));
+                host_blocks.push(host);
+            }
+            let s = self.seq_mut(slot);
+            s.host_blocks = host_blocks;
+            s.phase = SeqPhase::Swapped;
+            self.release_table(slot);
+            self.swapped.push_back(slot);
+            self.stats.preempted_swap += 1;
+            self.stats.blocks_swapped_out += blocks as u64;
+        } else {
+            self.release_table(slot);
+            let s = self.seq_mut(slot);
+            s.computed = 0;
+            s.phase = SeqPhase::Waiting;
+            let class = s.priority.index();
+            self.waiting[class].push_front(slot);
+            self.stats.preempted_recompute += 1;
+        }
+    }
+
+    /// Brings a swapped sequence back if all its blocks fit; lists the copies.
+    pub(super) fn swap_in(&mut self, slot: usize) -> bool {
+        let n = self.seq(slot).host_blocks.len() as u32;
+        if let Some(b) = &self.budget {
+            if !b.try_acquire_blocks(n) {
+                return false;
+            }
+        }
+        self.scratch.clear();
+        if self
+            .pool
+            .alloc_n(self.cfg.engine, n, &mut self.scratch)
+            .is_err()
+        {
+            if let Some(b) = &self.budget {
+                b.release_blocks(n);
+            }
+            return false;
+        }
+        let fresh = std::mem::take(&mut self.scratch);
+        let mut host_blocks = std::mem::take(&mut self.seq_mut(slot).host_blocks);
+        for (&host, &dev) in host_blocks.iter().zip(&fresh) {
+            self.batch.swap_in.push((host as i32, dev.index() as i32));
+            if let Err(e) = self.seq_mut(slot).table.push(dev) {
+                unreachable!("swapped blocks fit the table before: {e}");
+            }
+        }
+        self.host_released.append(&mut host_blocks);
+        self.scratch = fresh;
+        self.scratch.clear();
+        let s = self.seq_mut(slot);
+        s.host_blocks = host_blocks;
+        s.phase = if s.computed < s.prompt_len {
+            SeqPhase::Prefilling
+        } else {
+            SeqPhase::Decoding
+        };
+        self.stats.blocks_swapped_in += u64::from(n);
+        true
+    }
+
+    pub(super) fn finish(&mut self, slot: usize, reason: FinishReason, out: &mut Vec<FinishedSeq>) {
+        self.release_table(slot);
+        let Some(seq) = self.seqs[slot].take() else {
+            return;
+        };
+        self.host_released.extend_from_slice(&seq.host_blocks);
+        self.index.remove(&seq.id);
+        self.free_slots.push(slot);
+        if reason == FinishReason::Aborted {
+            self.stats.aborted += 1;
+        } else {
+            self.stats.finished += 1;
+        }
+        out.push(FinishedSeq {
+            id: seq.id,
+            output: seq.tokens[seq.prompt_len..].to_vec(),
+            reason,
+            preemptions: seq.preemptions,
+        });
+    }
+
+    pub(super) fn apply_aborts(&mut self, finished: &mut Vec<FinishedSeq>) {
+        if self.pending_aborts.is_empty() {
+            return;
+        }
+        let aborts = std::mem::take(&mut self.pending_aborts);
+        for &id in &aborts {
+            let Some(&slot) = self.index.get(&id) else {
+                continue;
+            };
+            match self.seq(slot).phase {
+                SeqPhase::Waiting => {
+                    let class = self.seq(slot).priority.index();
+                    self.waiting[class].retain(|&s| s != slot);
+                }
+                SeqPhase::Swapped => self.swapped.retain(|&s| s != slot),
+                SeqPhase::Prefilling | SeqPhase::Decoding => self.running.retain(|&s| s != slot),
+            }
+            self.finish(slot, FinishReason::Aborted, finished);
+        }
+        self.pending_aborts = aborts;
+        self.pending_aborts.clear();
+    }
+}

@@ -90,7 +90,7 @@ pub struct SimConfig {
 
 impl Default for SimConfig {
     /// Three models of different geometry, weights 3:2:1, on one pool; the code model gets a
-    /// burst that overloads it. Sized to finish within a minute on 2 CPU cores.
+    /// burst that overloads it, the batch model is silent for the first 8 s. Sized to finish within a minute on 2 CPU cores.
     fn default() -> Self {
         Self {
             seed: 42,
@@ -161,7 +161,13 @@ impl Default for SimConfig {
                     max_prompt: 1536,
                     output_mean: 160.0,
                     max_output: 768,
-                    burst: None,
+                    // Silent for the first 8 s: its share of the pool is lent to the others
+                    // (the code model's burst borrows it) and reclaimed when it wakes up.
+                    burst: Some(Burst {
+                        start_s: 0.0,
+                        len_s: 8.0,
+                        factor: 0.0,
+                    }),
                     max_running: 48,
                 },
             ],

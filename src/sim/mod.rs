@@ -459,6 +459,7 @@ pub fn run_on(
         .map(|e| sum_where(&e.metrics.per_tick, &saturated))
         .sum();
     let sim_seconds = steps_run as f64 * cfg.step_ms / 1e3;
+    let all_scheduled: u64 = engines.iter().map(|e| e.metrics.scheduled).sum();
     let mut refused_all = Refusals::default();
     for (e, rt) in engines.iter().enumerate() {
         let m = &rt.metrics;
@@ -494,6 +495,11 @@ pub fn run_on(
             generated_tokens: m.generated,
             scheduled_tokens: m.scheduled,
             tokens_per_s: m.generated as f64 / sim_seconds,
+            token_share: if all_scheduled == 0 {
+                0.0
+            } else {
+                m.scheduled as f64 / all_scheduled as f64
+            },
             saturated_token_share: if saturated_total == 0 {
                 0.0
             } else {

@@ -76,6 +76,8 @@ pub struct EngineReport {
     pub scheduled_tokens: u64,
     /// Generated tokens per simulated second.
     pub tokens_per_s: f64,
+    /// Share of all scheduled tokens, over the whole run.
+    pub token_share: f64,
     /// Share of all scheduled tokens in ticks where every engine had a backlog.
     pub saturated_token_share: f64,
     /// Latency-critical class.
@@ -208,7 +210,7 @@ impl Report {
         let _ = writeln!(
             s,
             "\n{:<10} {:>6} {:>6} {:>6} {:>5} {:>6} {:>6} {:>8} {:>7} {:>7} | {:>17} {:>17} | {:>17} {:>17}",
-            "engine", "weight", "share", "reqs", "done", "refus", "tok/s", "preempt", "swapped", "shed",
+            "engine", "weight", "tokens", "reqs", "done", "refus", "tok/s", "preempt", "swapped", "shed",
             "LC ttft p50/p99", "LC itl p50/p99", "TP ttft p50/p99", "TP itl p50/p99"
         );
         for e in &self.engines {
@@ -220,7 +222,7 @@ impl Report {
                 "{:<10} {:>6} {:>5.1}% {:>6} {:>5} {:>6} {:>6.0} {:>8} {:>7} {:>7} | {:>17} {:>17} | {:>17} {:>17}",
                 e.name,
                 e.weight,
-                100.0 * e.saturated_token_share,
+                100.0 * e.token_share,
                 e.requests,
                 e.finished,
                 refused,
@@ -236,17 +238,25 @@ impl Report {
         }
         let _ = writeln!(
             s,
-            "(share: each engine's share of tokens in saturated steps, beside its weight share:"
+            "\ntokens: each engine's share of the scheduled tokens; under saturation (steps where \
+             every engine had a backlog: {}) beside its weight share:",
+            self.saturated_ticks
         );
         for e in &self.engines {
+            let saturated = if self.saturated_ticks >= 20 {
+                format!("{:>5.1}%", 100.0 * e.saturated_token_share)
+            } else {
+                "  n/a ".to_owned()
+            };
             let _ = writeln!(
                 s,
-                "   {:<10} tokens {:>5.1}%  weight {:>5.1}%  peak blocks {:>5}  peak borrowed {:>5}  donations asked {})",
+                "   {:<10} saturated {}  weight {:>5.1}% | blocks: peak held {:>5}, peak borrowed {:>4}, given back {:>4}, donations asked {}",
                 e.name,
-                100.0 * e.saturated_token_share,
+                saturated,
                 100.0 * e.weight_share,
                 e.peak_blocks,
                 e.peak_borrowed,
+                e.blocks_shed,
                 e.donations_asked
             );
         }

@@ -262,6 +262,7 @@ impl BlockPool {
         }
     }
 
+    #[inline]
     fn check_engine(&self, engine: EngineId) -> Result<(), PoolError> {
         if engine.index() < self.held.len() {
             Ok(())
@@ -408,6 +409,7 @@ impl BlockPool {
     }
 
     /// Pops the top of the free stack.
+    #[inline]
     fn pop(&self) -> Option<u32> {
         let backoff = Backoff::new();
         // Acquire pairs with the Release CAS of the push that installed this top.
@@ -436,6 +438,7 @@ impl BlockPool {
 
     /// Pushes blocks whose last reference was just released, as one chain with one CAS:
     /// `chain[0]` becomes the new top and `chain[k-1]` links to the old top.
+    #[inline]
     fn push_chain(&self, chain: &[u32]) {
         let Some(&first) = chain.first() else {
             return;
@@ -530,6 +533,7 @@ impl BlockPool {
 
     /// Decrements the block's reference count. Returns its owner if this was the last reference:
     /// the caller then alone recycles the block (uncounts it and pushes it).
+    #[inline]
     fn drop_ref(&self, id: BlockId) -> Result<Option<EngineId>, PoolError> {
         let index = self.check_id(id)?;
         let meta = &self.meta[index];

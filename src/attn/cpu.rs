@@ -310,6 +310,14 @@ fn check_params(
             });
         }
     }
+    check_seqs(cfg, seqs)?;
+    Ok(nh / nkv)
+}
+
+/// Validates a batch's block tables and context lengths against the cache geometry (the
+/// table's shape, each context within its row, every live block id in range); returns the
+/// largest context length. The CUDA wrappers run the same checks before a launch.
+pub(crate) fn check_seqs(cfg: &KvCacheConfig, seqs: &PagedSeqs<'_>) -> Result<usize, AttnError> {
     let num_seqs = seqs.num_seqs();
     let mbps = seqs.max_blocks_per_seq;
     let table_len = num_seqs
@@ -321,6 +329,7 @@ fn check_params(
         })?;
     check_len("block_tables", table_len, seqs.block_tables.len())?;
     let capacity = mbps.saturating_mul(cfg.block_size());
+    let mut max_ctx = 0usize;
     for (seq, &ctx) in seqs.context_lens.iter().enumerate() {
         if ctx < 0 || ctx as usize > capacity {
             return Err(AttnError::ContextLen {
@@ -341,8 +350,9 @@ fn check_params(
                 });
             }
         }
+        max_ctx = max_ctx.max(ctx as usize);
     }
-    Ok(nh / nkv)
+    Ok(max_ctx)
 }
 
 /// Scratch floats one task slot needs for `rows` query rows.

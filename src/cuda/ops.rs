@@ -143,53 +143,11 @@ fn upload_nonempty(gpu: &Gpu, host: &[i32]) -> Result<CudaSlice<i32>, CudaError>
     }
 }
 
-/// The CPU kernels' batch checks (same errors, same order); returns the largest context.
+/// The CPU kernels' batch checks ([`crate::attn::cpu::check_seqs`]), plus the sizes the C ABI
+/// can carry; returns the largest context.
 fn validate_seqs(cfg: &KvCacheConfig, seqs: &PagedSeqs<'_>) -> Result<usize, CudaError> {
-    let num_seqs = seqs.num_seqs();
-    let mbps = seqs.max_blocks_per_seq;
-    let expected = num_seqs
-        .checked_mul(mbps)
-        .ok_or(AttnError::LengthMismatch {
-            what: "block_tables",
-            expected: usize::MAX,
-            found: seqs.block_tables.len(),
-        })?;
-    if expected != seqs.block_tables.len() {
-        return Err(AttnError::LengthMismatch {
-            what: "block_tables",
-            expected,
-            found: seqs.block_tables.len(),
-        }
-        .into());
-    }
-    let capacity = mbps.saturating_mul(cfg.block_size());
-    let mut max_ctx = 0usize;
-    for (seq, &ctx) in seqs.context_lens.iter().enumerate() {
-        if ctx < 0 || ctx as usize > capacity {
-            return Err(AttnError::ContextLen {
-                seq,
-                context_len: ctx as i64,
-                capacity,
-            }
-            .into());
-        }
-        let live = cfg.blocks_for_tokens(ctx as usize);
-        for (index, &block) in seqs.block_tables[seq * mbps..seq * mbps + live]
-            .iter()
-            .enumerate()
-        {
-            if block < 0 || block as usize >= cfg.num_blocks() {
-                return Err(AttnError::BlockOutOfRange {
-                    seq,
-                    index,
-                    block,
-                    num_blocks: cfg.num_blocks(),
-                }
-                .into());
-            }
-        }
-        max_ctx = max_ctx.max(ctx as usize);
-    }
+    let max_ctx = crate::attn::cpu::check_seqs(cfg, seqs)?;
+    let (num_seqs, mbps) = (seqs.num_seqs(), seqs.max_blocks_per_seq);
     if i32::try_from(mbps).is_err() || i32::try_from(num_seqs).is_err() {
         return Err(CudaError::Unsupported {
             what: "batch size",

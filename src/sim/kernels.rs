@@ -109,11 +109,7 @@ impl<T: KvElem> KernelBuffers<T> {
                 )?;
             }
         }
-        let ctx: u64 = batch.context_lens.iter().map(|&c| c as u64).sum();
-        Ok(ctx
-            * cfg.num_layers() as u64
-            * 2
-            * (cfg.num_kv_heads() * cfg.head_dim() * cfg.dtype().size_bytes()) as u64)
+        Ok(kv_bytes_read(&cfg, batch))
     }
 }
 
@@ -127,6 +123,14 @@ fn noise<'a, T>(pool: &'a [T], rng: &mut SmallRng, len: usize) -> Result<&'a [T]
     }
     let at = rng.gen_range(0..=pool.len() - len);
     Ok(&pool[at..at + len])
+}
+
+/// KV bytes a step's attention reads: every context token's K and V in every layer.
+pub(crate) fn kv_bytes_read(cfg: &KvCacheConfig, batch: &Batch) -> u64 {
+    let ctx: u64 = batch.context_lens.iter().map(|&c| c as u64).sum();
+    let per_token =
+        2 * cfg.num_layers() * cfg.num_kv_heads() * cfg.head_dim() * cfg.dtype().size_bytes();
+    ctx * per_token as u64
 }
 
 /// The batch's `(i32, i32)` block pairs as the cache APIs' `(u32, u32)`.

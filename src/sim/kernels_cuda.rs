@@ -4,7 +4,7 @@
 //! small next to the KV traffic); the step ends with a stream synchronisation so that errors
 //! surface in the step that caused them.
 
-use super::kernels::to_pairs;
+use super::kernels::{kv_bytes_read, to_pairs};
 use crate::attn::{AttnParams, PagedSeqs};
 use crate::cuda::{
     DecodeWorkspace, DeviceAttnParams, DeviceKvCache, DeviceSeqs, Gpu, PinnedSwapSpace,
@@ -140,10 +140,6 @@ impl<T: KvElem + DeviceRepr + ValidAsZeroBits> DeviceKernels<T> {
             }
         }
         self.gpu.synchronize()?;
-        let ctx: u64 = batch.context_lens.iter().map(|&c| c as u64).sum();
-        Ok(ctx
-            * cfg.num_layers() as u64
-            * 2
-            * (cfg.num_kv_heads() * cfg.head_dim() * cfg.dtype().size_bytes()) as u64)
+        Ok(kv_bytes_read(&cfg, batch))
     }
 }

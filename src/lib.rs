@@ -13,6 +13,8 @@ pub mod block;
 pub mod budget;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(all(feature = "cuda-emu", not(feature = "cuda")))]
+pub mod cuda_emu;
 pub mod error;
 pub mod gguf;
 pub mod kv;

@@ -15,7 +15,7 @@ use pagedkv::cuda::{
     PinnedSwapSpace,
 };
 use pagedkv::error::CudaError;
-use pagedkv::kv::{HostKvCache, KvCacheConfig, KvDtype, KvElem, SwapSpace};
+use pagedkv::kv::{HostKvCache, KvCacheConfig, KvDtype, SwapSpace};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -39,140 +39,12 @@ fn gpu(test: &str) -> Option<Gpu> {
     }
 }
 
-trait Elem: KvElem + cudarc::driver::DeviceRepr {
-    /// Absolute and relative tolerance of GPU vs CPU outputs (both f32 math, different
-    /// summation order; outputs rounded once to the dtype).
-    const TOL: (f32, f32);
-}
-impl Elem for f32 {
-    const TOL: (f32, f32) = (2e-5, 1e-4);
-}
-impl Elem for f16 {
-    const TOL: (f32, f32) = (2e-3, 4e-3);
-}
-impl Elem for bf16 {
-    const TOL: (f32, f32) = (1e-2, 2e-2);
-}
+#[path = "support/kernel_grid.rs"]
+mod kernel_grid;
+use kernel_grid::*;
 
-fn random_vec<T: KvElem>(rng: &mut SmallRng, n: usize) -> Vec<T> {
-    (0..n)
-        .map(|_| T::from_f32(rng.gen_range(-1.0f32..1.0)))
-        .collect()
-}
-
-fn random_cache<T: KvElem>(rng: &mut SmallRng, cfg: KvCacheConfig) -> HostKvCache {
-    let mut h = HostKvCache::new(cfg).expect("host cache");
-    let mut v = h.view_mut::<T>().expect("view");
-    for x in v.data_mut() {
-        *x = T::from_f32(rng.gen_range(-1.0f32..1.0));
-    }
-    h
-}
-
-/// Compares GPU output with the CPU oracle; `row` names a row of `d` elements for messages.
-fn assert_close<T: Elem>(what: &str, gpu: &[T], cpu: &[T], d: usize) {
-    assert_eq!(gpu.len(), cpu.len(), "{what}: length");
-    let (atol, rtol) = T::TOL;
-    let mut worst = 0f32;
-    for (i, (g, c)) in gpu.iter().zip(cpu).enumerate() {
-        let (g, c) = (g.to_f32(), c.to_f32());
-        assert!(
-            g.is_finite(),
-            "{what}: element {i} (row {}, dim {}) not written or not finite: {g}",
-            i / d,
-            i % d
-        );
-        assert!(c.is_finite(), "{what}: CPU element {i} not finite");
-        let err = (g - c).abs();
-        worst = worst.max(err);
-        assert!(
-            err <= atol + rtol * c.abs(),
-            "{what}: element {i} (row {}, dim {}): gpu {g} vs cpu {c} (|diff| {err})",
-            i / d,
-            i % d
-        );
-    }
-}
-
-/// A batch: block tables scattered over a shuffled pool, garbage past the live entries.
-struct Batch {
-    cfg: KvCacheConfig,
-    tables: Vec<i32>,
-    mbps: usize,
-    ctx: Vec<i32>,
-}
-
-fn make_batch(
-    rng: &mut SmallRng,
-    layers: usize,
-    hkv: usize,
-    d: usize,
-    bs: usize,
-    dtype: KvDtype,
-    ctx: &[usize],
-) -> Batch {
-    let need: usize = ctx.iter().map(|c| c.div_ceil(bs)).sum();
-    let num_blocks = need + 3 + rng.gen_range(0..4);
-    let cfg = KvCacheConfig::new(layers, hkv, d, bs, num_blocks, dtype).expect("config");
-    let mbps = ctx.iter().map(|c| c.div_ceil(bs)).max().unwrap_or(1).max(1) + 1;
-    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
-    ids.shuffle(rng);
-    let mut next = 0;
-    let mut tables = vec![0i32; ctx.len() * mbps];
-    for (s, &c) in ctx.iter().enumerate() {
-        for j in 0..mbps {
-            tables[s * mbps + j] = if j < c.div_ceil(bs) {
-                next += 1;
-                ids[next - 1]
-            } else {
-                // Never read: garbage a kernel would fault on or visibly misuse.
-                [-7, i32::MAX, 1 << 30][j % 3]
-            };
-        }
-    }
-    Batch {
-        cfg,
-        tables,
-        mbps,
-        ctx: ctx.iter().map(|&c| c as i32).collect(),
-    }
-}
-
-#[derive(Clone, Copy, Debug)]
-struct Features {
-    alibi: bool,
-    window: usize,
-    softcap: f32,
-}
-
-fn features(variant: usize, bs: usize) -> Features {
-    match variant % 4 {
-        0 => Features {
-            alibi: false,
-            window: 0,
-            softcap: 0.0,
-        },
-        1 => Features {
-            alibi: true,
-            window: 0,
-            softcap: 0.0,
-        },
-        2 => Features {
-            alibi: false,
-            window: bs + 3,
-            softcap: 0.0,
-        },
-        _ => Features {
-            alibi: true,
-            window: 2 * bs + 1,
-            softcap: 5.0,
-        },
-    }
-}
-
-fn slopes(rng: &mut SmallRng, nh: usize) -> Vec<f32> {
-    (0..nh).map(|_| rng.gen_range(0.01f32..0.5)).collect()
-}
+trait Elem: Tol + cudarc::driver::DeviceRepr {}
+impl<T: Tol + cudarc::driver::DeviceRepr> Elem for T {}
 
 // ---- attention ---------------------------------------------------------------------------
 
@@ -226,18 +98,8 @@ fn check_decode<T: Elem>(
             .upload(&vec![T::from_f32(f32::NAN); query.len()])
             .expect("out");
         let r = dev.paged_attention_decode(g, layer, &dq, &dseqs, &dparams, &mut ws, &mut out);
-        // Heads per thread block: 1, 4 (ratios 2..4) or 8; single pass keeps their logits for
-        // the whole context in 48 KiB of shared memory.
-        let gt = if group == 1 {
-            1
-        } else if group <= 4 {
-            4
-        } else {
-            8
-        };
-        if mode == DecodeMode::SinglePass
-            && gt * ctx.iter().max().copied().unwrap_or(1) * 4 > 48 * 1024
-        {
+        // Single pass keeps the logits of the whole context in 48 KiB of shared memory.
+        if mode == DecodeMode::SinglePass && single_pass_refused(group, ctx) {
             // Documented refusal: the context does not fit a single pass.
             assert!(
                 matches!(r, Err(CudaError::Launch { .. })),
@@ -322,9 +184,6 @@ fn check_prefill<T: Elem>(
     assert_close(&what, &got, &want, d);
 }
 
-const HEAD_DIMS: [usize; 6] = [64, 80, 96, 112, 128, 256];
-const GROUPS: [usize; 3] = [1, 4, 8];
-const BLOCK_SIZES: [usize; 3] = [8, 16, 32];
 const ALL_MODES: [DecodeMode; 3] = [DecodeMode::Auto, DecodeMode::SinglePass, DecodeMode::SplitK];
 
 fn decode_grid<T: Elem>(seed: u64) {
@@ -336,7 +195,7 @@ fn decode_grid<T: Elem>(seed: u64) {
     for d in HEAD_DIMS {
         for group in GROUPS {
             for bs in BLOCK_SIZES {
-                let ctx = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 300, 0];
+                let ctx = decode_grid_contexts(bs);
                 check_decode::<T>(
                     &g,
                     &mut rng,
@@ -377,11 +236,7 @@ fn decode_long_contexts_and_odd_groups() {
     let mut rng = SmallRng::seed_from_u64(4);
     let ctx = [511, 512, 513, 1537, 5000, 20000, 1];
     for (i, f) in [
-        Features {
-            alibi: false,
-            window: 0,
-            softcap: 0.0,
-        },
+        Features::PLAIN,
         Features {
             alibi: true,
             window: 700,
@@ -435,15 +290,7 @@ fn prefill_grid<T: Elem>(seed: u64) {
     for d in HEAD_DIMS {
         for group in GROUPS {
             for bs in BLOCK_SIZES {
-                let seqs = [
-                    (1, 1),
-                    (bs, bs),
-                    (bs + 1, 2 * bs + 3),
-                    (37, 37),
-                    (5, 300),
-                    (0, 20),
-                    (bs - 1, bs - 1),
-                ];
+                let seqs = prefill_grid_seqs(bs);
                 check_prefill::<T>(&g, &mut rng, d, group, bs, &seqs, features(variant, bs));
                 variant += 1;
             }

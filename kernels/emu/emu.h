@@ -1,0 +1,293 @@
+// emu.h: a CPU emulation of the slice of CUDA that kernels/ uses, so the kernels and their
+// launchers run unchanged (after build.rs's two mechanical rewrites, see build/emu.rs) on a
+// machine without a GPU, under feature `cuda-emu`.
+//
+// Why: no GPU is lent to most sessions of this project, and kernels that never ran are kernels
+// with unknown bugs. Compiled here, the very same index arithmetic, lane layouts, shuffles,
+// barriers, split-K partitioning and launch configurations run against the CPU oracle.
+//
+// Model:
+// - A launch runs its thread blocks one after another on the calling OS thread. Each CUDA
+//   thread of a block is a fiber (own stack, cooperative switch); a fiber runs until it reaches
+//   a barrier (__syncthreads, __syncwarp, or either half of a shuffle) or returns.
+// - Barriers count live threads only: a thread that returned no longer takes part (as on
+//   sm_70+). A barrier no live thread can pass (a __syncthreads under divergent control flow)
+//   is reported as a deadlock and fails the launch.
+// - Warp shuffles exchange through a per-warp slot array between two warp barriers; reading a
+//   lane that has returned is an error.
+// - The fiber order of every scheduling pass is a policy (forward, reverse, seeded random):
+//   a kernel free of shared-memory races gives bit-identical results under all of them.
+// - __shared__ variables are block-scope thread_locals (the fibers of a block share the OS
+//   thread; blocks run one at a time); the dynamic shared memory is a guarded allocation
+//   poisoned with 0xFF bytes (NaN as f32) before every block.
+// - Faults a GPU would raise are checked where the emulation can see them: misaligned 16-byte
+//   vector loads and stores, launch configurations the hardware refuses (block > 1024 threads,
+//   grid y/z > 65535, > 48 KiB of dynamic shared memory without the opt-in attribute), and
+//   accesses past a guarded allocation (pkv_emu_alloc) or the dynamic shared memory (SIGSEGV,
+//   reported and aborted).
+// - Errors are sticky per OS thread and read through cudaGetLastError(), as launch errors are.
+//
+// Not modelled: timing, memory coalescing, the L1/L2 hierarchy, real concurrency between
+// blocks (a kernel whose blocks communicate would deadlock here), streams (everything is
+// synchronous), atomics (no kernel uses them).
+#pragma once
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <type_traits>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+// Block-scope thread_local is static storage per OS thread: one instance per running block.
+#define __shared__ thread_local
+
+// ---- vector and index types ---------------------------------------------------------------
+
+struct alignas(16) uint4 {
+  unsigned int x, y, z, w;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+struct alignas(8) float2 {
+  float x, y;
+};
+struct uint3 {
+  unsigned int x, y, z;
+};
+struct dim3 {
+  unsigned int x, y, z;
+  constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1)
+      : x(vx), y(vy), z(vz) {}
+};
+inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) {
+  return uint4{x, y, z, w};
+}
+
+// ---- the CUDA runtime types and calls the launchers use -----------------------------------
+
+enum cudaError_t {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorInvalidDeviceFunction = 98,
+  cudaErrorIllegalAddress = 700,
+  cudaErrorLaunchOutOfResources = 701,
+  cudaErrorMisalignedAddress = 716,
+  cudaErrorLaunchFailure = 719,
+};
+enum cudaMemcpyKind {
+  cudaMemcpyHostToHost = 0,
+  cudaMemcpyHostToDevice = 1,
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4,
+};
+enum cudaDeviceAttr {
+  cudaDevAttrMultiProcessorCount = 16,
+  cudaDevAttrComputeCapabilityMajor = 75,
+  cudaDevAttrComputeCapabilityMinor = 76,
+};
+enum cudaFuncAttribute {
+  cudaFuncAttributeMaxDynamicSharedMemorySize = 8,
+};
+struct cudaFuncAttributes {
+  size_t sharedSizeBytes;
+  int maxThreadsPerBlock;
+};
+struct CUstream_st;
+typedef CUstream_st *cudaStream_t;
+
+cudaError_t cudaGetLastError();
+cudaError_t cudaGetDevice(int *dev);
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev);
+cudaError_t cudaRuntimeGetVersion(int *version);
+const char *cudaGetErrorString(cudaError_t e);
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t stream);
+
+namespace emu {
+
+// Dynamic shared memory above this needs cudaFuncAttributeMaxDynamicSharedMemorySize.
+constexpr size_t DEFAULT_DYNAMIC_SMEM = 48 * 1024;
+// The opt-in ceiling of sm_90 (227 KiB).
+constexpr size_t MAX_DYNAMIC_SMEM = 227 * 1024;
+
+cudaError_t func_set_max_dynamic_smem(const void *kernel, int bytes);
+
+// The currently running emulated thread's coordinates (valid inside a kernel only).
+struct ThreadCoords {
+  uint3 thread, block;
+  dim3 block_dim, grid_dim;
+};
+extern thread_local const ThreadCoords *tl_coords;
+
+// Runs `body` (a kernel call with its arguments bound) for every thread of every block.
+// `kernel` identifies the kernel for its attributes. Errors become the sticky launch error.
+void launch_erased(const void *kernel, void (*call)(const void *), const void *body, dim3 grid,
+                   dim3 block, size_t smem);
+
+template <typename F>
+inline void launch(const void *kernel, const F &body, dim3 grid, dim3 block, size_t smem = 0,
+                   cudaStream_t stream = nullptr) {
+  (void)stream;  // every emulated launch is synchronous
+  launch_erased(
+      kernel, [](const void *f) { (*static_cast<const F *>(f))(); }, &body, grid, block, smem);
+}
+
+// The block's dynamic shared memory (`extern __shared__ T name[]` is rewritten to this).
+void *dynamic_smem_raw();
+template <typename T> inline T *dynamic_smem() { return static_cast<T *>(dynamic_smem_raw()); }
+
+void syncthreads();
+void syncwarp(unsigned mask);
+uint64_t shfl_xor_bits(unsigned mask, uint64_t bits, int lane_mask, int width);
+// Records a device-side fault (the launch fails with `e`) and ends the calling thread's block.
+[[noreturn]] void fault(cudaError_t e, const char *what, const void *addr);
+
+inline void check_align16(const void *p, const char *what) {
+  if ((reinterpret_cast<uintptr_t>(p) & 15u) != 0) fault(cudaErrorMisalignedAddress, what, p);
+}
+
+}  // namespace emu
+
+template <typename K> inline cudaError_t cudaFuncSetAttribute(K *kernel, cudaFuncAttribute attr,
+                                                              int value) {
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaErrorInvalidValue;
+  return emu::func_set_max_dynamic_smem(reinterpret_cast<const void *>(kernel), value);
+}
+template <typename K> inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *attr,
+                                                               K *kernel) {
+  if (attr == nullptr || kernel == nullptr) return cudaErrorInvalidValue;
+  attr->sharedSizeBytes = 0;
+  attr->maxThreadsPerBlock = 1024;
+  return cudaSuccess;
+}
+
+// ---- thread coordinates -------------------------------------------------------------------
+
+#define threadIdx (::emu::tl_coords->thread)
+#define blockIdx (::emu::tl_coords->block)
+#define blockDim (::emu::tl_coords->block_dim)
+#define gridDim (::emu::tl_coords->grid_dim)
+
+// ---- synchronization and warp shuffles ------------------------------------------------------
+
+inline void __syncthreads() { emu::syncthreads(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { emu::syncwarp(mask); }
+
+template <typename T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffle of a scalar");
+  uint64_t bits = 0;
+  memcpy(&bits, &v, sizeof(T));
+  bits = emu::shfl_xor_bits(mask, bits, lane_mask, width);
+  T r;
+  memcpy(&r, &bits, sizeof(T));
+  return r;
+}
+
+// ---- loads and stores with cache hints (the hints mean nothing here) -----------------------
+
+template <typename T> inline T __ldg(const T *p) {
+  if (sizeof(T) == 16) emu::check_align16(p, "__ldg of a 16-byte vector");
+  return *p;
+}
+template <typename T> inline T __ldcs(const T *p) {
+  if (sizeof(T) == 16) emu::check_align16(p, "__ldcs of a 16-byte vector");
+  return *p;
+}
+template <typename T> inline void __stcs(T *p, const T &v) {
+  if (sizeof(T) == 16) emu::check_align16(p, "__stcs of a 16-byte vector");
+  *p = v;
+}
+
+// ---- math ------------------------------------------------------------------------------------
+
+inline float __expf(float x) { return expf(x); }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline long min(long a, long b) { return a < b ? a : b; }
+inline long max(long a, long b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline float min(float a, float b) { return fminf(a, b); }
+inline float max(float a, float b) { return fmaxf(a, b); }
+
+// ---- half and bfloat16 storage types (conversions round to nearest even) -------------------
+
+struct __half {
+  uint16_t bits;
+};
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
+
+namespace emu {
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+inline float f32_from_bits(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+}  // namespace emu
+
+inline float __half2float(__half h) {
+  const uint32_t sign = (uint32_t)(h.bits & 0x8000u) << 16;
+  const uint32_t exp = (h.bits >> 10) & 0x1fu;
+  uint32_t man = h.bits & 0x3ffu;
+  if (exp == 0x1f) return emu::f32_from_bits(sign | 0x7f800000u | (man << 13));  // inf / NaN
+  if (exp != 0) return emu::f32_from_bits(sign | ((exp + 112) << 23) | (man << 13));
+  if (man == 0) return emu::f32_from_bits(sign);
+  // Subnormal: normalize the mantissa.
+  int e = 113;
+  while ((man & 0x400u) == 0) {
+    man <<= 1;
+    --e;
+  }
+  return emu::f32_from_bits(sign | ((uint32_t)e << 23) | ((man & 0x3ffu) << 13));
+}
+
+inline __half __float2half_rn(float f) {
+  const uint32_t x = emu::f32_bits(f);
+  const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+  const uint32_t exp = (x >> 23) & 0xffu;
+  uint32_t man = x & 0x7fffffu;
+  if (exp == 0xff) return __half{(uint16_t)(sign | 0x7c00u | (man ? 0x200u | (man >> 13) : 0))};
+  const int e = (int)exp - 127 + 15;
+  if (e >= 0x1f) return __half{(uint16_t)(sign | 0x7c00u)};  // overflow: infinity
+  if (e <= 0) {
+    if (e < -10) return __half{sign};  // below half the smallest subnormal: zero
+    man |= 0x800000u;
+    const int shift = 14 - e;
+    uint32_t m = man >> shift;
+    const uint32_t rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (m & 1u))) ++m;
+    return __half{(uint16_t)(sign | m)};
+  }
+  uint32_t h = (uint32_t)sign | ((uint32_t)e << 10) | (man >> 13);
+  const uint32_t rem = man & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry rounds up into infinity
+  return __half{(uint16_t)h};
+}
+
+inline float __bfloat162float(__nv_bfloat16 b) {
+  return emu::f32_from_bits((uint32_t)b.bits << 16);
+}
+
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  const uint32_t x = emu::f32_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return __nv_bfloat16{(uint16_t)((x >> 16) | 0x40u)};
+  return __nv_bfloat16{(uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16)};
+}

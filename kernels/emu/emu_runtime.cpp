@@ -1,0 +1,647 @@
+// emu_runtime.cpp: the fiber scheduler, barriers, shuffles, launch checks, guarded memory and
+// runtime calls behind emu.h (the model is described there).
+#include "emu.h"
+
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+#include "pagedkv_emu.h"
+
+namespace emu {
+
+thread_local const ThreadCoords *tl_coords = nullptr;
+
+namespace {
+
+// ---- per-thread settings, counters and the sticky error -------------------------------------
+
+thread_local cudaError_t tl_error = cudaSuccess;
+thread_local std::string tl_fault_message;
+thread_local int tl_sm_count = 132;
+thread_local int tl_policy = PKV_EMU_SCHEDULE_FORWARD;
+thread_local uint64_t tl_seed = 0;
+thread_local pkv_emu_stats tl_stats = {0, 0, 0, 0};
+
+void set_error(cudaError_t e) {
+  if (tl_error == cudaSuccess) tl_error = e;
+}
+
+// ---- kernel attributes (process-wide, as function attributes are) ------------------------
+
+std::mutex g_attr_mutex;
+std::map<const void *, size_t> g_max_dynamic_smem;
+
+size_t max_dynamic_smem_of(const void *kernel) {
+  std::lock_guard<std::mutex> lock(g_attr_mutex);
+  auto it = g_max_dynamic_smem.find(kernel);
+  return it == g_max_dynamic_smem.end() ? DEFAULT_DYNAMIC_SMEM : it->second;
+}
+
+// ---- guarded memory ------------------------------------------------------------------------
+
+struct Mapping {
+  void *base;
+  size_t len;
+};
+std::mutex g_alloc_mutex;
+std::map<void *, Mapping> g_allocs;
+
+size_t page_size() {
+  static const size_t p = (size_t)sysconf(_SC_PAGESIZE);
+  return p;
+}
+
+// `bytes` rounded up to 16, placed so that it ends at the start of a PROT_NONE page, with
+// another PROT_NONE page below the first data page.
+void *guarded_alloc(size_t bytes, Mapping *m) {
+  const size_t pg = page_size();
+  const size_t n = ((bytes == 0 ? 1 : bytes) + 15) / 16 * 16;
+  const size_t data_pages = (n + pg - 1) / pg;
+  const size_t len = (data_pages + 2) * pg;
+  void *base = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) return nullptr;
+  char *b = static_cast<char *>(base);
+  if (mprotect(b, pg, PROT_NONE) != 0 || mprotect(b + (data_pages + 1) * pg, pg, PROT_NONE) != 0) {
+    munmap(base, len);
+    return nullptr;
+  }
+  m->base = base;
+  m->len = len;
+  return b + (data_pages + 1) * pg - n;
+}
+
+// ---- fault reporting from SIGSEGV / SIGBUS ------------------------------------------------
+
+thread_local volatile sig_atomic_t tl_in_kernel = 0;
+struct sigaction g_prev_segv, g_prev_bus;
+
+void write_str(const char *s) {
+  ssize_t r = write(2, s, strlen(s));
+  (void)r;
+}
+void write_hex(uintptr_t v) {
+  char buf[19];
+  buf[0] = '0';
+  buf[1] = 'x';
+  for (int i = 0; i < 16; ++i) buf[2 + i] = "0123456789abcdef"[(v >> (60 - 4 * i)) & 15];
+  buf[18] = 0;
+  write_str(buf);
+}
+void write_dec(unsigned v) {
+  char buf[12];
+  int i = 11;
+  buf[i] = 0;
+  do {
+    buf[--i] = (char)('0' + v % 10);
+    v /= 10;
+  } while (v != 0 && i > 0);
+  write_str(buf + i);
+}
+
+void on_fault_signal(int sig, siginfo_t *info, void *uctx) {
+  if (tl_in_kernel) {
+    write_str("\npagedkv cuda-emu: illegal address ");
+    write_hex(reinterpret_cast<uintptr_t>(info->si_addr));
+    write_str(" (outside a guarded allocation or the dynamic shared memory) ");
+    if (const ThreadCoords *c = tl_coords) {
+      write_str("in block (");
+      write_dec(c->block.x);
+      write_str(",");
+      write_dec(c->block.y);
+      write_str(",");
+      write_dec(c->block.z);
+      write_str(") thread ");
+      write_dec(c->thread.x);
+    } else {
+      write_str("in cudaMemcpyAsync");
+    }
+    write_str(": a GPU would raise cudaErrorIllegalAddress; aborting\n");
+    abort();
+  }
+  // Not ours: hand over to the previous handler (Rust's stack-overflow guard) or the default.
+  const struct sigaction &prev = sig == SIGSEGV ? g_prev_segv : g_prev_bus;
+  if ((prev.sa_flags & SA_SIGINFO) && prev.sa_sigaction != nullptr) {
+    prev.sa_sigaction(sig, info, uctx);
+  } else if (prev.sa_handler != SIG_IGN && prev.sa_handler != SIG_DFL && prev.sa_handler) {
+    prev.sa_handler(sig);
+  } else {
+    signal(sig, SIG_DFL);  // returning re-executes the access, which now kills the process
+  }
+}
+
+void install_fault_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_fault_signal;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &g_prev_segv);
+    sigaction(SIGBUS, &sa, &g_prev_bus);
+  });
+}
+
+// ---- fibers ----------------------------------------------------------------------------------
+
+// Room for the kernels' register arrays even in unoptimized builds; mapped lazily.
+constexpr size_t STACK_BYTES = 256 * 1024;
+
+#if defined(__x86_64__)
+// Saves the callee-saved registers on the current stack, stores the stack pointer in *save,
+// switches to `load` and restores the registers saved there (System V x86-64).
+extern "C" void pkv_emu_switch(void **save, void *load);
+asm(R"(
+  .pushsection .text
+  .globl pkv_emu_switch
+  .type pkv_emu_switch,@function
+pkv_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size pkv_emu_switch,.-pkv_emu_switch
+  .popsection
+)");
+struct Context {
+  void *sp = nullptr;
+};
+#else
+struct Context {
+  ucontext_t uc;
+};
+#endif
+
+enum class State { Ready, WaitBlock, WaitWarp, Done };
+
+struct Fiber {
+  Context ctx;
+  char *stack = nullptr;  // lowest usable byte (a guard page lies below)
+  State state = State::Ready;
+  uint32_t wait_gen = 0;
+  int warp = 0, lane = 0;
+  ThreadCoords coords{};
+};
+
+struct Barrier {
+  int alive = 0, arrived = 0;
+  uint32_t gen = 0;
+};
+
+// One launch in progress on this OS thread.
+struct Runner {
+  void (*call)(const void *) = nullptr;
+  const void *body = nullptr;
+  std::vector<Fiber> fibers;
+  std::vector<int> order;
+  Barrier block_bar;
+  std::vector<Barrier> warp_bars;
+  std::vector<std::array<uint64_t, 32>> slots;
+  Context sched;
+  Fiber *cur = nullptr;
+  bool failed = false;
+  void *smem = nullptr;
+  size_t smem_bytes = 0;
+  uint64_t rng = 0;
+};
+thread_local Runner *tl_run = nullptr;
+
+// Stacks are reused by every later launch on the same OS thread.
+struct StackPool {
+  std::vector<Mapping> stacks;
+  ~StackPool() {
+    for (auto &m : stacks) munmap(m.base, m.len);
+  }
+  char *get(size_t i) {
+    while (stacks.size() <= i) {
+      Mapping m{};
+      const size_t pg = page_size();
+      m.len = STACK_BYTES + pg;
+      m.base = mmap(nullptr, m.len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (m.base == MAP_FAILED) return nullptr;
+      mprotect(m.base, pg, PROT_NONE);  // overflow guard
+      stacks.push_back(m);
+    }
+    return static_cast<char *>(stacks[i].base) + page_size();
+  }
+};
+thread_local StackPool tl_stacks;
+
+void switch_to(Context &from, Context &to) {
+#if defined(__x86_64__)
+  pkv_emu_switch(&from.sp, to.sp);
+#else
+  swapcontext(&from.uc, &to.uc);
+#endif
+}
+
+void drop(Barrier &b) {
+  --b.alive;
+  if (b.alive > 0 && b.arrived == b.alive) {
+    b.arrived = 0;
+    ++b.gen;
+  }
+}
+
+[[noreturn]] void fiber_exit(Runner *r) {
+  Fiber *f = r->cur;
+  f->state = State::Done;
+  drop(r->block_bar);
+  drop(r->warp_bars[f->warp]);
+  switch_to(f->ctx, r->sched);
+  abort();  // never resumed
+}
+
+void fiber_main() {
+  Runner *r = tl_run;
+  r->call(r->body);
+  fiber_exit(r);
+}
+
+bool init_fiber(Fiber &f, char *stack) {
+  f.stack = stack;
+#if defined(__x86_64__)
+  // Top of stack: the entry address where `ret` finds it, 16-byte aligned so that fiber_main
+  // starts with rsp = 8 mod 16 as after a call; below it the six zeroed saved registers.
+  uintptr_t top = reinterpret_cast<uintptr_t>(stack + STACK_BYTES) & ~uintptr_t(15);
+  void **slot = reinterpret_cast<void **>(top - 16);
+  slot[0] = reinterpret_cast<void *>(&fiber_main);
+  slot[1] = nullptr;
+  for (int i = 1; i <= 6; ++i) slot[-i] = nullptr;
+  f.ctx.sp = slot - 6;
+  return true;
+#else
+  if (getcontext(&f.ctx.uc) != 0) return false;
+  f.ctx.uc.uc_stack.ss_sp = stack;
+  f.ctx.uc.uc_stack.ss_size = STACK_BYTES;
+  f.ctx.uc.uc_link = nullptr;
+  makecontext(&f.ctx.uc, fiber_main, 0);
+  return true;
+#endif
+}
+
+bool runnable(const Runner &r, const Fiber &f) {
+  switch (f.state) {
+    case State::Ready: return true;
+    case State::WaitBlock: return r.block_bar.gen != f.wait_gen;
+    case State::WaitWarp: return r.warp_bars[f.warp].gen != f.wait_gen;
+    case State::Done: return false;
+  }
+  return false;
+}
+
+uint64_t next_random(uint64_t &s) {
+  s ^= s << 13;
+  s ^= s >> 7;
+  s ^= s << 17;
+  return s;
+}
+
+void fail_launch(Runner &r, cudaError_t e, const std::string &msg) {
+  r.failed = true;
+  set_error(e);
+  tl_fault_message = msg;
+  fprintf(stderr, "pagedkv cuda-emu: %s\n", msg.c_str());
+}
+
+std::string where(const ThreadCoords &c) {
+  char buf[160];
+  snprintf(buf, sizeof buf, "block (%u,%u,%u) of grid (%u,%u,%u), thread %u", c.block.x,
+           c.block.y, c.block.z, c.grid_dim.x, c.grid_dim.y, c.grid_dim.z, c.thread.x);
+  return buf;
+}
+
+// Runs one thread block to completion (or to a fault / deadlock). Returns false on failure.
+bool run_block(Runner &r, uint3 block, dim3 grid, dim3 bdim) {
+  const int n = (int)(bdim.x * bdim.y * bdim.z);
+  const int nwarps = (n + 31) / 32;
+  r.fibers.assign(n, Fiber{});
+  r.block_bar = Barrier{n, 0, 0};
+  r.warp_bars.assign(nwarps, Barrier{});
+  r.slots.assign(nwarps, {});
+  for (int i = 0; i < n; ++i) {
+    Fiber &f = r.fibers[i];
+    char *stack = tl_stacks.get(i);
+    if (stack == nullptr || !init_fiber(f, stack)) {
+      fail_launch(r, cudaErrorLaunchOutOfResources, "cannot map fiber stacks");
+      return false;
+    }
+    f.warp = i / 32;
+    f.lane = i % 32;
+    r.warp_bars[f.warp].alive++;
+    f.coords.thread = uint3{(unsigned)i % bdim.x, ((unsigned)i / bdim.x) % bdim.y,
+                            (unsigned)i / (bdim.x * bdim.y)};
+    f.coords.block = block;
+    f.coords.block_dim = bdim;
+    f.coords.grid_dim = grid;
+  }
+  if (r.smem_bytes > 0) memset(r.smem, 0xff, r.smem_bytes);  // NaN: unwritten reads show
+  r.order.resize(n);
+  for (int i = 0; i < n; ++i) r.order[i] = tl_policy == PKV_EMU_SCHEDULE_REVERSE ? n - 1 - i : i;
+
+  for (;;) {
+    if (tl_policy == PKV_EMU_SCHEDULE_RANDOM)
+      for (int i = n - 1; i > 0; --i) std::swap(r.order[i], r.order[next_random(r.rng) % (i + 1)]);
+    bool progressed = false, all_done = true;
+    for (int idx : r.order) {
+      Fiber &f = r.fibers[idx];
+      if (f.state == State::Done) continue;
+      all_done = false;
+      if (!runnable(r, f)) continue;
+      f.state = State::Ready;
+      r.cur = &f;
+      tl_coords = &f.coords;
+      switch_to(r.sched, f.ctx);
+      tl_coords = nullptr;
+      progressed = true;
+      if (r.failed) return false;
+    }
+    if (all_done) return true;
+    if (!progressed) {
+      int at_block = 0, at_warp = 0, done = 0;
+      for (auto &f : r.fibers) {
+        at_block += f.state == State::WaitBlock;
+        at_warp += f.state == State::WaitWarp;
+        done += f.state == State::Done;
+      }
+      char buf[256];
+      snprintf(buf, sizeof buf,
+               "deadlock in block (%u,%u,%u): %d threads wait at __syncthreads, %d at a warp "
+               "barrier (__syncwarp or a shuffle), %d returned: a barrier under divergent "
+               "control flow",
+               block.x, block.y, block.z, at_block, at_warp, done);
+      fail_launch(r, cudaErrorLaunchFailure, buf);
+      return false;
+    }
+  }
+}
+
+// Arrives at `b` and parks the calling fiber until every live thread of its scope arrived.
+void arrive(Barrier &b, State wait_state) {
+  Runner *r = tl_run;
+  Fiber *f = r->cur;
+  f->wait_gen = b.gen;
+  f->state = wait_state;
+  if (++b.arrived == b.alive) {
+    b.arrived = 0;
+    ++b.gen;  // every waiter, this one included, may go on (in the policy's order)
+  }
+  switch_to(f->ctx, r->sched);
+}
+
+Runner *require_runner(const char *what) {
+  if (tl_run == nullptr || tl_run->cur == nullptr) {
+    fprintf(stderr, "pagedkv cuda-emu: %s called outside a kernel\n", what);
+    abort();
+  }
+  return tl_run;
+}
+
+}  // namespace
+
+// ---- the calls emu.h declares ---------------------------------------------------------------
+
+void syncthreads() {
+  Runner *r = require_runner("__syncthreads");
+  arrive(r->block_bar, State::WaitBlock);
+}
+
+void syncwarp(unsigned mask) {
+  Runner *r = require_runner("__syncwarp");
+  if (mask != 0xffffffffu) fault(cudaErrorLaunchFailure, "__syncwarp with a partial mask", nullptr);
+  arrive(r->warp_bars[r->cur->warp], State::WaitWarp);
+}
+
+uint64_t shfl_xor_bits(unsigned mask, uint64_t bits, int lane_mask, int width) {
+  Runner *r = require_runner("__shfl_xor_sync");
+  if (mask != 0xffffffffu) fault(cudaErrorLaunchFailure, "shuffle with a partial mask", nullptr);
+  if (width <= 0 || width > 32 || (width & (width - 1)) != 0)
+    fault(cudaErrorLaunchFailure, "shuffle width not a power of two <= 32", nullptr);
+  Fiber *f = r->cur;
+  const int w = f->warp, lane = f->lane;
+  r->slots[w][lane] = bits;
+  arrive(r->warp_bars[w], State::WaitWarp);  // every lane has published its value
+  int src = lane ^ lane_mask;
+  if (src >= (lane / width + 1) * width) src = lane;  // later segment: own value (CUDA rule)
+  const int src_tid = w * 32 + src;
+  if (src_tid >= (int)r->fibers.size() || r->fibers[src_tid].state == State::Done) {
+    char buf[96];
+    snprintf(buf, sizeof buf, "shuffle reads lane %d, which does not exist or has returned", src);
+    fault(cudaErrorLaunchFailure, buf, nullptr);
+  }
+  const uint64_t v = r->slots[w][src];
+  arrive(r->warp_bars[w], State::WaitWarp);  // every lane has read before slots are reused
+  return v;
+}
+
+void fault(cudaError_t e, const char *what, const void *addr) {
+  Runner *r = require_runner("a device fault");
+  char buf[128];
+  if (addr != nullptr)
+    snprintf(buf, sizeof buf, " at %p", addr);
+  else
+    buf[0] = 0;
+  fail_launch(*r, e, std::string(what) + buf + " in " + where(r->cur->coords));
+  fiber_exit(r);
+}
+
+void *dynamic_smem_raw() {
+  Runner *r = require_runner("dynamic shared memory");
+  return r->smem;
+}
+
+cudaError_t func_set_max_dynamic_smem(const void *kernel, int bytes) {
+  if (kernel == nullptr || bytes < 0 || (size_t)bytes > MAX_DYNAMIC_SMEM)
+    return cudaErrorInvalidValue;
+  std::lock_guard<std::mutex> lock(g_attr_mutex);
+  g_max_dynamic_smem[kernel] = (size_t)bytes;
+  return cudaSuccess;
+}
+
+void launch_erased(const void *kernel, void (*call)(const void *), const void *body, dim3 grid,
+                   dim3 block, size_t smem) {
+  const uint64_t threads = (uint64_t)block.x * block.y * block.z;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 ||
+      grid.z > 65535 || threads == 0 || threads > 1024 || block.z > 64) {
+    fprintf(stderr,
+            "pagedkv cuda-emu: launch refused: grid (%u,%u,%u) block (%u,%u,%u) is not a "
+            "valid configuration\n",
+            grid.x, grid.y, grid.z, block.x, block.y, block.z);
+    set_error(cudaErrorInvalidConfiguration);
+    return;
+  }
+  if (smem > max_dynamic_smem_of(kernel)) {
+    fprintf(stderr,
+            "pagedkv cuda-emu: launch refused: %zu bytes of dynamic shared memory, the kernel "
+            "allows %zu\n",
+            smem, max_dynamic_smem_of(kernel));
+    set_error(cudaErrorInvalidValue);
+    return;
+  }
+  if (tl_run != nullptr) {
+    fprintf(stderr, "pagedkv cuda-emu: a kernel launched a kernel (not supported)\n");
+    abort();
+  }
+  install_fault_handler();
+
+  Runner r;
+  r.call = call;
+  r.body = body;
+  r.rng = tl_seed * 0x9e3779b97f4a7c15ull + tl_stats.launches + 1;
+  Mapping smem_map{};
+  if (smem > 0) {
+    r.smem = guarded_alloc(smem, &smem_map);
+    if (r.smem == nullptr) {
+      set_error(cudaErrorLaunchOutOfResources);
+      return;
+    }
+    r.smem_bytes = smem;
+  }
+  tl_run = &r;
+  tl_in_kernel = 1;
+  uint64_t blocks = 0;
+  for (unsigned z = 0; z < grid.z && !r.failed; ++z)
+    for (unsigned y = 0; y < grid.y && !r.failed; ++y)
+      for (unsigned x = 0; x < grid.x && !r.failed; ++x) {
+        if (!run_block(r, uint3{x, y, z}, grid, block)) break;
+        ++blocks;
+      }
+  tl_in_kernel = 0;
+  tl_run = nullptr;
+  if (smem_map.base != nullptr) munmap(smem_map.base, smem_map.len);
+  tl_stats.launches++;
+  tl_stats.blocks += blocks;
+  tl_stats.threads += blocks * threads;
+  if (smem > tl_stats.max_dynamic_smem) tl_stats.max_dynamic_smem = smem;
+}
+
+}  // namespace emu
+
+// ---- CUDA runtime calls -----------------------------------------------------------------------
+
+cudaError_t cudaGetLastError() {
+  const cudaError_t e = emu::tl_error;
+  emu::tl_error = cudaSuccess;
+  return e;
+}
+
+cudaError_t cudaGetDevice(int *dev) {
+  if (dev == nullptr) return cudaErrorInvalidValue;
+  *dev = 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev) {
+  if (value == nullptr || dev != 0) return cudaErrorInvalidValue;
+  switch (attr) {
+    case cudaDevAttrMultiProcessorCount: *value = emu::tl_sm_count; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMajor: *value = 9; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMinor: *value = 0; return cudaSuccess;
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t cudaRuntimeGetVersion(int *version) {
+  if (version == nullptr) return cudaErrorInvalidValue;
+  *version = 13000;
+  return cudaSuccess;
+}
+
+const char *cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDeviceFunction: return "invalid device function";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
+    case cudaErrorMisalignedAddress: return "misaligned address";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
+  }
+  return "unknown error";
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t stream) {
+  (void)stream;
+  if ((int)kind < 0 || (int)kind > 4) return cudaErrorInvalidValue;
+  if (bytes == 0) return cudaSuccess;
+  if (dst == nullptr || src == nullptr) return cudaErrorInvalidValue;
+  emu::tl_in_kernel = 1;  // an overrun of a guarded buffer is reported like a kernel's
+  memmove(dst, src, bytes);
+  emu::tl_in_kernel = 0;
+  return cudaSuccess;
+}
+
+// ---- the controls of pagedkv_emu.h --------------------------------------------------------
+
+extern "C" void *pkv_emu_alloc(size_t bytes) {
+  emu::Mapping m{};
+  void *p = emu::guarded_alloc(bytes, &m);
+  if (p == nullptr) return nullptr;
+  std::lock_guard<std::mutex> lock(emu::g_alloc_mutex);
+  emu::g_allocs[p] = m;
+  return p;
+}
+
+extern "C" void pkv_emu_free(void *ptr) {
+  if (ptr == nullptr) return;
+  emu::Mapping m{};
+  {
+    std::lock_guard<std::mutex> lock(emu::g_alloc_mutex);
+    auto it = emu::g_allocs.find(ptr);
+    if (it == emu::g_allocs.end()) return;
+    m = it->second;
+    emu::g_allocs.erase(it);
+  }
+  munmap(m.base, m.len);
+}
+
+extern "C" void pkv_emu_set_sm_count(int32_t sms) { emu::tl_sm_count = sms; }
+
+extern "C" void pkv_emu_set_schedule(int32_t policy, uint64_t seed) {
+  emu::tl_policy = policy;
+  emu::tl_seed = seed;
+}
+
+extern "C" pkv_emu_stats pkv_emu_take_stats(void) {
+  const pkv_emu_stats s = emu::tl_stats;
+  emu::tl_stats = pkv_emu_stats{0, 0, 0, 0};
+  return s;
+}
+
+extern "C" size_t pkv_emu_last_fault(char *buf, size_t len) {
+  const std::string &m = emu::tl_fault_message;
+  if (buf != nullptr && len > 0) {
+    const size_t n = std::min(len - 1, m.size());
+    memcpy(buf, m.data(), n);
+    buf[n] = 0;
+  }
+  return m.size();
+}

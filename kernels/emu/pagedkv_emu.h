@@ -1,0 +1,69 @@
+/*
+ * pagedkv_emu.h: the controls of the CPU emulation of the CUDA kernels (feature `cuda-emu`,
+ * kernels/emu/emu.h). With that feature the launchers of pagedkv.h run on the CPU, and their
+ * "device" pointers are ordinary host pointers; these calls let a test allocate guarded
+ * buffers, choose the thread scheduling order and see what was launched.
+ *
+ * All settings and counters are per OS thread (the thread that calls the launchers), so tests
+ * running in parallel do not see each other's.
+ */
+#ifndef PAGEDKV_EMU_H
+#define PAGEDKV_EMU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** Fiber order of every scheduling pass: thread 0 first. */
+#define PKV_EMU_SCHEDULE_FORWARD 0
+/** Fiber order of every scheduling pass: the last thread first. */
+#define PKV_EMU_SCHEDULE_REVERSE 1
+/** A fresh pseudo-random fiber order every pass, from the seed. */
+#define PKV_EMU_SCHEDULE_RANDOM 2
+
+/** What the emulation did on this thread since the last pkv_emu_take_stats. */
+typedef struct pkv_emu_stats {
+  /** Kernel launches that ran (a refused launch is not counted). */
+  uint64_t launches;
+  /** Thread blocks run. */
+  uint64_t blocks;
+  /** Threads (fibers) run. */
+  uint64_t threads;
+  /** Largest dynamic shared memory of a launch, bytes. */
+  uint64_t max_dynamic_smem;
+} pkv_emu_stats;
+
+/**
+ * A "device" allocation of `bytes` (0 counts as 1), 16-byte aligned, whose end lies within 16
+ * bytes of an inaccessible guard page (and a second guard page precedes it), so a kernel
+ * reading or writing past it faults at once; the emulation reports such a fault with the
+ * launch's coordinates and aborts the process. NULL when the memory cannot be mapped.
+ */
+void *pkv_emu_alloc(size_t bytes);
+
+/** Frees a pkv_emu_alloc allocation; NULL and unknown pointers are ignored. */
+void pkv_emu_free(void *ptr);
+
+/** The SM count cudaDeviceGetAttribute reports on this thread (default 132, an H100 SXM). */
+void pkv_emu_set_sm_count(int32_t sms);
+
+/** The scheduling policy (PKV_EMU_SCHEDULE_*) and seed of this thread's later launches. */
+void pkv_emu_set_schedule(int32_t policy, uint64_t seed);
+
+/** Returns this thread's counters and resets them. */
+pkv_emu_stats pkv_emu_take_stats(void);
+
+/**
+ * Copies the message of this thread's last emulated device fault (NUL-terminated, truncated
+ * to `len`) into `buf`; returns its full length, 0 when there was none.
+ */
+size_t pkv_emu_last_fault(char *buf, size_t len);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PAGEDKV_EMU_H */

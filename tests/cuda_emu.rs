@@ -1,0 +1,746 @@
+//! The CUDA kernels, run on the CPU emulation (feature `cuda-emu`, see kernels/emu/emu.h),
+//! against their CPU twins in `attn::cpu`: the same grid as tests/cuda_kernels.rs (dtypes,
+//! head dims, GQA ratios, block sizes, context lengths at block boundaries, ALiBi / window /
+//! soft-cap, every decode partitioning), through the C launchers of kernels/pagedkv.h with
+//! guarded buffers (an overrun aborts with the block and thread that made it).
+//!
+//! What this shows: the kernels' index arithmetic, lane layouts, shuffles, barriers, split-K
+//! merge and launch configurations compute what the oracle computes, and their results do not
+//! depend on the order threads run between barriers (a shared-memory race at barrier
+//! granularity would). What it cannot show: speed, or faults only hardware has. The same
+//! checks on a GPU are tests/cuda_kernels.rs.
+#![cfg(all(feature = "cuda-emu", not(feature = "cuda")))]
+
+#[path = "support/kernel_grid.rs"]
+mod kernel_grid;
+
+use half::{bf16, f16};
+use kernel_grid::*;
+use pagedkv::attn::{cpu, AttnParams, AttnWorkspace, PagedSeqs};
+use pagedkv::cuda_emu::{self, ffi, EmuBuf, EmuElem, Schedule};
+use pagedkv::kv::{HostKvCache, KvCacheConfig, KvDtype, SwapSpace};
+use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use std::ffi::c_void;
+
+trait Elem: Tol + EmuElem {}
+impl<T: Tol + EmuElem> Elem for T {}
+
+const OK: i32 = ffi::PKV_OK as i32;
+
+fn buf<T: EmuElem>(data: &[T]) -> EmuBuf {
+    EmuBuf::from_slice(data).expect("guarded allocation")
+}
+
+/// A buffer of `n` elements of T, every byte 0xFF (NaN in all three float types).
+fn poisoned<T: EmuElem>(n: usize) -> EmuBuf {
+    let mut b = EmuBuf::zeroed(n * std::mem::size_of::<T>()).expect("guarded allocation");
+    b.as_mut_slice::<u8>().fill(0xff);
+    b
+}
+
+fn null() -> *mut c_void {
+    std::ptr::null_mut()
+}
+
+fn geometry(cfg: &KvCacheConfig) -> ffi::pkv_cache_geometry {
+    ffi::pkv_cache_geometry {
+        num_blocks: cfg.num_blocks() as i32,
+        num_layers: cfg.num_layers() as i32,
+        block_size: cfg.block_size() as i32,
+        num_kv_heads: cfg.num_kv_heads() as i32,
+        head_dim: cfg.head_dim() as i32,
+        dtype: match cfg.dtype() {
+            KvDtype::F32 => ffi::PKV_DTYPE_F32,
+            KvDtype::F16 => ffi::PKV_DTYPE_F16,
+            KvDtype::Bf16 => ffi::PKV_DTYPE_BF16,
+        } as i32,
+    }
+}
+
+fn expect_ok(what: &str, status: i32) {
+    assert_eq!(
+        status,
+        OK,
+        "{what}: launcher status {status} ({}); last fault: {:?}",
+        cuda_emu::status_string(status),
+        cuda_emu::last_fault()
+    );
+}
+
+/// One attention problem uploaded to guarded "device" buffers.
+struct AttnCase {
+    cfg: KvCacheConfig,
+    geom: ffi::pkv_cache_geometry,
+    cache: EmuBuf,
+    query: EmuBuf,
+    tables: EmuBuf,
+    ctx: EmuBuf,
+    slopes: Option<EmuBuf>,
+    mbps: usize,
+    num_seqs: usize,
+    max_ctx: usize,
+    nh: usize,
+    rows: usize,
+    params: ffi::pkv_attn_params,
+}
+
+impl AttnCase {
+    fn new<T: Elem>(
+        b: &Batch,
+        host: &HostKvCache,
+        query: &[T],
+        params: &AttnParams<'_>,
+        mode: u32,
+    ) -> Self {
+        let slopes = params.alibi_slopes.map(buf::<f32>);
+        let ffi_params = ffi::pkv_attn_params {
+            num_heads: params.num_heads as i32,
+            scale: params.scale,
+            softcap: params.softcap,
+            sliding_window: params.sliding_window as i32,
+            alibi_slopes: slopes
+                .as_ref()
+                .map_or(std::ptr::null(), |s| s.ptr() as *const f32),
+            decode_mode: mode as i32,
+        };
+        Self {
+            cfg: b.cfg,
+            geom: geometry(&b.cfg),
+            cache: buf(host.as_bytes()),
+            query: buf(query),
+            tables: buf(&b.tables),
+            ctx: buf(&b.ctx),
+            slopes,
+            mbps: b.mbps,
+            num_seqs: b.ctx.len(),
+            max_ctx: b.ctx.iter().copied().max().unwrap_or(0).max(0) as usize,
+            nh: params.num_heads,
+            rows: query.len() / b.cfg.head_dim(),
+            params: ffi_params,
+        }
+    }
+
+    /// Decode into a fresh poisoned output; returns the launcher status and the output.
+    fn decode<T: Elem>(&mut self, layer: usize, mode: u32) -> (i32, Vec<T>) {
+        self.params.decode_mode = mode as i32;
+        let d = self.cfg.head_dim();
+        let out = poisoned::<T>(self.rows * d);
+        // SAFETY: pure function of its integer arguments.
+        let ws_bytes = unsafe {
+            ffi::pkv_decode_workspace_bytes(
+                self.num_seqs as i32,
+                self.nh as i32,
+                d as i32,
+                self.max_ctx as i32,
+            )
+        };
+        let ws = (ws_bytes > 0).then(|| poisoned::<u8>(ws_bytes));
+        // SAFETY: every pointer is a live guarded buffer of the shape pagedkv.h documents
+        // (cache: the whole cache; query/out: [num_seqs][nh][d]; tables: [num_seqs][mbps];
+        // ctx: [num_seqs]; workspace: ws_bytes as asked); the emulated launch is synchronous,
+        // so the buffers outlive every access.
+        let s = unsafe {
+            ffi::pkv_paged_attention_decode(
+                out.ptr(),
+                self.query.ptr(),
+                self.cache.ptr(),
+                &self.geom,
+                layer as i32,
+                self.tables.ptr() as *const i32,
+                self.mbps as i32,
+                self.ctx.ptr() as *const i32,
+                self.num_seqs as i32,
+                self.max_ctx as i32,
+                &self.params,
+                ws.as_ref().map_or(null(), EmuBuf::ptr),
+                ws_bytes,
+                null(),
+            )
+        };
+        (s, out.as_slice::<T>().to_vec())
+    }
+
+    fn prefill<T: Elem>(&self, layer: usize, qsl: &[i32]) -> (i32, Vec<T>) {
+        let d = self.cfg.head_dim();
+        let out = poisoned::<T>(self.rows * d);
+        let qsl_buf = buf(qsl);
+        let max_q = qsl.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        // SAFETY: as in decode; query_start_loc is [num_seqs + 1] and every query length is at
+        // most max_q.
+        let s = unsafe {
+            ffi::pkv_paged_attention_prefill(
+                out.ptr(),
+                self.query.ptr(),
+                self.cache.ptr(),
+                &self.geom,
+                layer as i32,
+                self.tables.ptr() as *const i32,
+                self.mbps as i32,
+                self.ctx.ptr() as *const i32,
+                qsl_buf.ptr() as *const i32,
+                self.num_seqs as i32,
+                max_q,
+                &self.params,
+                null(),
+            )
+        };
+        (s, out.as_slice::<T>().to_vec())
+    }
+}
+
+const MODES: [u32; 3] = [
+    ffi::PKV_DECODE_AUTO,
+    ffi::PKV_DECODE_SINGLE,
+    ffi::PKV_DECODE_SPLIT,
+];
+
+fn attn_params<'a>(nh: usize, d: usize, f: Features, sl: &'a [f32]) -> AttnParams<'a> {
+    let mut p = AttnParams::new(nh, d);
+    p.alibi_slopes = f.alibi.then_some(sl);
+    p.sliding_window = f.window;
+    p.softcap = f.softcap;
+    p
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_decode<T: Elem>(
+    rng: &mut SmallRng,
+    d: usize,
+    group: usize,
+    bs: usize,
+    ctx: &[usize],
+    f: Features,
+    modes: &[u32],
+) {
+    let (layers, layer, hkv) = (2, 1, 2);
+    let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, ctx);
+    let host = random_cache::<T>(rng, b.cfg);
+    let nh = hkv * group;
+    let query = random_vec::<T>(rng, ctx.len() * nh * d);
+    let sl = slopes(rng, nh);
+    let params = attn_params(nh, d, f, &sl);
+    let seqs = PagedSeqs {
+        block_tables: &b.tables,
+        max_blocks_per_seq: b.mbps,
+        context_lens: &b.ctx,
+    };
+    let mut want = vec![T::from_f32(f32::NAN); query.len()];
+    let view = host.view::<T>().expect("view");
+    cpu::paged_attention_decode(
+        &mut AttnWorkspace::new(),
+        view.layer(layer).expect("layer"),
+        &query,
+        &seqs,
+        &params,
+        &mut want,
+    )
+    .expect("cpu decode");
+
+    let mut case = AttnCase::new(&b, &host, &query, &params, ffi::PKV_DECODE_AUTO);
+    for &mode in modes {
+        let (s, got) = case.decode::<T>(layer, mode);
+        let what = format!(
+            "decode {} d{d} g{group} bs{bs} {f:?} mode {mode} ctx {ctx:?}",
+            T::DTYPE
+        );
+        if mode == ffi::PKV_DECODE_SINGLE && single_pass_refused(group, ctx) {
+            assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32, "{what}: not refused");
+            continue;
+        }
+        expect_ok(&what, s);
+        assert_close(&what, &got, &want, d);
+    }
+}
+
+fn check_prefill<T: Elem>(
+    rng: &mut SmallRng,
+    d: usize,
+    group: usize,
+    bs: usize,
+    seqs_q_ctx: &[(usize, usize)],
+    f: Features,
+) {
+    let (layers, layer, hkv) = (2, 0, 2);
+    let ctx: Vec<usize> = seqs_q_ctx.iter().map(|&(_, c)| c).collect();
+    let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, &ctx);
+    let host = random_cache::<T>(rng, b.cfg);
+    let nh = hkv * group;
+    let mut qsl = vec![0i32];
+    for &(q, _) in seqs_q_ctx {
+        qsl.push(qsl.last().copied().unwrap_or(0) + q as i32);
+    }
+    let tokens = *qsl.last().unwrap_or(&0) as usize;
+    let query = random_vec::<T>(rng, tokens * nh * d);
+    let sl = slopes(rng, nh);
+    let params = attn_params(nh, d, f, &sl);
+    let seqs = PagedSeqs {
+        block_tables: &b.tables,
+        max_blocks_per_seq: b.mbps,
+        context_lens: &b.ctx,
+    };
+    let mut want = vec![T::from_f32(f32::NAN); query.len()];
+    let view = host.view::<T>().expect("view");
+    cpu::paged_attention_prefill(
+        &mut AttnWorkspace::new(),
+        view.layer(layer).expect("layer"),
+        &query,
+        &qsl,
+        &seqs,
+        &params,
+        &mut want,
+    )
+    .expect("cpu prefill");
+    if query.is_empty() {
+        return;
+    }
+    let case = AttnCase::new(&b, &host, &query, &params, ffi::PKV_DECODE_AUTO);
+    let (s, got) = case.prefill::<T>(layer, &qsl);
+    let what = format!(
+        "prefill {} d{d} g{group} bs{bs} {f:?} q/ctx {seqs_q_ctx:?}",
+        T::DTYPE
+    );
+    expect_ok(&what, s);
+    assert_close(&what, &got, &want, d);
+}
+
+// ---- attention grids -------------------------------------------------------------------------
+
+fn decode_grid<T: Elem>(seed: u64) {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut variant = 0;
+    for d in HEAD_DIMS {
+        for group in GROUPS {
+            for bs in BLOCK_SIZES {
+                let f = features(variant, bs);
+                check_decode::<T>(&mut rng, d, group, bs, &decode_grid_contexts(bs), f, &MODES);
+                variant += 1;
+            }
+        }
+    }
+}
+
+#[test]
+fn decode_grid_f32() {
+    decode_grid::<f32>(1);
+}
+#[test]
+fn decode_grid_f16() {
+    decode_grid::<f16>(2);
+}
+#[test]
+fn decode_grid_bf16() {
+    decode_grid::<bf16>(3);
+}
+
+/// Split-K over many partitions (boundaries 511/512/513), the reduce kernel, windows starting
+/// mid-partition, and odd GQA ratios (2, 3, 6, 16: padded and chunked head groups).
+#[test]
+fn decode_long_contexts_and_odd_groups() {
+    let mut rng = SmallRng::seed_from_u64(4);
+    let ctx = [511, 512, 513, 1537, 3000, 1];
+    for (i, f) in [
+        Features::PLAIN,
+        Features {
+            alibi: true,
+            window: 700,
+            softcap: 0.0,
+        },
+        Features {
+            alibi: false,
+            window: 2100,
+            softcap: 30.0,
+        },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        check_decode::<bf16>(&mut rng, 128, 4, 16, &ctx, f, &MODES);
+        check_decode::<f32>(&mut rng, 256, 8, 32, &ctx, f, &MODES);
+        check_decode::<f16>(&mut rng, [80, 112, 64][i], 1, 8, &ctx, f, &MODES);
+    }
+    for group in [2, 3, 6, 16] {
+        let f = features(group, 16);
+        check_decode::<bf16>(&mut rng, 128, group, 16, &[1, 17, 600, 1100], f, &MODES);
+    }
+}
+
+fn prefill_grid<T: Elem>(seed: u64) {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut variant = 0;
+    for d in HEAD_DIMS {
+        for group in GROUPS {
+            for bs in BLOCK_SIZES {
+                let f = features(variant, bs);
+                check_prefill::<T>(&mut rng, d, group, bs, &prefill_grid_seqs(bs), f);
+                variant += 1;
+            }
+        }
+    }
+}
+
+#[test]
+fn prefill_grid_f32() {
+    prefill_grid::<f32>(5);
+}
+#[test]
+fn prefill_grid_f16() {
+    prefill_grid::<f16>(6);
+}
+#[test]
+fn prefill_grid_bf16() {
+    prefill_grid::<bf16>(7);
+}
+
+#[test]
+fn prefill_long_chunks() {
+    let mut rng = SmallRng::seed_from_u64(8);
+    for v in 0..4 {
+        let f = features(v, 16);
+        check_prefill::<bf16>(&mut rng, 128, 4, 16, &[(100, 700), (129, 129)], f);
+        check_prefill::<f16>(&mut rng, 256, 8, 32, &[(40, 40), (33, 300)], f);
+        check_prefill::<f32>(&mut rng, 96, 6, 8, &[(40, 41), (7, 500)], f);
+    }
+}
+
+// ---- scheduling independence and the auto partitioning ---------------------------------------
+
+/// Bit-identical outputs whatever order the threads of a block run in between barriers: a
+/// read of shared memory not ordered by a barrier after its write would differ.
+#[test]
+fn results_do_not_depend_on_thread_order() {
+    let mut rng = SmallRng::seed_from_u64(12);
+    let (d, group, bs, hkv, layer) = (128, 4, 16, 2, 0);
+    let ctx = [700, 33, 1];
+    let b = make_batch(&mut rng, 1, hkv, d, bs, KvDtype::Bf16, &ctx);
+    let host = random_cache::<bf16>(&mut rng, b.cfg);
+    let nh = hkv * group;
+    let sl = slopes(&mut rng, nh);
+    let f = features(3, bs);
+    let params = attn_params(nh, d, f, &sl);
+    let dq = random_vec::<bf16>(&mut rng, ctx.len() * nh * d);
+    let mut dcase = AttnCase::new(&b, &host, &dq, &params, ffi::PKV_DECODE_AUTO);
+    let qsl = [0, 40, 73, 74];
+    let pq = random_vec::<bf16>(&mut rng, 74 * nh * d);
+    let pcase = AttnCase::new(&b, &host, &pq, &params, ffi::PKV_DECODE_AUTO);
+
+    let mut first: Option<(Vec<u16>, Vec<u16>, Vec<u16>)> = None;
+    for sched in [
+        Schedule::Forward,
+        Schedule::Reverse,
+        Schedule::Random(1),
+        Schedule::Random(2),
+    ] {
+        cuda_emu::set_schedule(sched);
+        let (s1, single) = dcase.decode::<bf16>(layer, ffi::PKV_DECODE_SINGLE);
+        let (s2, split) = dcase.decode::<bf16>(layer, ffi::PKV_DECODE_SPLIT);
+        let (s3, pre) = pcase.prefill::<bf16>(layer, &qsl);
+        for s in [s1, s2, s3] {
+            expect_ok(&format!("{sched:?}"), s);
+        }
+        let bits = |v: Vec<bf16>| v.into_iter().map(bf16::to_bits).collect::<Vec<u16>>();
+        let now = (bits(single), bits(split), bits(pre));
+        match &first {
+            None => first = Some(now),
+            Some(f) => assert!(
+                *f == now,
+                "{sched:?}: outputs differ from the forward order"
+            ),
+        }
+    }
+    cuda_emu::set_schedule(Schedule::Forward);
+}
+
+/// Auto mode: a long context is split when the batch is too small to fill the device, and
+/// single-pass when the batch alone gives every SM several blocks; both match the oracle.
+#[test]
+fn auto_mode_picks_split_by_device_size() {
+    let mut rng = SmallRng::seed_from_u64(13);
+    let (d, group, bs, hkv, layer) = (64, 4, 16, 2, 0);
+    let ctx = [1500, 900];
+    let b = make_batch(&mut rng, 1, hkv, d, bs, KvDtype::F16, &ctx);
+    let host = random_cache::<f16>(&mut rng, b.cfg);
+    let nh = hkv * group;
+    let params = attn_params(nh, d, Features::PLAIN, &[]);
+    let query = random_vec::<f16>(&mut rng, ctx.len() * nh * d);
+    let seqs = PagedSeqs {
+        block_tables: &b.tables,
+        max_blocks_per_seq: b.mbps,
+        context_lens: &b.ctx,
+    };
+    let mut want = vec![f16::NAN; query.len()];
+    let view = host.view::<f16>().expect("view");
+    cpu::paged_attention_decode(
+        &mut AttnWorkspace::new(),
+        view.layer(layer).expect("layer"),
+        &query,
+        &seqs,
+        &params,
+        &mut want,
+    )
+    .expect("cpu");
+    let mut case = AttnCase::new(&b, &host, &query, &params, ffi::PKV_DECODE_AUTO);
+    // 2 seqs x 2 KV heads = 4 thread blocks: >= 4 per SM only on a 1-SM device.
+    for (sms, launches) in [(132, 2), (1, 1)] {
+        cuda_emu::set_sm_count(sms);
+        let _ = cuda_emu::take_stats();
+        let (s, got) = case.decode::<f16>(layer, ffi::PKV_DECODE_AUTO);
+        expect_ok("auto", s);
+        let st = cuda_emu::take_stats();
+        assert_eq!(st.launches, launches, "{sms} SMs: kernels launched");
+        assert_close(&format!("auto decode on {sms} SMs"), &got, &want, d);
+    }
+    cuda_emu::set_sm_count(132);
+}
+
+// ---- cache writes and block moves --------------------------------------------------------------
+
+fn check_reshape<T: Elem>(rng: &mut SmallRng, d: usize, bs: usize, padded: bool) {
+    let (layers, hkv, num_blocks) = (3, 2, 7);
+    let cfg = KvCacheConfig::new(layers, hkv, d, bs, num_blocks, T::DTYPE).expect("config");
+    let mut host = random_cache::<T>(rng, cfg);
+    let mut dev = buf(host.as_bytes());
+    let geom = geometry(&cfg);
+    let slots_total = num_blocks * bs;
+    let mut all: Vec<i64> = (0..slots_total as i64).collect();
+    all.shuffle(rng);
+    let n = slots_total / 2 + 3;
+    let mut slots: Vec<i64> = all[..n].to_vec();
+    for i in (0..n).step_by(5) {
+        slots[i] = -1;
+    }
+    let row = hkv * d;
+    let key = random_vec::<T>(rng, n * row);
+    let value = random_vec::<T>(rng, n * row);
+    // A padded row stride (one element more) is not a whole number of 16-byte vectors: the
+    // launcher must take the element-wise path.
+    let stride = if padded { row + 1 } else { row };
+    let spread = |x: &[T]| -> Vec<T> {
+        let mut v = vec![T::from_f32(7.0); n * stride];
+        for t in 0..n {
+            v[t * stride..t * stride + row].copy_from_slice(&x[t * row..(t + 1) * row]);
+        }
+        v
+    };
+    let (dk, dv, ds) = (buf(&spread(&key)), buf(&spread(&value)), buf(&slots));
+    for layer in [0, 2] {
+        let mut v = host.view_mut::<T>().expect("view");
+        cpu::reshape_and_cache(v.layer_mut(layer).expect("layer"), &key, &value, &slots)
+            .expect("cpu");
+        // SAFETY: cache is the whole cache; key/value hold n rows of `stride` elements;
+        // slot_mapping holds n i64; the emulated launch is synchronous.
+        let s = unsafe {
+            ffi::pkv_reshape_and_cache(
+                dev.ptr(),
+                &geom,
+                layer as i32,
+                dk.ptr(),
+                dv.ptr(),
+                stride as i64,
+                stride as i64,
+                ds.ptr() as *const i64,
+                n as i32,
+                null(),
+            )
+        };
+        expect_ok("reshape_and_cache", s);
+    }
+    assert!(
+        dev.as_mut_slice::<u8>() == host.as_bytes(),
+        "reshape_and_cache {} d{d} bs{bs} padded {padded}: cache bytes differ",
+        T::DTYPE
+    );
+}
+
+#[test]
+fn reshape_and_cache_grid() {
+    let mut rng = SmallRng::seed_from_u64(9);
+    for d in HEAD_DIMS {
+        for bs in BLOCK_SIZES {
+            for padded in [false, true] {
+                check_reshape::<f32>(&mut rng, d, bs, padded);
+                check_reshape::<f16>(&mut rng, d, bs, padded);
+                check_reshape::<bf16>(&mut rng, d, bs, padded);
+            }
+        }
+    }
+}
+
+/// Out-of-range slots are skipped by the kernel (the CPU twin refuses them up front).
+#[test]
+fn reshape_and_cache_skips_out_of_range_slots() {
+    let cfg = KvCacheConfig::new(1, 2, 64, 8, 3, KvDtype::F32).expect("cfg");
+    let before = vec![0u8; cfg.num_blocks() * cfg.bytes_per_block()];
+    let dev = buf(&before);
+    let key = buf(&vec![1.0f32; 3 * 128]);
+    let slots = buf(&[24i64, i64::MAX, -5]);
+    // SAFETY: 3 tokens of dense rows; every slot is out of range, so nothing is written.
+    let s = unsafe {
+        ffi::pkv_reshape_and_cache(
+            dev.ptr(),
+            &geometry(&cfg),
+            0,
+            key.ptr(),
+            key.ptr(),
+            128,
+            128,
+            slots.ptr() as *const i64,
+            3,
+            null(),
+        )
+    };
+    expect_ok("reshape_and_cache", s);
+    assert!(
+        dev.as_slice::<u8>() == &before[..],
+        "an out-of-range slot was written"
+    );
+}
+
+#[test]
+fn copy_blocks_matches_cpu() {
+    let mut rng = SmallRng::seed_from_u64(10);
+    for (d, bs, dtype) in [
+        (128, 16, KvDtype::Bf16),
+        (80, 8, KvDtype::F32),
+        (256, 32, KvDtype::F16),
+    ] {
+        let cfg = KvCacheConfig::new(4, 2, d, bs, 40, dtype).expect("cfg");
+        let mut host = HostKvCache::new(cfg).expect("host");
+        rng.fill(host.as_bytes_mut());
+        let mut dev = buf(host.as_bytes());
+        let pairs: Vec<(u32, u32)> = vec![
+            (0, 20),
+            (1, 21),
+            (2, 22),
+            (5, 30),
+            (9, 25),
+            (10, 39),
+            (3, 31),
+            (4, 32),
+        ];
+        host.copy_blocks(&pairs).expect("cpu copy");
+        // The kernel skips pairs it cannot do (out of range, src == dst); add some.
+        let mut flat: Vec<i32> = pairs
+            .iter()
+            .flat_map(|&(s, d)| [s as i32, d as i32])
+            .collect();
+        flat.extend_from_slice(&[-1, 5, 7, 40, 6, 6]);
+        let dpairs = buf(&flat);
+        // SAFETY: pairs holds flat.len() / 2 (src, dst) i32 pairs; the cache is whole.
+        let s = unsafe {
+            ffi::pkv_copy_blocks(
+                dev.ptr(),
+                &geometry(&cfg),
+                dpairs.ptr() as *const i32,
+                (flat.len() / 2) as i32,
+                null(),
+            )
+        };
+        expect_ok("copy_blocks", s);
+        assert!(
+            dev.as_mut_slice::<u8>() == host.as_bytes(),
+            "copy_blocks {dtype} d{d}: bytes differ"
+        );
+    }
+}
+
+#[test]
+fn swap_out_then_in_restores_bytes() {
+    let mut rng = SmallRng::seed_from_u64(11);
+    let cfg = KvCacheConfig::new(3, 4, 128, 16, 32, KvDtype::Bf16).expect("cfg");
+    let mut host = HostKvCache::new(cfg).expect("host");
+    rng.fill(host.as_bytes_mut());
+    let dev = buf(host.as_bytes());
+    let mut cpu_swap = SwapSpace::new(&cfg, 24).expect("swap");
+    let pinned = EmuBuf::zeroed(cpu_swap.storage().as_bytes().len()).expect("pinned");
+    let block_bytes = cfg.bytes_per_block();
+    let swap = |dst: &EmuBuf, src: &EmuBuf, map: &[(u32, u32)], to_host: i32| {
+        let pairs: Vec<i64> = map
+            .iter()
+            .flat_map(|&(s, d)| [s as i64, d as i64])
+            .collect();
+        // SAFETY: dst and src hold whole blocks for every index in `map` (checked by the CPU
+        // twin on the same mapping); pairs is a host array of map.len() pairs.
+        let s = unsafe {
+            ffi::pkv_swap_blocks(
+                dst.ptr(),
+                src.ptr(),
+                block_bytes,
+                pairs.as_ptr(),
+                map.len() as i32,
+                to_host,
+                null(),
+            )
+        };
+        expect_ok("swap_blocks", s);
+    };
+    let out_map = [
+        (3, 0),
+        (4, 1),
+        (5, 2),
+        (6, 3),
+        (10, 7),
+        (30, 8),
+        (31, 9),
+        (0, 23),
+    ];
+    cpu_swap.swap_out(&host, &out_map).expect("cpu swap out");
+    swap(&pinned, &dev, &out_map, 1);
+    assert!(
+        pinned.as_slice::<u8>() == cpu_swap.storage().as_bytes(),
+        "swap-out bytes differ"
+    );
+    let in_map = [
+        (0, 12),
+        (1, 13),
+        (2, 14),
+        (3, 15),
+        (7, 3),
+        (8, 28),
+        (9, 29),
+        (23, 0),
+    ];
+    cpu_swap.swap_in(&mut host, &in_map).expect("cpu swap in");
+    swap(&dev, &pinned, &in_map, 0);
+    assert!(
+        dev.as_slice::<u8>() == host.as_bytes(),
+        "swap-in bytes differ"
+    );
+}
+
+// ---- what the emulation refuses, as the hardware would ----------------------------------------
+
+/// A query pointer off the 16-byte grid is refused by the launcher before any launch.
+#[test]
+fn misaligned_query_is_refused() {
+    let mut rng = SmallRng::seed_from_u64(14);
+    let b = make_batch(&mut rng, 1, 1, 64, 16, KvDtype::F32, &[20]);
+    let host = random_cache::<f32>(&mut rng, b.cfg);
+    let params = attn_params(1, 64, Features::PLAIN, &[]);
+    let query = random_vec::<f32>(&mut rng, 64 + 4);
+    let case = AttnCase::new(&b, &host, &query, &params, ffi::PKV_DECODE_AUTO);
+    let out = poisoned::<f32>(64);
+    // SAFETY: the query pointer is misaligned, which the launcher checks before any launch or
+    // dereference; every other pointer is valid.
+    let s = unsafe {
+        ffi::pkv_paged_attention_decode(
+            out.ptr(),
+            case.query.ptr().cast::<u8>().add(4).cast(),
+            case.cache.ptr(),
+            &case.geom,
+            0,
+            case.tables.ptr() as *const i32,
+            case.mbps as i32,
+            case.ctx.ptr() as *const i32,
+            1,
+            20,
+            &case.params,
+            null(),
+            0,
+            null(),
+        )
+    };
+    assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32);
+    let _ = case.slopes;
+}

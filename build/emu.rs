@@ -24,6 +24,7 @@ const EMU_FILES: &[&str] = &[
     "kernels/emu/cuda_runtime.h",
     "kernels/emu/cuda_fp16.h",
     "kernels/emu/cuda_bf16.h",
+    "kernels/emu/selftest.cu",
 ];
 
 pub fn build() {
@@ -62,6 +63,19 @@ pub fn build() {
             units.push(dest);
         }
     }
+
+    // The emulation's self-test kernels go through the same translation.
+    let selftest = dir.join("selftest.cpp");
+    match std::fs::read_to_string("kernels/emu/selftest.cu").map(|s| rewrite(&s)) {
+        Ok(Ok(s)) => {
+            if let Err(e) = std::fs::write(&selftest, s) {
+                fail!("cannot write {}: {e}", selftest.display());
+            }
+        }
+        Ok(Err(e)) => fail!("cuda-emu cannot translate kernels/emu/selftest.cu: {e}"),
+        Err(e) => fail!("cannot read kernels/emu/selftest.cu: {e}"),
+    }
+    units.push(selftest);
 
     let mut build = cc::Build::new();
     build

@@ -62,6 +62,29 @@ pkv_emu_stats pkv_emu_take_stats(void);
  */
 size_t pkv_emu_last_fault(char *buf, size_t len);
 
+/* ---- self-test kernels of the emulation (kernels/emu/selftest.cu) ----
+ * Each launches one small kernel and returns cudaGetLastError() after it (0 on success). */
+
+/** Shared-memory tree sum per block: grid (grid_x, grid_y), block (block_x, block_y) with
+ *  block_x * block_y a power of two; in has one int per thread, out one per block. */
+int pkv_emu_selftest_block_sum(const int *in, int *out, int grid_x, int grid_y, int block_x,
+                               int block_y);
+/** out[t * 5 + k] = the value (t ^ (1 << k)) * 10 shuffled from lane t ^ (1 << k). */
+int pkv_emu_selftest_shuffle(int *out, int threads);
+/** Half a warp at __syncthreads, the other half at __syncwarp: must fail as a deadlock. */
+int pkv_emu_selftest_divergent_barrier(void);
+/** Lane 31 returns, lane 30 shuffles from it: must fail. out: 32 ints. */
+int pkv_emu_selftest_shuffle_from_returned_lane(int *out);
+/** A 16-byte vector load from p into out[0]: must fail unless p is 16-byte aligned. */
+int pkv_emu_selftest_vector_load(const void *p, int *out);
+/** n floats of dynamic shared memory (opt-in attribute first when opt_in_bytes > 0): writes
+ *  out[i] = n - 1 - i and out[n] = what buf[n-1] held before any write (the poison). */
+int pkv_emu_selftest_smem(float *out, int n, int opt_in_bytes);
+/** An empty kernel with grid (grid_x, grid_y) and block_x threads. */
+int pkv_emu_selftest_config(unsigned grid_x, unsigned grid_y, unsigned block_x);
+/** p[i] = i for i < n (one block of 64 threads). */
+int pkv_emu_selftest_write(int *p, int n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -799,3 +799,20 @@ pub enum GgufError {
     #[error("cannot write: {0}")]
     Unwritable(&'static str),
 }
+
+/// Errors of the host copy engine ([`crate::gguf::upload::HostEngine`]), the stand-in for a GPU
+/// that runs the upload pipeline in ordinary tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum UploadError {
+    /// A failure the engine was configured to inject ([`crate::gguf::upload::HostFault`]).
+    #[error("injected failure of host engine call {op} #{call}")]
+    Injected {
+        /// The engine operation that failed.
+        op: &'static str,
+        /// Which call of it (0-based, counted over the engine's life).
+        call: u64,
+    },
+    /// The engine's stream thread has stopped, so queued copies will never complete.
+    #[error("the host copy stream's worker thread has stopped")]
+    StreamStopped,
+}

@@ -24,15 +24,16 @@
 //!   Q2_K..Q6_K, IQ4_NL and MXFP4 to f32/f16/bf16, parallel on rayon.
 //! * [`write`]: [`GgufWriter`], laying files out as gguf-py does.
 //! * [`llama`]: [`LlamaParams`], the hyperparameters that size a llama-family engine.
-//! * `upload` (feature `cuda`): `Uploader`, tensors into device memory through a ring of
-//!   pinned staging buffers, host copies overlapped with the DMA.
+//! * [`upload`]: [`StagingRing`], tensors into device memory through a ring of staging buffers,
+//!   host copies overlapped with asynchronous copies, generic over a [`CopyEngine`]; a host
+//!   engine tests it without a GPU, and with feature `cuda`, `Uploader` runs it over pinned
+//!   memory and the DMA engine.
 
 pub mod dequant;
 pub mod llama;
 pub mod mmap;
 pub mod parse;
 pub mod types;
-#[cfg(feature = "cuda")]
 pub mod upload;
 pub mod write;
 
@@ -48,7 +49,7 @@ pub use parse::{
 pub use types::{GgmlType, TypeId, ValueType, ALL_TYPES, QK_K};
 #[cfg(feature = "cuda")]
 pub use upload::{
-    upload_gguf, DeviceTensor, DeviceWeights, UploadOptions, UploadProgress, Uploader,
-    MAX_STAGING_BUFFERS,
+    upload_gguf, DeviceTensor, DeviceWeights, UploadOptions, Uploader, MAX_STAGING_BUFFERS,
 };
+pub use upload::{CopyEngine, StagingRing, UploadProgress};
 pub use write::{GgufWriter, MetaValue};

@@ -21,7 +21,8 @@ use std::ptr::NonNull;
     missing_docs,
     clippy::all,
     clippy::pedantic,
-    clippy::undocumented_unsafe_blocks
+    clippy::undocumented_unsafe_blocks,
+    rustdoc::broken_intra_doc_links
 )]
 pub mod ffi {
     include!(concat!(env!("OUT_DIR"), "/pagedkv_ffi.rs"));
@@ -36,7 +37,8 @@ pub mod ffi {
     missing_docs,
     clippy::all,
     clippy::pedantic,
-    clippy::undocumented_unsafe_blocks
+    clippy::undocumented_unsafe_blocks,
+    rustdoc::broken_intra_doc_links
 )]
 pub mod emu_ffi {
     include!(concat!(env!("OUT_DIR"), "/pagedkv_emu_ffi.rs"));

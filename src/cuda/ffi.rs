@@ -11,7 +11,8 @@
     missing_docs,
     clippy::all,
     clippy::pedantic,
-    clippy::undocumented_unsafe_blocks
+    clippy::undocumented_unsafe_blocks,
+    rustdoc::broken_intra_doc_links
 )]
 
 include!(concat!(env!("OUT_DIR"), "/pagedkv_ffi.rs"));

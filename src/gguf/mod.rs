@@ -22,7 +22,7 @@
 //! * [`mmap`]: [`GgufBytes`], a read-only map or an owned buffer to parse.
 //! * [`dequant`]: bit-exact dequantization of F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 //!   Q2_K..Q6_K, IQ4_NL and MXFP4 to f32/f16/bf16, parallel on rayon.
-//! * [`write`]: [`GgufWriter`], laying files out as gguf-py does.
+//! * [`write`](mod@write): [`GgufWriter`], laying files out as gguf-py does.
 //! * [`llama`]: [`LlamaParams`], the hyperparameters that size a llama-family engine.
 //! * [`upload`]: [`StagingRing`], tensors into device memory through a ring of staging buffers,
 //!   host copies overlapped with asynchronous copies, generic over a [`CopyEngine`]; a host

@@ -9,7 +9,7 @@
 //!              └────────────────┤────► swapped ──► running               │ abort (any time)
 //! ```
 //!
-//! Each [`schedule`](Batcher::schedule) step:
+//! Each [`schedule_into`](Batcher::schedule_into) step:
 //! 1. running sequences, oldest first: a decoding one gets one token; a prefilling one a chunk of
 //!    at most `max_prefill_chunk` tokens; all within the step's token budget (the smaller of
 //!    `max_batched_tokens` and the attached budget's). Blocks are taken from the pool so every

@@ -366,6 +366,26 @@ fn decode_long_contexts_and_odd_groups() {
     }
 }
 
+/// The shapes `pagedkv bench gpu` times (issue 6): 32 query heads over 8 or 32 KV heads, head
+/// dim 128, bf16, block 16, contexts 512 and 4096, with only the KV heads cut down (the kernels
+/// see the same per-block work; the grid is just narrower).
+#[test]
+fn decode_benchmark_shapes() {
+    let mut rng = SmallRng::seed_from_u64(15);
+    // group 4 (32 / 8) and group 1 (32 / 32): GT = 4 and GT = 1 kernels.
+    for group in [4, 1] {
+        check_decode::<bf16>(
+            &mut rng,
+            128,
+            group,
+            16,
+            &[4096, 512, 4095],
+            Features::PLAIN,
+            &MODES,
+        );
+    }
+}
+
 fn prefill_grid<T: Elem>(seed: u64) {
     let mut rng = SmallRng::seed_from_u64(seed);
     let mut variant = 0;

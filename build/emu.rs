@@ -2,11 +2,13 @@
 //! kernels/emu/ (see kernels/emu/emu.h for the model), so tests run every launcher and kernel
 //! without a GPU.
 //!
-//! The sources are copied to `$OUT_DIR/emu/` with two rewrites that plain C++ cannot express as
-//! macros; everything else (`__global__`, `threadIdx`, shuffles, half types, the runtime calls)
+//! The sources are copied to `$OUT_DIR/emu/` with three rewrites that plain C++ cannot express
+//! as macros; everything else (`__global__`, `threadIdx`, shuffles, half types, the runtime calls)
 //! is supplied by the headers in kernels/emu/, which shadow the CUDA ones:
 //!
 //! - `extern __shared__ T name[];` becomes `T *name = ::emu::dynamic_smem<T>();`
+//! - every other `__shared__` declaration is followed by `::emu::poison_shared_once(name);` for
+//!   each variable it declares (fresh garbage per block, as on a GPU);
 //! - `kernel<targs><<<config>>>(args)` becomes
 //!   `::emu::launch((const void *)&kernel<targs>, [=]() { kernel<targs>(args); }, config)`.
 //!
@@ -104,9 +106,66 @@ pub fn build() {
     bindings("kernels/emu/pagedkv_emu.h", "pkv_emu", "pagedkv_emu_ffi.rs");
 }
 
-/// Applies the two rewrites described in the module docs.
+/// Applies the rewrites described in the module docs.
 fn rewrite(src: &str) -> Result<String, String> {
-    rewrite_launches(&rewrite_extern_shared(src)?)
+    rewrite_launches(&rewrite_static_shared(&rewrite_extern_shared(src)?)?)
+}
+
+/// After each `__shared__ T a[N], b;` declaration, poisons every variable it declares once per
+/// thread block (the first thread to pass the declaration does it; no thread can touch the
+/// variable before passing it, and none yields in between). Without this a block would see the
+/// values the previous block left in the thread_local, which would hide a missing write.
+fn rewrite_static_shared(src: &str) -> Result<String, String> {
+    const KEY: &str = "__shared__";
+    let mut out = String::with_capacity(src.len());
+    let mut rest = src;
+    while let Some(i) = rest.find(KEY) {
+        let end = rest[i..]
+            .find(';')
+            .map(|e| i + e)
+            .ok_or_else(|| "`__shared__` without a `;`".to_string())?;
+        let decl = rest[i + KEY.len()..end].trim();
+        let mut names = Vec::new();
+        for (k, d) in split_top_level(decl).into_iter().enumerate() {
+            let d = d.trim();
+            let head = d.split(['[', '=']).next().unwrap_or("").trim();
+            // The first declarator carries the type: its name is the last word.
+            let name = if k == 0 {
+                head.rsplit(char::is_whitespace).next().unwrap_or("")
+            } else {
+                head
+            };
+            if !is_ident(name) || d.contains('=') {
+                return Err(format!("unsupported `__shared__` declaration `{decl}`"));
+            }
+            names.push(name.to_string());
+        }
+        out.push_str(&rest[..=end]);
+        for n in names {
+            out.push_str(&format!(" ::emu::poison_shared_once({n});"));
+        }
+        rest = &rest[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// Splits at commas outside brackets and parentheses.
+fn split_top_level(s: &str) -> Vec<&str> {
+    let (mut parts, mut depth, mut start) = (Vec::new(), 0i32, 0);
+    for (i, c) in s.char_indices() {
+        match c {
+            '[' | '(' | '<' => depth += 1,
+            ']' | ')' | '>' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(&s[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&s[start..]);
+    parts
 }
 
 fn rewrite_extern_shared(src: &str) -> Result<String, String> {

@@ -134,6 +134,20 @@ fn dynamic_shared_memory_is_poisoned_and_limited() {
 }
 
 #[test]
+fn static_shared_memory_is_fresh_garbage_in_every_block() {
+    let out = zeroed(3 * 4);
+    // SAFETY: out holds one float per block.
+    let s = unsafe { emu_ffi::pkv_emu_selftest_static_shared(out.ptr() as *mut f32, 3) };
+    assert_eq!(s, 0);
+    for (b, v) in out.as_slice::<f32>().iter().enumerate() {
+        assert!(
+            v.is_nan(),
+            "block {b} saw {v} in a never-written __shared__ variable"
+        );
+    }
+}
+
+#[test]
 fn invalid_launch_configurations_are_refused() {
     for (gx, gy, bx, want) in [
         (1, 1, 1024, 0),

@@ -18,8 +18,8 @@
 // - The fiber order of every scheduling pass is a policy (forward, reverse, seeded random):
 //   a kernel free of shared-memory races gives bit-identical results under all of them.
 // - __shared__ variables are block-scope thread_locals (the fibers of a block share the OS
-//   thread; blocks run one at a time); the dynamic shared memory is a guarded allocation
-//   poisoned with 0xFF bytes (NaN as f32) before every block.
+//   thread; blocks run one at a time), poisoned with 0xFF bytes (NaN as f32) at the start of
+//   every block like the dynamic shared memory, which is a guarded allocation.
 // - Faults a GPU would raise are checked where the emulation can see them: misaligned 16-byte
 //   vector loads and stores, launch configurations the hardware refuses (block > 1024 threads,
 //   grid y/z > 65535, > 48 KiB of dynamic shared memory without the opt-in attribute), and
@@ -144,6 +144,19 @@ inline void launch(const void *kernel, const F &body, dim3 grid, dim3 block, siz
 // The block's dynamic shared memory (`extern __shared__ T name[]` is rewritten to this).
 void *dynamic_smem_raw();
 template <typename T> inline T *dynamic_smem() { return static_cast<T *>(dynamic_smem_raw()); }
+
+// Counts thread blocks run on this OS thread: a block's identity for poison_shared_once.
+extern thread_local uint64_t tl_block_serial;
+
+// Fills a static __shared__ variable with 0xFF bytes (NaN as f32) the first time any thread of
+// the running block passes its declaration (build/emu.rs inserts the call after it).
+template <typename V> inline void poison_shared_once(V &v) {
+  static thread_local uint64_t poisoned_in = 0;
+  if (poisoned_in != tl_block_serial) {
+    poisoned_in = tl_block_serial;
+    memset(static_cast<void *>(&v), 0xff, sizeof(V));
+  }
+}
 
 void syncthreads();
 void syncwarp(unsigned mask);

@@ -25,6 +25,7 @@
 namespace emu {
 
 thread_local const ThreadCoords *tl_coords = nullptr;
+thread_local uint64_t tl_block_serial = 0;
 
 namespace {
 
@@ -117,7 +118,7 @@ void on_fault_signal(int sig, siginfo_t *info, void *uctx) {
   if (tl_in_kernel) {
     write_str("\npagedkv cuda-emu: illegal address ");
     write_hex(reinterpret_cast<uintptr_t>(info->si_addr));
-    write_str(" (outside a guarded allocation or the dynamic shared memory) ");
+    write_str(" (past a guarded allocation or the dynamic shared memory, or a fiber stack overflow) ");
     if (const ThreadCoords *c = tl_coords) {
       write_str("in block (");
       write_dec(c->block.x);
@@ -362,6 +363,7 @@ bool run_block(Runner &r, uint3 block, dim3 grid, dim3 bdim) {
     f.coords.grid_dim = grid;
   }
   if (r.smem_bytes > 0) memset(r.smem, 0xff, r.smem_bytes);  // NaN: unwritten reads show
+  ++tl_block_serial;  // static __shared__ variables are poisoned afresh (poison_shared_once)
   r.order.resize(n);
   for (int i = 0; i < n; ++i) r.order[i] = tl_policy == PKV_EMU_SCHEDULE_REVERSE ? n - 1 - i : i;
 

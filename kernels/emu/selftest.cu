@@ -56,6 +56,15 @@ __global__ void smem_kernel(float *out, int n) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = buf[n - 1 - i];
 }
 
+__global__ void static_shared_kernel(float *out) {
+  __shared__ float cell[2];
+  // Every block reports what the never-written cell holds, then leaves a value behind that a
+  // later block must not see.
+  if (threadIdx.x == 0) out[blockIdx.x] = cell[1];
+  __syncthreads();
+  if (threadIdx.x == 0) cell[1] = 1.0f;
+}
+
 __global__ void empty_kernel() {}
 
 __global__ void write_kernel(int *p, int n) {
@@ -98,6 +107,11 @@ extern "C" int pkv_emu_selftest_smem(float *out, int n, int opt_in_bytes) {
     if (e != cudaSuccess) return (int)e;
   }
   smem_kernel<<<1, 96, (size_t)n * sizeof(float)>>>(out, n);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int pkv_emu_selftest_static_shared(float *out, int blocks) {
+  static_shared_kernel<<<blocks, 64>>>(out);
   return (int)cudaGetLastError();
 }
 

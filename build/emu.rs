@@ -7,8 +7,9 @@
 //! is supplied by the headers in kernels/emu/, which shadow the CUDA ones:
 //!
 //! - `extern __shared__ T name[];` becomes `T *name = ::emu::dynamic_smem<T>();`
-//! - every other `__shared__` declaration is followed by `::emu::poison_shared_once(name);` for
-//!   each variable it declares (fresh garbage per block, as on a GPU);
+//! - every other `__shared__` declaration is followed by `::emu::poison_shared_once(name, [] {});`
+//!   for each variable it declares (fresh garbage per block, as on a GPU, and its size counted
+//!   against the shared-memory limit);
 //! - `kernel<targs><<<config>>>(args)` becomes
 //!   `::emu::launch((const void *)&kernel<targs>, [=]() { kernel<targs>(args); }, config)`.
 //!
@@ -142,7 +143,7 @@ fn rewrite_static_shared(src: &str) -> Result<String, String> {
         }
         out.push_str(&rest[..=end]);
         for n in names {
-            out.push_str(&format!(" ::emu::poison_shared_once({n});"));
+            out.push_str(&format!(" ::emu::poison_shared_once({n}, [] {{}});"));
         }
         rest = &rest[end + 1..];
     }

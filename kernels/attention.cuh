@@ -76,6 +76,10 @@ template <int GT, int D> inline size_t decode_smem_bytes(int part_tokens) {
   return logits > red ? logits : red;
 }
 
+// Static shared memory of decode_kernel (s_max and s_sum below): it counts against the same
+// 48 KiB as the dynamic part.
+constexpr size_t decode_static_smem_bytes(int gt) { return 2 * (size_t)gt * sizeof(float); }
+
 template <typename T, int D, int GT>
 __global__ void __launch_bounds__(DEC_THREADS) decode_kernel(const DecodeArgs a) {
   using L = RowLayout<T, D>;

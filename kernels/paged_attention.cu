@@ -33,7 +33,8 @@ inline WorkspaceLayout workspace_layout(int64_t rows, int head_dim, int splits) 
 template <typename T, int D, int GT>
 int launch_decode(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t stream) {
   const size_t smem = decode_smem_bytes<GT, D>(a.part_tokens);
-  if (smem > SINGLE_PASS_SMEM) return PKV_ERR_INVALID_ARG;  // callers keep below: see below
+  // Static and dynamic shared memory share the budget; callers keep below it (see below).
+  if (smem + decode_static_smem_bytes(GT) > SINGLE_PASS_SMEM) return PKV_ERR_INVALID_ARG;
   const dim3 grid(num_kv_heads * a.head_chunks, num_seqs, a.num_splits);
   decode_kernel<T, D, GT><<<grid, DEC_THREADS, smem, stream>>>(a);
   cudaError_t e = cudaGetLastError();
@@ -128,7 +129,8 @@ extern "C" int pkv_paged_attention_decode(void *out, const void *query, const vo
   // Single pass: the whole context's logits fit the shared-memory budget. Split-K: partitions
   // of PKV_DECODE_PARTITION tokens, then the reduce kernel.
   const int single_tokens = max_ctx > 0 ? max_ctx : 1;
-  const bool single_fits = (size_t)gt * single_tokens * sizeof(float) <= SINGLE_PASS_SMEM;
+  const bool single_fits =
+      (size_t)gt * single_tokens * sizeof(float) + decode_static_smem_bytes(gt) <= SINGLE_PASS_SMEM;
   bool single;
   if (params->decode_mode == PKV_DECODE_SINGLE) {
     if (!single_fits) return PKV_ERR_INVALID_ARG;
@@ -152,7 +154,9 @@ extern "C" int pkv_paged_attention_decode(void *out, const void *query, const vo
   } else {
     a.part_tokens = PKV_DECODE_PARTITION;
     a.num_splits = ceil_div(max_ctx > 0 ? max_ctx : 1, PKV_DECODE_PARTITION);
-    if (a.num_splits > 65535) return PKV_ERR_INVALID_ARG;
+    // The reduce kernel keeps one weight per split (plus its static total) in shared memory.
+    if ((size_t)a.num_splits * sizeof(float) + sizeof(float) > SINGLE_PASS_SMEM)
+      return PKV_ERR_INVALID_ARG;
   }
   if (a.num_splits > 1) {
     const WorkspaceLayout w =

@@ -67,7 +67,8 @@ extern "C" {
 /** Choose single pass or split-K from the batch shape and the device (the default). */
 #define PKV_DECODE_AUTO 0
 /** Force one pass per (sequence, KV head); refused (PKV_ERR_INVALID_ARG) if the context is too
- *  long for the pass's shared-memory logits buffer. */
+ *  long for the pass's shared-memory logits buffer: heads_per_block * (max_context_len + 2) * 4
+ *  bytes must fit 48 KiB, heads_per_block 1 (MHA), 4 (GQA ratios 2-4) or 8 (above). */
 #define PKV_DECODE_SINGLE 1
 /** Force split-K (partitions of PKV_DECODE_PARTITION tokens) plus the reduce kernel. */
 #define PKV_DECODE_SPLIT 2
@@ -124,7 +125,8 @@ size_t pkv_decode_workspace_bytes(int32_t num_seqs, int32_t num_heads, int32_t h
  *               sequence's ceil(context_len / block_size) are not read
  * context_lens  device [num_seqs] i32, each <= max_context_len and
  *               <= max_blocks_per_seq * block_size
- * max_context_len  host: an upper bound of context_lens (chooses the partitioning)
+ * max_context_len  host: an upper bound of context_lens (chooses the partitioning); above
+ *               12287 partitions (6,290,944 tokens) PKV_ERR_INVALID_ARG
  * params        host
  * workspace     device scratch of at least workspace_bytes bytes (see
  *               pkv_decode_workspace_bytes; may be NULL when that is 0)

@@ -135,16 +135,29 @@ fn dynamic_shared_memory_is_poisoned_and_limited() {
 
 #[test]
 fn static_shared_memory_is_fresh_garbage_in_every_block() {
-    let out = zeroed(3 * 4);
-    // SAFETY: out holds one float per block.
+    let out = zeroed(3 * 2 * 4);
+    // SAFETY: out holds two floats per block.
     let s = unsafe { emu_ffi::pkv_emu_selftest_static_shared(out.ptr() as *mut f32, 3) };
     assert_eq!(s, 0);
     for (b, v) in out.as_slice::<f32>().iter().enumerate() {
         assert!(
             v.is_nan(),
-            "block {b} saw {v} in a never-written __shared__ variable"
+            "block {} saw {v} in never-written __shared__ variable {}",
+            b / 2,
+            b % 2
         );
     }
+    // Static and dynamic shared memory share the 48 KiB.
+    let out = zeroed(32 * 4);
+    // SAFETY: out holds 32 floats; 44 KiB + 4 KiB fit.
+    let s =
+        unsafe { emu_ffi::pkv_emu_selftest_static_plus_dynamic(out.ptr() as *mut f32, 44 << 10) };
+    assert_eq!(s, 0);
+    // SAFETY: as above; 45 KiB + 4 KiB do not fit, the launch fails before any write.
+    let s =
+        unsafe { emu_ffi::pkv_emu_selftest_static_plus_dynamic(out.ptr() as *mut f32, 45 << 10) };
+    assert_eq!(s, INVALID_VALUE);
+    assert!(cuda_emu::last_fault().expect("message").contains("static"));
 }
 
 #[test]

@@ -148,13 +148,20 @@ template <typename T> inline T *dynamic_smem() { return static_cast<T *>(dynamic
 // Counts thread blocks run on this OS thread: a block's identity for poison_shared_once.
 extern thread_local uint64_t tl_block_serial;
 
+// Adds a static __shared__ variable's size to the running block's total and fails the launch
+// when static + dynamic shared memory exceed what the kernel may use (48 KiB without the
+// opt-in attribute, 227 KiB with it), as the hardware refuses such a launch.
+void account_static_shared(size_t bytes);
+
 // Fills a static __shared__ variable with 0xFF bytes (NaN as f32) the first time any thread of
-// the running block passes its declaration (build/emu.rs inserts the call after it).
-template <typename V> inline void poison_shared_once(V &v) {
+// the running block passes its declaration, and counts its size (build/emu.rs inserts the call
+// after the declaration, with a fresh lambda as `Tag` so every variable has its own marker).
+template <typename V, typename Tag> inline void poison_shared_once(V &v, Tag) {
   static thread_local uint64_t poisoned_in = 0;
   if (poisoned_in != tl_block_serial) {
     poisoned_in = tl_block_serial;
     memset(static_cast<void *>(&v), 0xff, sizeof(V));
+    account_static_shared(sizeof(V));
   }
 }
 
@@ -222,7 +229,9 @@ template <typename T> inline void __stcs(T *p, const T &v) {
 
 // ---- math ------------------------------------------------------------------------------------
 
-inline float __expf(float x) { return expf(x); }
+// The GPU's __expf is ex2.approx(x * log2(e)): a few ulp off expf. Computing it the same way
+// keeps tolerance problems visible here.
+inline float __expf(float x) { return exp2f(x * 1.4426950408889634f); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline long min(long a, long b) { return a < b ? a : b; }

@@ -47,6 +47,11 @@ void set_error(cudaError_t e) {
 std::mutex g_attr_mutex;
 std::map<const void *, size_t> g_max_dynamic_smem;
 
+bool g_max_dynamic_smem_set(const void *kernel) {
+  std::lock_guard<std::mutex> lock(g_attr_mutex);
+  return g_max_dynamic_smem.count(kernel) != 0;
+}
+
 size_t max_dynamic_smem_of(const void *kernel) {
   std::lock_guard<std::mutex> lock(g_attr_mutex);
   auto it = g_max_dynamic_smem.find(kernel);
@@ -229,6 +234,8 @@ struct Runner {
   bool failed = false;
   void *smem = nullptr;
   size_t smem_bytes = 0;
+  size_t static_smem = 0;       // static __shared__ bytes seen in the running block
+  size_t smem_total_limit = 0;  // static + dynamic allowed for this kernel
   uint64_t rng = 0;
 };
 thread_local Runner *tl_run = nullptr;
@@ -364,6 +371,7 @@ bool run_block(Runner &r, uint3 block, dim3 grid, dim3 bdim) {
   }
   if (r.smem_bytes > 0) memset(r.smem, 0xff, r.smem_bytes);  // NaN: unwritten reads show
   ++tl_block_serial;  // static __shared__ variables are poisoned afresh (poison_shared_once)
+  r.static_smem = 0;
   r.order.resize(n);
   for (int i = 0; i < n; ++i) r.order[i] = tl_policy == PKV_EMU_SCHEDULE_REVERSE ? n - 1 - i : i;
 
@@ -478,6 +486,19 @@ void *dynamic_smem_raw() {
   return r->smem;
 }
 
+void account_static_shared(size_t bytes) {
+  Runner *r = require_runner("a static __shared__ variable");
+  r->static_smem += bytes;
+  if (r->static_smem + r->smem_bytes > r->smem_total_limit) {
+    char buf[200];
+    snprintf(buf, sizeof buf,
+             "%zu bytes of static + %zu of dynamic shared memory exceed the kernel's %zu: the "
+             "launch would be refused",
+             r->static_smem, r->smem_bytes, r->smem_total_limit);
+    fault(cudaErrorInvalidValue, buf, nullptr);
+  }
+}
+
 cudaError_t func_set_max_dynamic_smem(const void *kernel, int bytes) {
   if (kernel == nullptr || bytes < 0 || (size_t)bytes > MAX_DYNAMIC_SMEM)
     return cudaErrorInvalidValue;
@@ -515,6 +536,10 @@ void launch_erased(const void *kernel, void (*call)(const void *), const void *b
   Runner r;
   r.call = call;
   r.body = body;
+  // Without the opt-in attribute static + dynamic shared memory share 48 KiB; with it the
+  // dynamic part is bounded by the attribute (checked above) and the sum by the SM's 227 KiB.
+  r.smem_total_limit = g_max_dynamic_smem_set(kernel) ? MAX_DYNAMIC_SMEM : DEFAULT_DYNAMIC_SMEM;
+  tl_fault_message.clear();
   r.rng = tl_seed * 0x9e3779b97f4a7c15ull + tl_stats.launches + 1;
   Mapping smem_map{};
   if (smem > 0) {
@@ -527,13 +552,22 @@ void launch_erased(const void *kernel, void (*call)(const void *), const void *b
   }
   tl_run = &r;
   tl_in_kernel = 1;
+  // Blocks run one at a time, in the policy's order too: a result that depends on which block
+  // ran first (two blocks writing one output) changes with the order.
+  std::vector<uint3> order;
+  order.reserve((size_t)grid.x * grid.y * grid.z);
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) order.push_back(uint3{x, y, z});
+  if (tl_policy == PKV_EMU_SCHEDULE_REVERSE) std::reverse(order.begin(), order.end());
+  if (tl_policy == PKV_EMU_SCHEDULE_RANDOM)
+    for (size_t i = order.size(); i > 1; --i)
+      std::swap(order[i - 1], order[next_random(r.rng) % i]);
   uint64_t blocks = 0;
-  for (unsigned z = 0; z < grid.z && !r.failed; ++z)
-    for (unsigned y = 0; y < grid.y && !r.failed; ++y)
-      for (unsigned x = 0; x < grid.x && !r.failed; ++x) {
-        if (!run_block(r, uint3{x, y, z}, grid, block)) break;
-        ++blocks;
-      }
+  for (const uint3 &b : order) {
+    if (!run_block(r, b, grid, block)) break;
+    ++blocks;
+  }
   tl_in_kernel = 0;
   tl_run = nullptr;
   if (smem_map.base != nullptr) munmap(smem_map.base, smem_map.len);
@@ -604,6 +638,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpy
 // ---- the controls of pagedkv_emu.h --------------------------------------------------------
 
 extern "C" void *pkv_emu_alloc(size_t bytes) {
+  emu::install_fault_handler();  // an overrun in cudaMemcpyAsync is reported too
   emu::Mapping m{};
   void *p = emu::guarded_alloc(bytes, &m);
   if (p == nullptr) return nullptr;

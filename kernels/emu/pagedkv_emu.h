@@ -80,9 +80,12 @@ int pkv_emu_selftest_vector_load(const void *p, int *out);
 /** n floats of dynamic shared memory (opt-in attribute first when opt_in_bytes > 0): writes
  *  out[i] = n - 1 - i and out[n] = what buf[n-1] held before any write (the poison). */
 int pkv_emu_selftest_smem(float *out, int n, int opt_in_bytes);
-/** out[b] = what an unwritten static __shared__ float held in block b (which each block then
- *  writes): the poison, NaN, in every block. */
+/** out[2b], out[2b+1] = what two unwritten static __shared__ floats held in block b (which
+ *  each block then writes): the poison, NaN, in every block. */
 int pkv_emu_selftest_static_shared(float *out, int blocks);
+/** 4 KiB of static and `dynamic_bytes` of dynamic shared memory; out: 32 floats. Fails when
+ *  the sum exceeds 48 KiB. */
+int pkv_emu_selftest_static_plus_dynamic(float *out, int dynamic_bytes);
 /** An empty kernel with grid (grid_x, grid_y) and block_x threads. */
 int pkv_emu_selftest_config(unsigned grid_x, unsigned grid_y, unsigned block_x);
 /** p[i] = i for i < n (one block of 64 threads). */

@@ -57,12 +57,22 @@ __global__ void smem_kernel(float *out, int n) {
 }
 
 __global__ void static_shared_kernel(float *out) {
-  __shared__ float cell[2];
-  // Every block reports what the never-written cell holds, then leaves a value behind that a
+  __shared__ float cell[2], other[3];
+  // Every block reports what the never-written cells hold, then leaves values behind that a
   // later block must not see.
-  if (threadIdx.x == 0) out[blockIdx.x] = cell[1];
+  if (threadIdx.x == 0) {
+    out[2 * blockIdx.x] = cell[1];
+    out[2 * blockIdx.x + 1] = other[2];
+  }
   __syncthreads();
-  if (threadIdx.x == 0) cell[1] = 1.0f;
+  if (threadIdx.x == 0) cell[1] = other[2] = 1.0f;
+}
+
+__global__ void static_plus_dynamic_kernel(float *out) {
+  extern __shared__ float dyn[];
+  __shared__ float fixed[1024];  // 4 KiB
+  fixed[threadIdx.x] = dyn[threadIdx.x] = 0.f;
+  out[threadIdx.x] = fixed[threadIdx.x] + dyn[threadIdx.x];
 }
 
 __global__ void empty_kernel() {}
@@ -112,6 +122,11 @@ extern "C" int pkv_emu_selftest_smem(float *out, int n, int opt_in_bytes) {
 
 extern "C" int pkv_emu_selftest_static_shared(float *out, int blocks) {
   static_shared_kernel<<<blocks, 64>>>(out);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int pkv_emu_selftest_static_plus_dynamic(float *out, int dynamic_bytes) {
+  static_plus_dynamic_kernel<<<1, 32, (size_t)dynamic_bytes>>>(out);
   return (int)cudaGetLastError();
 }
 

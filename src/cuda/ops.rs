@@ -17,8 +17,8 @@ pub enum DecodeMode {
     /// launch from the batch shape and the device's SM count (the default).
     #[default]
     Auto,
-    /// One pass per (sequence, KV head); refused for contexts whose logits exceed 48 KiB of
-    /// shared memory (e.g. > 1536 tokens with 8 query heads per KV head).
+    /// One pass per (sequence, KV head); refused for contexts whose logits (plus 8 bytes per
+    /// head) exceed 48 KiB of shared memory (e.g. > 1534 tokens with 8 query heads per KV head).
     SinglePass,
     /// Partitions of `PKV_DECODE_PARTITION` (512) tokens and the reduce kernel.
     SplitK,

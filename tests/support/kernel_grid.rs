@@ -38,10 +38,11 @@ pub fn heads_per_block(group: usize) -> usize {
     }
 }
 
-/// Whether a forced single pass is refused: the logits of the longest context do not fit the
-/// 48 KiB of shared memory.
+/// Whether a forced single pass is refused: the logits of the longest context, plus the
+/// kernel's static max and sum per head, do not fit the 48 KiB of shared memory.
 pub fn single_pass_refused(group: usize, ctx: &[usize]) -> bool {
-    heads_per_block(group) * ctx.iter().max().copied().unwrap_or(1) * 4 > 48 * 1024
+    let tokens = ctx.iter().max().copied().unwrap_or(1).max(1);
+    heads_per_block(group) * (tokens + 2) * 4 > 48 * 1024
 }
 
 pub fn random_vec<T: KvElem>(rng: &mut SmallRng, n: usize) -> Vec<T> {

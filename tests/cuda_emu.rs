@@ -16,7 +16,7 @@ mod kernel_grid;
 
 use half::{bf16, f16};
 use kernel_grid::*;
-use pagedkv::attn::{cpu, AttnParams, AttnWorkspace, PagedSeqs};
+use pagedkv::attn::{cpu, AttnParams};
 use pagedkv::cuda_emu::{self, ffi, EmuBuf, EmuElem, Schedule};
 use pagedkv::kv::{HostKvCache, KvCacheConfig, KvDtype, SwapSpace};
 use rand::rngs::SmallRng;
@@ -77,7 +77,8 @@ struct AttnCase {
     query: EmuBuf,
     tables: EmuBuf,
     ctx: EmuBuf,
-    slopes: Option<EmuBuf>,
+    /// Owns the ALiBi slopes `params.alibi_slopes` points into.
+    _slopes: Option<EmuBuf>,
     mbps: usize,
     num_seqs: usize,
     max_ctx: usize,
@@ -112,7 +113,7 @@ impl AttnCase {
             query: buf(query),
             tables: buf(&b.tables),
             ctx: buf(&b.ctx),
-            slopes,
+            _slopes: slopes,
             mbps: b.mbps,
             num_seqs: b.ctx.len(),
             max_ctx: b.ctx.iter().copied().max().unwrap_or(0).max(0) as usize,
@@ -196,14 +197,6 @@ const MODES: [u32; 3] = [
     ffi::PKV_DECODE_SPLIT,
 ];
 
-fn attn_params<'a>(nh: usize, d: usize, f: Features, sl: &'a [f32]) -> AttnParams<'a> {
-    let mut p = AttnParams::new(nh, d);
-    p.alibi_slopes = f.alibi.then_some(sl);
-    p.sliding_window = f.window;
-    p.softcap = f.softcap;
-    p
-}
-
 #[allow(clippy::too_many_arguments)]
 fn check_decode<T: Elem>(
     rng: &mut SmallRng,
@@ -221,22 +214,7 @@ fn check_decode<T: Elem>(
     let query = random_vec::<T>(rng, ctx.len() * nh * d);
     let sl = slopes(rng, nh);
     let params = attn_params(nh, d, f, &sl);
-    let seqs = PagedSeqs {
-        block_tables: &b.tables,
-        max_blocks_per_seq: b.mbps,
-        context_lens: &b.ctx,
-    };
-    let mut want = vec![T::from_f32(f32::NAN); query.len()];
-    let view = host.view::<T>().expect("view");
-    cpu::paged_attention_decode(
-        &mut AttnWorkspace::new(),
-        view.layer(layer).expect("layer"),
-        &query,
-        &seqs,
-        &params,
-        &mut want,
-    )
-    .expect("cpu decode");
+    let want = cpu_decode(&b, &host, layer, &query, &params);
 
     let mut case = AttnCase::new(&b, &host, &query, &params, ffi::PKV_DECODE_AUTO);
     for &mode in modes {
@@ -267,31 +245,12 @@ fn check_prefill<T: Elem>(
     let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, &ctx);
     let host = random_cache::<T>(rng, b.cfg);
     let nh = hkv * group;
-    let mut qsl = vec![0i32];
-    for &(q, _) in seqs_q_ctx {
-        qsl.push(qsl.last().copied().unwrap_or(0) + q as i32);
-    }
+    let qsl = query_start_loc(seqs_q_ctx);
     let tokens = *qsl.last().unwrap_or(&0) as usize;
     let query = random_vec::<T>(rng, tokens * nh * d);
     let sl = slopes(rng, nh);
     let params = attn_params(nh, d, f, &sl);
-    let seqs = PagedSeqs {
-        block_tables: &b.tables,
-        max_blocks_per_seq: b.mbps,
-        context_lens: &b.ctx,
-    };
-    let mut want = vec![T::from_f32(f32::NAN); query.len()];
-    let view = host.view::<T>().expect("view");
-    cpu::paged_attention_prefill(
-        &mut AttnWorkspace::new(),
-        view.layer(layer).expect("layer"),
-        &query,
-        &qsl,
-        &seqs,
-        &params,
-        &mut want,
-    )
-    .expect("cpu prefill");
+    let want = cpu_prefill(&b, &host, layer, &query, &qsl, &params);
     if query.is_empty() {
         return;
     }
@@ -490,22 +449,7 @@ fn auto_mode_picks_split_by_device_size() {
     let nh = hkv * group;
     let params = attn_params(nh, d, Features::PLAIN, &[]);
     let query = random_vec::<f16>(&mut rng, ctx.len() * nh * d);
-    let seqs = PagedSeqs {
-        block_tables: &b.tables,
-        max_blocks_per_seq: b.mbps,
-        context_lens: &b.ctx,
-    };
-    let mut want = vec![f16::NAN; query.len()];
-    let view = host.view::<f16>().expect("view");
-    cpu::paged_attention_decode(
-        &mut AttnWorkspace::new(),
-        view.layer(layer).expect("layer"),
-        &query,
-        &seqs,
-        &params,
-        &mut want,
-    )
-    .expect("cpu");
+    let want = cpu_decode(&b, &host, layer, &query, &params);
     let mut case = AttnCase::new(&b, &host, &query, &params, ffi::PKV_DECODE_AUTO);
     // 2 seqs x 2 KV heads = 4 thread blocks: >= 4 per SM only on a 1-SM device.
     for (sms, launches) in [(132, 2), (1, 1)] {
@@ -768,5 +712,4 @@ fn misaligned_query_is_refused() {
         )
     };
     assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32);
-    let _ = case.slopes;
 }

@@ -9,7 +9,7 @@
 #![cfg(feature = "cuda")]
 
 use half::{bf16, f16};
-use pagedkv::attn::{cpu, AttnParams, AttnWorkspace, PagedSeqs};
+use pagedkv::attn::{cpu, AttnParams, PagedSeqs};
 use pagedkv::cuda::{
     self, ffi, DecodeMode, DecodeWorkspace, DeviceAttnParams, DeviceKvCache, DeviceSeqs, Gpu,
     PinnedSwapSpace,
@@ -65,26 +65,9 @@ fn check_decode<T: Elem>(
     let nh = hkv * group;
     let query = random_vec::<T>(rng, ctx.len() * nh * d);
     let sl = slopes(rng, nh);
-    let mut params = AttnParams::new(nh, d);
-    params.alibi_slopes = f.alibi.then_some(&sl[..]);
-    params.sliding_window = f.window;
-    params.softcap = f.softcap;
-    let seqs = PagedSeqs {
-        block_tables: &b.tables,
-        max_blocks_per_seq: b.mbps,
-        context_lens: &b.ctx,
-    };
-    let mut want = vec![T::from_f32(f32::NAN); query.len()];
-    let view = host.view::<T>().expect("view");
-    cpu::paged_attention_decode(
-        &mut AttnWorkspace::new(),
-        view.layer(layer).expect("layer"),
-        &query,
-        &seqs,
-        &params,
-        &mut want,
-    )
-    .expect("cpu decode");
+    let params = attn_params(nh, d, f, &sl);
+    let seqs = b.seqs();
+    let want = cpu_decode(&b, &host, layer, &query, &params);
 
     let mut dev = DeviceKvCache::new(g, b.cfg).expect("device cache");
     dev.upload_from(g, &host).expect("upload");
@@ -133,34 +116,13 @@ fn check_prefill<T: Elem>(
     let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, &ctx);
     let host = random_cache::<T>(rng, b.cfg);
     let nh = hkv * group;
-    let mut qsl = vec![0i32];
-    for &(q, _) in seqs_q_ctx {
-        qsl.push(qsl.last().copied().unwrap_or(0) + q as i32);
-    }
+    let qsl = query_start_loc(seqs_q_ctx);
     let tokens = *qsl.last().unwrap_or(&0) as usize;
     let query = random_vec::<T>(rng, tokens * nh * d);
     let sl = slopes(rng, nh);
-    let mut params = AttnParams::new(nh, d);
-    params.alibi_slopes = f.alibi.then_some(&sl[..]);
-    params.sliding_window = f.window;
-    params.softcap = f.softcap;
-    let seqs = PagedSeqs {
-        block_tables: &b.tables,
-        max_blocks_per_seq: b.mbps,
-        context_lens: &b.ctx,
-    };
-    let mut want = vec![T::from_f32(f32::NAN); query.len()];
-    let view = host.view::<T>().expect("view");
-    cpu::paged_attention_prefill(
-        &mut AttnWorkspace::new(),
-        view.layer(layer).expect("layer"),
-        &query,
-        &qsl,
-        &seqs,
-        &params,
-        &mut want,
-    )
-    .expect("cpu prefill");
+    let params = attn_params(nh, d, f, &sl);
+    let seqs = b.seqs();
+    let want = cpu_prefill(&b, &host, layer, &query, &qsl, &params);
 
     let mut dev = DeviceKvCache::new(g, b.cfg).expect("device cache");
     dev.upload_from(g, &host).expect("upload");

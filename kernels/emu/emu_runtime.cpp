@@ -47,15 +47,16 @@ void set_error(cudaError_t e) {
 std::mutex g_attr_mutex;
 std::map<const void *, size_t> g_max_dynamic_smem;
 
-bool g_max_dynamic_smem_set(const void *kernel) {
-  std::lock_guard<std::mutex> lock(g_attr_mutex);
-  return g_max_dynamic_smem.count(kernel) != 0;
-}
-
-size_t max_dynamic_smem_of(const void *kernel) {
+// The kernel's shared-memory limits: dynamic (48 KiB, or the opt-in attribute) and static +
+// dynamic together (48 KiB without the opt-in, the SM's 227 KiB with it).
+struct SmemLimits {
+  size_t dynamic, total;
+};
+SmemLimits smem_limits_of(const void *kernel) {
   std::lock_guard<std::mutex> lock(g_attr_mutex);
   auto it = g_max_dynamic_smem.find(kernel);
-  return it == g_max_dynamic_smem.end() ? DEFAULT_DYNAMIC_SMEM : it->second;
+  if (it == g_max_dynamic_smem.end()) return {DEFAULT_DYNAMIC_SMEM, DEFAULT_DYNAMIC_SMEM};
+  return {it->second, MAX_DYNAMIC_SMEM};
 }
 
 // ---- guarded memory ------------------------------------------------------------------------
@@ -519,11 +520,12 @@ void launch_erased(const void *kernel, void (*call)(const void *), const void *b
     set_error(cudaErrorInvalidConfiguration);
     return;
   }
-  if (smem > max_dynamic_smem_of(kernel)) {
+  const SmemLimits limits = smem_limits_of(kernel);
+  if (smem > limits.dynamic) {
     fprintf(stderr,
             "pagedkv cuda-emu: launch refused: %zu bytes of dynamic shared memory, the kernel "
             "allows %zu\n",
-            smem, max_dynamic_smem_of(kernel));
+            smem, limits.dynamic);
     set_error(cudaErrorInvalidValue);
     return;
   }
@@ -536,9 +538,7 @@ void launch_erased(const void *kernel, void (*call)(const void *), const void *b
   Runner r;
   r.call = call;
   r.body = body;
-  // Without the opt-in attribute static + dynamic shared memory share 48 KiB; with it the
-  // dynamic part is bounded by the attribute (checked above) and the sum by the SM's 227 KiB.
-  r.smem_total_limit = g_max_dynamic_smem_set(kernel) ? MAX_DYNAMIC_SMEM : DEFAULT_DYNAMIC_SMEM;
+  r.smem_total_limit = limits.total;
   tl_fault_message.clear();
   r.rng = tl_seed * 0x9e3779b97f4a7c15ull + tl_stats.launches + 1;
   Mapping smem_map{};

@@ -3,6 +3,7 @@
 //! emulation). Included by `#[path]` from each.
 #![allow(dead_code)]
 
+use pagedkv::attn::{cpu, AttnParams, AttnWorkspace, PagedSeqs};
 use pagedkv::kv::{HostKvCache, KvCacheConfig, KvDtype, KvElem};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
@@ -161,6 +162,81 @@ pub fn features(variant: usize, bs: usize) -> Features {
             softcap: 5.0,
         },
     }
+}
+
+/// The attention parameters of a case (`sl`: the ALiBi slopes used when `f.alibi`).
+pub fn attn_params(nh: usize, d: usize, f: Features, sl: &[f32]) -> AttnParams<'_> {
+    let mut p = AttnParams::new(nh, d);
+    p.alibi_slopes = f.alibi.then_some(sl);
+    p.sliding_window = f.window;
+    p.softcap = f.softcap;
+    p
+}
+
+impl Batch {
+    /// The batch as the kernels' sequence description.
+    pub fn seqs(&self) -> PagedSeqs<'_> {
+        PagedSeqs {
+            block_tables: &self.tables,
+            max_blocks_per_seq: self.mbps,
+            context_lens: &self.ctx,
+        }
+    }
+}
+
+/// `query_start_loc` of prefill sequences given as (query tokens, context) pairs.
+pub fn query_start_loc(seqs_q_ctx: &[(usize, usize)]) -> Vec<i32> {
+    let mut qsl = vec![0i32];
+    for &(q, _) in seqs_q_ctx {
+        qsl.push(qsl.last().copied().unwrap_or(0) + q as i32);
+    }
+    qsl
+}
+
+/// The CPU oracle's decode output for `layer` of `host`.
+pub fn cpu_decode<T: KvElem>(
+    b: &Batch,
+    host: &HostKvCache,
+    layer: usize,
+    query: &[T],
+    params: &AttnParams<'_>,
+) -> Vec<T> {
+    let mut want = vec![T::from_f32(f32::NAN); query.len()];
+    let view = host.view::<T>().expect("view");
+    cpu::paged_attention_decode(
+        &mut AttnWorkspace::new(),
+        view.layer(layer).expect("layer"),
+        query,
+        &b.seqs(),
+        params,
+        &mut want,
+    )
+    .expect("cpu decode");
+    want
+}
+
+/// The CPU oracle's prefill output for `layer` of `host`.
+pub fn cpu_prefill<T: KvElem>(
+    b: &Batch,
+    host: &HostKvCache,
+    layer: usize,
+    query: &[T],
+    qsl: &[i32],
+    params: &AttnParams<'_>,
+) -> Vec<T> {
+    let mut want = vec![T::from_f32(f32::NAN); query.len()];
+    let view = host.view::<T>().expect("view");
+    cpu::paged_attention_prefill(
+        &mut AttnWorkspace::new(),
+        view.layer(layer).expect("layer"),
+        query,
+        qsl,
+        &b.seqs(),
+        params,
+        &mut want,
+    )
+    .expect("cpu prefill");
+    want
 }
 
 pub fn slopes(rng: &mut SmallRng, nh: usize) -> Vec<f32> {

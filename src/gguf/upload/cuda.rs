@@ -184,6 +184,7 @@ impl CopyEngine for CudaCopy {
         })
     }
 
+    // Relies on the trait's contract: no DMA still reads the buffer (see the SAFETY below).
     unsafe fn free_staging(&mut self, staging: CudaStaging) {
         if self.ctx.bind_to_thread().is_err() {
             return; // leak rather than free in the wrong context

@@ -209,6 +209,24 @@ pub enum KvError {
     /// Swap between caches whose block shapes (layers, heads, head dim, block size, dtype) differ.
     #[error("swap between caches of different block shapes")]
     GeometryMismatch,
+    /// A model's block is larger than the arena's page.
+    #[error(
+        "a block of this model needs {block_bytes} bytes, more than the arena's {page_bytes}-byte page"
+    )]
+    PageTooSmall {
+        /// The arena's page size.
+        page_bytes: usize,
+        /// Bytes one block of the model takes.
+        block_bytes: usize,
+    },
+    /// A page size that would leave pages unaligned for the kernels' vector loads.
+    #[error("page size {page_bytes} bytes is not a multiple of {align}")]
+    PageMisaligned {
+        /// The refused page size.
+        page_bytes: usize,
+        /// The required multiple.
+        align: usize,
+    },
 }
 
 /// Errors of the attention and cache kernels ([`crate::attn`]): malformed batch tensors or

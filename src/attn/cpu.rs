@@ -262,8 +262,11 @@ pub fn copy_blocks<T: KvElem>(
 ) -> Result<(), AttnError> {
     let n = cache.config().num_blocks();
     check_block_mapping(pairs, n, n, true)?;
-    let epb = cache.config().elems_per_block();
-    copy_runs_within(cache.data_mut(), epb, pairs);
+    let (stride, epb) = (
+        cache.config().block_stride(),
+        cache.config().elems_per_block(),
+    );
+    copy_runs_within(cache.data_mut(), stride, epb, pairs);
     Ok(())
 }
 

@@ -136,9 +136,9 @@ impl HostKvCache {
     /// # Errors
     /// [`KvError::BlockOutOfRange`] if `block >= num_blocks`.
     pub fn block_bytes(&self, block: usize) -> Result<&[u8], KvError> {
-        let bpb = self.config.bytes_per_block();
+        let (page, bpb) = (self.config.page_bytes(), self.config.bytes_per_block());
         check_block(block as u64, self.config.num_blocks())?;
-        Ok(&self.as_bytes()[block * bpb..(block + 1) * bpb])
+        Ok(&self.as_bytes()[block * page..block * page + bpb])
     }
 
     /// A typed view of the whole cache.
@@ -174,8 +174,8 @@ impl HostKvCache {
     pub fn copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<(), KvError> {
         let n = self.config.num_blocks();
         check_block_mapping(pairs, n, n, true)?;
-        let bpb = self.config.bytes_per_block();
-        copy_runs_within(self.as_bytes_mut(), bpb, pairs);
+        let (page, bpb) = (self.config.page_bytes(), self.config.bytes_per_block());
+        copy_runs_within(self.as_bytes_mut(), page, bpb, pairs);
         Ok(())
     }
 }
@@ -240,8 +240,14 @@ impl SwapSpace {
             self.config().num_blocks(),
             false,
         )?;
-        let bpb = self.config().bytes_per_block();
-        copy_runs(cache.as_bytes(), self.storage.as_bytes_mut(), bpb, mapping);
+        let (src, dst) = (cache.config(), self.config());
+        let strides = RunStrides::bytes(src, dst);
+        copy_runs(
+            cache.as_bytes(),
+            self.storage.as_bytes_mut(),
+            strides,
+            mapping,
+        );
         Ok(())
     }
 
@@ -261,8 +267,13 @@ impl SwapSpace {
             cache.config().num_blocks(),
             false,
         )?;
-        let bpb = self.config().bytes_per_block();
-        copy_runs(self.storage.as_bytes(), cache.as_bytes_mut(), bpb, mapping);
+        let strides = RunStrides::bytes(self.config(), cache.config());
+        copy_runs(
+            self.storage.as_bytes(),
+            cache.as_bytes_mut(),
+            strides,
+            mapping,
+        );
         Ok(())
     }
 }
@@ -530,27 +541,60 @@ pub fn check_block_mapping(
     Ok(())
 }
 
-/// Copies validated runs from `src` to `dst` (two distinct buffers).
-pub(crate) fn copy_runs(src: &[u8], dst: &mut [u8], bytes_per_block: usize, pairs: &[(u32, u32)]) {
-    for run in coalesce_block_runs(pairs) {
-        let n = run.len as usize * bytes_per_block;
-        let s = run.src as usize * bytes_per_block;
-        let d = run.dst as usize * bytes_per_block;
-        dst[d..d + n].copy_from_slice(&src[s..s + n]);
+/// Where the blocks of a copy live on each side: the page stride of the source and of the
+/// destination, and the length of a block, all in the same unit (bytes or elements).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RunStrides {
+    pub(crate) src_stride: usize,
+    pub(crate) dst_stride: usize,
+    pub(crate) block_len: usize,
+}
+
+impl RunStrides {
+    /// Byte strides for a copy from a cache of geometry `src` to one of geometry `dst` (same
+    /// block shape).
+    pub(crate) fn bytes(src: &KvCacheConfig, dst: &KvCacheConfig) -> Self {
+        Self {
+            src_stride: src.page_bytes(),
+            dst_stride: dst.page_bytes(),
+            block_len: src.bytes_per_block(),
+        }
     }
 }
 
-/// Copies validated runs inside one buffer (no destination is a source: see
-/// [`check_block_mapping`]). Generic over the element type so typed views use it too.
+/// Copies validated runs from `src` to `dst` (two distinct buffers). A run of consecutive
+/// blocks is one copy when both sides have the same stride (the padding between the run's
+/// blocks travels with them: it is part of pages the run owns on both sides); otherwise each
+/// block is copied on its own.
+pub(crate) fn copy_runs(src: &[u8], dst: &mut [u8], st: RunStrides, pairs: &[(u32, u32)]) {
+    for run in coalesce_block_runs(pairs) {
+        let (s0, d0) = (run.src as usize, run.dst as usize);
+        if st.src_stride == st.dst_stride {
+            let n = (run.len as usize - 1) * st.src_stride + st.block_len;
+            let (s, d) = (s0 * st.src_stride, d0 * st.dst_stride);
+            dst[d..d + n].copy_from_slice(&src[s..s + n]);
+        } else {
+            for i in 0..run.len as usize {
+                let (s, d) = ((s0 + i) * st.src_stride, (d0 + i) * st.dst_stride);
+                dst[d..d + st.block_len].copy_from_slice(&src[s..s + st.block_len]);
+            }
+        }
+    }
+}
+
+/// Copies validated runs inside one buffer whose blocks are `stride` units apart and
+/// `block_len` units long (no destination is a source: see [`check_block_mapping`]). Generic
+/// over the element type so typed views use it too.
 pub(crate) fn copy_runs_within<E: Copy>(
     buf: &mut [E],
-    elems_per_block: usize,
+    stride: usize,
+    block_len: usize,
     pairs: &[(u32, u32)],
 ) {
     for run in coalesce_block_runs(pairs) {
-        let n = run.len as usize * elems_per_block;
-        let s = run.src as usize * elems_per_block;
-        let d = run.dst as usize * elems_per_block;
+        let n = (run.len as usize - 1) * stride + block_len;
+        let s = run.src as usize * stride;
+        let d = run.dst as usize * stride;
         buf.copy_within(s..s + n, d);
     }
 }

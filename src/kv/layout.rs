@@ -20,7 +20,13 @@
 //! | `token_stride`    | `H*D`          | one token (all KV heads) of one K or V      |
 //! | `kv_stride`       | `BS*H*D`       | K -> V of one block of one layer             |
 //! | `layer_stride`    | `2*BS*H*D`     | one layer of one block                      |
-//! | `block_stride`    | `L*2*BS*H*D`   | one block (all layers): `elems_per_block`   |
+//! | `block_stride`    | `P >= L*2*BS*H*D` | one block (all layers): the *page stride* |
+//!
+//! `P`, the page stride, is the distance between consecutive blocks. A cache that owns its
+//! memory packs blocks densely (`P = elems_per_block = L*2*BS*H*D`); a model's view of a shared
+//! arena (`block::KvArena`) uses the arena's page size, so `P` may exceed the block's
+//! own size and the tail of each page (`page_bytes - bytes_per_block`) is padding the model
+//! never touches. Every offset below, on the CPU and on the GPU, steps over blocks by `P`.
 //!
 //! The head vector of token `t` (`0..BS`) of block `b`, layer `l`, K (`kv = 0`) or V (`kv = 1`),
 //! KV head `h` starts at element
@@ -62,6 +68,10 @@ use crate::error::KvError;
 /// the CUDA kernels load per thread and the CPU kernels' inner-loop unroll.
 pub const HEAD_DIM_ALIGN: usize = 8;
 
+/// Page sizes must be a multiple of this many bytes, so every block of every view starts on a
+/// 16-byte boundary (the width of the CUDA kernels' vector loads).
+pub const PAGE_ALIGN: usize = 16;
+
 /// Which half of a (block, layer): keys or values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KvPart {
@@ -74,9 +84,10 @@ pub enum KvPart {
 /// The geometry of one paged KV cache: a validated, immutable description of the layout in
 /// the [module docs](self). Cheap to copy.
 ///
-/// Invariant (checked by [`new`](Self::new)): every field is at least 1, `head_dim` is a
-/// multiple of [`HEAD_DIM_ALIGN`], `num_blocks <= MAX_BLOCKS`, and
-/// `num_blocks * block_stride * dtype.size_bytes()` does not overflow and fits in `isize`.
+/// Invariant (checked by [`new`](Self::new) and [`with_page_stride`](Self::with_page_stride)):
+/// every field is at least 1, `head_dim` is a multiple of [`HEAD_DIM_ALIGN`],
+/// `num_blocks <= MAX_BLOCKS`, `page_elems >= L*2*BS*H*D`, and
+/// `num_blocks * page_elems * dtype.size_bytes()` does not overflow and fits in `isize`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KvCacheConfig {
     num_layers: usize,
@@ -85,6 +96,8 @@ pub struct KvCacheConfig {
     block_size: usize,
     num_blocks: usize,
     dtype: KvDtype,
+    /// Elements from one block to the next (the page stride); `elems_per_block` when dense.
+    page_elems: usize,
 }
 
 impl KvCacheConfig {
@@ -147,6 +160,41 @@ impl KvCacheConfig {
             block_size,
             num_blocks,
             dtype,
+            page_elems: num_layers * 2 * block_size * num_kv_heads * head_dim,
+        })
+    }
+
+    /// The same geometry with blocks `page_bytes` apart instead of packed: a model's view of
+    /// an arena of `page_bytes`-byte pages. The block's own bytes are the first
+    /// [`bytes_per_block`](Self::bytes_per_block) of each page; the rest is padding.
+    ///
+    /// # Errors
+    /// [`KvError::PageTooSmall`] if a block does not fit a page, [`KvError::PageMisaligned`]
+    /// if `page_bytes` is not a multiple of [`PAGE_ALIGN`] (every page must start at a
+    /// 16-byte boundary for the kernels' vector loads), [`KvError::SizeOverflow`] if
+    /// `num_blocks * page_bytes` overflows `isize`.
+    pub fn with_page_stride(&self, page_bytes: usize) -> Result<Self, KvError> {
+        if page_bytes % PAGE_ALIGN != 0 {
+            return Err(KvError::PageMisaligned {
+                page_bytes,
+                align: PAGE_ALIGN,
+            });
+        }
+        if page_bytes < self.bytes_per_block() {
+            return Err(KvError::PageTooSmall {
+                page_bytes,
+                block_bytes: self.bytes_per_block(),
+            });
+        }
+        if page_bytes
+            .checked_mul(self.num_blocks)
+            .is_none_or(|b| b > isize::MAX as usize)
+        {
+            return Err(KvError::SizeOverflow);
+        }
+        Ok(Self {
+            page_elems: page_bytes / self.dtype.size_bytes(),
+            ..*self
         })
     }
 
@@ -155,6 +203,7 @@ impl KvCacheConfig {
     ///
     /// # Errors
     /// As [`new`](Self::new).
+    /// The result is densely packed (its page stride is the block size) whatever this one's is.
     pub fn with_num_blocks(&self, num_blocks: usize) -> Result<Self, KvError> {
         Self::new(
             self.num_layers,
@@ -166,8 +215,8 @@ impl KvCacheConfig {
         )
     }
 
-    /// True when `other` has the same block shape (everything but `num_blocks`): its blocks can
-    /// be copied byte for byte into this cache's.
+    /// True when `other` has the same block shape (everything but `num_blocks` and the page
+    /// stride): its blocks can be copied byte for byte into this cache's.
     pub fn same_block_shape(&self, other: &Self) -> bool {
         self.num_layers == other.num_layers
             && self.num_kv_heads == other.num_kv_heads
@@ -227,25 +276,41 @@ impl KvCacheConfig {
     pub const fn layer_stride(&self) -> usize {
         2 * self.kv_stride()
     }
-    /// Elements from one block to the next: `L*2*BS*H*D` (= [`elems_per_block`](Self::elems_per_block)).
+    /// Elements from one block to the next: the page stride, at least
+    /// [`elems_per_block`](Self::elems_per_block) (equal when the cache is dense).
     #[inline]
     pub const fn block_stride(&self) -> usize {
-        self.num_layers * self.layer_stride()
+        self.page_elems
     }
-    /// Elements in one block (all layers, K and V).
+    /// Bytes from one block to the next: the page size of the arena this geometry views.
+    #[inline]
+    pub const fn page_bytes(&self) -> usize {
+        self.page_elems * self.dtype.size_bytes()
+    }
+    /// Whether blocks are packed back to back (page stride = block size).
+    #[inline]
+    pub const fn is_dense(&self) -> bool {
+        self.page_elems == self.elems_per_block()
+    }
+    /// Bytes of each page this geometry leaves unused: `page_bytes - bytes_per_block`.
+    #[inline]
+    pub const fn wasted_bytes_per_page(&self) -> usize {
+        self.page_bytes() - self.bytes_per_block()
+    }
+    /// Elements in one block (all layers, K and V): `L*2*BS*H*D`.
     #[inline]
     pub const fn elems_per_block(&self) -> usize {
-        self.block_stride()
+        self.num_layers * self.layer_stride()
     }
     /// Bytes in one block (all layers, K and V): the unit of copy and swap.
     #[inline]
     pub const fn bytes_per_block(&self) -> usize {
-        self.block_stride() * self.dtype.size_bytes()
+        self.elems_per_block() * self.dtype.size_bytes()
     }
-    /// Elements in the whole pool.
+    /// Elements the whole pool spans (`num_blocks` pages).
     #[inline]
     pub const fn total_elems(&self) -> usize {
-        self.num_blocks * self.block_stride()
+        self.num_blocks * self.page_elems
     }
     /// Bytes in the whole pool.
     #[inline]

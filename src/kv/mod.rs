@@ -18,6 +18,6 @@ pub use host::{
     check_block_mapping, coalesce_block_runs, BlockRun, HostKvCache, KvCacheView, KvCacheViewMut,
     LayerKv, LayerKvMut, SwapSpace, HOST_ALIGN,
 };
-pub use layout::{KvCacheConfig, KvPart, HEAD_DIM_ALIGN};
+pub use layout::{KvCacheConfig, KvPart, HEAD_DIM_ALIGN, PAGE_ALIGN};
 
 pub(crate) use host::copy_runs_within;

@@ -219,6 +219,18 @@ pub enum KvError {
         /// Bytes one block of the model takes.
         block_bytes: usize,
     },
+    /// Not even the smallest block of a model fits one page of the arena.
+    #[error(
+        "model does not fit the KV arena: {min_tokens} tokens of {bytes_per_token} bytes need more than the {page_bytes}-byte page (make the page larger)"
+    )]
+    ModelDoesNotFit {
+        /// The model's KV bytes per token (all layers, K and V).
+        bytes_per_token: usize,
+        /// The smallest block the kernels take, in tokens.
+        min_tokens: usize,
+        /// The arena's page size.
+        page_bytes: usize,
+    },
     /// A page size that would leave pages unaligned for the kernels' vector loads.
     #[error("page size {page_bytes} bytes is not a multiple of {align}")]
     PageMisaligned {

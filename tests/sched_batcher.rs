@@ -541,3 +541,59 @@ fn random_workloads_keep_invariants() {
         assert_eq!(p.free_count(), blocks, "seed {seed}: blocks leaked");
     }
 }
+
+/// With one arena shared by every model, a page is memory: the pages a swap-out reads must not
+/// be handed to another engine before the batch has run (its kernels would overwrite them while
+/// the swap-out copies them). The batcher keeps them until commit; then they are free.
+#[test]
+fn swapped_out_pages_stay_allocated_until_the_batch_has_run() {
+    let p = pool(6);
+    let mut bt = Batcher::new(
+        BatcherConfig {
+            preemption: PreemptionMode::Swap,
+            swap_blocks: 16,
+            ..config()
+        },
+        p.clone(),
+    )
+    .unwrap();
+    for id in 0..3 {
+        bt.add(req(id, vec![1; 6], 14)).unwrap();
+    }
+    let mut done = Vec::new();
+    let mut checked = 0;
+    for step in 0..10_000 {
+        if !bt.has_work() {
+            break;
+        }
+        let b = bt.schedule_into(&mut done);
+        let sources: HashSet<u32> = b.swap_out.iter().map(|&(d, _)| d as u32).collect();
+        let samples = b.num_samples();
+        // Another engine takes every page the pool will give it right now.
+        let free = p.free_count();
+        let mut other = Vec::new();
+        if free > 0 {
+            p.alloc_n(EngineId(1), free, &mut other).unwrap();
+        }
+        if !sources.is_empty() {
+            checked += 1;
+            for id in &other {
+                assert!(
+                    !sources.contains(&id.index()),
+                    "step {step}: page {} is being swapped out but another engine got it",
+                    id.index()
+                );
+            }
+        }
+        p.free_n(&other).unwrap();
+        let sampled: Vec<u32> = (0..samples).map(|k| (step + k) as u32).collect();
+        bt.commit(&sampled, &mut done).unwrap();
+    }
+    assert!(checked > 0, "the workload swapped something out");
+    assert_eq!(done.len(), 3);
+    assert_eq!(
+        p.free_count(),
+        6,
+        "swapped-out pages are freed after the batch"
+    );
+}

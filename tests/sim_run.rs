@@ -86,6 +86,11 @@ fn check_accounting(r: &sim::Report) {
     );
     assert_eq!(r.refused.timed_out, 0, "the run drained");
     assert_eq!(r.leaked_blocks, 0, "no block leaked");
+    assert_eq!(
+        r.kv_bytes_allocated, r.kv_pool_bytes,
+        "every engine's cache is a view"
+    );
+    assert_eq!(r.kv_pool_bytes, u64::from(r.pool_blocks) * r.page_bytes);
     for e in &r.engines {
         let e_refused = e.refused.queue_full + e.refused.evicted + e.refused.too_long;
         assert_eq!(e.finished + e_refused, e.requests, "engine {}", e.name);

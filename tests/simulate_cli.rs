@@ -38,6 +38,18 @@ fn short_run_writes_report_json_and_chart() {
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(report["engines"].as_array().unwrap().len(), 3);
     assert_eq!(report["leaked_blocks"], 0);
+    // One arena shared by the three models: every KV byte allocated is the arena's.
+    let pool = report["kv_pool_bytes"].as_u64().unwrap();
+    let allocated = report["kv_bytes_allocated"].as_u64().unwrap();
+    assert!(
+        pool > 0 && allocated as f64 <= 1.05 * pool as f64,
+        "{pool} {allocated}"
+    );
+    assert_eq!(
+        pool,
+        report["pool_blocks"].as_u64().unwrap() * report["page_bytes"].as_u64().unwrap()
+    );
+    assert!(stdout.contains("KV arena"), "{stdout}");
     let svg = std::fs::read_to_string(&svg).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("KV blocks held per engine"));
 }

@@ -69,7 +69,6 @@ pub fn reshape_and_cache<T: KvElem>(
         }
     }
     let layer = kv.layer();
-    let data = kv.data_mut();
     for (i, &slot) in slot_mapping.iter().enumerate() {
         if slot < 0 {
             continue;
@@ -80,8 +79,8 @@ pub fn reshape_and_cache<T: KvElem>(
         );
         let k = cfg.offset(block, layer, KvPart::Key, off, 0);
         let v = k + cfg.kv_stride();
-        data[k..k + row].copy_from_slice(&key[i * row..(i + 1) * row]);
-        data[v..v + row].copy_from_slice(&value[i * row..(i + 1) * row]);
+        kv.write(k, &key[i * row..(i + 1) * row]);
+        kv.write(v, &value[i * row..(i + 1) * row]);
     }
     Ok(())
 }
@@ -387,8 +386,8 @@ fn run<T: KvElem>(
     }
     let ctx = TaskCtx {
         cfg: *cfg,
-        data: kv.data(),
         layer: kv.layer(),
+        kv,
         query,
         seqs,
         params,
@@ -411,7 +410,7 @@ fn run<T: KvElem>(
 /// What every task reads.
 struct TaskCtx<'a, T> {
     cfg: KvCacheConfig,
-    data: &'a [T],
+    kv: LayerKv<'a, T>,
     layer: usize,
     query: &'a [T],
     seqs: &'a PagedSeqs<'a>,
@@ -652,7 +651,7 @@ fn attend_item_body<T: KvElem>(
             for t in t0..t1 {
                 let kpos = jb + t as i64;
                 let ko = kbase + t * ts;
-                let k = widen(&ctx.data[ko..ko + d], kbuf);
+                let k = widen(ctx.kv.head(ko, d), kbuf);
                 let mut r = 0;
                 while r + 4 <= rows {
                     let s4 = dot4(&q32[r * d..(r + 4) * d], k);
@@ -709,7 +708,7 @@ fn attend_item_body<T: KvElem>(
             // Weighted values, four rows at a time (each V element loaded once per four rows).
             for t in t0..t1 {
                 let vo = vbase + t * ts;
-                let v = widen(&ctx.data[vo..vo + d], kbuf);
+                let v = widen(ctx.kv.head(vo, d), kbuf);
                 let mut r = 0;
                 while r + 4 <= rows {
                     let p = [0, 1, 2, 3].map(|i| scores[(r + i) * bs + t]);

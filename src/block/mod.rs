@@ -1,14 +1,18 @@
-//! Lock-free block pool and atomic block tables.
+//! The KV arena, the lock-free block pool over its pages, and atomic block tables.
 //!
+//! - [`KvArena`]: one device's KV bytes, `num_pages x page_bytes`; a block id is a page, and
+//!   every model's cache is a view of it (see [`arena`]).
 //! - [`BlockPool`]: the free KV blocks of one device, shared by every engine through `Arc`
 //!   (a Treiber stack with a tagged head; see [`pool`]).
 //! - [`BlockTable`]: one sequence's logical-to-physical block map; one wait-free writer, any
 //!   number of readers taking consistent snapshots (see [`table`]).
 
+pub mod arena;
 mod ids;
 pub mod pool;
 pub mod table;
 
+pub use arena::{KvArena, PAGE_ALIGN, POISON_BYTE};
 pub use ids::{BlockId, EngineId, MAX_BLOCKS};
 pub use pool::{BlockPool, PoolConfig, PoolStats, MAX_REFS};
 pub use table::{BlockTable, TableReader};

@@ -3,6 +3,7 @@
 
 use std::alloc::{self, Layout};
 use std::fmt;
+use std::marker::PhantomData;
 use std::ptr::NonNull;
 
 use super::dtype::{KvDtype, KvElem};
@@ -320,8 +321,10 @@ impl<'a, T: KvElem> KvCacheView<'a, T> {
         check_layer(layer, &self.config)?;
         Ok(LayerKv {
             config: self.config,
-            data: self.data,
+            ptr: NonNull::from(self.data).cast(),
+            len: self.data.len(),
             layer,
+            _borrow: PhantomData,
         })
     }
 }
@@ -382,23 +385,69 @@ impl<'a, T: KvElem> KvCacheViewMut<'a, T> {
         check_layer(layer, &self.config)?;
         Ok(LayerKvMut {
             config: self.config,
-            data: self.data,
+            ptr: NonNull::from(&mut *self.data).cast(),
+            len: self.data.len(),
             layer,
+            _borrow: PhantomData,
         })
     }
 }
 
 /// One layer of a paged cache, read-only: the cache a decode or prefill attention call reads.
-/// Holds the whole cache slice and the layer index; element addressing is
+/// Holds the base of the whole cache (or arena) and the layer index; element addressing is
 /// [`KvCacheConfig::offset`].
+///
+/// It holds a raw base pointer, not a slice, so that it can view a [`KvArena`] that other
+/// engine threads write at the same time (their own pages): a reference is formed only for
+/// one head vector, by [`head`](Self::head). Views made from a borrowed slice (through
+/// [`KvCacheView::layer`]) carry that borrow's lifetime; views of an arena come from the
+/// `unsafe` [`ArenaView`](super::ArenaView) accessors, whose callers promise page ownership.
+///
+/// Invariant: `ptr` is valid for reads of `len = config.total_elems()` elements of `T` for
+/// `'a`, and no element this view reads is written by anyone else during `'a`.
+///
+/// [`KvArena`]: crate::block::KvArena
 #[derive(Debug, Clone, Copy)]
 pub struct LayerKv<'a, T> {
     config: KvCacheConfig,
-    data: &'a [T],
+    ptr: NonNull<T>,
+    len: usize,
     layer: usize,
+    _borrow: PhantomData<&'a [T]>,
 }
 
+// SAFETY: a `LayerKv` is a shared, read-only view (like `&'a [T]`, which is Send and Sync for
+// `T: Sync`); the type invariant says nothing writes what it reads while it lives.
+unsafe impl<T: Sync> Send for LayerKv<'_, T> {}
+// SAFETY: as for `Send`: sharing it between threads only lets each read.
+unsafe impl<T: Sync> Sync for LayerKv<'_, T> {}
+
 impl<'a, T: KvElem> LayerKv<'a, T> {
+    /// A view of layer `layer` of the cache at `ptr`.
+    ///
+    /// # Errors
+    /// [`KvError::DtypeMismatch`], [`KvError::LayerOutOfRange`].
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads of `config.total_elems()` elements for `'a`, and no one
+    /// may write, during `'a`, an element that a kernel given this view reads (the pages of the
+    /// block tables it is given, in this layer).
+    pub unsafe fn from_raw(
+        config: &KvCacheConfig,
+        ptr: NonNull<T>,
+        layer: usize,
+    ) -> Result<Self, KvError> {
+        check_dtype::<T>(config.dtype())?;
+        check_layer(layer, config)?;
+        Ok(Self {
+            config: *config,
+            ptr,
+            len: config.total_elems(),
+            layer,
+            _borrow: PhantomData,
+        })
+    }
+
     /// The geometry.
     #[inline]
     pub fn config(&self) -> &KvCacheConfig {
@@ -409,22 +458,68 @@ impl<'a, T: KvElem> LayerKv<'a, T> {
     pub fn layer(&self) -> usize {
         self.layer
     }
-    /// The whole cache's elements (all blocks, all layers).
+    /// The `n` elements at element offset `offset` (a head vector: `offset` from
+    /// [`KvCacheConfig::offset`], `n = head_dim`).
+    ///
+    /// # Panics
+    /// If `offset + n` exceeds the cache: the kernels validate block tables first, so this is
+    /// a bug in the caller, not bad input.
     #[inline]
-    pub fn data(&self) -> &'a [T] {
-        self.data
+    pub fn head(&self, offset: usize, n: usize) -> &'a [T] {
+        assert!(
+            offset.checked_add(n).is_some_and(|e| e <= self.len),
+            "KV read out of range"
+        );
+        // SAFETY: `offset + n <= len` (checked), and `ptr` is valid for reads of `len` elements
+        // for `'a` with nothing writing what this view reads (type invariant).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset), n) }
     }
 }
 
-/// One layer of a paged cache, mutable: what `reshape_and_cache` writes.
+/// One layer of a paged cache, mutable: what `reshape_and_cache` writes. A raw base pointer
+/// for the same reason as [`LayerKv`]; references are formed one token row at a time.
+///
+/// Invariant: `ptr` is valid for reads and writes of `len = config.total_elems()` elements for
+/// `'a`, and no one else accesses an element this view writes during `'a`.
 #[derive(Debug)]
 pub struct LayerKvMut<'a, T> {
     config: KvCacheConfig,
-    data: &'a mut [T],
+    ptr: NonNull<T>,
+    len: usize,
     layer: usize,
+    _borrow: PhantomData<&'a mut [T]>,
 }
 
-impl<T: KvElem> LayerKvMut<'_, T> {
+// SAFETY: like `&'a mut [T]`, which is Send for `T: Send`: the view is the only accessor of
+// what it writes (type invariant).
+unsafe impl<T: Send> Send for LayerKvMut<'_, T> {}
+
+impl<'a, T: KvElem> LayerKvMut<'a, T> {
+    /// A mutable view of layer `layer` of the cache at `ptr`.
+    ///
+    /// # Errors
+    /// [`KvError::DtypeMismatch`], [`KvError::LayerOutOfRange`].
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `config.total_elems()` elements for `'a`,
+    /// and no one else may access, during `'a`, an element written through this view (the
+    /// slots it is given, in this layer).
+    pub unsafe fn from_raw(
+        config: &KvCacheConfig,
+        ptr: NonNull<T>,
+        layer: usize,
+    ) -> Result<Self, KvError> {
+        check_dtype::<T>(config.dtype())?;
+        check_layer(layer, config)?;
+        Ok(Self {
+            config: *config,
+            ptr,
+            len: config.total_elems(),
+            layer,
+            _borrow: PhantomData,
+        })
+    }
+
     /// The geometry.
     #[inline]
     pub fn config(&self) -> &KvCacheConfig {
@@ -435,23 +530,32 @@ impl<T: KvElem> LayerKvMut<'_, T> {
     pub fn layer(&self) -> usize {
         self.layer
     }
-    /// The whole cache's elements.
+    /// Copies `src` to element offset `offset`.
+    ///
+    /// # Panics
+    /// If the destination exceeds the cache (a caller bug: slots are validated first).
     #[inline]
-    pub fn data(&self) -> &[T] {
-        self.data
-    }
-    /// The whole cache's elements, mutably.
-    #[inline]
-    pub fn data_mut(&mut self) -> &mut [T] {
-        self.data
+    pub fn write(&mut self, offset: usize, src: &[T]) {
+        assert!(
+            offset.checked_add(src.len()).is_some_and(|e| e <= self.len),
+            "KV write out of range"
+        );
+        // SAFETY: the destination is inside the `len` elements `ptr` is valid for (checked);
+        // no one else accesses it (type invariant) and `src` is a distinct borrow (a `&[T]`
+        // cannot alias memory this view alone may access).
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len())
+        }
     }
     /// A read-only view of the same layer.
     #[inline]
     pub fn as_layer(&self) -> LayerKv<'_, T> {
         LayerKv {
             config: self.config,
-            data: self.data,
+            ptr: self.ptr,
+            len: self.len,
             layer: self.layer,
+            _borrow: PhantomData,
         }
     }
 }

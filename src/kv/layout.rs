@@ -24,7 +24,7 @@
 //!
 //! `P`, the page stride, is the distance between consecutive blocks. A cache that owns its
 //! memory packs blocks densely (`P = elems_per_block = L*2*BS*H*D`); a model's view of a shared
-//! arena (`block::KvArena`) uses the arena's page size, so `P` may exceed the block's
+//! [`KvArena`](crate::block::KvArena) uses the arena's page size, so `P` may exceed the block's
 //! own size and the tail of each page (`page_bytes - bytes_per_block`) is padding the model
 //! never touches. Every offset below, on the CPU and on the GPU, steps over blocks by `P`.
 //!
@@ -62,15 +62,12 @@
 
 use super::dtype::KvDtype;
 use crate::block::MAX_BLOCKS;
+pub use crate::block::PAGE_ALIGN;
 use crate::error::KvError;
 
 /// `head_dim` must be a multiple of this many elements: 16 bytes of `f16`/`bf16`, the width
 /// the CUDA kernels load per thread and the CPU kernels' inner-loop unroll.
 pub const HEAD_DIM_ALIGN: usize = 8;
-
-/// Page sizes must be a multiple of this many bytes, so every block of every view starts on a
-/// 16-byte boundary (the width of the CUDA kernels' vector loads).
-pub const PAGE_ALIGN: usize = 16;
 
 /// Which half of a (block, layer): keys or values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

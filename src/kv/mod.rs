@@ -6,13 +6,20 @@
 //! - [`KvDtype`] / [`KvElem`]: `f32`, `f16`, `bf16` storage; arithmetic is always `f32`.
 //! - [`HostKvCache`], [`SwapSpace`]: page-aligned host storage of that layout; batched
 //!   block copies ([`HostKvCache::copy_blocks`]) and swap-out / swap-in by mapping lists.
+//! - [`ArenaView`]: one model's cache as a view of the device's shared
+//!   [`KvArena`](crate::block::KvArena), with its own tokens per page ([`ModelKvShape`],
+//!   [`page_bytes_for`]).
 //! - [`KvCacheView`], [`LayerKv`] (and their `Mut` twins): typed, validated views of a cache
 //!   slice, what the kernels in [`crate::attn::cpu`] take.
 
+mod arena_view;
 mod dtype;
 mod host;
 pub mod layout;
 
+pub use arena_view::{
+    page_bytes_for, ArenaView, ModelKvShape, MAX_TOKENS_PER_PAGE, MIN_TOKENS_PER_PAGE,
+};
 pub use dtype::{KvDtype, KvElem};
 pub use host::{
     check_block_mapping, coalesce_block_runs, BlockRun, HostKvCache, KvCacheView, KvCacheViewMut,

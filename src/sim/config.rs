@@ -62,7 +62,8 @@ pub struct SimConfig {
     pub step_ms: f64,
     /// KV blocks of the shared device pool.
     pub pool_blocks: u32,
-    /// Tokens per block.
+    /// Tokens per page (block) of the model with the largest per-token KV: it sizes the
+    /// arena's page; smaller models get more tokens per page (see [`crate::kv::ArenaView`]).
     pub block_size: u32,
     /// KV dtype.
     pub dtype: KvDtype,
@@ -176,6 +177,16 @@ impl Default for SimConfig {
 }
 
 impl EngineSpec {
+    /// The model's KV shape in `dtype` (what the arena lays over its pages).
+    pub fn kv_shape(&self, dtype: crate::kv::KvDtype) -> crate::kv::ModelKvShape {
+        crate::kv::ModelKvShape {
+            num_layers: self.layers,
+            num_kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            dtype,
+        }
+    }
+
     /// An engine sized from a llama-family model's hyperparameters (a GGUF file's), with the
     /// traffic of `traffic`. At most `max_layers` layers are simulated: the KV of every layer is
     /// real, and a CPU run of all of a large model's layers would take minutes.

@@ -4,10 +4,10 @@
 use super::config::{EngineSpec, SimConfig};
 use super::kernels::KernelBuffers;
 use super::workload::SimRequest;
-use crate::block::{BlockPool, EngineId};
+use crate::block::{BlockPool, EngineId, KvArena};
 use crate::budget::BudgetCoordinator;
 use crate::error::SimError;
-use crate::kv::{KvCacheConfig, KvDtype};
+use crate::kv::{ArenaView, KvDtype};
 use crate::sched::admission::{Admission, Completion};
 use crate::sched::{
     budget_priority, Batcher, BatcherConfig, EngineShare, FinishReason, FinishedSeq, Priority,
@@ -77,6 +77,13 @@ pub struct EngineMetrics {
     pub kernel_wall: Duration,
     /// Wall time in scheduling (not deterministic; reported apart).
     pub schedule_wall: Duration,
+    /// Reclaim latencies: steps from a reclaim order (a lender wants pages lent to this
+    /// engine back) to the pages being free.
+    pub reclaim_steps: Vec<u64>,
+    /// The open reclaim order: the step it arrived in, and the blocks held once it is served.
+    pub reclaim_open: Option<(u64, u64)>,
+    /// Steps scheduled so far.
+    pub steps: u64,
 }
 
 /// The kernels of one engine: CPU kernels on a host cache, or CUDA kernels on a device cache.
@@ -105,6 +112,10 @@ pub(crate) struct EngineRuntime {
     sampled: Vec<u32>,
     admit_per_step: usize,
     pub(crate) metrics: EngineMetrics,
+    /// KV bytes this engine allocated beyond the shared arena.
+    pub(crate) kv_bytes_allocated: u64,
+    /// Tokens per block (page) of this engine's view.
+    pub(crate) block_size: u32,
 }
 
 impl EngineRuntime {
@@ -115,15 +126,14 @@ impl EngineRuntime {
         pool: Arc<BlockPool>,
         coordinator: Arc<BudgetCoordinator>,
         device: &super::Device,
+        arena: &Arc<KvArena>,
     ) -> Result<Self, SimError> {
-        let kv = KvCacheConfig::new(
-            spec.layers,
-            spec.kv_heads,
-            spec.head_dim,
-            cfg.block_size as usize,
-            pool.total() as usize,
-            cfg.dtype,
-        )?;
+        let shape = spec.kv_shape(cfg.dtype);
+        // This model's view of the shared arena: its own tokens per page.
+        let view = ArenaView::new(arena.clone(), &shape)
+            .map_err(|e| SimError::InvalidConfig(format!("engine {}: {e}", spec.name)))?;
+        let kv = *view.config();
+        let block_size = kv.block_size() as u32;
         if spec.heads == 0 || spec.heads % spec.kv_heads != 0 {
             return Err(SimError::InvalidConfig(format!(
                 "engine {}: {} query heads is not a multiple of {} KV heads",
@@ -133,16 +143,14 @@ impl EngineRuntime {
         let mut batcher = Batcher::new(
             BatcherConfig {
                 engine: id,
-                block_size: cfg.block_size,
+                block_size,
                 max_running: spec.max_running,
                 max_batched_tokens: cfg.tokens_per_step,
                 max_prefill_chunk: cfg.prefill_chunk,
-                // A sequence never needs more than the engine's guaranteed share: one that did
-                // could only finish while other engines idle, and would starve under load.
-                max_blocks_per_seq: spec
-                    .max_context
-                    .div_ceil(cfg.block_size)
-                    .min(coordinator.block_quota(id).max(1)),
+                // A sequence may outgrow the engine's guaranteed share into pages other engines
+                // leave idle (a long context on an idle pool); when a lender wants its pages
+                // back, the coordinator's reclaim order preempts it (recompute or swap).
+                max_blocks_per_seq: spec.max_context.div_ceil(block_size).min(pool.total()),
                 preemption: cfg.preemption,
                 swap_blocks: cfg.swap_blocks,
             },
@@ -151,16 +159,24 @@ impl EngineRuntime {
         batcher.attach_budget(Box::new(EngineShare::new(coordinator.clone(), id)));
         let mut rng = SmallRng::seed_from_u64(cfg.seed ^ 0x5eed_0000 ^ u64::from(id.0));
         let swap_blocks = cfg.swap_blocks as usize;
+        // KV bytes this engine allocates itself: none on the CPU path (its cache is a view of
+        // the arena); a device cache of its own on the CUDA path.
+        #[allow(unused_mut)] // only the CUDA path adds to it
+        let mut kv_bytes_allocated = 0u64;
         let kernels = match device {
             super::Device::Cpu => match cfg.dtype {
-                KvDtype::F32 => AnyKernels::F32(KernelBuffers::new(kv, swap_blocks, &mut rng)?),
-                KvDtype::F16 => AnyKernels::F16(KernelBuffers::new(kv, swap_blocks, &mut rng)?),
-                KvDtype::Bf16 => AnyKernels::Bf16(KernelBuffers::new(kv, swap_blocks, &mut rng)?),
+                KvDtype::F32 => AnyKernels::F32(KernelBuffers::new(view, swap_blocks, &mut rng)?),
+                KvDtype::F16 => AnyKernels::F16(KernelBuffers::new(view, swap_blocks, &mut rng)?),
+                KvDtype::Bf16 => AnyKernels::Bf16(KernelBuffers::new(view, swap_blocks, &mut rng)?),
             },
             #[cfg(feature = "cuda")]
             super::Device::Cuda(gpu) => {
                 use super::kernels_cuda::DeviceKernels;
                 let heads = spec.heads;
+                // The device path still gives each engine a dense cache of its own over the
+                // pool's block numbers (same tokens per block as its arena view).
+                let kv = shape.config(kv.block_size(), kv.num_blocks())?;
+                kv_bytes_allocated += kv.total_bytes() as u64;
                 match cfg.dtype {
                     KvDtype::F32 => AnyKernels::CudaF32(DeviceKernels::new(
                         gpu,
@@ -198,6 +214,8 @@ impl EngineRuntime {
             sampled: Vec::new(),
             admit_per_step: cfg.admit_per_step,
             metrics: EngineMetrics::default(),
+            kv_bytes_allocated,
+            block_size,
         })
     }
 
@@ -247,7 +265,12 @@ impl EngineRuntime {
     /// Applies blocks the engine must give back, then schedules its step.
     pub(crate) fn schedule(&mut self, donations: u32) {
         let t = Instant::now();
-        let shed = self.coordinator.reclaim_for(self.id) + donations;
+        self.metrics.steps += 1;
+        let reclaim = self.coordinator.reclaim_for(self.id);
+        if reclaim > 0 {
+            self.open_reclaim(reclaim);
+        }
+        let shed = reclaim + donations;
         if shed > 0 {
             self.metrics.blocks_shed += u64::from(shed);
             self.batcher.request_shed(shed);
@@ -316,6 +339,7 @@ impl EngineRuntime {
                 });
             }
         }
+        self.close_reclaim();
         // Publish what preempting this engine would free, for other engines' donor choice.
         match self.batcher.preemptible_load() {
             Some((class, blocks)) => {
@@ -350,6 +374,35 @@ impl EngineRuntime {
             .pick_donor(self.id, budget_priority(class), need)?;
         self.metrics.donations_asked += 1;
         Some((donor.engine, need))
+    }
+
+    /// Opens a reclaim episode when the coordinator orders this engine to give back `shed`
+    /// pages lent to it (a lender wants its share back): the pages count as free once the
+    /// engine holds no more than it held minus `shed`.
+    fn open_reclaim(&mut self, shed: u32) {
+        // `steps` already counts this step: it is step `steps - 1`.
+        let step = self.metrics.steps - 1;
+        let target = self
+            .coordinator
+            .blocks_held(self.id)
+            .saturating_sub(u64::from(shed));
+        self.metrics.reclaim_open = Some(match self.metrics.reclaim_open {
+            // A second order while one is open: the first one's start, the lower target.
+            Some((since, t)) => (since, t.min(target)),
+            None => (step, target),
+        });
+    }
+
+    /// Closes the open reclaim episode once its pages are free (after a commit: swapped-out
+    /// pages are released there), recording its length in steps (1 = freed within the step
+    /// the order arrived in).
+    fn close_reclaim(&mut self) {
+        if let Some((since, target)) = self.metrics.reclaim_open {
+            if self.coordinator.blocks_held(self.id) <= target {
+                self.metrics.reclaim_steps.push(self.metrics.steps - since);
+                self.metrics.reclaim_open = None;
+            }
+        }
     }
 
     /// Whether the engine has no request left.

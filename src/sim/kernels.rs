@@ -1,10 +1,16 @@
-//! One engine's kernel work for a step, on the CPU kernels and the engine's host KV cache:
-//! swaps and copies first, then per layer `reshape_and_cache` and paged attention. Random
-//! vectors stand in for the model's projections, so every byte of KV traffic is real.
+//! One engine's kernel work for a step, on the CPU kernels and the engine's view of the shared
+//! host KV arena: swaps and copies first, then per layer `reshape_and_cache` and paged
+//! attention. Random vectors stand in for the model's projections, so every byte of KV traffic
+//! is real.
+//!
+//! Every engine thread runs these on the one arena at the same time. What makes that sound is
+//! the block pool: a batch names only pages its engine's sequences hold (the batcher builds it
+//! from their block tables), pages are written only while held alone (copy-on-write), and the
+//! pages a swap-out reads stay held until the batch has run (the batcher defers their release).
 
 use crate::attn::{cpu, AttnParams, AttnWorkspace, PagedSeqs};
 use crate::error::SimError;
-use crate::kv::{HostKvCache, KvCacheConfig, KvElem, SwapSpace};
+use crate::kv::{ArenaView, KvCacheConfig, KvElem, SwapSpace};
 use crate::sched::Batch;
 use rand::{rngs::SmallRng, Rng};
 
@@ -15,7 +21,7 @@ const NOISE: usize = 1 << 21;
 /// Reusable buffers of one engine's kernels for element type `T`.
 #[derive(Debug)]
 pub(crate) struct KernelBuffers<T: KvElem> {
-    cache: HostKvCache,
+    cache: ArenaView,
     swap: SwapSpace,
     noise: Vec<T>,
     out: Vec<T>,
@@ -24,15 +30,16 @@ pub(crate) struct KernelBuffers<T: KvElem> {
 }
 
 impl<T: KvElem> KernelBuffers<T> {
-    /// A host cache of `kv`'s geometry and a swap space of `swap_blocks` blocks.
+    /// Kernels over `view` (this engine's view of the arena) and a swap space of
+    /// `swap_blocks` blocks of its shape.
     pub(crate) fn new(
-        kv: KvCacheConfig,
+        view: ArenaView,
         swap_blocks: usize,
         rng: &mut SmallRng,
     ) -> Result<Self, SimError> {
         Ok(Self {
-            swap: SwapSpace::new(&kv, swap_blocks.max(1))?,
-            cache: HostKvCache::new(kv)?,
+            swap: SwapSpace::new(view.config(), swap_blocks.max(1))?,
+            cache: view,
             noise: (0..NOISE)
                 .map(|_| T::from_f32(rng.gen_range(-1.0..1.0)))
                 .collect(),
@@ -49,20 +56,26 @@ impl<T: KvElem> KernelBuffers<T> {
         heads: usize,
         rng: &mut SmallRng,
     ) -> Result<u64, SimError> {
-        let (cache, swap) = (&mut self.cache, &mut self.swap);
+        let (cache, swap) = (&self.cache, &mut self.swap);
         let cfg = *cache.config();
-        // Swap-outs first: their blocks may be reused by this very step.
+        // Swap-outs first: a swap-in of this step may target a page a swap-out reads last.
         if !batch.swap_out.is_empty() {
             to_pairs(&batch.swap_out, &mut self.pairs);
-            swap.swap_out(cache, &self.pairs)?;
+            // SAFETY: the sources are pages this engine swapped out this step; the batcher
+            // keeps them allocated to this engine until the batch has run (module docs).
+            unsafe { cache.swap_out(swap, &self.pairs)? };
         }
         if !batch.swap_in.is_empty() {
             to_pairs(&batch.swap_in, &mut self.pairs);
-            swap.swap_in(cache, &self.pairs)?;
+            // SAFETY: the destinations were allocated to this engine this step and are held
+            // by its sequences alone.
+            unsafe { cache.swap_in(swap, &self.pairs)? };
         }
         if !batch.copies.is_empty() {
             to_pairs(&batch.copies, &mut self.pairs);
-            cache.copy_blocks(&self.pairs)?;
+            // SAFETY: copy-on-write: destinations are fresh pages this engine holds alone,
+            // sources are held (shared, so only read by anyone).
+            unsafe { cache.copy_blocks(&self.pairs)? };
         }
         let tokens = batch.num_tokens();
         if tokens == 0 {
@@ -82,12 +95,15 @@ impl<T: KvElem> KernelBuffers<T> {
             {
                 let key = noise(&self.noise, rng, kv_len)?;
                 let value = noise(&self.noise, rng, kv_len)?;
-                let mut view = cache.view_mut::<T>()?;
-                cpu::reshape_and_cache(view.layer_mut(layer)?, key, value, &batch.slot_mapping)?;
+                // SAFETY: the slots are this step's new tokens, in pages this engine's running
+                // sequences hold alone (the batcher copies a shared last block first).
+                let view = unsafe { cache.layer_mut::<T>(layer)? };
+                cpu::reshape_and_cache(view, key, value, &batch.slot_mapping)?;
             }
             let query = noise(&self.noise, rng, q_len)?;
-            let view = cache.view::<T>()?;
-            let kv = view.layer(layer)?;
+            // SAFETY: the block tables name pages this engine's sequences hold; no other engine
+            // writes a page it does not hold, and this engine's writes are done.
+            let kv = unsafe { cache.layer::<T>(layer)? };
             if decode_only {
                 cpu::paged_attention_decode(
                     &mut self.ws,

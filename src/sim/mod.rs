@@ -32,13 +32,14 @@ pub use config::{Burst, EngineSpec, SimConfig};
 pub use engine::{EngineMetrics, SimOutcome, EOS};
 pub use plot::write_svg;
 pub use report::{
-    ClassLatency, EngineReport, Latency, Refusals, Report, TimelinePoint, WallReport,
+    ClassLatency, EngineReport, Latency, Refusals, Report, StepLatency, TimelinePoint, WallReport,
 };
 pub use workload::{generate, SimRequest};
 
-use crate::block::{BlockPool, EngineId, PoolConfig};
+use crate::block::{BlockPool, EngineId, KvArena, PoolConfig};
 use crate::budget::{BudgetConfig, BudgetCoordinator};
 use crate::error::{AdmissionError, OverloadReason, SimError};
+use crate::kv::{page_bytes_for, ModelKvShape};
 use crate::sched::admission::{Admission, AdmissionConfig, Route, Ticket};
 use crate::sched::Priority;
 use crate::sync::Arc;
@@ -204,6 +205,11 @@ pub fn run_on(
         BudgetConfig::new(n as u16, cfg.tokens_per_step, cfg.pool_blocks)
             .with_cap_permille(cfg.cap_permille),
     )?);
+    // One KV arena for every engine: pages sized so the model with the largest per-token KV
+    // gets `block_size` tokens per page.
+    let shapes: Vec<ModelKvShape> = cfg.engines.iter().map(|e| e.kv_shape(cfg.dtype)).collect();
+    let page_bytes = page_bytes_for(&shapes, cfg.block_size as usize)?;
+    let arena = Arc::new(KvArena::new(pool.total() as usize, page_bytes)?);
     // Register every engine first: each one's guaranteed share then sizes its sequences.
     let ids = cfg
         .engines
@@ -220,6 +226,7 @@ pub fn run_on(
             pool.clone(),
             coordinator.clone(),
             device,
+            &arena,
         )?);
     }
     let admission: Admission<SimRequest, SimOutcome> =
@@ -515,8 +522,23 @@ pub fn run_on(
             peak_blocks: peak_held[e],
             peak_borrowed: peak_borrowed[e],
             kv_bytes_read: m.kv_bytes_read,
+            tokens_per_page: rt.block_size,
+            wasted_bytes_per_page: (page_bytes
+                - rt.block_size as usize * shapes[e].bytes_per_token())
+                as u64,
+            kv_bytes_allocated: rt.kv_bytes_allocated,
+            reclaim_steps: StepLatency::of(&m.reclaim_steps),
         });
     }
+    let all_reclaims: Vec<u64> = engines
+        .iter()
+        .flat_map(|e| e.metrics.reclaim_steps.iter().copied())
+        .collect();
+    // The arena is allocated once whatever the device; engines' own caches come on top. On
+    // the CPU path every cache is a view, so the two figures are equal.
+    let kv_pool_bytes = arena.total_bytes() as u64;
+    let kv_bytes_allocated =
+        kv_pool_bytes + engines.iter().map(|e| e.kv_bytes_allocated).sum::<u64>();
     let finished: u64 = reports.iter().map(|r| r.finished).sum();
     let generated: u64 = reports.iter().map(|r| r.generated_tokens).sum();
     let scheduled: u64 = reports.iter().map(|r| r.scheduled_tokens).sum();
@@ -554,6 +576,10 @@ pub fn run_on(
         step_ms: cfg.step_ms,
         steps: steps_run,
         pool_blocks: cfg.pool_blocks,
+        page_bytes: page_bytes as u64,
+        kv_pool_bytes,
+        kv_bytes_allocated,
+        reclaim_steps: StepLatency::of(&all_reclaims),
         requests: total,
         finished,
         refused: refused_all,

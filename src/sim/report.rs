@@ -100,6 +100,46 @@ pub struct EngineReport {
     pub peak_borrowed: u64,
     /// KV bytes its attention read.
     pub kv_bytes_read: u64,
+    /// Tokens per page of its view of the arena.
+    pub tokens_per_page: u32,
+    /// Bytes of each page its blocks leave unused (page size minus its block size).
+    pub wasted_bytes_per_page: u64,
+    /// KV bytes it allocated beyond the shared arena (0 on the CPU path: its cache is a view).
+    pub kv_bytes_allocated: u64,
+    /// Reclaim latency: steps from a reclaim order to this engine (a lender wants the pages it
+    /// lent back) to those pages being free; 1 = freed within the step the order arrived.
+    pub reclaim_steps: StepLatency,
+}
+
+/// A distribution of step counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct StepLatency {
+    /// Episodes measured.
+    pub count: usize,
+    /// Median, steps.
+    pub p50: u64,
+    /// 99th percentile, steps.
+    pub p99: u64,
+    /// Longest, steps.
+    pub max: u64,
+}
+
+impl StepLatency {
+    /// Percentiles of `samples` (nearest rank).
+    pub fn of(samples: &[u64]) -> Self {
+        if samples.is_empty() {
+            return Self::default();
+        }
+        let mut v = samples.to_vec();
+        v.sort_unstable();
+        let rank = |p: f64| v[(((p * v.len() as f64).ceil() as usize).max(1) - 1).min(v.len() - 1)];
+        Self {
+            count: v.len(),
+            p50: rank(0.50),
+            p99: rank(0.99),
+            max: v[v.len() - 1],
+        }
+    }
 }
 
 /// KV and budget state at one tick.
@@ -147,8 +187,17 @@ pub struct Report {
     pub step_ms: f64,
     /// Steps run (arrivals, then drain).
     pub steps: u64,
-    /// Blocks in the shared pool.
+    /// Blocks in the shared pool (pages of the arena).
     pub pool_blocks: u32,
+    /// Bytes per page of the arena.
+    pub page_bytes: u64,
+    /// Bytes of the one KV arena every engine's cache is a view of.
+    pub kv_pool_bytes: u64,
+    /// Every KV byte allocated by every engine, summed: the arena (once) plus any cache an
+    /// engine allocated for itself. Equal to `kv_pool_bytes` when every cache is a view.
+    pub kv_bytes_allocated: u64,
+    /// Reclaim latency over all engines (see [`EngineReport::reclaim_steps`]).
+    pub reclaim_steps: StepLatency,
     /// Requests generated.
     pub requests: u64,
     /// Requests finished.
@@ -207,6 +256,20 @@ impl Report {
             self.saturated_ticks,
             self.leaked_blocks
         );
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        let _ = writeln!(
+            s,
+            "KV arena {:.1} MiB ({} pages of {} KiB); KV bytes allocated by all engines {:.1} MiB ({:.2}x the arena); reclaim latency p50/p99/max {}/{}/{} steps over {} reclaim orders",
+            mib(self.kv_pool_bytes),
+            self.pool_blocks,
+            self.page_bytes / 1024,
+            mib(self.kv_bytes_allocated),
+            self.kv_bytes_allocated as f64 / self.kv_pool_bytes.max(1) as f64,
+            self.reclaim_steps.p50,
+            self.reclaim_steps.p99,
+            self.reclaim_steps.max,
+            self.reclaim_steps.count
+        );
         let _ = writeln!(
             s,
             "\n{:<10} {:>6} {:>6} {:>6} {:>5} {:>6} {:>6} {:>8} {:>7} {:>7} | {:>17} {:>17} | {:>17} {:>17}",
@@ -250,14 +313,19 @@ impl Report {
             };
             let _ = writeln!(
                 s,
-                "   {:<10} saturated {}  weight {:>5.1}% | blocks: peak held {:>5}, peak borrowed {:>4}, given back {:>4}, donations asked {}",
+                "   {:<10} saturated {}  weight {:>5.1}% | blocks: peak held {:>5}, peak borrowed {:>4}, given back {:>4}, donations asked {} | {:>3} tokens/page, {} B/page unused, reclaim p50/max {}/{} steps ({})",
                 e.name,
                 saturated,
                 100.0 * e.weight_share,
                 e.peak_blocks,
                 e.peak_borrowed,
                 e.blocks_shed,
-                e.donations_asked
+                e.donations_asked,
+                e.tokens_per_page,
+                e.wasted_bytes_per_page,
+                e.reclaim_steps.p50,
+                e.reclaim_steps.max,
+                e.reclaim_steps.count
             );
         }
         let _ = writeln!(

@@ -123,6 +123,12 @@ pub struct Batcher {
     /// Free host swap slots; `host_released` holds slots freed this step (reusable next step).
     host_free: Vec<u32>,
     host_released: Vec<u32>,
+    /// Pages swapped out by the batch in flight: their sequences no longer hold them, but the
+    /// batch's swap-out still reads them, so this batcher keeps one reference (and their
+    /// budget) until the batch has run (the next commit or schedule). With one arena shared by
+    /// every model, a page freed at schedule time could be written by another engine's kernels
+    /// while this engine's swap-out copies it.
+    swap_out_pending: Vec<BlockId>,
     /// Aborts requested since the last step, applied at the start of the next one (the batch
     /// in flight may still reference their blocks).
     pending_aborts: Vec<SeqId>,
@@ -193,6 +199,7 @@ impl Batcher {
             swapped: VecDeque::new(),
             host_free: (0..cfg.swap_blocks).rev().collect(),
             host_released: Vec::new(),
+            swap_out_pending: Vec::new(),
             pending_aborts: Vec::new(),
             shed_request: 0,
             batch: Batch::default(),
@@ -393,8 +400,10 @@ impl Batcher {
     pub fn schedule_into(&mut self, finished: &mut Vec<FinishedSeq>) -> &Batch {
         self.batch.clear();
         self.scheduled.clear();
-        // Host slots freed by last step's swap-ins are safe to reuse now.
+        // Host slots freed by last step's swap-ins are safe to reuse now, and so are the pages
+        // its swap-outs read (if no commit released them).
         self.host_free.append(&mut self.host_released);
+        self.release_swapped_pages();
         self.apply_aborts(finished);
         let mut preempted = self.apply_shed();
 
@@ -562,6 +571,8 @@ impl Batcher {
             let seqs = &self.seqs;
             self.running.retain(|&s| seqs[s].is_some());
         }
+        // The batch has run: the pages its swap-outs read can go.
+        self.release_swapped_pages();
         // Scheduled rows are consumed; a second commit of the same batch is refused.
         self.scheduled.clear();
         self.batch.samples.clear();
@@ -592,6 +603,7 @@ impl Batcher {
 impl Drop for Batcher {
     fn drop(&mut self) {
         // Tables release their blocks to the pool when dropped; give the quota back too.
+        self.release_swapped_pages();
         for slot in 0..self.seqs.len() {
             if self.seqs[slot].is_some() {
                 self.release_table(slot);

@@ -34,6 +34,75 @@ impl Batcher {
         }
     }
 
+    /// Moves a swapped-out sequence's pages from its table to `swap_out_pending`: one extra
+    /// reference per page keeps them allocated (and charged to this engine's budget) until
+    /// [`release_swapped_pages`](Self::release_swapped_pages), after the batch has run.
+    fn hold_for_swap_out(&mut self, slot: usize) {
+        let mut pages = std::mem::take(&mut self.scratch);
+        pages.clear();
+        self.seq(slot).table.ids_into(&mut pages);
+        for &id in &pages {
+            match self.pool.share(id) {
+                Ok(()) => self.swap_out_pending.push(id),
+                // The table holds a reference, so sharing cannot fail short of a pool bug; if it
+                // does, the page is not held and is released with the table below.
+                Err(e) => debug_assert!(false, "sharing a held page failed: {e}"),
+            }
+        }
+        pages.clear();
+        self.scratch = pages;
+        // Drops the table's references; the budget stays charged for the held pages.
+        self.seq_mut(slot).table.clear();
+    }
+
+    /// Takes `n` pages for this engine into `self.scratch`, all or nothing: pages this step's
+    /// swap-outs gave up first (still charged to this engine; the batch's swap-outs run
+    /// before anything writes, so this engine may reuse them in the same step, and no other
+    /// engine can), then new ones from the budget and the pool. On failure nothing is taken.
+    pub(super) fn take_pages(&mut self, n: u32) -> bool {
+        self.scratch.clear();
+        let reuse = (n as usize).min(self.swap_out_pending.len());
+        let fresh = n - reuse as u32;
+        if fresh > 0 {
+            if let Some(b) = &self.budget {
+                if !b.try_acquire_blocks(fresh) {
+                    return false;
+                }
+            }
+            if self
+                .pool
+                .alloc_n(self.cfg.engine, fresh, &mut self.scratch)
+                .is_err()
+            {
+                if let Some(b) = &self.budget {
+                    b.release_blocks(fresh);
+                }
+                self.scratch.clear();
+                return false;
+            }
+        }
+        let from = self.swap_out_pending.len() - reuse;
+        self.scratch.extend(self.swap_out_pending.drain(from..));
+        true
+    }
+
+    /// Drops the references `hold_for_swap_out` kept, freeing the pages and their budget.
+    pub(super) fn release_swapped_pages(&mut self) {
+        if self.swap_out_pending.is_empty() {
+            return;
+        }
+        let n = self.swap_out_pending.len() as u32;
+        for id in self.swap_out_pending.drain(..) {
+            // Each id holds the reference taken in `hold_for_swap_out`: a failure here would be
+            // a pool bug (double free); the page is then already free, nothing is lost.
+            let released = self.pool.release(id);
+            debug_assert!(released.is_ok(), "releasing a held page failed");
+        }
+        if let Some(b) = &self.budget {
+            b.release_blocks(n);
+        }
+    }
+
     pub(super) fn preempt(&mut self, slot: usize) {
         let blocks = self.seq(slot).table.len() as usize;
         self.seq_mut(slot).row_blocks = 0;
@@ -60,7 +129,8 @@ impl Batcher {
             let s = self.seq_mut(slot);
             s.host_blocks = host_blocks;
             s.phase = SeqPhase::Swapped;
-            self.release_table(slot);
+            // Keep the pages (and their budget) until the swap-out has read them.
+            self.hold_for_swap_out(slot);
             self.swapped.push_back(slot);
             self.stats.preempted_swap += 1;
             self.stats.blocks_swapped_out += blocks as u64;
@@ -78,20 +148,7 @@ impl Batcher {
     /// Brings a swapped sequence back if all its blocks fit; lists the copies.
     pub(super) fn swap_in(&mut self, slot: usize) -> bool {
         let n = self.seq(slot).host_blocks.len() as u32;
-        if let Some(b) = &self.budget {
-            if !b.try_acquire_blocks(n) {
-                return false;
-            }
-        }
-        self.scratch.clear();
-        if self
-            .pool
-            .alloc_n(self.cfg.engine, n, &mut self.scratch)
-            .is_err()
-        {
-            if let Some(b) = &self.budget {
-                b.release_blocks(n);
-            }
+        if !self.take_pages(n) {
             return false;
         }
         let fresh = std::mem::take(&mut self.scratch);

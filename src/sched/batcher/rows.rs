@@ -55,21 +55,7 @@ impl Batcher {
         if total == 0 {
             return Reserve::Ok;
         }
-        let total = total as u32;
-        if let Some(b) = &self.budget {
-            if !b.try_acquire_blocks(total) {
-                return Reserve::NoBlocks;
-            }
-        }
-        self.scratch.clear();
-        if self
-            .pool
-            .alloc_n(self.cfg.engine, total, &mut self.scratch)
-            .is_err()
-        {
-            if let Some(b) = &self.budget {
-                b.release_blocks(total);
-            }
+        if !self.take_pages(total as u32) {
             return Reserve::NoBlocks;
         }
         let mut fresh = std::mem::take(&mut self.scratch);

@@ -170,3 +170,53 @@ fn impossible_configurations_are_refused() {
     cfg.step_ms = 0.0;
     assert!(sim::run(&cfg, &|_| {}).is_err());
 }
+
+/// A sequence longer than its model's guaranteed share runs on an idle pool (it grows into
+/// pages lent by an idle model) instead of being refused as too long; when the lender's
+/// traffic arrives, the borrower gives the pages back within a bounded number of steps.
+#[test]
+fn long_context_grows_into_borrowed_pages_and_is_reclaimed() {
+    let mut long = engine("long", 1, 4.0);
+    long.prompt_mean = 500.0;
+    long.max_prompt = 640;
+    long.output_mean = 64.0;
+    long.max_context = 1024;
+    let mut lender = engine("lender", 3, 0.0);
+    lender.prompt_mean = 200.0;
+    let mut cfg = SimConfig {
+        seed: 5,
+        duration_s: 3.0,
+        pool_blocks: 96,
+        tokens_per_step: 256,
+        prefill_chunk: 128,
+        engines: vec![long.clone(), lender.clone()],
+        ..saturated()
+    };
+    // The long engine's guaranteed share is a quarter of 96 pages of 16 tokens = 384 tokens:
+    // its ~500-token prompts exceed it.
+    let idle = sim::run(&cfg, &|_| {}).unwrap();
+    check_accounting(&idle);
+    let e = &idle.engines[0];
+    assert_eq!(
+        e.refused.too_long, 0,
+        "long prompts refused on an idle pool"
+    );
+    assert!(e.finished > 0 && e.peak_borrowed > 0, "{e:?}");
+
+    // Now the lender has traffic: its demand makes the coordinator reclaim the lent pages.
+    lender.rate = 20.0;
+    cfg.engines = vec![long, lender];
+    let busy = sim::run(&cfg, &|_| {}).unwrap();
+    check_accounting(&busy);
+    let (borrower, lender) = (&busy.engines[0], &busy.engines[1]);
+    assert!(borrower.peak_borrowed > 0, "{borrower:?}");
+    assert_eq!(lender.finished, lender.requests, "{lender:?}");
+    // Any step the lender found its pages lent out, it had them back within two steps (no
+    // demand at all means the budget's limits shrank the borrower before the pool filled).
+    let r = lender.reclaim_steps;
+    assert!(
+        r.max <= 2,
+        "the lender waited {} steps for its pages",
+        r.max
+    );
+}

@@ -77,11 +77,11 @@ pub struct EngineMetrics {
     pub kernel_wall: Duration,
     /// Wall time in scheduling (not deterministic; reported apart).
     pub schedule_wall: Duration,
-    /// Reclaim latencies: steps from a reclaim order (a lender wants pages lent to this
-    /// engine back) to the pages being free.
+    /// Reclaim latencies: steps from this engine's demand for pages lent out to enough of
+    /// them being free.
     pub reclaim_steps: Vec<u64>,
-    /// The open reclaim order: the step it arrived in, and the blocks held once it is served.
-    pub reclaim_open: Option<(u64, u64)>,
+    /// The step an open demand started at.
+    pub demand_since: Option<u64>,
     /// Steps scheduled so far.
     pub steps: u64,
 }
@@ -265,12 +265,9 @@ impl EngineRuntime {
     /// Applies blocks the engine must give back, then schedules its step.
     pub(crate) fn schedule(&mut self, donations: u32) {
         let t = Instant::now();
+        self.track_reclaim();
         self.metrics.steps += 1;
-        let reclaim = self.coordinator.reclaim_for(self.id);
-        if reclaim > 0 {
-            self.open_reclaim(reclaim);
-        }
-        let shed = reclaim + donations;
+        let shed = self.coordinator.reclaim_for(self.id) + donations;
         if shed > 0 {
             self.metrics.blocks_shed += u64::from(shed);
             self.batcher.request_shed(shed);
@@ -339,7 +336,6 @@ impl EngineRuntime {
                 });
             }
         }
-        self.close_reclaim();
         // Publish what preempting this engine would free, for other engines' donor choice.
         match self.batcher.preemptible_load() {
             Some((class, blocks)) => {
@@ -376,32 +372,26 @@ impl EngineRuntime {
         Some((donor.engine, need))
     }
 
-    /// Opens a reclaim episode when the coordinator orders this engine to give back `shed`
-    /// pages lent to it (a lender wants its share back): the pages count as free once the
-    /// engine holds no more than it held minus `shed`.
-    fn open_reclaim(&mut self, shed: u32) {
-        // `steps` already counts this step: it is step `steps - 1`.
-        let step = self.metrics.steps - 1;
-        let target = self
-            .coordinator
-            .blocks_held(self.id)
-            .saturating_sub(u64::from(shed));
-        self.metrics.reclaim_open = Some(match self.metrics.reclaim_open {
-            // A second order while one is open: the first one's start, the lower target.
-            Some((since, t)) => (since, t.min(target)),
-            None => (step, target),
+    /// Reclaim latency bookkeeping, at the start of each step: a *demand* is open while this
+    /// engine's next admission fits its own block limit but not the pool's free pages (pages
+    /// of its share are lent to other engines); it closes at the first step where the pages
+    /// are free (or the demand went away), and its length in steps is recorded.
+    fn track_reclaim(&mut self) {
+        let step = self.metrics.steps;
+        let demand = self.batcher.next_admission_need().is_some_and(|(_, need)| {
+            let need = u64::from(need);
+            let limit = u64::from(self.coordinator.block_limit(self.id));
+            let total = u64::from(self.coordinator.config().total_blocks);
+            self.coordinator.blocks_held(self.id) + need <= limit
+                && self.coordinator.blocks_in_use() + need > total
         });
-    }
-
-    /// Closes the open reclaim episode once its pages are free (after a commit: swapped-out
-    /// pages are released there), recording its length in steps (1 = freed within the step
-    /// the order arrived in).
-    fn close_reclaim(&mut self) {
-        if let Some((since, target)) = self.metrics.reclaim_open {
-            if self.coordinator.blocks_held(self.id) <= target {
-                self.metrics.reclaim_steps.push(self.metrics.steps - since);
-                self.metrics.reclaim_open = None;
+        match (demand, self.metrics.demand_since) {
+            (true, None) => self.metrics.demand_since = Some(step),
+            (false, Some(since)) => {
+                self.metrics.reclaim_steps.push(step - since);
+                self.metrics.demand_since = None;
             }
+            _ => {}
         }
     }
 

@@ -106,8 +106,9 @@ pub struct EngineReport {
     pub wasted_bytes_per_page: u64,
     /// KV bytes it allocated beyond the shared arena (0 on the CPU path: its cache is a view).
     pub kv_bytes_allocated: u64,
-    /// Reclaim latency: steps from a reclaim order to this engine (a lender wants the pages it
-    /// lent back) to those pages being free; 1 = freed within the step the order arrived.
+    /// Reclaim latency as a lender: steps from this engine's demand for pages of its share lent
+    /// to others (its next admission fits its limit, not the pool's free pages) to enough of
+    /// them being free.
     pub reclaim_steps: StepLatency,
 }
 
@@ -259,7 +260,7 @@ impl Report {
         let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
         let _ = writeln!(
             s,
-            "KV arena {:.1} MiB ({} pages of {} KiB); KV bytes allocated by all engines {:.1} MiB ({:.2}x the arena); reclaim latency p50/p99/max {}/{}/{} steps over {} reclaim orders",
+            "KV arena {:.1} MiB ({} pages of {} KiB); KV bytes allocated by all engines {:.1} MiB ({:.2}x the arena); reclaim latency p50/p99/max {}/{}/{} steps over {} lender demands",
             mib(self.kv_pool_bytes),
             self.pool_blocks,
             self.page_bytes / 1024,

@@ -354,3 +354,135 @@ fn put(cell: &AtomicU32, value: u32, lowering: bool) {
         cell.store(value, Ordering::Relaxed);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{BudgetConfig, BudgetCoordinator, Publication, PublishFault};
+    use super::{BUSY, FREE, LIVE};
+    use crate::block::EngineId;
+    use crate::sync::Ordering;
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+
+    /// Runs `f`, which must panic with the injected fault.
+    fn expect_injected_panic<R>(f: impl FnOnce() -> R) {
+        let r = catch_unwind(AssertUnwindSafe(f));
+        let p = r.err().expect("the injected fault did not fire");
+        let msg = p.downcast_ref::<String>().map(String::as_str).unwrap_or("");
+        assert!(msg.starts_with("injected panic during publication"), "{msg}");
+    }
+
+    /// The protocol state after an unwound round: no publisher, an even epoch, and the
+    /// interrupted request still pending.
+    fn assert_recovered(c: &BudgetCoordinator) {
+        assert_eq!(c.ctl.load(Ordering::Relaxed) & BUSY, 0, "BUSY left set");
+        assert_eq!(c.epoch() % 2, 0, "odd epoch left behind");
+        assert!(c.is_dirty(), "the interrupted request was dropped");
+    }
+
+    fn state(c: &BudgetCoordinator, e: EngineId) -> u32 {
+        c.slots[e.index()].state.load(Ordering::Relaxed)
+    }
+
+    /// Recompute, join and leave after an unwound round, and the figures of every later
+    /// publication those of a coordinator that never panicked.
+    fn check_still_works(c: &BudgetCoordinator, a: EngineId, b: EngineId) {
+        assert!(matches!(
+            c.maybe_recompute(),
+            Some(Publication::Published { .. })
+        ));
+        assert!(!c.is_dirty());
+        // Join: a third engine becomes live and takes its share.
+        let d = c.register(1).unwrap();
+        assert_eq!(state(c, d), LIVE);
+        c.set_active(d, true);
+        c.recompute();
+        let s = c.snapshot();
+        assert!(s.consistent);
+        let budgets: Vec<u32> = s.engines.iter().map(|x| x.token_budget).collect();
+        let quotas: Vec<u32> = s.engines.iter().map(|x| x.block_quota).collect();
+        // Weights a 1, b 2, d 1 of 12 tokens and 40 blocks, all active.
+        assert_eq!((budgets, quotas), (vec![3, 6, 3], vec![10, 20, 10]));
+        // Leave: a's slot is freed and reused.
+        c.deregister(a).unwrap();
+        assert_eq!(state(c, a), FREE);
+        assert_eq!(c.register(1).unwrap(), a);
+        assert!(c.is_registered(b) && c.is_registered(d));
+        assert_eq!(c.epoch() % 2, 0);
+    }
+
+    /// Two engines, a (weight 1, active) and b (weight 2, idle), 12 tokens and 40 blocks.
+    fn two_engines() -> (BudgetCoordinator, EngineId, EngineId) {
+        let c = BudgetCoordinator::new(BudgetConfig::new(3, 12, 40)).unwrap();
+        let a = c.register(1).unwrap();
+        let b = c.register(2).unwrap();
+        c.set_active(a, true);
+        c.recompute();
+        assert_eq!((c.token_budget(a), c.token_budget(b)), (12, 0));
+        (c, a, b)
+    }
+
+    /// A panic half way through the writes (odd epoch, a's budget lowered, b's not yet raised):
+    /// the guard writes the round out, so the snapshot right after is one whole publication.
+    #[test]
+    fn a_panic_while_writing_is_written_out_and_released() {
+        let (mut c, a, b) = two_engines();
+        c.fail_next_publication(PublishFault::Writing);
+        c.set_active(b, true);
+        expect_injected_panic(|| c.recompute());
+        assert_recovered(&c);
+        let s = c.snapshot();
+        assert!(s.consistent, "{s:?}");
+        assert_eq!((c.token_budget(a), c.token_budget(b)), (4, 8));
+        check_still_works(&c, a, b);
+    }
+
+    /// A panic while computing, after the cached block quotas were overwritten for a new
+    /// registry: nothing is published, and the cache is not reused for the old registry.
+    #[test]
+    fn a_panic_while_computing_publishes_nothing_and_drops_the_quota_cache() {
+        let (mut c, a, b) = two_engines();
+        c.set_weight(b, 1).unwrap();
+        assert_eq!((c.block_quota(a), c.block_quota(b)), (20, 20));
+        let published = |c: &BudgetCoordinator| {
+            let s = c.snapshot();
+            assert!(s.consistent);
+            let figures: Vec<_> = s
+                .engines
+                .iter()
+                .map(|x| (x.token_budget, x.block_quota, x.block_limit))
+                .collect();
+            (s.epoch, figures)
+        };
+        let before = published(&c);
+        c.fail_next_publication(PublishFault::Computing);
+        // Quotas for weights 1:2 are computed, then the round unwinds; set_weight's panic
+        // reaches its caller.
+        expect_injected_panic(|| c.set_weight(b, 2));
+        assert_recovered(&c);
+        assert_eq!(published(&c), before, "a partial round was published");
+        // Back to the registry the cache was keyed on: its quotas must be recomputed, not the
+        // ones the unwound round left in the cache.
+        c.set_weight(b, 1).unwrap();
+        assert_eq!((c.block_quota(a), c.block_quota(b)), (20, 20));
+        c.set_weight(b, 2).unwrap();
+        c.set_active(b, true);
+        check_still_works(&c, a, b);
+    }
+
+    /// A panic inside `register`'s publication: the engine still joins at the next one.
+    #[test]
+    fn a_panic_while_joining_leaves_the_engine_to_join_next_round() {
+        let c = BudgetCoordinator::new(BudgetConfig::new(3, 12, 40)).unwrap();
+        let a = c.register(1).unwrap();
+        c.set_active(a, true);
+        c.recompute();
+        let mut c = c;
+        c.fail_next_publication(PublishFault::Writing);
+        let b = EngineId(1);
+        expect_injected_panic(|| c.register(2));
+        assert_recovered(&c);
+        assert_eq!(state(&c, b), LIVE, "the written-out round lets the engine join");
+        c.set_active(b, true);
+        check_still_works(&c, a, b);
+    }
+}

@@ -144,6 +144,7 @@ enum Op {
     SetActive(u16, bool),
     Recompute,
     AcquireTokens(u16, u32),
+    AcquireTokensUpTo(u16, u32),
     ReleaseTokens(u16, u32),
     BeginStep(u16),
     AcquireBlocks(u16, u32),
@@ -162,6 +163,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         3 => (e.clone(), any::<bool>()).prop_map(|(e, a)| Op::SetActive(e, a)),
         2 => Just(Op::Recompute),
         4 => (e.clone(), 0u32..60).prop_map(|(e, n)| Op::AcquireTokens(e, n)),
+        2 => (e.clone(), 0u32..120).prop_map(|(e, n)| Op::AcquireTokensUpTo(e, n)),
         2 => (e.clone(), 0u32..40).prop_map(|(e, n)| Op::ReleaseTokens(e, n)),
         2 => e.clone().prop_map(Op::BeginStep),
         4 => (e.clone(), 0u32..30).prop_map(|(e, n)| Op::AcquireBlocks(e, n)),
@@ -190,6 +192,7 @@ proptest! {
                 Op::SetActive(e, a) => prop_assert_eq!(c.set_active(EngineId(e), a), m.set_active(e, a)),
                 Op::Recompute => { c.recompute(); m.recompute(); }
                 Op::AcquireTokens(e, n) => prop_assert_eq!(c.try_acquire_tokens(EngineId(e), n), m.try_acquire_tokens(e, n)),
+                Op::AcquireTokensUpTo(e, n) => prop_assert_eq!(c.acquire_tokens_up_to(EngineId(e), n), m.acquire_tokens_up_to(e, n)),
                 Op::ReleaseTokens(e, n) => prop_assert_eq!(c.release_tokens(EngineId(e), n).map_err(|e| kind(&e)), m.release_tokens(e, n)),
                 Op::BeginStep(e) => prop_assert_eq!(c.begin_step(EngineId(e)), m.begin_step(e)),
                 Op::AcquireBlocks(e, n) => prop_assert_eq!(c.try_acquire_blocks(EngineId(e), n).map_err(|e| kind(&e)), m.try_acquire_blocks(e, n)),
@@ -206,12 +209,15 @@ proptest! {
                 prop_assert_eq!(c.is_registered(e), s.registered);
                 prop_assert_eq!(c.token_budget(e), s.token_budget);
                 prop_assert_eq!(c.tokens_used(e), s.tokens_used);
+                prop_assert_eq!(c.tokens_granted(e), s.tokens_granted);
                 prop_assert_eq!(c.block_quota(e), s.block_quota);
                 prop_assert_eq!(c.block_limit(e), s.block_limit);
                 prop_assert_eq!(c.blocks_held(e), s.blocks_held);
                 prop_assert_eq!(c.reclaim_for(e), m.reclaim_for(i as u16));
             }
             prop_assert_eq!(c.blocks_in_use(), m.in_use);
+            prop_assert_eq!(c.tokens_in_use(), m.tokens_in_use);
+            prop_assert!(m.tokens_in_use <= 100);
             let snap = c.snapshot();
             prop_assert!(snap.consistent);
             prop_assert_eq!(snap.engines.len(), m.slots.iter().filter(|s| s.registered).count());

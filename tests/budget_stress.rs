@@ -223,6 +223,7 @@ fn recompute_and_registry_churn_racing_the_hot_path() {
 
     // Quiet: everything returned, and one more publication agrees with the sequential model.
     assert_eq!(c.blocks_in_use(), 0);
+    assert_eq!(c.tokens_in_use(), 0);
     assert!(matches!(c.recompute(), Publication::Published { .. }));
     let snap = c.snapshot();
     let mut m = Model::new(8, TOKENS, BLOCKS, 700);

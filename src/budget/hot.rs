@@ -1,5 +1,6 @@
-//! The wait-free hot path: activity, token and block acquire/release, budget reads, reclaim and
-//! donor queries. Each call is a fixed number of atomic operations (table in the module docs).
+//! The hot path: activity, token and block acquires, budget reads, reclaim and donor queries
+//! are wait-free, each a fixed number of atomic operations; releases are lock-free (a
+//! compare-exchange loop, so that a refused release changes nothing). Table in the module docs.
 
 use super::{
     unpack_load, BudgetCoordinator, Donor, Priority, Reclaim, JOINING, LIVE, LOAD_PUBLISHED,
@@ -7,7 +8,7 @@ use super::{
 };
 use crate::block::EngineId;
 use crate::error::BudgetError;
-use crate::sync::Ordering;
+use crate::sync::{Backoff, Ordering};
 
 impl BudgetCoordinator {
     /// Marks an engine active (it has work) or idle; returns the previous value. Wait-free: one
@@ -49,70 +50,169 @@ impl BudgetCoordinator {
             .map_or(0, |s| s.tokens.load(Ordering::Relaxed) & USED_MASK)
     }
 
-    /// Takes `n` tokens of the engine's budget for this step, or nothing. Wait-free: one load
-    /// and two read-modify-writes, no retry. Concurrent acquirers on one engine are never granted
-    /// more than its budget in total (module docs). `false` for an unknown engine.
+    /// Tokens granted to the engine in its current step and not released (no acquire in
+    /// flight counted). One load.
+    #[inline]
+    pub fn tokens_granted(&self, engine: EngineId) -> u64 {
+        self.slot(engine)
+            .map_or(0, |s| s.tokens.load(Ordering::Relaxed) >> USED_BITS)
+    }
+
+    /// Tokens counted against the device's `tokens_per_step` by all engines together: those
+    /// granted in each engine's current step and not released (may include an acquire in
+    /// flight). One load.
+    #[inline]
+    pub fn tokens_in_use(&self) -> u64 {
+        self.tokens_in_use.load(Ordering::Relaxed)
+    }
+
+    /// Takes `n` tokens for this step, or nothing: granted iff they fit both the engine's budget
+    /// and what the device's `tokens_per_step` has left after every engine's current step
+    /// (module docs, "Global token cap"). Wait-free: one load and at most five
+    /// read-modify-writes, no retry. Concurrent acquirers are never granted more than an
+    /// engine's budget, nor all engines together more than `tokens_per_step`. `false` for an
+    /// unknown engine.
     #[inline]
     pub fn try_acquire_tokens(&self, engine: EngineId, n: u32) -> bool {
         let Ok(slot) = self.slot(engine) else {
             return false;
         };
+        self.take_tokens(slot, u64::from(n), false).is_some()
+    }
+
+    /// Takes as many of `n` tokens as fit (the engine's budget, and what the device has left),
+    /// and returns how many: the admission of [`try_acquire_tokens`](Self::try_acquire_tokens)
+    /// with a partial grant instead of a refusal. Wait-free, the same bound. 0 for an unknown
+    /// engine.
+    #[inline]
+    pub fn acquire_tokens_up_to(&self, engine: EngineId, n: u32) -> u32 {
+        let Ok(slot) = self.slot(engine) else {
+            return 0;
+        };
+        // At most `n`, so it fits in u32.
+        self.take_tokens(slot, u64::from(n), true).unwrap_or(0) as u32
+    }
+
+    /// Grants `n` tokens (or, when `partial`, as many of them as fit), returning the grant, or
+    /// `None` when it grants nothing. Fetch-and-add admission with (partial) compensation, on the
+    /// engine's counter and then on the device's: an acquire adds its amount, gives back what it
+    /// does not keep, and what it keeps stays counted until released or reset, so the argument
+    /// of the module docs holds for the kept amounts.
+    #[inline]
+    fn take_tokens(&self, slot: &super::Slot, n: u64, partial: bool) -> Option<u64> {
         let budget = u64::from(slot.token_budget.load(Ordering::Relaxed));
-        let n = u64::from(n);
-        if n > budget {
-            // Can never fit; refusing before the add also bounds every amount in flight by
-            // the budget (< 2^24), which keeps the used field from overflowing.
-            return false;
+        // Never add more than the budget: every amount in flight is then below 2^24, which keeps
+        // the used field from overflowing (`Slot::tokens`).
+        let want = if partial {
+            n.min(budget)
+        } else if n > budget {
+            return None;
+        } else {
+            n
+        };
+        if partial && want == 0 {
+            return None;
         }
         // Relaxed: the grant argument needs only this RMW's atomicity, and the reset and the
         // release work on this same word, so coherence orders them (module docs).
-        let prev = slot.tokens.fetch_add(n, Ordering::Relaxed);
-        if (prev & USED_MASK) + n <= budget {
-            slot.tokens.fetch_add(n << USED_BITS, Ordering::Relaxed);
-            true
-        } else {
-            slot.tokens.fetch_sub(n, Ordering::Relaxed);
-            false
+        let prev = slot.tokens.fetch_add(want, Ordering::Relaxed);
+        let mine = match budget.checked_sub(prev & USED_MASK) {
+            Some(room) if room >= want => want,
+            Some(room) if partial && room > 0 => room,
+            _ => {
+                slot.tokens.fetch_sub(want, Ordering::Relaxed);
+                return None;
+            }
+        };
+        if mine < want {
+            slot.tokens.fetch_sub(want - mine, Ordering::Relaxed);
         }
+        // The device-wide counter, the same admission: what it keeps is at most what is left of
+        // `tokens_per_step` after every grant still counted there. Relaxed, as above.
+        let total = u64::from(self.config.tokens_per_step);
+        let in_use = self.tokens_in_use.fetch_add(mine, Ordering::Relaxed);
+        let got = match total.checked_sub(in_use) {
+            Some(room) if room >= mine => mine,
+            Some(room) if partial && room > 0 => room,
+            _ => {
+                self.tokens_in_use.fetch_sub(mine, Ordering::Relaxed);
+                slot.tokens.fetch_sub(mine, Ordering::Relaxed);
+                return None;
+            }
+        };
+        if got < mine {
+            self.tokens_in_use.fetch_sub(mine - got, Ordering::Relaxed);
+            slot.tokens.fetch_sub(mine - got, Ordering::Relaxed);
+        }
+        // Release: pairs with the Acquire of whoever takes these tokens out of the granted
+        // field again (`release_tokens`' compare-exchange, `begin_step`'s load), so that its
+        // subtraction from `tokens_in_use` comes after our addition there in that counter's
+        // modification order; otherwise it could take the counter below what is outstanding.
+        slot.tokens.fetch_add(got << USED_BITS, Ordering::Release);
+        Some(got)
     }
 
-    /// Gives back `n` tokens granted in the current step (a sequence dropped from the batch):
-    /// one `fetch_sub` on both fields. Must not race with [`begin_step`](Self::begin_step) on
-    /// the same engine (both belong to the engine's step owner). Releasing more than was
-    /// granted is refused.
+    /// Gives back `n` tokens granted in the current step (a sequence dropped from the batch).
+    /// Must not race with [`begin_step`](Self::begin_step) on the same engine (both belong to
+    /// the engine's step owner). Releasing more than was granted is refused, and a refused
+    /// release changes nothing, not even transiently.
+    ///
+    /// Lock-free, not wait-free: one compare-exchange loop on the engine's token word, which
+    /// retries only when a concurrent acquire on the same engine changed the word (so some call
+    /// made progress), then one `fetch_sub` on the device's counter.
     #[inline]
     pub fn release_tokens(&self, engine: EngineId, n: u32) -> Result<(), BudgetError> {
         let slot = self.slot(engine)?;
-        let both = u64::from(n) | (u64::from(n) << USED_BITS);
-        let prev = slot.tokens.fetch_sub(both, Ordering::Relaxed);
-        let granted = prev >> USED_BITS;
-        if granted < u64::from(n) {
-            // Undo exactly (wrapping add inverts wrapping sub). Meanwhile the used field may
-            // read as huge, which only makes concurrent acquirers fail.
-            slot.tokens.fetch_add(both, Ordering::Relaxed);
-            return Err(BudgetError::TokensNotHeld {
-                engine,
-                released: u64::from(n),
-                granted,
-            });
+        let n = u64::from(n);
+        let both = n | (n << USED_BITS);
+        let backoff = Backoff::new();
+        let mut word = slot.tokens.load(Ordering::Relaxed);
+        loop {
+            let granted = word >> USED_BITS;
+            if granted < n {
+                return Err(BudgetError::TokensNotHeld {
+                    engine,
+                    released: n,
+                    granted,
+                });
+            }
+            // No borrow: used ≥ granted ≥ n. Acquire on success: pairs with the Release add of
+            // the grants we take back (`take_tokens`), so their additions to `tokens_in_use`
+            // come before our subtraction below.
+            match slot.tokens.compare_exchange_weak(
+                word,
+                word - both,
+                Ordering::Acquire,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(now) => {
+                    word = now;
+                    backoff.spin();
+                }
+            }
         }
+        self.tokens_in_use.fetch_sub(n, Ordering::Relaxed);
         Ok(())
     }
 
     /// Starts a new step for the engine: the tokens granted in the previous one are spent and
-    /// no longer count. Returns how many that was. Wait-free: one load, one `fetch_sub`. Safe
-    /// against concurrent acquirers: a grant that lands after the load stays counted, in the
-    /// new step (the reset only ever under-grants).
+    /// no longer count, against its budget or the device's. Returns how many that was.
+    /// Wait-free: one load, two `fetch_sub`. Safe against concurrent acquirers: a grant that
+    /// lands after the load stays counted, in the new step (the reset only ever under-grants).
     #[inline]
     pub fn begin_step(&self, engine: EngineId) -> u64 {
         let Ok(slot) = self.slot(engine) else {
             return 0;
         };
-        let granted = slot.tokens.load(Ordering::Relaxed) >> USED_BITS;
+        // Acquire: pairs with the Release add of each grant we read (`take_tokens`), so its
+        // addition to `tokens_in_use` comes before our subtraction there.
+        let granted = slot.tokens.load(Ordering::Acquire) >> USED_BITS;
         // Both fields hold at least `granted` now: grants only grow the granted field until a
         // release (which does not race with us), and used ≥ granted always.
         slot.tokens
             .fetch_sub(granted | (granted << USED_BITS), Ordering::Relaxed);
+        self.tokens_in_use.fetch_sub(granted, Ordering::Relaxed);
         granted
     }
 
@@ -130,14 +230,14 @@ impl BudgetCoordinator {
             .map_or(0, |s| s.block_limit.load(Ordering::Relaxed))
     }
 
-    /// Blocks the engine holds (counting an acquire in flight).
+    /// Blocks the engine holds: granted and not released (no acquire in flight counted).
     #[inline]
     pub fn blocks_held(&self, engine: EngineId) -> u64 {
         self.slot(engine)
             .map_or(0, |s| s.blocks_held.load(Ordering::Relaxed))
     }
 
-    /// Blocks held by all engines together.
+    /// Blocks held by all engines together (may include acquires in flight).
     #[inline]
     pub fn blocks_in_use(&self) -> u64 {
         self.blocks_in_use.load(Ordering::Relaxed)
@@ -145,7 +245,7 @@ impl BudgetCoordinator {
 
     /// Takes `n` blocks against the engine's limit and the device's total, or nothing. Call it
     /// before `pool.alloc_n(engine, n)`, and [`release_blocks`](Self::release_blocks) if the
-    /// allocation fails. Wait-free: one load, at most two `fetch_add` and two `fetch_sub`.
+    /// allocation fails. Wait-free: one load, at most three `fetch_add` and two `fetch_sub`.
     ///
     /// [`BudgetError::OverBlockLimit`]: the engine is at its limit (ask for a donor, or wait);
     /// [`BudgetError::BlocksExhausted`]: the engine is within its limit but the pool is lent out
@@ -156,46 +256,81 @@ impl BudgetCoordinator {
         let n64 = u64::from(n);
         let limit = slot.block_limit.load(Ordering::Relaxed);
         // Relaxed: counting needs only RMW atomicity (module docs); the pool allocation that
-        // follows has its own synchronisation.
-        let held = slot.blocks_held.fetch_add(n64, Ordering::Relaxed);
-        if held + n64 > u64::from(limit) {
-            slot.blocks_held.fetch_sub(n64, Ordering::Relaxed);
+        // follows has its own synchronisation. Checked sums: a counter near 2^64 (which the
+        // protocol never produces) refuses rather than wrapping into a grant.
+        let claimed = slot.blocks_claimed.fetch_add(n64, Ordering::Relaxed);
+        if claimed
+            .checked_add(n64)
+            .is_none_or(|after| after > u64::from(limit))
+        {
+            slot.blocks_claimed.fetch_sub(n64, Ordering::Relaxed);
             return Err(BudgetError::OverBlockLimit {
                 engine,
                 requested: n,
-                held,
+                held: claimed,
                 limit,
             });
         }
         let in_use = self.blocks_in_use.fetch_add(n64, Ordering::Relaxed);
         let total = self.config.total_blocks;
-        if in_use + n64 > u64::from(total) {
+        if in_use
+            .checked_add(n64)
+            .is_none_or(|after| after > u64::from(total))
+        {
             self.blocks_in_use.fetch_sub(n64, Ordering::Relaxed);
-            slot.blocks_held.fetch_sub(n64, Ordering::Relaxed);
+            slot.blocks_claimed.fetch_sub(n64, Ordering::Relaxed);
             return Err(BudgetError::BlocksExhausted {
                 requested: n,
                 in_use,
                 total,
             });
         }
+        // Release: pairs with `release_blocks`' Acquire compare-exchange that takes these blocks
+        // back, so our additions to `blocks_claimed` and `blocks_in_use` come before its
+        // subtractions in those counters' modification orders (neither can dip below what is
+        // outstanding).
+        slot.blocks_held.fetch_add(n64, Ordering::Release);
         Ok(())
     }
 
     /// Gives back `n` blocks the engine acquired (after freeing them in the pool). Releasing
-    /// more than it holds is refused.
+    /// more than it holds is refused, and a refused release changes nothing, not even
+    /// transiently: it is checked against the exact holding, which no acquire in flight
+    /// inflates.
+    ///
+    /// Lock-free, not wait-free: one compare-exchange loop on the engine's holding, which
+    /// retries only when a concurrent grant or release on the same engine changed it, then two
+    /// `fetch_sub`.
     #[inline]
     pub fn release_blocks(&self, engine: EngineId, n: u32) -> Result<(), BudgetError> {
         let slot = self.slot(engine)?;
         let n64 = u64::from(n);
-        let held = slot.blocks_held.fetch_sub(n64, Ordering::Relaxed);
-        if held < n64 {
-            slot.blocks_held.fetch_add(n64, Ordering::Relaxed);
-            return Err(BudgetError::BlocksNotHeld {
-                engine,
-                released: n,
+        let backoff = Backoff::new();
+        let mut held = slot.blocks_held.load(Ordering::Relaxed);
+        loop {
+            if held < n64 {
+                return Err(BudgetError::BlocksNotHeld {
+                    engine,
+                    released: n,
+                    held,
+                });
+            }
+            // Acquire on success: pairs with the Release add of the grants we take back
+            // (`try_acquire_blocks`).
+            match slot.blocks_held.compare_exchange_weak(
                 held,
-            });
+                held - n64,
+                Ordering::Acquire,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(now) => {
+                    held = now;
+                    backoff.spin();
+                }
+            }
         }
+        slot.blocks_claimed.fetch_sub(n64, Ordering::Relaxed);
         self.blocks_in_use.fetch_sub(n64, Ordering::Relaxed);
         Ok(())
     }

@@ -131,6 +131,9 @@ mod waterfill;
 use crate::block::EngineId;
 use crate::error::BudgetError;
 use crate::sync::{AtomicBool, AtomicU32, AtomicU64, CachePadded, Ordering, UnsafeCell};
+#[cfg(any(test, loom))]
+#[doc(hidden)]
+pub use publish::PublishFault;
 use publish::Scratch;
 use std::fmt;
 
@@ -261,7 +264,7 @@ pub struct EngineStats {
     pub block_quota: u32,
     /// What it may hold: quota plus what it may borrow.
     pub block_limit: u32,
-    /// Blocks it holds (may include an acquire in flight).
+    /// Blocks it holds: granted and not released.
     pub blocks_held: u64,
     /// Blocks held above its quota.
     pub blocks_borrowed: u64,
@@ -285,6 +288,9 @@ pub struct Snapshot {
     pub total_blocks: u32,
     /// Blocks held by all engines together (may include acquires in flight).
     pub blocks_in_use: u64,
+    /// Tokens counted against `tokens_per_step` by all engines' current steps (may include
+    /// acquires in flight).
+    pub tokens_in_use: u64,
     /// Every registered engine, by id.
     pub engines: Vec<EngineStats>,
 }
@@ -325,8 +331,12 @@ struct Slot {
     block_quota: AtomicU32,
     /// Quota plus borrowable blocks. Single writer: the publisher.
     block_limit: AtomicU32,
-    /// Blocks granted and not released, plus acquires in flight. Granted blocks ≤ the limit each
-    /// grant saw.
+    /// The block admission counter: blocks granted and not released, plus the amounts of
+    /// acquires in flight. Granted blocks ≤ the limit each grant saw. Always ≥ `blocks_held`:
+    /// an acquire adds here before it adds there, a release subtracts there before here.
+    blocks_claimed: AtomicU64,
+    /// Blocks granted and not released, exactly (no acquire in flight): what a release is
+    /// checked against, by a compare-exchange, so a refused release never touches a counter.
     blocks_held: AtomicU64,
     /// Preemption figures, packed (see `LOAD_PUBLISHED`). Written by the engine, read by
     /// `pick_donor`.
@@ -343,6 +353,7 @@ impl Slot {
             tokens: AtomicU64::new(0),
             block_quota: AtomicU32::new(0),
             block_limit: AtomicU32::new(0),
+            blocks_claimed: AtomicU64::new(0),
             blocks_held: AtomicU64::new(0),
             load: AtomicU64::new(0),
         }
@@ -355,6 +366,9 @@ pub struct BudgetCoordinator {
     slots: Box<[CachePadded<Slot>]>,
     /// Blocks held by all engines, plus acquires in flight. Granted total ≤ `total_blocks`.
     blocks_in_use: CachePadded<AtomicU64>,
+    /// Tokens granted to all engines in their current steps and not released, plus acquires in
+    /// flight: the device-wide admission counter. Granted total ≤ `tokens_per_step`.
+    tokens_in_use: CachePadded<AtomicU64>,
     /// `BUSY` while a publisher runs; `DIRTY` when inputs changed since the last round began.
     ctl: CachePadded<AtomicU32>,
     /// Publication sequence: odd while the publisher writes, even otherwise.
@@ -378,6 +392,7 @@ impl fmt::Debug for BudgetCoordinator {
             .field("epoch", &self.epoch.load(Ordering::Relaxed))
             .field("ctl", &self.ctl.load(Ordering::Relaxed))
             .field("blocks_in_use", &self.blocks_in_use.load(Ordering::Relaxed))
+            .field("tokens_in_use", &self.tokens_in_use.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
 }
@@ -405,6 +420,7 @@ impl BudgetCoordinator {
             config,
             slots,
             blocks_in_use: CachePadded::new(AtomicU64::new(0)),
+            tokens_in_use: CachePadded::new(AtomicU64::new(0)),
             ctl: CachePadded::new(AtomicU32::new(0)),
             epoch: CachePadded::new(AtomicU64::new(0)),
             scratch: UnsafeCell::new(Scratch::default()),

@@ -31,8 +31,73 @@ pub(super) struct Scratch {
     fill: FillScratch,
     /// The registry the cached quotas were computed for: each slot's weight, 0 if not live.
     quota_key: Vec<u32>,
-    /// Block quotas per slot for `quota_key` (they depend on nothing else).
+    /// Block quotas per slot for `quota_key` (they depend on nothing else). `quota_key` is
+    /// emptied before these are rewritten and refilled after, so a round that unwinds in
+    /// between leaves no key that matches them.
     quotas: Vec<u32>,
+    /// How far the current round got: what [`Unwind`] finds if the round panics.
+    phase: Phase,
+    /// A panic to inject into the next round that reaches this point (tests only). A `Cell`,
+    /// so the write phase, which has `&Scratch`, can take it.
+    #[cfg(any(test, loom))]
+    fault: std::cell::Cell<Option<PublishFault>>,
+}
+
+/// How far a publishing round got.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Phase {
+    /// No round in progress, or one that has not written anything yet: `rows` may be partial,
+    /// and nothing of this round is published.
+    #[default]
+    Computing,
+    /// Every row is computed and the round is writing them under the odd epoch.
+    Writing,
+}
+
+/// Where a test makes the next publishing round panic (`BudgetCoordinator::fail_next_publication`).
+#[doc(hidden)]
+#[cfg_attr(not(any(test, loom)), allow(dead_code))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PublishFault {
+    /// While recomputing the block quotas (a round whose registry changed), after the cached
+    /// quotas were overwritten: nothing is published yet.
+    Computing,
+    /// Between the lowering and the raising pass of the writes: the epoch is odd and the figures
+    /// are half written.
+    Writing,
+}
+
+/// The drop guard of one publishing round. If the round unwinds (a panic in the round, or in
+/// anything it calls), dropping the guard finishes what a publisher owes: a round that had
+/// started writing is written out in full from its computed rows (the writes are idempotent),
+/// which leaves the epoch even and the figures one whole publication; one that had not leaves
+/// the previous publication as it was. Then it sets `DIRTY`, so the interrupted request (and any
+/// deferred to this publisher) is served by the next [`recompute`](BudgetCoordinator::recompute),
+/// and gives up `BUSY`. Without it a panic left `BUSY` set forever: every later recompute
+/// deferred, joining engines never joined, leaving ones were never freed.
+struct Unwind<'a>(&'a BudgetCoordinator);
+
+impl Drop for Unwind<'_> {
+    fn drop(&mut self) {
+        let c = self.0;
+        c.scratch.with(|scratch| {
+            // SAFETY: this thread still holds BUSY (the round's `fetch_or` took it and only the
+            // code after a round that returned gives it back, which did not run), so no other
+            // thread touches `scratch`; and the round's `&mut` to it is gone, its frame unwound
+            // before this guard, declared before it, is dropped. So this shared reference is the
+            // only one.
+            let s = unsafe { &*scratch };
+            if s.phase == Phase::Writing {
+                // Cannot panic: atomic loads, stores and compare-exchanges over slices of equal
+                // length (and a test's injected fault fires once).
+                c.write_round(s);
+            }
+        });
+        // Release (both): as at the end of a round, our writes happen-before the next
+        // publisher's Acquire `fetch_or`. DIRTY first, so no round can start and find it clear.
+        c.ctl.fetch_or(DIRTY, Ordering::Release);
+        c.ctl.fetch_and(!BUSY, Ordering::Release);
+    }
 }
 
 impl BudgetCoordinator {
@@ -75,6 +140,9 @@ impl BudgetCoordinator {
             // Clear DIRTY before reading: a change marked after this point triggers another
             // round. Acquire: see every change marked before.
             self.ctl.fetch_and(!DIRTY, Ordering::AcqRel);
+            // Declared before the `with_mut` below, so that if the round unwinds, the round's
+            // reference to `scratch` is gone when the guard runs.
+            let guard = Unwind(self);
             let epoch = self.scratch.with_mut(|scratch| {
                 // SAFETY: we hold BUSY (set by our `fetch_or` that saw it clear, not yet cleared
                 // by us), and only the BUSY holder touches `scratch`, so this is the only
@@ -84,6 +152,8 @@ impl BudgetCoordinator {
                 let scratch = unsafe { &mut *scratch };
                 self.publish_round(scratch)
             });
+            // The round completed: BUSY is given back below, the normal way.
+            std::mem::forget(guard);
             rounds += 1;
             // Release: our writes happen-before the next publisher's Acquire on `ctl`.
             let prev = self.ctl.fetch_and(!BUSY, Ordering::AcqRel);
@@ -98,8 +168,33 @@ impl BudgetCoordinator {
         }
     }
 
+    /// Makes the next publishing round that reaches `at` panic (tests only: the unwinding
+    /// path of [`recompute`](Self::recompute)). `&mut self`: set before the coordinator is
+    /// shared.
+    #[cfg(any(test, loom))]
+    #[doc(hidden)]
+    pub fn fail_next_publication(&mut self, at: PublishFault) {
+        self.scratch.with_mut(|scratch| {
+            // SAFETY: `&mut self` is the only reference to the coordinator, so nothing else
+            // can reach `scratch`.
+            unsafe { (*scratch).fault.set(Some(at)) }
+        });
+    }
+
+    /// Panics if a test asked for a fault at `at` (once). Nothing outside tests.
+    #[inline(always)]
+    #[allow(unused_variables)]
+    fn fault_point(s: &Scratch, at: PublishFault) {
+        #[cfg(any(test, loom))]
+        if s.fault.get() == Some(at) {
+            s.fault.set(None);
+            panic!("injected panic during publication ({at:?})");
+        }
+    }
+
     /// One publishing round; the caller holds `BUSY`. Returns the new (even) epoch.
     fn publish_round(&self, s: &mut Scratch) -> u64 {
+        s.phase = Phase::Computing;
         let n = self.slots.len();
         s.rows.clear();
         s.rows.resize(n, Row::default());
@@ -129,13 +224,16 @@ impl BudgetCoordinator {
                 .zip(&s.quota_key)
                 .all(|(r, &k)| k == if r.live { r.weight } else { 0 });
         if !same_registry {
+            // Invalidate the cache before touching it (a round that unwinds from here on must
+            // not leave the old key beside new quotas).
+            s.quota_key.clear();
             self.fill(s, self.config.total_blocks, |_| true, |_| block_cap);
             s.quotas.clear();
             s.quotas.resize(n, 0);
             for k in 0..s.idx.len() {
                 s.quotas[s.idx[k]] = s.out[k] as u32;
             }
-            s.quota_key.clear();
+            Self::fault_point(s, PublishFault::Computing);
             s.quota_key
                 .extend(s.rows.iter().map(|r| if r.live { r.weight } else { 0 }));
         }
@@ -170,9 +268,22 @@ impl BudgetCoordinator {
             }
         }
 
+        s.phase = Phase::Writing;
+        let epoch = self.write_round(s);
+        s.phase = Phase::Computing;
+        epoch
+    }
+
+    /// The write phase of a round: publishes the computed rows under the sequence lock and
+    /// makes the registry transitions. The caller holds `BUSY`. Idempotent (its every write
+    /// puts a computed value, and the epoch it starts from is the even one below the current),
+    /// so the unwinding guard can run it again over a round that panicked inside it. Returns the
+    /// new (even) epoch.
+    fn write_round(&self, s: &Scratch) -> u64 {
         // Publish under the sequence lock, lowered figures first so that the sum of budgets
-        // never exceeds the global one between two writes.
-        let epoch = self.epoch.load(Ordering::Relaxed);
+        // never exceeds the global one between two writes. Single writer (the BUSY holder):
+        // the epoch is even unless a round of ours unwound inside this function.
+        let epoch = self.epoch.load(Ordering::Relaxed) & !1;
         self.epoch.store(epoch + 1, Ordering::Relaxed);
         // Release fence: a reader that sees any of the writes below also sees the odd epoch
         // (pairs with the Acquire fence in `snapshot`).
@@ -182,6 +293,10 @@ impl BudgetCoordinator {
                 put(&slot.token_budget, row.token_budget, lowering);
                 put(&slot.block_quota, row.block_quota, lowering);
                 put(&slot.block_limit, row.block_limit, lowering);
+            }
+            if lowering {
+                // A test's fault lands here: odd epoch, figures half written.
+                Self::fault_point(s, PublishFault::Writing);
             }
         }
         // Registry transitions, after the slot's figures are written.
@@ -237,5 +352,137 @@ fn put(cell: &AtomicU32, value: u32, lowering: bool) {
     let old = cell.load(Ordering::Relaxed);
     if (value < old) == lowering && value != old {
         cell.store(value, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{BudgetConfig, BudgetCoordinator, Publication, PublishFault};
+    use super::{BUSY, FREE, LIVE};
+    use crate::block::EngineId;
+    use crate::sync::Ordering;
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+
+    /// Runs `f`, which must panic with the injected fault.
+    fn expect_injected_panic<R>(f: impl FnOnce() -> R) {
+        let r = catch_unwind(AssertUnwindSafe(f));
+        let p = r.err().expect("the injected fault did not fire");
+        let msg = p.downcast_ref::<String>().map(String::as_str).unwrap_or("");
+        assert!(msg.starts_with("injected panic during publication"), "{msg}");
+    }
+
+    /// The protocol state after an unwound round: no publisher, an even epoch, and the
+    /// interrupted request still pending.
+    fn assert_recovered(c: &BudgetCoordinator) {
+        assert_eq!(c.ctl.load(Ordering::Relaxed) & BUSY, 0, "BUSY left set");
+        assert_eq!(c.epoch() % 2, 0, "odd epoch left behind");
+        assert!(c.is_dirty(), "the interrupted request was dropped");
+    }
+
+    fn state(c: &BudgetCoordinator, e: EngineId) -> u32 {
+        c.slots[e.index()].state.load(Ordering::Relaxed)
+    }
+
+    /// Recompute, join and leave after an unwound round, and the figures of every later
+    /// publication those of a coordinator that never panicked.
+    fn check_still_works(c: &BudgetCoordinator, a: EngineId, b: EngineId) {
+        assert!(matches!(
+            c.maybe_recompute(),
+            Some(Publication::Published { .. })
+        ));
+        assert!(!c.is_dirty());
+        // Join: a third engine becomes live and takes its share.
+        let d = c.register(1).unwrap();
+        assert_eq!(state(c, d), LIVE);
+        c.set_active(d, true);
+        c.recompute();
+        let s = c.snapshot();
+        assert!(s.consistent);
+        let budgets: Vec<u32> = s.engines.iter().map(|x| x.token_budget).collect();
+        let quotas: Vec<u32> = s.engines.iter().map(|x| x.block_quota).collect();
+        // Weights a 1, b 2, d 1 of 12 tokens and 40 blocks, all active.
+        assert_eq!((budgets, quotas), (vec![3, 6, 3], vec![10, 20, 10]));
+        // Leave: a's slot is freed and reused.
+        c.deregister(a).unwrap();
+        assert_eq!(state(c, a), FREE);
+        assert_eq!(c.register(1).unwrap(), a);
+        assert!(c.is_registered(b) && c.is_registered(d));
+        assert_eq!(c.epoch() % 2, 0);
+    }
+
+    /// Two engines, a (weight 1, active) and b (weight 2, idle), 12 tokens and 40 blocks.
+    fn two_engines() -> (BudgetCoordinator, EngineId, EngineId) {
+        let c = BudgetCoordinator::new(BudgetConfig::new(3, 12, 40)).unwrap();
+        let a = c.register(1).unwrap();
+        let b = c.register(2).unwrap();
+        c.set_active(a, true);
+        c.recompute();
+        assert_eq!((c.token_budget(a), c.token_budget(b)), (12, 0));
+        (c, a, b)
+    }
+
+    /// A panic half way through the writes (odd epoch, a's budget lowered, b's not yet raised):
+    /// the guard writes the round out, so the snapshot right after is one whole publication.
+    #[test]
+    fn a_panic_while_writing_is_written_out_and_released() {
+        let (mut c, a, b) = two_engines();
+        c.fail_next_publication(PublishFault::Writing);
+        c.set_active(b, true);
+        expect_injected_panic(|| c.recompute());
+        assert_recovered(&c);
+        let s = c.snapshot();
+        assert!(s.consistent, "{s:?}");
+        assert_eq!((c.token_budget(a), c.token_budget(b)), (4, 8));
+        check_still_works(&c, a, b);
+    }
+
+    /// A panic while computing, after the cached block quotas were overwritten for a new
+    /// registry: nothing is published, and the cache is not reused for the old registry.
+    #[test]
+    fn a_panic_while_computing_publishes_nothing_and_drops_the_quota_cache() {
+        let (mut c, a, b) = two_engines();
+        c.set_weight(b, 1).unwrap();
+        assert_eq!((c.block_quota(a), c.block_quota(b)), (20, 20));
+        let published = |c: &BudgetCoordinator| {
+            let s = c.snapshot();
+            assert!(s.consistent);
+            let figures: Vec<_> = s
+                .engines
+                .iter()
+                .map(|x| (x.token_budget, x.block_quota, x.block_limit))
+                .collect();
+            (s.epoch, figures)
+        };
+        let before = published(&c);
+        c.fail_next_publication(PublishFault::Computing);
+        // Quotas for weights 1:2 are computed, then the round unwinds; set_weight's panic
+        // reaches its caller.
+        expect_injected_panic(|| c.set_weight(b, 2));
+        assert_recovered(&c);
+        assert_eq!(published(&c), before, "a partial round was published");
+        // Back to the registry the cache was keyed on: its quotas must be recomputed, not the
+        // ones the unwound round left in the cache.
+        c.set_weight(b, 1).unwrap();
+        assert_eq!((c.block_quota(a), c.block_quota(b)), (20, 20));
+        c.set_weight(b, 2).unwrap();
+        c.set_active(b, true);
+        check_still_works(&c, a, b);
+    }
+
+    /// A panic inside `register`'s publication: the engine still joins at the next one.
+    #[test]
+    fn a_panic_while_joining_leaves_the_engine_to_join_next_round() {
+        let c = BudgetCoordinator::new(BudgetConfig::new(3, 12, 40)).unwrap();
+        let a = c.register(1).unwrap();
+        c.set_active(a, true);
+        c.recompute();
+        let mut c = c;
+        c.fail_next_publication(PublishFault::Writing);
+        let b = EngineId(1);
+        expect_injected_panic(|| c.register(2));
+        assert_recovered(&c);
+        assert_eq!(state(&c, b), LIVE, "the written-out round lets the engine join");
+        c.set_active(b, true);
+        check_still_works(&c, a, b);
     }
 }

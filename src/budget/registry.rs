@@ -28,6 +28,7 @@ impl BudgetCoordinator {
             slot.weight.store(weight, Ordering::Relaxed);
             slot.active.store(false, Ordering::Relaxed);
             slot.tokens.store(0, Ordering::Relaxed);
+            slot.blocks_claimed.store(0, Ordering::Relaxed);
             slot.blocks_held.store(0, Ordering::Relaxed);
             slot.load.store(0, Ordering::Relaxed);
             // `Release`: the publisher that sees JOINING (`Acquire` load) sees the filled slot.
@@ -54,8 +55,10 @@ impl BudgetCoordinator {
     }
 
     /// Deregisters an engine (its model is unloaded). It must hold no blocks (release them
-    /// first), and the caller must not use the id afterwards: the slot is reused by a later
-    /// [`register`](Self::register) once the publisher has zeroed it.
+    /// first); the tokens of its current step stop counting against the device's
+    /// `tokens_per_step` (as at [`begin_step`](Self::begin_step), which this call must not race
+    /// on the same engine). The caller must not use the id afterwards: the slot is reused by a
+    /// later [`register`](Self::register) once the publisher has zeroed it.
     pub fn deregister(&self, engine: EngineId) -> Result<(), BudgetError> {
         let slot = self.registered(engine)?;
         let held = slot.blocks_held.load(Ordering::Relaxed);
@@ -73,6 +76,8 @@ impl BudgetCoordinator {
             return Err(BudgetError::NotRegistered { engine });
         }
         slot.active.store(false, Ordering::Relaxed);
+        // The engine's step ends with it, or its tokens would stay counted device-wide forever.
+        self.begin_step(engine);
         self.mark_dirty();
         self.recompute();
         Ok(())

@@ -51,6 +51,7 @@ impl BudgetCoordinator {
                     tokens_per_step: self.config.tokens_per_step,
                     total_blocks: self.config.total_blocks,
                     blocks_in_use: self.blocks_in_use(),
+                    tokens_in_use: self.tokens_in_use(),
                     engines,
                 };
             }

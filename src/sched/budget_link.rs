@@ -7,7 +7,18 @@ use crate::budget::BudgetCoordinator;
 use crate::sync::Arc;
 
 /// One engine's view of a shared coordinator, attachable to its
-/// [`Batcher`](super::Batcher). Every call is one of the coordinator's wait-free operations.
+/// [`Batcher`](super::Batcher). Every call is one of the coordinator's wait-free operations,
+/// except the release of blocks and of unused tokens (lock-free: see
+/// [`BudgetCoordinator::release_tokens`]).
+///
+/// Tokens are held for a step, so that the device's `tokens_per_step` binds the engines'
+/// steps together, not only each engine's budget (crate::budget, "Global token cap"):
+/// [`token_budget`](EngineBudget::token_budget), which the batcher calls once at the start of
+/// each schedule, ends the engine's previous step ([`BudgetCoordinator::begin_step`]) and takes
+/// as much of its budget as the device has left ([`BudgetCoordinator::acquire_tokens_up_to`]);
+/// [`record_step`](EngineBudget::record_step) gives back what the step did not use. So an
+/// engine's step tokens count from the start of its schedule until the start of its next one;
+/// an engine whose work runs out schedules one more, empty, step and then holds none.
 #[derive(Debug, Clone)]
 pub struct EngineShare {
     coordinator: Arc<BudgetCoordinator>,
@@ -25,8 +36,13 @@ impl EngineShare {
 }
 
 impl EngineBudget for EngineShare {
+    /// Starts the engine's step and takes its tokens: the engine's budget, or less when other
+    /// engines' current steps hold the rest of the device's (right after a recomputation moved
+    /// budget to this engine from one that has not started its next step yet).
     fn token_budget(&self) -> u32 {
-        self.coordinator.token_budget(self.engine)
+        let c = &self.coordinator;
+        c.begin_step(self.engine);
+        c.acquire_tokens_up_to(self.engine, c.token_budget(self.engine))
     }
 
     fn try_acquire_blocks(&self, n: u32) -> bool {
@@ -44,12 +60,21 @@ impl EngineBudget for EngineShare {
         self.coordinator.set_active(self.engine, active);
     }
 
+    /// Keeps the step's `tokens` and gives back the rest of what `token_budget` took, so that
+    /// `tokens_used` reads as this step's usage until the next one starts.
     fn record_step(&self, tokens: u32) {
-        // Start the engine's next step, then count this one's tokens against it, so that
-        // `tokens_used` reads as the last step's usage.
-        self.coordinator.begin_step(self.engine);
-        let granted = self.coordinator.try_acquire_tokens(self.engine, tokens);
-        debug_assert!(granted || tokens > self.coordinator.token_budget(self.engine));
+        let c = &self.coordinator;
+        let held = c.tokens_granted(self.engine);
+        let tokens = u64::from(tokens);
+        if tokens < held {
+            // At most what is held, so it fits in u32, and it cannot be refused.
+            let released = c.release_tokens(self.engine, (held - tokens) as u32);
+            debug_assert!(released.is_ok(), "{released:?}");
+        } else if tokens > held {
+            // The batcher schedules within what `token_budget` returned, so this is not
+            // reached; if it were, the excess is counted where it still fits.
+            c.acquire_tokens_up_to(self.engine, (tokens - held).min(u64::from(u32::MAX)) as u32);
+        }
     }
 }
 

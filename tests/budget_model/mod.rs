@@ -149,6 +149,8 @@ pub struct Model {
     pub cap_permille: u16,
     pub slots: Vec<SlotModel>,
     pub in_use: u64,
+    /// Tokens granted in every engine's current step: bounded by `tokens_per_step`.
+    pub tokens_in_use: u64,
 }
 
 impl Model {
@@ -164,6 +166,7 @@ impl Model {
             cap_permille,
             slots: vec![SlotModel::default(); usize::from(max_engines)],
             in_use: 0,
+            tokens_in_use: 0,
         }
     }
 
@@ -227,6 +230,8 @@ impl Model {
         }
         s.registered = false;
         s.active = false;
+        // Its step ends with it.
+        self.begin_step(e);
         self.recompute();
         Ok(())
     }
@@ -239,14 +244,29 @@ impl Model {
     }
 
     pub fn try_acquire_tokens(&mut self, e: u16, n: u32) -> bool {
+        let room = u64::from(self.tokens_per_step) - self.tokens_in_use;
         let Ok(s) = self.slot(e) else { return false };
-        if s.tokens_used + u64::from(n) <= u64::from(s.token_budget) {
-            s.tokens_used += u64::from(n);
-            s.tokens_granted += u64::from(n);
+        let n = u64::from(n);
+        if s.tokens_used + n <= u64::from(s.token_budget) && n <= room {
+            s.tokens_used += n;
+            s.tokens_granted += n;
+            self.tokens_in_use += n;
             true
         } else {
             false
         }
+    }
+
+    /// As many of `n` tokens as fit the engine's budget and the device's.
+    pub fn acquire_tokens_up_to(&mut self, e: u16, n: u32) -> u32 {
+        let room = u64::from(self.tokens_per_step) - self.tokens_in_use;
+        let Ok(s) = self.slot(e) else { return 0 };
+        let own = u64::from(s.token_budget).saturating_sub(s.tokens_used);
+        let got = u64::from(n).min(own).min(room);
+        s.tokens_used += got;
+        s.tokens_granted += got;
+        self.tokens_in_use += got;
+        got as u32
     }
 
     pub fn release_tokens(&mut self, e: u16, n: u32) -> Result<(), ModelError> {
@@ -256,6 +276,7 @@ impl Model {
         }
         s.tokens_granted -= u64::from(n);
         s.tokens_used -= u64::from(n);
+        self.tokens_in_use -= u64::from(n);
         Ok(())
     }
 
@@ -263,6 +284,7 @@ impl Model {
         let Ok(s) = self.slot(e) else { return 0 };
         let g = std::mem::take(&mut s.tokens_granted);
         s.tokens_used -= g;
+        self.tokens_in_use -= g;
         g
     }
 

@@ -4,7 +4,7 @@
 use loom::sync::atomic::{AtomicU64, Ordering};
 use loom::sync::Arc;
 use loom::thread;
-use pagedkv::budget::{BudgetConfig, BudgetCoordinator, Publication};
+use pagedkv::budget::{BudgetConfig, BudgetCoordinator, Publication, PublishFault};
 use pagedkv::EngineId;
 
 fn coordinator(max_engines: u16, tokens: u32, blocks: u32) -> BudgetCoordinator {
@@ -210,5 +210,263 @@ fn register_deregister_racing_recompute() {
                 (0, 0, 0)
             );
         }
+    });
+}
+
+/// One engine alone, budget and limit both `limit`.
+fn single(limit: u32) -> (Arc<BudgetCoordinator>, EngineId) {
+    let c = Arc::new(coordinator(1, limit, limit));
+    let e = active_engine(&c);
+    (c, e)
+}
+
+/// A refused token release racing a failing and a would-be over-granting acquirer (issue 17
+/// item 3): budget 10, 5 held; an acquire of 10 in flight, a bogus release of 11, an acquire of
+/// 6. Before the fix the release's transient `fetch_sub` took the counter to 4 while the 10 were
+/// in flight, and the 6 were granted (11 of 10).
+#[test]
+fn bogus_token_release_never_lets_an_acquirer_over_grant() {
+    loom::model(|| {
+        let (c, e) = single(10);
+        assert!(c.try_acquire_tokens(e, 5));
+        let failing = {
+            let c = c.clone();
+            thread::spawn(move || assert!(!c.try_acquire_tokens(e, 10)))
+        };
+        let bogus = {
+            let c = c.clone();
+            thread::spawn(move || assert!(c.release_tokens(e, 11).is_err()))
+        };
+        assert!(!c.try_acquire_tokens(e, 6), "11 tokens granted against 10");
+        failing.join().unwrap();
+        bogus.join().unwrap();
+        assert_eq!(c.tokens_used(e), 5);
+        assert_eq!(c.begin_step(e), 5);
+    });
+}
+
+/// The same on blocks (limit 10, 5 held): the bogus release of 11 must be refused even while an
+/// acquire of 10 has inflated the admission counter to 15 (before the fix it was accepted, and
+/// took the pool's count below zero), and the acquirer of 6 must be refused.
+#[test]
+fn bogus_block_release_is_refused_and_never_over_grants() {
+    loom::model(|| {
+        let (c, e) = single(10);
+        c.try_acquire_blocks(e, 5).unwrap();
+        let failing = {
+            let c = c.clone();
+            thread::spawn(move || assert!(c.try_acquire_blocks(e, 10).is_err()))
+        };
+        let bogus = {
+            let c = c.clone();
+            thread::spawn(move || {
+                assert!(c.release_blocks(e, 11).is_err(), "bogus release accepted")
+            })
+        };
+        assert!(
+            c.try_acquire_blocks(e, 6).is_err(),
+            "11 blocks granted against 10"
+        );
+        failing.join().unwrap();
+        bogus.join().unwrap();
+        assert_eq!((c.blocks_held(e), c.blocks_in_use()), (5, 5));
+    });
+}
+
+/// A bogus release below zero racing an acquire at the limit: before the fix the counter
+/// wrapped to 2^64 − 1 for a moment, `held + n` overflowed (a panic in debug) and wrapped to a
+/// grant in release (2 blocks held against a limit of 1).
+#[test]
+fn bogus_block_release_cannot_wrap_the_counter_into_a_grant() {
+    loom::model(|| {
+        // Two active engines of weight 1 over 2 blocks: limit 1 each.
+        let c = Arc::new(coordinator(2, 2, 2));
+        let a = c.register(1).unwrap();
+        let b = c.register(1).unwrap();
+        c.set_active(a, true);
+        c.set_active(b, true);
+        c.recompute();
+        assert_eq!(c.block_limit(a), 1);
+        c.try_acquire_blocks(a, 1).unwrap();
+        let bogus = {
+            let c = c.clone();
+            thread::spawn(move || assert!(c.release_blocks(a, 2).is_err()))
+        };
+        assert!(
+            c.try_acquire_blocks(a, 1).is_err(),
+            "2 blocks held against a limit of 1"
+        );
+        bogus.join().unwrap();
+        assert_eq!((c.blocks_held(a), c.blocks_in_use()), (1, 1));
+    });
+}
+
+/// The device's token cap across engines (issue 17 item 8): a held 3 of 4 tokens alone; then b
+/// became active and the recompute gave each 2. b's acquire of 2 races a's step reset and new
+/// acquire, and a release of part of it: at every grant the tokens outstanding across both
+/// engines are at most 4 (before the fix b was granted at once: 5 of 4).
+#[test]
+fn global_token_cap_holds_across_a_step_reset() {
+    loom::model(|| {
+        let c = Arc::new(coordinator(2, 4, 2));
+        let a = c.register(1).unwrap();
+        let b = c.register(1).unwrap();
+        c.set_active(a, true);
+        c.recompute();
+        assert!(c.try_acquire_tokens(a, 3));
+        c.set_active(b, true);
+        c.recompute();
+        assert_eq!((c.token_budget(a), c.token_budget(b)), (2, 2));
+        // The shadow: counted after a grant returns, uncounted before a release or reset.
+        let outstanding = Arc::new(AtomicU64::new(3));
+        let t = {
+            let (c, out) = (c.clone(), outstanding.clone());
+            thread::spawn(move || {
+                let got = c.try_acquire_tokens(b, 2);
+                if got {
+                    assert!(
+                        out.fetch_add(2, Ordering::SeqCst) + 2 <= 4,
+                        "over the device cap"
+                    );
+                }
+                got
+            })
+        };
+        outstanding.fetch_sub(3, Ordering::SeqCst);
+        assert_eq!(c.begin_step(a), 3);
+        let mine = c.try_acquire_tokens(a, 2);
+        if mine {
+            assert!(
+                outstanding.fetch_add(2, Ordering::SeqCst) + 2 <= 4,
+                "over the device cap"
+            );
+            outstanding.fetch_sub(1, Ordering::SeqCst);
+            c.release_tokens(a, 1).unwrap();
+        }
+        let theirs = t.join().unwrap();
+        let held = c.tokens_granted(a) + c.tokens_granted(b);
+        assert_eq!(held, outstanding.load(Ordering::SeqCst));
+        assert_eq!(c.tokens_in_use(), held);
+        // Both engines fit once a has reset: at least one of them got its tokens.
+        assert!(mine || theirs);
+    });
+}
+
+/// The engine link's step protocol: a partial acquire racing another engine's reset, release
+/// and acquire. The partial grant is exactly what the device had left at some point, and the
+/// counters agree with the grants afterwards.
+#[test]
+fn partial_token_acquire_racing_a_reset() {
+    loom::model(|| {
+        let c = Arc::new(coordinator(2, 4, 2));
+        let a = c.register(1).unwrap();
+        let b = c.register(1).unwrap();
+        c.set_active(a, true);
+        c.recompute();
+        assert!(c.try_acquire_tokens(a, 4));
+        c.set_active(b, true);
+        c.recompute();
+        let outstanding = Arc::new(AtomicU64::new(4));
+        let t = {
+            let (c, out) = (c.clone(), outstanding.clone());
+            thread::spawn(move || {
+                let got = u64::from(c.acquire_tokens_up_to(b, 2));
+                assert!(
+                    out.fetch_add(got, Ordering::SeqCst) + got <= 4,
+                    "over the device cap"
+                );
+                got
+            })
+        };
+        outstanding.fetch_sub(4, Ordering::SeqCst);
+        assert_eq!(c.begin_step(a), 4);
+        let mine = u64::from(c.acquire_tokens_up_to(a, 2));
+        assert!(
+            outstanding.fetch_add(mine, Ordering::SeqCst) + mine <= 4,
+            "over the device cap"
+        );
+        let theirs = t.join().unwrap();
+        assert_eq!(mine, 2, "a's own budget always fits after its reset");
+        assert_eq!(c.tokens_granted(b), theirs);
+        assert_eq!(c.tokens_in_use(), mine + theirs);
+    });
+}
+
+/// A publisher that panics half way through its writes, racing a recompute that defers to it
+/// (issue 17 item 2): afterwards no one holds BUSY, the epoch is even, the snapshot is one whole
+/// publication, and the next recompute serves the deferred request. Before the drop guard BUSY
+/// stayed set and every later recompute deferred.
+#[test]
+fn panicking_publisher_releases_and_keeps_deferred_requests() {
+    loom::model(|| {
+        let mut c = coordinator(2, 4, 2);
+        let a = c.register(1).unwrap();
+        let b = c.register(1).unwrap();
+        c.set_active(a, true);
+        c.recompute();
+        c.fail_next_publication(PublishFault::Writing);
+        let c = Arc::new(c);
+        // Whichever round comes first reaches the fault.
+        let panics = |c: &BudgetCoordinator| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.recompute())).is_err()
+        };
+        let t = {
+            let c = c.clone();
+            thread::spawn(move || panics(&c))
+        };
+        c.set_active(b, true);
+        let mine = panics(&c);
+        let theirs = t.join().unwrap();
+        assert!(mine != theirs, "exactly one round panics");
+        // Right away: an even epoch, one whole publication, and b's activity either published
+        // or still requested.
+        assert_eq!(c.epoch() % 2, 0, "odd epoch left behind");
+        assert!(c.snapshot().consistent);
+        if !c.is_dirty() {
+            assert_eq!(
+                (c.token_budget(a), c.token_budget(b)),
+                (2, 2),
+                "a request was lost"
+            );
+        }
+        // No publisher is left running: a recompute publishes now.
+        assert!(matches!(c.recompute(), Publication::Published { .. }));
+        let s = c.snapshot();
+        assert!(s.consistent);
+        assert_eq!((c.token_budget(a), c.token_budget(b)), (2, 2));
+        assert_eq!(c.epoch() % 2, 0);
+        assert!(!c.is_dirty());
+    });
+}
+
+/// A release's compare-exchange racing an acquire on the same engine (the retry path): tokens
+/// and blocks, budget and limit 4, 2 of each held. Whatever the order, the counters end equal
+/// to the grants, and the device counters to the engine's.
+#[test]
+fn release_retries_against_a_concurrent_acquire() {
+    loom::model(|| {
+        let (c, e) = single(4);
+        assert!(c.try_acquire_tokens(e, 2));
+        c.try_acquire_blocks(e, 2).unwrap();
+        let t = {
+            let c = c.clone();
+            thread::spawn(move || {
+                (
+                    c.try_acquire_tokens(e, 2),
+                    c.try_acquire_blocks(e, 2).is_ok(),
+                )
+            })
+        };
+        c.release_tokens(e, 2).unwrap();
+        c.release_blocks(e, 2).unwrap();
+        let (tokens, blocks) = t.join().unwrap();
+        // 2 + 2 fit the budget and the limit, so the acquirer always got both.
+        assert!(tokens && blocks);
+        assert_eq!(
+            (c.tokens_used(e), c.tokens_granted(e), c.tokens_in_use()),
+            (2, 2, 2)
+        );
+        assert_eq!((c.blocks_held(e), c.blocks_in_use()), (2, 2));
+        assert!(c.release_tokens(e, 3).is_err() && c.release_blocks(e, 3).is_err());
     });
 }

@@ -44,10 +44,12 @@
 //! # Closing
 //!
 //! [`Admission::close`] refuses every later submit. A submit that races it is either refused
-//! `Closed` or admitted and drained: each push attempt announces itself in a per-worker
-//! counter before it reads `closed` (both SeqCst), and `pop_wait` reports `Closed` only when the
-//! queue set is closed, no attempt is announced on its worker, and its queues are empty; the
-//! attempt that withdraws its announcement wakes the waiting workers.
+//! `Closed` or admitted and drained. Each worker has one word that counts the push attempts in
+//! progress on its queues and carries a `CLOSED` bit: an attempt raises the count with an RMW
+//! whose result says whether `close` (an RMW setting the bit) came first, and then refuses, so
+//! the word's modification order decides every race. `pop_wait` reports `Closed` only when
+//! it reads the bit with a zero count and then finds its queues empty; the attempt that lowers
+//! the count to zero (after its push) wakes the waiting workers.
 //!
 //! # Overflow policies
 //!
@@ -293,9 +295,10 @@ struct WorkerCounters {
     /// submit adds 1 before its push and takes it back if refused; completion, abandonment and
     /// eviction take 1). Least-loaded routing reads it.
     load: AtomicUsize,
-    /// Push attempts on this worker's queues in progress: raised before the attempt reads
-    /// `closed`, lowered after its push completed or failed (see `Admission::enqueue`). A
-    /// closed queue set is drained for this worker only when it reads 0 and the queues are empty.
+    /// `CLOSED_BIT | n`: the bit is set once by `close`; `n` counts the push attempts in
+    /// progress on this worker's queues (raised by `Attempt::start`, lowered by its drop, after
+    /// the push). A closed queue set is drained for this worker once this reads exactly
+    /// `CLOSED_BIT` and the queues are then empty (see `Admission::enqueue`).
     submitting: AtomicUsize,
     /// Submits refused because this worker's queue was full.
     rejected_full: AtomicU64,
@@ -338,7 +341,8 @@ pub struct Admission<T, R> {
     workers: Box<[WorkerQueues<T, R>]>,
     counters: Arc<Counters>,
     policy: OverflowPolicy,
-    /// Set once by [`Admission::close`]; read with SeqCst by waiters after registering.
+    /// Set once by [`Admission::close`] (with `CLOSED_BIT` in every worker's `submitting`
+    /// word, which is what the handshakes read); read by `is_closed` and `admit`'s fast path.
     closed: AtomicBool,
 }
 
@@ -360,12 +364,18 @@ enum Take<T, R> {
     Busy,
 }
 
+/// The closed flag in `WorkerCounters::submitting`; the bits below count attempts (at most one
+/// per thread, so they never reach it).
+const CLOSED_BIT: usize = 1 << (usize::BITS - 1);
+
 /// One push attempt in progress on a worker (see `Admission::enqueue`). Dropping it, on every
 /// path including a panic from a waker, withdraws the announcement, gives back an unused load
 /// count, and wakes the worker's idle `pop_wait`s when they may be waiting for this attempt.
 struct Attempt<'a, T, R> {
     adm: &'a Admission<T, R>,
     worker: usize,
+    /// `close` came first (the announcing RMW saw `CLOSED_BIT`): the attempt must not push.
+    closed: bool,
     /// The worker's load was raised for this attempt's entry.
     loaded: bool,
     /// The entry is in the queue.
@@ -374,14 +384,16 @@ struct Attempt<'a, T, R> {
 
 impl<'a, T, R> Attempt<'a, T, R> {
     fn start(adm: &'a Admission<T, R>, worker: usize) -> Self {
-        // SeqCst: the raise must precede this attempt's SeqCst load of `closed` in the single
-        // order (the closing handshake, `Admission::enqueue`).
-        adm.counters.workers[worker]
+        // Relaxed: the RMW's place in the word's modification order, relative to `close`'s
+        // `fetch_or`, is all the closing handshake needs from it (`Admission::enqueue`); the
+        // data it publishes goes out with the Release lowering in `drop`.
+        let prev = adm.counters.workers[worker]
             .submitting
-            .fetch_add(1, Ordering::SeqCst);
+            .fetch_add(1, Ordering::Relaxed);
         Self {
             adm,
             worker,
+            closed: prev & CLOSED_BIT != 0,
             loaded: false,
             pushed: false,
         }
@@ -404,22 +416,22 @@ impl<T, R> Drop for Attempt<'_, T, R> {
         if self.loaded && !self.pushed {
             adm.counters.release_load(self.worker);
         }
-        // SeqCst: a closing worker's SeqCst load that reads this lowering (or a later RMW of
-        // its release sequence) synchronises with it, so our push (before it) is visible to the
-        // worker's pop; see `Admission::enqueue`.
-        adm.counters.workers[self.worker]
+        // Release: a closing worker's Acquire load (`closed_and_quiet`) that reads this
+        // lowering, or any later RMW of the word (all of them are RMWs: a release sequence),
+        // synchronises with it, so our push (before it) is visible to the worker's take.
+        let prev = adm.counters.workers[self.worker]
             .submitting
-            .fetch_sub(1, Ordering::SeqCst);
+            .fetch_sub(1, Ordering::Release);
         // SeqCst fence: the waker half of the wait-list handshake (waitlist module docs),
         // pairing with the fence after registration in `PopWait::poll`: either we see the idle
         // worker's registration, or its re-check sees our push and our lowered count.
         fence(Ordering::SeqCst);
         let wq = &adm.workers[self.worker];
         // Wake idle workers if there is new work, or if the queue set is closed: a worker may
-        // then be waiting for this attempt to end. (A worker that waits on `submitting` read
-        // `closed == true` before our lowering in the SeqCst order, so this SeqCst load reads
-        // `true` too.) Otherwise a failed attempt wakes nobody.
-        if wq.work.has_waiters() && (self.pushed || adm.closed.load(Ordering::SeqCst)) {
+        // then be waiting for this attempt to end (it read `CLOSED_BIT` with our count in the
+        // word, so the bit precedes our lowering and `prev` has it). Otherwise a failed attempt
+        // wakes nobody.
+        if wq.work.has_waiters() && (self.pushed || prev & CLOSED_BIT != 0) {
             match wq.work.wake_all_catching() {
                 Some(p) if !std::thread::panicking() => std::panic::resume_unwind(p),
                 // Already unwinding: a second panic would abort; every waiter was woken.
@@ -623,12 +635,14 @@ impl<T, R> Admission<T, R> {
     /// workers. Gives the entry back if the queue set is closed, or (`Block`, `DropNewest`) if
     /// the queue has no usable slot now.
     ///
-    /// The closing handshake: the attempt raises `submitting`, then reads `closed`, both SeqCst.
-    /// If it read `false`, its raise precedes `close`'s store in the SeqCst order, so a worker
-    /// that later reads `closed == true` and then `submitting` (both SeqCst) sees the raise or
-    /// the attempt's lowering; lowering comes after the push, and the worker's Acquire (SeqCst)
-    /// load of it makes the pushed value visible to its pop. So `pop_wait` cannot report
-    /// `Closed` while an admitted request is still on its way into the queue.
+    /// The closing handshake, all on the worker's `submitting` word: the attempt raises the
+    /// count with an RMW and pushes only if that RMW did not see `CLOSED_BIT`, that is, only if
+    /// it precedes `close`'s `fetch_or` in the word's modification order. A worker that reads
+    /// the word as exactly `CLOSED_BIT` reads a point after the `fetch_or`, hence after every
+    /// admitted attempt's raise, with a zero count: after each such attempt's lowering too. The
+    /// lowering follows the push and is Release, the worker's load Acquire, so the worker's
+    /// take then sees every admitted request. So `pop_wait` cannot report `Closed` while an
+    /// admitted request is still on its way into the queue.
     fn enqueue(
         &self,
         worker: usize,
@@ -636,8 +650,7 @@ impl<T, R> Admission<T, R> {
         entry: Entry<T, R>,
     ) -> Result<(), Rejected<T, R>> {
         let mut attempt = Attempt::start(self, worker);
-        // SeqCst: pairs with `close`'s SeqCst store through the single order (see above).
-        if self.closed.load(Ordering::SeqCst) {
+        if attempt.closed {
             return Err(Rejected::Closed(entry));
         }
         attempt.count_load();
@@ -735,12 +748,11 @@ impl<T, R> Admission<T, R> {
     /// True if the queue set is closed and no push attempt on `worker` is in progress: then
     /// queues that a later `take` finds empty stay empty (see `enqueue`).
     fn closed_and_quiet(&self, worker: usize) -> bool {
-        // SeqCst, `closed` first: the worker half of the handshake in `enqueue`.
-        self.closed.load(Ordering::SeqCst)
-            && self.counters.workers[worker]
-                .submitting
-                .load(Ordering::SeqCst)
-                == 0
+        // Acquire: pairs with the Release lowering in `Attempt::drop` (see `enqueue`).
+        self.counters.workers[worker]
+            .submitting
+            .load(Ordering::Acquire)
+            == CLOSED_BIT
     }
 
     /// Takes the next request of `worker` without waiting: its oldest latency-critical request,
@@ -781,10 +793,18 @@ impl<T, R> Admission<T, R> {
     ///
     /// If a waker panics: every waiter is woken first, then the first panic is resumed.
     pub fn close(&self) {
-        // SeqCst store and fence: the waker half of the handshake with every waiter, which
-        // re-reads `closed` after registering and fencing; the store also takes part in the
-        // SeqCst order of the closing handshake (`enqueue`).
+        // SeqCst: `is_closed` readers and the fast path of `admit`; the handshakes below do not
+        // rely on this store.
         self.closed.store(true, Ordering::SeqCst);
+        for c in self.counters.workers.iter() {
+            // Relaxed: its place in the word's modification order decides each racing attempt
+            // (`enqueue`); the fence below orders it before our wake-ups.
+            c.submitting.fetch_or(CLOSED_BIT, Ordering::Relaxed);
+        }
+        // SeqCst fence: the waker half of the handshake with every waiter, which registers,
+        // fences and then reads the `submitting` word (a blocked submitter's next attempt, an
+        // idle worker's `closed_and_quiet`): either our wake-ups below take its registration or
+        // its read sees `CLOSED_BIT`.
         fence(Ordering::SeqCst);
         let mut first_panic = None;
         for wq in self.workers.iter() {

@@ -90,8 +90,8 @@ impl<T, R> Future for Submit<'_, T, R> {
                 // `Admission::take` after it frees a slot, and in `close`).
                 fence(Ordering::SeqCst);
             }
-            // `enqueue` reads `closed` (SeqCst) after our fence, so a `close` we missed at
-            // registration is seen here.
+            // `enqueue`'s announcing RMW on the worker's `submitting` word comes after our
+            // fence, so a `close` whose wake-up missed our registration is seen there.
             match adm.enqueue(worker, priority, entry) {
                 Ok(()) => {
                     this.reg = None;

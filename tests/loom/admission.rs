@@ -7,9 +7,19 @@
 //! - `close` wakes a blocked submitter, which then gets `Closed`;
 //! - an idle `pop_wait` is woken by the submit that brings work;
 //! - the ticket one-shot: completion racing the ticket's poll, and the ticket's drop (loom's
-//!   `Arc` checks that nothing leaks).
+//!   `Arc` checks that nothing leaks);
+//! - a multi-slot ring with two producers and a consumer, across a lap boundary: every admitted
+//!   request is taken exactly once, in each producer's order, refusals only when full;
+//! - drop-oldest evicts only from a full queue: a pop that frees a slot first means no eviction;
+//! - a `pop_wait` polled again with a different waker is woken through the new one;
+//! - `pop_wait` against `close`: an idle worker is woken and ends with `Closed`;
+//! - a submit racing `close`: refused `Closed`, or admitted and drained by the worker's
+//!   `pop_wait` loop before it sees `Closed` (its ticket resolves).
+//!
+//! CI runs these with `LOOM_MAX_PREEMPTIONS=2`.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::task::{Context, Poll, Wake, Waker};
 
 use loom::sync::Arc;
@@ -22,6 +32,11 @@ use pagedkv::sched::admission::{
 /// Drives `f` on this loom thread, parking it (loom's `park`) while pending. A wake-up that
 /// never comes leaves every thread parked, which loom reports as a deadlock.
 fn block_on<F: Future>(f: F) -> F::Output {
+    block_on_pinned(std::pin::pin!(f))
+}
+
+/// [`block_on`] for a future that may have been polled before (with another waker).
+fn block_on_pinned<F: Future>(mut f: Pin<&mut F>) -> F::Output {
     struct Unpark(thread::Thread);
     impl Wake for Unpark {
         fn wake(self: std::sync::Arc<Self>) {
@@ -29,7 +44,6 @@ fn block_on<F: Future>(f: F) -> F::Output {
         }
     }
     let waker = Waker::from(std::sync::Arc::new(Unpark(thread::current())));
-    let mut f = std::pin::pin!(f);
     loop {
         if let Poll::Ready(v) = f.as_mut().poll(&mut Context::from_waker(&waker)) {
             return v;
@@ -179,5 +193,244 @@ fn abandoned_job_wakes_ticket() {
         let worker = thread::spawn(move || drop(job));
         assert_eq!(block_on(t), Err(AdmissionError::Abandoned));
         worker.join().unwrap();
+    });
+}
+
+/// Two producers and a consumer on one worker's ring of capacity 2, starting one slot before a
+/// lap boundary (so positions cross it): the Vyukov stamps and lapped positions under
+/// contention. Every admitted request is popped exactly once, each producer's requests in its
+/// order, and a refusal (`QueueFull`) only happens while the ring holds two requests.
+#[test]
+fn two_producers_multi_slot_ring() {
+    loom::model(|| {
+        let q = Arc::new(
+            Admission::<u32, u32>::new(AdmissionConfig::new(1, 2, OverflowPolicy::DropNewest))
+                .unwrap(),
+        );
+        // Move head and tail to position 1: the next two positions straddle the lap boundary.
+        let t0 = q.try_submit(0, P, W0).unwrap();
+        q.pop(0).unwrap().unwrap().complete(0);
+        drop(t0);
+        let producers: Vec<_> = [10u32, 20]
+            .into_iter()
+            .map(|base| {
+                let q = q.clone();
+                thread::spawn(move || {
+                    (base..base + 2)
+                        .map(|id| (id, q.try_submit(id, P, W0).map_err(|r| r.error)))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let consumer = {
+            let q = q.clone();
+            thread::spawn(move || {
+                q.pop(0).unwrap().map(|job| {
+                    let id = *job.payload();
+                    job.complete(id + 1);
+                    id
+                })
+            })
+        };
+        let mut popped: Vec<u32> = consumer.join().unwrap().into_iter().collect();
+        let results: Vec<_> = producers
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect();
+        while let Some(job) = q.pop(0).unwrap() {
+            let id = *job.payload();
+            job.complete(id + 1);
+            popped.push(id);
+        }
+        let mut admitted = 0;
+        for (id, r) in results {
+            match r {
+                Ok(mut t) => {
+                    admitted += 1;
+                    assert_eq!(
+                        popped.iter().filter(|&&p| p == id).count(),
+                        1,
+                        "request {id}"
+                    );
+                    assert_eq!(t.try_take(), Some(Ok(id + 1)));
+                }
+                Err(e) => {
+                    assert!(matches!(
+                        e,
+                        AdmissionError::Overloaded {
+                            reason: OverloadReason::QueueFull,
+                            ..
+                        }
+                    ));
+                    assert!(!popped.contains(&id));
+                }
+            }
+        }
+        assert_eq!(popped.len(), admitted);
+        // The consumer took at most one, so at least two of the four were admitted.
+        assert!(admitted >= 2);
+        for base in [10u32, 20] {
+            let mine: Vec<u32> = popped
+                .iter()
+                .copied()
+                .filter(|p| p / 10 * 10 == base)
+                .collect();
+            assert!(
+                mine.windows(2).all(|w| w[0] < w[1]),
+                "FIFO per producer: {popped:?}"
+            );
+        }
+        assert_eq!(q.in_flight(), 0);
+        assert_eq!(q.metrics().rejected_full as usize, 4 - admitted);
+    });
+}
+
+/// Drop-oldest on a full queue of capacity 2 (requests 1 and 2) while a worker pops once: if
+/// the worker's pop frees a slot first, the new request takes it and nothing is evicted; an
+/// eviction, if any, takes request 1 (the oldest of a full queue), never request 2.
+#[test]
+fn drop_oldest_evicts_only_a_full_queue() {
+    loom::model(|| {
+        let q = Arc::new(
+            Admission::<u32, u32>::new(AdmissionConfig::new(1, 2, OverflowPolicy::DropOldest))
+                .unwrap(),
+        );
+        let mut t1 = q.try_submit(1, P, W0).unwrap();
+        let mut t2 = q.try_submit(2, P, W0).unwrap();
+        let submitter = {
+            let q = q.clone();
+            thread::spawn(move || q.try_submit(3, P, W0).unwrap())
+        };
+        let worker = {
+            let q = q.clone();
+            thread::spawn(move || {
+                let job = q.pop(0).unwrap().expect("the queue is never empty here");
+                let id = *job.payload();
+                job.complete(id);
+                id
+            })
+        };
+        let mut t3 = submitter.join().unwrap();
+        let first = worker.join().unwrap();
+        let mut rest = Vec::new();
+        while let Some(job) = q.pop(0).unwrap() {
+            let id = *job.payload();
+            job.complete(id);
+            rest.push(id);
+        }
+        let evicted = Err(AdmissionError::Overloaded {
+            reason: OverloadReason::EvictedOldest,
+            worker: 0,
+        });
+        let (o1, o2, o3) = (t1.try_take(), t2.try_take(), t3.try_take());
+        assert_ne!(
+            o2,
+            Some(evicted.clone()),
+            "request 2 evicted: worker took {first}, then {rest:?}"
+        );
+        assert_eq!(o3, Some(Ok(3)));
+        if first == 1 {
+            assert_eq!(
+                (o1, o2),
+                (Some(Ok(1)), Some(Ok(2))),
+                "room was made: nothing evicted"
+            );
+            assert_eq!(q.metrics().evicted_oldest, 0);
+        } else {
+            // Request 1 was evicted before the worker's pop, which took request 2.
+            assert_eq!((first, o1, o2), (2, Some(evicted), Some(Ok(2))));
+            assert_eq!(q.metrics().evicted_oldest, 1);
+        }
+        assert_eq!(q.in_flight(), 0);
+    });
+}
+
+/// A `pop_wait` polled once with one waker, then again with another (a task moved between
+/// executors, or a runtime that re-creates wakers): the submit must wake the second. If the
+/// second poll trusted the first registration, the worker would park forever (a loom deadlock).
+#[test]
+fn pop_wait_with_a_waker_replaced_between_polls() {
+    loom::model(|| {
+        let q = one_slot(OverflowPolicy::DropNewest);
+        let worker = {
+            let q = q.clone();
+            thread::spawn(move || {
+                let mut fut = std::pin::pin!(q.pop_wait(0));
+                // First poll with a waker that wakes nobody.
+                let first = fut.as_mut().poll(&mut Context::from_waker(Waker::noop()));
+                let job = match first {
+                    Poll::Ready(r) => r,
+                    Poll::Pending => block_on_pinned(fut),
+                }
+                .expect("work arrives");
+                let id = *job.payload();
+                job.complete(id + 1);
+            })
+        };
+        let t = q.try_submit(7, P, W0).unwrap();
+        assert_eq!(block_on(t), Ok(8));
+        worker.join().unwrap();
+    });
+}
+
+/// An idle worker parked in `pop_wait` while the queue set is closed: woken, it ends `Closed`.
+#[test]
+fn pop_wait_against_close() {
+    loom::model(|| {
+        let q = one_slot(OverflowPolicy::Block);
+        let worker = {
+            let q = q.clone();
+            thread::spawn(move || block_on(q.pop_wait(0)).map(|job| *job.payload()))
+        };
+        q.close();
+        assert_eq!(worker.join().unwrap(), Err(AdmissionError::Closed));
+    });
+}
+
+/// A submit racing `close` while the worker runs the usual drain loop
+/// (`while let Ok(job) = pop_wait(w).await`): the submit is refused `Closed`, or it is admitted
+/// and the worker takes it before it sees `Closed`, so every admitted ticket resolves.
+///
+/// (The worker loop runs on its own thread and nothing joins while it may still be unparked:
+/// a wake-up of a stale registration, harmless with std, trips loom if its target is blocked
+/// in `join`.)
+#[test]
+fn submit_racing_close_is_refused_or_drained() {
+    loom::model(|| {
+        let q = one_slot(OverflowPolicy::DropNewest);
+        let submitter = {
+            let q = q.clone();
+            thread::spawn(move || q.try_submit(5, P, W0).map_err(|r| (r.error, r.payload)))
+        };
+        let worker = {
+            let q = q.clone();
+            thread::spawn(move || {
+                let mut served = 0;
+                while let Ok(job) = block_on(q.pop_wait(0)) {
+                    let id = *job.payload();
+                    job.complete(id * 2);
+                    served += 1;
+                }
+                served
+            })
+        };
+        q.close();
+        let submitted = submitter.join().unwrap();
+        let served = worker.join().unwrap();
+        match submitted {
+            Ok(mut t) => {
+                assert_eq!(
+                    t.try_take(),
+                    Some(Ok(10)),
+                    "admitted, so drained before `Closed`"
+                );
+                assert_eq!(served, 1);
+            }
+            Err(refused) => {
+                assert_eq!(refused, (AdmissionError::Closed, 5));
+                assert_eq!(served, 0);
+            }
+        }
+        assert_eq!(q.in_flight(), 0);
     });
 }

@@ -21,9 +21,35 @@
 //! - Accounting: one cache-padded load counter per worker (admitted, not yet completed), the
 //!   basis of least-loaded routing and of [`Admission::in_flight`]; per-reason drop counters.
 //!
-//! No operation takes a lock. Submit and pop are lock-free; `submit(...).await` under
-//! [`OverflowPolicy::Block`] and `pop_wait` park the *task* (any executor, or the thread with
-//! [`block_on`]) and are woken by the pop / submit that makes room / work.
+//! # Progress
+//!
+//! No operation takes a lock, and what each call guarantees is this:
+//!
+//! - [`Admission::pop`], [`Admission::try_submit`] under `Block` and `DropNewest`, and every poll
+//!   of [`PopWait`] and [`Submit`] never wait for another thread. They are lock-free except for
+//!   the caveat of Vyukov's queue (`ring` module docs): a request whose submitter is descheduled
+//!   between claiming its slot and publishing it holds up the requests behind it in that queue.
+//!   `pop` then returns `None` for that class ("nothing to take without waiting"; it still takes
+//!   from the other class), a `try_submit` that needs a slot whose consumer is descheduled
+//!   mid-read is refused `QueueFull`, and the waiting forms return `Pending` and are woken by
+//!   the thread that finishes the step.
+//! - `submit(...).await` under [`OverflowPolicy::Block`] and `pop_wait` park the *task* (any
+//!   executor, or the thread with [`block_on`]) and are woken by the pop / submit that makes
+//!   room / work (register / `fence(SeqCst)` / re-check, so no wake-up is lost).
+//! - Under [`OverflowPolicy::DropOldest`] a submit **can block**: if the slot it needs is held
+//!   by a descheduled thread mid-way (a consumer reading it out, or the submitter of the oldest
+//!   request still writing it, so there is nothing to evict), it waits with `Backoff` (spinning,
+//!   then yielding its time slice) until that thread runs again.
+//!
+//! # Closing
+//!
+//! [`Admission::close`] refuses every later submit. A submit that races it is either refused
+//! `Closed` or admitted and drained. Each worker has one word that counts the push attempts in
+//! progress on its queues and carries a `CLOSED` bit: an attempt raises the count with an RMW
+//! whose result says whether `close` (an RMW setting the bit) came first, and then refuses, so
+//! the word's modification order decides every race. `pop_wait` reports `Closed` only when
+//! it reads the bit with a zero count and then finds its queues empty; the attempt that lowers
+//! the count to zero (after its push) wakes the waiting workers.
 //!
 //! # Overflow policies
 //!
@@ -32,6 +58,12 @@
 //! | [`OverflowPolicy::Block`]      | refused, `QueueFull`         | waits for room                            |
 //! | [`OverflowPolicy::DropNewest`] | refused, `QueueFull`         | refused, `QueueFull`                      |
 //! | [`OverflowPolicy::DropOldest`] | admitted; the oldest request of that queue is evicted and its ticket gets `EvictedOldest` | same |
+//!
+//! Drop-oldest retries its push before each eviction and evicts only from a queue that is
+//! full at the instant of the eviction (`Ring::evict_if_full`), so it never evicts while there
+//! is room. The window that remains: a slot its eviction frees can be taken by a concurrent
+//! submit first; the submit then evicts again (each eviction still from a full queue), so one
+//! admission can evict more than one request while several submitters race on a full queue.
 //!
 //! A refused request comes back to the caller inside [`Refused`], payload included.
 //!
@@ -68,7 +100,7 @@ pub use wait::{PopWait, Submit};
 
 use crate::sync::{fence, Arc, AtomicBool, AtomicU64, AtomicUsize, Backoff, CachePadded, Ordering};
 use oneshot::Completer;
-use ring::Ring;
+use ring::{Pop, PushError, Ring};
 use wait::SubmitStage;
 use waitlist::WaitList;
 
@@ -263,6 +295,11 @@ struct WorkerCounters {
     /// submit adds 1 before its push and takes it back if refused; completion, abandonment and
     /// eviction take 1). Least-loaded routing reads it.
     load: AtomicUsize,
+    /// `CLOSED_BIT | n`: the bit is set once by `close`; `n` counts the push attempts in
+    /// progress on this worker's queues (raised by `Attempt::start`, lowered by its drop, after
+    /// the push). A closed queue set is drained for this worker once this reads exactly
+    /// `CLOSED_BIT` and the queues are then empty (see `Admission::enqueue`).
+    submitting: AtomicUsize,
     /// Submits refused because this worker's queue was full.
     rejected_full: AtomicU64,
     /// Queued requests of this worker evicted by drop-oldest.
@@ -304,8 +341,104 @@ pub struct Admission<T, R> {
     workers: Box<[WorkerQueues<T, R>]>,
     counters: Arc<Counters>,
     policy: OverflowPolicy,
-    /// Set once by [`Admission::close`]; read with SeqCst by waiters after registering.
+    /// Set once by [`Admission::close`] (with `CLOSED_BIT` in every worker's `submitting`
+    /// word, which is what the handshakes read); read by `is_closed` and `admit`'s fast path.
     closed: AtomicBool,
+}
+
+/// Why `enqueue` gave an entry back.
+enum Rejected<T, R> {
+    /// The queue set is closed.
+    Closed(Entry<T, R>),
+    /// No usable slot now (`Block` and `DropNewest` only: drop-oldest evicts instead).
+    Full(Entry<T, R>),
+}
+
+/// What `take` found.
+enum Take<T, R> {
+    Job(Job<T, R>),
+    /// Both queues empty.
+    Empty,
+    /// Nothing taken, and a queue's oldest request is still being written by its submitter
+    /// (who wakes the worker's wait list when it lands).
+    Busy,
+}
+
+/// The closed flag in `WorkerCounters::submitting`; the bits below count attempts (at most one
+/// per thread, so they never reach it).
+const CLOSED_BIT: usize = 1 << (usize::BITS - 1);
+
+/// One push attempt in progress on a worker (see `Admission::enqueue`). Dropping it, on every
+/// path including a panic from a waker, withdraws the announcement, gives back an unused load
+/// count, and wakes the worker's idle `pop_wait`s when they may be waiting for this attempt.
+struct Attempt<'a, T, R> {
+    adm: &'a Admission<T, R>,
+    worker: usize,
+    /// `close` came first (the announcing RMW saw `CLOSED_BIT`): the attempt must not push.
+    closed: bool,
+    /// The worker's load was raised for this attempt's entry.
+    loaded: bool,
+    /// The entry is in the queue.
+    pushed: bool,
+}
+
+impl<'a, T, R> Attempt<'a, T, R> {
+    fn start(adm: &'a Admission<T, R>, worker: usize) -> Self {
+        // Relaxed: the RMW's place in the word's modification order, relative to `close`'s
+        // `fetch_or`, is all the closing handshake needs from it (`Admission::enqueue`); the
+        // data it publishes goes out with the Release lowering in `drop`.
+        let prev = adm.counters.workers[worker]
+            .submitting
+            .fetch_add(1, Ordering::Relaxed);
+        Self {
+            adm,
+            worker,
+            closed: prev & CLOSED_BIT != 0,
+            loaded: false,
+            pushed: false,
+        }
+    }
+
+    fn count_load(&mut self) {
+        // Counted before the push so that a pop and completion racing right behind it can
+        // never take the count below zero. Relaxed: see `Counters::release_load`.
+        self.adm
+            .counters
+            .load(self.worker)
+            .fetch_add(1, Ordering::Relaxed);
+        self.loaded = true;
+    }
+}
+
+impl<T, R> Drop for Attempt<'_, T, R> {
+    fn drop(&mut self) {
+        let adm = self.adm;
+        if self.loaded && !self.pushed {
+            adm.counters.release_load(self.worker);
+        }
+        // Release: a closing worker's Acquire load (`closed_and_quiet`) that reads this
+        // lowering, or any later RMW of the word (all of them are RMWs: a release sequence),
+        // synchronises with it, so our push (before it) is visible to the worker's take.
+        let prev = adm.counters.workers[self.worker]
+            .submitting
+            .fetch_sub(1, Ordering::Release);
+        // SeqCst fence: the waker half of the wait-list handshake (waitlist module docs),
+        // pairing with the fence after registration in `PopWait::poll`: either we see the idle
+        // worker's registration, or its re-check sees our push and our lowered count.
+        fence(Ordering::SeqCst);
+        let wq = &adm.workers[self.worker];
+        // Wake idle workers if there is new work, or if the queue set is closed: a worker may
+        // then be waiting for this attempt to end (it read `CLOSED_BIT` with our count in the
+        // word, so the bit precedes our lowering and `prev` has it). Otherwise a failed attempt
+        // wakes nobody.
+        if wq.work.has_waiters() && (self.pushed || prev & CLOSED_BIT != 0) {
+            match wq.work.wake_all_catching() {
+                Some(p) if !std::thread::panicking() => std::panic::resume_unwind(p),
+                // Already unwinding: a second panic would abort; every waiter was woken.
+                _ => {}
+            }
+        }
+    }
 }
 
 /// The outcome of one admission attempt.
@@ -338,6 +471,7 @@ impl<T, R> Admission<T, R> {
                 .map(|_| {
                     CachePadded::new(WorkerCounters {
                         load: AtomicUsize::new(0),
+                        submitting: AtomicUsize::new(0),
                         rejected_full: AtomicU64::new(0),
                         evicted_oldest: AtomicU64::new(0),
                         abandoned: AtomicU64::new(0),
@@ -456,14 +590,10 @@ impl<T, R> Admission<T, R> {
 
     /// One admission attempt. `may_wait`: report `Full` under `Block` instead of refusing.
     fn admit(&self, payload: T, priority: Priority, route: Route, may_wait: bool) -> Admit<T, R> {
-        // Relaxed here is only a fast path: a submit that races `close` may still be admitted,
-        // and is then served by the draining workers or resolved `Closed` at drop.
+        // Relaxed here is only a fast path (it keeps `Closed` ahead of routing errors); the
+        // check that settles a race with `close` is the SeqCst one in `enqueue`.
         if self.closed.load(Ordering::Relaxed) {
-            Counters::bump(&self.counters.rejected_closed);
-            return Admit::Refused(Refused {
-                error: AdmissionError::Closed,
-                payload,
-            });
+            return Admit::Refused(self.refuse_closed(payload));
         }
         let worker = match self.route(route) {
             Ok(w) => w,
@@ -471,21 +601,17 @@ impl<T, R> Admission<T, R> {
         };
         let (tx, ticket) = oneshot::channel();
         let entry = Entry { payload, tx };
-        let entry = match self.push(worker, priority, entry) {
-            Ok(()) => return Admit::Admitted(ticket),
-            Err(e) => e,
-        };
-        match self.policy {
-            OverflowPolicy::DropOldest => {
-                self.push_evicting(worker, priority, entry);
-                Admit::Admitted(ticket)
+        match self.enqueue(worker, priority, entry) {
+            Ok(()) => Admit::Admitted(ticket),
+            Err(Rejected::Closed(entry)) => Admit::Refused(self.refuse_closed(entry.payload)),
+            Err(Rejected::Full(entry)) if may_wait && self.policy == OverflowPolicy::Block => {
+                Admit::Full {
+                    entry,
+                    ticket,
+                    worker,
+                }
             }
-            OverflowPolicy::Block if may_wait => Admit::Full {
-                entry,
-                ticket,
-                worker,
-            },
-            OverflowPolicy::Block | OverflowPolicy::DropNewest => {
+            Err(Rejected::Full(entry)) => {
                 Counters::bump(&self.counters.workers[worker].rejected_full);
                 Admit::Refused(Refused {
                     error: overloaded(OverloadReason::QueueFull, worker),
@@ -495,91 +621,150 @@ impl<T, R> Admission<T, R> {
         }
     }
 
-    /// Pushes with load accounting and wakes an idle worker; gives the entry back if full.
-    fn push(
+    /// Counts and builds a `Closed` refusal.
+    fn refuse_closed(&self, payload: T) -> Refused<T> {
+        Counters::bump(&self.counters.rejected_closed);
+        Refused {
+            error: AdmissionError::Closed,
+            payload,
+        }
+    }
+
+    /// One push attempt of `entry` on `worker`'s queue of class `priority` (evicting under
+    /// drop-oldest), with load accounting, the closing handshake and the wake-up of idle
+    /// workers. Gives the entry back if the queue set is closed, or (`Block`, `DropNewest`) if
+    /// the queue has no usable slot now.
+    ///
+    /// The closing handshake, all on the worker's `submitting` word: the attempt raises the
+    /// count with an RMW and pushes only if that RMW did not see `CLOSED_BIT`, that is, only if
+    /// it precedes `close`'s `fetch_or` in the word's modification order. A worker that reads
+    /// the word as exactly `CLOSED_BIT` reads a point after the `fetch_or`, hence after every
+    /// admitted attempt's raise, with a zero count: after each such attempt's lowering too. The
+    /// lowering follows the push and is Release, the worker's load Acquire, so the worker's
+    /// take then sees every admitted request. So `pop_wait` cannot report `Closed` while an
+    /// admitted request is still on its way into the queue.
+    fn enqueue(
         &self,
         worker: usize,
         priority: Priority,
         entry: Entry<T, R>,
-    ) -> Result<(), Entry<T, R>> {
-        let load = self.counters.load(worker);
-        // Counted before the push so that a pop and completion racing right behind it can
-        // never take the count below zero. Relaxed: see `Counters::release_load`.
-        load.fetch_add(1, Ordering::Relaxed);
-        let wq = &self.workers[worker];
-        match wq.ring(priority).push(entry) {
-            Ok(()) => {
-                // SeqCst fence: the waker half of the wait-list handshake (waitlist module
-                // docs), pairing with the fence after registration in `PopWait::poll`: either
-                // we see the idle worker's registration, or its re-check sees our push.
-                fence(Ordering::SeqCst);
-                if wq.work.has_waiters() {
-                    wq.work.wake_all();
+    ) -> Result<(), Rejected<T, R>> {
+        let mut attempt = Attempt::start(self, worker);
+        if attempt.closed {
+            return Err(Rejected::Closed(entry));
+        }
+        attempt.count_load();
+        let ring = self.workers[worker].ring(priority);
+        match self.policy {
+            OverflowPolicy::DropOldest => self.push_evicting(worker, ring, entry),
+            OverflowPolicy::Block | OverflowPolicy::DropNewest => ring
+                .try_push(entry)
+                .map_err(|e| Rejected::Full(e.into_inner()))?,
+        }
+        attempt.pushed = true;
+        Ok(())
+    }
+
+    /// Drop-oldest: pushes `entry`, evicting the oldest entry of the (full) ring as often as it
+    /// takes. The push is retried before each eviction, and an eviction only takes from a ring
+    /// that is full at that instant (`Ring::evict_if_full`): a pop that made room meanwhile
+    /// means no eviction. A round repeats without waiting only when another thread completed a
+    /// step (a concurrent submit took the freed slot, or a pop made room), so that is lock-free;
+    /// when the slot needed is held by a thread mid-way (`Busy`), evicting cannot help and this
+    /// waits with `Backoff` for that thread (documented in the module's progress section).
+    fn push_evicting(&self, worker: usize, ring: &Ring<Entry<T, R>>, mut entry: Entry<T, R>) {
+        let backoff = Backoff::new();
+        loop {
+            match ring.try_push(entry) {
+                Ok(()) => return,
+                Err(PushError::Full(e)) => entry = e,
+                Err(PushError::Busy(e)) => {
+                    // A consumer is handing back the very slot we need.
+                    entry = e;
+                    backoff.snooze();
+                    continue;
                 }
-                Ok(())
             }
-            Err(entry) => {
-                self.counters.release_load(worker);
-                Err(entry)
+            match ring.evict_if_full() {
+                Pop::Value(old) => {
+                    self.counters.release_load(worker);
+                    Counters::bump(&self.counters.workers[worker].evicted_oldest);
+                    old.tx
+                        .send(Err(overloaded(OverloadReason::EvictedOldest, worker)));
+                    drop(old.payload);
+                }
+                // Not full any more: a pop made room; retry the push.
+                Pop::Empty => {}
+                // The oldest request is still being written by its submitter.
+                Pop::Busy => backoff.snooze(),
             }
         }
     }
 
-    /// Drop-oldest: evicts the oldest entry of the queue until the new one fits. Each round
-    /// evicts at most one entry and then retries; a round only repeats if another producer
-    /// refilled the freed slot first, so the loop is lock-free.
-    fn push_evicting(&self, worker: usize, priority: Priority, mut entry: Entry<T, R>) {
-        let backoff = Backoff::new();
-        let ring = self.workers[worker].ring(priority);
-        loop {
-            if let Some(old) = ring.pop() {
-                self.counters.release_load(worker);
-                Counters::bump(&self.counters.workers[worker].evicted_oldest);
-                old.tx
-                    .send(Err(overloaded(OverloadReason::EvictedOldest, worker)));
-                drop(old.payload);
+    /// Takes the next request of `worker`: its oldest latency-critical request, else its oldest
+    /// throughput request. Never waits; `Busy` if nothing was taken and some queue's oldest
+    /// request is still being written.
+    fn take(&self, worker: usize) -> Take<T, R> {
+        let wq = &self.workers[worker];
+        let mut busy = false;
+        for priority in [Priority::LatencyCritical, Priority::Throughput] {
+            let entry = match wq.ring(priority).try_pop() {
+                Pop::Value(entry) => entry,
+                Pop::Empty => continue,
+                Pop::Busy => {
+                    busy = true;
+                    continue;
+                }
+            };
+            // The job exists before any waker runs: if one panics, dropping the job resolves
+            // the ticket `Abandoned` and releases its load.
+            let job = Job {
+                payload: entry.payload,
+                completion: Completion {
+                    tx: Some(entry.tx),
+                    counters: self.counters.clone(),
+                    worker: worker as u32,
+                },
+                priority,
+            };
+            if self.policy == OverflowPolicy::Block {
+                // SeqCst fence: the waker half of the handshake with blocked submitters
+                // (pairs with the fence after registration in `Submit::poll`).
+                fence(Ordering::SeqCst);
+                let room = wq.room(priority);
+                if room.has_waiters() {
+                    room.wake_all();
+                }
             }
-            match self.push(worker, priority, entry) {
-                Ok(()) => return,
-                Err(e) => entry = e,
-            }
-            backoff.spin();
+            return Take::Job(job);
         }
+        if busy {
+            Take::Busy
+        } else {
+            Take::Empty
+        }
+    }
+
+    /// True if the queue set is closed and no push attempt on `worker` is in progress: then
+    /// queues that a later `take` finds empty stay empty (see `enqueue`).
+    fn closed_and_quiet(&self, worker: usize) -> bool {
+        // Acquire: pairs with the Release lowering in `Attempt::drop` (see `enqueue`).
+        self.counters.workers[worker]
+            .submitting
+            .load(Ordering::Acquire)
+            == CLOSED_BIT
     }
 
     /// Takes the next request of `worker` without waiting: its oldest latency-critical request,
-    /// else its oldest throughput request, else `None`.
+    /// else its oldest throughput request, else `None`. `None` means nothing could be taken
+    /// without waiting: the queues are empty, or the oldest request of a queue is still being
+    /// written by its submitter (the waiting [`Admission::pop_wait`] is woken when it lands).
     pub fn pop(&self, worker: usize) -> Result<Option<Job<T, R>>, AdmissionError> {
-        let wq = self
-            .workers
-            .get(worker)
-            .ok_or(AdmissionError::UnknownWorker {
-                worker,
-                workers: self.workers.len(),
-            })?;
-        for priority in [Priority::LatencyCritical, Priority::Throughput] {
-            if let Some(entry) = wq.ring(priority).pop() {
-                if self.policy == OverflowPolicy::Block {
-                    // SeqCst fence: the waker half of the handshake with blocked submitters
-                    // (pairs with the fence after registration in `Submit::poll`).
-                    fence(Ordering::SeqCst);
-                    let room = wq.room(priority);
-                    if room.has_waiters() {
-                        room.wake_all();
-                    }
-                }
-                return Ok(Some(Job {
-                    payload: entry.payload,
-                    completion: Completion {
-                        tx: Some(entry.tx),
-                        counters: self.counters.clone(),
-                        worker: worker as u32,
-                    },
-                    priority,
-                }));
-            }
-        }
-        Ok(None)
+        self.worker_queues(worker)?;
+        Ok(match self.take(worker) {
+            Take::Job(job) => Some(job),
+            Take::Empty | Take::Busy => None,
+        })
     }
 
     /// Waits for the next request of `worker` (a future; runtime-agnostic). Resolves to
@@ -601,16 +786,36 @@ impl<T, R> Admission<T, R> {
 
     /// Closes the queue set: every later submit is refused with `Closed`, blocked submitters
     /// wake and get `Closed`, and idle `pop_wait`s end with `Closed` once their queues are
-    /// empty. Requests already queued stay for the workers to drain.
+    /// empty. Requests already queued, and submits racing the close that are admitted, stay
+    /// for the workers to drain (module docs, "Closing").
+    ///
+    /// # Panics
+    ///
+    /// If a waker panics: every waiter is woken first, then the first panic is resumed.
     pub fn close(&self) {
-        // SeqCst store and fence: the waker half of the handshake with every waiter, which
-        // re-reads `closed` after registering and fencing.
+        // SeqCst: `is_closed` readers and the fast path of `admit`; the handshakes below do not
+        // rely on this store.
         self.closed.store(true, Ordering::SeqCst);
+        for c in self.counters.workers.iter() {
+            // Relaxed: its place in the word's modification order decides each racing attempt
+            // (`enqueue`); the fence below orders it before our wake-ups.
+            c.submitting.fetch_or(CLOSED_BIT, Ordering::Relaxed);
+        }
+        // SeqCst fence: the waker half of the handshake with every waiter, which registers,
+        // fences and then reads the `submitting` word (a blocked submitter's next attempt, an
+        // idle worker's `closed_and_quiet`): either our wake-ups below take its registration or
+        // its read sees `CLOSED_BIT`.
         fence(Ordering::SeqCst);
+        let mut first_panic = None;
         for wq in self.workers.iter() {
-            wq.high_room.wake_all();
-            wq.low_room.wake_all();
-            wq.work.wake_all();
+            for list in [&wq.high_room, &wq.low_room, &wq.work] {
+                if let Some(p) = list.wake_all_catching() {
+                    first_panic.get_or_insert(p);
+                }
+            }
+        }
+        if let Some(p) = first_panic {
+            std::panic::resume_unwind(p);
         }
     }
 
@@ -726,7 +931,8 @@ impl<T, R> Drop for Admission<T, R> {
         // Requests nobody will pop now: their tickets learn the queue set is gone.
         for wq in self.workers.iter() {
             for ring in [&wq.high, &wq.low] {
-                while let Some(entry) = ring.pop() {
+                // `&mut self`: no push is in progress, so the ring is never `Busy` here.
+                while let Pop::Value(entry) = ring.try_pop() {
                     entry.tx.send(Err(AdmissionError::Closed));
                 }
             }
@@ -780,4 +986,79 @@ pub struct AdmissionMetrics {
     pub healthy: bool,
     /// True once closed.
     pub closed: bool,
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::ring::stall::{self, within, Point};
+    use super::{Admission, AdmissionConfig, AdmissionError, OverflowPolicy, Priority, Route};
+    use std::future::Future;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::mpsc::channel;
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Wake, Waker};
+
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// A submit stopped between claiming its slot and publishing it (a descheduled thread):
+    /// `pop` returns `None` and a `PopWait` poll returns `Pending` at once (before the fix the
+    /// poll spun until the submitter ran again), even after `close` (the request is on its way,
+    /// so `Closed` would strand its ticket); the submitter's push wakes the waiter, whose next
+    /// poll takes the request; only then does it report `Closed`.
+    #[test]
+    fn pop_wait_does_not_spin_on_a_stalled_submit_and_is_woken_when_it_lands() {
+        within("pop_wait with a stalled submitter", || {
+            let q: Arc<Admission<u32, u32>> = Arc::new(
+                Admission::new(AdmissionConfig::new(1, 4, OverflowPolicy::DropNewest)).unwrap(),
+            );
+            let (stopped_tx, stopped) = channel();
+            let (resume, resume_rx) = channel();
+            let submitter = {
+                let q = q.clone();
+                std::thread::spawn(move || {
+                    stall::once_at(Point::Claimed, stopped_tx, resume_rx);
+                    q.try_submit(7, Priority::Throughput, Route::Worker(0))
+                        .map_err(|r| r.error)
+                })
+            };
+            stopped.recv().unwrap();
+            assert!(q.pop(0).unwrap().is_none());
+            let count = Arc::new(Count(AtomicUsize::new(0)));
+            let waker = Waker::from(count.clone());
+            let mut cx = Context::from_waker(&waker);
+            let mut fut = std::pin::pin!(q.pop_wait(0));
+            assert!(fut.as_mut().poll(&mut cx).is_pending());
+            q.close();
+            let woken_by_close = count.0.load(Ordering::SeqCst);
+            assert!(
+                fut.as_mut().poll(&mut cx).is_pending(),
+                "closed, but an admitted request is still being written: not `Closed` yet"
+            );
+            resume.send(()).unwrap();
+            let ticket = submitter
+                .join()
+                .unwrap()
+                .expect("admitted before the close");
+            assert!(
+                count.0.load(Ordering::SeqCst) > woken_by_close,
+                "the landing push woke the waiting worker"
+            );
+            let Poll::Ready(Ok(job)) = fut.as_mut().poll(&mut cx) else {
+                panic!("the request is there")
+            };
+            assert_eq!(*job.payload(), 7);
+            job.complete(70);
+            assert_eq!(ticket.wait(), Ok(70));
+            let mut fut = std::pin::pin!(q.pop_wait(0));
+            assert!(matches!(
+                fut.as_mut().poll(&mut cx),
+                Poll::Ready(Err(AdmissionError::Closed))
+            ));
+        });
+    }
 }

@@ -23,13 +23,61 @@
 //!
 //! # Progress
 //!
-//! Lock-free, with one caveat that every array-based MPMC queue shares: a thread that claims a
-//! position and is then descheduled before it updates the stamp makes the next thread to reach
-//! that slot on the following lap wait (with `Backoff`) for it.
+//! Vyukov's queue is **not lock-free in the strict sense**: a position is claimed (CAS on
+//! `tail` or `head`) before its slot is written or emptied (the stamp store), and a thread
+//! descheduled between the two holds that slot. A consumer cannot take any later value while
+//! the producer of the value at `head` is stalled (positions are consumed in order), and a
+//! producer cannot reuse a slot whose consumer of the previous lap is stalled. This ring never
+//! waits for such a thread: [`Ring::try_push`] and [`Ring::try_pop`] report the situation
+//! ([`PushError::Busy`], [`Pop::Busy`]) and return. Apart from that, both are lock-free: a retry
+//! happens only after a failed CAS or a changed stamp or position, that is, after another
+//! thread completed a step. Waiting (if a caller wants to) is the caller's business: the
+//! admission layer parks tasks on wait lists that the thread finishing the step wakes.
+//!
+//! Eviction for the drop-oldest policy is [`Ring::evict_if_full`]: a pop that succeeds only if
+//! the ring is full at the instant of its CAS (see there), so it never evicts while there is room.
 
 use std::mem::MaybeUninit;
 
 use crate::sync::{fence, AtomicUsize, Backoff, CachePadded, Ordering, UnsafeCell};
+
+/// Why [`Ring::try_push`] gave a value back.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum PushError<T> {
+    /// Every slot's position is claimed by a producer and not yet by a consumer.
+    Full(T),
+    /// There is room, but the slot the next position maps to is still being read out by a
+    /// consumer that claimed it (possibly descheduled). It frees the slot with its stamp store.
+    Busy(T),
+}
+
+impl<T> PushError<T> {
+    /// The value handed back.
+    pub(crate) fn into_inner(self) -> T {
+        match self {
+            PushError::Full(v) | PushError::Busy(v) => v,
+        }
+    }
+}
+
+/// What [`Ring::try_pop`] and [`Ring::evict_if_full`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Pop<T> {
+    /// The oldest value, taken.
+    Value(T),
+    /// `try_pop`: no position was claimed past `head` (empty). `evict_if_full`: the ring was not
+    /// full (nothing evicted).
+    Empty,
+    /// The oldest position is claimed by a producer that has not published it yet (possibly
+    /// descheduled between its claim and its stamp store): nothing can be taken before it.
+    Busy,
+}
+
+/// What a push that cannot proceed reports, before the final stamp re-check.
+enum Verdict {
+    Full,
+    Busy,
+}
 
 /// One cell of the ring.
 struct Slot<T> {
@@ -101,20 +149,25 @@ impl<T> Ring<T> {
         }
     }
 
-    /// Appends `value`, or gives it back if the ring is full.
-    pub(crate) fn push(&self, value: T) -> Result<(), T> {
+    /// Appends `value`. Never waits for another thread: gives the value back with
+    /// [`PushError::Full`] if every slot is taken, or [`PushError::Busy`] if the slot it needs
+    /// still holds the previous lap's value whose consumer has claimed it but not finished
+    /// reading it out (a room that exists but is not usable yet; that consumer's stamp store
+    /// frees it).
+    pub(crate) fn try_push(&self, value: T) -> Result<(), PushError<T>> {
         let backoff = Backoff::new();
         let mut tail = self.tail.load(Ordering::Relaxed);
         loop {
             let slot = &self.slots[tail & (self.one_lap - 1)];
-            // Acquire: pairs with the Release stamp store in `pop` that emptied this slot, so
-            // the consumer's read of the old value happens before our write below.
+            // Acquire: pairs with the Release stamp store in `try_pop` / `evict_if_full` that
+            // emptied this slot, so the consumer's read of the old value happens before our
+            // write below.
             let stamp = slot.stamp.load(Ordering::Acquire);
             if stamp == tail {
                 // The slot is empty for this lap: claim position `tail`.
-                // SeqCst: the claim takes part in the single order that `fence(SeqCst)` in the
-                // empty check of `pop` (and in `len`) relies on. On failure we only need the
-                // fresh value to retry with.
+                // SeqCst: the claim takes part in the single order that the `fence(SeqCst)` of
+                // the empty check in `try_pop` relies on. On failure we only need the fresh
+                // value to retry with.
                 match self.tail.compare_exchange_weak(
                     tail,
                     self.advance(tail),
@@ -122,6 +175,8 @@ impl<T> Ring<T> {
                     Ordering::Relaxed,
                 ) {
                     Ok(_) => {
+                        #[cfg(all(test, not(loom)))]
+                        stall::point(stall::Point::Claimed);
                         // SAFETY: the CAS made us the only owner of position `tail`, and the
                         // stamp (== tail, read with Acquire) says its consumer of the previous
                         // lap has finished reading, so nobody else touches the slot until we
@@ -132,41 +187,93 @@ impl<T> Ring<T> {
                         return Ok(());
                     }
                     Err(current) => {
+                        // Another producer claimed `tail` first (it progressed): retry.
                         tail = current;
                         backoff.spin();
                     }
                 }
-            } else if stamp.wrapping_add(self.one_lap) == tail + 1 {
-                // The slot still holds the value written one lap ago: the ring may be full.
+                continue;
+            }
+            let verdict = if stamp.wrapping_add(self.one_lap) == tail + 1 {
+                // The slot still holds the value written one lap ago. `tail` is current (no
+                // producer can claim it before that value leaves), so the ring is full unless
+                // the value's consumer has claimed it already.
                 // SeqCst fence: orders our stamp load before the head load below, pairing with
-                // the SeqCst head CAS in `pop`, so "full" is only reported if, at the head load,
-                // the consumer of that old value had not even claimed it.
+                // the SeqCst head CAS of the consumers, so "full" is only reported if, at the
+                // head load, the consumer of that old value had not even claimed it.
                 fence(Ordering::SeqCst);
                 let head = self.head.load(Ordering::Relaxed);
                 if head.wrapping_add(self.one_lap) == tail {
-                    return Err(value);
+                    Verdict::Full
+                } else {
+                    // Its consumer claimed it and is reading it out.
+                    Verdict::Busy
                 }
-                // A consumer has claimed it and is reading it out: retry shortly.
+            } else {
+                // `tail` is stale (another producer filled this position: catch up), or the
+                // producer of the previous lap claimed this slot and has not written it yet:
+                // then every slot is claimed and the ring is full.
+                let current = self.tail.load(Ordering::Relaxed);
+                if current != tail {
+                    tail = current;
+                    backoff.spin();
+                    continue;
+                }
+                Verdict::Full
+            };
+            // Acquire: as the first stamp load. A changed stamp means the thread we would be
+            // reporting on has moved on: retry instead of reporting a state that has passed.
+            if slot.stamp.load(Ordering::Acquire) != stamp {
                 backoff.spin();
                 tail = self.tail.load(Ordering::Relaxed);
-            } else {
-                // Another producer claimed `tail` and is writing: wait for it to move on.
-                backoff.snooze();
-                tail = self.tail.load(Ordering::Relaxed);
+                continue;
             }
+            return Err(match verdict {
+                Verdict::Full => PushError::Full(value),
+                Verdict::Busy => PushError::Busy(value),
+            });
         }
     }
 
-    /// Takes the oldest value, or `None` if the ring is empty.
-    pub(crate) fn pop(&self) -> Option<T> {
+    /// Takes the oldest value. Never waits for another thread: reports [`Pop::Empty`] if no
+    /// position is claimed past `head`, or [`Pop::Busy`] if the oldest position is claimed by a
+    /// producer that has not finished writing it (its stamp store publishes it).
+    pub(crate) fn try_pop(&self) -> Pop<T> {
+        self.take(false)
+    }
+
+    /// Drop-oldest eviction: takes the oldest value **only if the ring is full at the instant
+    /// of the taking CAS**; otherwise reports [`Pop::Empty`] ("not full": the caller retries its
+    /// push) or [`Pop::Busy`] (the oldest value is still being written).
+    ///
+    /// Why the check is exact: the ring is full when `tail == head + one_lap` (every slot's
+    /// position claimed). We read `head == H`, then `tail == H + one_lap`, then CAS `head` from
+    /// `H`. No producer can claim `H + one_lap` before the consumer of `H` hands the slot back,
+    /// which needs a successful CAS from `H`; so if ours succeeds, `tail` was still exactly
+    /// `H + one_lap` (it never decreases) when it did.
+    pub(crate) fn evict_if_full(&self) -> Pop<T> {
+        self.take(true)
+    }
+
+    /// `try_pop`, or with `only_if_full` `evict_if_full`.
+    fn take(&self, only_if_full: bool) -> Pop<T> {
         let backoff = Backoff::new();
         let mut head = self.head.load(Ordering::Relaxed);
         loop {
             let slot = &self.slots[head & (self.one_lap - 1)];
-            // Acquire: pairs with the Release stamp store in `push` that published the value.
+            // Acquire: pairs with the Release stamp store in `try_push` that published the value.
             let stamp = slot.stamp.load(Ordering::Acquire);
             if stamp == head + 1 {
-                // SeqCst: see `push`; failure needs only the fresh value.
+                if only_if_full {
+                    // Relaxed: a stale (smaller) tail only makes us report "not full", and the
+                    // caller's retried push re-reads it; the CAS below settles fullness (see
+                    // `evict_if_full`).
+                    let tail = self.tail.load(Ordering::Relaxed);
+                    if head.wrapping_add(self.one_lap) != tail {
+                        return Pop::Empty;
+                    }
+                }
+                // SeqCst: see `try_push`; failure needs only the fresh value.
                 match self.head.compare_exchange_weak(
                     head,
                     self.advance(head),
@@ -174,6 +281,8 @@ impl<T> Ring<T> {
                     Ordering::Relaxed,
                 ) {
                     Ok(_) => {
+                        #[cfg(all(test, not(loom)))]
+                        stall::point(stall::Point::Taken);
                         // SAFETY: the CAS made us the only consumer of position `head`; the
                         // stamp `head + 1` (read with Acquire) says its producer's write is
                         // complete and visible, and no producer of the next lap writes until
@@ -183,30 +292,43 @@ impl<T> Ring<T> {
                         // (its Acquire stamp load).
                         slot.stamp
                             .store(head.wrapping_add(self.one_lap), Ordering::Release);
-                        return Some(value);
+                        return Pop::Value(value);
                     }
                     Err(current) => {
+                        // Another consumer took `head` first (it progressed): retry.
                         head = current;
                         backoff.spin();
                     }
                 }
-            } else if stamp == head {
-                // The slot is empty for this lap: the ring may be empty.
-                // SeqCst fence: pairs with the SeqCst tail CAS in `push`, as in `push`'s full
-                // check, so "empty" is reported only if no producer had claimed `head` yet.
-                fence(Ordering::SeqCst);
-                let tail = self.tail.load(Ordering::Relaxed);
-                if tail == head {
-                    return None;
-                }
-                // A producer claimed `head` and is writing: retry shortly.
-                backoff.spin();
-                head = self.head.load(Ordering::Relaxed);
-            } else {
-                // Another consumer took `head` and moved on: catch up.
-                backoff.snooze();
-                head = self.head.load(Ordering::Relaxed);
+                continue;
             }
+            if stamp != head {
+                // Neither this lap's value nor empty for this lap: `head` is stale (another
+                // consumer took this position: catch up), or the consumer of the previous lap
+                // has not handed the slot back yet (then no producer can have claimed `head`
+                // either, and the tail check below reports empty).
+                let current = self.head.load(Ordering::Relaxed);
+                if current != head {
+                    head = current;
+                    backoff.spin();
+                    continue;
+                }
+            }
+            // Nothing to take at `head`.
+            // SeqCst fence: pairs with the SeqCst tail CAS in `try_push`, so "empty" is
+            // reported only if no producer had claimed `head` at the tail load.
+            fence(Ordering::SeqCst);
+            let tail = self.tail.load(Ordering::Relaxed);
+            if tail == head {
+                return Pop::Empty;
+            }
+            // A producer claimed `head` and is writing it. Acquire: as above; a changed stamp
+            // means it has finished: retry rather than report a state that has passed.
+            if slot.stamp.load(Ordering::Acquire) != stamp {
+                backoff.spin();
+                continue;
+            }
+            return Pop::Busy;
         }
     }
 
@@ -239,8 +361,9 @@ impl<T> Ring<T> {
 
 impl<T> Drop for Ring<T> {
     fn drop(&mut self) {
-        // `&mut self`: no other thread can touch the ring, so popping is only bookkeeping.
-        while let Some(v) = self.pop() {
+        // `&mut self`: no other thread can touch the ring, so every claimed position was
+        // published (a claim and its stamp store are one call) and popping is only bookkeeping.
+        while let Pop::Value(v) = self.try_pop() {
             drop(v);
         }
     }
@@ -255,36 +378,182 @@ impl<T> std::fmt::Debug for Ring<T> {
     }
 }
 
+/// Test-only stall points: a unit test can make one thread stop between a claim and its stamp
+/// store, the state a descheduled thread leaves behind. Compiled only into the crate's own unit
+/// tests; the library proper has no hook.
+#[cfg(all(test, not(loom)))]
+pub(crate) mod stall {
+    use std::cell::RefCell;
+
+    /// Where a thread can be stopped.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum Point {
+        /// A producer after its tail CAS, before its value write and stamp store.
+        Claimed,
+        /// A consumer after its head CAS, before its value read and stamp store.
+        Taken,
+    }
+
+    type Hook = Box<dyn FnMut(Point)>;
+
+    thread_local!(static HOOK: RefCell<Option<Hook>> = const { RefCell::new(None) });
+
+    /// Installs `hook` for the calling thread (replacing any previous one).
+    pub(crate) fn set(hook: impl FnMut(Point) + 'static) {
+        HOOK.with(|h| *h.borrow_mut() = Some(Box::new(hook)));
+    }
+
+    /// Calls the calling thread's hook, if any.
+    pub(crate) fn point(p: Point) {
+        HOOK.with(|h| {
+            if let Some(f) = h.borrow_mut().as_mut() {
+                f(p);
+            }
+        });
+    }
+
+    /// Installs a hook that stops the calling thread the first time it reaches `at`: it sends
+    /// on `stopped`, then waits until `resume` yields a message or is dropped.
+    pub(crate) fn once_at(
+        at: Point,
+        stopped: std::sync::mpsc::Sender<()>,
+        resume: std::sync::mpsc::Receiver<()>,
+    ) {
+        let mut armed = true;
+        set(move |p| {
+            if armed && p == at {
+                armed = false;
+                let _ = stopped.send(());
+                let _ = resume.recv();
+            }
+        });
+    }
+
+    /// Runs `f` on its own thread and fails the test with `what` if it has not returned within
+    /// 10 s (a spinning or blocked call becomes a failure with a message, not a hung test).
+    pub(crate) fn within<R: Send + 'static>(
+        what: &str,
+        f: impl FnOnce() -> R + Send + 'static,
+    ) -> R {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(10)) {
+            Ok(r) => r,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                panic!("{what}: did not return within 10 s")
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("{what}: panicked"),
+        }
+    }
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
-    use super::Ring;
+    use super::stall::{self, within, Point};
+    use super::{Pop, PushError, Ring};
+    use std::sync::mpsc::channel;
+    use std::sync::Arc;
 
     #[test]
     fn fifo_wraps_and_reports_full_and_empty() {
         for cap in [1usize, 2, 3, 5, 8, 13] {
             let r = Ring::new(cap);
-            assert_eq!(r.pop(), None);
+            assert_eq!(r.try_pop(), Pop::Empty);
+            assert_eq!(r.evict_if_full(), Pop::Empty);
             let mut next_in = 0u32;
             let mut next_out = 0u32;
             for round in 0..(4 * cap) {
                 // Fill completely, then drain a varying amount, to cross every lap boundary.
-                while r.push(next_in).is_ok() {
+                while r.try_push(next_in).is_ok() {
                     next_in += 1;
                 }
                 assert_eq!(r.len(), cap, "cap {cap}");
-                assert_eq!(r.push(u32::MAX), Err(u32::MAX));
-                for _ in 0..=(round % cap) {
-                    assert_eq!(r.pop(), Some(next_out));
+                assert_eq!(r.try_push(u32::MAX), Err(PushError::Full(u32::MAX)));
+                for i in 0..=(round % cap) {
+                    // Alternate plain pops and evictions of the full ring.
+                    let got = if i == 0 && round % 2 == 1 {
+                        r.evict_if_full()
+                    } else {
+                        r.try_pop()
+                    };
+                    assert_eq!(got, Pop::Value(next_out));
                     next_out += 1;
                 }
                 assert_eq!(r.len(), cap - 1 - (round % cap));
+                assert_eq!(r.evict_if_full(), Pop::Empty, "not full: nothing evicted");
+                assert_eq!(r.len(), cap - 1 - (round % cap));
             }
-            while let Some(v) = r.pop() {
+            while let Pop::Value(v) = r.try_pop() {
                 assert_eq!(v, next_out);
                 next_out += 1;
             }
             assert_eq!(next_in, next_out);
             assert_eq!(r.len(), 0);
         }
+    }
+
+    /// A producer stopped between its tail CAS and its stamp store: `try_pop` must say so at
+    /// once (not spin until the producer runs again), later producers still get in, and the
+    /// values come out in order once it resumes.
+    #[test]
+    fn try_pop_reports_busy_while_a_producer_is_stalled() {
+        let r = Arc::new(Ring::new(4));
+        let (stopped_tx, stopped) = channel();
+        let (resume, resume_rx) = channel();
+        let producer = {
+            let r = r.clone();
+            std::thread::spawn(move || {
+                stall::once_at(Point::Claimed, stopped_tx, resume_rx);
+                r.try_push(1u32)
+            })
+        };
+        stopped.recv().unwrap();
+        let r2 = r.clone();
+        let (busy, later) = within("try_pop/try_push with a stalled producer", move || {
+            (r2.try_pop(), r2.try_push(2))
+        });
+        assert_eq!(busy, Pop::Busy);
+        assert_eq!(later, Ok(()));
+        let r2 = r.clone();
+        assert_eq!(within("try_pop again", move || r2.try_pop()), Pop::Busy);
+        resume.send(()).unwrap();
+        assert_eq!(producer.join().unwrap(), Ok(()));
+        assert_eq!(r.try_pop(), Pop::Value(1));
+        assert_eq!(r.try_pop(), Pop::Value(2));
+        assert_eq!(r.try_pop(), Pop::Empty);
+    }
+
+    /// A consumer stopped between its head CAS and its stamp store, in a full ring: the slot the
+    /// next push needs is still being read, so `try_push` reports `Busy` at once, and
+    /// `evict_if_full` does not evict (the ring is not full any more).
+    #[test]
+    fn try_push_reports_busy_while_a_consumer_is_stalled() {
+        let r = Arc::new(Ring::new(2));
+        r.try_push(1u32).unwrap();
+        r.try_push(2).unwrap();
+        let (stopped_tx, stopped) = channel();
+        let (resume, resume_rx) = channel();
+        let consumer = {
+            let r = r.clone();
+            std::thread::spawn(move || {
+                stall::once_at(Point::Taken, stopped_tx, resume_rx);
+                r.try_pop()
+            })
+        };
+        stopped.recv().unwrap();
+        let r2 = r.clone();
+        let (push, evict) = within("try_push/evict with a stalled consumer", move || {
+            (r2.try_push(3), r2.evict_if_full())
+        });
+        assert_eq!(push, Err(PushError::Busy(3)));
+        assert_eq!(evict, Pop::Empty, "one slot is being freed: not full");
+        assert_eq!(r.len(), 1);
+        resume.send(()).unwrap();
+        assert_eq!(consumer.join().unwrap(), Pop::Value(1));
+        assert_eq!(r.try_push(3), Ok(()));
+        assert_eq!(r.try_pop(), Pop::Value(2));
+        assert_eq!(r.try_pop(), Pop::Value(3));
     }
 }

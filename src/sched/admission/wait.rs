@@ -1,6 +1,11 @@
 //! The waiting operations: [`Submit`] (a blocking-policy submit that parks until a pop makes
 //! room), [`PopWait`] (an idle worker parked until a submit brings work) and [`block_on`].
 //! Both futures use the wait-list handshake of the `waitlist` module.
+//!
+//! No poll ever waits for another thread: a poll makes at most two attempts (one before and one
+//! after registering its waker) and returns `Pending` if neither succeeds; the thread whose
+//! step would let it progress (a pop that frees a slot, a push that lands, a `close`, a push
+//! attempt ending on a closed queue set) wakes it.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -8,7 +13,9 @@ use std::task::{Context, Poll};
 
 use super::waitlist::Registration;
 use super::Job;
-use super::{Admission, AdmissionError, Admit, Counters, Entry, Priority, Refused, Route, Ticket};
+use super::{
+    Admission, AdmissionError, Admit, Entry, Priority, Refused, Rejected, Route, Take, Ticket,
+};
 use crate::sync::{fence, Ordering};
 
 pub(super) enum SubmitStage<T, R> {
@@ -80,22 +87,21 @@ impl<T, R> Future for Submit<'_, T, R> {
                 }
                 this.reg = Some(room.register(cx.waker()));
                 // SeqCst fence: the waiter half of the handshake (pairs with the fence in
-                // `pop` after it frees a slot, and in `close`).
+                // `Admission::take` after it frees a slot, and in `close`).
                 fence(Ordering::SeqCst);
             }
-            if adm.closed.load(Ordering::SeqCst) {
-                Counters::bump(&adm.counters.rejected_closed);
-                return Poll::Ready(Err(Refused {
-                    error: AdmissionError::Closed,
-                    payload: entry.payload,
-                }));
-            }
-            match adm.push(worker, priority, entry) {
+            // `enqueue`'s announcing RMW on the worker's `submitting` word comes after our
+            // fence, so a `close` whose wake-up missed our registration is seen there.
+            match adm.enqueue(worker, priority, entry) {
                 Ok(()) => {
                     this.reg = None;
                     return Poll::Ready(Ok(ticket));
                 }
-                Err(e) => entry = e,
+                Err(Rejected::Closed(e)) => {
+                    this.reg = None;
+                    return Poll::Ready(Err(adm.refuse_closed(e.payload)));
+                }
+                Err(Rejected::Full(e)) => entry = e,
             }
         }
         this.stage = SubmitStage::Waiting {
@@ -144,22 +150,25 @@ impl<T, R> Future for PopWait<'_, T, R> {
                     break;
                 }
                 this.reg = Some(wq.work.register(cx.waker()));
-                // SeqCst fence: the waiter half of the handshake (pairs with the fence in
-                // `Admission::push` after a successful push, and in `close`).
+                // SeqCst fence: the waiter half of the handshake (pairs with the fence that
+                // ends every push attempt, `Attempt::drop`, and with the one in `close`).
                 fence(Ordering::SeqCst);
             }
-            // `closed` before the pop: if it was closed and the pop finds nothing, nothing
-            // admitted before the close is left (a racing late submit is still drained by
-            // `Admission`'s drop, which resolves it `Closed`).
-            let closed = adm.closed.load(Ordering::SeqCst);
-            match adm.pop(this.worker) {
-                Ok(Some(job)) => {
+            // Closed and quiet *before* the take: then nothing admitted is still on its way,
+            // and a take that finds the queues empty means they stay empty (the closing
+            // handshake, `Admission::enqueue`).
+            let drained_if_empty = adm.closed_and_quiet(this.worker);
+            match adm.take(this.worker) {
+                Take::Job(job) => {
                     this.reg = None;
                     return Poll::Ready(Ok(job));
                 }
-                Ok(None) if closed => return Poll::Ready(Err(AdmissionError::Closed)),
-                Ok(None) => {}
-                Err(e) => return Poll::Ready(Err(e)),
+                Take::Empty if drained_if_empty => {
+                    this.reg = None;
+                    return Poll::Ready(Err(AdmissionError::Closed));
+                }
+                // `Busy`: a submit is writing the oldest request; it wakes us when it lands.
+                Take::Empty | Take::Busy => {}
             }
         }
         Poll::Pending

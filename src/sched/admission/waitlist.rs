@@ -111,10 +111,25 @@ impl WaitList {
     }
 
     /// Takes every queued node and wakes its task.
+    ///
+    /// # Panics
+    ///
+    /// If a waker panics, every other taken node is still woken and released (a panic must not
+    /// strand the waiters behind it, queued forever with nobody left to wake them); then the
+    /// first panic is resumed.
     pub(crate) fn wake_all(&self) {
+        if let Some(panic) = self.wake_all_catching() {
+            std::panic::resume_unwind(panic);
+        }
+    }
+
+    /// [`WaitList::wake_all`], handing back the first waker panic instead of resuming it, so a
+    /// caller with several lists to wake can finish them all first.
+    pub(crate) fn wake_all_catching(&self) -> Option<Box<dyn std::any::Any + Send>> {
         // Acquire: pairs with the Release push CAS of every node in the taken list (a release
         // sequence on `head`), making their fields visible.
         let mut cur = self.head.swap(ptr::null_mut(), Ordering::Acquire);
+        let mut first_panic = None;
         while !cur.is_null() {
             // SAFETY: `cur` came from `Arc::into_raw` in `register`, and the list's strong count
             // for it is ours alone: the swap took the whole list out of `head`, and no other
@@ -124,15 +139,34 @@ impl WaitList {
             // Release: the registrant's Acquire load in `is_current` sees `false` only after
             // the node left the list.
             node.queued.store(false, Ordering::Release);
-            node.waker.wake_by_ref();
+            // A waker is foreign code: catch its panic so that the rest of the list (already
+            // detached, reachable only from here) is still woken. `AssertUnwindSafe`: the
+            // closure only borrows the node's waker, which we drop right after either way.
+            let woke = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                node.waker.wake_by_ref();
+            }));
+            if let Err(panic) = woke {
+                first_panic.get_or_insert(panic);
+            }
         }
+        first_panic
     }
 }
 
 impl Drop for WaitList {
     fn drop(&mut self) {
-        // Frees the nodes (waking their tasks is harmless and lets them observe shutdown).
-        self.wake_all();
+        // Only frees the nodes, waking nobody: every registrant is a future that borrows the
+        // queue set owning this list, so none can still be waiting once it is dropped (the
+        // nodes left are those of futures dropped while registered).
+        // Acquire: as in `wake_all_catching` (with `&mut self` it orders nothing new; loom's
+        // `AtomicPtr` has no `get_mut`).
+        let mut cur = self.head.swap(ptr::null_mut(), Ordering::Acquire);
+        while !cur.is_null() {
+            // SAFETY: as in `wake_all_catching`: `&mut self` makes the list ours alone, and each
+            // node holds one strong count owned by the list, released once here.
+            let node = unsafe { Arc::from_raw(cur as *const Node) };
+            cur = node.next.load(Ordering::Relaxed);
+        }
     }
 }
 
@@ -141,5 +175,66 @@ impl std::fmt::Debug for WaitList {
         f.debug_struct("WaitList")
             .field("has_waiters", &!self.head.load(Ordering::Relaxed).is_null())
             .finish()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::WaitList;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::task::{Wake, Waker};
+
+    /// Counts its wake-ups; panics on each if `panics`.
+    struct Probe {
+        woken: AtomicUsize,
+        panics: bool,
+    }
+
+    impl Wake for Probe {
+        fn wake(self: Arc<Self>) {
+            self.wake_by_ref();
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            self.woken.fetch_add(1, Ordering::SeqCst);
+            assert!(!self.panics, "this waker panics");
+        }
+    }
+
+    fn probe(panics: bool) -> (Arc<Probe>, Waker) {
+        let p = Arc::new(Probe {
+            woken: AtomicUsize::new(0),
+            panics,
+        });
+        (p.clone(), Waker::from(p))
+    }
+
+    /// A panicking waker in the middle of a list: the panic reaches the caller, and every other
+    /// waiter (before and after it in the list) is still woken and no longer marked queued.
+    #[test]
+    fn a_panicking_waker_does_not_strand_the_rest_of_the_list() {
+        let list = WaitList::new();
+        let probes: Vec<_> = [false, false, true, false, false]
+            .into_iter()
+            .map(probe)
+            .collect();
+        let regs: Vec<_> = probes.iter().map(|(_, w)| list.register(w)).collect();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| list.wake_all()));
+        assert!(r.is_err(), "the waker's panic is resumed");
+        for (i, ((p, w), reg)) in probes.iter().zip(&regs).enumerate() {
+            assert_eq!(p.woken.load(Ordering::SeqCst), 1, "waiter {i} woken once");
+            assert!(!reg.is_current(w), "waiter {i} no longer queued");
+        }
+        assert!(!list.has_waiters());
+        // Two panicking wakers: both woken, the first panic resumed, nothing left queued.
+        let (a, wa) = probe(true);
+        let (b, wb) = probe(true);
+        let (c, wc) = probe(false);
+        let _regs = [list.register(&wa), list.register(&wb), list.register(&wc)];
+        assert!(list.wake_all_catching().is_some());
+        for p in [&a, &b, &c] {
+            assert_eq!(p.woken.load(Ordering::SeqCst), 1);
+        }
+        assert!(!list.has_waiters());
     }
 }

@@ -368,7 +368,10 @@ mod tests {
         let r = catch_unwind(AssertUnwindSafe(f));
         let p = r.err().expect("the injected fault did not fire");
         let msg = p.downcast_ref::<String>().map(String::as_str).unwrap_or("");
-        assert!(msg.starts_with("injected panic during publication"), "{msg}");
+        assert!(
+            msg.starts_with("injected panic during publication"),
+            "{msg}"
+        );
     }
 
     /// The protocol state after an unwound round: no publisher, an even epoch, and the
@@ -481,7 +484,11 @@ mod tests {
         let b = EngineId(1);
         expect_injected_panic(|| c.register(2));
         assert_recovered(&c);
-        assert_eq!(state(&c, b), LIVE, "the written-out round lets the engine join");
+        assert_eq!(
+            state(&c, b),
+            LIVE,
+            "the written-out round lets the engine join"
+        );
         c.set_active(b, true);
         check_still_works(&c, a, b);
     }

@@ -543,9 +543,22 @@ impl BlockPool {
     #[inline]
     fn drop_ref(&self, id: BlockId) -> Result<Option<EngineId>, PoolError> {
         let index = self.check_id(id)?;
+        // Acquire pairs with claim's Release store (the generation we compare against).
+        let cur = self.meta[index].load(Ordering::Acquire);
+        self.drop_ref_from(id, index, cur)
+    }
+
+    /// [`drop_ref`](Self::drop_ref) of a checked id at `index`, with `cur` a value of its
+    /// metadata word read earlier (the CAS's first expected value; a stale one costs a retry).
+    #[inline]
+    fn drop_ref_from(
+        &self,
+        id: BlockId,
+        index: usize,
+        mut cur: u64,
+    ) -> Result<Option<EngineId>, PoolError> {
         let meta = &self.meta[index];
         let backoff = Backoff::new();
-        let mut cur = meta.load(Ordering::Acquire);
         loop {
             self.check_live(id, cur)?;
             // AcqRel: the last release must see every other holder's earlier decrement (and their
@@ -580,38 +593,46 @@ impl BlockPool {
     /// is still released, and [`PoolError::ConcurrentDoubleFree`] reports the id and the count.
     /// The pool stays consistent: every block ends either free or allocated.
     pub fn free_n(&self, ids: &[BlockId]) -> Result<u32, PoolError> {
-        for &id in ids {
+        // Phase 1: check every id. For a batch of up to CHAIN ids, each block's metadata word
+        // is kept as the expected value of phase 2's CAS (saving a load per block), and
+        // repeated mentions are found through a 64-bit filter of index bits: only an id whose
+        // bit is already set is compared against the ids before it.
+        const CHAIN: usize = 64;
+        let small = ids.len() <= CHAIN;
+        let mut seen = [0u64; CHAIN];
+        let mut filter = 0u64;
+        for (i, &id) in ids.iter().enumerate() {
             let index = self.check_id(id)?;
             // Acquire pairs with claim's Release store.
             let meta = self.meta[index].load(Ordering::Acquire);
             self.check_live(id, meta)?;
-        }
-        // A block may be named several times as long as it has a reference for each mention.
-        // The caller holds those references, so they cannot vanish concurrently. Short lists
-        // are checked pairwise; long ones through a sorted copy.
-        let over_mentioned = |id: BlockId, mentions: usize| {
-            self.ref_count(id)
-                .map_or(true, |refs| mentions > refs as usize)
-        };
-        if ids.len() <= 32 {
-            for (i, &id) in ids.iter().enumerate() {
-                let mentions = 1 + ids[..i].iter().filter(|&&other| other == id).count();
-                if mentions > 1 && over_mentioned(id, mentions) {
-                    return Err(PoolError::NotAllocated { id });
+            if small {
+                seen[i] = meta;
+                // A block may be named several times as long as it has a reference for each
+                // mention (the caller holds those references, so they cannot vanish
+                // concurrently except through a double free elsewhere, handled in phase 2).
+                let bit = 1u64 << (id.index() % 64);
+                if filter & bit != 0 {
+                    let mentions = 1 + ids[..i].iter().filter(|&&other| other == id).count();
+                    if mentions > meta_refs(meta) as usize {
+                        return Err(PoolError::NotAllocated { id });
+                    }
                 }
+                filter |= bit;
             }
-        } else {
+        }
+        if !small {
             let mut sorted = ids.to_vec();
             sorted.sort_unstable();
             for run in sorted.chunk_by(|a, b| a == b) {
-                if run.len() > 1 && over_mentioned(run[0], run.len()) {
+                let refs = self.ref_count(run[0]).unwrap_or(0);
+                if run.len() > refs as usize {
                     return Err(PoolError::NotAllocated { id: run[0] });
                 }
             }
         }
-        // Release every reference; blocks that reach zero are pushed back in chains of up to
-        // CHAIN blocks with one CAS each, and uncounted per run of equal owners.
-        const CHAIN: usize = 64;
+        // Phase 2: release every reference; blocks that reach zero are pushed back in chains of
+        // up to CHAIN blocks with one CAS each, and uncounted per run of equal owners.
         let mut chain = [0u32; CHAIN];
         let mut len = 0;
         let mut freed = 0;
@@ -622,8 +643,14 @@ impl BlockPool {
         // nor allocated), so such an id is skipped, the batch is finished, and the race is
         // reported after.
         let mut raced = None;
-        for &id in ids {
-            let owner = match self.drop_ref(id) {
+        for (i, &id) in ids.iter().enumerate() {
+            let index = id.index() as usize;
+            let cur = if small {
+                seen[i]
+            } else {
+                self.meta[index].load(Ordering::Acquire)
+            };
+            let owner = match self.drop_ref_from(id, index, cur) {
                 Ok(Some(owner)) => owner,
                 Ok(None) => continue,
                 Err(_) => {

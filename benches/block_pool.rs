@@ -203,6 +203,37 @@ fn run_contended(iters: u64, op: impl Fn() + Sync) -> Duration {
     })
 }
 
+/// [`run_contended`] with per-thread scratch state (a reused id vector) passed to `op`.
+fn run_contended_with<S: Clone + Send>(
+    iters: u64,
+    scratch: S,
+    op: impl Fn(&mut S) + Sync,
+) -> Duration {
+    let barrier = Barrier::new(2);
+    let op = &op;
+    let barrier = &barrier;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|_| {
+                let mut state = scratch.clone();
+                s.spawn(move || {
+                    barrier.wait();
+                    let t = Instant::now();
+                    for _ in 0..iters {
+                        op(&mut state);
+                    }
+                    t.elapsed()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .max()
+            .unwrap()
+    })
+}
+
 fn contended(c: &mut Criterion) {
     let mut g = c.benchmark_group("contended");
     // Each iteration is one alloc+free pair on each of the two threads.
@@ -276,9 +307,51 @@ fn alloc_n(c: &mut Criterion) {
     g.finish();
 }
 
+/// Two threads each doing `alloc_n(16) + free_n(16)` in a loop on one shared list; one
+/// iteration is one batch pair on each thread (throughput: 32 blocks through the list).
+fn alloc_n_contended(c: &mut Criterion) {
+    const N: u32 = 16;
+    let mut g = c.benchmark_group("alloc_n_contended");
+    g.throughput(Throughput::Elements(u64::from(2 * N)));
+    let p = Arc::new(Pagedkv::new());
+    g.bench_function(BenchmarkId::new("pagedkv", N), |b| {
+        b.iter_custom(|iters| {
+            run_contended_with(iters, Vec::with_capacity(N as usize), |ids| {
+                ids.clear();
+                p.pool.alloc_n(EngineId(0), N, ids).unwrap();
+                p.pool.free_n(black_box(ids)).unwrap();
+            })
+        })
+    });
+    assert_eq!(p.free_count(), BLOCKS as usize);
+    let m = Arc::new(KapslMutexVecDeque::new());
+    g.bench_function(BenchmarkId::new("mutex_vecdeque", N), |b| {
+        b.iter_custom(|iters| {
+            run_contended_with(iters, Vec::with_capacity(N as usize), |out| {
+                out.clear();
+                assert!(m.alloc_n(N as usize, out));
+                m.free_n(black_box(out));
+            })
+        })
+    });
+    assert_eq!(m.free_count(), BLOCKS as usize);
+    let q = Arc::new(CrossbeamArrayQueue::new());
+    g.bench_function(BenchmarkId::new("crossbeam_arrayqueue", N), |b| {
+        b.iter_custom(|iters| {
+            run_contended_with(iters, Vec::with_capacity(N as usize), |out| {
+                out.clear();
+                assert!(q.alloc_n(N as usize, out));
+                q.free_n(black_box(out));
+            })
+        })
+    });
+    assert_eq!(q.free_count(), BLOCKS as usize);
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
-    targets = alloc_free, contended, alloc_n
+    targets = alloc_free, contended, alloc_n, alloc_n_contended
 }
 criterion_main!(benches);

@@ -80,6 +80,19 @@ pub enum PoolError {
     /// Invalid pool construction parameters.
     #[error("invalid pool configuration: {0}")]
     InvalidConfig(&'static str),
+    /// `free_n` checked every id, then another thread released one of them before this call
+    /// did (a double free racing the batch). Unlike every other refusal this one is not
+    /// side-effect free: every other reference in the batch was released.
+    #[error(
+        "{id:?} was released by another thread while free_n was releasing it (a double free); \
+         every other reference of the batch was released, {freed} blocks went back to the free list"
+    )]
+    ConcurrentDoubleFree {
+        /// The first id whose release failed.
+        id: BlockId,
+        /// Blocks the call returned to the free list.
+        freed: u32,
+    },
 }
 
 /// Errors of the continuous-batching scheduler ([`crate::sched::batcher`]).

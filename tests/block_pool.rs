@@ -175,6 +175,51 @@ fn share_release_returns_block_exactly_once() {
     assert!(p.release(a).is_err());
 }
 
+/// `free_n` finds repeated mentions through a filter of index bits for batches up to 64 and a
+/// sorted copy beyond: blocks that share a filter bit are not mistaken for repeats, and a real
+/// repeat past its reference count is refused on both paths with nothing released.
+#[test]
+fn free_n_repeat_checks_on_both_paths() {
+    let p = pool(200);
+    let mut ids = Vec::new();
+    p.alloc_n(E0, 130, &mut ids).unwrap();
+    assert_eq!(
+        (ids[0].index(), ids[64].index(), ids[128].index()),
+        (0, 64, 128)
+    );
+    // Indices 0, 64 and 128 share a filter bit but are different blocks.
+    assert_eq!(p.free_n(&[ids[0], ids[64], ids[128]]), Ok(3));
+    let mut again = Vec::new();
+    p.alloc_n(E0, 3, &mut again).unwrap();
+    ids[0] = again[0];
+    ids[64] = again[1];
+    ids[128] = again[2];
+    // A repeat 63 places apart in a batch of 64: refused, nothing released.
+    let mut batch: Vec<BlockId> = ids[..63].to_vec();
+    batch.push(ids[0]);
+    assert_eq!(
+        p.free_n(&batch),
+        Err(PoolError::NotAllocated { id: ids[0] })
+    );
+    assert_eq!(p.free_count(), 70);
+    // The same past 64 ids (sorted-copy path).
+    let mut long: Vec<BlockId> = ids[..100].to_vec();
+    long.push(ids[99]);
+    assert_eq!(
+        p.free_n(&long),
+        Err(PoolError::NotAllocated { id: ids[99] })
+    );
+    assert_eq!(p.free_count(), 70);
+    // Backed by a second reference, both are fine.
+    p.share(ids[0]).unwrap();
+    p.share(ids[99]).unwrap();
+    assert_eq!(p.free_n(&batch), Ok(63));
+    assert_eq!(p.free_n(&long[63..]), Ok(37));
+    assert_eq!(p.free_n(&ids[100..]), Ok(30));
+    assert_eq!(p.free_count(), 200);
+    assert_eq!(p.held(E0), 0);
+}
+
 #[test]
 fn free_n_refuses_bad_lists_without_changing_anything() {
     let p = pool(40);

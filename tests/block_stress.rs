@@ -1,13 +1,89 @@
-//! Multi-threaded stress of the pool and tables: threads do random operations (alloc, alloc_n,
-//! share, release, free_n, and handing references to each other through an exchange), and at
-//! quiescent points (a barrier) the pool is checked against the sequential model rebuilt from
-//! what every thread holds.
+//! Multi-threaded stress of the pool: threads do random operations (alloc, alloc_n, share,
+//! release, free_n, and handing references to each other through an exchange), and at quiescent
+//! points the pool is checked against the sequential model rebuilt from what every thread
+//! holds; and `free_n` racing a double release of one of its blocks, checked for conservation
+//! (every block free or allocated) after every round.
+//!
+//! Every wait has a deadline: a thread hung inside a pool operation (or one that panicked and
+//! left the others waiting) fails the test with a message instead of hanging it.
 
 use pagedkv::block::{BlockId, BlockPool, EngineId, PoolConfig};
+use pagedkv::PoolError;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long any thread may wait for the others at a quiescent point (a healthy round takes well
+/// under a second even on a loaded 2-core machine).
+const STALL: Duration = Duration::from_secs(60);
+
+/// A barrier whose waits time out, and that a panicking thread poisons so the others fail
+/// promptly instead of waiting forever.
+struct Gate {
+    /// `(arrived, generation, poisoned)`.
+    state: Mutex<(usize, u64, bool)>,
+    cv: Condvar,
+    parties: usize,
+}
+
+impl Gate {
+    fn new(parties: usize) -> Self {
+        Self {
+            state: Mutex::new((0, 0, false)),
+            cv: Condvar::new(),
+            parties,
+        }
+    }
+
+    fn wait(&self, who: &str) {
+        let deadline = Instant::now() + STALL;
+        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        assert!(!g.2, "{who}: another thread failed (see its panic)");
+        let generation = g.1;
+        g.0 += 1;
+        if g.0 == self.parties {
+            g.0 = 0;
+            g.1 += 1;
+            self.cv.notify_all();
+            return;
+        }
+        while g.1 == generation {
+            assert!(!g.2, "{who}: another thread failed (see its panic)");
+            let now = Instant::now();
+            if now >= deadline {
+                g.2 = true;
+                self.cv.notify_all();
+                panic!(
+                    "{who}: waited {STALL:?} at a quiescent point: a thread is hung or \
+                     livelocked inside a pool operation"
+                );
+            }
+            g = self
+                .cv
+                .wait_timeout(g, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    fn poison(&self) {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).2 = true;
+        self.cv.notify_all();
+    }
+}
+
+/// Poisons the gate if the thread holding it unwinds.
+struct PoisonOnPanic<'a>(&'a Gate);
+
+impl Drop for PoisonOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.poison();
+        }
+    }
+}
 
 const THREADS: usize = 4;
 const ENGINES: u16 = 3;
@@ -31,25 +107,22 @@ fn random_operations_match_the_sequential_model() {
     // References in transit between threads.
     let exchange: Arc<Vec<AtomicU64>> =
         Arc::new((0..EXCHANGE).map(|_| AtomicU64::new(EMPTY)).collect());
-    let barrier = Arc::new(Barrier::new(THREADS + 1));
+    let gate = Arc::new(Gate::new(THREADS + 1));
     // Each thread publishes the references it holds at each quiescent point (test-side only).
     let held: Arc<Vec<Mutex<Vec<BlockId>>>> =
         Arc::new((0..THREADS).map(|_| Mutex::new(Vec::new())).collect());
 
     let workers: Vec<_> = (0..THREADS)
         .map(|t| {
-            let (pool, exchange, barrier, held) = (
-                pool.clone(),
-                exchange.clone(),
-                barrier.clone(),
-                held.clone(),
-            );
+            let (pool, exchange, gate, held) =
+                (pool.clone(), exchange.clone(), gate.clone(), held.clone());
             std::thread::spawn(move || {
+                let _poison = PoisonOnPanic(&gate);
                 let engine = EngineId((t % ENGINES as usize) as u16);
                 let mut rng = SmallRng::seed_from_u64(0x5eed + t as u64);
                 let mut mine: Vec<BlockId> = Vec::new();
                 let mut scratch = Vec::new();
-                for _ in 0..ROUNDS {
+                for round in 0..ROUNDS {
                     for _ in 0..OPS {
                         match rng.gen_range(0..100) {
                             0..=24 => {
@@ -109,16 +182,19 @@ fn random_operations_match_the_sequential_model() {
                         }
                     }
                     *held[t].lock().unwrap() = mine.clone();
-                    barrier.wait(); // quiescent: the checker runs
-                    barrier.wait(); // checker done
+                    let who = format!("worker {t}, round {round}");
+                    gate.wait(&who); // quiescent: the checker runs
+                    gate.wait(&who); // checker done
                 }
                 pool.free_n(&mine).unwrap();
             })
         })
         .collect();
 
+    let _poison = PoisonOnPanic(&gate);
     for round in 0..ROUNDS {
-        barrier.wait();
+        let who = format!("checker, round {round}");
+        gate.wait(&who);
         // The sequential model: every reference anyone holds.
         let mut refs: HashMap<BlockId, u32> = HashMap::new();
         for h in held.iter() {
@@ -154,7 +230,7 @@ fn random_operations_match_the_sequential_model() {
             per_engine,
             "round {round}: per-engine held"
         );
-        barrier.wait();
+        gate.wait(&who);
     }
     for w in workers {
         w.join().unwrap();
@@ -167,4 +243,136 @@ fn random_operations_match_the_sequential_model() {
     }
     assert_eq!(pool.free_count(), BLOCKS);
     assert_eq!(pool.stats().held, vec![0; ENGINES as usize]);
+}
+
+/// Spins until `done` holds (yielding now and then, in case the other thread shares this core),
+/// failing with `what` once `deadline` passes.
+fn spin_until(deadline: Instant, what: &str, mut done: impl FnMut() -> bool) {
+    let mut spins = 0u32;
+    while !done() {
+        spins = spins.wrapping_add(1);
+        if spins % 1024 == 0 {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// Issue 17 item 1: one thread `free_n`s all 63 blocks it holds while another releases one of
+/// them (a double free elsewhere). Exactly one of the two releases of that block may succeed,
+/// and after every round every block is back on the free list: a `free_n` that gave up half
+/// way (after dropping some references, before pushing them) would leave blocks that are
+/// neither free nor allocated.
+#[test]
+fn free_n_racing_a_double_release_loses_no_block() {
+    const BLOCKS: u32 = 64;
+    const BATCH: u32 = 63;
+    const ROUNDS: u64 = 200_000;
+    const TIME: Duration = Duration::from_secs(4);
+    let pool = Arc::new(
+        BlockPool::new(PoolConfig {
+            device: 0,
+            num_blocks: BLOCKS,
+            max_engines: 1,
+        })
+        .unwrap(),
+    );
+    // The id the double-freer releases (EMPTY when none), and how its release went.
+    let target = Arc::new(AtomicU64::new(EMPTY));
+    let outcome = Arc::new(AtomicU64::new(EMPTY));
+    let stop = Arc::new(AtomicBool::new(false));
+    let deadline = Instant::now() + STALL;
+    let rogue = {
+        let (pool, target, outcome, stop) =
+            (pool.clone(), target.clone(), outcome.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut rng = SmallRng::seed_from_u64(17);
+            loop {
+                let mut bits = EMPTY;
+                spin_until(deadline, "the next round's target", || {
+                    bits = target.swap(EMPTY, Ordering::AcqRel);
+                    bits != EMPTY || stop.load(Ordering::Acquire)
+                });
+                if bits == EMPTY {
+                    return;
+                }
+                // A short random delay spreads the release over the whole of free_n.
+                for _ in 0..rng.gen_range(0..32) {
+                    std::hint::spin_loop();
+                }
+                let ok = pool.release(BlockId::from_bits(bits)).is_ok();
+                outcome.store(u64::from(ok), Ordering::Release);
+            }
+        })
+    };
+    // Stops the other thread however this one leaves (a failed assertion included).
+    struct StopOnDrop(Arc<AtomicBool>);
+    impl Drop for StopOnDrop {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+    let _stop = StopOnDrop(stop.clone());
+    let mut rng = SmallRng::seed_from_u64(71);
+    let mut ids = Vec::new();
+    let mut phase_two_races = 0u64;
+    let (mut refused, mut late) = (0u64, 0u64);
+    let start = Instant::now();
+    let mut rounds = 0;
+    while rounds < ROUNDS && start.elapsed() < TIME {
+        rounds += 1;
+        ids.clear();
+        pool.alloc_n(EngineId(0), BATCH, &mut ids).unwrap();
+        let raced = ids[rng.gen_range(1..BATCH as usize)];
+        target.store(raced.to_bits(), Ordering::Release);
+        let mine = match pool.free_n(&ids) {
+            Ok(freed) => {
+                assert_eq!(freed, BATCH, "round {rounds}");
+                late += 1;
+                true
+            }
+            // Refused before anything was released: we still hold every other reference.
+            Err(PoolError::NotAllocated { id }) | Err(PoolError::StaleBlock { id, .. }) => {
+                assert_eq!(id, raced, "round {rounds}: refused the wrong id");
+                ids.retain(|&b| b != raced);
+                pool.free_n(&ids)
+                    .unwrap_or_else(|e| panic!("round {rounds}: freeing the rest: {e}"));
+                refused += 1;
+                false
+            }
+            // The release raced phase two: everything else was released.
+            Err(PoolError::ConcurrentDoubleFree { id, freed }) => {
+                assert_eq!(id, raced, "round {rounds}: reported the wrong id");
+                assert_eq!(freed, BATCH - 1, "round {rounds}");
+                phase_two_races += 1;
+                false
+            }
+            Err(e) => panic!("round {rounds}: unexpected error {e}"),
+        };
+        let mut theirs = EMPTY;
+        spin_until(deadline, "the double release", || {
+            theirs = outcome.swap(EMPTY, Ordering::AcqRel);
+            theirs != EMPTY
+        });
+        assert!(
+            mine ^ (theirs == 1),
+            "round {rounds}: exactly one release of {raced:?} succeeds (free_n: {mine}, \
+             other thread: {})",
+            theirs == 1
+        );
+        assert_eq!(
+            pool.free_count(),
+            BLOCKS,
+            "round {rounds}: blocks lost (neither free nor allocated)"
+        );
+        assert_eq!(pool.held(EngineId(0)), 0, "round {rounds}: held count");
+    }
+    stop.store(true, Ordering::Release);
+    rogue.join().unwrap();
+    println!(
+        "{rounds} rounds: the other release came first {refused}, during free_n's second phase \
+         {phase_two_races}, after {late}"
+    );
 }

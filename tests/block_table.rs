@@ -3,7 +3,10 @@
 
 use pagedkv::block::{BlockId, BlockPool, BlockTable, EngineId, PoolConfig};
 use pagedkv::PoolError;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 fn pool(n: u32) -> Arc<BlockPool> {
     Arc::new(
@@ -98,47 +101,135 @@ fn push_refuses_when_full_and_caller_keeps_the_reference() {
     p.free(extra).unwrap();
 }
 
+/// What the writer did, recorded before each operation is published, so a reader can tell
+/// whether a snapshot is a state the table actually had.
+#[derive(Default)]
+struct History {
+    /// Per id ever put in the table: `(epoch it was written in, position, epoch it was removed
+    /// in or u32::MAX)`. Ids are never reused (each allocation bumps the block's generation).
+    ids: HashMap<BlockId, (u32, u32, u32)>,
+    /// `base[e]`: the table's length when epoch `e` began (truncate / replace start an epoch).
+    base: Vec<u32>,
+}
+
+impl History {
+    /// Whether `snap` is a state the table had: every id sits at the position it was written
+    /// to, all were in the table together during one epoch `e` (the latest epoch any of them
+    /// was written in), and the snapshot is no shorter than the table was throughout `e`
+    /// (within an epoch the table only grows, so its states are the prefixes of at least that
+    /// length).
+    fn check(&self, snap: &[BlockId]) -> Result<(), String> {
+        let mut rows = Vec::with_capacity(snap.len());
+        for (j, id) in snap.iter().enumerate() {
+            let &(written, pos, removed) = self
+                .ids
+                .get(id)
+                .ok_or_else(|| format!("{id:?} was never written to the table"))?;
+            if pos as usize != j {
+                return Err(format!("{id:?} was written at {pos}, seen at {j}"));
+            }
+            rows.push((id, written, removed));
+        }
+        let Some(epoch) = rows.iter().map(|r| r.1).max() else {
+            return Ok(()); // the table starts empty
+        };
+        for (id, written, removed) in rows {
+            if !(written <= epoch && epoch < removed) {
+                return Err(format!(
+                    "{id:?} (written in epoch {written}, removed in {removed}) was not in the \
+                     table in epoch {epoch}, with the rest of the snapshot"
+                ));
+            }
+        }
+        let base = self.base[epoch as usize];
+        if (snap.len() as u32) < base {
+            return Err(format!(
+                "{} blocks, but the table held at least {base} throughout epoch {epoch}",
+                snap.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
 #[test]
 fn readers_see_only_prefixes_of_the_writer_history() {
-    // The writer appends ids in a known order and periodically truncates; every snapshot a
-    // reader takes must equal some state the table actually had: a prefix of the append log
-    // since the last truncation.
+    // The writer appends, truncates and replaces (copy-on-write) while a reader snapshots; each
+    // snapshot must be a state the table actually had, checked against the writer's history.
+    const DEADLINE: Duration = Duration::from_secs(60);
     let p = pool(64);
-    let mut t = BlockTable::new(p.clone(), EngineId(0), 64);
+    let mut t = BlockTable::new(p.clone(), EngineId(0), 63);
     let reader = t.reader();
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let taken = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let history = Arc::new(Mutex::new(History {
+        ids: HashMap::new(),
+        base: vec![0],
+    }));
+    let stop = Arc::new(AtomicBool::new(false));
+    let taken = Arc::new(AtomicU64::new(0));
     let checker = {
-        let (stop, reader, taken) = (stop.clone(), reader.clone(), taken.clone());
+        let (stop, reader, taken, history) =
+            (stop.clone(), reader.clone(), taken.clone(), history.clone());
         std::thread::spawn(move || {
             let mut snap: Vec<BlockId> = Vec::new();
             let mut checked = 0u64;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            while !stop.load(Ordering::Relaxed) {
                 reader.snapshot_into(&mut snap);
-                // Ids in one snapshot are distinct blocks (no block twice in a table).
-                let mut idx: Vec<u32> = snap.iter().map(|b| b.index()).collect();
-                idx.sort_unstable();
-                idx.dedup();
-                assert_eq!(idx.len(), snap.len(), "snapshot mixed two table states");
+                // The snapshot's Acquire load of the table state comes after the writer's
+                // record of every id it can show (recorded before being published).
+                if let Err(e) = history.lock().unwrap().check(&snap) {
+                    panic!("snapshot {snap:?} is no state of the table: {e}");
+                }
                 checked += 1;
-                taken.store(checked, std::sync::atomic::Ordering::Relaxed);
+                taken.store(checked, Ordering::Relaxed);
             }
             checked
         })
     };
-    let mut scratch = Vec::new();
+    let start = Instant::now();
+    let mut epoch = 0u32;
     // Run until the reader has overlapped a good stretch of writes (the machine may be busy).
     let mut round = 0u32;
-    while round < 20_000 || taken.load(std::sync::atomic::Ordering::Relaxed) < 1_000 {
+    while round < 20_000 || taken.load(Ordering::Relaxed) < 1_000 {
+        assert!(
+            start.elapsed() < DEADLINE && !checker.is_finished(),
+            "after {round} writes the reader took {} snapshots (stuck, or it failed)",
+            taken.load(Ordering::Relaxed)
+        );
         round = round.wrapping_add(1);
-        let target = 1 + round % 63;
+        let target = 1 + round % 62;
         if t.len() >= target {
-            t.truncate(round % 7);
+            let keep = round % 7;
+            if keep < t.len() {
+                epoch += 1;
+                let mut h = history.lock().unwrap();
+                for i in keep..t.len() {
+                    h.ids.get_mut(&t.get(i).unwrap()).unwrap().2 = epoch;
+                }
+                h.base.push(keep);
+                drop(h);
+                t.truncate(keep);
+            }
+        } else if round % 5 == 0 && !t.is_empty() {
+            let i = round % t.len();
+            let fresh = p.alloc(EngineId(0)).unwrap();
+            epoch += 1;
+            let mut h = history.lock().unwrap();
+            h.ids.get_mut(&t.get(i).unwrap()).unwrap().2 = epoch;
+            h.ids.insert(fresh, (epoch, i, u32::MAX));
+            h.base.push(t.len());
+            drop(h);
+            t.replace(i, fresh).unwrap();
         } else {
-            t.grow(1, &mut scratch).unwrap();
+            let id = p.alloc(EngineId(0)).unwrap();
+            history
+                .lock()
+                .unwrap()
+                .ids
+                .insert(id, (epoch, t.len(), u32::MAX));
+            t.push(id).unwrap();
         }
     }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    stop.store(true, Ordering::Relaxed);
     assert!(checker.join().unwrap() > 0);
     drop(t);
     assert_eq!(p.free_count(), 64);

@@ -1,7 +1,9 @@
-//! loom models of every atomic protocol in the crate. Compiled only with `--cfg loom`:
+//! loom models of every atomic protocol in the crate. Compiled only with `--cfg loom`, and run
+//! by CI with a preemption bound of 2 (every model is sized to finish at that bound within a
+//! minute or so on 2 cores):
 //!
 //! ```text
-//! RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 cargo test --release --test loom
+//! RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 cargo test --release --test loom --target-dir target/loom
 //! ```
 //!
 //! One file per protocol under tests/loom/.

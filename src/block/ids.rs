@@ -26,7 +26,10 @@ pub const MAX_BLOCKS: u32 = (1 << INDEX_BITS) - 1;
 ///
 /// - *index*: the block's position in device memory, `0..pool.total()`; what the kernels see.
 /// - *generation*: bumped each time the block is allocated, so an id kept after it was freed is
-///   recognised as stale instead of silently freeing someone else's block.
+///   recognised as stale instead of silently freeing someone else's block. It has 24 bits and
+///   wraps: a stale id goes unnoticed when the block has since been allocated a multiple of
+///   2^24 times and is allocated now. Detection is certain below 2^24 reallocations; over an
+///   arbitrary number of them it holds with probability 1 - 2^-24 (about 1 - 6 × 10^-8).
 /// - *pool tag*: unique per pool in this process (and so per device); an id from another pool is
 ///   refused.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -4,8 +4,9 @@
 //!   every model's cache is a view of it (see [`arena`]).
 //! - [`BlockPool`]: the free KV blocks of one device, shared by every engine through `Arc`
 //!   (a Treiber stack with a tagged head; see [`pool`]).
-//! - [`BlockTable`]: one sequence's logical-to-physical block map; one wait-free writer, any
-//!   number of readers taking consistent snapshots (see [`table`]).
+//! - [`BlockTable`]: one sequence's logical-to-physical block map; one writer (appends are
+//!   wait-free; truncation, replacement and drop release blocks through the pool and are
+//!   lock-free), any number of readers taking consistent snapshots (see [`table`]).
 
 pub mod arena;
 mod ids;

@@ -17,9 +17,9 @@
 //!
 //! **ABA.** Every successful CAS on the head increments the 40-bit tag. A CAS that compares
 //! against a head it read earlier can only succeed if no other CAS succeeded in between, unless
-//! exactly 2^40 (1.1 × 10^12) head updates happened while this thread was between its load and
-//! its CAS: at one update per 10 ns that is a stall of three hours inside a handful of
-//! instructions. Within that argument, a successful CAS proves the stack was untouched since the
+//! a multiple of 2^40 (1.1 × 10^12) head updates happened while this thread was between its load
+//! and its CAS: at one update per 10 ns that is a stall of three hours inside a handful of
+//! instructions. (Under loom the tag has 2 bits, so that models can show it is what stops ABA.) Within that argument, a successful CAS proves the stack was untouched since the
 //! load, so the `next` (or the chain) read from it was the live one. Links read from a stale head
 //! may be garbage; they are only used if the CAS proves them current, and every link value is an
 //! index below the pool size or the end marker, so reading them is always in bounds.
@@ -44,10 +44,12 @@
 //! writes its metadata while the count is zero (the block is unreachable by anyone else), so
 //! allocation publishes `count = 1, generation + 1, owner` with a plain store. Every other change
 //! (`share`, `release`) is a CAS that requires a non-zero count and the caller's generation: a
-//! double free, a free of a never-allocated block, and a free through an id kept after the block
-//! was freed and reallocated are all refused with an error, and the pool stays consistent. The
-//! release that takes the count from one to zero is the only one that pushes the block back, so
-//! a block returns to the free list exactly once.
+//! double free and a free of a never-allocated block are refused with an error, and so is a free
+//! through an id kept after the block was freed and reallocated, unless the 24-bit generation
+//! wrapped in between (the block reallocated a multiple of 2^24 times: see [`BlockId`]; with an
+//! arbitrary reuse count a stale id is caught with probability 1 - 2^-24). The pool stays
+//! consistent either way. The release that takes the count from one to zero is the only one
+//! that pushes the block back, so a block returns to the free list exactly once.
 //!
 //! # Per-engine accounting
 //!
@@ -62,6 +64,11 @@ use crate::sync::{global, AtomicU32, AtomicU64, Backoff, CachePadded, Ordering};
 /// End-of-list marker in a link or the head (all index bits set).
 const NIL: u32 = MAX_BLOCKS;
 const TAG_SHIFT: u32 = INDEX_BITS;
+/// Bits of the head's ABA tag: 40, or 2 under loom, so that a model with a few head updates can
+/// wrap the tag and loom can show the tag is what stops ABA (tests/loom/pool.rs,
+/// `pop_pop_push_aba`: three updates between a popper's load and its CAS must still be caught).
+const TAG_BITS: u32 = if cfg!(loom) { 2 } else { 64 - INDEX_BITS };
+const TAG_MASK: u64 = (1 << TAG_BITS) - 1;
 
 const RC_BITS: u32 = 24;
 const RC_MASK: u64 = (1 << RC_BITS) - 1;
@@ -73,8 +80,8 @@ pub const MAX_REFS: u32 = (1 << RC_BITS) - 1;
 
 #[inline]
 fn head_word(tag_of: u64, index: u32) -> u64 {
-    // The new tag is the old one plus one; bits shifted past 64 are the 40-bit wrap-around.
-    (((tag_of >> TAG_SHIFT).wrapping_add(1)) << TAG_SHIFT) | u64::from(index)
+    // The new tag is the old one plus one, wrapping at TAG_BITS.
+    ((((tag_of >> TAG_SHIFT).wrapping_add(1)) & TAG_MASK) << TAG_SHIFT) | u64::from(index)
 }
 
 #[inline]
@@ -536,9 +543,22 @@ impl BlockPool {
     #[inline]
     fn drop_ref(&self, id: BlockId) -> Result<Option<EngineId>, PoolError> {
         let index = self.check_id(id)?;
+        // Acquire pairs with claim's Release store (the generation we compare against).
+        let cur = self.meta[index].load(Ordering::Acquire);
+        self.drop_ref_from(id, index, cur)
+    }
+
+    /// [`drop_ref`](Self::drop_ref) of a checked id at `index`, with `cur` a value of its
+    /// metadata word read earlier (the CAS's first expected value; a stale one costs a retry).
+    #[inline]
+    fn drop_ref_from(
+        &self,
+        id: BlockId,
+        index: usize,
+        mut cur: u64,
+    ) -> Result<Option<EngineId>, PoolError> {
         let meta = &self.meta[index];
         let backoff = Backoff::new();
-        let mut cur = meta.load(Ordering::Acquire);
         loop {
             self.check_live(id, cur)?;
             // AcqRel: the last release must see every other holder's earlier decrement (and their
@@ -566,46 +586,77 @@ impl BlockPool {
     /// Every id is checked first (pool, range, generation, allocated, and no block named more
     /// times than it has references); only then are any released, so a refused call leaves the
     /// pool unchanged. Returns how many blocks went back to the free list.
+    ///
+    /// One failure comes after the checks: another thread releases one of these references
+    /// between the check and this call's release of it (a double free racing the batch; which
+    /// of the two releases wins is down to timing). That id is skipped, every other reference
+    /// is still released, and [`PoolError::ConcurrentDoubleFree`] reports the id and the count.
+    /// The pool stays consistent: every block ends either free or allocated.
     pub fn free_n(&self, ids: &[BlockId]) -> Result<u32, PoolError> {
-        for &id in ids {
+        // Phase 1: check every id. For a batch of up to CHAIN ids, each block's metadata word
+        // is kept as the expected value of phase 2's CAS (saving a load per block), and
+        // repeated mentions are found through a 64-bit filter of index bits: only an id whose
+        // bit is already set is compared against the ids before it.
+        const CHAIN: usize = 64;
+        let small = ids.len() <= CHAIN;
+        let mut seen = [0u64; CHAIN];
+        let mut filter = 0u64;
+        for (i, &id) in ids.iter().enumerate() {
             let index = self.check_id(id)?;
             // Acquire pairs with claim's Release store.
             let meta = self.meta[index].load(Ordering::Acquire);
             self.check_live(id, meta)?;
-        }
-        // A block may be named several times as long as it has a reference for each mention.
-        // The caller holds those references, so they cannot vanish concurrently. Short lists
-        // are checked pairwise; long ones through a sorted copy.
-        let over_mentioned = |id: BlockId, mentions: usize| {
-            self.ref_count(id)
-                .map_or(true, |refs| mentions > refs as usize)
-        };
-        if ids.len() <= 32 {
-            for (i, &id) in ids.iter().enumerate() {
-                let mentions = 1 + ids[..i].iter().filter(|&&other| other == id).count();
-                if mentions > 1 && over_mentioned(id, mentions) {
-                    return Err(PoolError::NotAllocated { id });
+            if small {
+                seen[i] = meta;
+                // A block may be named several times as long as it has a reference for each
+                // mention (the caller holds those references, so they cannot vanish
+                // concurrently except through a double free elsewhere, handled in phase 2).
+                let bit = 1u64 << (id.index() % 64);
+                if filter & bit != 0 {
+                    let mentions = 1 + ids[..i].iter().filter(|&&other| other == id).count();
+                    if mentions > meta_refs(meta) as usize {
+                        return Err(PoolError::NotAllocated { id });
+                    }
                 }
+                filter |= bit;
             }
-        } else {
+        }
+        if !small {
             let mut sorted = ids.to_vec();
             sorted.sort_unstable();
             for run in sorted.chunk_by(|a, b| a == b) {
-                if run.len() > 1 && over_mentioned(run[0], run.len()) {
+                let refs = self.ref_count(run[0]).unwrap_or(0);
+                if run.len() > refs as usize {
                     return Err(PoolError::NotAllocated { id: run[0] });
                 }
             }
         }
-        // Release every reference; blocks that reach zero are pushed back in chains of up to
-        // CHAIN blocks with one CAS each, and uncounted per run of equal owners.
-        const CHAIN: usize = 64;
+        // Phase 2: release every reference; blocks that reach zero are pushed back in chains of
+        // up to CHAIN blocks with one CAS each, and uncounted per run of equal owners.
         let mut chain = [0u32; CHAIN];
         let mut len = 0;
         let mut freed = 0;
         let mut run: Option<(EngineId, u32)> = None;
-        for &id in ids {
-            let Some(owner) = self.drop_ref(id)? else {
-                continue;
+        // Every id passed the checks above, but a double free elsewhere (another thread
+        // releasing a reference this caller holds) can still make one fail here. Returning at
+        // that point would strand the blocks already taken to zero references (neither free
+        // nor allocated), so such an id is skipped, the batch is finished, and the race is
+        // reported after.
+        let mut raced = None;
+        for (i, &id) in ids.iter().enumerate() {
+            let index = id.index() as usize;
+            let cur = if small {
+                seen[i]
+            } else {
+                self.meta[index].load(Ordering::Acquire)
+            };
+            let owner = match self.drop_ref_from(id, index, cur) {
+                Ok(Some(owner)) => owner,
+                Ok(None) => continue,
+                Err(_) => {
+                    raced.get_or_insert(id);
+                    continue;
+                }
             };
             match &mut run {
                 Some((o, n)) if *o == owner => *n += 1,
@@ -625,7 +676,11 @@ impl BlockPool {
         }
         self.uncount(run);
         self.push_chain(&chain[..len]);
-        Ok(freed + len as u32)
+        let freed = freed + len as u32;
+        match raced {
+            None => Ok(freed),
+            Some(id) => Err(PoolError::ConcurrentDoubleFree { id, freed }),
+        }
     }
 
     /// Subtracts a run of recycled blocks from their owner's count (before they are pushed, so

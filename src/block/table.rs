@@ -12,10 +12,10 @@
 //!
 //! - **append** (wait-free, two stores): write `slots[len]`, then store `state = (epoch, len+1)`
 //!   with Release. Appends never change a slot below `len`.
-//! - **truncate / replace** (wait-free for the writer): store `state = (epoch+1, new_len)` with
-//!   Release (it is itself a state readers may accept), a
-//!   Release fence, then write slots. This is the writer side of a **sequence lock**: the epoch
-//!   changes *before* any slot below the old length can be overwritten.
+//! - **truncate / replace**: store `state = (epoch+1, new_len)` with Release (it is itself a
+//!   state readers may accept), a Release fence, then write slots. This is the writer side of a
+//!   **sequence lock**: the epoch changes *before* any slot below the old length can be
+//!   overwritten.
 //! - **snapshot** (reader): load `state` (Acquire), copy `slots[..len]`, an Acquire fence, load
 //!   `state` again; if the epoch is unchanged the copy is exactly the table at the first load
 //!   (appends in between only touched slots at or past `len`), otherwise retry. If a copied slot
@@ -26,6 +26,17 @@
 //!
 //! Blocks are owned by the table: dropping it, or truncating it, releases them through the pool's
 //! reference counting, so a table never leaks a block.
+//!
+//! # Progress
+//!
+//! `push` is wait-free (two stores). The table's own part of `truncate`, `replace` and `clear`
+//! is a fixed number of stores, but they (and `drop`) then release blocks through the pool,
+//! whose reference-count and free-list updates are CAS loops: those calls are **lock-free**,
+//! not wait-free (a call can retry only because another thread's pool operation succeeded).
+//! `grow` and `fork` allocate or share through the pool and are lock-free too. A reader's
+//! `snapshot_into` retries only when the writer completed a truncate or replace meanwhile, so
+//! it is lock-free, and it waits for nothing: a writer stalled half way leaves a state readers
+//! accept.
 
 use super::ids::{BlockId, EngineId};
 use super::pool::BlockPool;
@@ -175,7 +186,8 @@ impl BlockTable {
     }
 
     /// Keeps the first `new_len` blocks and releases the rest through the pool. Returns how many
-    /// blocks went back to the free list (shared ones only lose a reference).
+    /// blocks went back to the free list (shared ones only lose a reference). Lock-free: the
+    /// releases are the pool's CAS loops (see the module's Progress section).
     pub fn truncate(&mut self, new_len: u32) -> u32 {
         if new_len >= self.len {
             return 0;
@@ -198,7 +210,7 @@ impl BlockTable {
 
     /// Replaces logical block `i` with `id` (copy-on-write: the caller copied the shared block
     /// into a fresh one). The table takes the caller's reference to `id` and releases its
-    /// reference to the old block; returns the old id.
+    /// reference to the old block; returns the old id. Lock-free (the release is the pool's).
     pub fn replace(&mut self, i: u32, id: BlockId) -> Result<BlockId, PoolError> {
         let old = self.get(i).ok_or(PoolError::TableFull {
             capacity: self.capacity(),

@@ -2,7 +2,8 @@
 
 use loom::sync::Arc;
 use loom::thread;
-use pagedkv::block::{BlockPool, EngineId, PoolConfig};
+use pagedkv::block::{BlockId, BlockPool, EngineId, PoolConfig};
+use pagedkv::PoolError;
 
 fn pool(n: u32) -> Arc<BlockPool> {
     Arc::new(
@@ -122,5 +123,151 @@ fn share_racing_last_release() {
             assert!(p.release(a).unwrap());
         }
         assert_eq!(p.free_count(), 1);
+    });
+}
+
+/// Holds every block still free, checks no block is held twice across `held` and the drained
+/// ones, and that the pool's counts agree; then frees everything.
+fn drain_and_check(p: &BlockPool, held: &[BlockId]) {
+    let mut all: Vec<BlockId> = held.to_vec();
+    let free_before = p.free_count();
+    while let Ok(id) = p.alloc(EngineId(1)) {
+        all.push(id);
+        assert!(
+            all.len() <= p.total() as usize,
+            "more blocks handed out than exist"
+        );
+    }
+    assert_eq!(
+        all.len() - held.len(),
+        free_before as usize,
+        "free count disagrees with the free list"
+    );
+    let mut idx: Vec<u32> = all.iter().map(|b| b.index()).collect();
+    idx.sort_unstable();
+    idx.dedup();
+    assert_eq!(idx.len(), all.len(), "a block handed out twice: {all:?}");
+    assert_eq!(all.len(), p.total() as usize, "a block lost");
+    p.free_n(&all).unwrap();
+    assert_eq!(p.free_count(), p.total());
+}
+
+/// The ABA adversary: one thread pops while another pops two blocks and pushes the first back,
+/// so the popper's CAS sees the same top index it loaded, with a different `next` below it.
+/// Only the head's tag (2 bits under loom: three updates do not wrap it) tells the popper its
+/// `next` is stale; without the increment the popper installs a block the other thread holds
+/// as the new top, and that block is handed out twice.
+#[test]
+fn pop_pop_push_aba() {
+    loom::model(|| {
+        let p = pool(3);
+        let popper = {
+            let p = p.clone();
+            thread::spawn(move || p.alloc(EngineId(0)).unwrap())
+        };
+        let a = p.alloc(EngineId(1)).unwrap();
+        let b = p.alloc(EngineId(1)).unwrap();
+        p.free(a).unwrap();
+        let c = popper.join().unwrap();
+        drain_and_check(&p, &[b, c]);
+    });
+}
+
+/// The same adversary against `alloc_n`'s chain walk: the walk read from a top that was popped
+/// and pushed back meanwhile must be discarded by the CAS.
+#[test]
+fn alloc_n_pop_pop_push_aba() {
+    loom::model(|| {
+        let p = pool(4);
+        let taker = {
+            let p = p.clone();
+            thread::spawn(move || {
+                let mut got = Vec::new();
+                p.alloc_n(EngineId(0), 2, &mut got).unwrap();
+                got
+            })
+        };
+        let a = p.alloc(EngineId(1)).unwrap();
+        let b = p.alloc(EngineId(1)).unwrap();
+        p.free(a).unwrap();
+        let mut held = taker.join().unwrap();
+        held.push(b);
+        drain_and_check(&p, &held);
+    });
+}
+
+/// Two `alloc_n` race a `free_n`: each grab is all or nothing, no block is handed out twice,
+/// and the counts add up whichever order the three take.
+#[test]
+fn two_alloc_n_racing_free_n() {
+    loom::model(|| {
+        let p = pool(4);
+        let mut held = Vec::new();
+        p.alloc_n(EngineId(0), 2, &mut held).unwrap();
+        let takers: Vec<_> = (0..2)
+            .map(|_| {
+                let p = p.clone();
+                thread::spawn(move || {
+                    let mut got = Vec::new();
+                    match p.alloc_n(EngineId(1), 2, &mut got) {
+                        Ok(()) => assert_eq!(got.len(), 2),
+                        Err(_) => assert!(got.is_empty(), "a refused grab appended ids"),
+                    }
+                    got
+                })
+            })
+            .collect();
+        assert_eq!(p.free_n(&held), Ok(2));
+        let mut got: Vec<BlockId> = Vec::new();
+        for t in takers {
+            got.extend(t.join().unwrap());
+        }
+        assert!(!got.is_empty(), "two free blocks were there from the start");
+        assert_eq!(p.held(EngineId(1)), got.len() as u32);
+        assert_eq!(p.free_count(), 4 - got.len() as u32);
+        drain_and_check(&p, &got);
+    });
+}
+
+/// Issue 17 item 1: `free_n` of two blocks while another thread releases the second (a double
+/// free). Exactly one of the two releases of that block succeeds, and no block is lost
+/// whichever way the race goes (a `free_n` that returned at the failed release would leave the
+/// first block at zero references, off the free list).
+#[test]
+fn free_n_racing_a_double_release() {
+    loom::model(|| {
+        let p = pool(2);
+        let mut ids = Vec::new();
+        p.alloc_n(EngineId(0), 2, &mut ids).unwrap();
+        let raced = ids[1];
+        let rogue = {
+            let p = p.clone();
+            thread::spawn(move || p.release(raced).is_ok())
+        };
+        let mine = match p.free_n(&ids) {
+            Ok(n) => {
+                assert_eq!(n, 2);
+                true
+            }
+            Err(PoolError::NotAllocated { id }) | Err(PoolError::StaleBlock { id, .. }) => {
+                assert_eq!(id, raced);
+                assert_eq!(
+                    p.free_n(&ids[..1]),
+                    Ok(1),
+                    "the first block must still be held"
+                );
+                false
+            }
+            Err(PoolError::ConcurrentDoubleFree { id, freed }) => {
+                assert_eq!((id, freed), (raced, 1));
+                false
+            }
+            Err(e) => panic!("unexpected {e}"),
+        };
+        let theirs = rogue.join().unwrap();
+        assert!(mine ^ theirs, "exactly one release of the block succeeds");
+        assert_eq!(p.free_count(), 2, "a block is neither free nor allocated");
+        assert_eq!(p.held(EngineId(0)), 0);
+        drain_and_check(&p, &[]);
     });
 }

@@ -41,3 +41,48 @@ fn append_truncate_against_reader() {
         assert_eq!(pool.free_count(), 3);
     });
 }
+
+/// Copy-on-write racing a fork: a child table replaces its shared block while the parent forks
+/// again on another thread. Every reference count ends right, a reader of the child only sees
+/// states the child had, and dropping every table returns every block.
+#[test]
+fn replace_racing_fork() {
+    loom::model(|| {
+        let pool = Arc::new(
+            BlockPool::new(PoolConfig {
+                device: 0,
+                num_blocks: 2,
+                max_engines: 1,
+            })
+            .unwrap(),
+        );
+        let mut parent = BlockTable::new(pool.clone(), EngineId(0), 1);
+        parent.push(pool.alloc(EngineId(0)).unwrap()).unwrap();
+        let shared = parent.get(0).unwrap();
+        let mut child = parent.fork().unwrap();
+        let fresh = pool.alloc(EngineId(0)).unwrap();
+        let reader = child.reader();
+        let forker = thread::spawn(move || {
+            let grandchild = parent.fork().unwrap();
+            let mut snap: Vec<BlockId> = Vec::new();
+            reader.snapshot_into(&mut snap);
+            assert!(
+                snap == [shared] || snap == [fresh],
+                "snapshot {snap:?} is no state of the child"
+            );
+            (parent, grandchild)
+        });
+        let old = child.replace(0, fresh).unwrap();
+        assert_eq!(old, shared);
+        let (parent, grandchild) = forker.join().unwrap();
+        assert_eq!(grandchild.get(0), Some(shared));
+        assert_eq!(pool.ref_count(shared), Ok(2), "parent and grandchild");
+        assert_eq!(pool.ref_count(fresh), Ok(1), "child alone");
+        drop(parent);
+        drop(child);
+        assert_eq!(pool.free_count(), 1);
+        drop(grandchild);
+        assert_eq!(pool.free_count(), 2);
+        assert_eq!(pool.held(EngineId(0)), 0);
+    });
+}

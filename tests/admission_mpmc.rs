@@ -1,10 +1,14 @@
 //! sched::admission under concurrency: many submitters, one worker thread per worker, every
 //! policy. At quiescent points (all threads parked at a barrier) the figures must equal what
-//! the threads themselves counted; at the end every request has exactly one outcome.
+//! the threads themselves counted, and every other round the queues are drained there so each
+//! reported depth is checked against the requests actually in that queue; at the end every
+//! request has exactly one outcome. Each test runs under a deadline: a hang fails it with a
+//! message instead of hanging the suite.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier};
+use std::sync::{mpsc, Arc, Barrier};
 use std::thread;
+use std::time::Duration;
 
 use pagedkv::sched::admission::{
     Admission, AdmissionConfig, AdmissionError, OverflowPolicy, OverloadReason, Priority, Route,
@@ -15,6 +19,27 @@ const WORKERS: usize = 3;
 const PRODUCERS: usize = 3;
 const ROUNDS: usize = 6;
 const PER_ROUND: usize = 400;
+
+/// Runs `f` on its own thread; fails with `what` if it does not finish within `secs` seconds
+/// (and re-raises its panic if it panicked).
+fn with_deadline(what: &str, secs: u64, f: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = mpsc::channel();
+    let h = thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    match rx.recv_timeout(Duration::from_secs(secs)) {
+        Ok(()) => h.join().unwrap(),
+        Err(mpsc::RecvTimeoutError::Disconnected) => {
+            if let Err(p) = h.join() {
+                std::panic::resume_unwind(p);
+            }
+        }
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            panic!("{what}: did not finish within {secs} s (hung?)")
+        }
+    }
+}
 
 fn route(id: u32) -> Route {
     match id % 3 {
@@ -138,13 +163,40 @@ fn stress(policy: OverflowPolicy) {
         }));
     }
 
-    for _ in 0..ROUNDS {
+    for round in 0..ROUNDS {
         barrier.wait();
         // Quiescent: no thread is inside the queue set.
         let m = q.metrics();
+        if round % 2 == 0 {
+            // Every reported depth against the requests actually in that queue: drain them
+            // (serving them as a worker would) and count by worker and class.
+            for w in 0..WORKERS {
+                let mut found = [0usize; 2];
+                while let Some(job) = q.pop(w).unwrap() {
+                    let id = *job.payload();
+                    assert_eq!(job.worker(), w);
+                    assert_eq!(popped[id as usize].fetch_add(1, Ordering::Relaxed), 0);
+                    found[(job.priority() == Priority::Throughput) as usize] += 1;
+                    job.complete(id.wrapping_mul(3));
+                }
+                assert_eq!(
+                    (m.workers[w].high_depth, m.workers[w].low_depth),
+                    (found[0], found[1]),
+                    "worker {w}: reported (high, low) depth vs requests found in the queues"
+                );
+                assert_eq!(q.depth(w, Priority::LatencyCritical), Ok(0));
+                assert_eq!(q.depth(w, Priority::Throughput), Ok(0));
+                completed.fetch_add(found[0] + found[1], Ordering::Relaxed);
+            }
+        }
         let depth: usize = m.workers.iter().map(|w| w.high_depth + w.low_depth).sum();
         let evicted = m.evicted_oldest as usize;
-        let done = completed.load(Ordering::Relaxed);
+        let drained_now: usize = if round % 2 == 0 {
+            m.workers.iter().map(|w| w.high_depth + w.low_depth).sum()
+        } else {
+            0
+        };
+        let done = completed.load(Ordering::Relaxed) - drained_now;
         let adm = admitted.load(Ordering::Relaxed);
         assert_eq!(
             adm,
@@ -160,7 +212,6 @@ fn stress(policy: OverflowPolicy) {
         for (w, wm) in m.workers.iter().enumerate() {
             assert_eq!(wm.load, wm.high_depth + wm.low_depth, "worker {w}");
             assert!(wm.high_depth <= 4 && wm.low_depth <= 16);
-            assert_eq!(q.depth(w, Priority::Throughput), Ok(wm.low_depth));
         }
         match policy {
             OverflowPolicy::Block => assert_eq!(evicted, 0),
@@ -210,22 +261,34 @@ fn stress(policy: OverflowPolicy) {
 
 #[test]
 fn mpmc_block() {
-    stress(OverflowPolicy::Block);
+    with_deadline("mpmc_block", 120, || stress(OverflowPolicy::Block));
 }
 
 #[test]
 fn mpmc_drop_newest() {
-    stress(OverflowPolicy::DropNewest);
+    with_deadline("mpmc_drop_newest", 120, || {
+        stress(OverflowPolicy::DropNewest)
+    });
 }
 
 #[test]
 fn mpmc_drop_oldest() {
-    stress(OverflowPolicy::DropOldest);
+    with_deadline("mpmc_drop_oldest", 120, || {
+        stress(OverflowPolicy::DropOldest)
+    });
 }
 
 /// Several submitters blocked on one full queue, one slow worker: all are admitted in the end.
 #[test]
 fn many_blocked_submitters_all_get_in() {
+    with_deadline(
+        "many_blocked_submitters_all_get_in",
+        120,
+        many_blocked_submitters,
+    );
+}
+
+fn many_blocked_submitters() {
     let q: Arc<Admission<u32, ()>> =
         Arc::new(Admission::new(AdmissionConfig::new(1, 1, OverflowPolicy::Block)).unwrap());
     let submitters: Vec<_> = (0..6)

@@ -26,7 +26,54 @@ impl Tol for half::bf16 {
 
 pub const HEAD_DIMS: [usize; 6] = [64, 80, 96, 112, 128, 256];
 pub const GROUPS: [usize; 3] = [1, 4, 8];
-pub const BLOCK_SIZES: [usize; 3] = [8, 16, 32];
+/// Tokens per block: every power of two the kernels take (the arena's page-size scheme gives
+/// small-KV models 64-256 tokens per page).
+pub const BLOCK_SIZES: [usize; 6] = [8, 16, 32, 64, 128, 256];
+
+/// How far apart a cache's blocks are: a model's view of an arena steps over blocks by the
+/// arena's page size, which may exceed the block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Page {
+    /// Blocks back to back (page = block).
+    Dense,
+    /// The block plus this many 16-byte units of padding.
+    Pad(usize),
+    /// The block rounded up to a multiple of this many bytes (a realistic arena page, e.g.
+    /// 64 KiB shared with larger models).
+    RoundUp(usize),
+}
+
+/// The page variants the grids cycle through.
+pub const PAGES: [Page; 4] = [
+    Page::Dense,
+    Page::Pad(1),
+    Page::Pad(5),
+    Page::RoundUp(64 << 10),
+];
+
+/// `cfg` with the page stride `page` asks for.
+pub fn with_page(cfg: KvCacheConfig, page: Page) -> KvCacheConfig {
+    let block = cfg.bytes_per_block();
+    let bytes = match page {
+        Page::Dense => return cfg,
+        Page::Pad(units) => block + 16 * units,
+        Page::RoundUp(to) => block.div_ceil(to) * to,
+    };
+    cfg.with_page_stride(bytes).expect("page stride")
+}
+
+/// Overwrites every page's padding (the bytes past its block) with 0xFF, NaN in every dtype:
+/// a kernel that reads padding, or steps over blocks by the block size instead of the page
+/// stride, produces NaN or wrong values.
+pub fn poison_padding(h: &mut HostKvCache) {
+    let (page, block) = (h.config().page_bytes(), h.config().bytes_per_block());
+    if page == block {
+        return;
+    }
+    for p in h.as_bytes_mut().chunks_exact_mut(page) {
+        p[block..].fill(0xFF);
+    }
+}
 
 /// Query heads one decode thread block serves (as kernels/paged_attention.cu chooses).
 pub fn heads_per_block(group: usize) -> usize {
@@ -52,12 +99,14 @@ pub fn random_vec<T: KvElem>(rng: &mut SmallRng, n: usize) -> Vec<T> {
         .collect()
 }
 
+/// A host cache of `cfg` with random blocks and poisoned page padding.
 pub fn random_cache<T: KvElem>(rng: &mut SmallRng, cfg: KvCacheConfig) -> HostKvCache {
     let mut h = HostKvCache::new(cfg).expect("host cache");
     let mut v = h.view_mut::<T>().expect("view");
     for x in v.data_mut() {
         *x = T::from_f32(rng.gen_range(-1.0f32..1.0));
     }
+    poison_padding(&mut h);
     h
 }
 
@@ -92,6 +141,7 @@ pub struct Batch {
     pub ctx: Vec<i32>,
 }
 
+#[allow(clippy::too_many_arguments)]
 pub fn make_batch(
     rng: &mut SmallRng,
     layers: usize,
@@ -99,11 +149,13 @@ pub fn make_batch(
     d: usize,
     bs: usize,
     dtype: KvDtype,
+    page: Page,
     ctx: &[usize],
 ) -> Batch {
     let need: usize = ctx.iter().map(|c| c.div_ceil(bs)).sum();
     let num_blocks = need + 3 + rng.gen_range(0..4);
     let cfg = KvCacheConfig::new(layers, hkv, d, bs, num_blocks, dtype).expect("config");
+    let cfg = with_page(cfg, page);
     let mbps = ctx.iter().map(|c| c.div_ceil(bs)).max().unwrap_or(1).max(1) + 1;
     let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
     ids.shuffle(rng);
@@ -249,15 +301,30 @@ pub fn decode_grid_contexts(bs: usize) -> [usize; 7] {
     [1, bs - 1, bs, bs + 1, 3 * bs + 5, 300, 0]
 }
 
-/// The (query tokens, context) pairs of one prefill grid cell.
+/// The (query tokens, context) pairs of one prefill grid cell. Up to 32 tokens per block the
+/// chunks span whole blocks; above, the same boundaries are crossed by short chunks (a chunk
+/// ending on a block's last row, one crossing into the next block, one starting a block), which
+/// keeps the quadratic cost of a cell (and of its oracle) near the small blocks'.
 pub fn prefill_grid_seqs(bs: usize) -> [(usize, usize); 7] {
-    [
-        (1, 1),
-        (bs, bs),
-        (bs + 1, 2 * bs + 3),
-        (37, 37),
-        (5, 300),
-        (0, 20),
-        (bs - 1, bs - 1),
-    ]
+    if bs <= 32 {
+        [
+            (1, 1),
+            (bs, bs),
+            (bs + 1, 2 * bs + 3),
+            (37, 37),
+            (5, 300),
+            (0, 20),
+            (bs - 1, bs - 1),
+        ]
+    } else {
+        [
+            (1, 1),
+            (3, bs),
+            (5, bs + 2),
+            (9, 2 * bs + 1),
+            (37, 37),
+            (0, 20),
+            (2, bs - 1),
+        ]
+    }
 }

@@ -328,3 +328,213 @@ pub fn prefill_grid_seqs(bs: usize) -> [(usize, usize); 7] {
         ]
     }
 }
+
+// ---- cross-model hand-off over one arena (tests/cuda_emu_arena.rs, tests/cuda_arena.rs) -----
+
+/// A model's KV geometry, as the arena tests put it on shared pages.
+#[derive(Clone, Copy, Debug)]
+pub struct Model {
+    pub name: &'static str,
+    pub layers: usize,
+    pub kv_heads: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub dtype: KvDtype,
+}
+
+/// GQA 16/4, d64, 32 tokens per page, 2 layers, bf16: 64 KiB per block.
+pub const MODEL_A: Model = Model {
+    name: "A gqa16/4 d64 bs32",
+    layers: 2,
+    kv_heads: 4,
+    heads: 16,
+    head_dim: 64,
+    block_size: 32,
+    dtype: KvDtype::Bf16,
+};
+/// MHA 8/8, d64, 16 tokens per page, 1 layer, bf16: 32 KiB per block (half a page spare).
+pub const MODEL_B: Model = Model {
+    name: "B mha8/8 d64 bs16",
+    layers: 1,
+    kv_heads: 8,
+    heads: 8,
+    head_dim: 64,
+    block_size: 16,
+    dtype: KvDtype::Bf16,
+};
+/// MQA 8/1, d128, 64 tokens per page, 2 layers, f16: 64 KiB per block.
+pub const MODEL_C: Model = Model {
+    name: "C mqa8/1 d128 bs64",
+    layers: 2,
+    kv_heads: 1,
+    heads: 8,
+    head_dim: 128,
+    block_size: 64,
+    dtype: KvDtype::F16,
+};
+
+/// The arena of the hand-off tests: 64 KiB + 48 bytes per page (every model's block fits, each
+/// leaves padding), 12 pages.
+pub const ARENA_PAGE_BYTES: usize = (64 << 10) + 48;
+pub const ARENA_PAGES: usize = 12;
+
+impl Model {
+    /// The model's view of the test arena.
+    pub fn view(&self) -> KvCacheConfig {
+        KvCacheConfig::new(
+            self.layers,
+            self.kv_heads,
+            self.head_dim,
+            self.block_size,
+            ARENA_PAGES,
+            self.dtype,
+        )
+        .expect("config")
+        .with_page_stride(ARENA_PAGE_BYTES)
+        .expect("fits the page")
+    }
+}
+
+/// One model's step on a set of arena pages: every token of every sequence written by
+/// reshape_and_cache (per layer), then decode of each sequence's last token and prefill of its
+/// last `q_len` tokens.
+pub struct HandOff<T> {
+    pub model: Model,
+    /// The view's sequences: block tables over the given pages.
+    pub batch: Batch,
+    /// Per layer: keys and values `[tokens][kv_heads * head_dim]`.
+    pub keys: Vec<Vec<T>>,
+    pub values: Vec<Vec<T>>,
+    /// The slot of each token of `keys` (every position of every sequence).
+    pub slots: Vec<i64>,
+    /// Decode queries `[num_seqs][heads][head_dim]`.
+    pub decode_q: Vec<T>,
+    /// Prefill queries `[sum q_len][heads][head_dim]` and their `query_start_loc`.
+    pub prefill_q: Vec<T>,
+    pub qsl: Vec<i32>,
+}
+
+impl<T: KvElem> HandOff<T> {
+    /// Sequences of `ctx` tokens on `pages` (in order: the first sequence's blocks first),
+    /// prefill chunks of `q_lens` tokens.
+    pub fn new(
+        rng: &mut SmallRng,
+        model: Model,
+        pages: &[u32],
+        ctx: &[usize],
+        q_lens: &[usize],
+    ) -> Self {
+        assert_eq!(T::DTYPE, model.dtype);
+        let cfg = model.view();
+        let bs = model.block_size;
+        let mbps = ctx.iter().map(|c| c.div_ceil(bs)).max().unwrap_or(1).max(1);
+        let mut tables = vec![-1i32; ctx.len() * mbps];
+        let mut next = pages.iter();
+        let mut slots = Vec::new();
+        for (s, &c) in ctx.iter().enumerate() {
+            for j in 0..c.div_ceil(bs) {
+                let page = *next.next().expect("enough pages");
+                tables[s * mbps + j] = page as i32;
+            }
+            for pos in 0..c {
+                let page = tables[s * mbps + pos / bs] as i64;
+                slots.push(page * bs as i64 + (pos % bs) as i64);
+            }
+        }
+        let row = model.kv_heads * model.head_dim;
+        let tokens = slots.len();
+        let keys = (0..model.layers)
+            .map(|_| random_vec(rng, tokens * row))
+            .collect();
+        let values = (0..model.layers)
+            .map(|_| random_vec(rng, tokens * row))
+            .collect();
+        let hd = model.heads * model.head_dim;
+        let seqs_q_ctx: Vec<(usize, usize)> =
+            q_lens.iter().copied().zip(ctx.iter().copied()).collect();
+        let qsl = query_start_loc(&seqs_q_ctx);
+        let q_tokens = *qsl.last().unwrap_or(&0) as usize;
+        Self {
+            model,
+            batch: Batch {
+                cfg,
+                tables,
+                mbps,
+                ctx: ctx.iter().map(|&c| c as i32).collect(),
+            },
+            keys,
+            values,
+            slots,
+            decode_q: random_vec(rng, ctx.len() * hd),
+            prefill_q: random_vec(rng, q_tokens * hd),
+            qsl,
+        }
+    }
+
+    /// The attention parameters (soft-capped for the MQA model, so one model runs a transform).
+    pub fn params(&self) -> AttnParams<'static> {
+        let mut p = AttnParams::new(self.model.heads, self.model.head_dim);
+        if self.model.kv_heads == 1 {
+            p.softcap = 20.0;
+        }
+        p
+    }
+
+    /// The oracle's (decode, prefill) outputs for `layer` on a host image of the arena.
+    pub fn oracle(&self, arena_image: &HostKvCache, layer: usize) -> (Vec<T>, Vec<T>) {
+        let p = self.params();
+        (
+            cpu_decode(&self.batch, arena_image, layer, &self.decode_q, &p),
+            cpu_prefill(
+                &self.batch,
+                arena_image,
+                layer,
+                &self.prefill_q,
+                &self.qsl,
+                &p,
+            ),
+        )
+    }
+
+    /// Checks the arena bytes after this model's writes: every page it was not given is
+    /// `before`'s, and every given page's padding too (kernels write only the block part).
+    pub fn check_untouched(&self, before: &[u8], after: &[u8], given: &[u32]) {
+        let (page, block) = (ARENA_PAGE_BYTES, self.batch.cfg.bytes_per_block());
+        for (i, (b, a)) in before
+            .chunks_exact(page)
+            .zip(after.chunks_exact(page))
+            .enumerate()
+        {
+            let from = if given.contains(&(i as u32)) {
+                block
+            } else {
+                0
+            };
+            assert!(
+                b[from..] == a[from..],
+                "{}: page {i} changed outside the model's blocks",
+                self.model.name
+            );
+        }
+    }
+}
+
+/// A host image of an arena's bytes under a model's view.
+pub fn arena_image(cfg: KvCacheConfig, bytes: &[u8]) -> HostKvCache {
+    let mut h = HostKvCache::new(cfg).expect("host image");
+    h.as_bytes_mut().copy_from_slice(bytes);
+    h
+}
+
+/// Pages model A fills and frees, and the order models B and C take them in (scattered, and
+/// one page A never had).
+pub const A_PAGES: [u32; 6] = [7, 2, 9, 4, 0, 11];
+pub const B_PAGES: [u32; 7] = [4, 11, 7, 0, 9, 2, 5];
+pub const C_PAGES: [u32; 4] = [9, 0, 7, 11];
+/// Contexts and prefill chunks of each model's two sequences (A: 3 + 3 pages, B: 4 + 3,
+/// C: 2 + 2), boundaries crossed mid-block.
+pub const A_CTX: [usize; 2] = [70, 96];
+pub const B_CTX: [usize; 2] = [61, 33];
+pub const C_CTX: [usize; 2] = [100, 65];
+pub const Q_LENS: [usize; 2] = [19, 5];

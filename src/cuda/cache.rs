@@ -206,6 +206,7 @@ impl DeviceKvCache {
             self.pairs = Some(gpu.alloc_zeros::<i32>(need.next_power_of_two())?);
         }
         let stream = gpu.stream();
+        let base = self.base();
         let dev_pairs = self.pairs.as_mut().ok_or(CudaError::Unsupported {
             what: "copy_blocks pairs",
             value: need,
@@ -213,7 +214,7 @@ impl DeviceKvCache {
         stream.memcpy_htod(&self.pairs_host[..], &mut dev_pairs.slice_mut(..need))?;
         gpu.bind()?;
         let (pp, _gp) = dev_pairs.device_ptr(stream);
-        // SAFETY: `self.base()` is the arena's allocation of num_blocks pages of the page
+        // SAFETY: `base` is the arena's allocation of num_blocks pages of the page
         // stride `self.geom` carries (the view's config was built from the arena's size), kept
         // alive by our Arc until after the launch completes (the arena's drop synchronizes);
         // `pp` holds `num_pairs` (src, dst) i32 pairs written by the copy above on the same
@@ -224,7 +225,7 @@ impl DeviceKvCache {
         // into cudarc's context and stream.
         let status = unsafe {
             ffi::pkv_copy_blocks(
-                self.base(),
+                base,
                 &self.geom,
                 pp as usize as *const i32,
                 num_pairs,

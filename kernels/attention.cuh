@@ -53,11 +53,12 @@ struct DecodeArgs {
   float *tmp_out;                // device [num_seqs][num_heads][num_splits][D] f32 (split)
   float *tmp_max;                // device [num_seqs][num_heads][num_splits] f32 (split)
   float *tmp_sum;                // device [num_seqs][num_heads][num_splits] f32 (split)
-  Strides st;
+  Strides st;                    // st.block: the page stride
   int64_t layer_offset;          // layer * st.layer
   int32_t num_blocks;
   int32_t block_size;
   int32_t max_blocks_per_seq;
+  int32_t table_tokens;          // table_tokens_i32(max_blocks_per_seq, block_size)
   int32_t num_heads;
   int32_t group;                 // num_heads / num_kv_heads
   int32_t head_chunks;           // ceil(group / GT)
@@ -97,7 +98,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_kernel(const DecodeArgs a)
   const int li = lane % TPT;  // lane inside the token's lane group
 
   // A context longer than the block table row could name is clamped (memory safety).
-  const int ctx = min(a.context_lens[seq], a.max_blocks_per_seq * a.block_size);
+  const int ctx = min(a.context_lens[seq], a.table_tokens);
   const int qpos = ctx - 1;
   const int start = split * a.part_tokens;
   const int end = min(ctx, start + a.part_tokens);
@@ -360,11 +361,12 @@ struct PrefillArgs {
   const int32_t *context_lens;      // device [num_seqs]
   const int32_t *query_start_loc;   // device [num_seqs + 1]
   const float *alibi_slopes;        // device [num_heads] or nullptr
-  Strides st;
+  Strides st;                       // st.block: the page stride
   int64_t layer_offset;
   int32_t num_blocks;
   int32_t block_size;
   int32_t max_blocks_per_seq;
+  int32_t table_tokens;             // table_tokens_i32(max_blocks_per_seq, block_size)
   int32_t num_heads;
   int32_t group;
   float scale;
@@ -393,7 +395,7 @@ __global__ void __launch_bounds__(PF_THREADS) prefill_kernel(const PrefillArgs a
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int q0 = a.query_start_loc[seq];
   const int qlen = a.query_start_loc[seq + 1] - q0;
-  const int ctx = min(a.context_lens[seq], a.max_blocks_per_seq * a.block_size);
+  const int ctx = min(a.context_lens[seq], a.table_tokens);
   const int rows_total = qlen * a.group;
   const int rbase = tile * PF_ROWS;
   if (qlen <= 0 || rbase >= rows_total) return;

@@ -14,7 +14,7 @@ constexpr int RC_THREADS = 128;
 // reads and writes are dense.
 template <typename T, bool VECTOR>
 __global__ void __launch_bounds__(RC_THREADS) reshape_and_cache_kernel(
-    T *cache,                    // device, whole cache
+    T *cache,                    // device, the arena's base (page stride st.block)
     const T *key,                // device, row t at key + t * key_stride
     const T *value,              // device, row t at value + t * value_stride
     const int64_t *slot_mapping, // device [num_tokens]
@@ -48,16 +48,18 @@ constexpr int CB_UNROLL = 4;
 
 // grid (num_pairs, y): block y of pair p copies vectors y*CB_THREADS*CB_UNROLL + ... of the
 // pair's block, striding by gridDim.y * CB_THREADS * CB_UNROLL. A block (all layers, K and V) is
-// one contiguous run of `vecs` 16-byte vectors in this layout.
+// one contiguous run of `vecs` 16-byte vectors at the start of its page, pages `page_vecs`
+// vectors apart; the rest of each page is not touched.
 __global__ void __launch_bounds__(CB_THREADS) copy_blocks_kernel(
-    uint4 *cache,            // device, whole cache as 16-byte vectors
+    uint4 *cache,            // device, the arena's base as 16-byte vectors
     const int32_t *pairs,    // device [num_pairs][2] (src, dst)
-    int64_t vecs,            // 16-byte vectors per block
+    int64_t vecs,            // 16-byte vectors per block (<= page_vecs)
+    int64_t page_vecs,       // 16-byte vectors per page (the page stride)
     int32_t num_blocks) {
   const int32_t src = pairs[2 * blockIdx.x], dst = pairs[2 * blockIdx.x + 1];
   if (src < 0 || src >= num_blocks || dst < 0 || dst >= num_blocks || src == dst) return;
-  const uint4 *s = cache + (int64_t)src * vecs;
-  uint4 *d = cache + (int64_t)dst * vecs;
+  const uint4 *s = cache + (int64_t)src * page_vecs;
+  uint4 *d = cache + (int64_t)dst * page_vecs;
   const int64_t step = (int64_t)gridDim.y * CB_THREADS * CB_UNROLL;
   for (int64_t base = (int64_t)blockIdx.y * CB_THREADS * CB_UNROLL + threadIdx.x; base < vecs;
        base += step) {
@@ -124,8 +126,12 @@ extern "C" int pkv_copy_blocks(void *cache, const pkv_cache_geometry *geom, cons
   if (num_pairs == 0) return PKV_OK;
   if (cache == nullptr || pairs == nullptr) return PKV_ERR_NULL_POINTER;
   if ((reinterpret_cast<uintptr_t>(cache) & 15u) != 0) return PKV_ERR_INVALID_ARG;
-  const int64_t bytes = Strides::of(*geom).block * dtype_size(geom->dtype);
-  const int64_t vecs = bytes / 16;  // head_dim is a multiple of 8: blocks are whole vectors
+  const Strides st = Strides::of(*geom);
+  const int es = dtype_size(geom->dtype);
+  // head_dim is a multiple of 8 and page strides of 16 bytes (check_geometry): blocks and
+  // pages are whole vectors.
+  const int64_t vecs = st.block_elems(geom->num_layers) * es / 16;
+  const int64_t page_vecs = st.block * es / 16;
   // Enough thread blocks per pair to fill the GPU even for a single pair (a block of a large
   // model is megabytes), but not more than its vectors need.
   const int64_t per_cta = (int64_t)CB_THREADS * CB_UNROLL;
@@ -135,28 +141,38 @@ extern "C" int pkv_copy_blocks(void *cache, const pkv_cache_geometry *geom, cons
   if (y > 65535) y = 65535;
   const dim3 grid(num_pairs, (unsigned)y);
   copy_blocks_kernel<<<grid, CB_THREADS, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<uint4 *>(cache), pairs, vecs, geom->num_blocks);
+      static_cast<uint4 *>(cache), pairs, vecs, page_vecs, geom->num_blocks);
   return status_of(cudaGetLastError());
 }
 
-extern "C" int pkv_swap_blocks(void *dst, const void *src, size_t block_bytes,
-                               const int64_t *pairs, int32_t num_pairs, int32_t to_host,
-                               void *stream) {
+extern "C" int pkv_swap_blocks(void *dst, size_t dst_page_bytes, const void *src,
+                               size_t src_page_bytes, size_t block_bytes, const int64_t *pairs,
+                               int32_t num_pairs, int32_t to_host, void *stream) {
   if (num_pairs < 0 || block_bytes == 0) return PKV_ERR_INVALID_ARG;
+  if (dst_page_bytes < block_bytes || src_page_bytes < block_bytes) return PKV_ERR_PAGE_STRIDE;
+  if (dst_page_bytes % PKV_PAGE_ALIGN != 0 || src_page_bytes % PKV_PAGE_ALIGN != 0)
+    return PKV_ERR_PAGE_ALIGN;
   if (num_pairs == 0) return PKV_OK;
   if (dst == nullptr || src == nullptr || pairs == nullptr) return PKV_ERR_NULL_POINTER;
   const cudaMemcpyKind kind = to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  // Coalesce pairs that continue the current run on both sides into one copy.
+  // Runs of pairs that continue consecutively on both sides are one copy when both sides step
+  // by the same page size: the copy then spans the run's pages whole but the last one's
+  // padding. With different page sizes the blocks of a run are not equally spaced on the two
+  // sides, so each is copied on its own.
+  const bool merge = dst_page_bytes == src_page_bytes;
   int32_t i = 0;
   while (i < num_pairs) {
     const int64_t s0 = pairs[2 * i], d0 = pairs[2 * i + 1];
     if (s0 < 0 || d0 < 0) return PKV_ERR_INVALID_ARG;
     int32_t n = 1;
-    while (i + n < num_pairs && pairs[2 * (i + n)] == s0 + n && pairs[2 * (i + n) + 1] == d0 + n) ++n;
-    cudaError_t e = cudaMemcpyAsync(static_cast<char *>(dst) + (size_t)d0 * block_bytes,
-                                    static_cast<const char *>(src) + (size_t)s0 * block_bytes,
-                                    (size_t)n * block_bytes, kind, s);
+    while (merge && i + n < num_pairs && pairs[2 * (i + n)] == s0 + n &&
+           pairs[2 * (i + n) + 1] == d0 + n)
+      ++n;
+    const size_t bytes = (size_t)(n - 1) * src_page_bytes + block_bytes;
+    cudaError_t e = cudaMemcpyAsync(static_cast<char *>(dst) + (size_t)d0 * dst_page_bytes,
+                                    static_cast<const char *>(src) + (size_t)s0 * src_page_bytes,
+                                    bytes, kind, s);
     if (e != cudaSuccess) return status_of(e);
     i += n;
   }

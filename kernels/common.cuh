@@ -103,37 +103,66 @@ inline int status_of(cudaError_t e) { return e == cudaSuccess ? PKV_OK : (int)e;
 inline bool supported_head_dim(int d) {
   return d == 64 || d == 80 || d == 96 || d == 112 || d == 128 || d == 256;
 }
-inline bool supported_block_size(int b) { return b == 8 || b == 16 || b == 32; }
+// Tokens per block: every power of two from 8 to 256. Nothing in the kernels depends on the
+// block size beyond `t / block_size` and `t % block_size` per token (no warp or tile is tied
+// to a block), so the arena's page-size scheme can give a small-KV model up to 256 tokens per
+// page.
+inline bool supported_block_size(int b) { return b >= 8 && b <= 256 && (b & (b - 1)) == 0; }
 inline int dtype_size(int dtype) {
   return dtype == PKV_DTYPE_F32 ? 4 : (dtype == PKV_DTYPE_F16 || dtype == PKV_DTYPE_BF16) ? 2 : 0;
 }
 
-// Validates a geometry (and a layer index) the same way for every launcher.
+// a * b into *out unless it overflows int64 (operands are non-negative).
+inline bool mul_i64(int64_t a, int64_t b, int64_t *out) { return !__builtin_mul_overflow(a, b, out); }
+
+// Validates a geometry (and a layer index) the same way for every launcher: sizes positive,
+// the page stride at least one block and a whole number of 16-byte units, and the view's
+// num_blocks pages addressable in 64-bit bytes.
 inline int check_geometry(const pkv_cache_geometry *g, int layer) {
   if (g == nullptr) return PKV_ERR_NULL_POINTER;
-  if (dtype_size(g->dtype) == 0) return PKV_ERR_DTYPE;
+  const int es = dtype_size(g->dtype);
+  if (es == 0) return PKV_ERR_DTYPE;
   if (!supported_head_dim(g->head_dim)) return PKV_ERR_HEAD_DIM;
   if (!supported_block_size(g->block_size)) return PKV_ERR_BLOCK_SIZE;
   if (g->num_blocks <= 0 || g->num_layers <= 0 || g->num_kv_heads <= 0) return PKV_ERR_INVALID_ARG;
   if (layer < 0 || layer >= g->num_layers) return PKV_ERR_INVALID_ARG;
+  // The block's own elements, L*2*BS*H*D; an int64 overflow means no stride can hold it.
+  int64_t elems = 2 * (int64_t)g->block_size * g->head_dim;
+  if (!mul_i64(elems, g->num_kv_heads, &elems) || !mul_i64(elems, g->num_layers, &elems))
+    return PKV_ERR_PAGE_STRIDE;
+  if (g->block_stride < elems) return PKV_ERR_PAGE_STRIDE;
+  int64_t page_bytes = 0, span = 0;
+  if (!mul_i64(g->block_stride, es, &page_bytes) || !mul_i64(page_bytes, g->num_blocks, &span))
+    return PKV_ERR_PAGE_STRIDE;
+  if (page_bytes % PKV_PAGE_ALIGN != 0) return PKV_ERR_PAGE_ALIGN;
   return PKV_OK;
 }
 
-// Element strides of the layout (int64: a pool may exceed 2^31 elements).
+// Element strides of the layout (int64: an arena may exceed 2^31 elements).
 struct Strides {
   int64_t token;  // H*D
   int64_t kv;     // BS*H*D
   int64_t layer;  // 2*BS*H*D
-  int64_t block;  // L*2*BS*H*D
+  int64_t block;  // the page stride, >= L*2*BS*H*D (check_geometry)
   __host__ __device__ static Strides of(const pkv_cache_geometry &g) {
     Strides s;
     s.token = (int64_t)g.num_kv_heads * g.head_dim;
     s.kv = s.token * g.block_size;
     s.layer = 2 * s.kv;
-    s.block = s.layer * g.num_layers;
+    s.block = g.block_stride;
     return s;
   }
+  // Elements of one block's own data (all layers, K and V): what a block copy moves.
+  __host__ __device__ int64_t block_elems(int num_layers) const { return layer * num_layers; }
 };
+
+// The longest context a block table row of `max_blocks_per_seq` entries can name, clamped to
+// int32 (the kernels compare it with int32 context lengths; the product itself can exceed
+// 2^31 with 256-token blocks).
+inline int32_t table_tokens_i32(int32_t max_blocks_per_seq, int32_t block_size) {
+  const int64_t t = (int64_t)max_blocks_per_seq * block_size;
+  return t > INT32_MAX ? INT32_MAX : (int32_t)t;
+}
 
 }  // namespace pkv
 

@@ -41,8 +41,8 @@ int launch_decode(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t str
   if (e != cudaSuccess || a.num_splits == 1) return status_of(e);
   const dim3 rgrid(a.num_heads, num_seqs);
   decode_reduce_kernel<T><<<rgrid, 128, a.num_splits * sizeof(float), stream>>>(
-      a.out, a.tmp_out, a.tmp_max, a.tmp_sum, a.context_lens,
-      a.max_blocks_per_seq * a.block_size, a.num_heads, D, a.num_splits, a.part_tokens);
+      a.out, a.tmp_out, a.tmp_max, a.tmp_sum, a.context_lens, a.table_tokens, a.num_heads, D,
+      a.num_splits, a.part_tokens);
   return status_of(cudaGetLastError());
 }
 
@@ -64,6 +64,7 @@ int common_attn_checks(const void *out, const void *query, const void *cache,
   if (params == nullptr || out == nullptr || query == nullptr || cache == nullptr ||
       block_tables == nullptr || context_lens == nullptr)
     return PKV_ERR_NULL_POINTER;
+  // Every page starts on the 16-byte grid (check_geometry) only if the base does.
   if (!aligned16(query) || !aligned16(cache)) return PKV_ERR_INVALID_ARG;
   if (params->num_heads <= 0 || params->num_heads % geom->num_kv_heads != 0)
     return PKV_ERR_INVALID_ARG;
@@ -119,6 +120,7 @@ extern "C" int pkv_paged_attention_decode(void *out, const void *query, const vo
   a.num_blocks = geom->num_blocks;
   a.block_size = geom->block_size;
   a.max_blocks_per_seq = max_blocks_per_seq;
+  a.table_tokens = table_tokens_i32(max_blocks_per_seq, geom->block_size);
   a.num_heads = params->num_heads;
   a.group = group;
   a.head_chunks = ceil_div(group, gt);
@@ -225,6 +227,7 @@ extern "C" int pkv_paged_attention_prefill(void *out, const void *query, const v
   a.num_blocks = geom->num_blocks;
   a.block_size = geom->block_size;
   a.max_blocks_per_seq = max_blocks_per_seq;
+  a.table_tokens = table_tokens_i32(max_blocks_per_seq, geom->block_size);
   a.num_heads = params->num_heads;
   a.group = group;
   a.scale = params->scale;

@@ -17,8 +17,14 @@
  *   only and may be freed when it returns.
  * - Element types: `dtype` is one of PKV_DTYPE_*; arithmetic is f32 whatever the storage type.
  *
- * KV cache layout (src/kv/layout.rs is the authoritative description), one allocation:
- *     [num_blocks][num_layers][2 (K then V)][block_size][num_kv_heads][head_dim]
+ * KV cache layout (src/kv/layout.rs is the authoritative description): a model's cache is a
+ * view of a byte arena of num_blocks pages, one block per page. `cache` arguments point at the
+ * arena's base (page 0); page b starts geom->block_stride elements after page b - 1, and its
+ * first num_layers * 2 * block_size * num_kv_heads * head_dim elements are the block:
+ *     page b: [num_layers][2 (K then V)][block_size][num_kv_heads][head_dim], then padding
+ * The padding (block_stride minus the block's own elements) is never read or written by any
+ * launcher, so the same pages can hold another model's blocks of another geometry once freed.
+ * A dense cache is the special case block_stride == the block's own elements.
  * A token at position p of a sequence lives in block block_table[p / block_size], row
  * p % block_size; its slot is block * block_size + p % block_size.
  *
@@ -47,7 +53,7 @@ extern "C" {
 #define PKV_ERR_DTYPE 10001
 /** head_dim is not one of 64, 80, 96, 112, 128, 256. */
 #define PKV_ERR_HEAD_DIM 10002
-/** block_size is not one of 8, 16, 32. */
+/** block_size (tokens per block) is not a power of two from 8 to 256. */
 #define PKV_ERR_BLOCK_SIZE 10003
 /** A size, index or count argument is out of range (negative, zero where not allowed, a
  *  layer >= num_layers, num_heads not a multiple of num_kv_heads, ...). */
@@ -57,6 +63,15 @@ extern "C" {
 #define PKV_ERR_WORKSPACE 10005
 /** A required pointer is NULL. */
 #define PKV_ERR_NULL_POINTER 10006
+/** The page stride is smaller than one block: geom->block_stride < num_layers * 2 *
+ *  block_size * num_kv_heads * head_dim elements (or, for pkv_swap_blocks, a page size below
+ *  block_bytes), or the view's num_blocks pages overflow a 64-bit byte size. */
+#define PKV_ERR_PAGE_STRIDE 10007
+/** The page stride is not a whole number of 16-byte units, so pages (and the 16-byte vector
+ *  loads of the kernels) would fall off the 16-byte grid. */
+#define PKV_ERR_PAGE_ALIGN 10008
+/** Bytes every page stride must be a multiple of. */
+#define PKV_PAGE_ALIGN 16
 
 /* ---- element types ---- */
 #define PKV_DTYPE_F32 0
@@ -75,14 +90,19 @@ extern "C" {
 /** Tokens per split-K partition. */
 #define PKV_DECODE_PARTITION 512
 
-/** The geometry of one paged KV cache (mirrors kv::KvCacheConfig). */
+/** The geometry of one model's view of a paged KV arena (mirrors kv::KvCacheConfig). */
 typedef struct pkv_cache_geometry {
-  int32_t num_blocks;
+  int32_t num_blocks;   /* pages the view spans from the `cache` base pointer */
   int32_t num_layers;
-  int32_t block_size;   /* 8, 16 or 32 */
+  int32_t block_size;   /* tokens per block: 8, 16, 32, 64, 128 or 256 */
   int32_t num_kv_heads;
   int32_t head_dim;     /* 64, 80, 96, 112, 128 or 256 */
   int32_t dtype;        /* PKV_DTYPE_* */
+  /** Elements of `dtype` from one block to the next: the arena's page size / dtype size
+   *  (kv::KvCacheConfig::block_stride). At least num_layers * 2 * block_size * num_kv_heads *
+   *  head_dim (else PKV_ERR_PAGE_STRIDE), and block_stride * dtype size a multiple of
+   *  PKV_PAGE_ALIGN bytes (else PKV_ERR_PAGE_ALIGN). */
+  int64_t block_stride;
 } pkv_cache_geometry;
 
 /** Attention parameters shared by decode and prefill. */
@@ -118,7 +138,8 @@ size_t pkv_decode_workspace_bytes(int32_t num_seqs, int32_t num_heads, int32_t h
  *
  * out           device [num_seqs][num_heads][head_dim], geom->dtype; every element written
  * query         device [num_seqs][num_heads][head_dim], geom->dtype
- * cache         device, the whole cache allocation (layout above), geom->dtype
+ * cache         device, the arena's base (layout above: geom->num_blocks pages of
+ *               geom->block_stride elements), geom->dtype, 16-byte aligned
  * geom          host
  * layer         0 <= layer < geom->num_layers
  * block_tables  device [num_seqs][max_blocks_per_seq] i32 physical block ids; entries past a
@@ -147,7 +168,7 @@ int pkv_paged_attention_decode(void *out, const void *query, const void *cache,
  * out              device [num_tokens][num_heads][head_dim], geom->dtype (num_tokens =
  *                  query_start_loc[num_seqs]); every row of a listed sequence written
  * query            device [num_tokens][num_heads][head_dim], geom->dtype
- * cache            device, the whole cache allocation, geom->dtype
+ * cache            device, the arena's base (layout above), geom->dtype, 16-byte aligned
  * geom             host
  * layer            0 <= layer < geom->num_layers
  * block_tables     device [num_seqs][max_blocks_per_seq] i32
@@ -168,7 +189,8 @@ int pkv_paged_attention_prefill(void *out, const void *query, const void *cache,
  * skipped; slots must be < num_blocks * block_size and distinct (the kernel does not check:
  * an out-of-range slot is skipped, not written).
  *
- * cache         device, the whole cache allocation, geom->dtype
+ * cache         device, the arena's base (layout above), geom->dtype, 16-byte aligned;
+ *               only the block part of each page is written
  * key           device, row t at key + t * key_token_stride elements: [num_kv_heads][head_dim]
  * value         device, row t at value + t * value_token_stride elements, same shape
  * slot_mapping  device [num_tokens] i64
@@ -183,9 +205,11 @@ int pkv_reshape_and_cache(void *cache, const pkv_cache_geometry *geom, int32_t l
 
 /**
  * Copies whole blocks (every layer, K and V) inside the cache, all pairs in one launch
- * (copy-on-write). Destinations must be distinct and not also sources in the same call.
+ * (copy-on-write). Destinations must be distinct and not also sources in the same call. Each
+ * copy moves the block's own bytes (num_layers * 2 * block_size * num_kv_heads * head_dim
+ * elements) from page src to page dst; the pages' padding is left as it is.
  *
- * cache      device, the whole cache allocation
+ * cache      device, the arena's base (layout above), 16-byte aligned
  * geom       host
  * pairs      device [num_pairs][2] i32: (src block, dst block); an out-of-range pair is skipped
  */
@@ -193,19 +217,28 @@ int pkv_copy_blocks(void *cache, const pkv_cache_geometry *geom, const int32_t *
                     int32_t num_pairs, void *stream);
 
 /**
- * Swaps blocks between the device cache and a host swap space of the same block shape, in one
- * call: the (src, dst) pairs are coalesced into runs of consecutive blocks on both sides and each
- * run is one cudaMemcpyAsync. Host memory must be pinned (page-locked) for the copies to be
- * asynchronous and at full PCIe bandwidth.
+ * Swaps blocks between the device arena and a host swap space of the same block shape, in one
+ * call. Each block is block_bytes bytes at the start of its page on either side; the pages may
+ * have different sizes (a model's view of the arena has the arena's page size, the swap space
+ * is usually dense). Pairs continuing a run of consecutive blocks on both sides are merged into
+ * one cudaMemcpyAsync of (n - 1) * page + block_bytes bytes when both page sizes are equal (the
+ * padding between the run's blocks belongs to pages of the run on both sides); with different
+ * page sizes every block is its own copy. Host memory must be pinned (page-locked) for the
+ * copies to be asynchronous and at full PCIe bandwidth.
  *
- * dst, src       the destination and source allocations (device cache -> pinned host swap space
- *                for swap-out, the reverse for swap-in); both [num_blocks_x][block_bytes]
- * block_bytes    bytes per block (kv::KvCacheConfig::bytes_per_block)
- * pairs          host [num_pairs][2] i64 (src block, dst block), validated by the caller
- * to_host        1: device -> host (swap out); 0: host -> device (swap in)
+ * dst, src           the destination and source bases (device arena -> pinned host swap space
+ *                    for swap-out, the reverse for swap-in)
+ * dst_page_bytes, src_page_bytes  bytes from one block to the next on each side: at least
+ *                    block_bytes (else PKV_ERR_PAGE_STRIDE) and multiples of PKV_PAGE_ALIGN
+ *                    (else PKV_ERR_PAGE_ALIGN)
+ * block_bytes        bytes per block (kv::KvCacheConfig::bytes_per_block), > 0
+ * pairs              host [num_pairs][2] i64 (src block, dst block), validated by the caller
+ *                    (in range of each side; a negative index is PKV_ERR_INVALID_ARG)
+ * to_host            1: device -> host (swap out); 0: host -> device (swap in)
  */
-int pkv_swap_blocks(void *dst, const void *src, size_t block_bytes, const int64_t *pairs,
-                    int32_t num_pairs, int32_t to_host, void *stream);
+int pkv_swap_blocks(void *dst, size_t dst_page_bytes, const void *src, size_t src_page_bytes,
+                    size_t block_bytes, const int64_t *pairs, int32_t num_pairs, int32_t to_host,
+                    void *stream);
 
 /**
  * Checks that the runtime works on the current device and that this build holds a kernel image

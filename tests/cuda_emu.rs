@@ -56,6 +56,7 @@ fn geometry(cfg: &KvCacheConfig) -> ffi::pkv_cache_geometry {
             KvDtype::F16 => ffi::PKV_DTYPE_F16,
             KvDtype::Bf16 => ffi::PKV_DTYPE_BF16,
         } as i32,
+        block_stride: cfg.block_stride() as i64,
     }
 }
 
@@ -203,12 +204,13 @@ fn check_decode<T: Elem>(
     d: usize,
     group: usize,
     bs: usize,
+    page: Page,
     ctx: &[usize],
     f: Features,
     modes: &[u32],
 ) {
     let (layers, layer, hkv) = (2, 1, 2);
-    let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, ctx);
+    let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, page, ctx);
     let host = random_cache::<T>(rng, b.cfg);
     let nh = hkv * group;
     let query = random_vec::<T>(rng, ctx.len() * nh * d);
@@ -220,7 +222,7 @@ fn check_decode<T: Elem>(
     for &mode in modes {
         let (s, got) = case.decode::<T>(layer, mode);
         let what = format!(
-            "decode {} d{d} g{group} bs{bs} {f:?} mode {mode} ctx {ctx:?}",
+            "decode {} d{d} g{group} bs{bs} {page:?} {f:?} mode {mode} ctx {ctx:?}",
             T::DTYPE
         );
         if mode == ffi::PKV_DECODE_SINGLE && single_pass_refused(group, ctx) {
@@ -237,12 +239,13 @@ fn check_prefill<T: Elem>(
     d: usize,
     group: usize,
     bs: usize,
+    page: Page,
     seqs_q_ctx: &[(usize, usize)],
     f: Features,
 ) {
     let (layers, layer, hkv) = (2, 0, 2);
     let ctx: Vec<usize> = seqs_q_ctx.iter().map(|&(_, c)| c).collect();
-    let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, &ctx);
+    let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, page, &ctx);
     let host = random_cache::<T>(rng, b.cfg);
     let nh = hkv * group;
     let qsl = query_start_loc(seqs_q_ctx);
@@ -257,7 +260,7 @@ fn check_prefill<T: Elem>(
     let case = AttnCase::new(&b, &host, &query, &params, ffi::PKV_DECODE_AUTO);
     let (s, got) = case.prefill::<T>(layer, &qsl);
     let what = format!(
-        "prefill {} d{d} g{group} bs{bs} {f:?} q/ctx {seqs_q_ctx:?}",
+        "prefill {} d{d} g{group} bs{bs} {page:?} {f:?} q/ctx {seqs_q_ctx:?}",
         T::DTYPE
     );
     expect_ok(&what, s);
@@ -273,7 +276,9 @@ fn decode_grid<T: Elem>(seed: u64) {
         for group in GROUPS {
             for bs in BLOCK_SIZES {
                 let f = features(variant, bs);
-                check_decode::<T>(&mut rng, d, group, bs, &decode_grid_contexts(bs), f, &MODES);
+                let page = PAGES[(variant / 4) % PAGES.len()];
+                let ctx = decode_grid_contexts(bs);
+                check_decode::<T>(&mut rng, d, group, bs, page, &ctx, f, &MODES);
                 variant += 1;
             }
         }
@@ -315,19 +320,46 @@ fn decode_long_contexts_and_odd_groups() {
     .into_iter()
     .enumerate()
     {
-        check_decode::<bf16>(&mut rng, 128, 4, 16, &ctx, f, &MODES);
-        check_decode::<f32>(&mut rng, 256, 8, 32, &ctx, f, &MODES);
-        check_decode::<f16>(&mut rng, [80, 112, 64][i], 1, 8, &ctx, f, &MODES);
+        check_decode::<bf16>(&mut rng, 128, 4, 16, Page::Dense, &ctx, f, &MODES);
+        check_decode::<f32>(&mut rng, 256, 8, 32, Page::Pad(3), &ctx, f, &MODES);
+        check_decode::<f16>(
+            &mut rng,
+            [80, 112, 64][i],
+            1,
+            8,
+            Page::RoundUp(64 << 10),
+            &ctx,
+            f,
+            &MODES,
+        );
     }
     // The single pass's shared-memory boundary: logits of 3072 tokens x 4 heads are exactly
     // 48 KiB, which with the static max/sum no longer fits (refused when forced, split in
     // auto); 3070 tokens fit.
     for ctx in [[3072, 5], [3070, 5]] {
-        check_decode::<bf16>(&mut rng, 128, 4, 16, &ctx, Features::PLAIN, &MODES);
+        check_decode::<bf16>(
+            &mut rng,
+            128,
+            4,
+            16,
+            Page::Dense,
+            &ctx,
+            Features::PLAIN,
+            &MODES,
+        );
     }
     for group in [2, 3, 6, 16] {
         let f = features(group, 16);
-        check_decode::<bf16>(&mut rng, 128, group, 16, &[1, 17, 600, 1100], f, &MODES);
+        check_decode::<bf16>(
+            &mut rng,
+            128,
+            group,
+            16,
+            Page::Dense,
+            &[1, 17, 600, 1100],
+            f,
+            &MODES,
+        );
     }
 }
 
@@ -344,6 +376,7 @@ fn decode_benchmark_shapes() {
             128,
             group,
             16,
+            Page::Dense,
             &[4096, 512, 4095],
             Features::PLAIN,
             &MODES,
@@ -358,7 +391,8 @@ fn prefill_grid<T: Elem>(seed: u64) {
         for group in GROUPS {
             for bs in BLOCK_SIZES {
                 let f = features(variant, bs);
-                check_prefill::<T>(&mut rng, d, group, bs, &prefill_grid_seqs(bs), f);
+                let page = PAGES[(variant / 4) % PAGES.len()];
+                check_prefill::<T>(&mut rng, d, group, bs, page, &prefill_grid_seqs(bs), f);
                 variant += 1;
             }
         }
@@ -383,9 +417,25 @@ fn prefill_long_chunks() {
     let mut rng = SmallRng::seed_from_u64(8);
     for v in 0..4 {
         let f = features(v, 16);
-        check_prefill::<bf16>(&mut rng, 128, 4, 16, &[(100, 700), (129, 129)], f);
-        check_prefill::<f16>(&mut rng, 256, 8, 32, &[(40, 40), (33, 300)], f);
-        check_prefill::<f32>(&mut rng, 96, 6, 8, &[(40, 41), (7, 500)], f);
+        check_prefill::<bf16>(
+            &mut rng,
+            128,
+            4,
+            16,
+            Page::Dense,
+            &[(100, 700), (129, 129)],
+            f,
+        );
+        check_prefill::<f16>(
+            &mut rng,
+            256,
+            8,
+            32,
+            Page::Pad(1),
+            &[(40, 40), (33, 300)],
+            f,
+        );
+        check_prefill::<f32>(&mut rng, 96, 6, 8, Page::Dense, &[(40, 41), (7, 500)], f);
     }
 }
 
@@ -398,7 +448,7 @@ fn results_do_not_depend_on_thread_order() {
     let mut rng = SmallRng::seed_from_u64(12);
     let (d, group, bs, hkv, layer) = (128, 4, 16, 2, 0);
     let ctx = [700, 33, 1];
-    let b = make_batch(&mut rng, 1, hkv, d, bs, KvDtype::Bf16, &ctx);
+    let b = make_batch(&mut rng, 1, hkv, d, bs, KvDtype::Bf16, Page::Pad(2), &ctx);
     let host = random_cache::<bf16>(&mut rng, b.cfg);
     let nh = hkv * group;
     let sl = slopes(&mut rng, nh);
@@ -444,7 +494,7 @@ fn auto_mode_picks_split_by_device_size() {
     let mut rng = SmallRng::seed_from_u64(13);
     let (d, group, bs, hkv, layer) = (64, 4, 16, 2, 0);
     let ctx = [1500, 900];
-    let b = make_batch(&mut rng, 1, hkv, d, bs, KvDtype::F16, &ctx);
+    let b = make_batch(&mut rng, 1, hkv, d, bs, KvDtype::F16, Page::Dense, &ctx);
     let host = random_cache::<f16>(&mut rng, b.cfg);
     let nh = hkv * group;
     let params = attn_params(nh, d, Features::PLAIN, &[]);
@@ -466,9 +516,12 @@ fn auto_mode_picks_split_by_device_size() {
 
 // ---- cache writes and block moves --------------------------------------------------------------
 
-fn check_reshape<T: Elem>(rng: &mut SmallRng, d: usize, bs: usize, padded: bool) {
+fn check_reshape<T: Elem>(rng: &mut SmallRng, d: usize, bs: usize, padded: bool, page: Page) {
     let (layers, hkv, num_blocks) = (3, 2, 7);
     let cfg = KvCacheConfig::new(layers, hkv, d, bs, num_blocks, T::DTYPE).expect("config");
+    // The host image's page padding is poisoned (random_cache) and compared below: the kernel
+    // must leave it as it is.
+    let cfg = with_page(cfg, page);
     let mut host = random_cache::<T>(rng, cfg);
     let mut dev = buf(host.as_bytes());
     let geom = geometry(&cfg);
@@ -518,7 +571,7 @@ fn check_reshape<T: Elem>(rng: &mut SmallRng, d: usize, bs: usize, padded: bool)
     }
     assert!(
         dev.as_mut_slice::<u8>() == host.as_bytes(),
-        "reshape_and_cache {} d{d} bs{bs} padded {padded}: cache bytes differ",
+        "reshape_and_cache {} d{d} bs{bs} padded {padded} {page:?}: cache bytes differ",
         T::DTYPE
     );
 }
@@ -526,12 +579,15 @@ fn check_reshape<T: Elem>(rng: &mut SmallRng, d: usize, bs: usize, padded: bool)
 #[test]
 fn reshape_and_cache_grid() {
     let mut rng = SmallRng::seed_from_u64(9);
+    let mut variant = 0;
     for d in HEAD_DIMS {
         for bs in BLOCK_SIZES {
             for padded in [false, true] {
-                check_reshape::<f32>(&mut rng, d, bs, padded);
-                check_reshape::<f16>(&mut rng, d, bs, padded);
-                check_reshape::<bf16>(&mut rng, d, bs, padded);
+                let page = PAGES[variant % PAGES.len()];
+                variant += 1;
+                check_reshape::<f32>(&mut rng, d, bs, padded, page);
+                check_reshape::<f16>(&mut rng, d, bs, padded, page);
+                check_reshape::<bf16>(&mut rng, d, bs, padded, page);
             }
         }
     }
@@ -570,14 +626,22 @@ fn reshape_and_cache_skips_out_of_range_slots() {
 #[test]
 fn copy_blocks_matches_cpu() {
     let mut rng = SmallRng::seed_from_u64(10);
-    for (d, bs, dtype) in [
-        (128, 16, KvDtype::Bf16),
-        (80, 8, KvDtype::F32),
-        (256, 32, KvDtype::F16),
+    for (d, bs, dtype, page) in [
+        (128, 16, KvDtype::Bf16, Page::Dense),
+        (80, 8, KvDtype::F32, Page::Dense),
+        (256, 32, KvDtype::F16, Page::Dense),
+        (128, 64, KvDtype::Bf16, Page::Pad(1)),
+        (64, 256, KvDtype::F16, Page::Pad(7)),
+        (96, 128, KvDtype::F32, Page::RoundUp(64 << 10)),
     ] {
         let cfg = KvCacheConfig::new(4, 2, d, bs, 40, dtype).expect("cfg");
+        let cfg = with_page(cfg, page);
         let mut host = HostKvCache::new(cfg).expect("host");
         rng.fill(host.as_bytes_mut());
+        // Poisoned padding everywhere: the CPU twin copies a run of pages whole (padding
+        // between its blocks included), the kernel only the blocks; with equal padding both
+        // must give the same bytes, and the kernel must not write the padding.
+        poison_padding(&mut host);
         let mut dev = buf(host.as_bytes());
         let pairs: Vec<(u32, u32)> = vec![
             (0, 20),
@@ -610,32 +674,50 @@ fn copy_blocks_matches_cpu() {
         expect_ok("copy_blocks", s);
         assert!(
             dev.as_mut_slice::<u8>() == host.as_bytes(),
-            "copy_blocks {dtype} d{d}: bytes differ"
+            "copy_blocks {dtype} d{d} bs{bs} {page:?}: bytes differ"
         );
     }
 }
 
 #[test]
 fn swap_out_then_in_restores_bytes() {
+    for page in [Page::Dense, Page::Pad(3), Page::RoundUp(64 << 10)] {
+        check_swap(page);
+    }
+}
+
+/// Swap out of a device arena with page stride `page` into a dense swap space and back, against
+/// the CPU twin (`SwapSpace`); the arena's padding must be left as it is.
+fn check_swap(page: Page) {
     let mut rng = SmallRng::seed_from_u64(11);
     let cfg = KvCacheConfig::new(3, 4, 128, 16, 32, KvDtype::Bf16).expect("cfg");
+    let cfg = with_page(cfg, page);
     let mut host = HostKvCache::new(cfg).expect("host");
     rng.fill(host.as_bytes_mut());
+    poison_padding(&mut host);
     let dev = buf(host.as_bytes());
     let mut cpu_swap = SwapSpace::new(&cfg, 24).expect("swap");
     let pinned = EmuBuf::zeroed(cpu_swap.storage().as_bytes().len()).expect("pinned");
     let block_bytes = cfg.bytes_per_block();
+    let (dev_page, swap_page) = (cfg.page_bytes(), cpu_swap.config().page_bytes());
     let swap = |dst: &EmuBuf, src: &EmuBuf, map: &[(u32, u32)], to_host: i32| {
         let pairs: Vec<i64> = map
             .iter()
             .flat_map(|&(s, d)| [s as i64, d as i64])
             .collect();
-        // SAFETY: dst and src hold whole blocks for every index in `map` (checked by the CPU
+        let (dst_page, src_page) = if to_host == 1 {
+            (swap_page, dev_page)
+        } else {
+            (dev_page, swap_page)
+        };
+        // SAFETY: dst and src hold whole pages for every index in `map` (checked by the CPU
         // twin on the same mapping); pairs is a host array of map.len() pairs.
         let s = unsafe {
             ffi::pkv_swap_blocks(
                 dst.ptr(),
+                dst_page,
                 src.ptr(),
+                src_page,
                 block_bytes,
                 pairs.as_ptr(),
                 map.len() as i32,
@@ -643,7 +725,7 @@ fn swap_out_then_in_restores_bytes() {
                 null(),
             )
         };
-        expect_ok("swap_blocks", s);
+        expect_ok(&format!("swap_blocks {page:?}"), s);
     };
     let out_map = [
         (3, 0),
@@ -659,7 +741,7 @@ fn swap_out_then_in_restores_bytes() {
     swap(&pinned, &dev, &out_map, 1);
     assert!(
         pinned.as_slice::<u8>() == cpu_swap.storage().as_bytes(),
-        "swap-out bytes differ"
+        "{page:?}: swap-out bytes differ"
     );
     let in_map = [
         (0, 12),
@@ -675,7 +757,7 @@ fn swap_out_then_in_restores_bytes() {
     swap(&dev, &pinned, &in_map, 0);
     assert!(
         dev.as_slice::<u8>() == host.as_bytes(),
-        "swap-in bytes differ"
+        "{page:?}: swap-in bytes differ"
     );
 }
 
@@ -685,7 +767,7 @@ fn swap_out_then_in_restores_bytes() {
 #[test]
 fn misaligned_query_is_refused() {
     let mut rng = SmallRng::seed_from_u64(14);
-    let b = make_batch(&mut rng, 1, 1, 64, 16, KvDtype::F32, &[20]);
+    let b = make_batch(&mut rng, 1, 1, 64, 16, KvDtype::F32, Page::Dense, &[20]);
     let host = random_cache::<f32>(&mut rng, b.cfg);
     let params = attn_params(1, 64, Features::PLAIN, &[]);
     let query = random_vec::<f32>(&mut rng, 64 + 4);
@@ -712,4 +794,154 @@ fn misaligned_query_is_refused() {
         )
     };
     assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32);
+}
+
+// ---- the page stride and block sizes in the C ABI ----------------------------------------------
+
+/// Every launcher that takes a geometry refuses a page stride smaller than a block
+/// (`PKV_ERR_PAGE_STRIDE`) or off the 16-byte grid (`PKV_ERR_PAGE_ALIGN`), and a block size
+/// that is not a power of two in 8..=256 (`PKV_ERR_BLOCK_SIZE`), before touching any pointer;
+/// the swap launcher refuses page sizes below the block or off the grid on either side. Each
+/// refusal has its own message.
+#[test]
+fn page_stride_and_block_size_are_validated() {
+    let cfg = KvCacheConfig::new(2, 2, 64, 16, 4, KvDtype::F16).expect("cfg");
+    let elems = cfg.elems_per_block() as i64;
+    let good = geometry(&cfg);
+    // Never dereferenced: every call below fails validation first.
+    let fake = EmuBuf::zeroed(64).expect("buf");
+    let p = fake.ptr();
+    let params = ffi::pkv_attn_params {
+        num_heads: 2,
+        scale: 0.1,
+        ..Default::default()
+    };
+    let launch_all = |g: &ffi::pkv_cache_geometry| -> [i32; 4] {
+        // SAFETY: the geometry is invalid, so each launcher returns before any launch or any
+        // access through `p`.
+        unsafe {
+            [
+                ffi::pkv_paged_attention_decode(
+                    p,
+                    p,
+                    p,
+                    g,
+                    0,
+                    p as *const i32,
+                    1,
+                    p as *const i32,
+                    1,
+                    16,
+                    &params,
+                    null(),
+                    0,
+                    null(),
+                ),
+                ffi::pkv_paged_attention_prefill(
+                    p,
+                    p,
+                    p,
+                    g,
+                    0,
+                    p as *const i32,
+                    1,
+                    p as *const i32,
+                    p as *const i32,
+                    1,
+                    1,
+                    &params,
+                    null(),
+                ),
+                ffi::pkv_reshape_and_cache(p, g, 0, p, p, 128, 128, p as *const i64, 1, null()),
+                ffi::pkv_copy_blocks(p, g, p as *const i32, 1, null()),
+            ]
+        }
+    };
+    let cases = [
+        (elems - 8, ffi::PKV_ERR_PAGE_STRIDE),
+        (0, ffi::PKV_ERR_PAGE_STRIDE),
+        (-1, ffi::PKV_ERR_PAGE_STRIDE),
+        // 4 f16 elements = 8 bytes past the block: pages off the 16-byte grid.
+        (elems + 4, ffi::PKV_ERR_PAGE_ALIGN),
+        // num_blocks pages of this stride overflow a 64-bit byte count.
+        (i64::MAX / 4, ffi::PKV_ERR_PAGE_STRIDE),
+    ];
+    for (stride, want) in cases {
+        let g = ffi::pkv_cache_geometry {
+            block_stride: stride,
+            ..good
+        };
+        for (i, s) in launch_all(&g).into_iter().enumerate() {
+            assert_eq!(s, want as i32, "launcher {i}, stride {stride}");
+        }
+    }
+    for bs in [0, 4, 12, 24, 512, -16] {
+        let g = ffi::pkv_cache_geometry {
+            block_size: bs,
+            ..good
+        };
+        for (i, s) in launch_all(&g).into_iter().enumerate() {
+            assert_eq!(
+                s,
+                ffi::PKV_ERR_BLOCK_SIZE as i32,
+                "launcher {i}, block size {bs}"
+            );
+        }
+    }
+    assert!(cuda_emu::status_string(ffi::PKV_ERR_PAGE_STRIDE as i32).contains("page stride"));
+    assert!(cuda_emu::status_string(ffi::PKV_ERR_PAGE_ALIGN as i32).contains("16 bytes"));
+    assert!(cuda_emu::status_string(ffi::PKV_ERR_BLOCK_SIZE as i32).contains("8 to 256"));
+
+    let pair = [0i64, 0];
+    let swap = |dst_page: usize, src_page: usize, block: usize| {
+        // SAFETY: the sizes are invalid, so the launcher returns before any copy.
+        unsafe {
+            ffi::pkv_swap_blocks(p, dst_page, p, src_page, block, pair.as_ptr(), 1, 1, null())
+        }
+    };
+    assert_eq!(swap(4096, 4080, 4096), ffi::PKV_ERR_PAGE_STRIDE as i32);
+    assert_eq!(swap(4080, 4096, 4096), ffi::PKV_ERR_PAGE_STRIDE as i32);
+    assert_eq!(swap(4104, 4096, 4096), ffi::PKV_ERR_PAGE_ALIGN as i32);
+    assert_eq!(swap(4096, 4104, 4096), ffi::PKV_ERR_PAGE_ALIGN as i32);
+    assert_eq!(swap(4096, 4096, 0), ffi::PKV_ERR_INVALID_ARG as i32);
+}
+
+/// A block table row long enough that `max_blocks_per_seq * block_size` passes 2^31 (2^23 + 1
+/// entries of 256-token blocks): the kernels clamp context lengths to what the row can name,
+/// and that clamp must not wrap to a negative number (which silently turned every sequence
+/// into an empty one, all-zero output).
+#[test]
+fn table_capacity_beyond_i32_does_not_wrap() {
+    let mut rng = SmallRng::seed_from_u64(21);
+    let (d, bs, hkv, group) = (64, 256, 1, 4);
+    let mbps = (1usize << 23) + 1;
+    let ctx = [300usize, 40];
+    let mut b = make_batch(&mut rng, 1, hkv, d, bs, KvDtype::F32, Page::Pad(1), &ctx);
+    // Re-lay the same live entries in rows of mbps entries (the rest: garbage, never read).
+    let mut tables = vec![-3i32; ctx.len() * mbps];
+    for (s, &c) in ctx.iter().enumerate() {
+        let n = c.div_ceil(bs);
+        tables[s * mbps..s * mbps + n].copy_from_slice(&b.tables[s * b.mbps..s * b.mbps + n]);
+    }
+    b.tables = tables;
+    b.mbps = mbps;
+    let host = random_cache::<f32>(&mut rng, b.cfg);
+    let nh = hkv * group;
+    let params = attn_params(nh, d, Features::PLAIN, &[]);
+    let query = random_vec::<f32>(&mut rng, ctx.len() * nh * d);
+    let want = cpu_decode(&b, &host, 0, &query, &params);
+    let mut case = AttnCase::new(&b, &host, &query, &params, ffi::PKV_DECODE_AUTO);
+    for mode in [ffi::PKV_DECODE_SINGLE, ffi::PKV_DECODE_SPLIT] {
+        let (s, got) = case.decode::<f32>(0, mode);
+        expect_ok("decode, huge table", s);
+        assert_close(&format!("decode mode {mode}, huge table"), &got, &want, d);
+    }
+    let seqs_q_ctx = [(7usize, 300usize), (40, 40)];
+    let qsl = query_start_loc(&seqs_q_ctx);
+    let pq = random_vec::<f32>(&mut rng, 47 * nh * d);
+    let want = cpu_prefill(&b, &host, 0, &pq, &qsl, &params);
+    let pcase = AttnCase::new(&b, &host, &pq, &params, ffi::PKV_DECODE_AUTO);
+    let (s, got) = pcase.prefill::<f32>(0, &qsl);
+    expect_ok("prefill, huge table", s);
+    assert_close("prefill, huge table", &got, &want, d);
 }

@@ -55,12 +55,13 @@ fn check_decode<T: Elem>(
     d: usize,
     group: usize,
     bs: usize,
+    page: Page,
     ctx: &[usize],
     f: Features,
     modes: &[DecodeMode],
 ) {
     let (layers, layer, hkv) = (2, 1, 2);
-    let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, ctx);
+    let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, page, ctx);
     let host = random_cache::<T>(rng, b.cfg);
     let nh = hkv * group;
     let query = random_vec::<T>(rng, ctx.len() * nh * d);
@@ -94,7 +95,7 @@ fn check_decode<T: Elem>(
         g.synchronize().expect("sync");
         let got = g.download(&out).expect("download");
         let what = format!(
-            "decode {} d{d} g{group} bs{bs} {f:?} {mode:?} ctx {ctx:?}",
+            "decode {} d{d} g{group} bs{bs} {page:?} {f:?} {mode:?} ctx {ctx:?}",
             T::DTYPE
         );
         assert_close(&what, &got, &want, d);
@@ -108,12 +109,13 @@ fn check_prefill<T: Elem>(
     d: usize,
     group: usize,
     bs: usize,
+    page: Page,
     seqs_q_ctx: &[(usize, usize)],
     f: Features,
 ) {
     let (layers, layer, hkv) = (2, 0, 2);
     let ctx: Vec<usize> = seqs_q_ctx.iter().map(|&(_, c)| c).collect();
-    let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, &ctx);
+    let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, page, &ctx);
     let host = random_cache::<T>(rng, b.cfg);
     let nh = hkv * group;
     let qsl = query_start_loc(seqs_q_ctx);
@@ -140,7 +142,7 @@ fn check_prefill<T: Elem>(
     g.synchronize().expect("sync");
     let got = g.download(&out).expect("download");
     let what = format!(
-        "prefill {} d{d} g{group} bs{bs} {f:?} q/ctx {seqs_q_ctx:?}",
+        "prefill {} d{d} g{group} bs{bs} {page:?} {f:?} q/ctx {seqs_q_ctx:?}",
         T::DTYPE
     );
     assert_close(&what, &got, &want, d);
@@ -164,6 +166,7 @@ fn decode_grid<T: Elem>(seed: u64) {
                     d,
                     group,
                     bs,
+                    PAGES[(variant / 4) % PAGES.len()],
                     &ctx,
                     features(variant, bs),
                     &ALL_MODES,
@@ -213,9 +216,19 @@ fn decode_long_contexts_and_odd_groups() {
     .into_iter()
     .enumerate()
     {
-        check_decode::<bf16>(&g, &mut rng, 128, 4, 16, &ctx, f, &ALL_MODES);
-        check_decode::<f32>(&g, &mut rng, 256, 8, 32, &ctx, f, &ALL_MODES);
-        check_decode::<f16>(&g, &mut rng, [80, 112, 64][i], 1, 8, &ctx, f, &ALL_MODES);
+        check_decode::<bf16>(&g, &mut rng, 128, 4, 16, Page::Dense, &ctx, f, &ALL_MODES);
+        check_decode::<f32>(&g, &mut rng, 256, 8, 32, Page::Pad(3), &ctx, f, &ALL_MODES);
+        check_decode::<f16>(
+            &g,
+            &mut rng,
+            [80, 112, 64][i],
+            1,
+            8,
+            Page::RoundUp(64 << 10),
+            &ctx,
+            f,
+            &ALL_MODES,
+        );
     }
     for group in [2, 3, 6, 16] {
         check_decode::<bf16>(
@@ -224,6 +237,7 @@ fn decode_long_contexts_and_odd_groups() {
             128,
             group,
             16,
+            Page::Dense,
             &[1, 17, 600, 2000],
             features(group, 16),
             &ALL_MODES,
@@ -237,6 +251,7 @@ fn decode_long_contexts_and_odd_groups() {
         128,
         4,
         16,
+        Page::Dense,
         &many,
         features(0, 16),
         &[DecodeMode::Auto],
@@ -253,7 +268,17 @@ fn prefill_grid<T: Elem>(seed: u64) {
         for group in GROUPS {
             for bs in BLOCK_SIZES {
                 let seqs = prefill_grid_seqs(bs);
-                check_prefill::<T>(&g, &mut rng, d, group, bs, &seqs, features(variant, bs));
+                let page = PAGES[(variant / 4) % PAGES.len()];
+                check_prefill::<T>(
+                    &g,
+                    &mut rng,
+                    d,
+                    group,
+                    bs,
+                    page,
+                    &seqs,
+                    features(variant, bs),
+                );
                 variant += 1;
             }
         }
@@ -287,19 +312,39 @@ fn prefill_long_chunks() {
             128,
             4,
             16,
+            Page::Dense,
             &[(100, 1000), (257, 257), (1, 3000)],
             f,
         );
-        check_prefill::<f16>(&g, &mut rng, 256, 8, 32, &[(64, 64), (33, 500)], f);
-        check_prefill::<f32>(&g, &mut rng, 96, 6, 8, &[(40, 41), (7, 900)], f);
+        check_prefill::<f16>(
+            &g,
+            &mut rng,
+            256,
+            8,
+            32,
+            Page::Pad(1),
+            &[(64, 64), (33, 500)],
+            f,
+        );
+        check_prefill::<f32>(
+            &g,
+            &mut rng,
+            96,
+            6,
+            8,
+            Page::Dense,
+            &[(40, 41), (7, 900)],
+            f,
+        );
     }
 }
 
 // ---- cache writes and block moves ----------------------------------------------------------
 
-fn check_reshape<T: Elem>(g: &Gpu, rng: &mut SmallRng, d: usize, bs: usize) {
+fn check_reshape<T: Elem>(g: &Gpu, rng: &mut SmallRng, d: usize, bs: usize, page: Page) {
     let (layers, hkv, num_blocks) = (3, 2, 7);
     let cfg = KvCacheConfig::new(layers, hkv, d, bs, num_blocks, T::DTYPE).expect("config");
+    let cfg = with_page(cfg, page);
     let mut host = random_cache::<T>(rng, cfg);
     let mut dev = DeviceKvCache::new(g, cfg).expect("dev");
     dev.upload_from(g, &host).expect("upload");
@@ -329,7 +374,7 @@ fn check_reshape<T: Elem>(g: &Gpu, rng: &mut SmallRng, d: usize, bs: usize) {
     dev.download_to(g, &mut back).expect("download");
     assert!(
         back.as_bytes() == host.as_bytes(),
-        "reshape_and_cache {} d{d} bs{bs}: cache bytes differ",
+        "reshape_and_cache {} d{d} bs{bs} {page:?}: cache bytes differ",
         T::DTYPE
     );
 }
@@ -340,11 +385,14 @@ fn reshape_and_cache_grid() {
         return;
     };
     let mut rng = SmallRng::seed_from_u64(9);
+    let mut variant = 0;
     for d in HEAD_DIMS {
         for bs in BLOCK_SIZES {
-            check_reshape::<f32>(&g, &mut rng, d, bs);
-            check_reshape::<f16>(&g, &mut rng, d, bs);
-            check_reshape::<bf16>(&g, &mut rng, d, bs);
+            let page = PAGES[variant % PAGES.len()];
+            variant += 1;
+            check_reshape::<f32>(&g, &mut rng, d, bs, page);
+            check_reshape::<f16>(&g, &mut rng, d, bs, page);
+            check_reshape::<bf16>(&g, &mut rng, d, bs, page);
         }
     }
 }
@@ -355,14 +403,21 @@ fn copy_blocks_matches_cpu() {
         return;
     };
     let mut rng = SmallRng::seed_from_u64(10);
-    for (d, bs, dtype) in [
-        (128, 16, KvDtype::Bf16),
-        (80, 8, KvDtype::F32),
-        (256, 32, KvDtype::F16),
+    for (d, bs, dtype, page) in [
+        (128, 16, KvDtype::Bf16, Page::Dense),
+        (80, 8, KvDtype::F32, Page::Dense),
+        (256, 32, KvDtype::F16, Page::Dense),
+        (128, 64, KvDtype::Bf16, Page::Pad(1)),
+        (64, 256, KvDtype::F16, Page::Pad(7)),
+        (96, 128, KvDtype::F32, Page::RoundUp(64 << 10)),
     ] {
         let cfg = KvCacheConfig::new(4, 2, d, bs, 40, dtype).expect("cfg");
+        let cfg = with_page(cfg, page);
         let mut host = HostKvCache::new(cfg).expect("host");
         rng.fill(host.as_bytes_mut());
+        // Equal (poisoned) padding: the CPU twin copies runs of pages whole, the kernel only
+        // the blocks.
+        poison_padding(&mut host);
         let mut dev = DeviceKvCache::new(&g, cfg).expect("dev");
         dev.upload_from(&g, &host).expect("up");
         // Runs and singles, destinations distinct and never sources.
@@ -386,7 +441,7 @@ fn copy_blocks_matches_cpu() {
         dev.download_to(&g, &mut back).expect("down");
         assert!(
             back.as_bytes() == host.as_bytes(),
-            "copy_blocks {dtype} d{d}: bytes differ"
+            "copy_blocks {dtype} d{d} bs{bs} {page:?}: bytes differ"
         );
         // Bad mappings are refused before any launch, as on the CPU.
         assert!(matches!(
@@ -405,10 +460,21 @@ fn swap_out_then_in_restores_bytes() {
     let Some(g) = gpu("swap_out_then_in_restores_bytes") else {
         return;
     };
+    for page in [Page::Dense, Page::Pad(3), Page::RoundUp(64 << 10)] {
+        check_swap(&g, page);
+    }
+}
+
+/// Swap between a device cache with page stride `page` and a dense pinned swap space, against
+/// the CPU twin.
+fn check_swap(g: &Gpu, page: Page) {
+    let g = g.clone();
     let mut rng = SmallRng::seed_from_u64(11);
     let cfg = KvCacheConfig::new(3, 4, 128, 16, 32, KvDtype::Bf16).expect("cfg");
+    let cfg = with_page(cfg, page);
     let mut host = HostKvCache::new(cfg).expect("host");
     rng.fill(host.as_bytes_mut());
+    poison_padding(&mut host);
     let mut dev = DeviceKvCache::new(&g, cfg).expect("dev");
     dev.upload_from(&g, &host).expect("up");
     let mut pinned = PinnedSwapSpace::new(&g, &cfg, 24).expect("pinned");
@@ -428,7 +494,7 @@ fn swap_out_then_in_restores_bytes() {
     cpu_swap.swap_out(&host, &out_map).expect("cpu swap out");
     assert!(
         pinned.as_bytes().expect("pinned") == cpu_swap.storage().as_bytes(),
-        "swap-out bytes differ"
+        "{page:?}: swap-out bytes differ"
     );
     // Clobber the device blocks, swap back in to other places, compare with the CPU.
     let in_map: Vec<(u32, u32)> = vec![
@@ -445,7 +511,10 @@ fn swap_out_then_in_restores_bytes() {
     cpu_swap.swap_in(&mut host, &in_map).expect("cpu swap in");
     let mut back = HostKvCache::new(cfg).expect("host");
     dev.download_to(&g, &mut back).expect("down");
-    assert!(back.as_bytes() == host.as_bytes(), "swap-in bytes differ");
+    assert!(
+        back.as_bytes() == host.as_bytes(),
+        "{page:?}: swap-in bytes differ"
+    );
     assert!(
         dev.swap_out(&g, &mut pinned, &[(32, 0)]).is_err(),
         "out-of-range source accepted"
@@ -518,6 +587,7 @@ fn geom(head_dim: i32, block_size: i32, dtype: u32) -> ffi::pkv_cache_geometry {
         num_kv_heads: 2,
         head_dim,
         dtype: dtype as i32,
+        block_stride: 2 * 2 * block_size as i64 * 2 * head_dim as i64,
     }
 }
 
@@ -526,10 +596,21 @@ fn ffi_argument_errors_need_no_gpu() {
     // Non-null, aligned, never dereferenced: every call below fails validation first.
     let mut fake = [0u128; 4];
     let p = fake.as_mut_ptr() as *mut std::ffi::c_void;
+    let short_page = ffi::pkv_cache_geometry {
+        block_stride: geom(128, 64, ffi::PKV_DTYPE_F16).block_stride - 8,
+        ..geom(128, 64, ffi::PKV_DTYPE_F16)
+    };
+    let odd_page = ffi::pkv_cache_geometry {
+        block_stride: geom(128, 64, ffi::PKV_DTYPE_F16).block_stride + 4,
+        ..geom(128, 64, ffi::PKV_DTYPE_F16)
+    };
     let bad = [
         (geom(72, 16, ffi::PKV_DTYPE_F16), ffi::PKV_ERR_HEAD_DIM),
         (geom(128, 12, ffi::PKV_DTYPE_F16), ffi::PKV_ERR_BLOCK_SIZE),
+        (geom(128, 512, ffi::PKV_DTYPE_F16), ffi::PKV_ERR_BLOCK_SIZE),
         (geom(128, 16, 7), ffi::PKV_ERR_DTYPE),
+        (short_page, ffi::PKV_ERR_PAGE_STRIDE),
+        (odd_page, ffi::PKV_ERR_PAGE_ALIGN),
     ];
     for (g, want) in bad {
         // SAFETY: the geometry is invalid, so pkv_copy_blocks returns before any CUDA call or

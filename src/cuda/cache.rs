@@ -1,35 +1,48 @@
-//! The device KV cache (one allocation, the layout of [`crate::kv::layout`]) and the pinned
-//! host swap space, with the block-moving operations: `copy_blocks`, `swap_out`, `swap_in`.
+//! The device KV cache (a model's view of a [`DeviceArena`], the layout of
+//! [`crate::kv::layout`]) and the pinned host swap space, with the block-moving operations:
+//! `copy_blocks`, `swap_out`, `swap_in`.
 
-use super::device::{check_status, Gpu};
+use super::arena::DeviceArena;
+use super::device::{check_status, Gpu, PageArgs};
 use super::ffi;
 use crate::error::{CudaError, KvError};
 use crate::kv::{check_block_mapping, HostKvCache, KvCacheConfig, KvDtype};
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, DevicePtr};
 use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 /// Head dims the CUDA kernels are instantiated for.
 pub const SUPPORTED_HEAD_DIMS: [usize; 6] = [64, 80, 96, 112, 128, 256];
-/// Block sizes the CUDA kernels accept.
-pub const SUPPORTED_BLOCK_SIZES: [usize; 3] = [8, 16, 32];
+/// Block sizes (tokens per block) the CUDA kernels accept: every power of two from 8 to 256.
+pub const SUPPORTED_BLOCK_SIZES: [usize; 6] = [8, 16, 32, 64, 128, 256];
 
-/// A paged KV cache in device memory: one allocation of
-/// [`total_bytes`](KvCacheConfig::total_bytes), zeroed at creation.
+/// One model's paged KV cache in device memory: a view of a [`DeviceArena`] with the model's
+/// geometry, block `b` at the start of arena page `b` (the geometry's page stride is the
+/// arena's page size; the rest of each page is never touched by this view).
+///
+/// [`new`](Self::new) makes a dense cache over an arena of its own; [`view`](Self::view) puts
+/// a model on a shared arena. Several views of one arena may live on different threads and
+/// streams; which view may touch which page is the block pool's business (see the
+/// [arena's rule](super::arena)).
 #[derive(Debug)]
 pub struct DeviceKvCache {
+    arena: Arc<DeviceArena>,
+    /// The view's geometry: `num_blocks` = the arena's pages, page stride = its page size.
     config: KvCacheConfig,
-    /// The launchers' view of `config` (all sizes fit `i32`: checked in `new`).
+    /// The launchers' view of `config` (all sizes fit `i32`: checked in `geometry`).
     geom: ffi::pkv_cache_geometry,
-    /// `[num_blocks][num_layers][2][block_size][num_kv_heads][head_dim]` of `config.dtype()`.
-    data: CudaSlice<u8>,
     /// Device copy of the last `copy_blocks` pair list; grows, never shrinks.
     pairs: Option<CudaSlice<i32>>,
     /// Host staging of the same (no allocation per call once grown).
     pairs_host: Vec<i32>,
 }
 
+/// The launchers' geometry of `config`, or why the CUDA kernels cannot take it.
+///
+/// # Errors
+/// [`CudaError::Unsupported`] for a head dim or block size without a kernel, or a size beyond
+/// what the C ABI carries.
 pub(crate) fn geometry(config: &KvCacheConfig) -> Result<ffi::pkv_cache_geometry, CudaError> {
     if !SUPPORTED_HEAD_DIMS.contains(&config.head_dim()) {
         return Err(CudaError::Unsupported {
@@ -57,6 +70,12 @@ pub(crate) fn geometry(config: &KvCacheConfig) -> Result<ffi::pkv_cache_geometry
             KvDtype::F16 => ffi::PKV_DTYPE_F16 as i32,
             KvDtype::Bf16 => ffi::PKV_DTYPE_BF16 as i32,
         },
+        // The config's invariant bounds num_blocks * page bytes by isize::MAX: the stride
+        // (elements, <= bytes) fits i64.
+        block_stride: i64::try_from(config.block_stride()).map_err(|_| CudaError::Unsupported {
+            what: "page stride",
+            value: config.block_stride(),
+        })?,
     })
 }
 
@@ -72,40 +91,71 @@ pub(crate) fn same_device<T>(gpu: &Gpu, s: &CudaSlice<T>) -> Result<(), CudaErro
 }
 
 impl DeviceKvCache {
-    /// Allocates a zeroed cache of `config` on `gpu`.
+    /// A zeroed cache of `config` on `gpu` over an arena of its own (`config.num_blocks()`
+    /// pages of `config.page_bytes()`: dense unless `config` has a page stride).
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] for a head dim or block size without a kernel (or a size
     /// beyond `i32`), [`CudaError::Driver`] if the allocation fails.
     pub fn new(gpu: &Gpu, config: KvCacheConfig) -> Result<Self, CudaError> {
         let geom = geometry(&config)?;
-        let data = gpu.alloc_zeros::<u8>(config.total_bytes())?;
-        Ok(Self {
-            config,
-            geom,
-            data,
-            pairs: None,
-            pairs_host: Vec::new(),
-        })
+        let arena = DeviceArena::new(gpu, config.num_blocks(), config.page_bytes())?;
+        Ok(Self::from_parts(arena, config, geom))
     }
 
-    /// The geometry.
+    /// A model's view of a shared arena: `config`'s block shape (layers, KV heads, head dim,
+    /// tokens per block, dtype) over every page of `arena`. The view's
+    /// [`config`](Self::config) is `config` with the arena's page count as `num_blocks` and its
+    /// page size as the page stride (`config`'s own block count and stride are not used).
+    ///
+    /// # Errors
+    /// [`KvError::PageTooSmall`] (as [`CudaError::Kv`]) if a block of `config` does not fit a
+    /// page, [`CudaError::Unsupported`] as in [`new`](Self::new). Nothing is allocated.
+    pub fn view(arena: &Arc<DeviceArena>, config: &KvCacheConfig) -> Result<Self, CudaError> {
+        let config = config
+            .with_num_blocks(arena.num_pages())?
+            .with_page_stride(arena.page_bytes())?;
+        let geom = geometry(&config)?;
+        Ok(Self::from_parts(arena.clone(), config, geom))
+    }
+
+    fn from_parts(
+        arena: Arc<DeviceArena>,
+        config: KvCacheConfig,
+        geom: ffi::pkv_cache_geometry,
+    ) -> Self {
+        debug_assert_eq!(config.total_bytes(), arena.total_bytes());
+        Self {
+            arena,
+            config,
+            geom,
+            pairs: None,
+            pairs_host: Vec::new(),
+        }
+    }
+
+    /// The geometry (its page stride is the arena's page size).
     pub fn config(&self) -> &KvCacheConfig {
         &self.config
     }
-    /// The raw device allocation (for custom kernels; layout in [`crate::kv::layout`]).
-    pub fn data(&self) -> &CudaSlice<u8> {
-        &self.data
-    }
-    /// The raw device allocation, mutable.
-    pub fn data_mut(&mut self) -> &mut CudaSlice<u8> {
-        &mut self.data
+    /// The arena this cache is a view of.
+    pub fn arena(&self) -> &Arc<DeviceArena> {
+        &self.arena
     }
     pub(crate) fn geom(&self) -> &ffi::pkv_cache_geometry {
         &self.geom
     }
+    /// The arena's base as a launcher's `cache` argument.
+    pub(crate) fn base(&self) -> *mut c_void {
+        self.arena.base() as usize as *mut c_void
+    }
+    /// Refuses a `gpu` of another device than the arena's.
+    pub(crate) fn check_device(&self, gpu: &Gpu) -> Result<(), CudaError> {
+        self.arena.check_device(gpu)
+    }
 
-    /// Copies a host cache of the same geometry into this one (ordered on `gpu`'s stream).
+    /// Copies a host image of this view (same geometry, page stride included: the whole
+    /// arena's bytes) into the arena, and waits for the copy.
     ///
     /// # Errors
     /// [`KvError::GeometryMismatch`] (as [`CudaError::Kv`]) if the geometries differ,
@@ -114,12 +164,11 @@ impl DeviceKvCache {
         if host.config() != &self.config {
             return Err(KvError::GeometryMismatch.into());
         }
-        same_device(gpu, &self.data)?;
-        gpu.stream().memcpy_htod(host.as_bytes(), &mut self.data)?;
-        Ok(())
+        self.arena.upload(gpu, host.as_bytes())
     }
 
-    /// Copies this cache into a host cache of the same geometry (waits for the stream).
+    /// Copies the arena into a host image of this view (same geometry), after the work queued
+    /// on `gpu`'s stream, and waits for it.
     ///
     /// # Errors
     /// As [`upload_from`](Self::upload_from).
@@ -127,9 +176,7 @@ impl DeviceKvCache {
         if host.config() != &self.config {
             return Err(KvError::GeometryMismatch.into());
         }
-        same_device(gpu, &self.data)?;
-        gpu.stream().memcpy_dtoh(&self.data, host.as_bytes_mut())?;
-        gpu.synchronize()
+        self.arena.download(gpu, host.as_bytes_mut())
     }
 
     /// Copies whole blocks `(src, dst)` (every layer, K and V) in one kernel launch
@@ -145,7 +192,7 @@ impl DeviceKvCache {
         if pairs.is_empty() {
             return Ok(());
         }
-        same_device(gpu, &self.data)?;
+        self.check_device(gpu)?;
         let num_pairs = i32::try_from(pairs.len()).map_err(|_| CudaError::Unsupported {
             what: "copy_blocks pairs",
             value: pairs.len(),
@@ -159,6 +206,7 @@ impl DeviceKvCache {
             self.pairs = Some(gpu.alloc_zeros::<i32>(need.next_power_of_two())?);
         }
         let stream = gpu.stream();
+        let base = self.base();
         let dev_pairs = self.pairs.as_mut().ok_or(CudaError::Unsupported {
             what: "copy_blocks pairs",
             value: need,
@@ -166,23 +214,25 @@ impl DeviceKvCache {
         stream.memcpy_htod(&self.pairs_host[..], &mut dev_pairs.slice_mut(..need))?;
         gpu.bind()?;
         let (pp, _gp) = dev_pairs.device_ptr(stream);
-        let (cp, _gc) = self.data.device_ptr_mut(stream);
-        // SAFETY: `cp` is this cache's allocation of total_bytes = the geometry `self.geom`
-        // describes; `pp` holds `num_pairs` (src, dst) i32 pairs written by the copy above on
-        // the same stream, all < num_blocks (check_block_mapping). Both pointers stay valid
-        // until the guards `_gp`/`_gc` drop after the call, and cudarc's events taken by
-        // device_ptr* order this launch after earlier work on the buffers. The primary context
-        // is current (bind), so the runtime API launches into cudarc's context and stream.
+        // SAFETY: `base` is the arena's allocation of num_blocks pages of the page
+        // stride `self.geom` carries (the view's config was built from the arena's size), kept
+        // alive by our Arc until after the launch completes (the arena's drop synchronizes);
+        // `pp` holds `num_pairs` (src, dst) i32 pairs written by the copy above on the same
+        // stream, all < num_blocks (check_block_mapping), alive until `_gp` drops after the
+        // call, with cudarc's events ordering the launch after that copy. The kernel writes
+        // only the block part of destination pages, which this view's sequences own (the
+        // arena's rule). The primary context is current (bind), so the runtime API launches
+        // into cudarc's context and stream.
         let status = unsafe {
             ffi::pkv_copy_blocks(
-                cp as usize as *mut c_void,
+                base,
                 &self.geom,
                 pp as usize as *const i32,
                 num_pairs,
                 gpu.raw_stream(),
             )
         };
-        check_status("pkv_copy_blocks", status)
+        check_status("pkv_copy_blocks", status, Some(PageArgs::of(&self.config)))
     }
 
     /// Swaps blocks out to pinned host memory: `(device block, swap block)` pairs, one call,
@@ -203,20 +253,21 @@ impl DeviceKvCache {
         pairs.clear();
         pairs.extend(mapping.iter().flat_map(|&(s, d)| [s as i64, d as i64]));
         gpu.bind()?;
-        let stream = gpu.stream();
-        // Host memory is reused by this DMA: wait for earlier host-side use (none pending from
-        // the host itself: accessors take &self/&mut self and finish synchronously).
-        let (src, _g) = self.data.device_ptr(stream);
-        // SAFETY: `src` is this cache's allocation (num_blocks blocks of bytes_per_block) and
-        // `swap.ptr` the pinned allocation of swap.config's num_blocks blocks of the same
+        // SAFETY: `self.base()` is the arena (num_blocks pages of config.page_bytes(), alive
+        // through our Arc until the queued copies complete: the arena's drop synchronizes) and
+        // `swap.ptr` the pinned allocation of swap.config's num_blocks dense blocks of the same
         // bytes_per_block (same block shape, checked); every pair is in range of its side
-        // (check_swap). `pairs` is a host array of mapping.len() (src, dst) pairs read during the
-        // call only. The DMA writes into `swap`'s memory, which we hold by &mut: no host access
-        // can overlap it until `swap.pending` (recorded below) is waited on by an accessor.
+        // (check_swap), so each copy of bytes_per_block (or a merged run, equal page sizes
+        // only) stays inside both allocations. `pairs` is a host array of mapping.len()
+        // (src, dst) pairs read during the call only. The DMA writes into `swap`'s memory,
+        // which we hold by &mut: no host access can overlap it until `swap.pending` (recorded
+        // below) is waited on by an accessor.
         let status = unsafe {
             ffi::pkv_swap_blocks(
                 swap.ptr.as_ptr() as *mut c_void,
-                src as usize as *const c_void,
+                swap.config.page_bytes(),
+                self.base(),
+                self.config.page_bytes(),
                 self.config.bytes_per_block(),
                 pairs.as_ptr(),
                 mapping.len() as i32,
@@ -224,10 +275,9 @@ impl DeviceKvCache {
                 gpu.raw_stream(),
             )
         };
-        drop(_g);
         swap.staging = pairs;
-        check_status("pkv_swap_blocks", status)?;
-        swap.pending.record(stream)?;
+        check_status("pkv_swap_blocks", status, Some(PageArgs::of(&self.config)))?;
+        swap.pending.record(gpu.stream())?;
         Ok(())
     }
 
@@ -247,16 +297,17 @@ impl DeviceKvCache {
         pairs.clear();
         pairs.extend(mapping.iter().flat_map(|&(s, d)| [s as i64, d as i64]));
         gpu.bind()?;
-        let stream = gpu.stream();
-        let (dst, _g) = self.data.device_ptr_mut(stream);
-        // SAFETY: as in swap_out with the roles exchanged: `dst` is this cache's allocation,
-        // `swap.ptr` the pinned swap allocation of the same block shape, pairs in range. The
-        // DMA reads `swap`'s memory, held by &mut until `swap.pending` is recorded, so the host
-        // cannot write it while the copy runs (accessors wait on `pending`).
+        // SAFETY: as in swap_out with the roles exchanged: the arena is the destination (only
+        // the block part of the mapped pages is written, pages this view owns), `swap.ptr` the
+        // pinned swap allocation of the same block shape, pairs in range. The DMA reads
+        // `swap`'s memory, held by &mut until `swap.pending` is recorded, so the host cannot
+        // write it while the copy runs (accessors wait on `pending`).
         let status = unsafe {
             ffi::pkv_swap_blocks(
-                dst as usize as *mut c_void,
+                self.base(),
+                self.config.page_bytes(),
                 swap.ptr.as_ptr() as *const c_void,
+                swap.config.page_bytes(),
                 self.config.bytes_per_block(),
                 pairs.as_ptr(),
                 mapping.len() as i32,
@@ -264,10 +315,9 @@ impl DeviceKvCache {
                 gpu.raw_stream(),
             )
         };
-        drop(_g);
         swap.staging = pairs;
-        check_status("pkv_swap_blocks", status)?;
-        swap.pending.record(stream)?;
+        check_status("pkv_swap_blocks", status, Some(PageArgs::of(&self.config)))?;
+        swap.pending.record(gpu.stream())?;
         Ok(())
     }
 
@@ -281,7 +331,7 @@ impl DeviceKvCache {
         if !self.config.same_block_shape(&swap.config) {
             return Err(KvError::GeometryMismatch.into());
         }
-        same_device(gpu, &self.data)?;
+        self.check_device(gpu)?;
         let (dev, host) = (self.config.num_blocks(), swap.config.num_blocks());
         if out {
             check_block_mapping(mapping, dev, host, false)?;

@@ -46,10 +46,53 @@ fn culib_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
-/// Turns a launcher status (kernels/pagedkv.h) into a result.
-pub(crate) fn check_status(op: &'static str, status: i32) -> Result<(), CudaError> {
+/// The page size and block size a launch was given (for the typed page-stride errors).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PageArgs {
+    /// Bytes from one block to the next.
+    pub(crate) page_bytes: usize,
+    /// Bytes of one block.
+    pub(crate) block_bytes: usize,
+}
+
+impl PageArgs {
+    /// The page of a cache view's geometry.
+    pub(crate) fn of(config: &crate::kv::KvCacheConfig) -> Self {
+        Self {
+            page_bytes: config.page_bytes(),
+            block_bytes: config.bytes_per_block(),
+        }
+    }
+}
+
+/// Turns a launcher status (kernels/pagedkv.h) into a result. The page-stride refusals
+/// (`PKV_ERR_PAGE_STRIDE`, `PKV_ERR_PAGE_ALIGN`) become the layout's own errors,
+/// [`KvError::PageTooSmall`](crate::error::KvError::PageTooSmall) and
+/// [`KvError::PageMisaligned`](crate::error::KvError::PageMisaligned), when `page` says what
+/// the launch was given; every other status is a [`CudaError::Launch`].
+pub(crate) fn check_status(
+    op: &'static str,
+    status: i32,
+    page: Option<PageArgs>,
+) -> Result<(), CudaError> {
     if status == 0 {
         return Ok(());
+    }
+    if let Some(p) = page {
+        if status == ffi::PKV_ERR_PAGE_STRIDE as i32 {
+            return Err(crate::error::KvError::PageTooSmall {
+                page_bytes: p.page_bytes,
+                block_bytes: p.block_bytes,
+            }
+            .into());
+        }
+        if status == ffi::PKV_ERR_PAGE_ALIGN as i32 {
+            return Err(crate::error::KvError::PageMisaligned {
+                page_bytes: p.page_bytes,
+                align: ffi::PKV_PAGE_ALIGN as usize,
+            }
+            .into());
+        }
     }
     // SAFETY: pkv_status_string returns a pointer to a static NUL-terminated string (a literal
     // or cudaGetErrorString's static table) for every int, never NULL; it has no side effects.
@@ -115,7 +158,7 @@ impl Gpu {
                 minor: cc_minor,
             });
         }
-        check_status("pkv_probe", status)?;
+        check_status("pkv_probe", status, None)?;
         Ok(Self {
             ctx,
             stream,

@@ -30,16 +30,20 @@
 //!
 //! # Layout and semantics
 //!
-//! One allocation per cache, the layout of [`crate::kv::layout`]; attention semantics of
-//! [`crate::attn`]. The CPU kernels in [`crate::attn::cpu`] are the oracle of
-//! `tests/cuda_kernels.rs`.
+//! One [`DeviceArena`] per device (`num_pages x page_bytes`); every model's [`DeviceKvCache`]
+//! is a view of it with its own geometry and the arena's page size as page stride, in the
+//! layout of [`crate::kv::layout`] (the C ABI carries the stride: `pkv_cache_geometry::
+//! block_stride`). Attention semantics of [`crate::attn`]. The CPU kernels in
+//! [`crate::attn::cpu`] are the oracle of `tests/cuda_kernels.rs` and `tests/cuda_arena.rs`.
 
+mod arena;
 mod cache;
 mod device;
 pub mod ffi;
 mod ops;
 
 pub use crate::error::CudaError;
+pub use arena::{DeviceArena, POISON_BYTE};
 pub use cache::{DeviceKvCache, PinnedSwapSpace, SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS};
 pub use device::{device_count, Gpu, GpuInfo};
 pub use ops::{DecodeMode, DecodeWorkspace, DeviceAttnParams, DeviceSeqs};

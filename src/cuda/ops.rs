@@ -2,7 +2,7 @@
 //! metadata they read ([`DeviceSeqs`], [`DeviceAttnParams`], [`DecodeWorkspace`]).
 
 use super::cache::{same_device, DeviceKvCache};
-use super::device::{check_status, Gpu};
+use super::device::{check_status, Gpu, PageArgs};
 use super::ffi;
 use crate::attn::{AttnParams, PagedSeqs};
 use crate::error::{AttnError, CudaError, KvError};
@@ -352,12 +352,8 @@ impl DeviceKvCache {
         let row = cfg.token_stride();
         check_len("key", n * row, key.len())?;
         check_len("value", n * row, value.len())?;
-        for s in [
-            self.data().ordinal(),
-            key.ordinal(),
-            value.ordinal(),
-            slot_mapping.ordinal(),
-        ] {
+        self.check_device(gpu)?;
+        for s in [key.ordinal(), value.ordinal(), slot_mapping.ordinal()] {
             if s != gpu.info().ordinal {
                 return Err(CudaError::WrongDevice {
                     expected: gpu.info().ordinal,
@@ -378,8 +374,10 @@ impl DeviceKvCache {
         let (kp, _gk) = key.device_ptr(stream);
         let (vp, _gv) = value.device_ptr(stream);
         let (sp, _gs) = slot_mapping.device_ptr(stream);
-        let (cp, _gc) = self.data_mut().device_ptr_mut(stream);
-        // SAFETY: `cp` is the cache allocation that `geom` describes; `kp`/`vp` hold
+        // SAFETY: `self.base()` is the arena that `geom` describes (num_blocks pages of its
+        // page stride), alive through our Arc until the launch completes (the arena's drop
+        // synchronizes); the kernel writes only the block part of the slots' pages, which this
+        // view's sequences own (the arena's rule). `kp`/`vp` hold
         // n * H * D elements of the cache's dtype (checked: T::DTYPE == dtype, lengths), dense,
         // so row stride H*D; `sp` holds n i64 slots. All four are device buffers of this
         // context (ordinal checked), valid until the guards drop after the call, with cudarc's
@@ -387,7 +385,7 @@ impl DeviceKvCache {
         // 0..num_blocks*block_size, so no input makes it write outside the cache.
         let status = unsafe {
             ffi::pkv_reshape_and_cache(
-                cp as usize as *mut c_void,
+                self.base(),
                 &geom,
                 layer_i,
                 kp as usize as *const c_void,
@@ -399,7 +397,7 @@ impl DeviceKvCache {
                 gpu.raw_stream(),
             )
         };
-        check_status("pkv_reshape_and_cache", status)
+        check_status("pkv_reshape_and_cache", status, Some(PageArgs::of(&cfg)))
     }
 
     /// Decode attention over layer `layer` (the CUDA twin of
@@ -430,7 +428,7 @@ impl DeviceKvCache {
         same_device(gpu, query)?;
         same_device(gpu, out)?;
         same_device(gpu, &seqs.block_tables)?;
-        same_device(gpu, self.data())?;
+        self.check_device(gpu)?;
         if seqs.num_seqs == 0 {
             return Ok(());
         }
@@ -456,14 +454,15 @@ impl DeviceKvCache {
         let (qp, _gq) = query.device_ptr(stream);
         let (bp, _gb) = seqs.block_tables.device_ptr(stream);
         let (lp, _gl) = seqs.context_lens.device_ptr(stream);
-        let (cp, _gc) = self.data().device_ptr(stream);
         let ws_len = ws.capacity_bytes();
         let wsg = ws.buf.as_mut().map(|b| b.device_ptr_mut(stream));
         let wp = wsg.as_ref().map_or(0, |(p, _)| *p);
         let (op, _go) = out.device_ptr_mut(stream);
         // SAFETY: every pointer is a live device buffer of this context (ordinals checked)
         // held by a guard until after the call: `op`/`qp` num_seqs*num_heads*head_dim elements
-        // of the cache dtype (checked), `cp` the cache `geom` describes, `bp`
+        // of the cache dtype (checked), `self.base()` the arena `geom` describes (num_blocks
+        // pages of its page stride, alive through our Arc until the launch completes; the
+        // kernel only reads), `bp`
         // num_seqs*max_blocks_per_seq i32 whose live entries are < num_blocks and `lp` num_seqs
         // context lengths <= max_blocks_per_seq*block_size and <= max_ctx (validated on upload),
         // the ALiBi slopes num_heads f32 (validated), `wp` ws_len >= the bytes
@@ -474,7 +473,7 @@ impl DeviceKvCache {
             ffi::pkv_paged_attention_decode(
                 op as usize as *mut c_void,
                 qp as usize as *const c_void,
-                cp as usize as *const c_void,
+                self.base() as *const c_void,
                 self.geom(),
                 layer_i,
                 bp as usize as *const i32,
@@ -489,7 +488,11 @@ impl DeviceKvCache {
             )
         };
         drop(wsg);
-        check_status("pkv_paged_attention_decode", status)
+        check_status(
+            "pkv_paged_attention_decode",
+            status,
+            Some(PageArgs::of(&cfg)),
+        )
     }
 
     /// Prefill attention over layer `layer` (the CUDA twin of
@@ -523,7 +526,7 @@ impl DeviceKvCache {
         same_device(gpu, query)?;
         same_device(gpu, out)?;
         same_device(gpu, qsl)?;
-        same_device(gpu, self.data())?;
+        self.check_device(gpu)?;
         if seqs.num_seqs == 0 || seqs.num_tokens == 0 {
             return Ok(());
         }
@@ -534,7 +537,6 @@ impl DeviceKvCache {
         let (bp, _gb) = seqs.block_tables.device_ptr(stream);
         let (lp, _gl) = seqs.context_lens.device_ptr(stream);
         let (sp, _gs) = qsl.device_ptr(stream);
-        let (cp, _gc) = self.data().device_ptr(stream);
         let (op, _go) = out.device_ptr_mut(stream);
         // SAFETY: as in paged_attention_decode; additionally `sp` holds num_seqs + 1
         // non-decreasing offsets from 0 with each q_len <= its context length and the last equal
@@ -544,7 +546,7 @@ impl DeviceKvCache {
             ffi::pkv_paged_attention_prefill(
                 op as usize as *mut c_void,
                 qp as usize as *const c_void,
-                cp as usize as *const c_void,
+                self.base() as *const c_void,
                 self.geom(),
                 layer_i,
                 bp as usize as *const i32,
@@ -557,7 +559,11 @@ impl DeviceKvCache {
                 gpu.raw_stream(),
             )
         };
-        check_status("pkv_paged_attention_prefill", status)
+        check_status(
+            "pkv_paged_attention_prefill",
+            status,
+            Some(PageArgs::of(&cfg)),
+        )
     }
 }
 

@@ -7,7 +7,7 @@ use pagedkv::attn::{cpu, AttnParams, AttnWorkspace, PagedSeqs};
 use pagedkv::block::{BlockPool, EngineId, KvArena, PoolConfig, POISON_BYTE};
 use pagedkv::error::KvError;
 use pagedkv::kv::{
-    page_bytes_for, ArenaView, HostKvCache, KvCacheConfig, KvDtype, KvElem, ModelKvShape,
+    page_bytes_for, ArenaView, HostKvCache, KvCacheConfig, KvDtype, KvElem, LayerKv, ModelKvShape,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -247,61 +247,30 @@ fn round<T: KvElem>(
     for l in 0..layers {
         let mut dec = vec![T::from_f32(f32::NAN); inp.q_decode.len()];
         let mut pre = vec![T::from_f32(f32::NAN); inp.q_prefill.len()];
-        let qsl = &inp.qsl;
         match (view, own.as_deref_mut()) {
             (Some(v), _) => {
                 // SAFETY: this test's thread owns the pages of `seqs` (allocated to it from the
                 // pool, or the whole arena in single-threaded tests).
-                // SAFETY: single-threaded test: nothing else touches the arena.
                 let w = unsafe { v.layer_mut::<T>(l).unwrap() };
                 cpu::reshape_and_cache(w, &inp.k[l], &inp.v[l], &seqs.slots).unwrap();
                 // SAFETY: as above; the writes are done.
                 let r = unsafe { v.layer::<T>(l).unwrap() };
-                cpu::paged_attention_decode(
-                    &mut ws,
-                    r,
-                    &inp.q_decode,
-                    &seqs.paged(),
-                    params,
-                    &mut dec,
-                )
-                .unwrap();
-                cpu::paged_attention_prefill(
-                    &mut ws,
-                    r,
-                    &inp.q_prefill,
-                    qsl,
-                    &seqs.paged(),
-                    params,
-                    &mut pre,
-                )
-                .unwrap();
+                attend(&mut ws, r, seqs, inp, params, &mut dec, &mut pre);
             }
             (None, Some(c)) => {
                 let mut vm = c.view_mut::<T>().unwrap();
                 cpu::reshape_and_cache(vm.layer_mut(l).unwrap(), &inp.k[l], &inp.v[l], &seqs.slots)
                     .unwrap();
                 let vr = c.view::<T>().unwrap();
-                let r = vr.layer(l).unwrap();
-                cpu::paged_attention_decode(
+                attend(
                     &mut ws,
-                    r,
-                    &inp.q_decode,
-                    &seqs.paged(),
+                    vr.layer(l).unwrap(),
+                    seqs,
+                    inp,
                     params,
                     &mut dec,
-                )
-                .unwrap();
-                cpu::paged_attention_prefill(
-                    &mut ws,
-                    r,
-                    &inp.q_prefill,
-                    qsl,
-                    &seqs.paged(),
-                    params,
                     &mut pre,
-                )
-                .unwrap();
+                );
             }
             (None, None) => unreachable!(),
         }
@@ -309,6 +278,21 @@ fn round<T: KvElem>(
         out.prefill.push(pre);
     }
     out
+}
+
+/// Decode and prefill of one layer into `dec` and `pre`.
+fn attend<T: KvElem>(
+    ws: &mut AttnWorkspace,
+    kv: LayerKv<'_, T>,
+    seqs: &Seqs,
+    inp: &Inputs<T>,
+    params: &AttnParams<'_>,
+    dec: &mut [T],
+    pre: &mut [T],
+) {
+    cpu::paged_attention_decode(ws, kv, &inp.q_decode, &seqs.paged(), params, dec).unwrap();
+    cpu::paged_attention_prefill(ws, kv, &inp.q_prefill, &inp.qsl, &seqs.paged(), params, pre)
+        .unwrap();
 }
 
 fn has_nan<T: KvElem>(o: &Outputs<T>) -> bool {

@@ -537,53 +537,6 @@ pub enum AdmissionError {
     InvalidConfig(&'static str),
 }
 
-/// Errors of the `simulate` job ([`crate::sim`]).
-#[derive(Debug, thiserror::Error)]
-pub enum SimError {
-    /// The configuration cannot run.
-    #[error("invalid simulation: {0}")]
-    InvalidConfig(String),
-    /// The requested device cannot be used.
-    #[error("device: {0}")]
-    Device(String),
-    /// The block pool refused.
-    #[error(transparent)]
-    Pool(#[from] PoolError),
-    /// The KV cache refused.
-    #[error(transparent)]
-    Kv(#[from] KvError),
-    /// A kernel refused its inputs.
-    #[error(transparent)]
-    Attn(#[from] AttnError),
-    /// The scheduler refused.
-    #[error(transparent)]
-    Sched(#[from] SchedError),
-    /// The budget coordinator refused.
-    #[error(transparent)]
-    Budget(#[from] BudgetError),
-    /// The admission queues refused.
-    #[error(transparent)]
-    Admission(#[from] AdmissionError),
-    /// Writing the report failed.
-    #[error("writing {path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// What failed.
-        source: std::io::Error,
-    },
-    /// Drawing the chart failed.
-    #[error("drawing the chart: {0}")]
-    Plot(String),
-    /// A CUDA call failed.
-    #[cfg(feature = "cuda")]
-    #[error(transparent)]
-    Cuda(#[from] CudaError),
-    /// A worker thread panicked (a bug).
-    #[error("a simulation thread panicked")]
-    ThreadPanicked,
-}
-
 /// Errors of the GGUF reader, writer and dequantizer ([`crate::gguf`]).
 ///
 /// Parse errors carry the byte offset in the file where the bad field starts, so a one-line

@@ -19,7 +19,6 @@ pub mod error;
 pub mod gguf;
 pub mod kv;
 pub mod sched;
-pub mod sim;
 pub mod sync;
 
 pub use block::{BlockId, BlockPool, BlockTable, EngineId, PoolConfig};

@@ -8,10 +8,10 @@
 //! from their block tables), pages are written only while held alone (copy-on-write), and the
 //! pages a swap-out reads stay held until the batch has run (the batcher defers their release).
 
-use crate::attn::{cpu, AttnParams, AttnWorkspace, PagedSeqs};
 use crate::error::SimError;
-use crate::kv::{ArenaView, KvCacheConfig, KvElem, SwapSpace};
-use crate::sched::Batch;
+use pagedkv::attn::{cpu, AttnParams, AttnWorkspace, PagedSeqs};
+use pagedkv::kv::{ArenaView, KvCacheConfig, KvElem, SwapSpace};
+use pagedkv::sched::Batch;
 use rand::{rngs::SmallRng, Rng};
 
 /// Elements of the random pool the projections are sliced from (several steps' worth, so

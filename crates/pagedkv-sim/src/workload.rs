@@ -2,7 +2,7 @@
 //! lengths, sessions, two priority classes, and bursts that overload one model.
 
 use super::config::{EngineSpec, SimConfig};
-use crate::sched::Priority;
+use pagedkv::sched::Priority;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 use rand_distr::{Distribution, Exp, LogNormal};
 

@@ -5,14 +5,14 @@
 //! surface in the step that caused them.
 
 use super::kernels::{kv_bytes_read, to_pairs};
-use crate::attn::{AttnParams, PagedSeqs};
-use crate::cuda::{
+use crate::error::SimError;
+use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use pagedkv::attn::{AttnParams, PagedSeqs};
+use pagedkv::cuda::{
     DecodeWorkspace, DeviceAttnParams, DeviceKvCache, DeviceSeqs, Gpu, PinnedSwapSpace,
 };
-use crate::error::SimError;
-use crate::kv::{KvCacheConfig, KvElem};
-use crate::sched::Batch;
-use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use pagedkv::kv::{KvCacheConfig, KvElem};
+use pagedkv::sched::Batch;
 use rand::{rngs::SmallRng, Rng};
 
 /// Host elements the projections are sliced from before upload.

@@ -58,7 +58,7 @@ fn short_run_writes_report_json_and_chart() {
 fn model_file_sizes_an_engine() {
     let fixture = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/gguf/all_types.gguf"
+        "/../../tests/fixtures/gguf/all_types.gguf"
     );
     let out = pagedkv(&["simulate", "--model", fixture, "--duration", "1", "--quiet"]);
     let stdout = String::from_utf8_lossy(&out.stdout);

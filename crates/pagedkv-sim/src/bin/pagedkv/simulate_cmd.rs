@@ -5,7 +5,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use pagedkv::kv::KvDtype;
 use pagedkv::sched::admission::OverflowPolicy;
 use pagedkv::sched::PreemptionMode;
-use pagedkv::sim::{self, SimConfig};
+use pagedkv_sim::{self as sim, SimConfig};
 use std::path::PathBuf;
 
 /// Arguments of `pagedkv simulate`.

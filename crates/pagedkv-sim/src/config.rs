@@ -1,8 +1,8 @@
 //! What a simulation runs: the device, the engines (models) and their traffic.
 
-use crate::kv::KvDtype;
-use crate::sched::admission::OverflowPolicy;
-use crate::sched::PreemptionMode;
+use pagedkv::kv::KvDtype;
+use pagedkv::sched::admission::OverflowPolicy;
+use pagedkv::sched::PreemptionMode;
 
 /// A period during which one engine's arrival rate is multiplied.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -63,7 +63,7 @@ pub struct SimConfig {
     /// KV blocks of the shared device pool.
     pub pool_blocks: u32,
     /// Tokens per page (block) of the model with the largest per-token KV: it sizes the
-    /// arena's page; smaller models get more tokens per page (see [`crate::kv::ArenaView`]).
+    /// arena's page; smaller models get more tokens per page (see [`pagedkv::kv::ArenaView`]).
     pub block_size: u32,
     /// KV dtype.
     pub dtype: KvDtype,
@@ -178,8 +178,8 @@ impl Default for SimConfig {
 
 impl EngineSpec {
     /// The model's KV shape in `dtype` (what the arena lays over its pages).
-    pub fn kv_shape(&self, dtype: crate::kv::KvDtype) -> crate::kv::ModelKvShape {
-        crate::kv::ModelKvShape {
+    pub fn kv_shape(&self, dtype: pagedkv::kv::KvDtype) -> pagedkv::kv::ModelKvShape {
+        pagedkv::kv::ModelKvShape {
             num_layers: self.layers,
             num_kv_heads: self.kv_heads,
             head_dim: self.head_dim,
@@ -192,7 +192,7 @@ impl EngineSpec {
     /// real, and a CPU run of all of a large model's layers would take minutes.
     pub fn from_llama(
         name: &str,
-        params: &crate::gguf::LlamaParams,
+        params: &pagedkv::gguf::LlamaParams,
         weight: u32,
         max_layers: usize,
         traffic: &EngineSpec,

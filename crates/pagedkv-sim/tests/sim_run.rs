@@ -5,7 +5,7 @@
 use pagedkv::kv::KvDtype;
 use pagedkv::sched::admission::OverflowPolicy;
 use pagedkv::sched::PreemptionMode;
-use pagedkv::sim::{self, EngineSpec, SimConfig};
+use pagedkv_sim::{self as sim, EngineSpec, SimConfig};
 
 fn engine(name: &str, weight: u32, rate: f64) -> EngineSpec {
     EngineSpec {

@@ -4,19 +4,19 @@
 use super::config::{EngineSpec, SimConfig};
 use super::kernels::KernelBuffers;
 use super::workload::SimRequest;
-use crate::block::{BlockPool, EngineId, KvArena};
-use crate::budget::BudgetCoordinator;
 use crate::error::SimError;
-use crate::kv::{ArenaView, KvDtype};
-use crate::sched::admission::{Admission, Completion};
-use crate::sched::{
+use half::{bf16, f16};
+use pagedkv::block::{BlockPool, EngineId, KvArena};
+use pagedkv::budget::BudgetCoordinator;
+use pagedkv::kv::{ArenaView, KvDtype};
+use pagedkv::sched::admission::{Admission, Completion};
+use pagedkv::sched::{
     budget_priority, Batcher, BatcherConfig, EngineShare, FinishReason, FinishedSeq, Priority,
     SeqId, SeqRequest, StopRules,
 };
-use crate::sync::Arc;
-use half::{bf16, f16};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Token id the simulated "model" treats as end of sequence.
@@ -252,7 +252,7 @@ impl EngineRuntime {
                         },
                     );
                 }
-                Err(crate::error::SchedError::TooLong { .. }) => {
+                Err(pagedkv::error::SchedError::TooLong { .. }) => {
                     self.metrics.too_long += 1;
                     completion.complete(SimOutcome::TooLong);
                 }

@@ -21,6 +21,7 @@
 
 mod config;
 mod engine;
+pub mod error;
 mod kernels;
 #[cfg(feature = "cuda")]
 mod kernels_cuda;
@@ -36,15 +37,16 @@ pub use report::{
 };
 pub use workload::{generate, SimRequest};
 
-use crate::block::{BlockPool, EngineId, KvArena, PoolConfig};
-use crate::budget::{BudgetConfig, BudgetCoordinator};
-use crate::error::{AdmissionError, OverloadReason, SimError};
-use crate::kv::{page_bytes_for, ModelKvShape};
-use crate::sched::admission::{Admission, AdmissionConfig, Route, Ticket};
-use crate::sched::Priority;
-use crate::sync::Arc;
+use crate::error::SimError;
 use engine::EngineRuntime;
+use pagedkv::block::{BlockPool, EngineId, KvArena, PoolConfig};
+use pagedkv::budget::{BudgetConfig, BudgetCoordinator};
+use pagedkv::error::{AdmissionError, OverloadReason};
+use pagedkv::kv::{page_bytes_for, ModelKvShape};
+use pagedkv::sched::admission::{Admission, AdmissionConfig, Route, Ticket};
+use pagedkv::sched::Priority;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::sync::Barrier;
 use std::time::Instant;
 
@@ -70,11 +72,11 @@ struct ClientTally {
 /// Where the kernels run.
 #[derive(Debug)]
 pub enum Device {
-    /// The CPU kernels ([`crate::attn::cpu`]) on host caches.
+    /// The CPU kernels ([`pagedkv::attn::cpu`]) on host caches.
     Cpu,
     /// The CUDA kernels on device caches of this GPU (each engine on its own stream).
     #[cfg(feature = "cuda")]
-    Cuda(crate::cuda::Gpu),
+    Cuda(pagedkv::cuda::Gpu),
 }
 
 impl Device {
@@ -95,7 +97,7 @@ impl Device {
         };
         #[cfg(feature = "cuda")]
         {
-            crate::cuda::Gpu::open(ordinal)
+            pagedkv::cuda::Gpu::open(ordinal)
                 .map(Device::Cuda)
                 .map_err(|e| SimError::Device(format!("{name}: {e}")))
         }

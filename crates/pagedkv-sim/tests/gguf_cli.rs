@@ -5,7 +5,7 @@ use std::process::Command;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/gguf")
+        .join("../../tests/fixtures/gguf")
         .join(name)
 }
 

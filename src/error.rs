@@ -537,6 +537,36 @@ pub enum AdmissionError {
     InvalidConfig(&'static str),
 }
 
+/// Errors of the step executor and the engine driver ([`crate::engine`]).
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The KV cache refused (geometry, mapping).
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    /// A kernel refused its inputs.
+    #[error(transparent)]
+    Attn(#[from] AttnError),
+    /// The scheduler refused.
+    #[error(transparent)]
+    Sched(#[from] SchedError),
+    /// The block pool refused.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// The budget coordinator refused.
+    #[error(transparent)]
+    Budget(#[from] BudgetError),
+    /// A CUDA call failed.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    /// The engine or its model was configured wrongly.
+    #[error("invalid engine configuration: {0}")]
+    InvalidConfig(String),
+    /// The caller's model (projections, sampling) failed; its message is kept.
+    #[error("model: {0}")]
+    Model(String),
+}
+
 /// Errors of the GGUF reader, writer and dequantizer ([`crate::gguf`]).
 ///
 /// Parse errors carry the byte offset in the file where the bad field starts, so a one-line

@@ -15,6 +15,7 @@ pub mod budget;
 pub mod cuda;
 #[cfg(all(feature = "cuda-emu", not(feature = "cuda")))]
 pub mod cuda_emu;
+pub mod engine;
 pub mod error;
 pub mod gguf;
 pub mod kv;
@@ -22,4 +23,4 @@ pub mod sched;
 pub mod sync;
 
 pub use block::{BlockId, BlockPool, BlockTable, EngineId, PoolConfig};
-pub use error::{GgufError, PoolError, SchedError};
+pub use error::{EngineError, GgufError, PoolError, SchedError};

@@ -13,4 +13,7 @@ pub mod sequence;
 pub use batch::Batch;
 pub use batcher::{Batcher, BatcherConfig, BatcherStats, EngineBudget, PreemptionMode};
 pub use budget_link::{budget_priority, EngineShare};
-pub use sequence::{FinishReason, FinishedSeq, Priority, SeqId, SeqPhase, SeqRequest, StopRules};
+pub use sequence::{
+    FinishReason, FinishedSeq, Priority, SeqId, SeqPhase, SeqRequest, SeqUpdate, StepResults,
+    StopRules,
+};

@@ -61,6 +61,46 @@ pub enum FinishReason {
     StopSequence,
     /// Aborted by the caller.
     Aborted,
+    /// Finished by the caller with a code of its own, e.g. a stop string its detokenizer found
+    /// in the text (distinct from an abort: the output is complete).
+    Caller(u32),
+}
+
+/// What one sequence got from a step's commit: the tokens appended to it this step (a range of
+/// [`StepResults::tokens`]) and, if it ended, why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqUpdate {
+    /// The request's id.
+    pub id: SeqId,
+    /// This step's tokens of the sequence, as a range of [`StepResults::tokens`] (empty for a
+    /// sequence that ended without a new token: an abort or a caller's finish).
+    pub tokens: std::ops::Range<usize>,
+    /// Set when the sequence ended this step.
+    pub finished: Option<FinishReason>,
+}
+
+/// Per-step results of one engine, in row order of the step's batch followed by sequences
+/// that ended at the start of the step (aborts and caller finishes). Cleared and refilled by
+/// each step; the buffers are reused, so a steady-state step allocates nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepResults {
+    /// One entry per sequence that got a token or ended this step.
+    pub updates: Vec<SeqUpdate>,
+    /// The tokens the updates' ranges index.
+    pub tokens: Vec<u32>,
+}
+
+impl StepResults {
+    /// Empties both lists, keeping their capacity.
+    pub fn clear(&mut self) {
+        self.updates.clear();
+        self.tokens.clear();
+    }
+
+    /// The tokens of one update.
+    pub fn tokens_of(&self, update: &SeqUpdate) -> &[u32] {
+        &self.tokens[update.tokens.clone()]
+    }
 }
 
 /// A finished sequence's result.

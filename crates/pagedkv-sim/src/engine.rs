@@ -1,28 +1,26 @@
-//! One engine (model) of a simulation: its batcher on the shared pool, its KV cache and swap
-//! space, its kernels, and the latency bookkeeping of its requests.
+//! One engine (model) of a simulation: the library's engine driver on the shared arena with
+//! the simulated model, and the latency bookkeeping of its requests.
 
 use super::config::{EngineSpec, SimConfig};
-use super::kernels::KernelBuffers;
+use super::model::NoiseModel;
 use super::workload::SimRequest;
 use crate::error::SimError;
 use half::{bf16, f16};
-use pagedkv::block::{BlockPool, EngineId, KvArena};
-use pagedkv::budget::BudgetCoordinator;
-use pagedkv::kv::{ArenaView, KvDtype};
+use pagedkv::engine::{
+    Engine, EngineConfig, KvBackend, RecomputePolicy, SharedArena, StepModel, StepReport,
+};
+use pagedkv::kv::{KvDtype, KvElem};
 use pagedkv::sched::admission::{Admission, Completion};
 use pagedkv::sched::{
-    budget_priority, Batcher, BatcherConfig, EngineShare, FinishReason, FinishedSeq, Priority,
-    SeqId, SeqRequest, StopRules,
+    Batcher, FinishReason, FinishedSeq, Priority, SeqId, SeqRequest, StepResults, StopRules,
 };
-use rand::{rngs::SmallRng, Rng, SeedableRng};
+use rand::{rngs::SmallRng, SeedableRng};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Token id the simulated "model" treats as end of sequence.
 pub const EOS: u32 = 0;
-/// Vocabulary the sampler draws from.
-const VOCAB: u32 = 32_000;
 
 /// What a request's submitter learns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,40 +78,107 @@ pub struct EngineMetrics {
     /// Reclaim latencies: steps from this engine's demand for pages lent out to enough of
     /// them being free.
     pub reclaim_steps: Vec<u64>,
-    /// The step an open demand started at.
-    pub demand_since: Option<u64>,
     /// Steps scheduled so far.
     pub steps: u64,
 }
 
-/// The kernels of one engine: CPU kernels on a host cache, or CUDA kernels on a device cache.
-enum AnyKernels {
-    F32(KernelBuffers<f32>),
-    F16(KernelBuffers<f16>),
-    Bf16(KernelBuffers<bf16>),
-    #[cfg(feature = "cuda")]
-    CudaF32(super::kernels_cuda::DeviceKernels<f32>),
-    #[cfg(feature = "cuda")]
-    CudaF16(super::kernels_cuda::DeviceKernels<f16>),
-    #[cfg(feature = "cuda")]
-    CudaBf16(super::kernels_cuda::DeviceKernels<bf16>),
+/// An engine driver with its model, behind one object-safe face (the element type and the
+/// device are chosen at run time; the driver is generic over them).
+trait Driven: Send {
+    fn add(&mut self, req: SeqRequest) -> Result<(), pagedkv::error::SchedError>;
+    fn schedule(&mut self) -> u32;
+    fn execute_commit(&mut self) -> Result<StepReport, SimError>;
+    fn results(&self) -> &StepResults;
+    fn finished(&self) -> &[FinishedSeq];
+    fn batcher(&self) -> &Batcher;
+    fn tokens_per_page(&self) -> u32;
 }
 
-/// One engine's state, owned by its thread.
-pub(crate) struct EngineRuntime {
-    pub(crate) id: EngineId,
-    pub(crate) spec: EngineSpec,
-    pub(crate) batcher: Batcher,
-    coordinator: Arc<BudgetCoordinator>,
-    kernels: AnyKernels,
+struct WithModel<B: KvBackend, M> {
+    engine: Engine<B>,
+    model: M,
+}
+
+impl<B, M> Driven for WithModel<B, M>
+where
+    B: KvBackend + Send,
+    M: StepModel<B> + Send,
+{
+    fn add(&mut self, req: SeqRequest) -> Result<(), pagedkv::error::SchedError> {
+        self.engine.add(req)
+    }
+    fn schedule(&mut self) -> u32 {
+        self.engine.schedule().num_tokens() as u32
+    }
+    fn execute_commit(&mut self) -> Result<StepReport, SimError> {
+        self.engine.execute(&mut self.model)?;
+        Ok(self.engine.commit(&mut self.model)?)
+    }
+    fn results(&self) -> &StepResults {
+        self.engine.results()
+    }
+    fn finished(&self) -> &[FinishedSeq] {
+        self.engine.finished()
+    }
+    fn batcher(&self) -> &Batcher {
+        self.engine.batcher()
+    }
+    fn tokens_per_page(&self) -> u32 {
+        self.engine.tokens_per_page()
+    }
+}
+
+fn host<T: KvElem>(
+    shared: &Arc<SharedArena>,
+    cfg: EngineConfig,
+    spec: &EngineSpec,
+    dtype: KvDtype,
     rng: SmallRng,
+) -> Result<Box<dyn Driven>, SimError> {
+    let engine = Engine::<pagedkv::engine::HostBackend<T>>::host(
+        shared,
+        cfg,
+        &spec.kv_shape(dtype),
+        spec.heads,
+    )?;
+    Ok(Box::new(WithModel {
+        engine,
+        model: NoiseModel::<T>::new(rng),
+    }))
+}
+
+#[cfg(feature = "cuda")]
+fn on_device<T>(
+    shared: &Arc<SharedArena>,
+    gpu: &pagedkv::cuda::Gpu,
+    cfg: EngineConfig,
+    spec: &EngineSpec,
+    dtype: KvDtype,
+    rng: SmallRng,
+) -> Result<Box<dyn Driven>, SimError>
+where
+    T: KvElem + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
+{
+    let engine = Engine::<pagedkv::engine::DeviceBackend<T>>::cuda(
+        shared,
+        gpu,
+        cfg,
+        &spec.kv_shape(dtype),
+        spec.heads,
+    )?;
+    Ok(Box::new(WithModel {
+        engine,
+        model: NoiseModel::<T>::new(rng),
+    }))
+}
+
+/// One engine's state, owned by the run.
+pub(crate) struct EngineRuntime {
+    pub(crate) spec: EngineSpec,
+    driven: Box<dyn Driven>,
     tracked: HashMap<SeqId, Tracked>,
-    finished: Vec<FinishedSeq>,
-    sampled: Vec<u32>,
     admit_per_step: usize,
     pub(crate) metrics: EngineMetrics,
-    /// KV bytes this engine allocated beyond the shared arena.
-    pub(crate) kv_bytes_allocated: u64,
     /// Tokens per block (page) of this engine's view.
     pub(crate) block_size: u32,
 }
@@ -122,101 +187,60 @@ impl EngineRuntime {
     pub(crate) fn new(
         cfg: &SimConfig,
         spec: &EngineSpec,
-        id: EngineId,
-        pool: Arc<BlockPool>,
-        coordinator: Arc<BudgetCoordinator>,
+        index: usize,
+        shared: &Arc<SharedArena>,
         device: &super::Device,
-        arena: &Arc<KvArena>,
     ) -> Result<Self, SimError> {
-        let shape = spec.kv_shape(cfg.dtype);
-        // This model's view of the shared arena: its own tokens per page.
-        let view = ArenaView::new(arena.clone(), &shape)
-            .map_err(|e| SimError::InvalidConfig(format!("engine {}: {e}", spec.name)))?;
-        let kv = *view.config();
-        let block_size = kv.block_size() as u32;
         if spec.heads == 0 || spec.heads % spec.kv_heads != 0 {
             return Err(SimError::InvalidConfig(format!(
                 "engine {}: {} query heads is not a multiple of {} KV heads",
                 spec.name, spec.heads, spec.kv_heads
             )));
         }
-        let mut batcher = Batcher::new(
-            BatcherConfig {
-                engine: id,
-                block_size,
-                max_running: spec.max_running,
-                max_batched_tokens: cfg.tokens_per_step,
-                max_prefill_chunk: cfg.prefill_chunk,
-                // A sequence may outgrow the engine's guaranteed share into pages other engines
-                // leave idle (a long context on an idle pool); when a lender wants its pages
-                // back, the coordinator's reclaim order preempts it (recompute or swap).
-                max_blocks_per_seq: spec.max_context.div_ceil(block_size).min(pool.total()),
-                preemption: cfg.preemption,
-                swap_blocks: cfg.swap_blocks,
-            },
-            pool,
-        )?;
-        batcher.attach_budget(Box::new(EngineShare::new(coordinator.clone(), id)));
-        let mut rng = SmallRng::seed_from_u64(cfg.seed ^ 0x5eed_0000 ^ u64::from(id.0));
-        let swap_blocks = cfg.swap_blocks as usize;
-        // KV bytes this engine allocates itself: none on the CPU path (its cache is a view of
-        // the arena); a device cache of its own on the CUDA path.
-        #[allow(unused_mut)] // only the CUDA path adds to it
-        let mut kv_bytes_allocated = 0u64;
-        let kernels = match device {
+        let ecfg = EngineConfig {
+            weight: spec.weight,
+            max_running: spec.max_running,
+            max_batched_tokens: cfg.tokens_per_step,
+            max_prefill_chunk: cfg.prefill_chunk,
+            max_context: spec.max_context,
+            preemption: cfg.preemption,
+            swap_blocks: cfg.swap_blocks,
+            // The run recomputes once per simulated step itself, so budgets (and the report)
+            // do not depend on thread timing.
+            recompute: RecomputePolicy::CALLER,
+        };
+        let rng = SmallRng::seed_from_u64(cfg.seed ^ 0x5eed_0000 ^ index as u64);
+        let named = |e: SimError| match e {
+            SimError::Engine(e) => SimError::InvalidConfig(format!("engine {}: {e}", spec.name)),
+            e => e,
+        };
+        let driven = match device {
             super::Device::Cpu => match cfg.dtype {
-                KvDtype::F32 => AnyKernels::F32(KernelBuffers::new(view, swap_blocks, &mut rng)?),
-                KvDtype::F16 => AnyKernels::F16(KernelBuffers::new(view, swap_blocks, &mut rng)?),
-                KvDtype::Bf16 => AnyKernels::Bf16(KernelBuffers::new(view, swap_blocks, &mut rng)?),
+                KvDtype::F32 => host::<f32>(shared, ecfg, spec, cfg.dtype, rng),
+                KvDtype::F16 => host::<f16>(shared, ecfg, spec, cfg.dtype, rng),
+                KvDtype::Bf16 => host::<bf16>(shared, ecfg, spec, cfg.dtype, rng),
             },
             #[cfg(feature = "cuda")]
-            super::Device::Cuda(gpu) => {
-                use super::kernels_cuda::DeviceKernels;
-                let heads = spec.heads;
-                // The device path still gives each engine a dense cache of its own over the
-                // pool's block numbers (same tokens per block as its arena view).
-                let kv = shape.config(kv.block_size(), kv.num_blocks())?;
-                kv_bytes_allocated += kv.total_bytes() as u64;
-                match cfg.dtype {
-                    KvDtype::F32 => AnyKernels::CudaF32(DeviceKernels::new(
-                        gpu,
-                        kv,
-                        swap_blocks,
-                        heads,
-                        &mut rng,
-                    )?),
-                    KvDtype::F16 => AnyKernels::CudaF16(DeviceKernels::new(
-                        gpu,
-                        kv,
-                        swap_blocks,
-                        heads,
-                        &mut rng,
-                    )?),
-                    KvDtype::Bf16 => AnyKernels::CudaBf16(DeviceKernels::new(
-                        gpu,
-                        kv,
-                        swap_blocks,
-                        heads,
-                        &mut rng,
-                    )?),
-                }
-            }
-        };
+            super::Device::Cuda(gpu) => match cfg.dtype {
+                KvDtype::F32 => on_device::<f32>(shared, gpu, ecfg, spec, cfg.dtype, rng),
+                KvDtype::F16 => on_device::<f16>(shared, gpu, ecfg, spec, cfg.dtype, rng),
+                KvDtype::Bf16 => on_device::<bf16>(shared, gpu, ecfg, spec, cfg.dtype, rng),
+            },
+        }
+        .map_err(named)?;
         Ok(Self {
-            id,
+            block_size: driven.tokens_per_page(),
             spec: spec.clone(),
-            batcher,
-            coordinator,
-            kernels,
-            rng,
+            driven,
             tracked: HashMap::new(),
-            finished: Vec::new(),
-            sampled: Vec::new(),
             admit_per_step: cfg.admit_per_step,
             metrics: EngineMetrics::default(),
-            kv_bytes_allocated,
-            block_size,
         })
+    }
+
+    /// The engine's batcher (statistics).
+    pub(crate) fn batcher(&self) -> &Batcher {
+        self.driven.batcher()
     }
 
     /// Takes up to `admit_per_step` requests from this engine's admission queue.
@@ -240,7 +264,7 @@ impl EngineRuntime {
                 },
                 priority: req.priority,
             };
-            match self.batcher.add(seq) {
+            match self.driven.add(seq) {
                 Ok(()) => {
                     self.tracked.insert(
                         req.id,
@@ -262,141 +286,61 @@ impl EngineRuntime {
         Ok(())
     }
 
-    /// Applies blocks the engine must give back, then schedules its step.
-    pub(crate) fn schedule(&mut self, donations: u32) {
+    /// Schedules this engine's step (the driver applies reclaim orders and donations).
+    pub(crate) fn schedule(&mut self) {
         let t = Instant::now();
-        self.track_reclaim();
+        let tokens = self.driven.schedule();
         self.metrics.steps += 1;
-        let shed = self.coordinator.reclaim_for(self.id) + donations;
-        if shed > 0 {
-            self.metrics.blocks_shed += u64::from(shed);
-            self.batcher.request_shed(shed);
-        }
-        self.finished.clear();
-        self.batcher.schedule_into(&mut self.finished);
-        self.metrics.backlogged.push(self.batcher.num_waiting() > 0);
+        self.metrics.scheduled += u64::from(tokens);
+        self.metrics.per_tick.push(tokens);
+        self.metrics
+            .backlogged
+            .push(self.driven.batcher().num_waiting() > 0);
         self.metrics.schedule_wall += t.elapsed();
     }
 
-    /// Runs the step's kernels.
-    pub(crate) fn execute(&mut self) -> Result<(), SimError> {
+    /// Runs the step's kernels and commits it; resolves finished requests. `now_ms` is the
+    /// simulated time at the end of this step.
+    pub(crate) fn execute_commit(&mut self, now_ms: f64) -> Result<(), SimError> {
         let t = Instant::now();
-        let batch = self.batcher.batch();
-        let heads = self.spec.heads;
-        let bytes = match &mut self.kernels {
-            AnyKernels::F32(k) => k.run(batch, heads, &mut self.rng)?,
-            AnyKernels::F16(k) => k.run(batch, heads, &mut self.rng)?,
-            AnyKernels::Bf16(k) => k.run(batch, heads, &mut self.rng)?,
-            #[cfg(feature = "cuda")]
-            AnyKernels::CudaF32(k) => k.run(batch, &mut self.rng)?,
-            #[cfg(feature = "cuda")]
-            AnyKernels::CudaF16(k) => k.run(batch, &mut self.rng)?,
-            #[cfg(feature = "cuda")]
-            AnyKernels::CudaBf16(k) => k.run(batch, &mut self.rng)?,
-        };
-        self.metrics.kv_bytes_read += bytes;
+        let report = self.driven.execute_commit()?;
         self.metrics.kernel_wall += t.elapsed();
-        Ok(())
-    }
-
-    /// Samples, commits, and resolves finished requests. `now_ms` is the simulated time at the
-    /// end of this step.
-    pub(crate) fn commit(&mut self, now_ms: f64) -> Result<(), SimError> {
-        let t = Instant::now();
-        let batch = self.batcher.batch();
-        let tokens = batch.num_tokens() as u32;
-        self.metrics.scheduled += u64::from(tokens);
-        self.metrics.per_tick.push(tokens);
-        self.sampled.clear();
-        for _ in 0..batch.num_samples() {
-            self.sampled.push(self.rng.gen_range(0..VOCAB));
+        let m = &mut self.metrics;
+        m.kv_bytes_read += report.exec.kv_bytes_read;
+        m.generated += u64::from(report.sampled);
+        m.blocks_shed += u64::from(report.pages_shed);
+        m.donations_asked += u64::from(report.asked_donation);
+        if let Some(steps) = report.reclaim_closed_after {
+            m.reclaim_steps.push(steps);
         }
-        // Every sampling row gets a token at `now_ms`.
-        for (row, &id) in batch.seq_ids.iter().enumerate() {
-            if !batch.samples[row] {
+        // Every token of this step arrives at `now_ms`.
+        for u in &self.driven.results().updates {
+            if u.tokens.is_empty() {
                 continue;
             }
-            if let Some(tr) = self.tracked.get_mut(&id) {
+            if let Some(tr) = self.tracked.get_mut(&u.id) {
                 let class = tr.priority.index();
                 match tr.last_token_ms {
-                    None => self.metrics.ttft_ms[class].push(now_ms - tr.arrival_ms),
-                    Some(prev) => self.metrics.itl_ms[class].push(now_ms - prev),
+                    None => m.ttft_ms[class].push(now_ms - tr.arrival_ms),
+                    Some(prev) => m.itl_ms[class].push(now_ms - prev),
                 }
                 tr.last_token_ms = Some(now_ms);
             }
         }
-        self.metrics.generated += self.sampled.len() as u64;
-        self.batcher.commit(&self.sampled, &mut self.finished)?;
-        for f in self.finished.drain(..) {
+        for f in self.driven.finished() {
             if let Some(tr) = self.tracked.remove(&f.id) {
-                self.metrics.finished += 1;
+                m.finished += 1;
                 tr.completion.complete(SimOutcome::Finished {
                     tokens: f.output.len() as u32,
                     reason: f.reason,
                 });
             }
         }
-        // Publish what preempting this engine would free, for other engines' donor choice.
-        match self.batcher.preemptible_load() {
-            Some((class, blocks)) => {
-                self.coordinator
-                    .publish_load(self.id, budget_priority(class), blocks)
-            }
-            None => self.coordinator.clear_load(self.id),
-        }
-        self.metrics.schedule_wall += t.elapsed();
         Ok(())
-    }
-
-    /// If latency-critical work waits for blocks that are lent out (this engine is within its
-    /// limit, but the pool is not), the lower-priority engine to take them from and how many.
-    /// (When the engine's own limit binds, a donation would not help it: it waits for its own
-    /// sequences, or for reclaim orders to return its lent share.)
-    pub(crate) fn donation_needed(&mut self) -> Option<(EngineId, u32)> {
-        let (class, need) = self.batcher.next_admission_need()?;
-        if class != Priority::LatencyCritical {
-            return None;
-        }
-        let limit = u64::from(self.coordinator.block_limit(self.id));
-        if self.coordinator.blocks_held(self.id) + u64::from(need) > limit {
-            return None;
-        }
-        let total = u64::from(self.coordinator.config().total_blocks);
-        if self.coordinator.blocks_in_use() + u64::from(need) <= total {
-            return None;
-        }
-        let donor = self
-            .coordinator
-            .pick_donor(self.id, budget_priority(class), need)?;
-        self.metrics.donations_asked += 1;
-        Some((donor.engine, need))
-    }
-
-    /// Reclaim latency bookkeeping, at the start of each step: a *demand* is open while this
-    /// engine's next admission fits its own block limit but not the pool's free pages (pages
-    /// of its share are lent to other engines); it closes at the first step where the pages
-    /// are free (or the demand went away), and its length in steps is recorded.
-    fn track_reclaim(&mut self) {
-        let step = self.metrics.steps;
-        let demand = self.batcher.next_admission_need().is_some_and(|(_, need)| {
-            let need = u64::from(need);
-            let limit = u64::from(self.coordinator.block_limit(self.id));
-            let total = u64::from(self.coordinator.config().total_blocks);
-            self.coordinator.blocks_held(self.id) + need <= limit
-                && self.coordinator.blocks_in_use() + need > total
-        });
-        match (demand, self.metrics.demand_since) {
-            (true, None) => self.metrics.demand_since = Some(step),
-            (false, Some(since)) => {
-                self.metrics.reclaim_steps.push(step - since);
-                self.metrics.demand_since = None;
-            }
-            _ => {}
-        }
     }
 
     /// Whether the engine has no request left.
     pub(crate) fn is_idle(&self) -> bool {
-        !self.batcher.has_work() && self.tracked.is_empty()
+        !self.driven.batcher().has_work() && self.tracked.is_empty()
     }
 }

@@ -2,7 +2,9 @@
 
 #[cfg(feature = "cuda")]
 use pagedkv::error::CudaError;
-use pagedkv::error::{AdmissionError, AttnError, BudgetError, KvError, PoolError, SchedError};
+use pagedkv::error::{
+    AdmissionError, AttnError, BudgetError, EngineError, KvError, PoolError, SchedError,
+};
 
 /// Errors of the `simulate` job ([`crate`]).
 #[derive(Debug, thiserror::Error)]
@@ -25,6 +27,9 @@ pub enum SimError {
     /// The scheduler refused.
     #[error(transparent)]
     Sched(#[from] SchedError),
+    /// The engine driver or its step executor refused.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
     /// The budget coordinator refused.
     #[error(transparent)]
     Budget(#[from] BudgetError),

@@ -22,9 +22,7 @@
 mod config;
 mod engine;
 pub mod error;
-mod kernels;
-#[cfg(feature = "cuda")]
-mod kernels_cuda;
+mod model;
 mod plot;
 mod report;
 mod workload;
@@ -39,15 +37,14 @@ pub use workload::{generate, SimRequest};
 
 use crate::error::SimError;
 use engine::EngineRuntime;
-use pagedkv::block::{BlockPool, EngineId, KvArena, PoolConfig};
-use pagedkv::budget::{BudgetConfig, BudgetCoordinator};
+use pagedkv::block::EngineId;
+use pagedkv::budget::BudgetConfig;
+use pagedkv::engine::SharedArena;
 use pagedkv::error::{AdmissionError, OverloadReason};
 use pagedkv::kv::{page_bytes_for, ModelKvShape};
 use pagedkv::sched::admission::{Admission, AdmissionConfig, Route, Ticket};
 use pagedkv::sched::Priority;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::sync::Barrier;
+use rayon::prelude::*;
 use std::time::Instant;
 
 /// Progress of a run, passed to the caller's callback once per step.
@@ -63,10 +60,60 @@ pub struct Progress {
     pub used_blocks: u32,
 }
 
-/// What one client thread saw.
+/// What one client saw.
 #[derive(Debug, Default)]
 struct ClientTally {
     refused: Vec<Refusals>,
+}
+
+/// One client: submits its requests as they arrive and collects their outcomes.
+struct Client {
+    mine: Vec<SimRequest>,
+    next: usize,
+    tickets: Vec<(usize, Ticket<SimOutcome>)>,
+    tally: ClientTally,
+    resolved: u64,
+    pending: u64,
+}
+
+impl Client {
+    /// Collects outcomes of earlier requests, then submits every request that arrived by
+    /// `end_ms`, each to its model's admission queue.
+    fn step(&mut self, admission: &Admission<SimRequest, SimOutcome>, end_ms: f64) {
+        let (tally, resolved, pending) = (&mut self.tally, &mut self.resolved, &mut self.pending);
+        self.tickets.retain_mut(|(engine, t)| match t.try_take() {
+            None => true,
+            Some(outcome) => {
+                match outcome {
+                    Ok(SimOutcome::TooLong) => tally.refused[*engine].too_long += 1,
+                    Ok(SimOutcome::Finished { .. }) => {}
+                    Err(AdmissionError::Overloaded {
+                        reason: OverloadReason::EvictedOldest,
+                        ..
+                    }) => tally.refused[*engine].evicted += 1,
+                    Err(_) => tally.refused[*engine].queue_full += 1,
+                }
+                *pending -= 1;
+                *resolved += 1;
+                false
+            }
+        });
+        while self.next < self.mine.len() && self.mine[self.next].arrival_ms < end_ms {
+            let r = self.mine[self.next].clone();
+            let (engine, priority) = (r.engine, r.priority);
+            match admission.try_submit(r, priority, Route::Worker(engine)) {
+                Ok(ticket) => {
+                    self.pending += 1;
+                    self.tickets.push((engine, ticket));
+                }
+                Err(_) => {
+                    self.tally.refused[engine].queue_full += 1;
+                    self.resolved += 1;
+                }
+            }
+            self.next += 1;
+        }
+    }
 }
 
 /// Where the kernels run.
@@ -198,54 +245,42 @@ pub fn run_on(
     let total = requests.len() as u64;
     let last_arrival_ms = requests.last().map_or(0.0, |r| r.arrival_ms);
 
-    let pool = Arc::new(BlockPool::new(PoolConfig {
-        device: 0,
-        num_blocks: cfg.pool_blocks,
-        max_engines: n as u16,
-    })?);
-    let coordinator = Arc::new(BudgetCoordinator::new(
-        BudgetConfig::new(n as u16, cfg.tokens_per_step, cfg.pool_blocks)
-            .with_cap_permille(cfg.cap_permille),
-    )?);
     // One KV arena for every engine: pages sized so the model with the largest per-token KV
     // gets `block_size` tokens per page.
     let shapes: Vec<ModelKvShape> = cfg.engines.iter().map(|e| e.kv_shape(cfg.dtype)).collect();
     let page_bytes = page_bytes_for(&shapes, cfg.block_size as usize)?;
-    let arena = Arc::new(KvArena::new(pool.total() as usize, page_bytes)?);
-    // Register every engine first: each one's guaranteed share then sizes its sequences.
-    let ids = cfg
-        .engines
-        .iter()
-        .map(|spec| coordinator.register(spec.weight))
-        .collect::<Result<Vec<_>, _>>()?;
-    coordinator.recompute();
+    let budget = BudgetConfig::new(n as u16, cfg.tokens_per_step, cfg.pool_blocks)
+        .with_cap_permille(cfg.cap_permille);
+    let shared = match device {
+        Device::Cpu => SharedArena::host(budget, page_bytes)?,
+        #[cfg(feature = "cuda")]
+        Device::Cuda(gpu) => SharedArena::cuda(gpu, budget, page_bytes)?,
+    };
+    let pool = shared.pool().clone();
+    let coordinator = shared.coordinator().clone();
     let mut engines = Vec::with_capacity(n);
-    for (spec, &id) in cfg.engines.iter().zip(&ids) {
-        engines.push(EngineRuntime::new(
-            cfg,
-            spec,
-            id,
-            pool.clone(),
-            coordinator.clone(),
-            device,
-            &arena,
-        )?);
+    for (index, spec) in cfg.engines.iter().enumerate() {
+        engines.push(EngineRuntime::new(cfg, spec, index, &shared, device)?);
     }
     let admission: Admission<SimRequest, SimOutcome> =
         Admission::new(AdmissionConfig::new(n, cfg.queue_capacity, cfg.overflow))?;
-
-    // Phase protocol state.
-    let threads = cfg.clients + n + 1;
-    let barrier = Barrier::new(threads);
-    let step = AtomicU64::new(0);
-    let stop = AtomicBool::new(false);
-    let turn = AtomicUsize::new(0);
-    let pending = AtomicUsize::new(0);
-    let resolved = AtomicU64::new(0);
-    let submitted_all = AtomicUsize::new(0);
-    let idle: Vec<AtomicBool> = (0..n).map(|_| AtomicBool::new(true)).collect();
-    let donations: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
-    let failure: std::sync::OnceLock<SimError> = std::sync::OnceLock::new();
+    // Client c serves engines c, c + clients, ...
+    let mut clients: Vec<Client> = (0..cfg.clients)
+        .map(|c| Client {
+            mine: requests
+                .iter()
+                .filter(|r| r.engine % cfg.clients == c)
+                .cloned()
+                .collect(),
+            next: 0,
+            tickets: Vec::new(),
+            tally: ClientTally {
+                refused: vec![Refusals::default(); n],
+            },
+            resolved: 0,
+            pending: 0,
+        })
+        .collect();
     let max_steps = ((cfg.duration_s * 1e3 / cfg.step_ms).ceil() as u64) * 6 + 4000;
 
     let started = Instant::now();
@@ -255,201 +290,66 @@ pub fn run_on(
     let mut peak_held = vec![0u32; n];
     let mut peak_borrowed = vec![0u64; n];
     let mut steps_run = 0u64;
-
-    let (engines, tallies) = std::thread::scope(|s| {
-        // Clients: client c serves engines c, c + clients, ...
-        let clients: Vec<_> = (0..cfg.clients)
-            .map(|c| {
-                let mine: Vec<&SimRequest> = requests
-                    .iter()
-                    .filter(|r| r.engine % cfg.clients == c)
-                    .collect();
-                let (barrier, step, stop, pending, resolved, admission, submitted_all) = (
-                    &barrier,
-                    &step,
-                    &stop,
-                    &pending,
-                    &resolved,
-                    &admission,
-                    &submitted_all,
-                );
-                s.spawn(move || {
-                    let mut tally = ClientTally {
-                        refused: vec![Refusals::default(); n],
-                    };
-                    let mut tickets: Vec<(usize, Ticket<SimOutcome>)> = Vec::new();
-                    let mut next = 0;
-                    let mut done_flagged = false;
-                    loop {
-                        barrier.wait();
-                        if stop.load(Ordering::Acquire) {
-                            break;
-                        }
-                        let end_ms = (step.load(Ordering::Acquire) + 1) as f64 * cfg.step_ms;
-                        // Outcomes of earlier requests.
-                        tickets.retain_mut(|(engine, t)| match t.try_take() {
-                            None => true,
-                            Some(outcome) => {
-                                match outcome {
-                                    Ok(SimOutcome::TooLong) => tally.refused[*engine].too_long += 1,
-                                    Ok(SimOutcome::Finished { .. }) => {}
-                                    Err(AdmissionError::Overloaded {
-                                        reason: OverloadReason::EvictedOldest,
-                                        ..
-                                    }) => tally.refused[*engine].evicted += 1,
-                                    Err(_) => tally.refused[*engine].queue_full += 1,
-                                }
-                                pending.fetch_sub(1, Ordering::AcqRel);
-                                resolved.fetch_add(1, Ordering::Relaxed);
-                                false
-                            }
-                        });
-                        while next < mine.len() && mine[next].arrival_ms < end_ms {
-                            let r = mine[next].clone();
-                            let engine = r.engine;
-                            let priority = r.priority;
-                            match admission.try_submit(r, priority, Route::Worker(engine)) {
-                                Ok(ticket) => {
-                                    pending.fetch_add(1, Ordering::AcqRel);
-                                    tickets.push((engine, ticket));
-                                }
-                                Err(refused) => {
-                                    match refused.error {
-                                        AdmissionError::Overloaded { .. } => {
-                                            tally.refused[engine].queue_full += 1
-                                        }
-                                        _ => tally.refused[engine].queue_full += 1,
-                                    }
-                                    resolved.fetch_add(1, Ordering::Relaxed);
-                                }
-                            }
-                            next += 1;
-                        }
-                        if next == mine.len() && !done_flagged {
-                            done_flagged = true;
-                            submitted_all.fetch_add(1, Ordering::AcqRel);
-                        }
-                        barrier.wait();
-                        barrier.wait();
-                    }
-                    // Requests still unresolved at a forced stop time out.
-                    for (engine, _) in &tickets {
-                        tally.refused[*engine].timed_out += 1;
-                    }
-                    tally
-                })
-            })
-            .collect();
-
-        // Engines.
-        let engine_threads: Vec<_> = engines
-            .into_iter()
-            .enumerate()
-            .map(|(idx, mut rt)| {
-                let (barrier, step, stop, turn, idle, donations, admission, failure) = (
-                    &barrier, &step, &stop, &turn, &idle, &donations, &admission, &failure,
-                );
-                s.spawn(move || {
-                    let backoff = crossbeam_utils::Backoff::new();
-                    loop {
-                        barrier.wait();
-                        if stop.load(Ordering::Acquire) {
-                            break;
-                        }
-                        barrier.wait();
-                        let now_ms = (step.load(Ordering::Acquire) + 1) as f64 * cfg.step_ms;
-                        let result = (|| -> Result<(), SimError> {
-                            rt.admit(admission, idx)?;
-                            // Schedule in engine order: block grants are then the same on
-                            // every run (the report is deterministic). Kernels and commits
-                            // run concurrently.
-                            backoff.reset();
-                            while turn.load(Ordering::Acquire) != idx {
-                                backoff.snooze();
-                            }
-                            if let Some((donor, blocks)) = rt.donation_needed() {
-                                donations[donor.index()].fetch_add(blocks, Ordering::AcqRel);
-                            }
-                            let given = donations[idx].swap(0, Ordering::AcqRel);
-                            rt.schedule(given);
-                            turn.store(idx + 1, Ordering::Release);
-                            rt.execute()?;
-                            rt.commit(now_ms)?;
-                            Ok(())
-                        })();
-                        if let Err(e) = result {
-                            let _ = failure.set(e);
-                            // Let the others through the schedule turn.
-                            if turn.load(Ordering::Acquire) == idx {
-                                turn.store(idx + 1, Ordering::Release);
-                            }
-                        }
-                        idle[idx].store(rt.is_idle(), Ordering::Release);
-                        barrier.wait();
-                    }
-                    rt
-                })
-            })
-            .collect();
-
-        // The coordinating thread.
-        loop {
-            barrier.wait(); // clients' phase starts
-            if stop.load(Ordering::Acquire) {
-                break;
-            }
-            barrier.wait(); // engines' phase starts
-            barrier.wait(); // both done
-            let t = step.load(Ordering::Acquire);
-            coordinator.recompute();
-            let used = pool.total() - pool.free_count();
-            used_sum += f64::from(used);
-            used_peak = used_peak.max(used);
-            let snapshot = coordinator.snapshot();
-            for (e, st) in snapshot.engines.iter().enumerate().take(n) {
-                peak_held[e] = peak_held[e].max(pool.held(EngineId(e as u16)));
-                peak_borrowed[e] = peak_borrowed[e].max(st.blocks_borrowed);
-            }
-            if t % 4 == 0 {
-                timeline.push(TimelinePoint {
-                    t_s: (t + 1) as f64 * cfg.step_ms / 1e3,
-                    used_blocks: used,
-                    held: (0..n).map(|e| pool.held(EngineId(e as u16))).collect(),
-                    token_budget: (0..n)
-                        .map(|e| coordinator.token_budget(EngineId(e as u16)))
-                        .collect(),
-                });
-            }
-            steps_run = t + 1;
-            progress(Progress {
-                step: t + 1,
-                resolved: resolved.load(Ordering::Relaxed),
-                total,
-                used_blocks: used,
-            });
-            let arrivals_done = (t + 1) as f64 * cfg.step_ms > last_arrival_ms
-                && submitted_all.load(Ordering::Acquire) == cfg.clients;
-            let all_idle = idle.iter().all(|i| i.load(Ordering::Acquire));
-            let done = arrivals_done && all_idle && pending.load(Ordering::Acquire) == 0;
-            if done || t + 1 >= max_steps || failure.get().is_some() {
-                stop.store(true, Ordering::Release);
-            }
-            turn.store(0, Ordering::Release);
-            step.store(t + 1, Ordering::Release);
+    // Each simulated step has three phases, each a parallel section of the run's own (no
+    // engine waits for another inside the library): clients submit, engines schedule in
+    // engine order (block grants are then the same on every run), engines execute and commit
+    // concurrently on the shared arena, pool and coordinator; then the coordinator recomputes.
+    for t in 0..max_steps {
+        let end_ms = (t + 1) as f64 * cfg.step_ms;
+        clients
+            .par_iter_mut()
+            .for_each(|c| c.step(&admission, end_ms));
+        for (idx, rt) in engines.iter_mut().enumerate() {
+            rt.admit(&admission, idx)?;
+            rt.schedule();
         }
-        let engines: Vec<EngineRuntime> = engine_threads
-            .into_iter()
-            .map(|h| h.join().map_err(|_| SimError::ThreadPanicked))
-            .collect::<Result<_, _>>()?;
-        let tallies: Vec<ClientTally> = clients
-            .into_iter()
-            .map(|h| h.join().map_err(|_| SimError::ThreadPanicked))
-            .collect::<Result<_, _>>()?;
-        Ok::<_, SimError>((engines, tallies))
-    })?;
-    if let Some(e) = failure.into_inner() {
-        return Err(e);
+        engines
+            .par_iter_mut()
+            .try_for_each(|rt| rt.execute_commit(end_ms))?;
+        coordinator.recompute();
+        let used = pool.total() - pool.free_count();
+        used_sum += f64::from(used);
+        used_peak = used_peak.max(used);
+        let snapshot = coordinator.snapshot();
+        for (e, st) in snapshot.engines.iter().enumerate().take(n) {
+            peak_held[e] = peak_held[e].max(pool.held(EngineId(e as u16)));
+            peak_borrowed[e] = peak_borrowed[e].max(st.blocks_borrowed);
+        }
+        if t % 4 == 0 {
+            timeline.push(TimelinePoint {
+                t_s: (t + 1) as f64 * cfg.step_ms / 1e3,
+                used_blocks: used,
+                held: (0..n).map(|e| pool.held(EngineId(e as u16))).collect(),
+                token_budget: (0..n)
+                    .map(|e| coordinator.token_budget(EngineId(e as u16)))
+                    .collect(),
+            });
+        }
+        steps_run = t + 1;
+        let resolved: u64 = clients.iter().map(|c| c.resolved).sum();
+        progress(Progress {
+            step: t + 1,
+            resolved,
+            total,
+            used_blocks: used,
+        });
+        let arrivals_done =
+            end_ms > last_arrival_ms && clients.iter().all(|c| c.next == c.mine.len());
+        let pending: u64 = clients.iter().map(|c| c.pending).sum();
+        if arrivals_done && pending == 0 && engines.iter().all(|e| e.is_idle()) {
+            break;
+        }
     }
+    // Requests still unresolved at a forced stop time out.
+    let tallies: Vec<ClientTally> = clients
+        .into_iter()
+        .map(|mut c| {
+            for (engine, _) in &c.tickets {
+                c.tally.refused[*engine].timed_out += 1;
+            }
+            c.tally
+        })
+        .collect();
     let elapsed = started.elapsed().as_secs_f64();
 
     // Unresolved requests at a forced stop: their engines still hold them.
@@ -483,7 +383,7 @@ pub fn run_on(
         refused_all.evicted += refused.evicted;
         refused_all.too_long += refused.too_long;
         refused_all.timed_out += refused.timed_out;
-        let stats = rt.batcher.stats();
+        let stats = rt.batcher().stats();
         let class = |c: Priority| ClassLatency {
             ttft: Latency::of(&m.ttft_ms[c.index()]),
             itl: Latency::of(&m.itl_ms[c.index()]),
@@ -528,7 +428,8 @@ pub fn run_on(
             wasted_bytes_per_page: (page_bytes
                 - rt.block_size as usize * shapes[e].bytes_per_token())
                 as u64,
-            kv_bytes_allocated: rt.kv_bytes_allocated,
+            // Every engine's cache is a view of the arena, on the CPU and the CUDA path.
+            kv_bytes_allocated: 0,
             reclaim_steps: StepLatency::of(&m.reclaim_steps),
         });
     }
@@ -536,11 +437,10 @@ pub fn run_on(
         .iter()
         .flat_map(|e| e.metrics.reclaim_steps.iter().copied())
         .collect();
-    // The arena is allocated once whatever the device; engines' own caches come on top. On
-    // the CPU path every cache is a view, so the two figures are equal.
-    let kv_pool_bytes = arena.total_bytes() as u64;
-    let kv_bytes_allocated =
-        kv_pool_bytes + engines.iter().map(|e| e.kv_bytes_allocated).sum::<u64>();
+    // The arena is allocated once whatever the device, and every engine's cache is a view of
+    // it (CPU and CUDA), so the two figures are equal by construction.
+    let kv_pool_bytes = shared.total_bytes();
+    let kv_bytes_allocated = kv_pool_bytes;
     let finished: u64 = reports.iter().map(|r| r.finished).sum();
     let generated: u64 = reports.iter().map(|r| r.generated_tokens).sum();
     let scheduled: u64 = reports.iter().map(|r| r.scheduled_tokens).sum();

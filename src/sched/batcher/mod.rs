@@ -28,7 +28,10 @@ mod preempt;
 mod rows;
 
 use super::batch::Batch;
-use super::sequence::{FinishedSeq, Priority, SeqId, SeqPhase, SeqRequest, Sequence};
+use super::sequence::{
+    FinishReason, FinishedSeq, Priority, SeqId, SeqPhase, SeqRequest, SeqUpdate, Sequence,
+    StepResults,
+};
 use crate::block::{BlockId, BlockPool, BlockTable, EngineId};
 use crate::error::SchedError;
 use crate::sync::Arc;
@@ -129,9 +132,9 @@ pub struct Batcher {
     /// every model, a page freed at schedule time could be written by another engine's kernels
     /// while this engine's swap-out copies it.
     swap_out_pending: Vec<BlockId>,
-    /// Aborts requested since the last step, applied at the start of the next one (the batch
-    /// in flight may still reference their blocks).
-    pending_aborts: Vec<SeqId>,
+    /// Aborts and caller finishes requested since the last step, applied at the start of the
+    /// next one (the batch in flight may still reference their blocks).
+    pending_aborts: Vec<(SeqId, FinishReason)>,
     /// Blocks to give back at the start of the next step, by preempting (a reclaim order of
     /// the budget coordinator, or a donation to a higher-priority engine).
     shed_request: u32,
@@ -284,7 +287,7 @@ impl Batcher {
                 reason: "max_new_tokens must be at least 1",
             });
         }
-        if self.index.contains_key(&id) || self.pending_aborts.contains(&id) {
+        if self.index.contains_key(&id) || self.pending_aborts.iter().any(|&(p, _)| p == id) {
             return Err(SchedError::DuplicateId(id));
         }
         // The last sampled token is never fed back, so the cache holds at most
@@ -337,11 +340,18 @@ impl Batcher {
     /// still use its blocks); its result then comes out of
     /// [`schedule_into`](Self::schedule_into)'s `finished` list.
     pub fn abort(&mut self, id: SeqId) -> Result<(), SchedError> {
+        self.finish_with(id, FinishReason::Aborted)
+    }
+
+    /// Ends a sequence for a reason of the caller's (e.g. [`FinishReason::Caller`] when its
+    /// detokenizer found a stop string), taking effect like [`abort`](Self::abort). The first
+    /// request for a sequence wins; later ones are ignored.
+    pub fn finish_with(&mut self, id: SeqId, reason: FinishReason) -> Result<(), SchedError> {
         if !self.index.contains_key(&id) {
             return Err(SchedError::UnknownSeq(id));
         }
-        if !self.pending_aborts.contains(&id) {
-            self.pending_aborts.push(id);
+        if !self.pending_aborts.iter().any(|&(p, _)| p == id) {
+            self.pending_aborts.push((id, reason));
         }
         Ok(())
     }
@@ -542,6 +552,26 @@ impl Batcher {
         sampled: &[u32],
         finished: &mut Vec<FinishedSeq>,
     ) -> Result<(), SchedError> {
+        self.commit_inner(sampled, finished, None)
+    }
+
+    /// [`commit`](Self::commit), also appending to `results` one [`SeqUpdate`] per sampling
+    /// row (its token, and its finish reason if it ended), in row order: what a server streams.
+    pub fn commit_with_updates(
+        &mut self,
+        sampled: &[u32],
+        finished: &mut Vec<FinishedSeq>,
+        results: &mut StepResults,
+    ) -> Result<(), SchedError> {
+        self.commit_inner(sampled, finished, Some(results))
+    }
+
+    fn commit_inner(
+        &mut self,
+        sampled: &[u32],
+        finished: &mut Vec<FinishedSeq>,
+        mut results: Option<&mut StepResults>,
+    ) -> Result<(), SchedError> {
         if sampled.len() != self.batch.num_samples() {
             return Err(SchedError::SampleCountMismatch {
                 expected: self.batch.num_samples(),
@@ -562,9 +592,20 @@ impl Batcher {
             next_sample += 1;
             seq.tokens.push(token);
             seq.phase = SeqPhase::Decoding;
-            if let Some(reason) = seq.stop_reason(token) {
+            let id = seq.id;
+            let reason = seq.stop_reason(token);
+            if let Some(reason) = reason {
                 any_finished = true;
                 self.finish(slot, reason, finished);
+            }
+            if let Some(r) = results.as_deref_mut() {
+                let at = r.tokens.len();
+                r.tokens.push(token);
+                r.updates.push(SeqUpdate {
+                    id,
+                    tokens: at..at + 1,
+                    finished: reason,
+                });
             }
         }
         if any_finished {

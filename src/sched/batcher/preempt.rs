@@ -199,7 +199,7 @@ impl Batcher {
             return;
         }
         let aborts = std::mem::take(&mut self.pending_aborts);
-        for &id in &aborts {
+        for &(id, reason) in &aborts {
             let Some(&slot) = self.index.get(&id) else {
                 continue;
             };
@@ -211,7 +211,7 @@ impl Batcher {
                 SeqPhase::Swapped => self.swapped.retain(|&s| s != slot),
                 SeqPhase::Prefilling | SeqPhase::Decoding => self.running.retain(|&s| s != slot),
             }
-            self.finish(slot, FinishReason::Aborted, finished);
+            self.finish(slot, reason, finished);
         }
         self.pending_aborts = aborts;
         self.pending_aborts.clear();

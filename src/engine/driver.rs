@@ -1,0 +1,437 @@
+//! The engine driver: one model's batcher, its share of the coordinator and its KV backend,
+//! running the multi-model protocol around each step.
+
+use super::exec::{run_batch, KvBackend, StepModel, StepStats};
+use super::shared::SharedArena;
+use crate::block::EngineId;
+use crate::error::{EngineError, SchedError};
+use crate::sched::{
+    budget_priority, Batch, Batcher, BatcherConfig, EngineShare, FinishReason, FinishedSeq,
+    PreemptionMode, Priority, SeqId, SeqRequest, SeqUpdate, StepResults,
+};
+use crate::sync::Arc;
+use std::mem::ManuallyDrop;
+
+/// When an engine recomputes the coordinator's budgets itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecomputePolicy {
+    /// Recompute after a commit when registrations, weights or activity changed (one load
+    /// when nothing did).
+    pub when_dirty: bool,
+    /// Also recompute every this many steps (0: never), which refreshes what idle engines can
+    /// lend as holdings change.
+    pub every_steps: u32,
+}
+
+impl RecomputePolicy {
+    /// Engines recompute on changes and every 8 steps: what a server wants.
+    pub const SERVER: Self = Self {
+        when_dirty: true,
+        every_steps: 8,
+    };
+    /// Engines never recompute; the caller does (e.g. once per simulated step, for a
+    /// deterministic simulation).
+    pub const CALLER: Self = Self {
+        when_dirty: false,
+        every_steps: 0,
+    };
+}
+
+/// How one engine (model) runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// The engine's weight in the coordinator (its share of tokens and pages), at least 1.
+    pub weight: u32,
+    /// Most sequences running at once.
+    pub max_running: u32,
+    /// Most tokens in one step (also bounded by the coordinator's token budget).
+    pub max_batched_tokens: u32,
+    /// Most prompt tokens of one sequence in one step (chunked prefill).
+    pub max_prefill_chunk: u32,
+    /// Longest sequence, in tokens (prompt and output).
+    pub max_context: u32,
+    /// What preemption does with a victim's KV.
+    pub preemption: PreemptionMode,
+    /// Host swap slots (pages) for swap preemption.
+    pub swap_blocks: u32,
+    /// When the engine recomputes the coordinator's budgets.
+    pub recompute: RecomputePolicy,
+}
+
+/// What one [`Engine::step`] (or [`Engine::commit`]) reports besides its
+/// [`results`](Engine::results).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepReport {
+    /// The executed step.
+    pub exec: StepStats,
+    /// Tokens scheduled.
+    pub scheduled: u32,
+    /// Tokens sampled (one per sampling row).
+    pub sampled: u32,
+    /// Pages this engine was asked to give back at the start of the step (reclaim orders of
+    /// lenders and donations to other engines).
+    pub pages_shed: u32,
+    /// Whether this engine asked another for pages this step (a donation).
+    pub asked_donation: bool,
+    /// Set when a reclaim demand closed at this step: how many steps it took from the demand
+    /// (the next admission fits this engine's limit but not the pool's free pages, because
+    /// pages of its share are lent out) to the pages being free.
+    pub reclaim_closed_after: Option<u64>,
+}
+
+/// One model's engine on a shared arena: a continuous-batching [`Batcher`], its share of the
+/// coordinator, its KV backend, and the multi-model protocol around each step:
+///
+/// - **before scheduling**: pages lenders reclaim ([`BudgetCoordinator::reclaim_for`]) and
+///   pages other engines asked for ([`SharedArena::take_donations`]) become a shed request
+///   (the batcher preempts to give them back); latency-critical work that waits for pages lent
+///   out asks the lowest-priority engine for a donation;
+/// - **after commit**: the engine publishes what preempting it would free (donor choice of the
+///   others) and recomputes budgets as its [`RecomputePolicy`] says.
+///
+/// Nothing here waits for another engine: each call is the engine's own work plus wait-free or
+/// lock-free operations on the shared state. [`step`](Self::step) is
+/// [`schedule`](Self::schedule) + [`execute`](Self::execute) + [`commit`](Self::commit); a
+/// caller that interleaves engines (a simulation with a deterministic order) calls them apart.
+///
+/// [`BudgetCoordinator::reclaim_for`]: crate::budget::BudgetCoordinator::reclaim_for
+#[derive(Debug)]
+pub struct Engine<B: KvBackend> {
+    id: EngineId,
+    shared: Arc<SharedArena>,
+    /// Dropped by hand in `Drop`, before the engine leaves the coordinator (its drop gives the
+    /// engine's pages and their budget back).
+    batcher: ManuallyDrop<Batcher>,
+    backend: B,
+    cfg: EngineConfig,
+    finished: Vec<FinishedSeq>,
+    results: StepResults,
+    sampled: Vec<u32>,
+    pairs: Vec<(u32, u32)>,
+    report: StepReport,
+    steps: u64,
+    demand_since: Option<u64>,
+    /// Whether the current batch was executed (commit refuses an unexecuted non-empty batch).
+    executed: bool,
+}
+
+impl<B: KvBackend> Engine<B> {
+    /// Registers an engine of `cfg.weight` with the shared coordinator and builds its batcher
+    /// over `backend` (whose geometry gives the tokens per page).
+    ///
+    /// The backend must work on `shared`'s arena: a [`HostBackend`](super::HostBackend) over a
+    /// view of [`SharedArena::host_arena`] (see [`Engine::host`]) or a device backend over
+    /// [`SharedArena::device_arena`].
+    pub fn new(
+        shared: &Arc<SharedArena>,
+        cfg: EngineConfig,
+        backend: B,
+    ) -> Result<Self, EngineError> {
+        if cfg.max_context == 0 {
+            return Err(EngineError::InvalidConfig(
+                "max_context must be at least 1 token".into(),
+            ));
+        }
+        let kv = *backend.config();
+        if kv.num_blocks() != shared.pool().total() as usize {
+            return Err(EngineError::InvalidConfig(format!(
+                "the backend's cache has {} pages, the shared pool {}",
+                kv.num_blocks(),
+                shared.pool().total()
+            )));
+        }
+        let coordinator = shared.coordinator().clone();
+        let id = coordinator.register(cfg.weight)?;
+        coordinator.recompute();
+        let block_size = kv.block_size() as u32;
+        let batcher = Batcher::new(
+            BatcherConfig {
+                engine: id,
+                block_size,
+                max_running: cfg.max_running,
+                max_batched_tokens: cfg.max_batched_tokens,
+                max_prefill_chunk: cfg.max_prefill_chunk,
+                // A sequence may grow past the engine's guaranteed share into pages others
+                // leave idle; reclaim orders preempt it when the lenders want them back.
+                max_blocks_per_seq: cfg
+                    .max_context
+                    .div_ceil(block_size)
+                    .min(shared.pool().total()),
+                preemption: cfg.preemption,
+                swap_blocks: cfg.swap_blocks,
+            },
+            shared.pool().clone(),
+        );
+        let mut batcher = match batcher {
+            Ok(b) => b,
+            Err(e) => {
+                // Leave the coordinator as it was.
+                let _ = coordinator.deregister(id);
+                coordinator.recompute();
+                return Err(e.into());
+            }
+        };
+        batcher.attach_budget(Box::new(EngineShare::new(coordinator, id)));
+        Ok(Self {
+            id,
+            shared: shared.clone(),
+            batcher: ManuallyDrop::new(batcher),
+            backend,
+            cfg,
+            finished: Vec::new(),
+            results: StepResults::default(),
+            sampled: Vec::new(),
+            pairs: Vec::new(),
+            report: StepReport::default(),
+            steps: 0,
+            demand_since: None,
+            executed: true,
+        })
+    }
+
+    /// The engine's id in the pool and the coordinator.
+    pub fn id(&self) -> EngineId {
+        self.id
+    }
+
+    /// The engine's configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// The batcher (statistics, sequence phases).
+    pub fn batcher(&self) -> &Batcher {
+        &self.batcher
+    }
+
+    /// The KV backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The shared arena.
+    pub fn shared(&self) -> &Arc<SharedArena> {
+        &self.shared
+    }
+
+    /// Tokens per page of this engine's view.
+    pub fn tokens_per_page(&self) -> u32 {
+        self.batcher.config().block_size
+    }
+
+    /// Steps scheduled so far.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Whether the engine has sequences (waiting, running or swapped).
+    pub fn has_work(&self) -> bool {
+        self.batcher.has_work()
+    }
+
+    /// Queues a request; refused at once if malformed or too long ever to fit.
+    pub fn add(&mut self, req: SeqRequest) -> Result<(), SchedError> {
+        self.batcher.add(req)
+    }
+
+    /// Ends a sequence at the start of the next step with [`FinishReason::Aborted`].
+    pub fn abort(&mut self, id: SeqId) -> Result<(), SchedError> {
+        self.batcher.abort(id)
+    }
+
+    /// Ends a sequence at the start of the next step with the caller's reason (e.g.
+    /// [`FinishReason::Caller`] for a stop string found by its detokenizer).
+    pub fn finish_with(&mut self, id: SeqId, reason: FinishReason) -> Result<(), SchedError> {
+        self.batcher.finish_with(id, reason)
+    }
+
+    /// The last step's per-sequence results: sequences that ended at the start of the step
+    /// (aborts, caller finishes), then one entry per sampled row in row order.
+    pub fn results(&self) -> &StepResults {
+        &self.results
+    }
+
+    /// Sequences that finished in the last step, with their whole output.
+    pub fn finished(&self) -> &[FinishedSeq] {
+        &self.finished
+    }
+
+    /// The current batch (after [`schedule`](Self::schedule)).
+    pub fn batch(&self) -> &Batch {
+        self.batcher.batch()
+    }
+
+    /// Runs the protocol's first half and schedules the next step: applies reclaim orders and
+    /// donation requests as a shed request, asks a donor for pages if latency-critical work
+    /// waits for pages lent out, and builds the batch. Sequences ended by aborts or caller
+    /// finishes appear in [`results`](Self::results) and [`finished`](Self::finished).
+    pub fn schedule(&mut self) -> &Batch {
+        self.results.clear();
+        self.finished.clear();
+        self.report = StepReport::default();
+        self.track_reclaim();
+        self.steps += 1;
+        if let Some((donor, pages)) = self.donation_needed() {
+            self.shared.ask_donation(donor, pages);
+            self.report.asked_donation = true;
+        }
+        let shed = self
+            .shared
+            .coordinator()
+            .reclaim_for(self.id)
+            .saturating_add(self.shared.take_donations(self.id));
+        if shed > 0 {
+            self.batcher.request_shed(shed);
+            self.report.pages_shed = shed;
+        }
+        self.batcher.schedule_into(&mut self.finished);
+        for f in &self.finished {
+            let at = self.results.tokens.len();
+            self.results.updates.push(SeqUpdate {
+                id: f.id,
+                tokens: at..at,
+                finished: Some(f.reason),
+            });
+        }
+        self.executed = self.batcher.batch().is_empty();
+        self.report.scheduled = self.batcher.batch().num_tokens() as u32;
+        self.batcher.batch()
+    }
+
+    /// Runs the scheduled batch's KV work and attention with `model`'s projections.
+    pub fn execute<M: StepModel<B> + ?Sized>(
+        &mut self,
+        model: &mut M,
+    ) -> Result<StepStats, EngineError> {
+        let stats = run_batch(
+            &mut self.backend,
+            model,
+            self.batcher.batch(),
+            &mut self.pairs,
+        )?;
+        self.executed = true;
+        self.report.exec = stats;
+        Ok(stats)
+    }
+
+    /// Samples with `model`, commits the step, publishes this engine's preemptible load and
+    /// recomputes budgets as the policy says. Refused (nothing applied) if the batch was not
+    /// executed.
+    pub fn commit<M: StepModel<B> + ?Sized>(
+        &mut self,
+        model: &mut M,
+    ) -> Result<StepReport, EngineError> {
+        if !self.executed {
+            return Err(EngineError::InvalidConfig(
+                "commit before the scheduled batch was executed".into(),
+            ));
+        }
+        self.sampled.clear();
+        model.sample(self.batcher.batch(), &mut self.sampled)?;
+        self.report.sampled = self.sampled.len() as u32;
+        self.batcher
+            .commit_with_updates(&self.sampled, &mut self.finished, &mut self.results)?;
+        let coordinator = self.shared.coordinator();
+        match self.batcher.preemptible_load() {
+            Some((class, pages)) => {
+                coordinator.publish_load(self.id, budget_priority(class), pages)
+            }
+            None => coordinator.clear_load(self.id),
+        }
+        let policy = self.cfg.recompute;
+        if policy.every_steps > 0 && self.steps % u64::from(policy.every_steps) == 0 {
+            coordinator.recompute();
+        } else if policy.when_dirty {
+            coordinator.maybe_recompute();
+        }
+        Ok(self.report)
+    }
+
+    /// One whole step: [`schedule`](Self::schedule), [`execute`](Self::execute),
+    /// [`commit`](Self::commit).
+    pub fn step<M: StepModel<B> + ?Sized>(
+        &mut self,
+        model: &mut M,
+    ) -> Result<StepReport, EngineError> {
+        self.schedule();
+        self.execute(model)?;
+        self.commit(model)
+    }
+
+    /// If latency-critical work waits for pages that are lent out (this engine is within its
+    /// limit, the pool is not), the lower-priority engine to take them from and how many.
+    /// (When the engine's own limit binds, a donation would not help: it waits for its own
+    /// sequences, or for reclaim orders to return its lent share.)
+    fn donation_needed(&self) -> Option<(EngineId, u32)> {
+        let (class, need) = self.batcher.next_admission_need()?;
+        if class != Priority::LatencyCritical || !self.lent_out_blocks(need) {
+            return None;
+        }
+        let donor = self
+            .shared
+            .coordinator()
+            .pick_donor(self.id, budget_priority(class), need)?;
+        Some((donor.engine, need))
+    }
+
+    /// Whether `need` more pages fit this engine's limit but not the pool's free pages.
+    fn lent_out_blocks(&self, need: u32) -> bool {
+        let c = self.shared.coordinator();
+        let need = u64::from(need);
+        c.blocks_held(self.id) + need <= u64::from(c.block_limit(self.id))
+            && c.blocks_in_use() + need > u64::from(c.config().total_blocks)
+    }
+
+    /// Reclaim latency, at the start of each step: a demand is open while the next admission
+    /// fits this engine's limit but not the pool's free pages; it closes at the first step
+    /// where the pages are free (or the demand went away).
+    fn track_reclaim(&mut self) {
+        let demand = self
+            .batcher
+            .next_admission_need()
+            .is_some_and(|(_, need)| self.lent_out_blocks(need));
+        match (demand, self.demand_since) {
+            (true, None) => self.demand_since = Some(self.steps),
+            (false, Some(since)) => {
+                self.report.reclaim_closed_after = Some(self.steps - since);
+                self.demand_since = None;
+            }
+            _ => {}
+        }
+    }
+}
+
+impl<B: KvBackend> Drop for Engine<B> {
+    fn drop(&mut self) {
+        // SAFETY: the batcher is dropped once, here, and never used after (this is the
+        // engine's drop; no other code path drops it).
+        unsafe { ManuallyDrop::drop(&mut self.batcher) };
+        // The batcher gave every page back; the engine's share now goes to the others.
+        self.shared.coordinator().clear_load(self.id);
+        let _ = self.shared.coordinator().deregister(self.id);
+        self.shared.coordinator().recompute();
+    }
+}
+
+impl<T: crate::kv::KvElem> Engine<super::HostBackend<T>> {
+    /// An engine whose cache is a view of `shared`'s host arena with `shape`'s geometry (its
+    /// own tokens per page), on the CPU kernels, for a model of `query_heads` heads.
+    pub fn host(
+        shared: &Arc<SharedArena>,
+        cfg: EngineConfig,
+        shape: &crate::kv::ModelKvShape,
+        query_heads: usize,
+    ) -> Result<Self, EngineError> {
+        let arena = shared.host_arena().ok_or_else(|| {
+            EngineError::InvalidConfig("the shared arena is not a host arena".into())
+        })?;
+        let view = crate::kv::ArenaView::new(arena.clone(), shape)?;
+        // SAFETY: the engine runs only its own batcher's current batch on this backend, before
+        // the batcher's next schedule or commit, and its batcher takes pages from `shared`'s
+        // pool, which hands out exactly this arena's pages; every other engine built here
+        // keeps the same rule (`HostBackend::new`'s contract).
+        let backend =
+            unsafe { super::HostBackend::new(view, query_heads, cfg.swap_blocks as usize)? };
+        Self::new(shared, cfg, backend)
+    }
+}

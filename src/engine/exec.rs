@@ -1,0 +1,179 @@
+//! The step executor: one function that runs a [`Batch`] on any KV backend, in the order the
+//! batch documents, with the caller's model supplying each layer's projections.
+
+use crate::error::EngineError;
+use crate::kv::KvCacheConfig;
+use crate::sched::Batch;
+
+/// A KV cache the step executor can drive: the CPU cache over the host arena
+/// ([`HostBackend`](super::HostBackend)) or the CUDA cache over the device arena
+/// (`DeviceBackend`, feature `cuda`).
+///
+/// The executor calls, per step: [`swap_out`](Self::swap_out), [`swap_in`](Self::swap_in),
+/// [`copy_blocks`](Self::copy_blocks) (each only when the batch has such work), then
+/// [`begin`](Self::begin), and per layer [`reshape_and_cache`](Self::reshape_and_cache)
+/// followed by [`decode`](Self::decode) (every row one token) or [`prefill`](Self::prefill),
+/// and finally [`end`](Self::end).
+pub trait KvBackend {
+    /// The buffer type of projections and attention output: a host slice, a device slice.
+    type Buf: ?Sized;
+
+    /// The cache's geometry (this model's view of the arena).
+    fn config(&self) -> &KvCacheConfig;
+    /// Query heads of the model (a multiple of the cache's KV heads).
+    fn query_heads(&self) -> usize;
+    /// Copies `(page, swap slot)` pairs from the cache to swap space (every layer).
+    fn swap_out(&mut self, pairs: &[(u32, u32)]) -> Result<(), EngineError>;
+    /// Copies `(swap slot, page)` pairs from swap space into the cache.
+    fn swap_in(&mut self, pairs: &[(u32, u32)]) -> Result<(), EngineError>;
+    /// Copies `(src page, dst page)` pairs within the cache (copy-on-write).
+    fn copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<(), EngineError>;
+    /// Prepares the step's attention over `batch` (metadata upload, output sizing).
+    fn begin(&mut self, batch: &Batch) -> Result<(), EngineError>;
+    /// Writes the step's keys and values of `layer` into the slots of `batch.slot_mapping`.
+    fn reshape_and_cache(
+        &mut self,
+        layer: usize,
+        key: &Self::Buf,
+        value: &Self::Buf,
+        batch: &Batch,
+    ) -> Result<(), EngineError>;
+    /// Decode attention of `layer` (one query token per row); returns the output buffer.
+    fn decode(
+        &mut self,
+        layer: usize,
+        query: &Self::Buf,
+        batch: &Batch,
+    ) -> Result<&Self::Buf, EngineError>;
+    /// Prefill attention of `layer` (rows of any length, causal); returns the output buffer.
+    fn prefill(
+        &mut self,
+        layer: usize,
+        query: &Self::Buf,
+        batch: &Batch,
+    ) -> Result<&Self::Buf, EngineError>;
+    /// Ends the step: on a device, waits for its work so errors surface in this step.
+    fn end(&mut self) -> Result<(), EngineError>;
+}
+
+/// A layer's projections of the step's tokens, in the layout the kernels take:
+/// `query [tokens, query_heads, head_dim]`, `key` and `value [tokens, kv_heads, head_dim]`.
+#[derive(Debug)]
+pub struct LayerQkv<'a, B: ?Sized> {
+    /// Queries.
+    pub query: &'a B,
+    /// Keys.
+    pub key: &'a B,
+    /// Values.
+    pub value: &'a B,
+}
+
+/// The caller's model, as the step executor sees it: it projects each layer's inputs, takes
+/// each layer's attention output, and samples one token per sampling row.
+pub trait StepModel<K: KvBackend + ?Sized> {
+    /// The projections of `layer` for `batch`'s tokens (called after the previous layer's
+    /// [`attended`](Self::attended)).
+    fn qkv(
+        &mut self,
+        backend: &K,
+        layer: usize,
+        batch: &Batch,
+    ) -> Result<LayerQkv<'_, K::Buf>, EngineError>;
+    /// The attention output of `layer`, `[tokens, query_heads, head_dim]`.
+    fn attended(&mut self, layer: usize, batch: &Batch, out: &K::Buf) -> Result<(), EngineError>;
+    /// One token per sampling row (`batch.samples`), in row order, appended to `out`.
+    fn sample(&mut self, batch: &Batch, out: &mut Vec<u32>) -> Result<(), EngineError>;
+}
+
+/// What one executed step did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepStats {
+    /// Tokens written to the cache (every row's new tokens).
+    pub tokens: u64,
+    /// KV bytes the attention read: every context token's K and V in every layer.
+    pub kv_bytes_read: u64,
+    /// Pages copied (copy-on-write), swapped out and swapped in.
+    pub pages_moved: u64,
+}
+
+/// Runs one step's KV work and attention on `backend`, in the order [`Batch`] documents:
+/// swap-outs first (a swap-in or new token of this step may reuse a page a swap-out reads),
+/// then swap-ins, copy-on-write copies, and per layer `reshape_and_cache` before attention.
+/// `pairs` is scratch reused across calls.
+pub fn run_batch<K: KvBackend + ?Sized, M: StepModel<K> + ?Sized>(
+    backend: &mut K,
+    model: &mut M,
+    batch: &Batch,
+    pairs: &mut Vec<(u32, u32)>,
+) -> Result<StepStats, EngineError> {
+    let mut stats = StepStats::default();
+    for (list, op) in [
+        (&batch.swap_out, Op::SwapOut),
+        (&batch.swap_in, Op::SwapIn),
+        (&batch.copies, Op::Copy),
+    ] {
+        if list.is_empty() {
+            continue;
+        }
+        to_pairs(list, pairs)?;
+        stats.pages_moved += pairs.len() as u64;
+        match op {
+            Op::SwapOut => backend.swap_out(pairs)?,
+            Op::SwapIn => backend.swap_in(pairs)?,
+            Op::Copy => backend.copy_blocks(pairs)?,
+        }
+    }
+    let tokens = batch.num_tokens();
+    if tokens == 0 {
+        backend.end()?;
+        return Ok(stats);
+    }
+    backend.begin(batch)?;
+    let cfg = *backend.config();
+    let decode_only = batch.num_seqs() == tokens;
+    for layer in 0..cfg.num_layers() {
+        let qkv = model.qkv(backend, layer, batch)?;
+        backend.reshape_and_cache(layer, qkv.key, qkv.value, batch)?;
+        let out = if decode_only {
+            backend.decode(layer, qkv.query, batch)?
+        } else {
+            backend.prefill(layer, qkv.query, batch)?
+        };
+        // The model's borrow of its projections ended with the attention call; the output
+        // is the backend's.
+        model.attended(layer, batch, out)?;
+    }
+    backend.end()?;
+    stats.tokens = tokens as u64;
+    stats.kv_bytes_read = kv_bytes_read(&cfg, batch);
+    Ok(stats)
+}
+
+#[derive(Clone, Copy)]
+enum Op {
+    SwapOut,
+    SwapIn,
+    Copy,
+}
+
+/// KV bytes a step's attention reads: every context token's K and V in every layer.
+pub fn kv_bytes_read(cfg: &KvCacheConfig, batch: &Batch) -> u64 {
+    let ctx: u64 = batch.context_lens.iter().map(|&c| c.max(0) as u64).sum();
+    let per_token =
+        2 * cfg.num_layers() * cfg.num_kv_heads() * cfg.head_dim() * cfg.dtype().size_bytes();
+    ctx * per_token as u64
+}
+
+/// The batch's `(i32, i32)` pairs as the caches' `(u32, u32)`; a negative id is refused.
+fn to_pairs(src: &[(i32, i32)], dst: &mut Vec<(u32, u32)>) -> Result<(), EngineError> {
+    dst.clear();
+    for &(a, b) in src {
+        let (Ok(a), Ok(b)) = (u32::try_from(a), u32::try_from(b)) else {
+            return Err(EngineError::InvalidConfig(format!(
+                "a batch names a negative page or swap slot: ({a}, {b})"
+            )));
+        };
+        dst.push((a, b));
+    }
+    Ok(())
+}

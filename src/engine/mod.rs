@@ -1,0 +1,28 @@
+//! The engine loop a server links: a step executor over any KV backend and an engine driver
+//! that runs one model's batcher on a device's shared arena.
+//!
+//! - [`SharedArena`]: one device's pool, arena and budget coordinator, shared by its engines.
+//! - [`Engine`]: one model's batcher, share and backend, with the multi-model protocol
+//!   (reclaim and donations before scheduling, load publication and budget recomputation
+//!   after commit) and per-step results ([`StepResults`](crate::sched::StepResults)) a server
+//!   streams from.
+//! - [`run_batch`]: runs a [`Batch`](crate::sched::Batch) in its documented order on a
+//!   [`KvBackend`] ([`HostBackend`] on the CPU kernels; `DeviceBackend` on CUDA), with the
+//!   caller's [`StepModel`] supplying projections and sampling.
+//!
+//! Nothing in this module waits for another thread: an engine's step is its own work plus
+//! lock-free operations on the shared pool and coordinator.
+
+#[cfg(feature = "cuda")]
+mod device;
+mod driver;
+mod exec;
+mod host;
+mod shared;
+
+#[cfg(feature = "cuda")]
+pub use device::DeviceBackend;
+pub use driver::{Engine, EngineConfig, RecomputePolicy, StepReport};
+pub use exec::{kv_bytes_read, run_batch, KvBackend, LayerQkv, StepModel, StepStats};
+pub use host::HostBackend;
+pub use shared::SharedArena;

@@ -1,0 +1,123 @@
+//! What every engine of one device shares: the block pool, the KV arena it indexes, the budget
+//! coordinator, and the donation board through which engines ask each other for pages.
+
+use crate::block::{BlockPool, EngineId, KvArena, PoolConfig};
+use crate::budget::{BudgetConfig, BudgetCoordinator};
+use crate::error::EngineError;
+use crate::sync::{Arc, AtomicU32, CachePadded, Ordering};
+
+/// One device's shared KV state. Built once, then shared by every [`Engine`](super::Engine)
+/// through `Arc`. The pool and the arena are built together, so a page id from the pool always
+/// names a page of this arena.
+#[derive(Debug)]
+pub struct SharedArena {
+    pool: Arc<BlockPool>,
+    coordinator: Arc<BudgetCoordinator>,
+    host: Option<Arc<KvArena>>,
+    #[cfg(feature = "cuda")]
+    device: Option<Arc<crate::cuda::DeviceArena>>,
+    page_bytes: usize,
+    /// Pages other engines asked each engine to give back for their latency-critical work,
+    /// taken (and zeroed) by the engine at the start of its next step.
+    donations: Box<[CachePadded<AtomicU32>]>,
+}
+
+impl SharedArena {
+    /// A host arena of `budget.total_blocks` pages of `page_bytes` (see
+    /// [`page_bytes_for`](crate::kv::page_bytes_for)), its pool, and a coordinator of `budget`.
+    pub fn host(budget: BudgetConfig, page_bytes: usize) -> Result<Arc<Self>, EngineError> {
+        let mut shared = Self::accounting(budget, page_bytes)?;
+        shared.host = Some(Arc::new(KvArena::new(
+            budget.total_blocks as usize,
+            page_bytes,
+        )?));
+        Ok(Arc::new(shared))
+    }
+
+    /// A device arena on `gpu`, its pool, and a coordinator of `budget`.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(
+        gpu: &crate::cuda::Gpu,
+        budget: BudgetConfig,
+        page_bytes: usize,
+    ) -> Result<Arc<Self>, EngineError> {
+        let mut shared = Self::accounting(budget, page_bytes)?;
+        shared.device = Some(crate::cuda::DeviceArena::new(
+            gpu,
+            budget.total_blocks as usize,
+            page_bytes,
+        )?);
+        Ok(Arc::new(shared))
+    }
+
+    fn accounting(budget: BudgetConfig, page_bytes: usize) -> Result<Self, EngineError> {
+        let pool = Arc::new(BlockPool::new(PoolConfig {
+            device: 0,
+            num_blocks: budget.total_blocks,
+            max_engines: budget.max_engines,
+        })?);
+        let coordinator = Arc::new(BudgetCoordinator::new(budget)?);
+        let donations = (0..budget.max_engines)
+            .map(|_| CachePadded::new(AtomicU32::new(0)))
+            .collect();
+        Ok(Self {
+            pool,
+            coordinator,
+            host: None,
+            #[cfg(feature = "cuda")]
+            device: None,
+            page_bytes,
+            donations,
+        })
+    }
+
+    /// The block pool (one block = one page of the arena).
+    pub fn pool(&self) -> &Arc<BlockPool> {
+        &self.pool
+    }
+
+    /// The budget coordinator.
+    pub fn coordinator(&self) -> &Arc<BudgetCoordinator> {
+        &self.coordinator
+    }
+
+    /// The host arena, if this is a host arena.
+    pub fn host_arena(&self) -> Option<&Arc<KvArena>> {
+        self.host.as_ref()
+    }
+
+    /// The device arena, if this is a device arena.
+    #[cfg(feature = "cuda")]
+    pub fn device_arena(&self) -> Option<&Arc<crate::cuda::DeviceArena>> {
+        self.device.as_ref()
+    }
+
+    /// Bytes of one page.
+    pub fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+
+    /// Bytes of the whole arena (pages x page bytes): every KV byte the engines use.
+    pub fn total_bytes(&self) -> u64 {
+        u64::from(self.pool.total()) * self.page_bytes as u64
+    }
+
+    /// Asks `donor` to give back `pages` pages at the start of its next step (one wait-free
+    /// `fetch_add`; requests add up). A request larger than the pool is clamped to it. The sum
+    /// would wrap only past 2^32 pages asked between two steps of the donor; shedding is
+    /// advisory, so a wrapped sum only makes the donor give back fewer pages.
+    pub fn ask_donation(&self, donor: EngineId, pages: u32) {
+        if let Some(slot) = self.donations.get(donor.index()) {
+            // Relaxed: a request count; the pages themselves are handed over through the pool.
+            slot.fetch_add(pages.min(self.pool.total()), Ordering::Relaxed);
+        }
+    }
+
+    /// Takes the pages other engines asked `engine` to give back (one wait-free `swap`).
+    pub fn take_donations(&self, engine: EngineId) -> u32 {
+        self.donations
+            .get(engine.index())
+            // Relaxed: see `ask_donation`.
+            .map_or(0, |slot| slot.swap(0, Ordering::Relaxed))
+    }
+}

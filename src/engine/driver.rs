@@ -121,7 +121,7 @@ impl<B: KvBackend> Engine<B> {
     ///
     /// The backend must work on `shared`'s arena: a [`HostBackend`](super::HostBackend) over a
     /// view of [`SharedArena::host_arena`] (see [`Engine::host`]) or a device backend over
-    /// [`SharedArena::device_arena`].
+    /// `SharedArena::device_arena` (feature `cuda`).
     pub fn new(
         shared: &Arc<SharedArena>,
         cfg: EngineConfig,

@@ -4,20 +4,23 @@
 //!
 //! # How a run proceeds
 //!
-//! Time is simulated: step `t` ends at `(t + 1) * step_ms`. Each step has three phases,
-//! separated by barriers:
+//! Every engine is the library's [`pagedkv::engine::Engine`] on one
+//! [`SharedArena`] (its cache a view of the arena, CPU or CUDA), driven with a simulated model
+//! (random projections, random sampling). Time is simulated: step `t` ends at
+//! `(t + 1) * step_ms`. Each step has four phases, each a parallel section of the run itself
+//! (the library imposes no wait between engines):
 //!
-//! 1. **clients** (several threads) collect outcomes of earlier requests and submit every
-//!    request that arrived by the end of the step, each to its model's admission queue;
-//! 2. **engines** (one thread each) take requests from their queue, schedule (in engine order,
-//!    so block grants are the same on every run), run their kernels and commit, all
-//!    concurrently on the shared pool, coordinator and queues;
-//! 3. **the coordinator** recomputes the budgets and the run records the pool's state.
+//! 1. **clients** (in parallel) collect outcomes of earlier requests and submit every request
+//!    that arrived by the end of the step, each to its model's admission queue;
+//! 2. **engines schedule** in engine order (block grants are then the same on every run):
+//!    each takes requests from its queue and runs the driver's `schedule`;
+//! 3. **engines execute and commit** in parallel on the shared arena, pool and coordinator;
+//! 4. **the coordinator** recomputes the budgets and the run records the pool's state.
 //!
 //! Latencies are measured in simulated time, so the same seed gives the same report on any
-//! machine; wall-clock figures are reported apart. Each client thread serves a fixed set of
-//! engines, and each engine's queue has one producer and one consumer per step, so queue
-//! overflow is deterministic too.
+//! machine; wall-clock figures are reported apart. Each client serves a fixed set of engines,
+//! and each engine's queue has one producer and one consumer per step, so queue overflow is
+//! deterministic too.
 
 mod config;
 mod engine;

@@ -15,7 +15,9 @@ use std::sync::Arc;
 
 /// Keys are all equal, so attention is uniform over the visible positions and each output
 /// element is the mean of the values at positions `0..=pos`. Value element `d` of sequence `s`
-/// at position `p` in layer `l` is `value(s, p, l, d)`: the expected output is known exactly.
+/// at position `p` in layer `l` is `value(s, p, l, d, token)` of the token at `p`, and the
+/// model's "true" continuation is `truth(p)` at every generated position, so the expected
+/// output is known exactly, and a slot still holding a rejected draft's KV shows.
 struct ClosedForm {
     heads: usize,
     kv_heads: usize,
@@ -23,13 +25,24 @@ struct ClosedForm {
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
-    /// The next token each sequence samples (a per-sequence counter).
-    next_token: HashMap<SeqId, u32>,
+    /// Prompt length of each sequence (prompt tokens are all `PROMPT_TOKEN`).
+    prompt_len: HashMap<SeqId, usize>,
     rows_checked: u64,
 }
 
-fn value(seq: SeqId, pos: i32, layer: usize, d: usize) -> f32 {
-    (seq as f32) * 0.5 + pos as f32 * 0.25 + layer as f32 * 3.0 + d as f32 * 0.01
+const PROMPT_TOKEN: u32 = 7;
+
+/// The token the model generates at position `pos` (never `PROMPT_TOKEN`).
+fn truth(pos: i32) -> u32 {
+    100 + pos as u32
+}
+
+fn value(seq: SeqId, pos: i32, layer: usize, d: usize, token: u32) -> f32 {
+    (seq as f32) * 0.5
+        + pos as f32 * 0.25
+        + layer as f32 * 3.0
+        + d as f32 * 0.01
+        + (token % 97) as f32 * 0.125
 }
 
 impl ClosedForm {
@@ -41,8 +54,17 @@ impl ClosedForm {
             q: Vec::new(),
             k: Vec::new(),
             v: Vec::new(),
-            next_token: HashMap::new(),
+            prompt_len: HashMap::new(),
             rows_checked: 0,
+        }
+    }
+
+    /// The token at `pos` of sequence `seq` in the true history.
+    fn token_at(&self, seq: SeqId, pos: i32) -> u32 {
+        if (pos as usize) < self.prompt_len[&seq] {
+            PROMPT_TOKEN
+        } else {
+            truth(pos)
         }
     }
 
@@ -70,10 +92,14 @@ impl StepModel<HostBackend<f32>> for ClosedForm {
         self.k = vec![0.2; n * self.kv_heads * self.head_dim];
         self.v.clear();
         for (t, &row) in rows.iter().enumerate() {
-            let (seq, pos) = (batch.seq_ids[row], batch.positions[t]);
+            let (seq, pos, token) = (
+                batch.seq_ids[row],
+                batch.positions[t],
+                batch.input_tokens[t],
+            );
             for _ in 0..self.kv_heads {
                 self.v
-                    .extend((0..self.head_dim).map(|d| value(seq, pos, layer, d)));
+                    .extend((0..self.head_dim).map(|d| value(seq, pos, layer, d, token)));
             }
         }
         Ok(LayerQkv {
@@ -89,10 +115,24 @@ impl StepModel<HostBackend<f32>> for ClosedForm {
         assert_eq!(out.len(), batch.num_tokens() * width);
         for (t, &row) in rows.iter().enumerate() {
             let (seq, pos) = (batch.seq_ids[row], batch.positions[t]);
+            // Positions before the row's first hold the true history; the row's own positions
+            // hold its inputs (drafts included: a draft's KV is visible to later queries of
+            // its row, like any input's).
+            let first = batch.query_start_loc[row] as usize;
+            let row_start = batch.positions[first];
+            let token = |p: i32| {
+                if p < row_start {
+                    self.token_at(seq, p)
+                } else {
+                    batch.input_tokens[first + (p - row_start) as usize]
+                }
+            };
             for h in 0..self.heads {
                 for d in 0..self.head_dim {
-                    let want =
-                        (0..=pos).map(|p| value(seq, p, layer, d)).sum::<f32>() / (pos + 1) as f32;
+                    let want = (0..=pos)
+                        .map(|p| value(seq, p, layer, d, token(p)))
+                        .sum::<f32>()
+                        / (pos + 1) as f32;
                     let got = out[t * width + h * self.head_dim + d];
                     assert!(
                         (got - want).abs() <= 1e-3 * want.abs().max(1.0),
@@ -106,13 +146,13 @@ impl StepModel<HostBackend<f32>> for ClosedForm {
     }
 
     fn sample(&mut self, batch: &Batch, out: &mut Vec<u32>) -> Result<(), EngineError> {
-        for (row, &seq) in batch.seq_ids.iter().enumerate() {
-            if batch.samples[row] {
-                let next = self.next_token.entry(seq).or_insert(100);
-                out.push(*next);
-                *next += 1;
-            }
-        }
+        // The true next token after each input that needs logits.
+        out.extend(
+            batch
+                .logits_indices
+                .iter()
+                .map(|&t| truth(batch.positions[t as usize] + 1)),
+        );
         Ok(())
     }
 }
@@ -161,7 +201,7 @@ type Streamed = HashMap<SeqId, (Vec<u32>, Option<FinishReason>)>;
 fn request(id: SeqId, prompt: usize, out: u32) -> SeqRequest {
     SeqRequest {
         id,
-        prompt: vec![7; prompt],
+        prompt: vec![PROMPT_TOKEN; prompt],
         stop: StopRules {
             max_new_tokens: out,
             eos: Vec::new(),
@@ -169,6 +209,12 @@ fn request(id: SeqId, prompt: usize, out: u32) -> SeqRequest {
         },
         priority: Priority::Throughput,
     }
+}
+
+/// Queues a request on an engine and tells its model the prompt length.
+fn add(driven: &mut Driven, req: SeqRequest) {
+    driven.1.prompt_len.insert(req.id, req.prompt.len());
+    driven.0.add(req).unwrap();
 }
 
 /// Runs both engines until idle; returns, per engine, the streamed tokens and finish reasons.
@@ -222,12 +268,10 @@ fn two_models_on_one_arena_attend_exactly_and_stream_every_token() {
     // The pages hold 16 tokens of the larger model and 32 of the smaller one.
     assert_eq!(engines[0].0.tokens_per_page(), 32);
     assert_eq!(engines[1].0.tokens_per_page(), 16);
-    for (e, (engine, _)) in engines.iter_mut().enumerate() {
+    for (e, driven) in engines.iter_mut().enumerate() {
         for s in 0..6u64 {
             let id = 10 * e as u64 + s;
-            engine
-                .add(request(id, 5 + 11 * s as usize, 3 + s as u32 * 4))
-                .unwrap();
+            add(driven, request(id, 5 + 11 * s as usize, 3 + s as u32 * 4));
         }
     }
     let streamed = run_to_idle(&mut engines);
@@ -237,8 +281,9 @@ fn two_models_on_one_arena_attend_exactly_and_stream_every_token() {
             let s = id % 10;
             assert_eq!(tokens.len() as u64, 3 + s * 4, "seq {id}");
             assert_eq!(*reason, Some(FinishReason::MaxTokens));
-            // The model's counter: tokens are 100, 101, ... in order.
-            assert!(tokens.iter().zip(100..).all(|(&t, want)| t == want));
+            // The model's true continuation, in order.
+            let prompt = 5 + 11 * s as i32;
+            assert!(tokens.iter().zip(prompt..).all(|(&t, pos)| t == truth(pos)));
         }
         assert!(engines[e].1.rows_checked > 0);
     }
@@ -251,11 +296,9 @@ fn preemption_under_a_small_arena_keeps_every_result_exact() {
     for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
         // Few pages: the engines preempt each other's and their own sequences.
         let (shared, mut engines) = build(24, mode);
-        for (e, (engine, _)) in engines.iter_mut().enumerate() {
+        for (e, driven) in engines.iter_mut().enumerate() {
             for s in 0..8u64 {
-                engine
-                    .add(request(100 * e as u64 + s, 20 + 3 * s as usize, 30))
-                    .unwrap();
+                add(driven, request(100 * e as u64 + s, 20 + 3 * s as usize, 30));
             }
         }
         let streamed = run_to_idle(&mut engines);
@@ -284,9 +327,9 @@ fn preemption_under_a_small_arena_keeps_every_result_exact() {
 #[test]
 fn a_caller_finish_reason_is_reported_apart_from_an_abort() {
     let (shared, mut engines) = build(128, PreemptionMode::Recompute);
+    add(&mut engines[0], request(1, 8, 50));
+    add(&mut engines[0], request(2, 8, 50));
     let (engine, model) = &mut engines[0];
-    engine.add(request(1, 8, 50)).unwrap();
-    engine.add(request(2, 8, 50)).unwrap();
     for _ in 0..4 {
         engine.step(model).unwrap();
     }
@@ -316,8 +359,8 @@ fn a_caller_finish_reason_is_reported_apart_from_an_abort() {
 #[test]
 fn commit_before_execute_is_refused_and_changes_nothing() {
     let (_shared, mut engines) = build(64, PreemptionMode::Recompute);
+    add(&mut engines[0], request(1, 8, 4));
     let (engine, model) = &mut engines[0];
-    engine.add(request(1, 8, 4)).unwrap();
     // The first steps may be empty until the coordinator has seen the engine active.
     while engine.schedule().is_empty() {
         engine.execute(model).unwrap();
@@ -357,4 +400,154 @@ fn a_backend_over_another_pool_size_is_refused_and_leaves_no_registration() {
         heads,
     );
     assert!(a.is_ok() && b.is_ok());
+}
+
+/// Drives `engines` to idle, proposing drafts (right or wrong, from `rng`) for decoding
+/// sequences before every step; checks page accounting after every step. Returns the
+/// (accepted, rejected) drafts seen.
+fn run_speculative(
+    engines: &mut [Driven],
+    rng: &mut rand::rngs::SmallRng,
+    outputs: &mut [Streamed],
+) -> (u64, u64) {
+    use rand::Rng;
+    let (mut accepted, mut rejected) = (0u64, 0u64);
+    for _ in 0..4000 {
+        if engines.iter().all(|(e, _)| !e.has_work()) {
+            return (accepted, rejected);
+        }
+        for (i, (engine, model)) in engines.iter_mut().enumerate() {
+            let live: Vec<SeqId> = model.prompt_len.keys().copied().collect();
+            let mut proposed: HashMap<SeqId, Vec<u32>> = HashMap::new();
+            for id in live {
+                if engine.batcher().phase(id) != Some(pagedkv::sched::SeqPhase::Decoding) {
+                    continue;
+                }
+                let generated = outputs[i].get(&id).map_or(0, |o| o.0.len());
+                let pos = (model.prompt_len[&id] + generated) as i32;
+                let k = rng.gen_range(0..5usize);
+                let drafts: Vec<u32> = (0..k as i32)
+                    .map(|j| if rng.gen_bool(0.7) { truth(pos + j) } else { 3 })
+                    .collect();
+                if engine.propose(id, &drafts).is_ok() {
+                    proposed.insert(id, drafts);
+                }
+            }
+            engine.step(model).unwrap();
+            let results = engine.results();
+            for u in &results.updates {
+                let tokens = results.tokens_of(u);
+                if let Some(d) = proposed.get(&u.id) {
+                    if !tokens.is_empty() {
+                        let ok = d.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+                        accepted += ok as u64;
+                        rejected += (d.len() - ok.min(d.len())) as u64;
+                    }
+                }
+                let entry = outputs[i].entry(u.id).or_default();
+                entry.0.extend_from_slice(tokens);
+                entry.1 = u.finished;
+                if u.finished.is_some() {
+                    model.prompt_len.remove(&u.id);
+                }
+            }
+            // Every page the engine holds belongs to a live sequence's table.
+            let tables: u32 = model
+                .prompt_len
+                .keys()
+                .filter_map(|&id| engine.batcher().blocks_of(id))
+                .sum();
+            assert_eq!(engine.shared().pool().held(engine.id()), tables);
+            // No sequence keeps pages past the tokens in its cache (rolled-back drafts' pages
+            // are freed): the cache holds every token but the last one at most.
+            let bs = engine.tokens_per_page() as usize;
+            for (&id, &prompt) in &model.prompt_len {
+                let generated = outputs[i].get(&id).map_or(0, |o| o.0.len());
+                let cached = (prompt + generated).saturating_sub(1);
+                let blocks = engine.batcher().blocks_of(id).unwrap_or(0) as usize;
+                assert!(
+                    blocks <= cached.div_ceil(bs),
+                    "seq {id}: {blocks} pages for {cached} tokens"
+                );
+            }
+        }
+    }
+    panic!("speculative run did not finish in 4000 steps");
+}
+
+#[test]
+fn speculative_drafts_are_accepted_or_rolled_back_exactly() {
+    use rand::SeedableRng;
+    let (shared, mut engines) = build(48, PreemptionMode::Recompute);
+    let mut lens = HashMap::new();
+    for (e, driven) in engines.iter_mut().enumerate() {
+        for s in 0..6u64 {
+            let id = 10 * e as u64 + s;
+            let (prompt, out) = (3 + 9 * s as usize, 12 + 5 * s as u32);
+            lens.insert((e, id), (prompt, out));
+            add(driven, request(id, prompt, out));
+        }
+    }
+    let mut outputs = vec![Streamed::new(), Streamed::new()];
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(5);
+    let (accepted, rejected) = run_speculative(&mut engines, &mut rng, &mut outputs);
+    assert!(accepted > 20 && rejected > 20, "{accepted} / {rejected}");
+    for (&(e, id), &(prompt, out)) in &lens {
+        let (tokens, reason) = &outputs[e][&id];
+        let want: Vec<u32> = (prompt as i32..).take(out as usize).map(truth).collect();
+        assert_eq!(tokens, &want, "engine {e} seq {id}");
+        assert_eq!(*reason, Some(FinishReason::MaxTokens));
+    }
+    assert_eq!(shared.pool().free_count(), shared.pool().total());
+    assert_eq!(shared.coordinator().blocks_in_use(), 0);
+}
+
+#[test]
+fn a_proposal_is_refused_where_it_cannot_apply() {
+    let (_shared, mut engines) = build(64, PreemptionMode::Recompute);
+    add(&mut engines[0], request(1, 8, 4));
+    let (engine, model) = &mut engines[0];
+    // Waiting, not decoding.
+    assert!(engine.propose(1, &[1]).is_err());
+    assert!(engine.propose(9, &[1]).is_err());
+    while engine.batcher().phase(1) != Some(pagedkv::sched::SeqPhase::Decoding) {
+        engine.step(model).unwrap();
+    }
+    // One token generated, three left: at most two drafts.
+    assert!(engine.propose(1, &[1, 2, 3]).is_err());
+    assert!(engine.propose(1, &[1, 2]).is_ok());
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+
+    /// Random workloads, pool sizes and drafts: outputs are always the true continuation, the
+    /// attention always matches the closed form, and no page is leaked.
+    #[test]
+    fn speculative_runs_match_the_model_and_leak_nothing(
+        seed in 0u64..1_000_000,
+        pages in 24u32..96,
+        seqs in proptest::collection::vec((1usize..40, 2u32..30), 1..6),
+        swap in proptest::bool::ANY,
+    ) {
+        use rand::SeedableRng;
+        let mode = if swap { PreemptionMode::Swap } else { PreemptionMode::Recompute };
+        let (shared, mut engines) = build(pages, mode);
+        for (e, driven) in engines.iter_mut().enumerate() {
+            for (s, &(prompt, out)) in seqs.iter().enumerate() {
+                add(driven, request(100 * e as u64 + s as u64, prompt, out));
+            }
+        }
+        let mut outputs = vec![Streamed::new(), Streamed::new()];
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+        run_speculative(&mut engines, &mut rng, &mut outputs);
+        for (e, per) in outputs.iter().enumerate() {
+            for (s, &(prompt, out)) in seqs.iter().enumerate() {
+                let (tokens, _) = &per[&(100 * e as u64 + s as u64)];
+                let want: Vec<u32> = (prompt as i32..).take(out as usize).map(truth).collect();
+                proptest::prop_assert_eq!(tokens, &want);
+            }
+        }
+        proptest::prop_assert_eq!(shared.pool().free_count(), shared.pool().total());
+    }
 }

@@ -245,6 +245,13 @@ impl<B: KvBackend> Engine<B> {
         self.batcher.finish_with(id, reason)
     }
 
+    /// Proposes draft tokens for a decoding sequence's next step (speculative decoding): see
+    /// [`Batcher::propose`]. The model's [`sample`](StepModel::sample) then returns one token
+    /// per logits index, and the commit accepts the confirmed drafts and rolls back the rest.
+    pub fn propose(&mut self, id: SeqId, drafts: &[u32]) -> Result<(), SchedError> {
+        self.batcher.propose(id, drafts)
+    }
+
     /// The last step's per-sequence results: sequences that ended at the start of the step
     /// (aborts, caller finishes), then one entry per sampled row in row order.
     pub fn results(&self) -> &StepResults {

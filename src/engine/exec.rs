@@ -81,7 +81,9 @@ pub trait StepModel<K: KvBackend + ?Sized> {
     ) -> Result<LayerQkv<'_, K::Buf>, EngineError>;
     /// The attention output of `layer`, `[tokens, query_heads, head_dim]`.
     fn attended(&mut self, layer: usize, batch: &Batch, out: &K::Buf) -> Result<(), EngineError>;
-    /// One token per sampling row (`batch.samples`), in row order, appended to `out`.
+    /// One token per entry of `batch.logits_indices`, in order, appended to `out`: one per
+    /// sampling row, or `drafts + 1` for a row with draft tokens (the token sampled after each
+    /// of its last `drafts + 1` inputs; the commit accepts drafts while they equal these).
     fn sample(&mut self, batch: &Batch, out: &mut Vec<u32>) -> Result<(), EngineError>;
 }
 

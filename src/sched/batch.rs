@@ -30,12 +30,17 @@ pub struct Batch {
     /// Width of a `block_tables` row.
     pub max_blocks_per_seq: usize,
     /// Whether row `s` produces logits (its last token is the last token of its sequence), and
-    /// so expects one sampled token in `commit`.
+    /// so expects sampled tokens in `commit`: one, or one per draft token plus one.
     pub samples: Vec<bool>,
-    /// Index into the flattened tokens of each sampling row's last token, `[num_samples]`.
+    /// Index into the flattened tokens of each token that needs logits, `[num_samples]`: each
+    /// sampling row's last token, and before it the tokens its drafts follow (`drafts`).
     pub logits_indices: Vec<i32>,
     /// Whether row `s` is a prefill (more than one new token, or the first chunk of a prompt).
     pub is_prefill: Vec<bool>,
+    /// Draft tokens (speculative decoding) at the end of row `s`'s tokens, `[num_seqs]`: a
+    /// sampling row with `d` drafts has `d + 1` entries in `logits_indices` (its last `d + 1`
+    /// tokens) and expects `d + 1` sampled tokens in `commit`.
+    pub drafts: Vec<u32>,
     /// Copy-on-write block copies `(src, dst)` to run first (all layers).
     pub copies: Vec<(i32, i32)>,
     /// Device-to-host swaps `(device block, host slot)`.
@@ -85,6 +90,7 @@ impl Batch {
         self.samples.clear();
         self.logits_indices.clear();
         self.is_prefill.clear();
+        self.drafts.clear();
         self.copies.clear();
         self.swap_out.clear();
         self.swap_in.clear();

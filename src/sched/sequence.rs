@@ -154,6 +154,9 @@ pub(crate) struct Sequence {
     /// occupied (valid only while that row's owner is still this sequence's slot); reset to 0
     /// whenever the table changes other than by appending.
     pub(crate) row_blocks: u32,
+    /// Draft tokens proposed for the next step (speculative decoding), verified and then
+    /// cleared by the commit of the step that schedules them; never part of `tokens` before.
+    pub(crate) drafts: Vec<u32>,
 }
 
 impl Sequence {

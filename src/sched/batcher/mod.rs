@@ -139,8 +139,8 @@ pub struct Batcher {
     /// the budget coordinator, or a donation to a higher-priority engine).
     shed_request: u32,
     batch: Batch,
-    /// This step's rows: (slot, new tokens).
-    scheduled: Vec<(usize, usize)>,
+    /// This step's rows: (slot, new tokens, draft tokens among them).
+    scheduled: Vec<(usize, usize, usize)>,
     scratch: Vec<BlockId>,
     /// Row stride of `batch.block_tables`, kept across steps so that rows stay in place.
     row_width: usize,
@@ -319,6 +319,7 @@ impl Batcher {
             preemptions: 0,
             may_share: false,
             row_blocks: 0,
+            drafts: Vec::new(),
         };
         self.arrivals += 1;
         let slot = match self.free_slots.pop() {
@@ -353,6 +354,38 @@ impl Batcher {
         if !self.pending_aborts.iter().any(|&(p, _)| p == id) {
             self.pending_aborts.push((id, reason));
         }
+        Ok(())
+    }
+
+    /// Proposes draft tokens (speculative decoding) for a decoding sequence's next step: the
+    /// step's row then carries its last token followed by the drafts, asks for logits at every
+    /// one of them ([`Batch::drafts`]), and the commit accepts the longest prefix of drafts that
+    /// the sampled tokens confirm, plus one sampled token (the correction or the bonus). The KV
+    /// written for rejected drafts is rolled back: the sequence's computed length stops after
+    /// the accepted ones and pages left empty are freed.
+    ///
+    /// Replaces earlier proposals of the same step. Dropped if the step's token budget cannot
+    /// take them all (the row is then a plain decode). Refused: an unknown or non-decoding
+    /// sequence, or more drafts than the tokens it may still generate minus one.
+    pub fn propose(&mut self, id: SeqId, drafts: &[u32]) -> Result<(), SchedError> {
+        let &slot = self.index.get(&id).ok_or(SchedError::UnknownSeq(id))?;
+        let s = self.seq(slot);
+        if s.phase != SeqPhase::Decoding {
+            return Err(SchedError::InvalidRequest {
+                id,
+                reason: "only a decoding sequence takes draft tokens",
+            });
+        }
+        let left = (s.stop.max_new_tokens as usize).saturating_sub(s.generated());
+        if drafts.len() >= left.max(1) {
+            return Err(SchedError::InvalidRequest {
+                id,
+                reason: "more draft tokens than the sequence may still generate minus one",
+            });
+        }
+        let s = self.seq_mut(slot);
+        s.drafts.clear();
+        s.drafts.extend_from_slice(drafts);
         Ok(())
     }
 
@@ -395,6 +428,7 @@ impl Batcher {
             preemptions: 0,
             may_share: true,
             row_blocks: 0,
+            drafts: Vec::new(),
         };
         self.seq_mut(slot).may_share = true;
         self.arrivals += 1;
@@ -581,29 +615,63 @@ impl Batcher {
         let mut next_sample = 0;
         let mut any_finished = false;
         for row in 0..self.scheduled.len() {
-            let (slot, n) = self.scheduled[row];
+            let (slot, n, drafts) = self.scheduled[row];
             let samples = self.batch.samples[row];
             let seq = self.seq_mut(slot);
-            seq.computed += n;
+            // Proposals are for one step: verified below if scheduled, dropped if not.
+            let proposed = std::mem::take(&mut seq.drafts);
             if !samples {
+                seq.computed += n;
+                seq.drafts = proposed;
+                seq.drafts.clear();
                 continue;
             }
-            let token = sampled[next_sample];
-            next_sample += 1;
-            seq.tokens.push(token);
-            seq.phase = SeqPhase::Decoding;
+            let row_sampled = &sampled[next_sample..next_sample + drafts + 1];
+            next_sample += drafts + 1;
+            // Accept the drafts the sampled tokens confirm: the token sampled after draft i's
+            // predecessor must be draft i. The first mismatch (or the end) gives one more token.
+            let accepted = proposed[..drafts]
+                .iter()
+                .zip(row_sampled)
+                .take_while(|(d, t)| d == t)
+                .count();
+            // The row's KV is in the cache; the part for rejected drafts is rolled back below.
+            seq.computed += n;
             let id = seq.id;
-            let reason = seq.stop_reason(token);
+            let at = results.as_deref().map_or(0, |r| r.tokens.len());
+            let mut reason = None;
+            let mut appended = 0;
+            for &token in &row_sampled[..=accepted] {
+                let seq = self.seq_mut(slot);
+                seq.tokens.push(token);
+                seq.phase = SeqPhase::Decoding;
+                appended += 1;
+                if let Some(r) = results.as_deref_mut() {
+                    r.tokens.push(token);
+                }
+                reason = seq.stop_reason(token);
+                if reason.is_some() {
+                    break;
+                }
+            }
+            {
+                let seq = self.seq_mut(slot);
+                // The last token is fed next step, so the cache holds the ones before it: this
+                // drops the rejected drafts' KV (and, after a stop mid-row, the tokens past it).
+                seq.computed = seq.computed.min(seq.tokens.len() - 1);
+                seq.drafts = proposed;
+                seq.drafts.clear();
+            }
             if let Some(reason) = reason {
                 any_finished = true;
                 self.finish(slot, reason, finished);
+            } else if drafts > accepted {
+                self.roll_back_pages(slot);
             }
             if let Some(r) = results.as_deref_mut() {
-                let at = r.tokens.len();
-                r.tokens.push(token);
                 r.updates.push(SeqUpdate {
                     id,
-                    tokens: at..at + 1,
+                    tokens: at..at + appended,
                     finished: reason,
                 });
             }
@@ -618,6 +686,7 @@ impl Batcher {
         self.scheduled.clear();
         self.batch.samples.clear();
         self.batch.logits_indices.clear();
+        self.batch.drafts.clear();
         if let Some(b) = &self.budget {
             let active = self.has_work();
             if active != self.active_reported {

@@ -34,6 +34,22 @@ impl Batcher {
         }
     }
 
+    /// After rejected drafts: frees the pages past the sequence's computed tokens (their KV is
+    /// rolled back), giving them back to the budget too. The page the next token lands in is
+    /// reserved again by the next step if it was freed.
+    pub(super) fn roll_back_pages(&mut self, slot: usize) {
+        let keep = self.blocks_for(self.seq(slot).computed) as u32;
+        let s = self.seq_mut(slot);
+        if s.table.len() > keep {
+            // The row's block-table entries past `keep` are stale now.
+            s.row_blocks = s.row_blocks.min(keep);
+            let freed = s.table.truncate(keep);
+            if let Some(b) = &self.budget {
+                b.release_blocks(freed);
+            }
+        }
+    }
+
     /// Moves a swapped-out sequence's pages from its table to `swap_out_pending`: one extra
     /// reference per page keeps them allocated (and charged to this engine's budget) until
     /// [`release_swapped_pages`](Self::release_swapped_pages), after the batch has run.
@@ -106,6 +122,7 @@ impl Batcher {
     pub(super) fn preempt(&mut self, slot: usize) {
         let blocks = self.seq(slot).table.len() as usize;
         self.seq_mut(slot).row_blocks = 0;
+        self.seq_mut(slot).drafts.clear();
         let swap = self.cfg.preemption == PreemptionMode::Swap
             && blocks > 0
             && self.host_free.len() >= blocks;

@@ -25,13 +25,18 @@ impl Batcher {
         blocks + usize::from(rest != 0)
     }
 
-    /// New tokens a sequence would compute this step within `budget`.
+    /// New tokens a sequence would compute this step within `budget`: its uncomputed tokens
+    /// and, if all of them and its draft tokens fit, the drafts too (drafts that do not all fit
+    /// are left out of the row, which is then a plain decode).
     pub(super) fn tokens_wanted(&self, slot: usize, budget: usize) -> usize {
         let s = self.seq(slot);
         let remaining = s.tokens.len() - s.computed;
-        remaining
-            .min(self.cfg.max_prefill_chunk as usize)
-            .min(budget)
+        let limit = (self.cfg.max_prefill_chunk as usize).min(budget);
+        let with_drafts = remaining + s.drafts.len();
+        if !s.drafts.is_empty() && with_drafts <= limit {
+            return with_drafts;
+        }
+        remaining.min(limit)
     }
 
     /// Makes the sequence's table cover `computed + n` tokens, copying a shared partial last
@@ -87,13 +92,16 @@ impl Batcher {
         Reserve::Ok
     }
 
-    /// Appends one row for `n` new tokens of the sequence to the batch.
+    /// Appends one row for `n` new tokens of the sequence to the batch: its uncomputed tokens,
+    /// then its draft tokens if `n` reaches past them (`tokens_wanted` gives all or none).
     pub(super) fn emit(&mut self, slot: usize, n: usize) {
         let bs = i64::from(self.cfg.block_size);
         let Some(s) = self.seqs[slot].as_ref() else {
             return;
         };
         let start = s.computed;
+        let known = s.tokens.len() - start;
+        let drafts = n.saturating_sub(known);
         // Split every position before borrowing the batch mutably.
         let (mut block, mut offset) = self.split_pos(start);
         let b = &mut self.batch;
@@ -110,7 +118,8 @@ impl Batcher {
                 .push(i64::from(id.index()) * bs + offset as i64);
         } else {
             b.input_tokens
-                .extend_from_slice(&s.tokens[start..start + n]);
+                .extend_from_slice(&s.tokens[start..start + n - drafts]);
+            b.input_tokens.extend_from_slice(&s.drafts[..drafts]);
             b.positions.extend((start..start + n).map(|p| p as i32));
             let mut id = s
                 .table
@@ -132,14 +141,17 @@ impl Batcher {
         }
         b.query_start_loc.push(b.input_tokens.len() as i32);
         b.context_lens.push((start + n) as i32);
-        let samples = start + n == s.tokens.len();
+        let samples = start + n >= s.tokens.len();
         b.samples.push(samples);
+        b.drafts.push(drafts as u32);
         if samples {
-            b.logits_indices.push(b.input_tokens.len() as i32 - 1);
+            // One logit per draft and one after the last token: the row's last `drafts + 1`.
+            let end = b.input_tokens.len() as i32;
+            b.logits_indices.extend(end - 1 - drafts as i32..end);
         }
         b.is_prefill.push(n > 1 || s.phase != SeqPhase::Decoding);
         b.max_blocks_per_seq = b.max_blocks_per_seq.max(s.table.len() as usize);
-        self.scheduled.push((slot, n));
+        self.scheduled.push((slot, n, drafts));
     }
 
     /// Fills `batch.block_tables`. Rows persist across steps: a sequence scheduled in the same
@@ -168,7 +180,7 @@ impl Batcher {
             self.batch.block_tables.truncate(cells);
         }
         self.row_owner.resize(rows, usize::MAX);
-        for (row, &(slot, _)) in self.scheduled.iter().enumerate() {
+        for (row, &(slot, _, _)) in self.scheduled.iter().enumerate() {
             let Some(s) = self.seqs[slot].as_mut() else {
                 continue;
             };

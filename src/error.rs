@@ -826,11 +826,11 @@ pub enum GgufError {
     Unwritable(&'static str),
 }
 
-/// Errors of the host copy engine ([`crate::gguf::upload::HostEngine`]), the stand-in for a GPU
+/// Errors of the host copy engine (`gguf::upload::HostEngine`, feature `test-util`), the stand-in for a GPU
 /// that runs the upload pipeline in ordinary tests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum UploadError {
-    /// A failure the engine was configured to inject ([`crate::gguf::upload::HostFault`]).
+    /// A failure the engine was configured to inject (`HostFault`).
     #[error("injected failure of host engine call {op} #{call}")]
     Injected {
         /// The engine operation that failed.

@@ -4,7 +4,7 @@
 //! * [`pipeline`]: [`StagingRing`], the schedule (pieces, ring slots, one event per buffer,
 //!   wait before rewrite, progress in queue order, error and drop safety), generic over a
 //!   [`CopyEngine`]: the stream, events and allocations it drives.
-//! * [`host`]: [`HostEngine`], a copy engine whose device memory is host memory and whose stream
+//! * `host` (feature `test-util`): `HostEngine`, a copy engine whose device memory is host memory and whose stream
 //!   is a worker thread with random delays; it checks the engine contract, so the schedule is
 //!   tested without a GPU (tests/gguf_upload_host.rs).
 //! * with feature `cuda`: `Uploader`, `upload_gguf`, `DeviceWeights`, `DeviceTensor` and
@@ -12,6 +12,7 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "test-util")]
 pub mod host;
 pub mod pipeline;
 
@@ -19,6 +20,7 @@ pub mod pipeline;
 pub use cuda::{
     upload_gguf, DeviceTensor, DeviceWeights, UploadOptions, Uploader, MAX_STAGING_BUFFERS,
 };
+#[cfg(feature = "test-util")]
 pub use host::{
     HostConfig, HostDst, HostEngine, HostFault, HostOp, HostProbe, HostStaging, Violation,
     HOST_DST_POISON,

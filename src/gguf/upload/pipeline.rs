@@ -33,7 +33,7 @@ use std::ops::Range;
 
 /// One in-order stream of asynchronous copies from host staging buffers into destination
 /// allocations, with one event per staging buffer: the seam between [`StagingRing`]'s
-/// scheduling and a transfer mechanism (CUDA's, or [`super::host::HostEngine`] for tests).
+/// scheduling and a transfer mechanism (CUDA's, or the host copy engine for tests, feature `test-util`).
 ///
 /// The engine runs copies in the order they were queued; an event recorded after a copy
 /// completes only once that copy (and every copy queued before it) has finished reading its

@@ -14,7 +14,8 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use half::{bf16, f16};
 use pagedkv::attn::cpu::paged_attention_decode;
-use pagedkv::attn::{AttnParams, AttnWorkspace, PagedSeqs};
+use pagedkv::attn::AttnWorkspace;
+use pagedkv::kv::{AttnParams, PagedSeqs};
 use pagedkv::kv::{HostKvCache, KvCacheConfig, KvElem, KvPart};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};

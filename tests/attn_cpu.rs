@@ -14,8 +14,9 @@ use half::{bf16, f16};
 use pagedkv::attn::cpu::{
     copy_blocks, paged_attention_decode, paged_attention_prefill, reshape_and_cache,
 };
-use pagedkv::attn::{AttnParams, AttnWorkspace, PagedSeqs};
+use pagedkv::attn::AttnWorkspace;
 use pagedkv::error::{AttnError, KvError};
+use pagedkv::kv::{AttnParams, PagedSeqs};
 use pagedkv::kv::{HostKvCache, KvCacheConfig, KvDtype, KvElem};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};

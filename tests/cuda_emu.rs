@@ -16,8 +16,9 @@ mod kernel_grid;
 
 use half::{bf16, f16};
 use kernel_grid::*;
-use pagedkv::attn::{cpu, AttnParams};
+use pagedkv::attn::cpu;
 use pagedkv::cuda_emu::{self, ffi, EmuBuf, EmuElem, Schedule};
+use pagedkv::kv::AttnParams;
 use pagedkv::kv::{HostKvCache, KvCacheConfig, KvDtype, SwapSpace};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;

@@ -9,12 +9,13 @@
 #![cfg(feature = "cuda")]
 
 use half::{bf16, f16};
-use pagedkv::attn::{cpu, AttnParams, PagedSeqs};
+use pagedkv::attn::cpu;
 use pagedkv::cuda::{
     self, ffi, DecodeMode, DecodeWorkspace, DeviceAttnParams, DeviceKvCache, DeviceSeqs, Gpu,
     PinnedSwapSpace,
 };
 use pagedkv::error::CudaError;
+use pagedkv::kv::{AttnParams, PagedSeqs};
 use pagedkv::kv::{HostKvCache, KvCacheConfig, KvDtype, SwapSpace};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;

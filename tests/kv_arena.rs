@@ -3,12 +3,13 @@
 //! model B's; B's results equal the oracle on a private cache and carry no byte of A), and
 //! several engine threads running kernels on one arena at once over pages from one pool.
 
-use pagedkv::attn::{cpu, AttnParams, AttnWorkspace, PagedSeqs};
+use pagedkv::attn::{cpu, AttnWorkspace};
 use pagedkv::block::{BlockPool, EngineId, KvArena, PoolConfig, POISON_BYTE};
 use pagedkv::error::KvError;
 use pagedkv::kv::{
     page_bytes_for, ArenaView, HostKvCache, KvCacheConfig, KvDtype, KvElem, LayerKv, ModelKvShape,
 };
+use pagedkv::kv::{AttnParams, PagedSeqs};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;

@@ -2,11 +2,11 @@
 //! `copy_blocks`, with exactly the semantics of their CUDA twins (see [`crate::attn`] for the
 //! attention formula and [`crate::kv::layout`] for the cache layout).
 
-use super::{AttnParams, AttnWorkspace, PagedSeqs};
+use super::AttnWorkspace;
 use crate::error::AttnError;
 use crate::kv::{
-    check_block_mapping, copy_runs_within, KvCacheConfig, KvCacheViewMut, KvElem, KvPart, LayerKv,
-    LayerKvMut,
+    check_block_mapping, check_len, check_params, copy_runs_within, AttnParams, KvCacheConfig,
+    KvCacheViewMut, KvElem, KvPart, LayerKv, LayerKvMut, PagedSeqs,
 };
 
 /// One unit of parallel work: query tokens `tok0..tok0+tq` of one sequence (decode: `tq == 1`),
@@ -267,94 +267,6 @@ pub fn copy_blocks<T: KvElem>(
     );
     copy_runs_within(cache.data_mut(), stride, epb, pairs);
     Ok(())
-}
-
-fn check_len(what: &'static str, expected: usize, found: usize) -> Result<(), AttnError> {
-    if expected != found {
-        return Err(AttnError::LengthMismatch {
-            what,
-            expected,
-            found,
-        });
-    }
-    Ok(())
-}
-
-/// Validates what decode and prefill share; returns the GQA group size
-/// (`num_heads / num_kv_heads`).
-fn check_params(
-    cfg: &KvCacheConfig,
-    seqs: &PagedSeqs<'_>,
-    params: &AttnParams<'_>,
-) -> Result<usize, AttnError> {
-    let (nh, nkv) = (params.num_heads, cfg.num_kv_heads());
-    if nh == 0 || nh % nkv != 0 {
-        return Err(AttnError::HeadsNotMultiple {
-            num_heads: nh,
-            num_kv_heads: nkv,
-        });
-    }
-    if !params.scale.is_finite() {
-        return Err(AttnError::BadParam {
-            what: "scale is not finite",
-        });
-    }
-    if !(params.softcap.is_finite() && params.softcap >= 0.0) {
-        return Err(AttnError::BadParam {
-            what: "softcap is negative or not finite",
-        });
-    }
-    if let Some(slopes) = params.alibi_slopes {
-        check_len("alibi_slopes", nh, slopes.len())?;
-        if slopes.iter().any(|x| !x.is_finite()) {
-            return Err(AttnError::BadParam {
-                what: "an ALiBi slope is not finite",
-            });
-        }
-    }
-    check_seqs(cfg, seqs)?;
-    Ok(nh / nkv)
-}
-
-/// Validates a batch's block tables and context lengths against the cache geometry (the
-/// table's shape, each context within its row, every live block id in range); returns the
-/// largest context length. The CUDA wrappers run the same checks before a launch.
-pub(crate) fn check_seqs(cfg: &KvCacheConfig, seqs: &PagedSeqs<'_>) -> Result<usize, AttnError> {
-    let num_seqs = seqs.num_seqs();
-    let mbps = seqs.max_blocks_per_seq;
-    let table_len = num_seqs
-        .checked_mul(mbps)
-        .ok_or(AttnError::LengthMismatch {
-            what: "block_tables",
-            expected: usize::MAX,
-            found: seqs.block_tables.len(),
-        })?;
-    check_len("block_tables", table_len, seqs.block_tables.len())?;
-    let capacity = mbps.saturating_mul(cfg.block_size());
-    let mut max_ctx = 0usize;
-    for (seq, &ctx) in seqs.context_lens.iter().enumerate() {
-        if ctx < 0 || ctx as usize > capacity {
-            return Err(AttnError::ContextLen {
-                seq,
-                context_len: ctx as i64,
-                capacity,
-            });
-        }
-        let live = cfg.blocks_for_tokens(ctx as usize);
-        let row = &seqs.block_tables[seq * mbps..seq * mbps + live];
-        for (index, &block) in row.iter().enumerate() {
-            if block < 0 || block as usize >= cfg.num_blocks() {
-                return Err(AttnError::BlockOutOfRange {
-                    seq,
-                    index,
-                    block,
-                    num_blocks: cfg.num_blocks(),
-                });
-            }
-        }
-        max_ctx = max_ctx.max(ctx as usize);
-    }
-    Ok(max_ctx)
 }
 
 /// Scratch floats one task slot needs for `rows` query rows.

@@ -1,9 +1,10 @@
 //! Grouped-query paged attention and KV-cache kernels on the CPU: the fallback path and the
 //! oracle every CUDA kernel is tested against.
 //!
-//! The kernels live in [`cpu`]; this module holds what they share with their CUDA twins: the
-//! batch view ([`PagedSeqs`]), the attention parameters ([`AttnParams`]) and the reusable
-//! scratch memory ([`AttnWorkspace`]). The cache layout they read is [`crate::kv::layout`].
+//! The kernels live in [`cpu`], with their reusable scratch memory ([`AttnWorkspace`]). What
+//! they share with their CUDA twins, the batch view ([`PagedSeqs`](crate::kv::PagedSeqs)), the attention parameters
+//! ([`AttnParams`](crate::kv::AttnParams)) and their validation, is the kernel contract in [`crate::kv`], below both;
+//! the cache layout they read is [`crate::kv::layout`].
 //!
 //! # Attention semantics (CPU and CUDA alike)
 //!
@@ -27,58 +28,6 @@
 //! `context_len == 0` (batch padding) gets an all-zero output row.
 
 pub mod cpu;
-
-/// The per-sequence part of a batch that attention reads: block tables and context lengths,
-/// exactly the scheduler's flat `Batch` tensors.
-#[derive(Debug, Clone, Copy)]
-pub struct PagedSeqs<'a> {
-    /// `[num_seqs, max_blocks_per_seq]` row-major, dense block indices. Row `s` entries
-    /// `0..ceil(context_lens[s] / block_size)` are read and must be in `0..num_blocks`; entries
-    /// past them are padding and never read.
-    pub block_tables: &'a [i32],
-    /// Columns of `block_tables`.
-    pub max_blocks_per_seq: usize,
-    /// `[num_seqs]`: tokens of each sequence in the cache, **including** this step's new tokens
-    /// (`reshape_and_cache` runs first). `num_seqs` is `context_lens.len()`.
-    pub context_lens: &'a [i32],
-}
-
-impl PagedSeqs<'_> {
-    /// Sequences in the batch.
-    #[inline]
-    pub fn num_seqs(&self) -> usize {
-        self.context_lens.len()
-    }
-}
-
-/// Attention parameters shared by decode and prefill.
-#[derive(Debug, Clone, Copy)]
-pub struct AttnParams<'a> {
-    /// Query heads; a positive multiple of the cache's `num_kv_heads`.
-    pub num_heads: usize,
-    /// Multiplier of `q·k` (typically `1/sqrt(head_dim)`); finite.
-    pub scale: f32,
-    /// `[num_heads]` ALiBi slopes: bias `slope * (k_pos - q_pos)` added after soft-capping.
-    pub alibi_slopes: Option<&'a [f32]>,
-    /// Sliding window in tokens: key visible iff `q_pos - k_pos < sliding_window`; 0 = off.
-    pub sliding_window: usize,
-    /// Logit soft-cap: `softcap * tanh(s / softcap)` applied to the scaled logit; 0 = off;
-    /// finite and non-negative.
-    pub softcap: f32,
-}
-
-impl AttnParams<'_> {
-    /// Plain attention: `scale = 1/sqrt(head_dim)`, no ALiBi, no window, no soft-cap.
-    pub fn new(num_heads: usize, head_dim: usize) -> Self {
-        Self {
-            num_heads,
-            scale: 1.0 / (head_dim as f32).sqrt(),
-            alibi_slopes: None,
-            sliding_window: 0,
-            softcap: 0.0,
-        }
-    }
-}
 
 /// Reusable scratch memory of the attention kernels. Keep one per engine thread and pass it to
 /// every call: after the first calls of the largest shape it never allocates again.

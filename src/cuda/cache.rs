@@ -24,7 +24,7 @@ pub const SUPPORTED_BLOCK_SIZES: [usize; 6] = [8, 16, 32, 64, 128, 256];
 /// [`new`](Self::new) makes a dense cache over an arena of its own; [`view`](Self::view) puts
 /// a model on a shared arena. Several views of one arena may live on different threads and
 /// streams; which view may touch which page is the block pool's business (see the
-/// [arena's rule](super::arena)).
+/// [arena's rule](super::DeviceArena)).
 #[derive(Debug)]
 pub struct DeviceKvCache {
     arena: Arc<DeviceArena>,

@@ -4,9 +4,9 @@
 use super::cache::{same_device, DeviceKvCache};
 use super::device::{check_status, Gpu, PageArgs};
 use super::ffi;
-use crate::attn::{AttnParams, PagedSeqs};
 use crate::error::{AttnError, CudaError, KvError};
-use crate::kv::{KvCacheConfig, KvElem};
+use crate::kv::{check_len, KvCacheConfig, KvElem};
+use crate::kv::{AttnParams, PagedSeqs};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use std::ffi::c_void;
 
@@ -143,10 +143,10 @@ fn upload_nonempty(gpu: &Gpu, host: &[i32]) -> Result<CudaSlice<i32>, CudaError>
     }
 }
 
-/// The CPU kernels' batch checks ([`crate::attn::cpu::check_seqs`]), plus the sizes the C ABI
+/// The kernel contract's batch checks (the same the CPU kernels run), plus the sizes the C ABI
 /// can carry; returns the largest context.
 fn validate_seqs(cfg: &KvCacheConfig, seqs: &PagedSeqs<'_>) -> Result<usize, CudaError> {
-    let max_ctx = crate::attn::cpu::check_seqs(cfg, seqs)?;
+    let max_ctx = crate::kv::check_seqs(cfg, seqs)?;
     let (num_seqs, mbps) = (seqs.num_seqs(), seqs.max_blocks_per_seq);
     if i32::try_from(mbps).is_err() || i32::try_from(num_seqs).is_err() {
         return Err(CudaError::Unsupported {
@@ -260,18 +260,6 @@ impl DecodeWorkspace {
     pub fn capacity_bytes(&self) -> usize {
         self.buf.as_ref().map_or(0, |b| b.len())
     }
-}
-
-fn check_len(what: &'static str, expected: usize, found: usize) -> Result<(), CudaError> {
-    if expected != found {
-        return Err(AttnError::LengthMismatch {
-            what,
-            expected,
-            found,
-        }
-        .into());
-    }
-    Ok(())
 }
 
 fn check_dtype<T: KvElem>(cfg: &KvCacheConfig) -> Result<(), CudaError> {

@@ -3,11 +3,11 @@
 
 use super::exec::KvBackend;
 use super::host::check_heads;
-use crate::attn::{AttnParams, PagedSeqs};
 use crate::cuda::{
     DecodeWorkspace, DeviceArena, DeviceAttnParams, DeviceKvCache, DeviceSeqs, Gpu, PinnedSwapSpace,
 };
 use crate::error::EngineError;
+use crate::kv::{AttnParams, PagedSeqs};
 use crate::kv::{KvCacheConfig, KvElem, ModelKvShape};
 use crate::sched::Batch;
 use crate::sync::Arc;

@@ -2,9 +2,10 @@
 //! view of the host arena, with a host swap space.
 
 use super::exec::KvBackend;
-use crate::attn::{cpu, AttnParams, AttnWorkspace, PagedSeqs};
+use crate::attn::{cpu, AttnWorkspace};
 use crate::error::EngineError;
 use crate::kv::{ArenaView, KvCacheConfig, KvElem, SwapSpace};
+use crate::kv::{AttnParams, PagedSeqs};
 use crate::sched::Batch;
 use std::marker::PhantomData;
 

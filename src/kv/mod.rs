@@ -9,10 +9,13 @@
 //! - [`ArenaView`]: one model's cache as a view of the device's shared
 //!   [`KvArena`](crate::block::KvArena), with its own tokens per page ([`ModelKvShape`],
 //!   [`page_bytes_for`]).
+//! - [`PagedSeqs`], [`AttnParams`]: the kernel contract (the batch view and the attention
+//!   parameters that the CPU and CUDA kernels take) and its validation.
 //! - [`KvCacheView`], [`LayerKv`] (and their `Mut` twins): typed, validated views of a cache
 //!   slice, what the kernels in [`crate::attn::cpu`] take.
 
 mod arena_view;
+mod contract;
 mod dtype;
 mod host;
 pub mod layout;
@@ -20,6 +23,10 @@ pub mod layout;
 pub use arena_view::{
     page_bytes_for, ArenaView, ModelKvShape, MAX_TOKENS_PER_PAGE, MIN_TOKENS_PER_PAGE,
 };
+#[cfg(feature = "cuda")]
+pub(crate) use contract::check_seqs;
+pub(crate) use contract::{check_len, check_params};
+pub use contract::{AttnParams, PagedSeqs};
 pub use dtype::{KvDtype, KvElem};
 pub use host::{
     check_block_mapping, coalesce_block_runs, BlockRun, HostKvCache, KvCacheView, KvCacheViewMut,

@@ -3,7 +3,8 @@
 //! emulation). Included by `#[path]` from each.
 #![allow(dead_code)]
 
-use pagedkv::attn::{cpu, AttnParams, AttnWorkspace, PagedSeqs};
+use pagedkv::attn::{cpu, AttnWorkspace};
+use pagedkv::kv::{AttnParams, PagedSeqs};
 use pagedkv::kv::{HostKvCache, KvCacheConfig, KvDtype, KvElem};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;

@@ -11,11 +11,11 @@
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
-use pagedkv::attn::{AttnParams, PagedSeqs};
 use pagedkv::cuda::{
     DecodeMode, DecodeWorkspace, DeviceAttnParams, DeviceKvCache, DeviceSeqs, Gpu, PinnedSwapSpace,
 };
 use pagedkv::error::CudaError;
+use pagedkv::kv::{AttnParams, PagedSeqs};
 use pagedkv::kv::{KvCacheConfig, KvDtype};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;

@@ -23,4 +23,4 @@ pub mod sched;
 pub mod sync;
 
 pub use block::{BlockId, BlockPool, BlockTable, EngineId, PoolConfig};
-pub use error::{EngineError, GgufError, PoolError, SchedError};
+pub use error::{EngineError, PoolError, SchedError};

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
-use pagedkv::error::GgufError;
+use pagedkv::gguf::GgufError;
 use pagedkv::gguf::{
     dequantize_into, dequantize_into_bf16, dequantize_into_f16, dequantize_into_serial, GgmlType,
     Gguf, GgufBytes, GgufWriter, MetaValue, Value, ValueType,

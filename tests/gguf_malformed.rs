@@ -2,7 +2,7 @@
 //! be refused with the error that names its problem, never a panic or a large allocation
 //! (tests/gguf_memory.rs measures the allocations of these same shapes).
 
-use pagedkv::error::GgufError;
+use pagedkv::gguf::GgufError;
 use pagedkv::gguf::{Gguf, GgufWriter, MetaValue, MAX_ARRAY_DEPTH};
 
 /// A little-endian GGUF byte builder.

@@ -10,7 +10,8 @@
 
 use pagedkv::cuda::Gpu;
 use pagedkv::error::CudaError;
-use pagedkv::gguf::{GgmlType, Gguf, GgufWriter, UploadOptions, UploadProgress, Uploader};
+use pagedkv::gguf::upload::{UploadOptions, UploadProgress, Uploader};
+use pagedkv::gguf::{GgmlType, Gguf, GgufWriter};
 use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
 use std::io::Write;

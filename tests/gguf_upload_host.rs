@@ -12,12 +12,13 @@
 //! such breach as a [`Violation`]). The engine's own checks are tested too: breaking the
 //! contract on purpose must be flagged and must show in the bytes.
 
-use pagedkv::error::UploadError;
+use pagedkv::gguf::upload::UploadError;
+use pagedkv::gguf::upload::UploadProgress;
 use pagedkv::gguf::upload::{
     CopyEngine, HostConfig, HostEngine, HostFault, HostOp, HostProbe, StagingRing, Violation,
     HOST_DST_POISON,
 };
-use pagedkv::gguf::{GgmlType, Gguf, GgufWriter, UploadProgress};
+use pagedkv::gguf::{GgmlType, Gguf, GgufWriter};
 use proptest::prelude::*;
 use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};

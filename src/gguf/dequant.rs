@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use super::parse::TensorInfo;
 use super::types::GgmlType;
-use crate::error::GgufError;
+use super::GgufError;
 
 /// Elements per parallel work item (a multiple of every block size used here).
 const CHUNK_ELEMS: usize = 1 << 14;

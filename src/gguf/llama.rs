@@ -6,7 +6,7 @@
 //! rope base 10000).
 
 use super::parse::{Gguf, Value};
-use crate::error::GgufError;
+use super::GgufError;
 
 /// What an engine needs to size its KV cache and attention for a llama-family model.
 #[derive(Debug, Clone, PartialEq)]

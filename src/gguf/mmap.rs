@@ -5,7 +5,7 @@ use std::path::Path;
 
 use memmap2::Mmap;
 
-use crate::error::GgufError;
+use super::GgufError;
 
 /// The bytes of a GGUF file, either mapped read-only or owned. Parse them with
 /// [`crate::gguf::Gguf::parse`]`(file.bytes())`; the parsed views borrow from this value.

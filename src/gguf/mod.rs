@@ -2,7 +2,7 @@
 //!
 //! ```no_run
 //! use pagedkv::gguf::{Gguf, GgufBytes};
-//! # fn main() -> Result<(), pagedkv::error::GgufError> {
+//! # fn main() -> Result<(), pagedkv::gguf::GgufError> {
 //! let bytes = GgufBytes::read(std::path::Path::new("model.gguf"))?;
 //! let gguf = Gguf::parse(bytes.bytes())?;
 //! let params = gguf.llama_params()?;
@@ -14,32 +14,34 @@
 //! # Ok(()) }
 //! ```
 //!
-//! * [`types`]: ggml's type table (every current id, its block size and bytes per block;
-//!   removed ids named) and the metadata value types.
-//! * [`parse`]: [`Gguf::parse`] validates a whole file (versions 1 to 3) in one pass whose
-//!   allocations are bounded by the header's size, whatever its counts claim; see the module
-//!   docs for the argument and [`crate::error::GgufError`] for every refusal.
-//! * [`mmap`]: [`GgufBytes`], a read-only map or an owned buffer to parse.
-//! * [`dequant`]: bit-exact dequantization of F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+//! * [`GgmlType`], [`ValueType`]: ggml's type table (every current id, its block size and bytes
+//!   per block; removed ids named) and the metadata value types.
+//! * [`Gguf::parse`] validates a whole file (versions 1 to 3) in one pass whose allocations are
+//!   bounded by the header's size, whatever its counts claim; see [`Gguf`] for the argument and
+//!   [`GgufError`] for every refusal.
+//! * [`GgufBytes`], a read-only map or an owned buffer to parse.
+//! * [`dequantize_into`] and its twins: bit-exact dequantization of F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 //!   Q2_K..Q6_K, IQ4_NL and MXFP4 to f32/f16/bf16, parallel on rayon.
-//! * [`write`](mod@write): [`GgufWriter`], laying files out as gguf-py does.
-//! * [`llama`]: [`LlamaParams`], the hyperparameters that size a llama-family engine.
-//! * [`upload`]: [`StagingRing`], tensors into device memory through a ring of staging buffers,
-//!   host copies overlapped with asynchronous copies, generic over a [`CopyEngine`]; a host
+//! * [`GgufWriter`], laying files out as gguf-py does.
+//! * [`LlamaParams`], the hyperparameters that size a llama-family engine.
+//! * [`upload`]: [`StagingRing`](upload::StagingRing), tensors into device memory through a ring of staging buffers,
+//!   host copies overlapped with asynchronous copies, generic over a [`CopyEngine`](upload::CopyEngine); a host
 //!   engine tests it without a GPU, and with feature `cuda`, `Uploader` runs it over pinned
 //!   memory and the DMA engine.
 
-pub mod dequant;
-pub mod llama;
-pub mod mmap;
-pub mod parse;
-pub mod types;
+mod dequant;
+mod error;
+mod llama;
+mod mmap;
+mod parse;
+mod types;
 pub mod upload;
-pub mod write;
+mod write;
 
 pub use dequant::{
     dequantize_into, dequantize_into_bf16, dequantize_into_f16, dequantize_into_serial,
 };
+pub use error::GgufError;
 pub use llama::LlamaParams;
 pub use mmap::GgufBytes;
 pub use parse::{
@@ -47,9 +49,4 @@ pub use parse::{
     MAX_ARRAY_DEPTH, MAX_DIMS,
 };
 pub use types::{GgmlType, TypeId, ValueType, ALL_TYPES, QK_K};
-#[cfg(feature = "cuda")]
-pub use upload::{
-    upload_gguf, DeviceTensor, DeviceWeights, UploadOptions, Uploader, MAX_STAGING_BUFFERS,
-};
-pub use upload::{CopyEngine, StagingRing, UploadProgress};
 pub use write::{GgufWriter, MetaValue};

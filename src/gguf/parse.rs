@@ -1,34 +1,9 @@
 //! The GGUF parser: one validating pass over the header, then zero-copy views.
-//!
-//! Layout (gguf.h / ggml's docs/gguf.md), all little-endian:
-//!
-//! ```text
-//! magic "GGUF" | version u32 | n_tensors | n_kv
-//! n_kv x      (key: string, type: u32, value)
-//! n_tensors x (name: string, n_dims: u32, dims: [count; n_dims], type: u32, offset: u64)
-//! padding to `general.alignment` (default 32) | tensor data
-//! ```
-//!
-//! where a "count" (and a string's length prefix, an array's length) is a `u32` in version 1
-//! and a `u64` from version 2 on.
-//!
-//! # Memory bound
-//!
-//! Nothing the file claims is trusted before it is checked against the bytes that are actually
-//! present. Every count is first compared with `bytes_left / min_item_bytes` (the smallest
-//! encoding an item can have), so a `Vec` is only ever reserved for items the file could hold.
-//! Strings and arrays are not copied: a [`Value`] borrows them from the input, and arrays are
-//! decoded lazily on iteration after one validating pass. The parse therefore allocates a
-//! bounded number of bytes per header entry, and each entry takes at least 12 bytes of the file:
-//! the allocation is a small multiple of the header's size whatever the counts say.
-//!
-//! Nesting depth of arrays is bounded by [`MAX_ARRAY_DEPTH`], so recursion is bounded too, and
-//! every loop iteration consumes at least one byte of input, so the parse is linear time.
 
 use std::collections::HashMap;
 
 use super::types::{GgmlType, TypeId, ValueType};
-use crate::error::GgufError;
+use super::GgufError;
 
 /// The magic number, as the first four bytes of the file.
 pub const GGUF_MAGIC: [u8; 4] = *b"GGUF";
@@ -508,6 +483,32 @@ impl<'a> TensorInfo<'a> {
 }
 
 /// A parsed GGUF file. Everything borrows from the bytes it was parsed from.
+///
+///
+/// Layout (gguf.h / ggml's docs/gguf.md), all little-endian:
+///
+/// ```text
+/// magic "GGUF" | version u32 | n_tensors | n_kv
+/// n_kv x      (key: string, type: u32, value)
+/// n_tensors x (name: string, n_dims: u32, dims: [count; n_dims], type: u32, offset: u64)
+/// padding to `general.alignment` (default 32) | tensor data
+/// ```
+///
+/// where a "count" (and a string's length prefix, an array's length) is a `u32` in version 1
+/// and a `u64` from version 2 on.
+///
+/// # Memory bound
+///
+/// Nothing the file claims is trusted before it is checked against the bytes that are actually
+/// present. Every count is first compared with `bytes_left / min_item_bytes` (the smallest
+/// encoding an item can have), so a `Vec` is only ever reserved for items the file could hold.
+/// Strings and arrays are not copied: a [`Value`] borrows them from the input, and arrays are
+/// decoded lazily on iteration after one validating pass. The parse therefore allocates a
+/// bounded number of bytes per header entry, and each entry takes at least 12 bytes of the file:
+/// the allocation is a small multiple of the header's size whatever the counts say.
+///
+/// Nesting depth of arrays is bounded by [`MAX_ARRAY_DEPTH`], so recursion is bounded too, and
+/// every loop iteration consumes at least one byte of input, so the parse is linear time.
 #[derive(Debug, Clone)]
 pub struct Gguf<'a> {
     file: &'a [u8],

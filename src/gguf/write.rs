@@ -14,7 +14,7 @@ use super::parse::{
     MAX_DIMS,
 };
 use super::types::{GgmlType, ValueType};
-use crate::error::GgufError;
+use super::GgufError;
 
 /// An owned metadata value, for writing.
 #[derive(Debug, Clone, PartialEq)]

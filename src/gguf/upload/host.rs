@@ -32,7 +32,6 @@
 //! mutex directly rather than through `crate::sync`.
 
 use super::pipeline::CopyEngine;
-use crate::error::UploadError;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::ops::Range;
@@ -474,4 +473,21 @@ impl Drop for HostEngine {
             let _ = w.join();
         }
     }
+}
+
+/// Errors of the host copy engine ([`HostEngine`]), the stand-in for a GPU
+/// that runs the upload pipeline in ordinary tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum UploadError {
+    /// A failure the engine was configured to inject ([`HostFault`]).
+    #[error("injected failure of host engine call {op} #{call}")]
+    Injected {
+        /// The engine operation that failed.
+        op: &'static str,
+        /// Which call of it (0-based, counted over the engine's life).
+        call: u64,
+    },
+    /// The engine's stream thread has stopped, so queued copies will never complete.
+    #[error("the host copy stream's worker thread has stopped")]
+    StreamStopped,
 }

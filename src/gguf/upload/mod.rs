@@ -1,7 +1,7 @@
 //! Device upload: a parsed GGUF's tensors into device memory through a ring of staging buffers,
 //! host copies overlapped with asynchronous copies to the device.
 //!
-//! * [`pipeline`]: [`StagingRing`], the schedule (pieces, ring slots, one event per buffer,
+//! * [`StagingRing`], the schedule (pieces, ring slots, one event per buffer,
 //!   wait before rewrite, progress in queue order, error and drop safety), generic over a
 //!   [`CopyEngine`]: the stream, events and allocations it drives.
 //! * `host` (feature `test-util`): `HostEngine`, a copy engine whose device memory is host memory and whose stream
@@ -13,8 +13,8 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "test-util")]
-pub mod host;
-pub mod pipeline;
+mod host;
+mod pipeline;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{
@@ -22,8 +22,8 @@ pub use cuda::{
 };
 #[cfg(feature = "test-util")]
 pub use host::{
-    HostConfig, HostDst, HostEngine, HostFault, HostOp, HostProbe, HostStaging, Violation,
-    HOST_DST_POISON,
+    HostConfig, HostDst, HostEngine, HostFault, HostOp, HostProbe, HostStaging, UploadError,
+    Violation, HOST_DST_POISON,
 };
 pub use pipeline::{CopyEngine, StagingRing};
 

@@ -1,30 +1,4 @@
 //! The staging pipeline, generic over the copy engine: n-buffered staging as in NVIDIA's "How to
-//! Overlap Data Transfers", with one event per buffer.
-//!
-//! [`StagingRing`] owns `n` staging buffers of `b` bytes and a [`CopyEngine`] (one in-order
-//! stream of asynchronous copies from staging buffers into destination allocations, plus one
-//! event per buffer). An upload cuts its tensors, in the order given, into pieces of at most
-//! what is left of the current buffer: fill `k` of an upload goes to buffer `k mod n`, a buffer
-//! holds pieces of as many tensors as fit, and a tensor larger than a buffer spans several fills.
-//! For every piece the host writes its bytes into the buffer, queues one copy straight into the
-//! tensor's destination at the piece's offset, and records the buffer's event.
-//!
-//! # Never overwritten early
-//!
-//! Invariant (between any two calls into the engine, so also when an error or a panicking
-//! progress callback leaves an upload): every copy queued from buffer `i` is followed on the
-//! stream by a record of buffer `i`'s event, so once a wait on that event returns, no queued
-//! copy reads the buffer. The ring waits on a buffer's event before it writes the buffer again
-//! and before it frees it. A copy queued whose record then failed breaks the invariant until
-//! [`StagingRing`]'s resync (a record and wait on buffer 0 — the stream runs in order, so that
-//! event covers every earlier copy) succeeds; until then the ring neither writes nor frees a
-//! buffer, and a drop that cannot resync leaks the ring rather than free it under a copy.
-//!
-//! # Progress
-//!
-//! A buffer's pieces are reported once its event has been waited on, which happens just before
-//! the buffer is refilled and, at the end, for every buffer from the oldest fill to the newest:
-//! the callback sees completed bytes only, in the order the pieces were queued.
 
 use super::UploadProgress;
 use crate::gguf::{Gguf, TensorInfo};
@@ -109,9 +83,35 @@ pub trait CopyEngine {
     fn wait(&mut self, staging: &mut Self::Staging) -> Result<(), Self::Error>;
 }
 
-/// A ring of staging buffers over a [`CopyEngine`], reusable across uploads; see the module docs
-/// for the schedule and the invariant that keeps a buffer from being rewritten or freed under a
-/// pending copy.
+/// A ring of staging buffers over a [`CopyEngine`], reusable across uploads: the schedule, and
+/// the invariant that keeps a buffer from being rewritten or freed under a pending copy.
+///
+/// Overlap Data Transfers", with one event per buffer.
+///
+/// [`StagingRing`] owns `n` staging buffers of `b` bytes and a [`CopyEngine`] (one in-order
+/// stream of asynchronous copies from staging buffers into destination allocations, plus one
+/// event per buffer). An upload cuts its tensors, in the order given, into pieces of at most
+/// what is left of the current buffer: fill `k` of an upload goes to buffer `k mod n`, a buffer
+/// holds pieces of as many tensors as fit, and a tensor larger than a buffer spans several fills.
+/// For every piece the host writes its bytes into the buffer, queues one copy straight into the
+/// tensor's destination at the piece's offset, and records the buffer's event.
+///
+/// # Never overwritten early
+///
+/// Invariant (between any two calls into the engine, so also when an error or a panicking
+/// progress callback leaves an upload): every copy queued from buffer `i` is followed on the
+/// stream by a record of buffer `i`'s event, so once a wait on that event returns, no queued
+/// copy reads the buffer. The ring waits on a buffer's event before it writes the buffer again
+/// and before it frees it. A copy queued whose record then failed breaks the invariant until
+/// [`StagingRing`]'s resync (a record and wait on buffer 0 — the stream runs in order, so that
+/// event covers every earlier copy) succeeds; until then the ring neither writes nor frees a
+/// buffer, and a drop that cannot resync leaks the ring rather than free it under a copy.
+///
+/// # Progress
+///
+/// A buffer's pieces are reported once its event has been waited on, which happens just before
+/// the buffer is refilled and, at the end, for every buffer from the oldest fill to the newest:
+/// the callback sees completed bytes only, in the order the pieces were queued.
 pub struct StagingRing<E: CopyEngine> {
     engine: E,
     /// Fill `k` of an upload goes to `slots[k % slots.len()]`. Every copy queued from a slot is

@@ -87,7 +87,7 @@ pub fn run(args: Args) -> Result<()> {
     }
 }
 
-fn named(file: &Path, e: pagedkv::error::GgufError) -> String {
+fn named(file: &Path, e: pagedkv::gguf::GgufError) -> String {
     format!("{}: {e}", file.display())
 }
 

@@ -9,7 +9,8 @@
 //! page cache is measured from disk.
 
 use pagedkv::cuda::Gpu;
-use pagedkv::gguf::{Gguf, GgufBytes, UploadOptions, Uploader};
+use pagedkv::gguf::upload::{UploadOptions, Uploader};
+use pagedkv::gguf::{Gguf, GgufBytes};
 use std::path::PathBuf;
 use std::time::Instant;
 

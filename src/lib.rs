@@ -18,6 +18,7 @@ pub mod cuda_emu;
 pub mod error;
 pub mod gguf;
 pub mod kv;
+pub mod prefix;
 pub mod sched;
 pub mod sim;
 pub mod sync;

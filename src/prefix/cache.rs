@@ -245,8 +245,12 @@ impl PrefixCache {
                         debug_assert!(released.is_ok(), "{released:?}");
                         return ControlFlow::Continue(());
                     }
-                    // CLOCK's touch: a plain store, no read-modify-write on the hit path.
-                    rec.referenced.store(true, Ordering::Relaxed);
+                    // CLOCK's touch: no read-modify-write on the hit path, and no write at all
+                    // when the bit is already set, so threads hitting one hot page do not
+                    // bounce its record's cache line between them.
+                    if !rec.referenced.load(Ordering::Relaxed) {
+                        rec.referenced.store(true, Ordering::Relaxed);
+                    }
                     ControlFlow::Break(id)
                 }
                 _ => ControlFlow::Continue(()),
@@ -306,7 +310,6 @@ impl PrefixCache {
             return Ok(Inserted::NoRoom);
         }
         rec.publish(busy, id.generation(), hash, engine);
-        counters.cached.fetch_add(1, Ordering::Relaxed);
         bump(&counters.inserts, 1);
         self.emit(CacheEvent::Stored {
             engine,
@@ -357,9 +360,6 @@ impl PrefixCache {
         let found = self.slots.remove(s.hash, page as u32);
         debug_assert!(found, "a CACHED page had no slot");
         rec.end(busy);
-        self.counters[s.engine.index()]
-            .cached
-            .fetch_sub(1, Ordering::Relaxed);
         let id = self.id_at(page, s.state);
         // After the record left CACHED (Release store above): see `take`, step 3.
         let freed = self.give_back(id);
@@ -381,17 +381,12 @@ impl PrefixCache {
 
     /// Pages cached for `engine` (in use by sequences or not). 0 for an unknown engine.
     pub fn cached(&self, engine: EngineId) -> u32 {
-        self.counters
-            .get(engine.index())
-            .map_or(0, |c| c.cached.load(Ordering::Relaxed))
+        self.counters.get(engine.index()).map_or(0, |c| c.cached())
     }
 
     /// Pages cached for all engines.
     pub fn cached_total(&self) -> u32 {
-        self.counters
-            .iter()
-            .map(|c| c.cached.load(Ordering::Relaxed))
-            .sum()
+        self.counters.iter().map(|c| c.cached()).sum()
     }
 
     /// `engine`'s counters (all zero for an unknown engine).

@@ -174,7 +174,7 @@ impl PrefixCache {
     pub(super) fn evict_one(&self, engine: EngineId) -> bool {
         let pages = self.records().len() as u32;
         let counters = &self.counters()[engine.index()];
-        if counters.cached.load(Ordering::Relaxed) == 0 {
+        if counters.cached() == 0 {
             return false;
         }
         for _ in 0..2 * u64::from(pages) {

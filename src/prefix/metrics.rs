@@ -15,8 +15,6 @@ pub(super) struct EngineCounters {
     pub(super) inserts: AtomicU64,
     pub(super) evictions: AtomicU64,
     pub(super) forgets: AtomicU64,
-    /// Pages currently `CACHED` for this engine (exact when no insert or removal is in flight).
-    pub(super) cached: AtomicU32,
     /// This engine's CLOCK hand over page indices (wraps; taken modulo the page count).
     pub(super) hand: AtomicU32,
 }
@@ -27,6 +25,18 @@ pub(super) fn bump(c: &AtomicU64, n: u64) {
 }
 
 impl EngineCounters {
+    /// Pages cached for this engine: inserts minus removals (every removal is counted as an
+    /// eviction or a forget), so no counter of its own is updated on insert and removal.
+    /// Exact when no insert or removal is in flight.
+    pub(super) fn cached(&self) -> u32 {
+        // Saturating: the Relaxed loads of different counters may pair a removal with an
+        // insert not yet visible; that reads as fewer cached pages for an instant, never as a
+        // wrapped count.
+        let removed = self.evictions.load(Ordering::Relaxed) + self.forgets.load(Ordering::Relaxed);
+        let inserted = self.inserts.load(Ordering::Relaxed);
+        inserted.saturating_sub(removed) as u32
+    }
+
     pub(super) fn read(&self) -> PrefixMetrics {
         let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
         PrefixMetrics {
@@ -37,7 +47,7 @@ impl EngineCounters {
             inserts: r(&self.inserts),
             evictions: r(&self.evictions),
             forgets: r(&self.forgets),
-            cached: self.cached.load(Ordering::Relaxed),
+            cached: self.cached(),
         }
     }
 }

@@ -148,11 +148,14 @@ fn run(ops: Vec<Op>) {
                 }
                 for (h, id) in chain[ids.len()..].iter().zip(&fresh) {
                     let r = cache.insert(EngineId(e), *h, *id).unwrap();
-                    if m.cached.contains_key(&(e, *h)) {
-                        assert_eq!(r, Inserted::Duplicate);
-                    } else {
-                        assert_eq!(r, Inserted::Inserted);
-                        m.cached.insert((e, *h), *id);
+                    match m.cached.entry((e, *h)) {
+                        std::collections::hash_map::Entry::Occupied(_) => {
+                            assert_eq!(r, Inserted::Duplicate);
+                        }
+                        std::collections::hash_map::Entry::Vacant(v) => {
+                            assert_eq!(r, Inserted::Inserted);
+                            v.insert(*id);
+                        }
                     }
                 }
                 ids.extend(fresh);

@@ -10,8 +10,9 @@
 //! - `prefix_lookup/hit64`: a 1024-token prompt whose 64 blocks (16 tokens) are all cached,
 //!   in a cache holding 4,096 other blocks; per lookup.
 //! - `prefix_lookup/miss`: the same prompt with its first token changed (one hash, one probe).
-//! - `prefix_lookup/hit64_2t`: two threads looking up the same prompt at once (router and
-//!   engine), per lookup of each thread; wall time of both.
+//! - `prefix_lookup/hit64_2t_same`, `hit64_2t_distinct`: two threads (router and engine)
+//!   looking up at once, the same prompt or two prompts sharing no page; time per lookup of
+//!   each thread (the wall time of both).
 //! - `prefix_insert/insert_remove64`: 64 blocks inserted then removed (the cache's `forget`,
 //!   the map's `remove`, each with the cache's pool reference taken and given back).
 
@@ -74,6 +75,8 @@ struct Fixture {
     base: MutexIndex,
     key: PrefixKey,
     prompt: Vec<u32>,
+    /// Another cached 64-block prompt, sharing no page with `prompt`.
+    prompt2: Vec<u32>,
     miss: Vec<u32>,
 }
 
@@ -98,6 +101,7 @@ fn fixture() -> Fixture {
         block_tokens: BT,
     };
     let prompt: Vec<u32> = (0..BLOCKS as u32 * BT).map(|i| i * 7 + 1).collect();
+    let prompt2: Vec<u32> = prompt.iter().map(|t| t + 500_000).collect();
     let mut miss = prompt.clone();
     miss[0] ^= 1;
     // The prompt's blocks, then filler blocks (distinct single-block prompts), cached in both
@@ -114,6 +118,7 @@ fn fixture() -> Fixture {
         }
     };
     add(&prompt);
+    add(&prompt2);
     for i in 0..FILLER as u32 {
         add(&[i + 1_000_000; BT as usize]);
     }
@@ -123,6 +128,7 @@ fn fixture() -> Fixture {
         base,
         key,
         prompt,
+        prompt2,
         miss,
     }
 }
@@ -161,36 +167,44 @@ fn lookup(c: &mut Criterion) {
             })
         });
     }
-    // Two threads at once.
+    // Two threads at once: on the same prompt (the same 64 pages: their pool reference words
+    // are contended too), and on two prompts that share no page (only the index is shared).
     let f = Arc::new(f);
-    for which in ["pagedkv", "mutex_hashmap"] {
-        g.bench_function(format!("hit64_2t/{which}"), |bch| {
-            bch.iter_custom(|iters| {
-                let go = Arc::new(Barrier::new(2));
-                let run = {
-                    let (f, go) = (f.clone(), go.clone());
-                    move || {
-                        let mut out = Vec::with_capacity(BLOCKS);
-                        go.wait();
-                        let t = Instant::now();
-                        for _ in 0..iters {
-                            out.clear();
-                            if which == "pagedkv" {
-                                f.cache.lookup(&f.key, &f.prompt, &mut out).unwrap();
+    for (case, same) in [("hit64_2t_same", true), ("hit64_2t_distinct", false)] {
+        for which in ["pagedkv", "mutex_hashmap"] {
+            g.bench_function(format!("{case}/{which}"), |bch| {
+                bch.iter_custom(|iters| {
+                    let go = Arc::new(Barrier::new(2));
+                    let run = |second: bool| {
+                        let (f, go) = (f.clone(), go.clone());
+                        move || {
+                            let tokens = if second && !same {
+                                &f.prompt2
                             } else {
-                                f.base.lookup(&f.pool, &f.key, &f.prompt, &mut out);
+                                &f.prompt
+                            };
+                            let mut out = Vec::with_capacity(BLOCKS);
+                            go.wait();
+                            let t = Instant::now();
+                            for _ in 0..iters {
+                                out.clear();
+                                if which == "pagedkv" {
+                                    f.cache.lookup(&f.key, tokens, &mut out).unwrap();
+                                } else {
+                                    f.base.lookup(&f.pool, &f.key, tokens, &mut out);
+                                }
+                                assert_eq!(out.len(), BLOCKS);
+                                f.pool.free_n(&out).unwrap();
                             }
-                            assert_eq!(out.len(), BLOCKS);
-                            f.pool.free_n(&out).unwrap();
+                            t.elapsed()
                         }
-                        t.elapsed()
-                    }
-                };
-                let other = std::thread::spawn(run.clone());
-                let mine = run();
-                mine.max(other.join().unwrap())
-            })
-        });
+                    };
+                    let other = std::thread::spawn(run(true));
+                    let mine = run(false)();
+                    mine.max(other.join().unwrap())
+                })
+            });
+        }
     }
     g.finish();
 }

@@ -416,6 +416,20 @@ fn eviction_takes_from_the_engine_most_over_its_share() {
     assert_eq!(got.len(), 11);
     assert_eq!(cache.cached(EngineId(0)), 1);
     assert_eq!(pool.held(EngineId(1)), 4 + 11);
+    // More than the pool has: refused before evicting anything.
+    let mut more = Vec::new();
+    let r = cache.alloc_evicting(
+        EngineId(1),
+        17,
+        &mut more,
+        &cache.usage(&[]),
+        &mut MostOverShare,
+    );
+    assert!(matches!(
+        r,
+        Err(PrefixError::Pool(PoolError::OutOfBlocks { .. }))
+    ));
+    assert_eq!(cache.cached_total(), 5);
     // Not enough even with every cached page gone: the pool's refusal, nothing allocated.
     let mut more = Vec::new();
     let r = cache.alloc_evicting(

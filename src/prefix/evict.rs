@@ -143,7 +143,8 @@ impl PrefixCache {
     ) -> Result<(), PrefixError> {
         self.check_engine(engine)?;
         match self.pool().alloc_n(engine, n, out) {
-            Err(PoolError::OutOfBlocks { requested, free }) => {
+            // More than the pool could ever give: refuse without evicting anything.
+            Err(PoolError::OutOfBlocks { requested, free }) if requested <= self.pool().total() => {
                 self.evict_by(usage, requested.saturating_sub(free), choice);
                 Ok(self.pool().alloc_n(engine, n, out)?)
             }

@@ -19,6 +19,7 @@ pub mod engine;
 pub mod error;
 pub mod gguf;
 pub mod kv;
+pub mod prefix;
 pub mod sched;
 pub mod sync;
 

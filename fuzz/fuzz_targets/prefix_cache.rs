@@ -1,0 +1,161 @@
+//! Fuzz the prefix cache with arbitrary operation sequences: lookups (any key, any tokens, zero
+//! block sizes, unknown engines), inserts of held, raw and foreign ids under arbitrary hashes,
+//! forgets, evictions by engine and by share, allocation with eviction, clears. Every call
+//! either succeeds or returns a typed error with the pool unchanged; after every step each
+//! page's reference count is its holders' plus one if cached, and nothing leaks at the end.
+#![no_main]
+
+use arbitrary::Arbitrary;
+use libfuzzer_sys::fuzz_target;
+use pagedkv::block::{BlockId, BlockPool, EngineId, PoolConfig};
+use pagedkv::prefix::{BlockHash, EngineUsage, Inserted, MostOverShare, PrefixCache, PrefixConfig, PrefixKey};
+use std::sync::Arc;
+
+#[derive(Debug, Arbitrary)]
+struct Input {
+    num_blocks: u8,
+    max_engines: u8,
+    seed: u64,
+    ops: Vec<Op>,
+}
+
+#[derive(Debug, Arbitrary)]
+enum Op {
+    Alloc(u8),
+    Release(u8),
+    Lookup { engine: u8, salt: u8, block_tokens: u8, tokens: Vec<u8> },
+    /// Insert held reference `i` under the chain hash of `tokens`.
+    InsertHeld { i: u8, engine: u8, tokens: Vec<u8> },
+    InsertRaw { engine: u8, bits: u64, lo: u64, hi: u64 },
+    Forget(u8),
+    ForgetRaw(u64),
+    Evict(u8, u8),
+    EvictBy(u8, Vec<(u8, u8, u8, u8)>),
+    AllocEvicting(u8, u8, Vec<u8>),
+    Clear,
+}
+
+fuzz_target!(|input: Input| {
+    let n = u32::from(input.num_blocks);
+    let engines = u16::from(input.max_engines);
+    let Ok(pool) = BlockPool::new(PoolConfig { device: 3, num_blocks: n, max_engines: engines }) else {
+        assert!(n == 0 || engines == 0);
+        return;
+    };
+    let pool = Arc::new(pool);
+    let cache = PrefixCache::new(pool.clone(), PrefixConfig { seed: Some(input.seed) });
+    // References this harness holds, one entry per reference.
+    let mut refs: Vec<BlockId> = Vec::new();
+    for op in input.ops.into_iter().take(256) {
+        let before = pool.stats();
+        match op {
+            Op::Alloc(e) => {
+                if let Ok(id) = pool.alloc(EngineId(u16::from(e))) {
+                    refs.push(id);
+                }
+            }
+            Op::Release(i) if !refs.is_empty() => {
+                let id = refs.swap_remove(i as usize % refs.len());
+                pool.release(id).unwrap();
+            }
+            Op::Lookup { engine, salt, block_tokens, tokens } => {
+                let key = PrefixKey {
+                    engine: EngineId(u16::from(engine)),
+                    adapter: 0,
+                    salt: u64::from(salt),
+                    block_tokens: u32::from(block_tokens),
+                };
+                let tokens: Vec<u32> = tokens.iter().map(|&t| u32::from(t % 4)).collect();
+                let mut got = Vec::new();
+                match cache.lookup(&key, &tokens, &mut got) {
+                    Ok(hit) => {
+                        assert_eq!(hit.blocks, got.len());
+                        assert!(hit.tokens <= tokens.len());
+                        refs.extend(got);
+                    }
+                    Err(_) => {
+                        assert!(got.is_empty());
+                        assert_eq!(pool.stats(), before);
+                    }
+                }
+            }
+            Op::InsertHeld { i, engine, tokens } if !refs.is_empty() => {
+                let id = refs[i as usize % refs.len()];
+                let key = PrefixKey { engine: EngineId(u16::from(engine)), adapter: 0, salt: 0, block_tokens: 2 };
+                let tokens: Vec<u32> = tokens.iter().map(|&t| u32::from(t % 4)).collect();
+                let mut chain = Vec::new();
+                cache.hasher().chain(&key, &tokens, &mut chain);
+                let h = chain.last().copied().unwrap_or_default();
+                let was = cache.is_cached(id);
+                match cache.insert(key.engine, h, id) {
+                    Ok(Inserted::Inserted) => assert!(!was && cache.is_cached(id)),
+                    Ok(_) | Err(_) => assert_eq!(cache.is_cached(id), was),
+                }
+            }
+            Op::InsertRaw { engine, bits, lo, hi } => {
+                let id = BlockId::from_bits(bits);
+                if !refs.contains(&id) {
+                    // Not a reference anyone holds (unless cached): refused, or at worst a
+                    // no-op on a page the cache holds.
+                    let r = cache.insert(EngineId(u16::from(engine)), BlockHash { lo, hi }, id);
+                    assert!(!matches!(r, Ok(Inserted::Inserted)), "{id:?} inserted: {r:?}");
+                    assert_eq!(pool.stats(), before);
+                }
+            }
+            Op::Forget(i) if !refs.is_empty() => {
+                let id = refs[i as usize % refs.len()];
+                let was = cache.is_cached(id);
+                assert_eq!(cache.forget(id), Ok(was));
+                assert!(!cache.is_cached(id));
+            }
+            Op::ForgetRaw(bits) => {
+                let id = BlockId::from_bits(bits);
+                let _ = cache.forget(id);
+            }
+            Op::Evict(e, k) => {
+                let _ = cache.evict(EngineId(u16::from(e)), u32::from(k));
+            }
+            Op::EvictBy(k, usage) => {
+                let usage: Vec<EngineUsage> = usage
+                    .into_iter()
+                    .take(8)
+                    .map(|(e, held, share, cached)| EngineUsage {
+                        engine: EngineId(u16::from(e)),
+                        held: u32::from(held),
+                        share: u32::from(share),
+                        cached: u32::from(cached),
+                    })
+                    .collect();
+                assert!(cache.evict_by(&usage, u32::from(k), &mut MostOverShare) <= u32::from(k));
+            }
+            Op::AllocEvicting(e, k, shares) => {
+                let shares: Vec<u32> = shares.into_iter().map(u32::from).collect();
+                let usage = cache.usage(&shares);
+                let mut out = Vec::new();
+                match cache.alloc_evicting(EngineId(u16::from(e)), u32::from(k), &mut out, &usage, &mut MostOverShare) {
+                    Ok(()) => assert_eq!(out.len(), k as usize),
+                    Err(_) => assert!(out.is_empty()),
+                }
+                refs.extend(out);
+            }
+            Op::Clear => {
+                cache.clear();
+                assert_eq!(cache.cached_total(), 0);
+            }
+            _ => {}
+        }
+        // Every page's references: the harness's plus the cache's.
+        let mut distinct = refs.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        for id in &distinct {
+            let mine = refs.iter().filter(|x| *x == id).count() as u32;
+            assert_eq!(pool.ref_count(*id), Ok(mine + u32::from(cache.is_cached(*id))));
+        }
+        let cached_free = cache.reclaimable(None) as usize;
+        assert_eq!(pool.free_count() as usize, n as usize - distinct.len() - cached_free);
+    }
+    pool.free_n(&refs).unwrap();
+    drop(cache);
+    assert_eq!(pool.free_count(), n, "leak");
+});

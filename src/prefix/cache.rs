@@ -1,0 +1,431 @@
+//! [`PrefixCache`]: lookups, inserts and forgets over the slot table and page records.
+
+use std::ops::ControlFlow;
+
+use crate::block::{BlockId, BlockPool, EngineId};
+use crate::sync::{Arc, CachePadded, Ordering};
+
+use super::error::PrefixError;
+use super::hash::{BlockHash, BlockHasher, PrefixKey};
+use super::index::SlotTable;
+use super::metrics::{bump, CacheEvent, EngineCounters, EventSink, PrefixMetrics};
+use super::record::{generation, PageRecord, Snapshot, BUSY, CACHED};
+
+/// How a cache is built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefixConfig {
+    /// The hasher's seed; `None` draws a secret one (see [`BlockHasher::random`]). Fix it to
+    /// share hashes with a router, or for reproducible tests.
+    pub seed: Option<u64>,
+}
+
+/// What a lookup found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixHit {
+    /// Full blocks matched from the start of the tokens; their ids were appended to `out`.
+    pub blocks: usize,
+    /// Tokens in those blocks (`blocks * block_tokens`): the prefill the caller may skip.
+    pub tokens: usize,
+    /// The hash of the last matched block, or the root when none matched: the parent of the
+    /// caller's next full block (see [`BlockHasher::block`]).
+    pub parent: BlockHash,
+}
+
+/// What an insert did. Only `Inserted` takes a reference; the others leave the pool as it was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Inserted {
+    /// The page is now cached under the hash; the cache took one reference to it.
+    Inserted,
+    /// The page already held this hash (e.g. inserted by a fork sharing it).
+    AlreadyCached,
+    /// Another page already holds this hash; the caller's page stays uncached (its KV is
+    /// identical, so nothing is lost but the duplicate's memory once the caller frees it).
+    /// Two racing inserts of one hash on two pages may both succeed instead, which is
+    /// harmless: both pages hold the right KV and each is evicted on its own.
+    Duplicate,
+    /// Another thread is inserting or evicting this page right now; not cached.
+    Busy,
+    /// The hash's probe window is full (vanishingly rare at the table's load of at most 1/2);
+    /// not cached.
+    NoRoom,
+}
+
+/// The prefix cache of one block pool: a lock-free map from chained block hashes to pages
+/// (see the [module docs](super) for the protocol), holding one pool reference per cached page.
+pub struct PrefixCache {
+    pool: Arc<BlockPool>,
+    hasher: BlockHasher,
+    slots: SlotTable,
+    /// One record per page, indexed by page.
+    records: Box<[PageRecord]>,
+    /// Per engine, indexed by engine id.
+    counters: Box<[CachePadded<EngineCounters>]>,
+    events: Option<Box<dyn EventSink>>,
+    events_dropped: CachePadded<crate::sync::AtomicU64>,
+    /// Whether a lookup re-checks the record after taking its reference. Always on, except in
+    /// the loom model that shows the check is needed.
+    validate: bool,
+}
+
+impl std::fmt::Debug for PrefixCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefixCache")
+            .field("pages", &self.records.len())
+            .field("slots", &self.slots.capacity())
+            .field("cached", &self.cached_total())
+            .field("events", &self.events.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PrefixCache {
+    /// A cache over every page of `pool`, with nothing cached.
+    pub fn new(pool: Arc<BlockPool>, config: PrefixConfig) -> Self {
+        let pages = pool.total();
+        Self {
+            hasher: config
+                .seed
+                .map_or_else(BlockHasher::random, BlockHasher::with_seed),
+            slots: SlotTable::new(pages),
+            records: (0..pages).map(|_| PageRecord::default()).collect(),
+            counters: (0..pool.max_engines())
+                .map(|_| CachePadded::new(EngineCounters::default()))
+                .collect(),
+            events: None,
+            events_dropped: CachePadded::new(crate::sync::AtomicU64::new(0)),
+            validate: true,
+            pool,
+        }
+    }
+
+    /// Sends a [`CacheEvent`] to `sink` for every page stored and removed from now on.
+    pub fn with_events(mut self, sink: Box<dyn EventSink>) -> Self {
+        self.events = Some(sink);
+        self
+    }
+
+    /// Turns off the re-check that makes stale hits impossible. Exists only under loom, for the
+    /// model that shows the check is needed (tests/loom/prefix.rs).
+    #[cfg(loom)]
+    #[doc(hidden)]
+    pub fn without_validation(mut self) -> Self {
+        self.validate = false;
+        self
+    }
+
+    /// The pool whose pages this cache holds.
+    pub fn pool(&self) -> &Arc<BlockPool> {
+        &self.pool
+    }
+
+    /// The hasher every lookup uses; callers hash the blocks they insert with it.
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+
+    /// Events the sink refused (full or disconnected).
+    pub fn events_dropped(&self) -> u64 {
+        self.events_dropped.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn check_engine(&self, engine: EngineId) -> Result<&EngineCounters, PrefixError> {
+        self.counters
+            .get(engine.index())
+            .map(|c| &**c)
+            .ok_or(PrefixError::UnknownEngine {
+                engine,
+                max_engines: self.counters.len() as u16,
+            })
+    }
+
+    pub(super) fn records(&self) -> &[PageRecord] {
+        &self.records
+    }
+
+    pub(super) fn counters(&self) -> &[CachePadded<EngineCounters>] {
+        &self.counters
+    }
+
+    /// The id of `page` at the generation in `state`.
+    #[inline]
+    pub(super) fn id_at(&self, page: usize, state: u64) -> BlockId {
+        BlockId::pack(self.pool.tag(), generation(state), page as u32)
+    }
+
+    /// Finds the longest cached prefix of `tokens` under `key`, in full blocks, and appends
+    /// the pages to `out`, each with one pool reference taken for the caller (release them like
+    /// any other reference, e.g. by pushing them into the sequence's block table). A partial
+    /// last block is never matched. Never blocks: a page being inserted or evicted right now
+    /// counts as a miss.
+    ///
+    /// Every returned page held the block's hash, for `key.engine`, at an instant after the
+    /// caller's reference was taken, so its KV is that block's (module docs, "No stale hit").
+    pub fn lookup(
+        &self,
+        key: &PrefixKey,
+        tokens: &[u32],
+        out: &mut Vec<BlockId>,
+    ) -> Result<PrefixHit, PrefixError> {
+        let counters = self.check_engine(key.engine)?;
+        if key.block_tokens == 0 {
+            return Err(PrefixError::ZeroBlockTokens);
+        }
+        bump(&counters.lookups, 1);
+        bump(&counters.lookup_tokens, tokens.len() as u64);
+        let mut parent = self.hasher.root(key);
+        let mut blocks = 0;
+        for block in tokens.chunks_exact(key.block_tokens as usize) {
+            let hash = self.hasher.block(parent, block);
+            let Some(id) = self.take(key.engine, hash) else {
+                break;
+            };
+            out.push(id);
+            parent = hash;
+            blocks += 1;
+        }
+        let hit_tokens = blocks * key.block_tokens as usize;
+        bump(&counters.hit_blocks, blocks as u64);
+        bump(&counters.hit_tokens, hit_tokens as u64);
+        Ok(PrefixHit {
+            blocks,
+            tokens: hit_tokens,
+            parent,
+        })
+    }
+
+    /// Whether `hash` is cached for `engine` right now (no reference taken; for tests, routers
+    /// and metrics).
+    pub fn contains(&self, engine: EngineId, hash: BlockHash) -> bool {
+        self.find(engine, hash).is_some()
+    }
+
+    /// The page and snapshot holding `hash` for `engine`, if any (no reference taken).
+    fn find(&self, engine: EngineId, hash: BlockHash) -> Option<(usize, Snapshot)> {
+        self.slots.probe(hash, |page| {
+            let page = page as usize;
+            match self.records.get(page).and_then(PageRecord::read) {
+                Some(s) if s.hash == hash && s.engine == engine => ControlFlow::Break((page, s)),
+                _ => ControlFlow::Continue(()),
+            }
+        })
+    }
+
+    /// Takes a reference to the page holding `hash` for `engine`.
+    ///
+    /// The three steps, and why each is needed:
+    /// 1. a consistent snapshot of the page's record says it holds `hash` at generation `g`;
+    /// 2. `pool.share(page, g)` takes a reference, refused if the page was freed (or freed and
+    ///    reallocated: generation) since step 1;
+    /// 3. the record's state word is re-read and must equal step 1's: otherwise the page left
+    ///    the cache (or changed hash) in between, and the reference is given back.
+    ///
+    /// Step 3 is what excludes a page that stayed allocated but was forgotten and rewritten
+    /// (same generation): the rewriter releases the cache's reference (an AcqRel RMW on the
+    /// page's pool word) *after* leaving `CACHED`, and checks that it holds the only reference
+    /// before writing. Our `share` is an RMW on the same word: if it comes after that release,
+    /// it synchronises with it and step 3 sees the new state; if before, the rewriter sees our
+    /// reference and must copy instead of writing in place.
+    fn take(&self, engine: EngineId, hash: BlockHash) -> Option<BlockId> {
+        self.slots.probe(hash, |page| {
+            let page = page as usize;
+            let Some(rec) = self.records.get(page) else {
+                return ControlFlow::Continue(());
+            };
+            match rec.read() {
+                Some(s) if s.hash == hash && s.engine == engine => {
+                    let id = self.id_at(page, s.state);
+                    if self.pool.share(id).is_err() {
+                        return ControlFlow::Continue(());
+                    }
+                    if self.validate && rec.state() != s.state {
+                        // Our own reference: the release cannot be refused. If it was the last
+                        // one (an eviction dropped the cache's meanwhile), the page is freed
+                        // here, which is what that eviction wanted.
+                        let released = self.pool.release(id);
+                        debug_assert!(released.is_ok(), "{released:?}");
+                        return ControlFlow::Continue(());
+                    }
+                    // CLOCK's touch: no read-modify-write on the hit path, and no write at all
+                    // when the bit is already set, so threads hitting one hot page do not
+                    // bounce its record's cache line between them.
+                    if !rec.referenced.load(Ordering::Relaxed) {
+                        rec.referenced.store(true, Ordering::Relaxed);
+                    }
+                    ControlFlow::Break(id)
+                }
+                _ => ControlFlow::Continue(()),
+            }
+        })
+    }
+
+    /// Caches `id` (a full block the caller holds a reference to) under `hash` for `engine`.
+    /// On [`Inserted::Inserted`] the cache takes its own reference, so the page stays cached
+    /// when the caller's table drops it ("cached-free") until evicted.
+    ///
+    /// The caller must have computed `hash` with [`hasher`](Self::hasher) under a key whose
+    /// engine is `engine`, over the tokens whose KV the page holds, and must not write the
+    /// page again while it is cached (a shared page is copied before writing; or
+    /// [`forget`](Self::forget) it first).
+    pub fn insert(
+        &self,
+        engine: EngineId,
+        hash: BlockHash,
+        id: BlockId,
+    ) -> Result<Inserted, PrefixError> {
+        let counters = self.check_engine(engine)?;
+        // Validates the id (pool, range, live generation) and takes the cache's reference
+        // before anything is published.
+        self.pool.share(id)?;
+        let page = id.index() as usize;
+        let rec = &self.records[page];
+        let busy = match rec.begin_vacant() {
+            Ok(busy) => busy,
+            Err(state) => {
+                self.give_back(id);
+                if super::record::phase(state) == BUSY {
+                    return Ok(Inserted::Busy);
+                }
+                debug_assert_eq!(super::record::phase(state), CACHED);
+                return match rec.read() {
+                    Some(s) if s.engine != engine => Err(PrefixError::PageOfOtherEngine {
+                        id,
+                        cached_for: s.engine,
+                        engine,
+                    }),
+                    Some(s) if s.hash == hash => Ok(Inserted::AlreadyCached),
+                    Some(_) => Err(PrefixError::PageHoldsOtherHash { id }),
+                    // It changed under us: someone is removing it.
+                    None => Ok(Inserted::Busy),
+                };
+            }
+        };
+        if self.find(engine, hash).is_some() {
+            rec.end(busy);
+            self.give_back(id);
+            return Ok(Inserted::Duplicate);
+        }
+        if !self.slots.claim(hash, page as u32) {
+            rec.end(busy);
+            self.give_back(id);
+            return Ok(Inserted::NoRoom);
+        }
+        rec.publish(busy, id.generation(), hash, engine);
+        bump(&counters.inserts, 1);
+        self.emit(CacheEvent::Stored {
+            engine,
+            hash,
+            page: id,
+        });
+        Ok(Inserted::Inserted)
+    }
+
+    /// Drops a reference this cache took (cannot be refused: the cache holds it).
+    #[inline]
+    fn give_back(&self, id: BlockId) -> bool {
+        let r = self.pool.release(id);
+        debug_assert!(r.is_ok(), "the cache's own reference was refused: {r:?}");
+        r.unwrap_or(false)
+    }
+
+    /// Removes `id`'s page from the cache if it is cached at `id`'s generation, dropping the
+    /// cache's reference. Returns whether this call removed it (`false`: not cached, or being
+    /// removed by another thread right now).
+    ///
+    /// Call it before rewriting a page that may be cached; once it returns (either way) no
+    /// lookup can hand the page out under its old hash, and if
+    /// [`BlockPool::is_shared`] is then `false` the caller holds the only reference and may
+    /// write in place.
+    pub fn forget(&self, id: BlockId) -> Result<bool, PrefixError> {
+        // Validates the id (and that it is live).
+        self.pool.ref_count(id)?;
+        let page = id.index() as usize;
+        let Some(s) = self.records[page].read() else {
+            return Ok(false);
+        };
+        if generation(s.state) != id.generation() {
+            return Ok(false);
+        }
+        let removed = self.uncache(page, s).is_some();
+        if removed {
+            bump(&self.counters[s.engine.index()].forgets, 1);
+        }
+        Ok(removed)
+    }
+
+    /// Removes `page` from the cache if its record still is exactly `s`. Returns whether the
+    /// page went back to the free list, or `None` if the record changed first.
+    pub(super) fn uncache(&self, page: usize, s: Snapshot) -> Option<bool> {
+        let rec = &self.records[page];
+        let busy = rec.begin_from(s.state).ok()?;
+        let found = self.slots.remove(s.hash, page as u32);
+        debug_assert!(found, "a CACHED page had no slot");
+        rec.end(busy);
+        let id = self.id_at(page, s.state);
+        // After the record left CACHED (Release store above): see `take`, step 3.
+        let freed = self.give_back(id);
+        self.emit(CacheEvent::Removed {
+            engine: s.engine,
+            hash: s.hash,
+            page: id,
+        });
+        Some(freed)
+    }
+
+    fn emit(&self, event: CacheEvent) {
+        if let Some(sink) = &self.events {
+            if !sink.offer(event) {
+                self.events_dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Pages cached for `engine` (in use by sequences or not). 0 for an unknown engine.
+    pub fn cached(&self, engine: EngineId) -> u32 {
+        self.counters.get(engine.index()).map_or(0, |c| c.cached())
+    }
+
+    /// Pages cached for all engines.
+    pub fn cached_total(&self) -> u32 {
+        self.counters.iter().map(|c| c.cached()).sum()
+    }
+
+    /// `engine`'s counters (all zero for an unknown engine).
+    pub fn metrics(&self, engine: EngineId) -> PrefixMetrics {
+        self.counters
+            .get(engine.index())
+            .map(|c| c.read())
+            .unwrap_or_default()
+    }
+
+    /// Whether `id`'s page is cached at `id`'s generation right now.
+    pub fn is_cached(&self, id: BlockId) -> bool {
+        id.pool_tag() == self.pool.tag()
+            && self
+                .records
+                .get(id.index() as usize)
+                .and_then(PageRecord::read)
+                .is_some_and(|s| generation(s.state) == id.generation())
+    }
+
+    /// Removes every cached page, in use or not (their holders keep their own references).
+    /// Returns how many were removed.
+    pub fn clear(&self) -> u32 {
+        let mut n = 0;
+        for page in 0..self.records.len() {
+            if let Some(s) = self.records[page].read() {
+                if self.uncache(page, s).is_some() {
+                    bump(&self.counters[s.engine.index()].evictions, 1);
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+}
+
+impl Drop for PrefixCache {
+    /// Gives back the cache's reference to every cached page.
+    fn drop(&mut self) {
+        self.clear();
+    }
+}

@@ -1,0 +1,206 @@
+//! Cached-free pages, CLOCK eviction, and the victim choice across engines' weighted shares.
+//!
+//! A cached page is *cached-free* when the cache's reference is its only one (no sequence's
+//! table holds it): evicting it returns it to the free list. Eviction walks a per-engine CLOCK
+//! hand over the page indices (second chance: a hit or an insertion sets the page's reference
+//! bit, the hand clears it and passes; an unreferenced cached-free page is taken). Pages in use
+//! are passed over without touching their bit. Hands move by `fetch_add`, so concurrent evictors
+//! visit disjoint positions and never wait for each other.
+//!
+//! Across engines, a [`VictimChoice`] picks which engine loses the next page, given each
+//! engine's `(held, share, cached)`; the default, [`MostOverShare`], takes from the engine
+//! furthest above its share, so an engine under its share keeps its cache while another is
+//! over, and an idle engine's cache (held = cached pages, nothing running) is reclaimable by
+//! any engine that needs pages.
+
+use crate::block::{BlockId, EngineId};
+use crate::error::PoolError;
+use crate::sync::Ordering;
+
+use super::cache::PrefixCache;
+use super::error::PrefixError;
+use super::metrics::bump;
+
+/// One engine's figures for the victim choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineUsage {
+    /// The engine.
+    pub engine: EngineId,
+    /// Pages it holds, cached ones included (e.g. [`BlockPool::held`](crate::BlockPool::held)).
+    pub held: u32,
+    /// Its weighted share of the pool, in pages (e.g. the budget's block quota).
+    pub share: u32,
+    /// Pages cached for it ([`PrefixCache::cached`]); an upper bound on what eviction can
+    /// take from it.
+    pub cached: u32,
+}
+
+/// Chooses the engine that loses the next cached page.
+pub trait VictimChoice {
+    /// Picks one of `candidates` (engines with cached pages not yet found exhausted, figures
+    /// updated after every page this eviction took), or `None` to stop evicting.
+    fn pick(&mut self, candidates: &[EngineUsage]) -> Option<EngineId>;
+}
+
+/// The default choice: the engine most over its share (`held - share`, largest first), ties
+/// to the one with more cached pages, then the lower id.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MostOverShare;
+
+impl VictimChoice for MostOverShare {
+    fn pick(&mut self, candidates: &[EngineUsage]) -> Option<EngineId> {
+        candidates
+            .iter()
+            .max_by_key(|u| {
+                (
+                    i64::from(u.held) - i64::from(u.share),
+                    u.cached,
+                    std::cmp::Reverse(u.engine),
+                )
+            })
+            .map(|u| u.engine)
+    }
+}
+
+impl<F: FnMut(&[EngineUsage]) -> Option<EngineId>> VictimChoice for F {
+    fn pick(&mut self, candidates: &[EngineUsage]) -> Option<EngineId> {
+        self(candidates)
+    }
+}
+
+impl PrefixCache {
+    /// Every engine's figures, with `shares[i]` as engine `i`'s share (0 past the slice) and
+    /// `held` read from the pool.
+    pub fn usage(&self, shares: &[u32]) -> Vec<EngineUsage> {
+        (0..self.counters().len())
+            .map(|i| {
+                let engine = EngineId(i as u16);
+                EngineUsage {
+                    engine,
+                    held: self.pool().held(engine),
+                    share: shares.get(i).copied().unwrap_or(0),
+                    cached: self.cached(engine),
+                }
+            })
+            .collect()
+    }
+
+    /// Evicts up to `n` cached-free pages of `engine` in CLOCK order. Returns how many pages
+    /// were evicted (each freed, unless a lookup took a reference in the same instant: then
+    /// that lookup's holder frees it later).
+    pub fn evict(&self, engine: EngineId, n: u32) -> Result<u32, PrefixError> {
+        self.check_engine(engine)?;
+        let mut done = 0;
+        while done < n && self.evict_one(engine) {
+            done += 1;
+        }
+        Ok(done)
+    }
+
+    /// Evicts up to `n` cached-free pages across engines, asking `choice` which engine loses
+    /// each one. Returns how many were evicted. Entries of `usage` naming unknown engines are
+    /// ignored.
+    pub fn evict_by(&self, usage: &[EngineUsage], n: u32, choice: &mut impl VictimChoice) -> u32 {
+        let mut candidates: Vec<EngineUsage> = usage
+            .iter()
+            .filter(|u| u.cached > 0 && self.check_engine(u.engine).is_ok())
+            .copied()
+            .collect();
+        let mut done = 0;
+        while done < n && !candidates.is_empty() {
+            let Some(engine) = choice.pick(&candidates) else {
+                break;
+            };
+            let Some(at) = candidates.iter().position(|u| u.engine == engine) else {
+                break;
+            };
+            if self.evict_one(engine) {
+                done += 1;
+                let u = &mut candidates[at];
+                u.held = u.held.saturating_sub(1);
+                u.cached -= 1;
+                if u.cached == 0 {
+                    candidates.swap_remove(at);
+                }
+            } else {
+                candidates.swap_remove(at);
+            }
+        }
+        done
+    }
+
+    /// Allocates `n` pages for `engine`, all or nothing: free pages first, and if there are too
+    /// few, evicts the shortfall of cached-free pages by `choice` over `usage` and tries once
+    /// more. Appends the ids to `out`. The pool's error if that still is not enough (another
+    /// thread may take the evicted pages first).
+    pub fn alloc_evicting(
+        &self,
+        engine: EngineId,
+        n: u32,
+        out: &mut Vec<BlockId>,
+        usage: &[EngineUsage],
+        choice: &mut impl VictimChoice,
+    ) -> Result<(), PrefixError> {
+        self.check_engine(engine)?;
+        match self.pool().alloc_n(engine, n, out) {
+            // More than the pool could ever give: refuse without evicting anything.
+            Err(PoolError::OutOfBlocks { requested, free }) if requested <= self.pool().total() => {
+                self.evict_by(usage, requested.saturating_sub(free), choice);
+                Ok(self.pool().alloc_n(engine, n, out)?)
+            }
+            r => Ok(r?),
+        }
+    }
+
+    /// Cached-free pages of `engine` (`None`: of every engine) right now: how many pages
+    /// eviction could free, which the budget may lend. A scan over every page (one record and
+    /// one pool load each); exact when nothing runs concurrently, otherwise some count of the
+    /// pages as they were during the scan.
+    pub fn reclaimable(&self, engine: Option<EngineId>) -> u32 {
+        let mut n = 0;
+        for (page, rec) in self.records().iter().enumerate() {
+            let Some(s) = rec.read() else { continue };
+            if engine.is_some_and(|e| e != s.engine) {
+                continue;
+            }
+            if self.pool().ref_count(self.id_at(page, s.state)) == Ok(1) {
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Advances `engine`'s CLOCK hand until it evicts one cached-free page of that engine, for
+    /// at most two sweeps' worth of positions. Returns whether it evicted one.
+    pub(super) fn evict_one(&self, engine: EngineId) -> bool {
+        let pages = self.records().len() as u32;
+        let counters = &self.counters()[engine.index()];
+        if counters.cached() == 0 {
+            return false;
+        }
+        for _ in 0..2 * u64::from(pages) {
+            // Relaxed: the hand only spreads evictors over positions; what a position holds is
+            // read through the record's own protocol.
+            let page = (counters.hand.fetch_add(1, Ordering::Relaxed) % pages) as usize;
+            let rec = &self.records()[page];
+            let Some(s) = rec.read() else { continue };
+            if s.engine != engine {
+                continue;
+            }
+            // In use by a sequence (or mid-lookup): not cached-free; its bit stays.
+            if self.pool().ref_count(self.id_at(page, s.state)) != Ok(1) {
+                continue;
+            }
+            // Second chance. Load first so a sweep over cold pages does not write.
+            if rec.referenced.load(Ordering::Relaxed) {
+                rec.referenced.store(false, Ordering::Relaxed);
+                continue;
+            }
+            if self.uncache(page, s).is_some() {
+                bump(&counters.evictions, 1);
+                return true;
+            }
+        }
+        false
+    }
+}

@@ -1,0 +1,116 @@
+//! Per-engine counters and the optional event sink.
+
+use crate::block::{BlockId, EngineId};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
+
+use super::hash::BlockHash;
+
+/// One engine's counters. Relaxed everywhere: statistics, publishing no memory.
+#[derive(Debug, Default)]
+pub(super) struct EngineCounters {
+    pub(super) lookups: AtomicU64,
+    pub(super) lookup_tokens: AtomicU64,
+    pub(super) hit_blocks: AtomicU64,
+    pub(super) hit_tokens: AtomicU64,
+    pub(super) inserts: AtomicU64,
+    pub(super) evictions: AtomicU64,
+    pub(super) forgets: AtomicU64,
+    /// This engine's CLOCK hand over page indices (wraps; taken modulo the page count).
+    pub(super) hand: AtomicU32,
+}
+
+#[inline]
+pub(super) fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+impl EngineCounters {
+    /// Pages cached for this engine: inserts minus removals (every removal is counted as an
+    /// eviction or a forget), so no counter of its own is updated on insert and removal.
+    /// Exact when no insert or removal is in flight.
+    pub(super) fn cached(&self) -> u32 {
+        // Saturating: the Relaxed loads of different counters may pair a removal with an
+        // insert not yet visible; that reads as fewer cached pages for an instant, never as a
+        // wrapped count.
+        let removed = self.evictions.load(Ordering::Relaxed) + self.forgets.load(Ordering::Relaxed);
+        let inserted = self.inserts.load(Ordering::Relaxed);
+        inserted.saturating_sub(removed) as u32
+    }
+
+    pub(super) fn read(&self) -> PrefixMetrics {
+        let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        PrefixMetrics {
+            lookups: r(&self.lookups),
+            lookup_tokens: r(&self.lookup_tokens),
+            hit_blocks: r(&self.hit_blocks),
+            hit_tokens: r(&self.hit_tokens),
+            inserts: r(&self.inserts),
+            evictions: r(&self.evictions),
+            forgets: r(&self.forgets),
+            cached: self.cached(),
+        }
+    }
+}
+
+/// One engine's prefix-cache figures, from [`PrefixCache::metrics`](super::PrefixCache::metrics).
+/// Hit rate over prompt tokens is `hit_tokens / lookup_tokens`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefixMetrics {
+    /// Lookups made.
+    pub lookups: u64,
+    /// Tokens those lookups presented (full blocks and the partial tail).
+    pub lookup_tokens: u64,
+    /// Blocks found (each handed out with a reference).
+    pub hit_blocks: u64,
+    /// Tokens in those blocks: prefill the engine skips.
+    pub hit_tokens: u64,
+    /// Pages inserted.
+    pub inserts: u64,
+    /// Pages evicted (by [`evict`](super::PrefixCache::evict) and its relatives, and
+    /// [`clear`](super::PrefixCache::clear)).
+    pub evictions: u64,
+    /// Pages removed by [`forget`](super::PrefixCache::forget).
+    pub forgets: u64,
+    /// Pages cached for the engine now.
+    pub cached: u32,
+}
+
+/// A change in what the cache holds, for a KV-aware router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// `page` now holds `hash` for `engine`.
+    Stored {
+        /// The engine.
+        engine: EngineId,
+        /// The block's chained hash.
+        hash: BlockHash,
+        /// The page.
+        page: BlockId,
+    },
+    /// `page` no longer holds `hash` (evicted or forgotten).
+    Removed {
+        /// The engine.
+        engine: EngineId,
+        /// The block's chained hash.
+        hash: BlockHash,
+        /// The page.
+        page: BlockId,
+    },
+}
+
+/// Where the cache sends [`CacheEvent`]s. `offer` is called on the inserting / evicting thread
+/// and must not block: a bounded sink that is full drops the event and returns `false` (the
+/// cache counts drops; see [`PrefixCache::events_dropped`](super::PrefixCache::events_dropped)).
+pub trait EventSink: Send + Sync {
+    /// Hands over one event without blocking; `false` if it was dropped.
+    fn offer(&self, event: CacheEvent) -> bool;
+}
+
+/// std's bounded channel as a sink: `try_send`, dropping when full or disconnected. (std's
+/// bounded channel is crossbeam's array channel: `try_send` takes no lock unless a receiver is
+/// parked in `recv`, when it wakes it under a short internal lock.)
+impl EventSink for std::sync::mpsc::SyncSender<CacheEvent> {
+    fn offer(&self, event: CacheEvent) -> bool {
+        self.try_send(event).is_ok()
+    }
+}

@@ -1,0 +1,196 @@
+//! loom models of the prefix cache's index protocol: a lookup (seqlock read of the page record,
+//! `share` at the record's generation, re-check of the record) racing forget-and-rewrite,
+//! eviction-and-reallocation, and inserts. A per-page atomic `content` stands for the page's KV:
+//! writers change it only while they hold the page's only reference, and a lookup that returns
+//! a page must find the content of the hash it asked for.
+
+use loom::sync::atomic::{AtomicU64, Ordering};
+use loom::sync::Arc;
+use loom::thread;
+use pagedkv::block::{BlockId, BlockPool, EngineId, PoolConfig};
+use pagedkv::prefix::{Inserted, PrefixCache, PrefixConfig, PrefixKey};
+
+const KEY: PrefixKey = PrefixKey {
+    engine: EngineId(0),
+    adapter: 0,
+    salt: 0,
+    block_tokens: 2,
+};
+const OLD: [u32; 2] = [1, 1];
+const NEW: [u32; 2] = [2, 2];
+
+struct World {
+    pool: Arc<BlockPool>,
+    cache: Arc<PrefixCache>,
+    /// What each page holds: 1 = OLD's KV, 2 = NEW's.
+    content: Arc<Vec<AtomicU64>>,
+}
+
+fn world(pages: u32, validate: bool) -> World {
+    let pool = Arc::new(
+        BlockPool::new(PoolConfig {
+            device: 0,
+            num_blocks: pages,
+            max_engines: 1,
+        })
+        .unwrap(),
+    );
+    let cache = PrefixCache::new(pool.clone(), PrefixConfig { seed: Some(1) });
+    let cache = if validate {
+        cache
+    } else {
+        cache.without_validation()
+    };
+    World {
+        pool,
+        cache: Arc::new(cache),
+        content: Arc::new((0..pages).map(|_| AtomicU64::new(0)).collect()),
+    }
+}
+
+fn hash_of(cache: &PrefixCache, tokens: &[u32]) -> pagedkv::prefix::BlockHash {
+    let h = cache.hasher();
+    h.block(h.root(&KEY), tokens)
+}
+
+/// A page allocated, written with OLD's content and cached; the caller keeps its reference.
+fn cached_old(w: &World) -> BlockId {
+    let id = w.pool.alloc(EngineId(0)).unwrap();
+    w.content[id.index() as usize].store(1, Ordering::Relaxed);
+    let h = hash_of(&w.cache, &OLD);
+    assert_eq!(w.cache.insert(EngineId(0), h, id), Ok(Inserted::Inserted));
+    id
+}
+
+/// Looks OLD up on another thread; returns the content seen through the hit, if any.
+fn spawn_lookup(w: &World) -> thread::JoinHandle<Option<u64>> {
+    let cache = w.cache.clone();
+    let pool = w.pool.clone();
+    let content = w.content.clone();
+    thread::spawn(move || {
+        let mut got = Vec::new();
+        cache.lookup(&KEY, &OLD, &mut got).unwrap();
+        let id = *got.first()?;
+        let seen = content[id.index() as usize].load(Ordering::Relaxed);
+        pool.release(id).unwrap();
+        Some(seen)
+    })
+}
+
+/// The owner of a cached page forgets it and, holding the only reference, rewrites it with
+/// NEW's content and caches it again, while a lookup for OLD runs.
+fn forget_and_rewrite(validate: bool) {
+    loom::model(move || {
+        let w = world(1, validate);
+        let id = cached_old(&w);
+        let lookup = spawn_lookup(&w);
+        w.cache.forget(id).unwrap();
+        if !w.pool.is_shared(id).unwrap() {
+            w.content[id.index() as usize].store(2, Ordering::Relaxed);
+            let h = hash_of(&w.cache, &NEW);
+            assert_eq!(w.cache.insert(EngineId(0), h, id), Ok(Inserted::Inserted));
+        }
+        let seen = lookup.join().unwrap();
+        assert!(matches!(seen, None | Some(1)), "stale hit: saw {seen:?}");
+        w.pool.release(id).unwrap();
+        w.cache.clear();
+        assert_eq!(w.pool.free_count(), 1);
+    });
+}
+
+/// No stale hit when a page is forgotten and rewritten at the same generation.
+#[test]
+fn lookup_racing_forget_and_rewrite() {
+    forget_and_rewrite(true);
+}
+
+/// The same model without the lookup's re-check of the record after `share`: loom finds the
+/// interleaving where the lookup hands out the page being rewritten. This is what shows the
+/// re-check is needed (the generation check alone does not catch a same-generation rewrite).
+#[test]
+#[should_panic(expected = "stale hit")]
+fn without_the_recheck_a_stale_hit_is_found() {
+    forget_and_rewrite(false);
+}
+
+/// A cached-free page is evicted, reallocated, rewritten and cached under NEW while a lookup
+/// for OLD runs: the lookup either misses or holds the page before eviction could free it.
+#[test]
+fn lookup_racing_evict_and_reallocate() {
+    loom::model(|| {
+        let w = world(1, true);
+        let id = cached_old(&w);
+        w.pool.release(id).unwrap(); // cached-free
+        let lookup = spawn_lookup(&w);
+        let evicted = w.cache.evict(EngineId(0), 1).unwrap();
+        if let Ok(new) = w.pool.alloc(EngineId(0)) {
+            assert_eq!(evicted, 1);
+            assert_ne!(new.generation(), id.generation());
+            w.content[new.index() as usize].store(2, Ordering::Relaxed);
+            let h = hash_of(&w.cache, &NEW);
+            assert_eq!(w.cache.insert(EngineId(0), h, new), Ok(Inserted::Inserted));
+            w.pool.release(new).unwrap();
+        }
+        let seen = lookup.join().unwrap();
+        assert!(matches!(seen, None | Some(1)), "stale hit: saw {seen:?}");
+        w.cache.clear();
+        assert_eq!(w.pool.free_count(), 1);
+        assert_eq!(w.pool.held(EngineId(0)), 0);
+    });
+}
+
+/// A lookup racing the insert of its block: a miss or a hit on the inserted page, and every
+/// reference accounted for.
+#[test]
+fn lookup_racing_insert() {
+    loom::model(|| {
+        let w = world(1, true);
+        let id = w.pool.alloc(EngineId(0)).unwrap();
+        w.content[0].store(1, Ordering::Relaxed);
+        let lookup = spawn_lookup(&w);
+        let h = hash_of(&w.cache, &OLD);
+        assert_eq!(w.cache.insert(EngineId(0), h, id), Ok(Inserted::Inserted));
+        let seen = lookup.join().unwrap();
+        assert!(matches!(seen, None | Some(1)));
+        assert_eq!(w.pool.ref_count(id), Ok(2), "the holder's and the cache's");
+        w.pool.release(id).unwrap();
+        assert_eq!(w.cache.reclaimable(None), 1);
+        w.cache.clear();
+        assert_eq!(w.pool.free_count(), 1);
+    });
+}
+
+/// Two pages complete the same block at once: both inserts race for slots and dedup. At
+/// least one page ends cached (both only if each missed the other's entry), a later lookup
+/// finds one of them, and the cache's references match what it holds.
+#[test]
+fn racing_inserts_of_one_hash() {
+    loom::model(|| {
+        let w = world(2, true);
+        let a = w.pool.alloc(EngineId(0)).unwrap();
+        let b = w.pool.alloc(EngineId(0)).unwrap();
+        let h = hash_of(&w.cache, &OLD);
+        let other = {
+            let cache = w.cache.clone();
+            thread::spawn(move || cache.insert(EngineId(0), h, b).unwrap())
+        };
+        let ra = w.cache.insert(EngineId(0), h, a).unwrap();
+        let rb = other.join().unwrap();
+        assert!(ra == Inserted::Inserted || rb == Inserted::Inserted);
+        for (id, r) in [(a, ra), (b, rb)] {
+            let cached = r == Inserted::Inserted;
+            assert!(cached || r == Inserted::Duplicate, "{r:?}");
+            assert_eq!(w.cache.is_cached(id), cached);
+            assert_eq!(w.pool.ref_count(id), Ok(1 + u32::from(cached)));
+        }
+        let mut got = Vec::new();
+        w.cache.lookup(&KEY, &OLD, &mut got).unwrap();
+        assert_eq!(got.len(), 1);
+        assert!(got[0] == a || got[0] == b);
+        got.push(a);
+        got.push(b);
+        w.pool.free_n(&got).unwrap();
+        w.cache.clear();
+        assert_eq!(w.pool.free_count(), 2);
+    });
+}

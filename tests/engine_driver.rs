@@ -25,24 +25,26 @@ struct ClosedForm {
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
-    /// Prompt length of each sequence (prompt tokens are all `PROMPT_TOKEN`).
+    /// Prompt length of each sequence (its prompt tokens are all `prompt_token(seq)`).
     prompt_len: HashMap<SeqId, usize>,
     rows_checked: u64,
 }
 
-const PROMPT_TOKEN: u32 = 7;
+/// Every prompt token of sequence `seq`: sequences with equal ids mod 3 share prompts (and
+/// so, with a prefix cache, cached blocks); the others differ in every token.
+fn prompt_token(seq: SeqId) -> u32 {
+    7 + (seq % 3) as u32
+}
 
-/// The token the model generates at position `pos` (never `PROMPT_TOKEN`).
+/// The token the model generates at position `pos` (never a prompt token).
 fn truth(pos: i32) -> u32 {
     100 + pos as u32
 }
 
-fn value(seq: SeqId, pos: i32, layer: usize, d: usize, token: u32) -> f32 {
-    (seq as f32) * 0.5
-        + pos as f32 * 0.25
-        + layer as f32 * 3.0
-        + d as f32 * 0.01
-        + (token % 97) as f32 * 0.125
+/// A K/V value: a function of the position and the token only, as a cached block's KV must be
+/// (a block computed for one sequence is reused by another with the same prefix).
+fn value(pos: i32, layer: usize, d: usize, token: u32) -> f32 {
+    pos as f32 * 0.25 + layer as f32 * 3.0 + d as f32 * 0.01 + (token % 97) as f32 * 0.125
 }
 
 impl ClosedForm {
@@ -62,7 +64,7 @@ impl ClosedForm {
     /// The token at `pos` of sequence `seq` in the true history.
     fn token_at(&self, seq: SeqId, pos: i32) -> u32 {
         if (pos as usize) < self.prompt_len[&seq] {
-            PROMPT_TOKEN
+            prompt_token(seq)
         } else {
             truth(pos)
         }
@@ -91,15 +93,11 @@ impl StepModel<HostBackend<f32>> for ClosedForm {
         self.q = vec![0.1; n * self.heads * self.head_dim];
         self.k = vec![0.2; n * self.kv_heads * self.head_dim];
         self.v.clear();
-        for (t, &row) in rows.iter().enumerate() {
-            let (seq, pos, token) = (
-                batch.seq_ids[row],
-                batch.positions[t],
-                batch.input_tokens[t],
-            );
+        for t in 0..rows.len() {
+            let (pos, token) = (batch.positions[t], batch.input_tokens[t]);
             for _ in 0..self.kv_heads {
                 self.v
-                    .extend((0..self.head_dim).map(|d| value(seq, pos, layer, d, token)));
+                    .extend((0..self.head_dim).map(|d| value(pos, layer, d, token)));
             }
         }
         Ok(LayerQkv {
@@ -129,9 +127,7 @@ impl StepModel<HostBackend<f32>> for ClosedForm {
             };
             for h in 0..self.heads {
                 for d in 0..self.head_dim {
-                    let want = (0..=pos)
-                        .map(|p| value(seq, p, layer, d, token(p)))
-                        .sum::<f32>()
+                    let want = (0..=pos).map(|p| value(p, layer, d, token(p))).sum::<f32>()
                         / (pos + 1) as f32;
                     let got = out[t * width + h * self.head_dim + d];
                     assert!(
@@ -190,6 +186,7 @@ fn engine_config(preemption: PreemptionMode) -> EngineConfig {
         preemption,
         swap_blocks: 64,
         recompute: RecomputePolicy::SERVER,
+        prefix_cache: true,
     }
 }
 
@@ -198,10 +195,19 @@ type Driven = (Engine<HostBackend<f32>>, ClosedForm);
 /// Per sequence: the streamed tokens and the finish reason streamed last.
 type Streamed = HashMap<SeqId, (Vec<u32>, Option<FinishReason>)>;
 
+/// Every page is free once the prefix cache (if any) lets go of the pages only it holds.
+fn assert_no_leak(shared: &SharedArena) {
+    if let Some(cache) = shared.prefix_cache() {
+        cache.clear();
+    }
+    assert_eq!(shared.pool().free_count(), shared.pool().total());
+    assert_eq!(shared.coordinator().blocks_in_use(), 0);
+}
+
 fn request(id: SeqId, prompt: usize, out: u32) -> SeqRequest {
     SeqRequest {
         id,
-        prompt: vec![PROMPT_TOKEN; prompt],
+        prompt: vec![prompt_token(id); prompt],
         stop: StopRules {
             max_new_tokens: out,
             eos: Vec::new(),
@@ -246,9 +252,23 @@ fn run_to_idle(engines: &mut [Driven]) -> Vec<Streamed> {
 }
 
 fn build(pages: u32, preemption: PreemptionMode) -> (Arc<SharedArena>, Vec<Driven>) {
+    build_with(pages, preemption, false)
+}
+
+/// Two engines on one arena, sharing a prefix cache if `prefix`.
+fn build_with(
+    pages: u32,
+    preemption: PreemptionMode,
+    prefix: bool,
+) -> (Arc<SharedArena>, Vec<Driven>) {
     let shapes = shapes();
     let page_bytes = page_bytes_for(&shapes.map(|(s, _)| s), 16).unwrap();
-    let shared = SharedArena::host(BudgetConfig::new(2, 128, pages), page_bytes).unwrap();
+    let mut shared = SharedArena::host(BudgetConfig::new(2, 128, pages), page_bytes).unwrap();
+    if prefix {
+        Arc::get_mut(&mut shared)
+            .unwrap()
+            .enable_prefix_cache(Some(1));
+    }
     let engines = shapes
         .iter()
         .map(|(shape, heads)| {
@@ -451,13 +471,25 @@ fn run_speculative(
                     model.prompt_len.remove(&u.id);
                 }
             }
-            // Every page the engine holds belongs to a live sequence's table.
+            // Every page the engine holds belongs to a live sequence's table or, only cached,
+            // to the prefix cache; the budget counts exactly the former.
             let tables: u32 = model
                 .prompt_len
                 .keys()
                 .filter_map(|&id| engine.batcher().blocks_of(id))
                 .sum();
-            assert_eq!(engine.shared().pool().held(engine.id()), tables);
+            let shared = engine.shared();
+            let held = shared.pool().held(engine.id());
+            let budget = shared.coordinator().blocks_held(engine.id()) as u32;
+            match shared.prefix_cache() {
+                None => assert_eq!((held, budget), (tables, tables)),
+                Some(cache) => {
+                    let cached_free = cache.reclaimable(Some(engine.id()));
+                    assert_eq!(held, budget + cached_free, "pool vs budget + cached-free");
+                    // Tables may share cached pages.
+                    assert!(budget <= tables);
+                }
+            }
             // No sequence keeps pages past the tokens in its cache (rolled-back drafts' pages
             // are freed): the cache holds every token but the last one at most.
             let bs = engine.tokens_per_page() as usize;
@@ -529,10 +561,11 @@ proptest::proptest! {
         pages in 24u32..96,
         seqs in proptest::collection::vec((1usize..40, 2u32..30), 1..6),
         swap in proptest::bool::ANY,
+        prefix in proptest::bool::ANY,
     ) {
         use rand::SeedableRng;
         let mode = if swap { PreemptionMode::Swap } else { PreemptionMode::Recompute };
-        let (shared, mut engines) = build(pages, mode);
+        let (shared, mut engines) = build_with(pages, mode, prefix);
         for (e, driven) in engines.iter_mut().enumerate() {
             for (s, &(prompt, out)) in seqs.iter().enumerate() {
                 add(driven, request(100 * e as u64 + s as u64, prompt, out));
@@ -548,6 +581,45 @@ proptest::proptest! {
                 proptest::prop_assert_eq!(tokens, &want);
             }
         }
-        proptest::prop_assert_eq!(shared.pool().free_count(), shared.pool().total());
+        drop(engines);
+        assert_no_leak(&shared);
+    }
+}
+
+#[test]
+fn cached_prefixes_are_reused_exactly_across_sequences_and_preemptions() {
+    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+        // A small arena: cached pages are evicted, hit, and preempted around.
+        let (shared, mut engines) = build_with(40, mode, true);
+        for (e, driven) in engines.iter_mut().enumerate() {
+            // Ids equal mod 3 share their prompt; waves arrive after earlier ones finished.
+            for s in 0..9u64 {
+                add(
+                    driven,
+                    request(100 * e as u64 + s, 40 + (s as usize % 3), 12),
+                );
+            }
+        }
+        let mut outputs = vec![Streamed::new(), Streamed::new()];
+        let mut rng = rand::SeedableRng::seed_from_u64(3);
+        run_speculative(&mut engines, &mut rng, &mut outputs);
+        for (e, per) in outputs.iter().enumerate() {
+            for s in 0..9u64 {
+                let prompt = 40 + (s as i32 % 3);
+                let want: Vec<u32> = (prompt..).take(12).map(truth).collect();
+                assert_eq!(
+                    per[&(100 * e as u64 + s)].0,
+                    want,
+                    "{mode:?} engine {e} seq {s}"
+                );
+            }
+        }
+        let hits: u64 = engines
+            .iter()
+            .map(|(e, _)| e.batcher().stats().prefix_hit_tokens)
+            .sum();
+        assert!(hits > 0, "{mode:?}: shared prompts must hit");
+        drop(engines);
+        assert_no_leak(&shared);
     }
 }

@@ -56,6 +56,8 @@ pub struct EngineConfig {
     pub swap_blocks: u32,
     /// When the engine recomputes the coordinator's budgets.
     pub recompute: RecomputePolicy,
+    /// Whether the engine uses the arena's prefix cache (if the arena has one).
+    pub prefix_cache: bool,
 }
 
 /// What one [`Engine::step`] (or [`Engine::commit`]) reports besides its
@@ -171,7 +173,15 @@ impl<B: KvBackend> Engine<B> {
                 return Err(e.into());
             }
         };
-        batcher.attach_budget(Box::new(EngineShare::new(coordinator, id)));
+        batcher.attach_budget(Box::new(EngineShare::new(coordinator.clone(), id)));
+        if let (true, Some(cache)) = (cfg.prefix_cache, shared.prefix_cache()) {
+            if let Err(e) = batcher.attach_prefix_cache(cache.clone()) {
+                drop(batcher);
+                let _ = coordinator.deregister(id);
+                coordinator.recompute();
+                return Err(e.into());
+            }
+        }
         Ok(Self {
             id,
             shared: shared.clone(),
@@ -232,6 +242,12 @@ impl<B: KvBackend> Engine<B> {
     /// Queues a request; refused at once if malformed or too long ever to fit.
     pub fn add(&mut self, req: SeqRequest) -> Result<(), SchedError> {
         self.batcher.add(req)
+    }
+
+    /// [`add`](Self::add) with a prefix-cache salt (requests share cached blocks only with
+    /// requests of the same salt, e.g. one per tenant).
+    pub fn add_salted(&mut self, req: SeqRequest, salt: u64) -> Result<(), SchedError> {
+        self.batcher.add_salted(req, salt)
     }
 
     /// Ends a sequence at the start of the next step with [`FinishReason::Aborted`].

@@ -4,6 +4,7 @@
 use crate::block::{BlockPool, EngineId, KvArena, PoolConfig};
 use crate::budget::{BudgetConfig, BudgetCoordinator};
 use crate::error::EngineError;
+use crate::prefix::{PrefixCache, PrefixConfig};
 use crate::sync::{Arc, AtomicU32, CachePadded, Ordering};
 
 /// One device's shared KV state. Built once, then shared by every [`Engine`](super::Engine)
@@ -17,6 +18,8 @@ pub struct SharedArena {
     #[cfg(feature = "cuda")]
     device: Option<Arc<crate::cuda::DeviceArena>>,
     page_bytes: usize,
+    /// The prefix cache every engine of the arena shares, if enabled.
+    prefix: Option<Arc<PrefixCache>>,
     /// Pages other engines asked each engine to give back for their latency-critical work,
     /// taken (and zeroed) by the engine at the start of its next step.
     donations: Box<[CachePadded<AtomicU32>]>,
@@ -67,8 +70,24 @@ impl SharedArena {
             #[cfg(feature = "cuda")]
             device: None,
             page_bytes,
+            prefix: None,
             donations,
         })
+    }
+
+    /// Builds the arena's prefix cache (shared by every engine that enables it in its
+    /// [`EngineConfig`](super::EngineConfig)). Call before sharing the arena, e.g.
+    /// `Arc::get_mut(&mut shared)`; `seed` fixes the block hasher's seed (`None`: a secret one).
+    pub fn enable_prefix_cache(&mut self, seed: Option<u64>) {
+        self.prefix = Some(Arc::new(PrefixCache::new(
+            self.pool.clone(),
+            PrefixConfig { seed },
+        )));
+    }
+
+    /// The prefix cache, if enabled.
+    pub fn prefix_cache(&self) -> Option<&Arc<PrefixCache>> {
+        self.prefix.as_ref()
     }
 
     /// The block pool (one block = one page of the arena).

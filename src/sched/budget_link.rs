@@ -60,6 +60,13 @@ impl EngineBudget for EngineShare {
         self.coordinator.set_active(self.engine, active);
     }
 
+    fn block_quotas(&self) -> Vec<u32> {
+        let c = &self.coordinator;
+        (0..c.config().max_engines)
+            .map(|e| c.block_quota(EngineId(e)))
+            .collect()
+    }
+
     /// Keeps the step's `tokens` and gives back the rest of what `token_budget` took, so that
     /// `tokens_used` reads as this step's usage until the next one starts.
     fn record_step(&self, tokens: u32) {

@@ -157,6 +157,13 @@ pub(crate) struct Sequence {
     /// Draft tokens proposed for the next step (speculative decoding), verified and then
     /// cleared by the commit of the step that schedules them; never part of `tokens` before.
     pub(crate) drafts: Vec<u32>,
+    /// The request's prefix-cache salt: it shares cached blocks only with requests of the
+    /// same salt.
+    pub(crate) salt: u64,
+    /// Leading blocks already hashed (and offered to the prefix cache).
+    pub(crate) hashed: u32,
+    /// The hash of the last hashed block (`None`: none hashed yet).
+    pub(crate) parent: Option<crate::prefix::BlockHash>,
 }
 
 impl Sequence {

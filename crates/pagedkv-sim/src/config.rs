@@ -48,6 +48,8 @@ pub struct EngineSpec {
     pub burst: Option<Burst>,
     /// Most sequences running at once.
     pub max_running: u32,
+    /// Tokens of the model's system prompt, which starts every one of its prompts (0: none).
+    pub system_prompt: u32,
 }
 
 /// The whole run.
@@ -85,6 +87,8 @@ pub struct SimConfig {
     pub swap_blocks: u32,
     /// Most requests an engine takes from its queue per step.
     pub admit_per_step: usize,
+    /// Whether the engines share a prefix cache on the arena.
+    pub prefix_cache: bool,
     /// The engines.
     pub engines: Vec<EngineSpec>,
 }
@@ -109,6 +113,7 @@ impl Default for SimConfig {
             preemption: PreemptionMode::Swap,
             swap_blocks: 256,
             admit_per_step: 8,
+            prefix_cache: true,
             engines: vec![
                 EngineSpec {
                     name: "chat-gqa".into(),
@@ -126,6 +131,7 @@ impl Default for SimConfig {
                     max_output: 512,
                     burst: None,
                     max_running: 48,
+                    system_prompt: 192,
                 },
                 EngineSpec {
                     name: "code-mqa".into(),
@@ -147,6 +153,7 @@ impl Default for SimConfig {
                         factor: 5.0,
                     }),
                     max_running: 48,
+                    system_prompt: 256,
                 },
                 EngineSpec {
                     name: "batch-mha".into(),
@@ -170,6 +177,7 @@ impl Default for SimConfig {
                         factor: 0.0,
                     }),
                     max_running: 48,
+                    system_prompt: 128,
                 },
             ],
         }

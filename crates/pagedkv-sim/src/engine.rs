@@ -87,7 +87,8 @@ pub struct EngineMetrics {
 trait Driven: Send {
     fn add(&mut self, req: SeqRequest) -> Result<(), pagedkv::error::SchedError>;
     fn schedule(&mut self) -> u32;
-    fn execute_commit(&mut self) -> Result<StepReport, SimError>;
+    fn execute(&mut self) -> Result<(), SimError>;
+    fn commit(&mut self) -> Result<StepReport, SimError>;
     fn results(&self) -> &StepResults;
     fn finished(&self) -> &[FinishedSeq];
     fn batcher(&self) -> &Batcher;
@@ -110,8 +111,11 @@ where
     fn schedule(&mut self) -> u32 {
         self.engine.schedule().num_tokens() as u32
     }
-    fn execute_commit(&mut self) -> Result<StepReport, SimError> {
+    fn execute(&mut self) -> Result<(), SimError> {
         self.engine.execute(&mut self.model)?;
+        Ok(())
+    }
+    fn commit(&mut self) -> Result<StepReport, SimError> {
         Ok(self.engine.commit(&mut self.model)?)
     }
     fn results(&self) -> &StepResults {
@@ -208,6 +212,7 @@ impl EngineRuntime {
             // The run recomputes once per simulated step itself, so budgets (and the report)
             // do not depend on thread timing.
             recompute: RecomputePolicy::CALLER,
+            prefix_cache: cfg.prefix_cache,
         };
         let rng = SmallRng::seed_from_u64(cfg.seed ^ 0x5eed_0000 ^ index as u64);
         let named = |e: SimError| match e {
@@ -256,7 +261,7 @@ impl EngineRuntime {
             let (req, completion) = job.into_parts();
             let seq = SeqRequest {
                 id: req.id,
-                prompt: vec![1 + (req.id % 1000) as u32; req.prompt_len as usize],
+                prompt: req.prompt(),
                 stop: StopRules {
                     max_new_tokens: req.max_new_tokens,
                     eos: vec![EOS],
@@ -299,12 +304,21 @@ impl EngineRuntime {
         self.metrics.schedule_wall += t.elapsed();
     }
 
-    /// Runs the step's kernels and commits it; resolves finished requests. `now_ms` is the
-    /// simulated time at the end of this step.
-    pub(crate) fn execute_commit(&mut self, now_ms: f64) -> Result<(), SimError> {
+    /// Runs the step's kernels (engines run this in parallel).
+    pub(crate) fn execute(&mut self) -> Result<(), SimError> {
         let t = Instant::now();
-        let report = self.driven.execute_commit()?;
+        self.driven.execute()?;
         self.metrics.kernel_wall += t.elapsed();
+        Ok(())
+    }
+
+    /// Commits the step and resolves finished requests (engines run this in engine order, so
+    /// the pool's pages are freed, and cached, in the same order on every run). `now_ms` is
+    /// the simulated time at the end of this step.
+    pub(crate) fn commit(&mut self, now_ms: f64) -> Result<(), SimError> {
+        let t = Instant::now();
+        let report = self.driven.commit()?;
+        self.metrics.schedule_wall += t.elapsed();
         let m = &mut self.metrics;
         m.kv_bytes_read += report.exec.kv_bytes_read;
         m.generated += u64::from(report.sampled);

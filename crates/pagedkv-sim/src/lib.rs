@@ -14,7 +14,9 @@
 //!    that arrived by the end of the step, each to its model's admission queue;
 //! 2. **engines schedule** in engine order (block grants are then the same on every run):
 //!    each takes requests from its queue and runs the driver's `schedule`;
-//! 3. **engines execute and commit** in parallel on the shared arena, pool and coordinator;
+//! 3. **engines execute** their kernels in parallel on the shared arena, then **commit** in
+//!    engine order (pages are freed, and offered to the prefix cache, in the same order on
+//!    every run: with a prefix cache, which page holds what decides what eviction takes);
 //! 4. **the coordinator** recomputes the budgets and the run records the pool's state.
 //!
 //! Latencies are measured in simulated time, so the same seed gives the same report on any
@@ -48,6 +50,7 @@ use pagedkv::kv::{page_bytes_for, ModelKvShape};
 use pagedkv::sched::admission::{Admission, AdmissionConfig, Route, Ticket};
 use pagedkv::sched::Priority;
 use rayon::prelude::*;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Progress of a run, passed to the caller's callback once per step.
@@ -254,11 +257,17 @@ pub fn run_on(
     let page_bytes = page_bytes_for(&shapes, cfg.block_size as usize)?;
     let budget = BudgetConfig::new(n as u16, cfg.tokens_per_step, cfg.pool_blocks)
         .with_cap_permille(cfg.cap_permille);
-    let shared = match device {
+    let mut shared = match device {
         Device::Cpu => SharedArena::host(budget, page_bytes)?,
         #[cfg(feature = "cuda")]
         Device::Cuda(gpu) => SharedArena::cuda(gpu, budget, page_bytes)?,
     };
+    if cfg.prefix_cache {
+        // A fixed seed: the same report on every run.
+        Arc::get_mut(&mut shared)
+            .unwrap_or_else(|| unreachable!("the arena is not shared yet"))
+            .enable_prefix_cache(Some(cfg.seed));
+    }
     let pool = shared.pool().clone();
     let coordinator = shared.coordinator().clone();
     let mut engines = Vec::with_capacity(n);
@@ -306,9 +315,10 @@ pub fn run_on(
             rt.admit(&admission, idx)?;
             rt.schedule();
         }
-        engines
-            .par_iter_mut()
-            .try_for_each(|rt| rt.execute_commit(end_ms))?;
+        engines.par_iter_mut().try_for_each(|rt| rt.execute())?;
+        for rt in &mut engines {
+            rt.commit(end_ms)?;
+        }
         coordinator.recompute();
         let used = pool.total() - pool.free_count();
         used_sum += f64::from(used);
@@ -434,8 +444,26 @@ pub fn run_on(
             // Every engine's cache is a view of the arena, on the CPU and the CUDA path.
             kv_bytes_allocated: 0,
             reclaim_steps: StepLatency::of(&m.reclaim_steps),
+            prefix_hit_rate: ratio(stats.prefix_hit_tokens, stats.prefix_prompt_tokens),
+            prefix_reused_tokens: stats.prefix_reused_tokens,
+            ttft_p50_ms: Latency::of(&[m.ttft_ms[0].as_slice(), m.ttft_ms[1].as_slice()].concat())
+                .p50_ms,
         });
     }
+    let prefix_hit_rate = ratio(
+        engines
+            .iter()
+            .map(|e| e.batcher().stats().prefix_hit_tokens)
+            .sum(),
+        engines
+            .iter()
+            .map(|e| e.batcher().stats().prefix_prompt_tokens)
+            .sum(),
+    );
+    let all_ttft: Vec<f64> = engines
+        .iter()
+        .flat_map(|e| e.metrics.ttft_ms.iter().flatten().copied())
+        .collect();
     let all_reclaims: Vec<u64> = engines
         .iter()
         .flat_map(|e| e.metrics.reclaim_steps.iter().copied())
@@ -468,12 +496,16 @@ pub fn run_on(
     // Blocks still allocated although every engine went idle would be a leak. (After a forced
     // stop, unfinished sequences legitimately hold blocks; dropping the engines frees them.)
     let forced = refused_all.timed_out > 0;
+    drop(engines);
+    // Pages only the prefix cache holds are not leaked: drop them before counting.
+    if let Some(cache) = shared.prefix_cache() {
+        cache.clear();
+    }
     let leaked_blocks = if forced {
         0
     } else {
         pool.total() - pool.free_count()
     };
-    drop(engines);
     Ok(Report {
         seed: cfg.seed,
         device: device.describe(),
@@ -493,10 +525,21 @@ pub fn run_on(
         kv_utilisation_peak: f64::from(used_peak) / f64::from(cfg.pool_blocks),
         leaked_blocks,
         saturated_ticks,
+        prefix_cache: cfg.prefix_cache,
+        prefix_hit_rate,
+        ttft_p50_ms: Latency::of(&all_ttft).p50_ms,
         engines: reports,
         timeline,
         wall,
     })
+}
+
+fn ratio(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
+    }
 }
 
 fn sum_where(per_tick: &[u32], mask: &[bool]) -> u64 {

@@ -110,6 +110,14 @@ pub struct EngineReport {
     /// to others (its next admission fits its limit, not the pool's free pages) to enough of
     /// them being free.
     pub reclaim_steps: StepLatency,
+    /// Prompt tokens found in the prefix cache / prompt tokens, over first admissions (0
+    /// without a prefix cache).
+    pub prefix_hit_rate: f64,
+    /// Tokens attached from the prefix cache on any admission (re-admissions after a
+    /// preemption included): prefill computation saved.
+    pub prefix_reused_tokens: u64,
+    /// Time to first token over all of this engine's requests, median.
+    pub ttft_p50_ms: f64,
 }
 
 /// A distribution of step counts.
@@ -215,6 +223,13 @@ pub struct Report {
     pub leaked_blocks: u32,
     /// Ticks where every engine had a backlog.
     pub saturated_ticks: u64,
+    /// Whether the engines shared a prefix cache.
+    pub prefix_cache: bool,
+    /// Prompt tokens found in the prefix cache / prompt tokens, over every engine's first
+    /// admissions.
+    pub prefix_hit_rate: f64,
+    /// Time to first token over all requests, median, simulated ms.
+    pub ttft_p50_ms: f64,
     /// Per engine.
     pub engines: Vec<EngineReport>,
     /// Pool and budget state over time (sampled).
@@ -256,6 +271,13 @@ impl Report {
             100.0 * self.kv_utilisation_peak,
             self.saturated_ticks,
             self.leaked_blocks
+        );
+        let _ = writeln!(
+            s,
+            "prefix cache {}: {:.1}% of prompt tokens hit; ttft p50 {:.0} ms over all requests",
+            if self.prefix_cache { "on" } else { "off" },
+            100.0 * self.prefix_hit_rate,
+            self.ttft_p50_ms
         );
         let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
         let _ = writeln!(
@@ -314,7 +336,7 @@ impl Report {
             };
             let _ = writeln!(
                 s,
-                "   {:<10} saturated {}  weight {:>5.1}% | blocks: peak held {:>5}, peak borrowed {:>4}, given back {:>4}, donations asked {} | {:>3} tokens/page, {} B/page unused, reclaim p50/max {}/{} steps ({})",
+                "   {:<10} saturated {}  weight {:>5.1}% | blocks: peak held {:>5}, peak borrowed {:>4}, given back {:>4}, donations asked {} | {:>3} tokens/page, {} B/page unused, reclaim p50/max {}/{} steps ({}) | prefix hit {:>5.1}%, ttft p50 {:.0} ms",
                 e.name,
                 saturated,
                 100.0 * e.weight_share,
@@ -326,7 +348,9 @@ impl Report {
                 e.wasted_bytes_per_page,
                 e.reclaim_steps.p50,
                 e.reclaim_steps.max,
-                e.reclaim_steps.count
+                e.reclaim_steps.count,
+                100.0 * e.prefix_hit_rate,
+                e.ttft_p50_ms
             );
         }
         let _ = writeln!(

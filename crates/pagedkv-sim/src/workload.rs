@@ -19,10 +19,43 @@ pub struct SimRequest {
     pub session: u64,
     /// Priority class.
     pub priority: Priority,
-    /// Prompt tokens.
+    /// Prompt tokens: the model's system prompt, then the session's earlier turns (resent as
+    /// history), then this turn's message.
     pub prompt_len: u32,
+    /// Tokens of the model's system prompt at the start of the prompt.
+    pub system_len: u32,
+    /// Turn of this request in its conversation (0: first); the prompt holds the messages of
+    /// turns `0..=turn`, the lengths of which are `turns`.
+    pub turn: u32,
+    /// Lengths of the conversation's messages so far, this turn's last.
+    pub turns: Vec<u32>,
     /// Tokens to generate (unless EOS comes first).
     pub max_new_tokens: u32,
+}
+
+impl SimRequest {
+    /// The prompt's tokens: deterministic in the engine (system prompt) and the session and
+    /// turn (messages), so that a conversation's next turn starts with the tokens of the
+    /// last one and every prompt of a model starts with its system prompt.
+    pub fn prompt(&self) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.prompt_len as usize);
+        let system = 0x5157_u64 << 40 | self.engine as u64;
+        out.extend((0..self.system_len).map(|i| token(system, i)));
+        for (t, &len) in self.turns.iter().enumerate() {
+            let key = self.session ^ (t as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            out.extend((0..len).map(|i| token(key, i)));
+        }
+        out
+    }
+}
+
+/// A token in `1..32000` (never the simulated EOS, 0) from a key and a position.
+fn token(key: u64, i: u32) -> u32 {
+    let mut x = key ^ u64::from(i).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 31;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 29;
+    1 + (x % 31_999) as u32
 }
 
 /// Samples a heavy-tailed length with the given mean: log-normal with sigma 1 (its tail is what
@@ -61,6 +94,8 @@ pub fn generate(cfg: &SimConfig) -> Vec<SimRequest> {
             continue;
         }
         let gap = Exp::new(peak / 1e3).unwrap_or_else(|_| unreachable!("positive rate"));
+        // Each session's messages so far: a request resends them all as history.
+        let mut history: std::collections::HashMap<u64, Vec<u32>> = Default::default();
         loop {
             t += gap.sample(&mut rng);
             if t >= horizon_ms {
@@ -74,14 +109,31 @@ pub fn generate(cfg: &SimConfig) -> Vec<SimRequest> {
             } else {
                 Priority::Throughput
             };
+            // A few sessions per engine carry most of the traffic.
+            let session = (e as u64) << 32 | heavy_tailed(&mut rng, 4.0, 64) as u64;
+            let system_len = spec.system_prompt.min(spec.max_prompt.saturating_sub(1));
+            let room = spec.max_prompt - system_len;
+            // A message is half a prompt on average: with the history resent, a conversation's
+            // prompts average about the model's prompt mean over its first few turns.
+            let message = heavy_tailed(&mut rng, spec.prompt_mean / 2.0, room);
+            let turns = history.entry(session).or_default();
+            // A conversation ends after a turn with probability 1/3 (3 turns on average), and
+            // starts over where it would outgrow half the prompt limit.
+            let history_len = turns.iter().sum::<u32>();
+            if rng.gen_bool(1.0 / 3.0) || history_len + message > room / 2 {
+                turns.clear();
+            }
+            turns.push(message);
             out.push(SimRequest {
                 id: 0,
                 engine: e,
                 arrival_ms: t,
-                // A few sessions per engine carry most of the traffic.
-                session: (e as u64) << 32 | heavy_tailed(&mut rng, 4.0, 64) as u64,
+                session,
                 priority,
-                prompt_len: heavy_tailed(&mut rng, spec.prompt_mean, spec.max_prompt),
+                prompt_len: system_len + turns.iter().sum::<u32>(),
+                system_len,
+                turn: turns.len() as u32 - 1,
+                turns: turns.clone(),
                 max_new_tokens: heavy_tailed(&mut rng, spec.output_mean, spec.max_output),
             });
         }

@@ -50,6 +50,12 @@ fn short_run_writes_report_json_and_chart() {
         report["pool_blocks"].as_u64().unwrap() * report["page_bytes"].as_u64().unwrap()
     );
     assert!(stdout.contains("KV arena"), "{stdout}");
+    // The prefix cache is on by default and the workload resends system prompts and history.
+    let hit = report["prefix_hit_rate"].as_f64().unwrap();
+    assert!((0.3..=1.0).contains(&hit), "{hit}");
+    assert!(report["ttft_p50_ms"].as_f64().unwrap() > 0.0);
+    assert!(stdout.contains("prefix cache on"), "{stdout}");
+    assert!(stdout.contains("prefix hit"), "{stdout}");
     let svg = std::fs::read_to_string(&svg).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("KV blocks held per engine"));
 }

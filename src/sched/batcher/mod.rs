@@ -25,6 +25,7 @@
 //! allocation in steady state: the [`Batch`] buffers and the scratch vectors are reused.
 
 mod preempt;
+mod prefix_link;
 mod rows;
 
 use super::batch::Batch;
@@ -83,6 +84,11 @@ pub trait EngineBudget: Send + Sync {
     fn record_step(&self, tokens: u32) {
         let _ = tokens;
     }
+    /// Every engine's block quota (its weighted share of the pages), indexed by engine id:
+    /// what prefix-cache eviction weighs engines by. Only called when the pool runs dry.
+    fn block_quotas(&self) -> Vec<u32> {
+        Vec::new()
+    }
 }
 
 /// Counters of a batcher's life.
@@ -106,6 +112,13 @@ pub struct BatcherStats {
     pub finished: u64,
     /// Sequences aborted.
     pub aborted: u64,
+    /// Prompt tokens of sequences admitted for the first time with a prefix cache attached.
+    pub prefix_prompt_tokens: u64,
+    /// Of those, tokens found in the prefix cache (not prefilled).
+    pub prefix_hit_tokens: u64,
+    /// Tokens attached from the prefix cache on any admission, re-admissions after a
+    /// preemption by recompute included: computation saved.
+    pub prefix_reused_tokens: u64,
 }
 
 /// The continuous-batching scheduler of one engine. See the module docs.
@@ -113,6 +126,8 @@ pub struct Batcher {
     cfg: BatcherConfig,
     pool: Arc<BlockPool>,
     budget: Option<Box<dyn EngineBudget>>,
+    /// The prefix cache shared with the pool's other engines, if attached.
+    prefix: Option<prefix_link::PrefixLink>,
     /// Sequence storage; `free_slots` lists the empty entries.
     seqs: Vec<Option<Sequence>>,
     free_slots: Vec<usize>,
@@ -194,6 +209,7 @@ impl Batcher {
             cfg,
             pool,
             budget: None,
+            prefix: None,
             seqs: Vec::new(),
             free_slots: Vec::new(),
             index: HashMap::new(),
@@ -274,6 +290,13 @@ impl Batcher {
 
     /// Queues a request. Refused at once if it is malformed or could never fit.
     pub fn add(&mut self, req: SeqRequest) -> Result<(), SchedError> {
+        self.add_salted(req, 0)
+    }
+
+    /// [`add`](Self::add) with a prefix-cache salt: the request shares cached blocks only with
+    /// requests of the same salt (e.g. one per tenant). Without a prefix cache the salt is
+    /// ignored.
+    pub fn add_salted(&mut self, req: SeqRequest, salt: u64) -> Result<(), SchedError> {
         let id = req.id;
         if req.prompt.is_empty() {
             return Err(SchedError::InvalidRequest {
@@ -320,6 +343,9 @@ impl Batcher {
             may_share: false,
             row_blocks: 0,
             drafts: Vec::new(),
+            salt,
+            hashed: 0,
+            parent: None,
         };
         self.arrivals += 1;
         let slot = match self.free_slots.pop() {
@@ -429,6 +455,9 @@ impl Batcher {
             may_share: true,
             row_blocks: 0,
             drafts: Vec::new(),
+            salt: p.salt,
+            hashed: p.hashed,
+            parent: p.parent,
         };
         self.seq_mut(slot).may_share = true;
         self.arrivals += 1;
@@ -506,6 +535,7 @@ impl Batcher {
                     if self.running.len() >= self.cfg.max_running as usize || budget == 0 {
                         break 'admit;
                     }
+                    self.attach_cached_prefix(slot);
                     let n = self.tokens_wanted(slot, budget);
                     if n == 0 {
                         break 'admit;
@@ -624,6 +654,7 @@ impl Batcher {
                 seq.computed += n;
                 seq.drafts = proposed;
                 seq.drafts.clear();
+                self.cache_completed_blocks(slot);
                 continue;
             }
             let row_sampled = &sampled[next_sample..next_sample + drafts + 1];
@@ -662,6 +693,9 @@ impl Batcher {
                 seq.drafts = proposed;
                 seq.drafts.clear();
             }
+            // Before a finish drops the table: a finished sequence's blocks stay cached for
+            // the next turn of its conversation.
+            self.cache_completed_blocks(slot);
             if let Some(reason) = reason {
                 any_finished = true;
                 self.finish(slot, reason, finished);

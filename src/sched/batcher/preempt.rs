@@ -28,9 +28,13 @@ impl Batcher {
 
     /// Frees a sequence's blocks, giving them back to the budget too.
     pub(super) fn release_table(&mut self, slot: usize) {
-        let freed = self.seq_mut(slot).table.clear();
+        let leaving = self.pages_leaving(slot, 0);
+        let s = self.seq_mut(slot);
+        s.table.clear();
+        s.hashed = 0;
+        s.parent = None;
         if let Some(b) = &self.budget {
-            b.release_blocks(freed);
+            b.release_blocks(leaving);
         }
     }
 
@@ -43,9 +47,10 @@ impl Batcher {
         if s.table.len() > keep {
             // The row's block-table entries past `keep` are stale now.
             s.row_blocks = s.row_blocks.min(keep);
-            let freed = s.table.truncate(keep);
+            let leaving = self.pages_leaving(slot, keep);
+            self.seq_mut(slot).table.truncate(keep);
             if let Some(b) = &self.budget {
-                b.release_blocks(freed);
+                b.release_blocks(leaving);
             }
         }
     }
@@ -85,11 +90,15 @@ impl Batcher {
                     return false;
                 }
             }
-            if self
-                .pool
-                .alloc_n(self.cfg.engine, fresh, &mut self.scratch)
-                .is_err()
-            {
+            let mut taken = self.pool.alloc_n(self.cfg.engine, fresh, &mut self.scratch);
+            if taken.is_err() {
+                // Short of free pages: cached-free pages may be evicted for them.
+                let short = fresh.saturating_sub(self.pool.free_count());
+                if self.evict_for(short.max(1)) {
+                    taken = self.pool.alloc_n(self.cfg.engine, fresh, &mut self.scratch);
+                }
+            }
+            if taken.is_err() {
                 if let Some(b) = &self.budget {
                     b.release_blocks(fresh);
                 }
@@ -107,15 +116,19 @@ impl Batcher {
         if self.swap_out_pending.is_empty() {
             return;
         }
-        let n = self.swap_out_pending.len() as u32;
-        for id in self.swap_out_pending.drain(..) {
+        let mut pending = std::mem::take(&mut self.swap_out_pending);
+        // A page leaves the budget only if no other sequence still references it (a fork, or
+        // a cached prefix another sequence attached): see `pages_leaving`.
+        let leaving = pending.iter().filter(|&&id| self.page_leaves(id)).count() as u32;
+        for id in pending.drain(..) {
             // Each id holds the reference taken in `hold_for_swap_out`: a failure here would be
             // a pool bug (double free); the page is then already free, nothing is lost.
             let released = self.pool.release(id);
             debug_assert!(released.is_ok(), "releasing a held page failed");
         }
+        self.swap_out_pending = pending;
         if let Some(b) = &self.budget {
-            b.release_blocks(n);
+            b.release_blocks(leaving);
         }
     }
 

@@ -38,6 +38,9 @@ pub struct Args {
     /// Preemption: swap or recompute.
     #[arg(long, default_value = "swap", value_parser = parse_preemption)]
     preemption: PreemptionMode,
+    /// Prefix cache shared by the engines on the arena: on or off.
+    #[arg(long, default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
+    prefix_cache: bool,
     /// Full admission queue: drop-newest, drop-oldest.
     #[arg(long, default_value = "drop-newest", value_parser = parse_overflow)]
     overflow: OverflowPolicy,
@@ -118,6 +121,7 @@ fn config(args: &Args) -> Result<SimConfig, Box<dyn std::error::Error>> {
         queue_capacity: args.queue_capacity,
         overflow: args.overflow,
         preemption: args.preemption,
+        prefix_cache: args.prefix_cache,
         ..SimConfig::default()
     };
     if !args.models.is_empty() {
@@ -213,4 +217,12 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         return Err(format!("{} KV blocks leaked", report.leaked_blocks).into());
     }
     Ok(())
+}
+
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{s:?}: expected on or off")),
+    }
 }

@@ -1,0 +1,199 @@
+//! The batcher's side of the prefix cache ([`crate::prefix`]): attaching a cached prefix when a
+//! sequence is admitted, caching blocks as they complete, budget for pages that come and go
+//! from the cache, and eviction when the pool runs dry.
+//!
+//! # Budget
+//!
+//! An engine's block budget counts the pages its *sequences* reference (and the pages its
+//! swap-outs still read). A page whose last sequence reference goes while the cache still
+//! holds it becomes cached-free and leaves the budget, exactly like a page that goes back to
+//! the free list: the coordinator sees it as free, so it can be lent. A hit on a cached-free
+//! page takes it back into the budget; if the budget refuses, the hit is given up. Pages
+//! leave the cache (eviction) without budget changes, which is why eviction can run on any
+//! engine's thread.
+//!
+//! The reference counts read here are exact: every reference to one of this engine's pages
+//! belongs to this batcher (its tables and pending swap-outs, all on this thread) or to the
+//! cache, and the cache's reference only ever goes from pages no sequence holds (eviction
+//! skips a page with a second reference).
+
+use super::Batcher;
+use crate::block::BlockId;
+use crate::prefix::{BlockHash, MostOverShare, PrefixCache, PrefixKey};
+use crate::sync::Arc;
+
+/// The prefix cache a batcher shares with the other engines of its pool.
+#[derive(Debug)]
+pub(super) struct PrefixLink {
+    pub(super) cache: Arc<PrefixCache>,
+}
+
+impl Batcher {
+    /// Reuses computed KV across requests through `cache` (shared by every engine of this
+    /// batcher's pool): on admission a sequence attaches the longest cached prefix of its
+    /// tokens (full blocks, at least its last token left to compute), and each block it
+    /// completes is cached.
+    ///
+    /// # Errors
+    /// [`SchedError::InvalidConfig`](crate::error::SchedError::InvalidConfig) if the cache
+    /// serves another pool.
+    pub fn attach_prefix_cache(
+        &mut self,
+        cache: Arc<PrefixCache>,
+    ) -> Result<(), crate::error::SchedError> {
+        if !Arc::ptr_eq(cache.pool(), &self.pool) {
+            return Err(crate::error::SchedError::InvalidConfig(
+                "the prefix cache serves another block pool",
+            ));
+        }
+        self.prefix = Some(PrefixLink { cache });
+        Ok(())
+    }
+
+    fn prefix_key(&self, salt: u64) -> PrefixKey {
+        PrefixKey {
+            engine: self.cfg.engine,
+            adapter: 0,
+            salt,
+            block_tokens: self.cfg.block_size,
+        }
+    }
+
+    /// On admission of a sequence with nothing computed: attaches the cached pages of its
+    /// longest cached prefix (at most `tokens - 1` tokens, so the last token is computed and
+    /// no cached page is ever written), counts them as computed, and takes budget for those
+    /// that were cached-free. Gives the hit up if the budget refuses.
+    pub(super) fn attach_cached_prefix(&mut self, slot: usize) {
+        let Some(link) = &self.prefix else { return };
+        let cache = link.cache.clone();
+        let s = self.seq(slot);
+        if s.computed != 0 || !s.table.is_empty() {
+            return;
+        }
+        let (first, prompt_len, len, salt) =
+            (s.preemptions == 0, s.prompt_len, s.tokens.len(), s.salt);
+        if first {
+            self.stats.prefix_prompt_tokens += prompt_len as u64;
+        }
+        let bs = self.cfg.block_size as usize;
+        let blocks = (len - 1) / bs;
+        if blocks == 0 {
+            return;
+        }
+        let key = self.prefix_key(salt);
+        let mut hits = std::mem::take(&mut self.scratch);
+        hits.clear();
+        let hit = match cache.lookup(&key, &self.seq(slot).tokens[..blocks * bs], &mut hits) {
+            Ok(hit) if hit.blocks > 0 => hit,
+            _ => {
+                self.give_back_pages(&hits);
+                hits.clear();
+                self.scratch = hits;
+                return;
+            }
+        };
+        // Pages only the cache held before this lookup come back into the budget.
+        let revived = hits
+            .iter()
+            .filter(|&&id| self.pool.ref_count(id) == Ok(2))
+            .count() as u32;
+        if revived > 0 {
+            if let Some(b) = &self.budget {
+                if !b.try_acquire_blocks(revived) {
+                    self.give_back_pages(&hits);
+                    hits.clear();
+                    self.scratch = hits;
+                    return;
+                }
+            }
+        }
+        let s = self.seq_mut(slot);
+        for &id in &hits {
+            // Cannot fail: the hit is shorter than the sequence, whose longest length was
+            // checked against the table's capacity at admission.
+            if let Err(e) = s.table.push(id) {
+                unreachable!("table capacity checked at admission: {e}");
+            }
+        }
+        s.computed = hit.tokens;
+        s.hashed = hit.blocks as u32;
+        s.parent = Some(hit.parent);
+        self.stats.prefix_reused_tokens += hit.tokens as u64;
+        if first {
+            self.stats.prefix_hit_tokens += hit.tokens.min(prompt_len) as u64;
+        }
+        hits.clear();
+        self.scratch = hits;
+    }
+
+    fn give_back_pages(&self, ids: &[BlockId]) {
+        for &id in ids {
+            // The lookup took these references for us: giving them back cannot be refused.
+            let r = self.pool.release(id);
+            debug_assert!(r.is_ok(), "{r:?}");
+        }
+    }
+
+    /// After a commit: caches every block of the sequence that is now full and computed.
+    pub(super) fn cache_completed_blocks(&mut self, slot: usize) {
+        let Some(link) = &self.prefix else { return };
+        let bs = self.cfg.block_size as usize;
+        let s = self.seq(slot);
+        if (s.hashed as usize + 1) * bs > s.computed {
+            // The common step: no block completed (and no reference count touched).
+            return;
+        }
+        let cache = link.cache.clone();
+        let key = self.prefix_key(self.seq(slot).salt);
+        let engine = self.cfg.engine;
+        let s = self.seq_mut(slot);
+        while (s.hashed as usize + 1) * bs <= s.computed {
+            let at = s.hashed as usize * bs;
+            let parent: BlockHash = s.parent.unwrap_or_else(|| cache.hasher().root(&key));
+            let hash = cache.hasher().block(parent, &s.tokens[at..at + bs]);
+            let Some(id) = s.table.get(s.hashed) else {
+                break;
+            };
+            // Not cached (busy, duplicate, no room) is fine: the chain goes on from the hash.
+            let _ = cache.insert(engine, hash, id);
+            s.parent = Some(hash);
+            s.hashed += 1;
+        }
+    }
+
+    /// Pages among table entries `from..` of `slot` that leave this engine's budget when the
+    /// table drops them: the ones it alone references (freed) and the ones only the cache will
+    /// hold after (cached-free). Call before dropping them.
+    pub(super) fn pages_leaving(&self, slot: usize, from: u32) -> u32 {
+        let s = self.seq(slot);
+        (from..s.table.len())
+            .filter_map(|i| s.table.get(i))
+            .filter(|&id| self.page_leaves(id))
+            .count() as u32
+    }
+
+    /// Whether dropping one reference to `id` (held by this batcher) takes it out of this
+    /// engine's budget: it is the last reference, or the only other one is the cache's.
+    pub(super) fn page_leaves(&self, id: BlockId) -> bool {
+        match self.pool.ref_count(id) {
+            Ok(1) => true,
+            Ok(2) => self.prefix.as_ref().is_some_and(|l| l.cache.is_cached(id)),
+            _ => false,
+        }
+    }
+
+    /// When the pool is short of `n` free pages: evicts cached-free pages, taken first from the
+    /// engines most over their shares. Returns whether any page was evicted.
+    pub(super) fn evict_for(&self, n: u32) -> bool {
+        let Some(link) = &self.prefix else {
+            return false;
+        };
+        let shares = self
+            .budget
+            .as_ref()
+            .map(|b| b.block_quotas())
+            .unwrap_or_default();
+        let usage = link.cache.usage(&shares);
+        link.cache.evict_by(&usage, n, &mut MostOverShare) > 0
+    }
+}

@@ -87,6 +87,7 @@
 mod job;
 mod oneshot;
 mod ring;
+mod stream;
 mod wait;
 mod waitlist;
 
@@ -94,6 +95,10 @@ pub use crate::error::{AdmissionError, OverloadReason};
 pub use crate::sched::sequence::Priority;
 pub use job::{Completion, Job};
 pub use oneshot::Ticket;
+pub use stream::{
+    token_stream, Recv, SendError, StreamError, StreamEvent, StreamRequest, StreamRouter,
+    StreamSender, TokenStream, MAX_STREAM_CAPACITY,
+};
 #[cfg(not(loom))]
 pub use wait::block_on;
 pub use wait::{PopWait, Submit};

@@ -15,5 +15,7 @@ mod admission;
 mod budget;
 #[path = "loom/pool.rs"]
 mod pool;
+#[path = "loom/stream.rs"]
+mod stream;
 #[path = "loom/table.rs"]
 mod table;

@@ -309,13 +309,17 @@ impl StreamSender {
     }
 
     /// Ends the stream with `reason`, after every token sent. Reports `Closed` if the reader
-    /// was dropped (nobody will see the end) and `Ended` if the stream had already ended.
+    /// had been dropped before (nobody will see the end), `Ended` if the stream had already
+    /// ended.
     pub fn finish(mut self, reason: FinishReason) -> Result<(), SendError> {
         if self.ended {
             return Err(SendError::Ended);
         }
+        // Checked before the end is stored: a reader that sees the end and then goes away
+        // must not turn a delivered end into `Closed`.
+        let closed = self.is_closed();
         self.end(encode(reason));
-        if self.is_closed() {
+        if closed {
             return Err(SendError::Closed);
         }
         Ok(())

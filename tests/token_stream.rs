@@ -158,7 +158,7 @@ fn the_router_routes_finishes_and_lists_sequences_to_abort() {
             update(0, 0..2, None),
             update(1, 2..3, None),
             update(2, 3..4, Some(FinishReason::Eos)),
-            update(3, 4..6, None),  // two tokens into a one-token stream: lagged
+            update(3, 4..6, None), // two tokens into a one-token stream: lagged
             update(77, 6..7, None), // no stream: skipped
         ],
         tokens: vec![10, 11, 20, 30, 40, 41, 99],
@@ -280,7 +280,9 @@ impl Model {
             return Poll::Ready(None);
         }
         if !self.pending.is_empty() {
-            return Poll::Ready(Some(Ok(StreamEvent::Tokens(self.pending.drain(..).collect()))));
+            return Poll::Ready(Some(Ok(StreamEvent::Tokens(
+                self.pending.drain(..).collect(),
+            ))));
         }
         if let Some(e) = self.end.clone() {
             self.done = true;

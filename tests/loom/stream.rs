@@ -26,9 +26,7 @@ use std::task::{Context, Poll, Wake, Waker};
 
 use loom::thread;
 
-use pagedkv::sched::admission::{
-    token_stream, SendError, StreamError, StreamEvent, TokenStream,
-};
+use pagedkv::sched::admission::{token_stream, SendError, StreamError, StreamEvent, TokenStream};
 use pagedkv::sched::FinishReason;
 
 /// A waker that notes the wake-up and unparks this loom thread. The note lets the reader tell a

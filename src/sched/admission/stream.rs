@@ -26,10 +26,16 @@
 //! # Progress and memory
 //!
 //! Every operation of both ends is wait-free: a bounded number of steps, no lock, no CAS loop,
-//! no spinning; the engine thread never waits for the consumer. Memory is bounded by the
-//! capacity fixed at creation (4 bytes per token slot). [`StreamRequest::new`] sizes the ring to
-//! the request's `max_new_tokens`, the most tokens the sequence can ever produce, so such a
-//! stream never lags.
+//! no spinning; the engine thread never waits for the consumer. (A wake-up runs the executor's
+//! `Waker`, whose own cost is the executor's: tokio's, for one, may queue the task under a lock
+//! of its own.) One window remains, as in the futures crate's `AtomicWaker`: a poll that must
+//! register its waker while the producer sits between the two RMWs of a wake cannot store it,
+//! so it wakes its own task and the executor polls it again; no thread waits, but a task can be
+//! re-polled while a descheduled producer stays in that window.
+//!
+//! Memory is bounded by the capacity fixed at creation (4 bytes per token slot).
+//! [`StreamRequest::new`] sizes the ring to the request's `max_new_tokens`, the most tokens the
+//! sequence can ever produce, so such a stream never lags.
 //!
 //! # When the consumer lags
 //!
@@ -157,10 +163,12 @@ impl WakerCell {
     fn register(&self, waker: &Waker) {
         // Acquire: if the producer's last `wake` released the cell (`fetch_and` below, Release),
         // we see its take and every write before its wake (the tokens it published).
-        match self
-            .state
-            .compare_exchange(WAITING, REGISTERING, Ordering::Acquire, Ordering::Acquire)
-        {
+        match self.state.compare_exchange(
+            WAITING,
+            REGISTERING,
+            Ordering::Acquire,
+            Ordering::Acquire,
+        ) {
             Ok(_) => {
                 // SAFETY: we moved `state` from WAITING to REGISTERING, so we own the cell: a
                 // `wake` that runs now sees REGISTERING at its `fetch_or` and keeps off it; and

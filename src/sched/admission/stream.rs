@@ -243,9 +243,22 @@ impl Shared {
     }
 }
 
-/// A connected pair for a sequence that sends at most `capacity` tokens without the consumer
-/// catching up (see the module's lag policy). Refused if `capacity` is 0 or above
-/// [`MAX_STREAM_CAPACITY`].
+/// A connected pair: the engine keeps the [`StreamSender`], the request's owner reads the
+/// [`TokenStream`]. Refused if `capacity` is 0 or above [`MAX_STREAM_CAPACITY`].
+///
+/// - **Order and completeness**: the reader gets every token of every send that returned
+///   `Ok`, in order (as `Tokens` events that may merge several sends), then exactly one end:
+///   `Finished(reason)`, [`StreamError::Abandoned`] if the sender was dropped unfinished, or
+///   [`StreamError::Lagged`]; then `None`.
+/// - **Memory and lag**: the ring holds `capacity` tokens (4 bytes each, allocated here). A send
+///   that does not fit in what the reader has not yet taken is refused whole
+///   ([`SendError::Lagged`]) and ends the stream `Lagged` after the tokens already sent; no
+///   token is dropped silently. A capacity of the request's `max_new_tokens`
+///   ([`StreamRequest::new`]) never lags.
+/// - **Cancel on drop**: dropping the reader makes [`StreamSender::is_closed`] true and later
+///   sends fail [`SendError::Closed`] without writing; the engine aborts the sequence.
+/// - **Progress**: both ends are wait-free and the sender never waits for the reader (the
+///   module source documents the one re-poll window of the waker cell).
 pub fn token_stream(capacity: usize) -> Result<(StreamSender, TokenStream), StreamError> {
     if capacity == 0 || capacity > MAX_STREAM_CAPACITY {
         return Err(StreamError::InvalidCapacity(capacity));

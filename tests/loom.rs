@@ -17,5 +17,7 @@ mod budget;
 mod pool;
 #[path = "loom/prefix.rs"]
 mod prefix;
+#[path = "loom/stream.rs"]
+mod stream;
 #[path = "loom/table.rs"]
 mod table;

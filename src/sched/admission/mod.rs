@@ -15,6 +15,9 @@
 //!   lapped positions; no reclamation, ABA excluded by monotonic positions).
 //! - Tickets: a one-shot cell, one `AtomicUsize` of state bits arbitrating a value slot and a
 //!   waker slot (`oneshot` module docs).
+//! - Token streams ([`token_stream`], [`StreamRequest`]): a request's tokens while it runs, on a
+//!   wait-free single-producer single-consumer ring with a register/wake cell for the reader's
+//!   waker (`stream` module docs: lag policy, cancel on drop).
 //! - Waiting (blocked submitters, idle workers): a Treiber stack of parked tasks whose only
 //!   removal is take-all (`waitlist` module docs: ABA-free by construction, `Arc` reclamation),
 //!   with the register / `fence(SeqCst)` / re-check handshake that excludes lost wake-ups.
@@ -87,6 +90,7 @@
 mod job;
 mod oneshot;
 mod ring;
+mod stream;
 mod wait;
 mod waitlist;
 
@@ -94,6 +98,10 @@ pub use crate::error::{AdmissionError, OverloadReason};
 pub use crate::sched::sequence::Priority;
 pub use job::{Completion, Job};
 pub use oneshot::Ticket;
+pub use stream::{
+    token_stream, Recv, SendError, StreamError, StreamEvent, StreamRequest, StreamRouter,
+    StreamSender, TokenStream, MAX_STREAM_CAPACITY,
+};
 #[cfg(not(loom))]
 pub use wait::block_on;
 pub use wait::{PopWait, Submit};

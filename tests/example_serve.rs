@@ -1,0 +1,87 @@
+//! Runs examples/serve_two_models.rs (two models on one arena behind a tokio front end) and
+//! checks every stream: each request that was not cancelled streamed exactly its tokens, in
+//! order, then one `Finished`; each cancelled one was aborted by its engine; every page is
+//! back in the pool after shutdown.
+
+#[path = "../examples/serve_two_models.rs"]
+#[allow(dead_code)]
+mod serve;
+
+use std::collections::HashSet;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use pagedkv::sched::FinishReason;
+use serve::{Outcome, ServeConfig};
+
+fn check(cfg: ServeConfig) {
+    let report = serve::run(&cfg).expect("the server ran");
+    assert_eq!(report.outcomes.len() as u64, 2 * cfg.requests_per_model);
+    let mut cancelled = [HashSet::new(), HashSet::new()];
+    for (plan, outcome) in &report.outcomes {
+        let expected = |n: usize| plan.expected_token(n as u32);
+        match (plan.cancel_after, outcome) {
+            (None, Outcome::Finished { tokens, reason }) => {
+                assert_eq!(*reason, FinishReason::MaxTokens, "request {}", plan.id);
+                assert_eq!(
+                    tokens.len(),
+                    plan.max_new_tokens as usize,
+                    "request {}",
+                    plan.id
+                );
+                for (n, &t) in tokens.iter().enumerate() {
+                    assert_eq!(t, expected(n), "request {} token {n}", plan.id);
+                }
+            }
+            (Some(k), Outcome::Cancelled { tokens }) => {
+                assert!(tokens.len() >= k as usize, "request {}", plan.id);
+                for (n, &t) in tokens.iter().enumerate() {
+                    assert_eq!(t, expected(n), "request {} token {n}", plan.id);
+                }
+                cancelled[plan.model].insert(plan.id);
+            }
+            (_, other) => panic!("request {} ({plan:?}): {other:?}", plan.id),
+        }
+    }
+    for (model, log) in report.engines.iter().enumerate() {
+        // Every request of this model ended in its engine exactly once...
+        let ids: HashSet<_> = report
+            .outcomes
+            .iter()
+            .filter(|(p, _)| p.model == model)
+            .map(|(p, _)| p.id)
+            .collect();
+        assert_eq!(log.finished.keys().copied().collect::<HashSet<_>>(), ids);
+        // ...and the cancelled ones were aborted when their streams were dropped (they ask
+        // for 300 tokens and are dropped after 3, so none can finish first in practice).
+        let aborted: HashSet<_> = log.cancelled.iter().copied().collect();
+        assert_eq!(aborted.len(), log.cancelled.len(), "one abort per sequence");
+        assert_eq!(aborted, cancelled[model], "engine {model}");
+        assert!(!aborted.is_empty());
+    }
+    assert_eq!(report.pool_free, report.pool_total, "pages leaked");
+    assert_eq!(report.blocks_in_use, 0, "budget leaked");
+}
+
+#[test]
+fn two_models_stream_cancel_and_shut_down_clean() {
+    let (tx, rx) = mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        check(ServeConfig::default());
+        // A small arena: the engines preempt while they stream.
+        check(ServeConfig {
+            pages: 24,
+            ..ServeConfig::default()
+        });
+        let _ = tx.send(());
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(()) => worker.join().unwrap(),
+        Err(mpsc::RecvTimeoutError::Disconnected) => {
+            if let Err(p) = worker.join() {
+                std::panic::resume_unwind(p);
+            }
+        }
+        Err(mpsc::RecvTimeoutError::Timeout) => panic!("the server did not stop within 60 s"),
+    }
+}

@@ -1,0 +1,363 @@
+//! Token streams (sched::admission::stream), single-threaded: smoke tests of every end of a
+//! stream, the router, and a proptest against a sequential model of the channel that checks
+//! every item, every send's outcome and every wake-up.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+
+use futures_core::Stream;
+use pagedkv::sched::admission::{
+    token_stream, SendError, StreamError, StreamEvent, StreamRequest, StreamRouter, StreamSender,
+    TokenStream, MAX_STREAM_CAPACITY,
+};
+use pagedkv::sched::{FinishReason, SeqRequest, SeqUpdate, StepResults, StopRules};
+use proptest::prelude::*;
+
+struct Count(AtomicUsize);
+impl Wake for Count {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn counting_waker() -> (Arc<Count>, Waker) {
+    let c = Arc::new(Count(AtomicUsize::new(0)));
+    (c.clone(), Waker::from(c))
+}
+
+type Item = Option<Result<StreamEvent, StreamError>>;
+
+fn tokens(t: &[u32]) -> Poll<Item> {
+    Poll::Ready(Some(Ok(StreamEvent::Tokens(t.to_vec()))))
+}
+
+#[test]
+fn tokens_then_one_finish_then_nothing() {
+    let (mut tx, mut rx) = token_stream(8).unwrap();
+    assert_eq!(rx.try_next(), Poll::Pending);
+    tx.send(&[1, 2]).unwrap();
+    tx.send(&[]).unwrap();
+    tx.send(&[3]).unwrap();
+    // Everything sent since the last item comes as one event, in order.
+    assert_eq!(rx.try_next(), tokens(&[1, 2, 3]));
+    tx.send(&[4, 5, 6, 7, 8, 9, 10, 11]).unwrap(); // exactly the capacity, after wrapping
+    tx.finish(FinishReason::Caller(42)).unwrap();
+    assert_eq!(rx.try_next(), tokens(&[4, 5, 6, 7, 8, 9, 10, 11]));
+    assert_eq!(
+        rx.try_next(),
+        Poll::Ready(Some(Ok(StreamEvent::Finished(FinishReason::Caller(42)))))
+    );
+    assert!(rx.is_done());
+    assert_eq!(rx.try_next(), Poll::Ready(None));
+}
+
+#[test]
+fn a_dropped_sender_ends_the_stream_abandoned_after_its_tokens() {
+    let (mut tx, mut rx) = token_stream(4).unwrap();
+    tx.send(&[9]).unwrap();
+    drop(tx);
+    assert_eq!(rx.try_next(), tokens(&[9]));
+    assert_eq!(
+        rx.try_next(),
+        Poll::Ready(Some(Err(StreamError::Abandoned)))
+    );
+    assert_eq!(rx.try_next(), Poll::Ready(None));
+}
+
+#[test]
+fn a_dropped_reader_closes_the_sender() {
+    let (mut tx, rx) = token_stream(4).unwrap();
+    assert!(!tx.is_closed());
+    drop(rx);
+    assert!(tx.is_closed());
+    assert_eq!(tx.send(&[1]), Err(SendError::Closed));
+    assert_eq!(tx.finish(FinishReason::Eos), Err(SendError::Closed));
+}
+
+#[test]
+fn a_lagging_reader_gets_the_tokens_that_fit_then_lagged() {
+    let (mut tx, mut rx) = token_stream(3).unwrap();
+    tx.send(&[1, 2]).unwrap();
+    // Does not fit whole: refused whole, and the stream ends.
+    assert_eq!(tx.send(&[3, 4]), Err(SendError::Lagged));
+    assert!(tx.is_ended());
+    assert_eq!(tx.send(&[5]), Err(SendError::Ended));
+    assert_eq!(tx.finish(FinishReason::MaxTokens), Err(SendError::Ended));
+    assert_eq!(rx.try_next(), tokens(&[1, 2]));
+    assert_eq!(
+        rx.try_next(),
+        Poll::Ready(Some(Err(StreamError::Lagged { capacity: 3 })))
+    );
+    assert_eq!(rx.try_next(), Poll::Ready(None));
+}
+
+#[test]
+fn capacities_out_of_range_are_refused() {
+    assert_eq!(
+        token_stream(0).unwrap_err(),
+        StreamError::InvalidCapacity(0)
+    );
+    assert!(token_stream(MAX_STREAM_CAPACITY + 1).is_err());
+    let req = SeqRequest {
+        id: 1,
+        prompt: vec![1],
+        stop: StopRules::default(), // max_new_tokens 0
+        priority: Default::default(),
+    };
+    assert!(StreamRequest::new(req).is_err());
+}
+
+#[test]
+fn a_pending_poll_is_woken_by_the_next_send_and_by_the_end() {
+    let (count, waker) = counting_waker();
+    let mut cx = Context::from_waker(&waker);
+    let (mut tx, mut rx) = token_stream(4).unwrap();
+    assert!(Pin::new(&mut rx).poll_next(&mut cx).is_pending());
+    tx.send(&[5]).unwrap();
+    assert_eq!(count.0.load(Ordering::SeqCst), 1);
+    assert_eq!(Pin::new(&mut rx).poll_next(&mut cx), tokens(&[5]));
+    assert!(Pin::new(&mut rx).poll_next(&mut cx).is_pending());
+    drop(tx);
+    assert_eq!(count.0.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        Pin::new(&mut rx).poll_next(&mut cx),
+        Poll::Ready(Some(Err(StreamError::Abandoned)))
+    );
+}
+
+fn update(id: u64, range: std::ops::Range<usize>, finished: Option<FinishReason>) -> SeqUpdate {
+    SeqUpdate {
+        id,
+        tokens: range,
+        finished,
+    }
+}
+
+#[test]
+fn the_router_routes_finishes_and_lists_sequences_to_abort() {
+    let mut router = StreamRouter::new();
+    let mut streams: Vec<TokenStream> = Vec::new();
+    for id in 0..4 {
+        let (tx, rx) = token_stream(if id == 3 { 1 } else { 8 }).unwrap();
+        router.insert(id, tx).unwrap();
+        streams.push(rx);
+    }
+    let (dup, _) = token_stream(1).unwrap();
+    assert!(router.insert(2, dup).is_err(), "one stream per sequence");
+    // Sequence 1's reader goes away.
+    drop(streams.remove(1));
+    let mut abort = Vec::new();
+    router.closed_into(&mut abort);
+    assert_eq!(abort, vec![1]);
+    abort.clear();
+    let results = StepResults {
+        updates: vec![
+            update(0, 0..2, None),
+            update(1, 2..3, None),
+            update(2, 3..4, Some(FinishReason::Eos)),
+            update(3, 4..6, None), // two tokens into a one-token stream: lagged
+            update(77, 6..7, None), // no stream: skipped
+        ],
+        tokens: vec![10, 11, 20, 30, 40, 41, 99],
+    };
+    router.dispatch(&results, &mut abort);
+    assert_eq!(abort, vec![1, 3]);
+    assert_eq!(router.len(), 3, "sequence 2 finished");
+    let [s0, s2, s3] = &mut streams[..] else {
+        unreachable!()
+    };
+    assert_eq!(s0.try_next(), tokens(&[10, 11]));
+    assert_eq!(s2.try_next(), tokens(&[30]));
+    assert_eq!(
+        s2.try_next(),
+        Poll::Ready(Some(Ok(StreamEvent::Finished(FinishReason::Eos))))
+    );
+    assert_eq!(
+        s3.try_next(),
+        Poll::Ready(Some(Err(StreamError::Lagged { capacity: 1 })))
+    );
+    // The engine aborts 1 and 3: their streams end (3 keeps its `Lagged`).
+    let aborted = StepResults {
+        updates: vec![
+            update(1, 0..0, Some(FinishReason::Aborted)),
+            update(3, 0..0, Some(FinishReason::Aborted)),
+        ],
+        tokens: vec![],
+    };
+    abort.clear();
+    router.dispatch(&aborted, &mut abort);
+    assert!(abort.is_empty());
+    assert_eq!(s3.try_next(), Poll::Ready(None));
+    assert_eq!(router.len(), 1);
+    assert!(router.remove(0).is_some());
+    assert_eq!(
+        s0.try_next(),
+        Poll::Ready(Some(Err(StreamError::Abandoned)))
+    );
+}
+
+// ---- proptest against a sequential model ----
+
+#[derive(Debug, Clone)]
+enum Op {
+    Send(Vec<u32>),
+    Finish(u8),
+    DropSender,
+    /// Poll with the counting waker.
+    Poll,
+    DropReader,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => prop::collection::vec(any::<u32>(), 0..5).prop_map(Op::Send),
+        1 => (0u8..5).prop_map(Op::Finish),
+        1 => Just(Op::DropSender),
+        4 => Just(Op::Poll),
+        1 => Just(Op::DropReader),
+    ]
+}
+
+fn reason(r: u8) -> FinishReason {
+    match r {
+        0 => FinishReason::Eos,
+        1 => FinishReason::MaxTokens,
+        2 => FinishReason::StopSequence,
+        3 => FinishReason::Aborted,
+        _ => FinishReason::Caller(u32::from(r) * 1000 + 7),
+    }
+}
+
+/// The channel as a sequential model.
+#[derive(Default)]
+struct Model {
+    pending: VecDeque<u32>,
+    end: Option<Result<StreamEvent, StreamError>>,
+    done: bool,
+    reader_gone: bool,
+    /// A waker is registered (the last poll was pending) and not yet woken.
+    armed: bool,
+    wakes: usize,
+}
+
+impl Model {
+    fn wake(&mut self) {
+        if std::mem::take(&mut self.armed) {
+            self.wakes += 1;
+        }
+    }
+
+    fn send(&mut self, t: &[u32], cap: usize) -> Result<(), SendError> {
+        if self.end.is_some() {
+            return Err(SendError::Ended);
+        }
+        if self.reader_gone {
+            return Err(SendError::Closed);
+        }
+        if t.is_empty() {
+            return Ok(());
+        }
+        if self.pending.len() + t.len() > cap {
+            self.end = Some(Err(StreamError::Lagged { capacity: cap }));
+            self.wake();
+            return Err(SendError::Lagged);
+        }
+        self.pending.extend(t);
+        self.wake();
+        Ok(())
+    }
+
+    fn end(&mut self, e: Result<StreamEvent, StreamError>) {
+        self.end = Some(e);
+        self.wake();
+    }
+
+    fn poll(&mut self) -> Poll<Item> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        if !self.pending.is_empty() {
+            return Poll::Ready(Some(Ok(StreamEvent::Tokens(
+                self.pending.drain(..).collect(),
+            ))));
+        }
+        if let Some(e) = self.end.clone() {
+            self.done = true;
+            return Poll::Ready(Some(e));
+        }
+        self.armed = true;
+        Poll::Pending
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn the_stream_matches_its_model(cap in 1usize..7, ops in prop::collection::vec(op(), 1..60)) {
+        let (count, waker) = counting_waker();
+        let (tx, rx) = token_stream(cap).unwrap();
+        let (mut tx, mut rx): (Option<StreamSender>, Option<TokenStream>) = (Some(tx), Some(rx));
+        let mut m = Model::default();
+        let mut got = Vec::new();
+        let mut accepted = Vec::new();
+        for op in ops {
+            match op {
+                Op::Send(t) => {
+                    if let Some(tx) = tx.as_mut() {
+                        let r = tx.send(&t);
+                        prop_assert_eq!(r, m.send(&t, cap));
+                        if r.is_ok() {
+                            accepted.extend(t);
+                        }
+                    }
+                }
+                Op::Finish(r) => {
+                    if let Some(tx) = tx.take() {
+                        let want = if m.end.is_some() {
+                            Err(SendError::Ended)
+                        } else {
+                            m.end(Ok(StreamEvent::Finished(reason(r))));
+                            if m.reader_gone { Err(SendError::Closed) } else { Ok(()) }
+                        };
+                        prop_assert_eq!(tx.finish(reason(r)), want);
+                    }
+                }
+                Op::DropSender => {
+                    if tx.take().is_some() && m.end.is_none() {
+                        m.end(Err(StreamError::Abandoned));
+                    }
+                }
+                Op::Poll => {
+                    if let Some(rx) = rx.as_mut() {
+                        let mut cx = Context::from_waker(&waker);
+                        let item = Pin::new(&mut *rx).poll_next(&mut cx);
+                        if let Poll::Ready(Some(Ok(StreamEvent::Tokens(t)))) = &item {
+                            prop_assert!(!t.is_empty());
+                            got.extend(t);
+                        }
+                        prop_assert_eq!(item, m.poll());
+                    }
+                }
+                Op::DropReader => {
+                    if rx.take().is_some() {
+                        m.reader_gone = true;
+                    }
+                }
+            }
+            prop_assert_eq!(count.0.load(Ordering::SeqCst), m.wakes, "wake-ups");
+            if let Some(tx) = &tx {
+                prop_assert_eq!(tx.is_closed(), m.reader_gone);
+            }
+        }
+        // What the reader got is a prefix of what was accepted, in order; after its last item,
+        // all of it.
+        prop_assert!(accepted.starts_with(&got));
+        if m.done {
+            prop_assert_eq!(got, accepted);
+        }
+    }
+}

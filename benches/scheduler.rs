@@ -4,6 +4,7 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use pagedkv::block::{BlockPool, EngineId, PoolConfig};
+use pagedkv::prefix::{PrefixCache, PrefixConfig};
 use pagedkv::sched::{Batcher, BatcherConfig, PreemptionMode, Priority, SeqRequest, StopRules};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,7 +14,9 @@ const BS: u32 = 16;
 /// Steps timed per fresh batcher (sequences grow by this many tokens).
 const STEPS: u64 = 256;
 
-fn batcher(running: usize, prefilling: usize) -> Batcher {
+/// A batcher with `running` decoding sequences and `prefilling` long prompts; with `cache`, a
+/// prefix cache on its pool (each completed block is hashed and cached).
+fn batcher(running: usize, prefilling: usize, cache: bool) -> Batcher {
     let blocks_per_seq = 8 + (STEPS as u32 / BS) + 2;
     let pool = Arc::new(
         BlockPool::new(PoolConfig {
@@ -24,6 +27,12 @@ fn batcher(running: usize, prefilling: usize) -> Batcher {
         })
         .unwrap(),
     );
+    let prefix = cache.then(|| {
+        Arc::new(PrefixCache::new(
+            pool.clone(),
+            PrefixConfig { seed: Some(1) },
+        ))
+    });
     let mut b = Batcher::new(
         BatcherConfig {
             engine: EngineId(0),
@@ -38,6 +47,9 @@ fn batcher(running: usize, prefilling: usize) -> Batcher {
         pool,
     )
     .unwrap();
+    if let Some(prefix) = prefix {
+        b.attach_prefix_cache(prefix).unwrap();
+    }
     for id in 0..running as u64 {
         b.add(SeqRequest {
             id,
@@ -69,13 +81,13 @@ fn batcher(running: usize, prefilling: usize) -> Batcher {
     b
 }
 
-fn time_pagedkv(iters: u64, running: usize, prefilling: usize) -> Duration {
+fn time_pagedkv(iters: u64, running: usize, prefilling: usize, cache: bool) -> Duration {
     let mut total = Duration::ZERO;
     let mut left = iters;
     let mut sampled = vec![3u32; running + prefilling];
     let mut fin = Vec::new();
     while left > 0 {
-        let mut b = batcher(running, prefilling);
+        let mut b = batcher(running, prefilling, cache);
         let steps = left.min(STEPS);
         let t = Instant::now();
         for _ in 0..steps {
@@ -268,7 +280,7 @@ fn decode_steps(c: &mut Criterion) {
     for running in [256usize, 1024] {
         g.throughput(Throughput::Elements(running as u64));
         g.bench_with_input(BenchmarkId::new("pagedkv", running), &running, |b, &r| {
-            b.iter_custom(|iters| time_pagedkv(iters, r, 0))
+            b.iter_custom(|iters| time_pagedkv(iters, r, 0, false))
         });
         g.bench_with_input(BenchmarkId::new("oxillama", running), &running, |b, &r| {
             b.iter_custom(|iters| time_oxillama(iters, r, 0))
@@ -282,7 +294,7 @@ fn mixed_steps(c: &mut Criterion) {
     // 256 decoding sequences plus 16 long prompts prefilling in chunks of 256.
     g.throughput(Throughput::Elements(256 + 16 * 256));
     g.bench_function("pagedkv/256+16", |b| {
-        b.iter_custom(|iters| time_pagedkv(iters, 256, 16))
+        b.iter_custom(|iters| time_pagedkv(iters, 256, 16, false))
     });
     g.bench_function("oxillama/256+16", |b| {
         b.iter_custom(|iters| time_oxillama(iters, 256, 16))
@@ -290,9 +302,28 @@ fn mixed_steps(c: &mut Criterion) {
     g.finish();
 }
 
+/// The decode step at 1024 sequences with the prefix cache on (every 16th step of a sequence
+/// completes a block, which is hashed and cached) against the same step without it, beside the
+/// oxillama baseline, in one group.
+fn prefix_cache_steps(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decode_step_prefix_cache");
+    let running = 1024usize;
+    g.throughput(Throughput::Elements(running as u64));
+    g.bench_function("pagedkv-cache-off/1024", |b| {
+        b.iter_custom(|iters| time_pagedkv(iters, running, 0, false))
+    });
+    g.bench_function("pagedkv-cache-on/1024", |b| {
+        b.iter_custom(|iters| time_pagedkv(iters, running, 0, true))
+    });
+    g.bench_function("oxillama/1024", |b| {
+        b.iter_custom(|iters| time_oxillama(iters, running, 0))
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(3)).sample_size(20);
-    targets = decode_steps, mixed_steps
+    targets = decode_steps, mixed_steps, prefix_cache_steps
 }
 criterion_main!(benches);

@@ -1,7 +1,7 @@
 //! Typed errors, one enum per module family. Every error says what was wrong with the input in
 //! words a caller can log; none carries a `String` built on a hot path.
 
-use crate::block::{BlockId, EngineId};
+use crate::ids::{BlockId, EngineId};
 
 /// Errors of the block pool ([`crate::block::BlockPool`]) and block tables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

@@ -18,6 +18,7 @@ pub mod cuda_emu;
 pub mod engine;
 pub mod error;
 pub mod gguf;
+mod ids;
 pub mod kv;
 pub mod prefix;
 pub mod sched;

@@ -9,11 +9,12 @@
 //!   lock-free), any number of readers taking consistent snapshots (see [`table`]).
 
 pub mod arena;
-mod ids;
 pub mod pool;
 pub mod table;
 
 pub use arena::{KvArena, PAGE_ALIGN, POISON_BYTE};
-pub use ids::{BlockId, EngineId, MAX_BLOCKS};
+pub use crate::ids::{BlockId, EngineId, MAX_BLOCKS};
+// The ground-floor ids, under their old in-crate path for the pool and tables.
+use crate::ids;
 pub use pool::{BlockPool, PoolConfig, PoolStats, MAX_REFS};
 pub use table::{BlockTable, TableReader};

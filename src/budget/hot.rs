@@ -6,7 +6,7 @@ use super::{
     unpack_load, BudgetCoordinator, Donor, Priority, Reclaim, JOINING, LIVE, LOAD_PUBLISHED,
     USED_BITS, USED_MASK,
 };
-use crate::block::EngineId;
+use crate::ids::EngineId;
 use crate::error::BudgetError;
 use crate::sync::{Backoff, Ordering};
 

@@ -128,7 +128,7 @@ mod registry;
 mod snapshot;
 mod waterfill;
 
-use crate::block::EngineId;
+use crate::ids::EngineId;
 use crate::error::BudgetError;
 use crate::sync::{AtomicBool, AtomicU32, AtomicU64, CachePadded, Ordering, UnsafeCell};
 #[cfg(any(test, loom))]

@@ -359,7 +359,7 @@ fn put(cell: &AtomicU32, value: u32, lowering: bool) {
 mod tests {
     use super::super::{BudgetConfig, BudgetCoordinator, Publication, PublishFault};
     use super::{BUSY, FREE, LIVE};
-    use crate::block::EngineId;
+    use crate::ids::EngineId;
     use crate::sync::Ordering;
     use std::panic::{catch_unwind, AssertUnwindSafe};
 

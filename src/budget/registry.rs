@@ -1,7 +1,7 @@
 //! The engine registry: register, reweight, deregister (slot life cycle in the module docs).
 
 use super::{BudgetCoordinator, Slot, CLAIMED, FREE, JOINING, LEAVING, LIVE};
-use crate::block::EngineId;
+use crate::ids::EngineId;
 use crate::error::BudgetError;
 use crate::sync::Ordering;
 

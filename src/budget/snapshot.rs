@@ -1,7 +1,7 @@
 //! Observability: a snapshot of every engine's figures, read under the publication epoch.
 
 use super::{unpack_load, BudgetCoordinator, EngineStats, Snapshot, JOINING, LIVE, USED_MASK};
-use crate::block::EngineId;
+use crate::ids::EngineId;
 use crate::sync::{fence, Ordering};
 
 impl BudgetCoordinator {

@@ -91,10 +91,10 @@ impl DeviceArena {
         if page_bytes == 0 {
             return Err(KvError::ZeroDimension { what: "page_bytes" });
         }
-        if num_pages > crate::block::MAX_BLOCKS as usize {
+        if num_pages > crate::ids::MAX_BLOCKS as usize {
             return Err(KvError::TooManyBlocks {
                 num_blocks: num_pages,
-                max: crate::block::MAX_BLOCKS as usize,
+                max: crate::ids::MAX_BLOCKS as usize,
             });
         }
         if page_bytes % PAGE_ALIGN != 0 {

@@ -57,11 +57,11 @@
 //!
 //! All sizes are at least 1; `head_dim` is a multiple of [`HEAD_DIM_ALIGN`] (so a head vector
 //! is whole 16-byte vectors in every dtype); `num_blocks` is at most
-//! [`crate::block::MAX_BLOCKS`] (block tables hold `i32`, block ids 24 bits); the
+//! [`crate::ids::MAX_BLOCKS`] (block tables hold `i32`, block ids 24 bits); the
 //! whole pool's byte size fits in `isize` (and so every element offset fits in `i64`).
 
 use super::dtype::KvDtype;
-use crate::block::MAX_BLOCKS;
+use crate::ids::MAX_BLOCKS;
 pub use crate::block::PAGE_ALIGN;
 use crate::error::KvError;
 

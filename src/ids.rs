@@ -1,4 +1,5 @@
-//! Identifiers handed out by the block pool.
+//! Identifiers handed out by the block pool and the limits they imply: the ground floor, which
+//! every other module (block, budget, kv, error) may use without reaching into another.
 
 use std::fmt;
 
@@ -13,7 +14,7 @@ pub(crate) const GEN_MASK: u64 = (1 << GEN_BITS) - 1;
 /// free list's end marker.
 pub const MAX_BLOCKS: u32 = (1 << INDEX_BITS) - 1;
 
-/// A physical KV block handed out by a [`BlockPool`](super::BlockPool).
+/// A physical KV block handed out by a [`BlockPool`](crate::block::BlockPool).
 ///
 /// Packed in one `u64` (cheap to copy, store in an atomic block-table slot, and compare):
 ///

@@ -10,6 +10,7 @@
 
 pub mod arena;
 mod ids;
+mod magazine;
 pub mod pool;
 pub mod table;
 

@@ -58,6 +58,7 @@
 //! coordinator reads these counters.
 
 use super::ids::{BlockId, EngineId, INDEX_BITS, INDEX_MASK, MAX_BLOCKS};
+use super::magazine::{count_of, Magazine, MAG_CAP};
 use crate::error::PoolError;
 use crate::sync::{global, AtomicU32, AtomicU64, Backoff, CachePadded, Ordering};
 
@@ -77,6 +78,9 @@ const GEN_MASK: u64 = (1 << 24) - 1;
 const OWNER_SHIFT: u32 = 48;
 /// The largest reference count a block can reach.
 pub const MAX_REFS: u32 = (1 << RC_BITS) - 1;
+/// Engines with a magazine (engines beyond use the shared stack alone), bounding the pool's
+/// magazine memory and the snapshot a refusal reads.
+const MAG_ENGINES: u16 = 64;
 
 #[inline]
 fn head_word(tag_of: u64, index: u32) -> u64 {
@@ -166,6 +170,10 @@ pub struct BlockPool {
     meta: Box<[AtomicU64]>,
     /// Physical blocks owned by each engine (blocks whose last reference is still held).
     held: Box<[CachePadded<AtomicU32>]>,
+    /// Free blocks parked per engine (the first `MAG_ENGINES` engines): a block whose last
+    /// reference is released goes to its owner's magazine when there is room and no other push
+    /// to it is in progress, else to the shared stack. Free = shared stack + every magazine.
+    mags: Box<[Magazine]>,
     tag: u16,
     device: u32,
     total: u32,
@@ -199,11 +207,16 @@ impl BlockPool {
         let held = (0..config.max_engines)
             .map(|_| CachePadded::new(AtomicU32::new(0)))
             .collect();
+        let mag_cap = MAG_CAP.min(n);
+        let mags = (0..config.max_engines.min(MAG_ENGINES))
+            .map(|_| Magazine::new(mag_cap))
+            .collect();
         Ok(Self {
             head: CachePadded::new(AtomicU64::new(0)),
             link,
             meta,
             held,
+            mags,
             tag: global::next_pool_tag(),
             device: config.device,
             total: n,
@@ -234,17 +247,51 @@ impl BlockPool {
         self.held.len() as u16
     }
 
-    /// Free blocks. Exact whenever no operation is in flight; during concurrent operations it is
-    /// the length of the free list at some instant of the call.
+    /// Free blocks (the shared stack plus every magazine). Exact whenever no operation is in
+    /// flight; during concurrent operations it is the number of free blocks at some instant of
+    /// the call (blocks a concurrent allocation is moving between free lists count as not
+    /// free at that instant, as blocks being released always have).
     pub fn free_count(&self) -> u32 {
-        // Acquire pairs with the Release CAS of the push that made this top current, so its
-        // link (and depth) is visible.
-        let head = self.head.load(Ordering::Acquire);
+        self.snapshot_free()
+    }
+
+    /// Free blocks on the shared stack alone, from a head word read with Acquire.
+    #[inline]
+    fn stack_depth(&self, head: u64) -> u32 {
         let top = head_index(head);
         if top == NIL {
             0
         } else {
+            // Relaxed: the caller's Acquire load of `head` pairs with the Release CAS of the
+            // push that made this top current, so its link (and depth) is visible.
             link_depth(self.link[top as usize].load(Ordering::Relaxed))
+        }
+    }
+
+    /// The free count at one instant, by double collect: read the head and every magazine
+    /// word, read them again, and accept when nothing changed (every change to any of them
+    /// changes its word: tags rise on every push, counts fall on every pop). Lock-free: a retry
+    /// means another operation completed a step meanwhile.
+    fn snapshot_free(&self) -> u32 {
+        let mut words = [0u64; MAG_ENGINES as usize];
+        let backoff = Backoff::new();
+        loop {
+            // Acquire: see stack_depth.
+            let head = self.head.load(Ordering::Acquire);
+            let mut free = self.stack_depth(head);
+            for (w, m) in words.iter_mut().zip(self.mags.iter()) {
+                *w = m.word();
+                free += count_of(*w);
+            }
+            let same = self.head.load(Ordering::Acquire) == head
+                && words
+                    .iter()
+                    .zip(self.mags.iter())
+                    .all(|(&w, m)| m.word() == w);
+            if same {
+                return free;
+            }
+            backoff.spin();
         }
     }
 
@@ -260,7 +307,7 @@ impl BlockPool {
     pub fn stats(&self) -> PoolStats {
         PoolStats {
             total: self.total,
-            free: self.free_count(),
+            free: self.snapshot_free(),
             held: self
                 .held
                 .iter()
@@ -304,7 +351,7 @@ impl BlockPool {
     /// Allocates one block for `engine`, with one reference.
     pub fn alloc(&self, engine: EngineId) -> Result<BlockId, PoolError> {
         self.check_engine(engine)?;
-        let index = self.pop().ok_or(PoolError::OutOfBlocks {
+        let index = self.take_one(engine).ok_or(PoolError::OutOfBlocks {
             requested: 1,
             free: 0,
         })?;
@@ -314,10 +361,39 @@ impl BlockPool {
         Ok(id)
     }
 
+    /// Takes one free block: from `engine`'s magazine, else the shared stack, else (moving
+    /// every magazine to the stack) from anywhere; `None` when a snapshot found none free.
+    fn take_one(&self, engine: EngineId) -> Option<u32> {
+        if let Some(m) = self.mags.get(engine.index()) {
+            let mut got = NIL;
+            if m.pop_n(1, |_, index| got = index) {
+                return Some(got);
+            }
+        }
+        let backoff = Backoff::new();
+        loop {
+            if let Some(index) = self.pop() {
+                return Some(index);
+            }
+            if self.snapshot_free() == 0 {
+                return None;
+            }
+            self.flush_magazines();
+            backoff.spin();
+        }
+    }
+
     /// Allocates `n` blocks for `engine`, all or nothing, appending their ids to `out`.
     ///
     /// Either `n` ids are appended, or none and the pool is unchanged. `out` only grows if its
     /// capacity is short, so a reused vector makes this allocation-free.
+    ///
+    /// The blocks come from one free list with one CAS: `engine`'s magazine when it holds `n`,
+    /// else the shared stack. When neither does, a refusal is decided on a snapshot of every
+    /// free list at one instant ([`free_count`](Self::free_count)); if that snapshot holds `n`,
+    /// the magazines are moved to the shared stack and the grab is retried. No partial grab is
+    /// ever visible: a thread that sees fewer free blocks sees them because another allocation
+    /// took them, or is moving them between free lists.
     pub fn alloc_n(
         &self,
         engine: EngineId,
@@ -336,6 +412,38 @@ impl BlockPool {
         }
         let start = out.len();
         out.reserve(n as usize);
+        let from_magazine = self.mags.get(engine.index()).is_some_and(|m| {
+            m.pop_n(n, |k, index| {
+                if k == 0 {
+                    out.truncate(start);
+                }
+                out.push(BlockId::from_bits(u64::from(index)));
+            })
+        });
+        if !from_magazine {
+            out.truncate(start);
+            let backoff = Backoff::new();
+            while !self.grab_stack(n, out) {
+                let free = self.snapshot_free();
+                if free < n {
+                    return Err(PoolError::OutOfBlocks { requested: n, free });
+                }
+                self.flush_magazines();
+                backoff.spin();
+            }
+        }
+        for slot in &mut out[start..] {
+            *slot = self.claim(slot.to_bits() as u32, engine);
+        }
+        // Relaxed: a statistic (see `held`).
+        self.held[engine.index()].fetch_add(n, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Detaches `n` blocks from the shared stack with one CAS, appending their indices (as raw
+    /// ids) to `out`; `false`, with `out` as it was, when the stack holds fewer than `n`.
+    fn grab_stack(&self, n: u32, out: &mut Vec<BlockId>) -> bool {
+        let start = out.len();
         let backoff = Backoff::new();
         // Acquire pairs with the Release CAS of the push that installed each top, making its
         // link visible; links further down were published by earlier pushes in the same release
@@ -343,24 +451,8 @@ impl BlockPool {
         let mut head = self.head.load(Ordering::Acquire);
         'retry: loop {
             let top = head_index(head);
-            let available = if top == NIL {
-                0
-            } else {
-                link_depth(self.link[top as usize].load(Ordering::Relaxed))
-            };
-            if available < n {
-                // Confirm the refusal on a live snapshot: if the head did not move, the depth we
-                // read was the live free count.
-                let now = self.head.load(Ordering::Acquire);
-                if now == head {
-                    return Err(PoolError::OutOfBlocks {
-                        requested: n,
-                        free: available,
-                    });
-                }
-                head = now;
-                backoff.spin();
-                continue;
+            if self.stack_depth(head) < n {
+                return false;
             }
             // Walk n links. If the head moved meanwhile, the walk may meet garbage; such a walk
             // is discarded because the CAS below fails.
@@ -383,7 +475,7 @@ impl BlockPool {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
-                Ok(_) => break,
+                Ok(_) => return true,
                 Err(actual) => {
                     out.truncate(start);
                     head = actual;
@@ -391,12 +483,37 @@ impl BlockPool {
                 }
             }
         }
-        for slot in &mut out[start..] {
-            *slot = self.claim(slot.to_bits() as u32, engine);
+    }
+
+    /// Moves every magazine's blocks to the shared stack (the slow path of an allocation that
+    /// the stack alone cannot serve). Between a magazine's pop and the stack's push the blocks
+    /// are this thread's alone: free, but on no list.
+    #[cold]
+    fn flush_magazines(&self) {
+        let mut buf = [0u32; MAG_CAP as usize];
+        for m in self.mags.iter() {
+            let k = m.pop_all(&mut buf);
+            self.push_chain(&buf[..k as usize]);
+        }
+    }
+
+    /// Returns blocks of `owner` whose last reference was just released to a free list: the
+    /// owner's magazine when it has room and no other push to it is in progress (never
+    /// awaited), else the shared stack. Uncounts them first, so `held` never counts a block
+    /// that is already free.
+    #[inline]
+    fn recycle(&self, owner: EngineId, chain: &[u32]) {
+        if chain.is_empty() {
+            return;
         }
         // Relaxed: a statistic (see `held`).
-        self.held[engine.index()].fetch_add(n, Ordering::Relaxed);
-        Ok(())
+        self.held[owner.index()].fetch_sub(chain.len() as u32, Ordering::Relaxed);
+        if let Some(m) = self.mags.get(owner.index()) {
+            if m.try_push(chain) {
+                return;
+            }
+        }
+        self.push_chain(chain);
     }
 
     /// Marks a block just popped from the free list as allocated to `engine` and mints its id.
@@ -529,9 +646,7 @@ impl BlockPool {
     pub fn release(&self, id: BlockId) -> Result<bool, PoolError> {
         match self.drop_ref(id)? {
             Some(owner) => {
-                // Relaxed: a statistic (see `held`).
-                self.held[owner.index()].fetch_sub(1, Ordering::Relaxed);
-                self.push_chain(&[id.index()]);
+                self.recycle(owner, &[id.index()]);
                 Ok(true)
             }
             None => Ok(false),
@@ -631,12 +746,12 @@ impl BlockPool {
                 }
             }
         }
-        // Phase 2: release every reference; blocks that reach zero are pushed back in chains of
-        // up to CHAIN blocks with one CAS each, and uncounted per run of equal owners.
+        // Phase 2: release every reference; blocks that reach zero are recycled in runs of one
+        // owner (up to CHAIN blocks), each with one push.
         let mut chain = [0u32; CHAIN];
         let mut len = 0;
         let mut freed = 0;
-        let mut run: Option<(EngineId, u32)> = None;
+        let mut run_owner = EngineId(0);
         // Every id passed the checks above, but a double free elsewhere (another thread
         // releasing a reference this caller holds) can still make one fail here. Returning at
         // that point would strand the blocks already taken to zero references (neither free
@@ -658,38 +773,20 @@ impl BlockPool {
                     continue;
                 }
             };
-            match &mut run {
-                Some((o, n)) if *o == owner => *n += 1,
-                _ => {
-                    self.uncount(run.take());
-                    run = Some((owner, 1));
-                }
-            }
-            chain[len] = id.index();
-            len += 1;
-            if len == CHAIN {
-                self.uncount(run.take());
-                self.push_chain(&chain);
+            if len == CHAIN || (len > 0 && owner != run_owner) {
+                self.recycle(run_owner, &chain[..len]);
                 freed += len as u32;
                 len = 0;
             }
+            run_owner = owner;
+            chain[len] = id.index();
+            len += 1;
         }
-        self.uncount(run);
-        self.push_chain(&chain[..len]);
+        self.recycle(run_owner, &chain[..len]);
         let freed = freed + len as u32;
         match raced {
             None => Ok(freed),
             Some(id) => Err(PoolError::ConcurrentDoubleFree { id, freed }),
-        }
-    }
-
-    /// Subtracts a run of recycled blocks from their owner's count (before they are pushed, so
-    /// `held` never counts a block that is already free).
-    #[inline]
-    fn uncount(&self, run: Option<(EngineId, u32)>) {
-        if let Some((owner, n)) = run {
-            // Relaxed: a statistic (see `held`).
-            self.held[owner.index()].fetch_sub(n, Ordering::Relaxed);
         }
     }
 

@@ -125,9 +125,9 @@ impl Magazine {
             if count == 0 {
                 return 0;
             }
-            for k in 0..count as usize {
+            for (dst, slot) in buf.iter_mut().zip(&self.slots[..count as usize]) {
                 // Relaxed: see pop_n.
-                buf[k] = self.slots[k].load(Ordering::Relaxed);
+                *dst = slot.load(Ordering::Relaxed);
             }
             // Acquire: see pop_n.
             match self.top.compare_exchange_weak(

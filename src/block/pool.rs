@@ -27,10 +27,31 @@
 //! **Reclamation.** Nodes are never freed: the link array lives as long as the pool, so a stale
 //! reader never touches freed memory (no hazard pointers or epochs needed).
 //!
+//! # Per-engine magazines
+//!
+//! Beside the shared stack, each of the first 64 engines has a **magazine** (magazine.rs): a
+//! bounded array stack of up to 64 free blocks with one pusher at a time and any number of
+//! poppers, so an engine's scheduler thread recycles its own blocks without the shared head and
+//! without walking links.
+//!
+//! - A block whose last reference is released goes to its owner's magazine if it fits and no
+//!   other push to that magazine is in progress (never awaited), else to the shared stack.
+//! - `alloc`/`alloc_n` take from the caller's magazine when it holds enough (one CAS, a slice of
+//!   the array), else from the shared stack (one CAS). Each grab takes from one list, so no
+//!   partial grab is ever visible.
+//! - When neither holds enough, the refusal is decided on a snapshot of the shared stack and
+//!   every magazine at one instant (a double collect: every change to any of those words changes
+//!   it, tags included). If the snapshot holds enough, every magazine is moved to the shared
+//!   stack and the grab retried: a retry means another thread's operation completed a step, so
+//!   this stays lock-free.
+//!
 //! **Exact counts.** Each link records the depth of the stack below and including its node, set
-//! when pushed. The free count is the top's depth: exact whenever no operation is in flight, and
-//! `alloc_n` refuses a request larger than it in O(1) (re-reading the head to confirm the refusal
-//! was made on a live snapshot).
+//! when pushed; a magazine's word holds its count. The free count is the stack's top depth plus
+//! every magazine's count: exact whenever no operation is in flight. During concurrent
+//! operations a refusal (and `free_count`) reflects one instant at which the free lists held
+//! fewer blocks than asked; blocks between lists at that instant count as not free: a block
+//! being released (between its last reference and its push, as before magazines) and, new with
+//! magazines, blocks another allocation is moving from the magazines to the shared stack.
 //!
 //! # Ownership, reference counts and stale ids
 //!
@@ -159,7 +180,8 @@ pub struct PoolStats {
 /// The free KV blocks of one device, shared by every engine (model) through `Arc`.
 ///
 /// Lock-free: every operation completes in a bounded number of its own steps unless another
-/// thread's operation on the same head succeeded meanwhile. See the module docs for the
+/// thread's operation on the same word (the head, a magazine, a block) succeeded meanwhile; no
+/// operation waits for another to finish (a magazine another thread is pushing to is skipped). See the module docs for the
 /// algorithm and the ABA argument.
 #[derive(Debug)]
 pub struct BlockPool {

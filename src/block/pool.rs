@@ -34,8 +34,9 @@
 //! poppers, so an engine's scheduler thread recycles its own blocks without the shared head and
 //! without walking links.
 //!
-//! - A block whose last reference is released goes to its owner's magazine if it fits and no
-//!   other push to that magazine is in progress (never awaited), else to the shared stack.
+//! - Blocks whose last reference `free_n` releases go to their owner's magazine if they fit and
+//!   no other push to that magazine is in progress (never awaited), else to the shared stack. A
+//!   single `release` pushes to the shared stack (one CAS, cheaper than a magazine push).
 //! - `alloc`/`alloc_n` take from the caller's magazine when it holds enough (one CAS, a slice of
 //!   the array), else from the shared stack (one CAS). Each grab takes from one list, so no
 //!   partial grab is ever visible.
@@ -671,7 +672,11 @@ impl BlockPool {
     pub fn release(&self, id: BlockId) -> Result<bool, PoolError> {
         match self.drop_ref(id)? {
             Some(owner) => {
-                self.recycle(owner, &[id.index()]);
+                // One block: the shared stack's single CAS is cheaper than a magazine push
+                // (claim and release of its busy bit); batches go to the magazine.
+                // Relaxed: a statistic (see `held`).
+                self.held[owner.index()].fetch_sub(1, Ordering::Relaxed);
+                self.push_chain(&[id.index()]);
                 Ok(true)
             }
             None => Ok(false),

@@ -310,7 +310,8 @@ fn magazine_pop_pop_push_aba() {
         let a = p.alloc(EngineId(0)).ok();
         let b = p.alloc(EngineId(0)).ok();
         if let Some(a) = a {
-            p.free(a).unwrap();
+            // free_n: a batch goes to the magazine (a single release goes to the shared stack).
+            assert_eq!(p.free_n(&[a]), Ok(1));
         }
         let c = popper.join().unwrap();
         let held: Vec<BlockId> = [b, c].into_iter().flatten().collect();

@@ -203,24 +203,25 @@ fn run_contended(iters: u64, op: impl Fn() + Sync) -> Duration {
     })
 }
 
-/// [`run_contended`] with per-thread scratch state (a reused id vector) passed to `op`.
+/// [`run_contended`] with per-thread scratch state (a reused id vector) and the thread's
+/// number (0 or 1) passed to `op`.
 fn run_contended_with<S: Clone + Send>(
     iters: u64,
     scratch: S,
-    op: impl Fn(&mut S) + Sync,
+    op: impl Fn(&mut S, u16) + Sync,
 ) -> Duration {
     let barrier = Barrier::new(2);
     let op = &op;
     let barrier = &barrier;
     std::thread::scope(|s| {
-        let handles: Vec<_> = (0..2)
-            .map(|_| {
+        let handles: Vec<_> = (0..2u16)
+            .map(|thread| {
                 let mut state = scratch.clone();
                 s.spawn(move || {
                     barrier.wait();
                     let t = Instant::now();
                     for _ in 0..iters {
-                        op(&mut state);
+                        op(&mut state, thread);
                     }
                     t.elapsed()
                 })
@@ -309,6 +310,11 @@ fn alloc_n(c: &mut Criterion) {
 
 /// Two threads each doing `alloc_n(16) + free_n(16)` in a loop on one shared list; one
 /// iteration is one batch pair on each thread (throughput: 32 blocks through the list).
+///
+/// `pagedkv` runs the deployment the pool is built for: each thread is one engine's scheduler
+/// (engines 0 and 1, two models on one pool), so each recycles through its own magazine.
+/// `pagedkv_same_engine` has both threads allocate for engine 0 (one magazine, pushes
+/// contend and fall back to the shared stack). The baselines have no notion of engine.
 fn alloc_n_contended(c: &mut Criterion) {
     const N: u32 = 16;
     let mut g = c.benchmark_group("alloc_n_contended");
@@ -316,7 +322,17 @@ fn alloc_n_contended(c: &mut Criterion) {
     let p = Arc::new(Pagedkv::new());
     g.bench_function(BenchmarkId::new("pagedkv", N), |b| {
         b.iter_custom(|iters| {
-            run_contended_with(iters, Vec::with_capacity(N as usize), |ids| {
+            run_contended_with(iters, Vec::with_capacity(N as usize), |ids, thread| {
+                ids.clear();
+                p.pool.alloc_n(EngineId(thread), N, ids).unwrap();
+                p.pool.free_n(black_box(ids)).unwrap();
+            })
+        })
+    });
+    assert_eq!(p.free_count(), BLOCKS as usize);
+    g.bench_function(BenchmarkId::new("pagedkv_same_engine", N), |b| {
+        b.iter_custom(|iters| {
+            run_contended_with(iters, Vec::with_capacity(N as usize), |ids, _| {
                 ids.clear();
                 p.pool.alloc_n(EngineId(0), N, ids).unwrap();
                 p.pool.free_n(black_box(ids)).unwrap();
@@ -327,7 +343,7 @@ fn alloc_n_contended(c: &mut Criterion) {
     let m = Arc::new(KapslMutexVecDeque::new());
     g.bench_function(BenchmarkId::new("mutex_vecdeque", N), |b| {
         b.iter_custom(|iters| {
-            run_contended_with(iters, Vec::with_capacity(N as usize), |out| {
+            run_contended_with(iters, Vec::with_capacity(N as usize), |out, _| {
                 out.clear();
                 assert!(m.alloc_n(N as usize, out));
                 m.free_n(black_box(out));
@@ -338,7 +354,7 @@ fn alloc_n_contended(c: &mut Criterion) {
     let q = Arc::new(CrossbeamArrayQueue::new());
     g.bench_function(BenchmarkId::new("crossbeam_arrayqueue", N), |b| {
         b.iter_custom(|iters| {
-            run_contended_with(iters, Vec::with_capacity(N as usize), |out| {
+            run_contended_with(iters, Vec::with_capacity(N as usize), |out, _| {
                 out.clear();
                 assert!(q.alloc_n(N as usize, out));
                 q.free_n(black_box(out));

@@ -273,3 +273,82 @@ fn shared_through_arc_across_threads() {
     assert_eq!(p.free_count(), 64);
     assert_eq!(p.stats().held, vec![0; 4]);
 }
+
+/// A freed block parks in its owner's magazine; allocating it again (from there) mints the next
+/// generation, and the old id is stale.
+#[test]
+fn reuse_through_the_magazine_bumps_the_generation() {
+    let p = pool(8);
+    let mut ids = Vec::new();
+    p.alloc_n(E0, 2, &mut ids).unwrap();
+    assert_eq!(p.free_n(&ids), Ok(2));
+    let again = p.alloc(E0).unwrap();
+    let old = ids.iter().find(|b| b.index() == again.index()).unwrap();
+    assert_eq!(again.generation(), old.generation() + 1);
+    assert!(matches!(p.free(*old), Err(PoolError::StaleBlock { .. })));
+    assert_eq!(p.ref_count(again), Ok(1));
+    assert_eq!(p.owner(again), Ok(E0));
+    assert_eq!(p.free(again), Ok(true));
+    assert_eq!(p.free_count(), 8);
+    assert_eq!(p.stats().held, vec![0; 4]);
+}
+
+/// Blocks parked in one engine's magazine count as free and serve every engine: another engine
+/// can take the whole pool, and a request beyond it is refused with the exact free count.
+#[test]
+fn blocks_parked_in_a_magazine_serve_other_engines() {
+    let p = pool(32);
+    let mut ids = Vec::new();
+    p.alloc_n(E0, 20, &mut ids).unwrap();
+    assert_eq!(p.free_n(&ids), Ok(20));
+    assert_eq!(p.free_count(), 32);
+    let mut all = Vec::new();
+    assert_eq!(
+        p.alloc_n(E1, 33, &mut all),
+        Err(PoolError::OutOfBlocks {
+            requested: 33,
+            free: 32
+        })
+    );
+    assert!(all.is_empty());
+    p.alloc_n(E1, 32, &mut all).unwrap();
+    let mut idx: Vec<u32> = all.iter().map(|b| b.index()).collect();
+    idx.sort_unstable();
+    idx.dedup();
+    assert_eq!(idx.len(), 32, "a block handed out twice");
+    assert_eq!(p.free_count(), 0);
+    assert_eq!(p.held(E1), 32);
+    assert!(p.alloc(E0).is_err());
+    assert_eq!(p.free_n(&all), Ok(32));
+    assert_eq!(p.free_count(), 32);
+}
+
+/// `free_n`'s fast path (distinct blocks of one owner with one reference each) and the general
+/// path agree: a batch mixing owners, a shared block, or a repeat goes the general way and is
+/// still all or nothing.
+#[test]
+fn free_n_fast_and_general_paths_agree() {
+    let p = pool(16);
+    let mut a = Vec::new();
+    let mut b = Vec::new();
+    p.alloc_n(E0, 3, &mut a).unwrap();
+    p.alloc_n(E1, 3, &mut b).unwrap();
+    // A repeat of a block with one reference: refused, nothing released.
+    let repeat = [a[0], a[1], a[0]];
+    assert!(matches!(
+        p.free_n(&repeat),
+        Err(PoolError::NotAllocated { .. })
+    ));
+    assert_eq!(p.held(E0), 3);
+    // Mixed owners and a shared block: the general path.
+    p.share(a[2]).unwrap();
+    let mixed = [a[0], b[0], a[2]];
+    assert_eq!(p.free_n(&mixed), Ok(2));
+    assert_eq!(p.ref_count(a[2]), Ok(1));
+    assert_eq!((p.held(E0), p.held(E1)), (2, 2));
+    // The fast path: distinct, one owner, one reference each.
+    assert_eq!(p.free_n(&[a[1], a[2]]), Ok(2));
+    assert_eq!(p.free_n(&b[1..]), Ok(2));
+    assert_eq!(p.free_count(), 16);
+    assert_eq!(p.stats().held, vec![0; 4]);
+}

@@ -376,3 +376,116 @@ fn free_n_racing_a_double_release_loses_no_block() {
          {phase_two_races}, after {late}"
     );
 }
+
+/// Two engines' threads allocate and free batches on a pool small enough that every free block
+/// can sit in one engine's magazine, so requests regularly need blocks parked in the other
+/// engine's magazine. At each quiescent point the counts match what the threads hold, and the
+/// checker takes every free block at once (which must succeed, magazines included) and finds
+/// none of them held by a worker.
+#[test]
+fn magazines_shared_by_two_engines_match_the_model() {
+    const BLOCKS: u32 = 48;
+    const ROUNDS: usize = 200;
+    const OPS: usize = 2_000;
+    const TIME: Duration = Duration::from_secs(4);
+    let pool = Arc::new(
+        BlockPool::new(PoolConfig {
+            device: 0,
+            num_blocks: BLOCKS,
+            max_engines: 2,
+        })
+        .unwrap(),
+    );
+    let gate = Arc::new(Gate::new(3));
+    let stop = Arc::new(AtomicBool::new(false));
+    let held: Arc<Vec<Mutex<Vec<BlockId>>>> =
+        Arc::new((0..2).map(|_| Mutex::new(Vec::new())).collect());
+    let workers: Vec<_> = (0..2u16)
+        .map(|t| {
+            let (pool, gate, stop, held) = (pool.clone(), gate.clone(), stop.clone(), held.clone());
+            std::thread::spawn(move || {
+                let _poison = PoisonOnPanic(&gate);
+                let engine = EngineId(t);
+                let mut rng = SmallRng::seed_from_u64(0xa9a + u64::from(t));
+                let mut mine: Vec<BlockId> = Vec::new();
+                let mut scratch = Vec::new();
+                loop {
+                    for _ in 0..OPS {
+                        if rng.gen_bool(0.5) {
+                            let n = rng.gen_range(1..=20);
+                            scratch.clear();
+                            match pool.alloc_n(engine, n, &mut scratch) {
+                                Ok(()) => mine.extend_from_slice(&scratch),
+                                Err(PoolError::OutOfBlocks { requested, free }) => {
+                                    assert!(requested == n && free < n, "refused {n} with {free}");
+                                    assert!(scratch.is_empty());
+                                }
+                                Err(e) => panic!("alloc_n: {e}"),
+                            }
+                        } else if !mine.is_empty() {
+                            let k = rng.gen_range(1..=mine.len());
+                            let start = mine.len() - k;
+                            assert_eq!(pool.free_n(&mine[start..]), Ok(k as u32));
+                            mine.truncate(start);
+                        }
+                    }
+                    *held[t as usize].lock().unwrap() = mine.clone();
+                    gate.wait("worker: round end");
+                    // The checker runs alone here.
+                    gate.wait("worker: round start");
+                    if stop.load(Ordering::Acquire) {
+                        assert_eq!(pool.free_n(&mine), Ok(mine.len() as u32));
+                        return;
+                    }
+                }
+            })
+        })
+        .collect();
+    let start = Instant::now();
+    let mut rounds = 0;
+    loop {
+        gate.wait("checker: round end");
+        rounds += 1;
+        let mut all: Vec<BlockId> = Vec::new();
+        for (e, h) in held.iter().enumerate() {
+            let h = h.lock().unwrap();
+            assert_eq!(
+                pool.held(EngineId(e as u16)),
+                h.len() as u32,
+                "round {rounds}"
+            );
+            all.extend_from_slice(&h);
+        }
+        let free = pool.free_count();
+        assert_eq!(
+            free as usize + all.len(),
+            BLOCKS as usize,
+            "round {rounds}: count"
+        );
+        let mut rest = Vec::new();
+        pool.alloc_n(EngineId(1), free, &mut rest)
+            .unwrap_or_else(|e| panic!("round {rounds}: every free block at once: {e}"));
+        all.extend_from_slice(&rest);
+        let mut idx: Vec<u32> = all.iter().map(|b| b.index()).collect();
+        idx.sort_unstable();
+        idx.dedup();
+        assert_eq!(
+            idx.len(),
+            BLOCKS as usize,
+            "round {rounds}: a block held twice"
+        );
+        assert_eq!(pool.free_n(&rest), Ok(free));
+        let done = rounds >= ROUNDS || start.elapsed() >= TIME;
+        stop.store(done, Ordering::Release);
+        gate.wait("checker: round start");
+        if done {
+            break;
+        }
+    }
+    for w in workers {
+        w.join().unwrap();
+    }
+    assert_eq!(pool.free_count(), BLOCKS);
+    assert_eq!(pool.stats().held, vec![0, 0]);
+    println!("{rounds} rounds");
+}

@@ -9,6 +9,7 @@
 //!   lock-free), any number of readers taking consistent snapshots (see [`table`]).
 
 pub mod arena;
+mod magazine;
 pub mod pool;
 pub mod table;
 

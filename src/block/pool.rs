@@ -27,10 +27,32 @@
 //! **Reclamation.** Nodes are never freed: the link array lives as long as the pool, so a stale
 //! reader never touches freed memory (no hazard pointers or epochs needed).
 //!
+//! # Per-engine magazines
+//!
+//! Beside the shared stack, each of the first 64 engines has a **magazine** (magazine.rs): a
+//! bounded array stack of up to 64 free blocks with one pusher at a time and any number of
+//! poppers, so an engine's scheduler thread recycles its own blocks without the shared head and
+//! without walking links.
+//!
+//! - Blocks whose last reference `free_n` releases go to their owner's magazine if they fit and
+//!   no other push to that magazine is in progress (never awaited), else to the shared stack. A
+//!   single `release` pushes to the shared stack (one CAS, cheaper than a magazine push).
+//! - `alloc`/`alloc_n` take from the caller's magazine when it holds enough (one CAS, a slice of
+//!   the array), else from the shared stack (one CAS). Each grab takes from one list, so no
+//!   partial grab is ever visible.
+//! - When neither holds enough, the refusal is decided on a snapshot of the shared stack and
+//!   every magazine at one instant (a double collect: every change to any of those words changes
+//!   it, tags included). If the snapshot holds enough, every magazine is moved to the shared
+//!   stack and the grab retried: a retry means another thread's operation completed a step, so
+//!   this stays lock-free.
+//!
 //! **Exact counts.** Each link records the depth of the stack below and including its node, set
-//! when pushed. The free count is the top's depth: exact whenever no operation is in flight, and
-//! `alloc_n` refuses a request larger than it in O(1) (re-reading the head to confirm the refusal
-//! was made on a live snapshot).
+//! when pushed; a magazine's word holds its count. The free count is the stack's top depth plus
+//! every magazine's count: exact whenever no operation is in flight. During concurrent
+//! operations a refusal (and `free_count`) reflects one instant at which the free lists held
+//! fewer blocks than asked; blocks between lists at that instant count as not free: a block
+//! being released (between its last reference and its push, as before magazines) and, new with
+//! magazines, blocks another allocation is moving from the magazines to the shared stack.
 //!
 //! # Ownership, reference counts and stale ids
 //!
@@ -58,6 +80,7 @@
 //! coordinator reads these counters.
 
 use super::ids::{BlockId, EngineId, INDEX_BITS, INDEX_MASK, MAX_BLOCKS};
+use super::magazine::{count_of, Magazine, MAG_CAP};
 use crate::error::PoolError;
 use crate::sync::{global, AtomicU32, AtomicU64, Backoff, CachePadded, Ordering};
 
@@ -77,6 +100,12 @@ const GEN_MASK: u64 = (1 << 24) - 1;
 const OWNER_SHIFT: u32 = 48;
 /// The largest reference count a block can reach.
 pub const MAX_REFS: u32 = (1 << RC_BITS) - 1;
+/// Ids `free_n` checks with their words kept (and blocks it pushes with one CAS).
+const CHAIN: usize = 64;
+/// Engines with a magazine (engines beyond use the shared stack alone), bounding the pool's
+/// magazine memory and the snapshot a refusal reads. Under loom only engine 0 has one, so models
+/// drive the magazine through engine 0 and the shared stack (its ABA cases) through engine 1.
+const MAG_ENGINES: u16 = if cfg!(loom) { 1 } else { 64 };
 
 #[inline]
 fn head_word(tag_of: u64, index: u32) -> u64 {
@@ -152,7 +181,8 @@ pub struct PoolStats {
 /// The free KV blocks of one device, shared by every engine (model) through `Arc`.
 ///
 /// Lock-free: every operation completes in a bounded number of its own steps unless another
-/// thread's operation on the same head succeeded meanwhile. See the module docs for the
+/// thread's operation on the same word (the head, a magazine, a block) succeeded meanwhile; no
+/// operation waits for another to finish (a magazine another thread is pushing to is skipped). See the module docs for the
 /// algorithm and the ABA argument.
 #[derive(Debug)]
 pub struct BlockPool {
@@ -166,6 +196,10 @@ pub struct BlockPool {
     meta: Box<[AtomicU64]>,
     /// Physical blocks owned by each engine (blocks whose last reference is still held).
     held: Box<[CachePadded<AtomicU32>]>,
+    /// Free blocks parked per engine (the first `MAG_ENGINES` engines): a block whose last
+    /// reference is released goes to its owner's magazine when there is room and no other push
+    /// to it is in progress, else to the shared stack. Free = shared stack + every magazine.
+    mags: Box<[Magazine]>,
     tag: u16,
     device: u32,
     total: u32,
@@ -199,11 +233,16 @@ impl BlockPool {
         let held = (0..config.max_engines)
             .map(|_| CachePadded::new(AtomicU32::new(0)))
             .collect();
+        let mag_cap = MAG_CAP.min(n);
+        let mags = (0..config.max_engines.min(MAG_ENGINES))
+            .map(|_| Magazine::new(mag_cap))
+            .collect();
         Ok(Self {
             head: CachePadded::new(AtomicU64::new(0)),
             link,
             meta,
             held,
+            mags,
             tag: global::next_pool_tag(),
             device: config.device,
             total: n,
@@ -234,17 +273,51 @@ impl BlockPool {
         self.held.len() as u16
     }
 
-    /// Free blocks. Exact whenever no operation is in flight; during concurrent operations it is
-    /// the length of the free list at some instant of the call.
+    /// Free blocks (the shared stack plus every magazine). Exact whenever no operation is in
+    /// flight; during concurrent operations it is the number of free blocks at some instant of
+    /// the call (blocks a concurrent allocation is moving between free lists count as not
+    /// free at that instant, as blocks being released always have).
     pub fn free_count(&self) -> u32 {
-        // Acquire pairs with the Release CAS of the push that made this top current, so its
-        // link (and depth) is visible.
-        let head = self.head.load(Ordering::Acquire);
+        self.snapshot_free()
+    }
+
+    /// Free blocks on the shared stack alone, from a head word read with Acquire.
+    #[inline]
+    fn stack_depth(&self, head: u64) -> u32 {
         let top = head_index(head);
         if top == NIL {
             0
         } else {
+            // Relaxed: the caller's Acquire load of `head` pairs with the Release CAS of the
+            // push that made this top current, so its link (and depth) is visible.
             link_depth(self.link[top as usize].load(Ordering::Relaxed))
+        }
+    }
+
+    /// The free count at one instant, by double collect: read the head and every magazine
+    /// word, read them again, and accept when nothing changed (every change to any of them
+    /// changes its word: tags rise on every push, counts fall on every pop). Lock-free: a retry
+    /// means another operation completed a step meanwhile.
+    fn snapshot_free(&self) -> u32 {
+        let mut words = [0u64; MAG_ENGINES as usize];
+        let backoff = Backoff::new();
+        loop {
+            // Acquire: see stack_depth.
+            let head = self.head.load(Ordering::Acquire);
+            let mut free = self.stack_depth(head);
+            for (w, m) in words.iter_mut().zip(self.mags.iter()) {
+                *w = m.word();
+                free += count_of(*w);
+            }
+            let same = self.head.load(Ordering::Acquire) == head
+                && words
+                    .iter()
+                    .zip(self.mags.iter())
+                    .all(|(&w, m)| m.word() == w);
+            if same {
+                return free;
+            }
+            backoff.spin();
         }
     }
 
@@ -260,7 +333,7 @@ impl BlockPool {
     pub fn stats(&self) -> PoolStats {
         PoolStats {
             total: self.total,
-            free: self.free_count(),
+            free: self.snapshot_free(),
             held: self
                 .held
                 .iter()
@@ -304,7 +377,7 @@ impl BlockPool {
     /// Allocates one block for `engine`, with one reference.
     pub fn alloc(&self, engine: EngineId) -> Result<BlockId, PoolError> {
         self.check_engine(engine)?;
-        let index = self.pop().ok_or(PoolError::OutOfBlocks {
+        let index = self.take_one(engine).ok_or(PoolError::OutOfBlocks {
             requested: 1,
             free: 0,
         })?;
@@ -314,10 +387,39 @@ impl BlockPool {
         Ok(id)
     }
 
+    /// Takes one free block: from `engine`'s magazine, else the shared stack, else (moving
+    /// every magazine to the stack) from anywhere; `None` when a snapshot found none free.
+    fn take_one(&self, engine: EngineId) -> Option<u32> {
+        if let Some(m) = self.mags.get(engine.index()) {
+            let mut got = NIL;
+            if m.pop_n(1, |_, index| got = index) {
+                return Some(got);
+            }
+        }
+        let backoff = Backoff::new();
+        loop {
+            if let Some(index) = self.pop() {
+                return Some(index);
+            }
+            if self.snapshot_free() == 0 {
+                return None;
+            }
+            self.flush_magazines();
+            backoff.spin();
+        }
+    }
+
     /// Allocates `n` blocks for `engine`, all or nothing, appending their ids to `out`.
     ///
     /// Either `n` ids are appended, or none and the pool is unchanged. `out` only grows if its
     /// capacity is short, so a reused vector makes this allocation-free.
+    ///
+    /// The blocks come from one free list with one CAS: `engine`'s magazine when it holds `n`,
+    /// else the shared stack. When neither does, a refusal is decided on a snapshot of every
+    /// free list at one instant ([`free_count`](Self::free_count)); if that snapshot holds `n`,
+    /// the magazines are moved to the shared stack and the grab is retried. No partial grab is
+    /// ever visible: a thread that sees fewer free blocks sees them because another allocation
+    /// took them, or is moving them between free lists.
     pub fn alloc_n(
         &self,
         engine: EngineId,
@@ -334,8 +436,40 @@ impl BlockPool {
                 free: self.free_count(),
             });
         }
+        if n <= MAG_CAP {
+            if let Some(m) = self.mags.get(engine.index()) {
+                let mut popped = [0u32; MAG_CAP as usize];
+                if m.pop_n(n, |k, index| popped[k] = index) {
+                    out.extend(popped[..n as usize].iter().map(|&i| self.claim(i, engine)));
+                    // Relaxed: a statistic (see `held`).
+                    self.held[engine.index()].fetch_add(n, Ordering::Relaxed);
+                    return Ok(());
+                }
+            }
+        }
         let start = out.len();
         out.reserve(n as usize);
+        let backoff = Backoff::new();
+        while !self.grab_stack(n, out) {
+            let free = self.snapshot_free();
+            if free < n {
+                return Err(PoolError::OutOfBlocks { requested: n, free });
+            }
+            self.flush_magazines();
+            backoff.spin();
+        }
+        for slot in &mut out[start..] {
+            *slot = self.claim(slot.to_bits() as u32, engine);
+        }
+        // Relaxed: a statistic (see `held`).
+        self.held[engine.index()].fetch_add(n, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Detaches `n` blocks from the shared stack with one CAS, appending their indices (as raw
+    /// ids) to `out`; `false`, with `out` as it was, when the stack holds fewer than `n`.
+    fn grab_stack(&self, n: u32, out: &mut Vec<BlockId>) -> bool {
+        let start = out.len();
         let backoff = Backoff::new();
         // Acquire pairs with the Release CAS of the push that installed each top, making its
         // link visible; links further down were published by earlier pushes in the same release
@@ -343,24 +477,8 @@ impl BlockPool {
         let mut head = self.head.load(Ordering::Acquire);
         'retry: loop {
             let top = head_index(head);
-            let available = if top == NIL {
-                0
-            } else {
-                link_depth(self.link[top as usize].load(Ordering::Relaxed))
-            };
-            if available < n {
-                // Confirm the refusal on a live snapshot: if the head did not move, the depth we
-                // read was the live free count.
-                let now = self.head.load(Ordering::Acquire);
-                if now == head {
-                    return Err(PoolError::OutOfBlocks {
-                        requested: n,
-                        free: available,
-                    });
-                }
-                head = now;
-                backoff.spin();
-                continue;
+            if self.stack_depth(head) < n {
+                return false;
             }
             // Walk n links. If the head moved meanwhile, the walk may meet garbage; such a walk
             // is discarded because the CAS below fails.
@@ -383,7 +501,7 @@ impl BlockPool {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
-                Ok(_) => break,
+                Ok(_) => return true,
                 Err(actual) => {
                     out.truncate(start);
                     head = actual;
@@ -391,12 +509,37 @@ impl BlockPool {
                 }
             }
         }
-        for slot in &mut out[start..] {
-            *slot = self.claim(slot.to_bits() as u32, engine);
+    }
+
+    /// Moves every magazine's blocks to the shared stack (the slow path of an allocation that
+    /// the stack alone cannot serve). Between a magazine's pop and the stack's push the blocks
+    /// are this thread's alone: free, but on no list.
+    #[cold]
+    fn flush_magazines(&self) {
+        let mut buf = [0u32; MAG_CAP as usize];
+        for m in self.mags.iter() {
+            let k = m.pop_all(&mut buf);
+            self.push_chain(&buf[..k as usize]);
+        }
+    }
+
+    /// Returns blocks of `owner` whose last reference was just released to a free list: the
+    /// owner's magazine when it has room and no other push to it is in progress (never
+    /// awaited), else the shared stack. Uncounts them first, so `held` never counts a block
+    /// that is already free.
+    #[inline]
+    fn recycle(&self, owner: EngineId, chain: &[u32]) {
+        if chain.is_empty() {
+            return;
         }
         // Relaxed: a statistic (see `held`).
-        self.held[engine.index()].fetch_add(n, Ordering::Relaxed);
-        Ok(())
+        self.held[owner.index()].fetch_sub(chain.len() as u32, Ordering::Relaxed);
+        if let Some(m) = self.mags.get(owner.index()) {
+            if m.try_push(chain) {
+                return;
+            }
+        }
+        self.push_chain(chain);
     }
 
     /// Marks a block just popped from the free list as allocated to `engine` and mints its id.
@@ -529,6 +672,8 @@ impl BlockPool {
     pub fn release(&self, id: BlockId) -> Result<bool, PoolError> {
         match self.drop_ref(id)? {
             Some(owner) => {
+                // One block: the shared stack's single CAS is cheaper than a magazine push
+                // (claim and release of its busy bit); batches go to the magazine.
                 // Relaxed: a statistic (see `held`).
                 self.held[owner.index()].fetch_sub(1, Ordering::Relaxed);
                 self.push_chain(&[id.index()]);
@@ -593,11 +738,13 @@ impl BlockPool {
     /// is still released, and [`PoolError::ConcurrentDoubleFree`] reports the id and the count.
     /// The pool stays consistent: every block ends either free or allocated.
     pub fn free_n(&self, ids: &[BlockId]) -> Result<u32, PoolError> {
+        if let Some(done) = self.free_unshared(ids) {
+            return done;
+        }
         // Phase 1: check every id. For a batch of up to CHAIN ids, each block's metadata word
         // is kept as the expected value of phase 2's CAS (saving a load per block), and
         // repeated mentions are found through a 64-bit filter of index bits: only an id whose
         // bit is already set is compared against the ids before it.
-        const CHAIN: usize = 64;
         let small = ids.len() <= CHAIN;
         let mut seen = [0u64; CHAIN];
         let mut filter = 0u64;
@@ -631,12 +778,12 @@ impl BlockPool {
                 }
             }
         }
-        // Phase 2: release every reference; blocks that reach zero are pushed back in chains of
-        // up to CHAIN blocks with one CAS each, and uncounted per run of equal owners.
+        // Phase 2: release every reference; blocks that reach zero are recycled in runs of one
+        // owner (up to CHAIN blocks), each with one push.
         let mut chain = [0u32; CHAIN];
         let mut len = 0;
         let mut freed = 0;
-        let mut run: Option<(EngineId, u32)> = None;
+        let mut run_owner = EngineId(0);
         // Every id passed the checks above, but a double free elsewhere (another thread
         // releasing a reference this caller holds) can still make one fail here. Returning at
         // that point would strand the blocks already taken to zero references (neither free
@@ -658,24 +805,16 @@ impl BlockPool {
                     continue;
                 }
             };
-            match &mut run {
-                Some((o, n)) if *o == owner => *n += 1,
-                _ => {
-                    self.uncount(run.take());
-                    run = Some((owner, 1));
-                }
-            }
-            chain[len] = id.index();
-            len += 1;
-            if len == CHAIN {
-                self.uncount(run.take());
-                self.push_chain(&chain);
+            if len == CHAIN || (len > 0 && owner != run_owner) {
+                self.recycle(run_owner, &chain[..len]);
                 freed += len as u32;
                 len = 0;
             }
+            run_owner = owner;
+            chain[len] = id.index();
+            len += 1;
         }
-        self.uncount(run);
-        self.push_chain(&chain[..len]);
+        self.recycle(run_owner, &chain[..len]);
         let freed = freed + len as u32;
         match raced {
             None => Ok(freed),
@@ -683,14 +822,76 @@ impl BlockPool {
         }
     }
 
-    /// Subtracts a run of recycled blocks from their owner's count (before they are pushed, so
-    /// `held` never counts a block that is already free).
+    /// `free_n`'s fast path, for the common batch: every id names a distinct block of one
+    /// owner holding exactly one reference (a sequence giving back its blocks). Checking a block
+    /// is one compare of its word against the word such a block must have, which is also the
+    /// expected value of its release CAS; the blocks go back with one push. `None`, with
+    /// nothing changed, when the batch is not of that shape: the general path decides.
+    ///
+    /// A CAS that fails (another thread changed the word after the check: a double free or a
+    /// share racing this call) continues as the general path's release does, from the word
+    /// it found.
     #[inline]
-    fn uncount(&self, run: Option<(EngineId, u32)>) {
-        if let Some((owner, n)) = run {
-            // Relaxed: a statistic (see `held`).
-            self.held[owner.index()].fetch_sub(n, Ordering::Relaxed);
+    fn free_unshared(&self, ids: &[BlockId]) -> Option<Result<u32, PoolError>> {
+        if ids.len() > CHAIN {
+            return None;
         }
+        let first = ids.first()?;
+        if first.pool_tag() != self.tag || first.index() >= self.total {
+            return None;
+        }
+        // Relaxed: only names the owner every block must have; the checks below decide.
+        let owner = meta_owner(self.meta[first.index() as usize].load(Ordering::Relaxed));
+        let mut filter = 0u64;
+        for &id in ids {
+            let index = id.index();
+            if id.pool_tag() != self.tag || index >= self.total {
+                return None;
+            }
+            // Acquire pairs with claim's Release store.
+            let cur = self.meta[index as usize].load(Ordering::Acquire);
+            // One compare: allocated, one reference, this generation, this owner.
+            let bit = 1u64 << (index % 64);
+            if cur != meta_word(1, id.generation(), owner) || filter & bit != 0 {
+                // Shared, of another owner, a bad id, or a possible repeat (refused by the
+                // general path when it is one: a block with one reference named twice).
+                return None;
+            }
+            filter |= bit;
+        }
+        let mut chain = [0u32; CHAIN];
+        let mut len = 0;
+        let mut raced = None;
+        for &id in ids {
+            let index = id.index();
+            let unshared = meta_word(1, id.generation(), owner);
+            // AcqRel: as in drop_ref_from.
+            let freed = match self.meta[index as usize].compare_exchange(
+                unshared,
+                unshared - 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => true,
+                Err(actual) => match self.drop_ref_from(id, index as usize, actual) {
+                    Ok(last) => last.is_some(),
+                    Err(_) => {
+                        raced.get_or_insert(id);
+                        false
+                    }
+                },
+            };
+            if freed {
+                chain[len] = index;
+                len += 1;
+            }
+        }
+        self.recycle(owner, &chain[..len]);
+        let freed = len as u32;
+        Some(match raced {
+            None => Ok(freed),
+            Some(id) => Err(PoolError::ConcurrentDoubleFree { id, freed }),
+        })
     }
 
     /// Whether more than one holder references the block (copy-on-write must copy before

@@ -271,3 +271,105 @@ fn free_n_racing_a_double_release() {
         drain_and_check(&p, &[]);
     });
 }
+
+/// Engine 0 (the one engine with a magazine under loom) frees two blocks into its magazine
+/// while another thread allocates for engine 0: the pop races the push (and its busy bit);
+/// whatever the interleaving, no block is handed out twice and none is lost.
+#[test]
+fn magazine_pop_racing_push() {
+    loom::model(|| {
+        let p = pool(3);
+        let mut held = Vec::new();
+        p.alloc_n(EngineId(0), 2, &mut held).unwrap();
+        let freer = {
+            let p = p.clone();
+            thread::spawn(move || assert_eq!(p.free_n(&held), Ok(2)))
+        };
+        let got = p.alloc(EngineId(0)).unwrap();
+        freer.join().unwrap();
+        assert_eq!(p.held(EngineId(0)), 1);
+        assert_eq!(p.free_count(), 2);
+        drain_and_check(&p, &[got]);
+    });
+}
+
+/// The magazine's ABA adversary: a popper reads the top two entries' word while the main
+/// thread pops both and pushes one back, so the count the popper read reappears; the push's
+/// tag bump must fail the popper's CAS, or it would hand out a block the main thread holds.
+#[test]
+fn magazine_pop_pop_push_aba() {
+    loom::model(|| {
+        let p = pool(2);
+        let mut two = Vec::new();
+        p.alloc_n(EngineId(0), 2, &mut two).unwrap();
+        assert_eq!(p.free_n(&two), Ok(2));
+        let popper = {
+            let p = p.clone();
+            thread::spawn(move || p.alloc(EngineId(0)).ok())
+        };
+        let a = p.alloc(EngineId(0)).ok();
+        let b = p.alloc(EngineId(0)).ok();
+        if let Some(a) = a {
+            // free_n: a batch goes to the magazine (a single release goes to the shared stack).
+            assert_eq!(p.free_n(&[a]), Ok(1));
+        }
+        let c = popper.join().unwrap();
+        let held: Vec<BlockId> = [b, c].into_iter().flatten().collect();
+        drain_and_check(&p, &held);
+    });
+}
+
+/// Blocks parked in engine 0's magazine are free for every engine: engine 1 (no magazine)
+/// asks for both while engine 0's thread returns them. A refusal must be made on a snapshot
+/// that really held fewer than two free blocks; once the free is done, the request succeeds.
+#[test]
+fn alloc_n_reaches_blocks_in_another_magazine() {
+    loom::model(|| {
+        let p = pool(2);
+        let mut held = Vec::new();
+        p.alloc_n(EngineId(0), 2, &mut held).unwrap();
+        let freer = {
+            let p = p.clone();
+            thread::spawn(move || assert_eq!(p.free_n(&held), Ok(2)))
+        };
+        let mut got = Vec::new();
+        let first = p.alloc_n(EngineId(1), 2, &mut got);
+        freer.join().unwrap();
+        match first {
+            Ok(()) => assert_eq!(got.len(), 2),
+            Err(PoolError::OutOfBlocks { requested: 2, free }) => {
+                assert!(free < 2, "refused with {free} free");
+                assert!(got.is_empty());
+                p.alloc_n(EngineId(1), 2, &mut got).unwrap();
+            }
+            Err(e) => panic!("unexpected {e}"),
+        }
+        assert_eq!(p.free_count(), 0);
+        assert_eq!(p.held(EngineId(1)), 2);
+        assert_eq!(p.held(EngineId(0)), 0);
+        p.free_n(&got).unwrap();
+        assert_eq!(p.free_count(), 2);
+    });
+}
+
+/// Two threads free a block of engine 0 each at once: both pushes target engine 0's magazine.
+/// Only one may write entries at a time (the busy bit); the other goes to the shared stack.
+/// Without that, both would write the entry at the same count and one block would be lost.
+#[test]
+fn magazine_two_pushers() {
+    loom::model(|| {
+        let p = pool(2);
+        let mut two = Vec::new();
+        p.alloc_n(EngineId(0), 2, &mut two).unwrap();
+        let (a, b) = (two[0], two[1]);
+        let other = {
+            let p = p.clone();
+            thread::spawn(move || assert_eq!(p.free_n(&[a]), Ok(1)))
+        };
+        assert_eq!(p.free_n(&[b]), Ok(1));
+        other.join().unwrap();
+        assert_eq!(p.free_count(), 2);
+        assert_eq!(p.held(EngineId(0)), 0);
+        drain_and_check(&p, &[]);
+    });
+}

@@ -95,7 +95,7 @@ pub enum PoolError {
     },
 }
 
-/// Errors of the continuous-batching scheduler ([`crate::sched::batcher`]).
+/// Errors of the continuous-batching scheduler ([`crate::sched::Batcher`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SchedError {
     /// The batcher configuration cannot work.

@@ -1,28 +1,4 @@
 //! The continuous-batching scheduler of one engine.
-//!
-//! Driven by the engine's step loop, single-threaded (`&mut self`): the concurrency lives in the
-//! shared [`BlockPool`] and budget it draws from, and in the admission queues that feed it.
-//!
-//! ```text
-//!   add ──► waiting ──► running (prefilling in chunks ──► decoding) ──► finished
-//!              ▲   recompute    │  swap                                  ▲
-//!              └────────────────┤────► swapped ──► running               │ abort (any time)
-//! ```
-//!
-//! Each [`schedule_into`](Batcher::schedule_into) step:
-//! 1. running sequences, oldest first: a decoding one gets one token; a prefilling one a chunk of
-//!    at most `max_prefill_chunk` tokens; all within the step's token budget (the smaller of
-//!    `max_batched_tokens` and the attached budget's). Blocks are taken from the pool so every
-//!    sequence's table covers its tokens; when the pool (or the block quota) runs dry, the
-//!    running sequence of lowest priority and latest arrival that is not yet in the batch is
-//!    preempted, by recompute or by swap. The oldest sequence is never the victim while a
-//!    younger one runs, so a workload that fits one sequence at a time always finishes.
-//! 2. swapped sequences come back (oldest first) when their blocks fit;
-//! 3. waiting sequences are admitted, latency-critical before throughput, first come first
-//!    served within a class, unless this step preempted (admitting then would only thrash).
-//!
-//! The cost of a step is O(scheduled sequences + their new tokens + their blocks), with no
-//! allocation in steady state: the [`Batch`] buffers and the scratch vectors are reused.
 
 mod preempt;
 mod prefix_link;
@@ -121,7 +97,32 @@ pub struct BatcherStats {
     pub prefix_reused_tokens: u64,
 }
 
-/// The continuous-batching scheduler of one engine. See the module docs.
+/// The continuous-batching scheduler of one engine.
+///
+///
+/// Driven by the engine's step loop, single-threaded (`&mut self`): the concurrency lives in the
+/// shared [`BlockPool`] and budget it draws from, and in the admission queues that feed it.
+///
+/// ```text
+///   add ──► waiting ──► running (prefilling in chunks ──► decoding) ──► finished
+///              ▲   recompute    │  swap                                  ▲
+///              └────────────────┤────► swapped ──► running               │ abort (any time)
+/// ```
+///
+/// Each [`schedule_into`](Batcher::schedule_into) step:
+/// 1. running sequences, oldest first: a decoding one gets one token; a prefilling one a chunk of
+///    at most `max_prefill_chunk` tokens; all within the step's token budget (the smaller of
+///    `max_batched_tokens` and the attached budget's). Blocks are taken from the pool so every
+///    sequence's table covers its tokens; when the pool (or the block quota) runs dry, the
+///    running sequence of lowest priority and latest arrival that is not yet in the batch is
+///    preempted, by recompute or by swap. The oldest sequence is never the victim while a
+///    younger one runs, so a workload that fits one sequence at a time always finishes.
+/// 2. swapped sequences come back (oldest first) when their blocks fit;
+/// 3. waiting sequences are admitted, latency-critical before throughput, first come first
+///    served within a class, unless this step preempted (admitting then would only thrash).
+///
+/// The cost of a step is O(scheduled sequences + their new tokens + their blocks), with no
+/// allocation in steady state: the [`Batch`] buffers and the scratch vectors are reused.
 pub struct Batcher {
     cfg: BatcherConfig,
     pool: Arc<BlockPool>,

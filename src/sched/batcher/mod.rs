@@ -648,16 +648,44 @@ impl Batcher {
         for row in 0..self.scheduled.len() {
             let (slot, n, drafts) = self.scheduled[row];
             let samples = self.batch.samples[row];
+            let caching = self.prefix.is_some();
             let seq = self.seq_mut(slot);
-            // Proposals are for one step: verified below if scheduled, dropped if not.
-            let proposed = std::mem::take(&mut seq.drafts);
-            if !samples {
+            if !samples || drafts == 0 {
+                // The common rows: a prefill chunk, or one token. Proposals are for one step:
+                // any left (not scheduled: the budget could not take them) are dropped.
                 seq.computed += n;
-                seq.drafts = proposed;
                 seq.drafts.clear();
-                self.cache_completed_blocks(slot);
+                let mut update = None;
+                if samples {
+                    let token = sampled[next_sample];
+                    next_sample += 1;
+                    seq.tokens.push(token);
+                    seq.phase = SeqPhase::Decoding;
+                    update = Some((seq.id, token, seq.stop_reason(token)));
+                }
+                if caching {
+                    self.cache_completed_blocks(slot);
+                }
+                let Some((id, token, reason)) = update else {
+                    continue;
+                };
+                if let Some(reason) = reason {
+                    any_finished = true;
+                    self.finish(slot, reason, finished);
+                }
+                if let Some(r) = results.as_deref_mut() {
+                    let at = r.tokens.len();
+                    r.tokens.push(token);
+                    r.updates.push(SeqUpdate {
+                        id,
+                        tokens: at..at + 1,
+                        finished: reason,
+                    });
+                }
                 continue;
             }
+            // A row verifying draft tokens.
+            let proposed = std::mem::take(&mut seq.drafts);
             let row_sampled = &sampled[next_sample..next_sample + drafts + 1];
             next_sample += drafts + 1;
             // Accept the drafts the sampled tokens confirm: the token sampled after draft i's

@@ -145,9 +145,14 @@ impl Batcher {
         b.samples.push(samples);
         b.drafts.push(drafts as u32);
         if samples {
-            // One logit per draft and one after the last token: the row's last `drafts + 1`.
             let end = b.input_tokens.len() as i32;
-            b.logits_indices.extend(end - 1 - drafts as i32..end);
+            if drafts == 0 {
+                b.logits_indices.push(end - 1);
+            } else {
+                // One logit per draft and one after the last token: the row's last
+                // `drafts + 1`.
+                b.logits_indices.extend(end - 1 - drafts as i32..end);
+            }
         }
         b.is_prefill.push(n > 1 || s.phase != SeqPhase::Decoding);
         b.max_blocks_per_seq = b.max_blocks_per_seq.max(s.table.len() as usize);

@@ -136,26 +136,31 @@ impl Batcher {
 
     /// After a commit: caches every block of the sequence that is now full and computed.
     pub(super) fn cache_completed_blocks(&mut self, slot: usize) {
+        // Disjoint fields: the cache is read while the sequence is written (no `Arc` clone, two
+        // atomic RMWs fewer per completed block).
         let Some(link) = &self.prefix else { return };
+        let Some(s) = self.seqs[slot].as_mut() else {
+            return;
+        };
         let bs = self.cfg.block_size as usize;
-        let s = self.seq(slot);
         if (s.hashed as usize + 1) * bs > s.computed {
-            // The common step: no block completed (and no reference count touched).
+            // The common step: no block completed.
             return;
         }
-        let cache = link.cache.clone();
-        let key = self.prefix_key(self.seq(slot).salt);
-        let engine = self.cfg.engine;
-        let s = self.seq_mut(slot);
+        let cache = &link.cache;
+        let key = PrefixKey {
+            engine: self.cfg.engine,
+            adapter: 0,
+            salt: s.salt,
+            block_tokens: self.cfg.block_size,
+        };
         while (s.hashed as usize + 1) * bs <= s.computed {
             let at = s.hashed as usize * bs;
             let parent: BlockHash = s.parent.unwrap_or_else(|| cache.hasher().root(&key));
             let hash = cache.hasher().block(parent, &s.tokens[at..at + bs]);
-            let Some(id) = s.table.get(s.hashed) else {
-                break;
-            };
+            let Some(id) = s.table.get(s.hashed) else { break };
             // Not cached (busy, duplicate, no room) is fine: the chain goes on from the hash.
-            let _ = cache.insert(engine, hash, id);
+            let _ = cache.insert(self.cfg.engine, hash, id);
             s.parent = Some(hash);
             s.hashed += 1;
         }

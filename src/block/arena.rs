@@ -1,23 +1,4 @@
 //! The KV byte arena of one device: one allocation of `num_pages x page_bytes` bytes that every
-//! loaded model's KV cache is a view of. A [`BlockId`](super::BlockId) handed out by the
-//! [`BlockPool`](super::BlockPool) names a page, whichever model holds it: a page one model
-//! frees is memory another model can write the next step, so a block lent between models is
-//! the same bytes, not a second allocation.
-//!
-//! This is the host arena (the CPU path, and the host image of a device arena in tests); the
-//! device arena is `cuda::DeviceArena`. How each model's geometry lays its blocks over a page
-//! is [`crate::kv::ArenaView`]'s business: the arena only knows pages.
-//!
-//! # Sharing without a lock
-//!
-//! Engine threads read and write their own pages concurrently. No Rust reference ever spans
-//! the whole arena: accessors hand out raw page pointers, and the views built on them
-//! ([`crate::kv::LayerKv`]) turn them into references only for one head vector at a time. Who
-//! may touch a page is decided by the block pool, not by this type: a page is written only by
-//! the engine whose sequence holds it with reference count 1, and read only by engines holding
-//! a reference (copy-on-write keeps shared pages read-only). The pool's release on free pairs
-//! with its acquire on allocation, so a page's last writes by its old owner happen before the
-//! new owner's first access. That contract is why the accessors that build views are `unsafe`.
 
 use std::alloc::{self, Layout};
 use std::fmt;
@@ -42,7 +23,27 @@ pub const POISON_BYTE: u8 = 0xFF;
 /// page_bytes, ARENA_ALIGN))`, `num_pages >= 1`, `page_bytes >= 1` and a multiple of
 /// [`PAGE_ALIGN`], the product fits in `isize`; the allocation is owned
 /// by this value and freed exactly once, by `Drop`. No `&`/`&mut` to the bytes outlives one
-/// method call of this type or a view's head-vector access (see the module docs).
+/// method call of this type or a view's head-vector access (see below).
+///
+/// loaded model's KV cache is a view of. A [`BlockId`](super::BlockId) handed out by the
+/// [`BlockPool`](super::BlockPool) names a page, whichever model holds it: a page one model
+/// frees is memory another model can write the next step, so a block lent between models is
+/// the same bytes, not a second allocation.
+///
+/// This is the host arena (the CPU path, and the host image of a device arena in tests); the
+/// device arena is `cuda::DeviceArena`. How each model's geometry lays its blocks over a page
+/// is [`crate::kv::ArenaView`]'s business: the arena only knows pages.
+///
+/// # Sharing without a lock
+///
+/// Engine threads read and write their own pages concurrently. No Rust reference ever spans
+/// the whole arena: accessors hand out raw page pointers, and the views built on them
+/// ([`crate::kv::LayerKv`]) turn them into references only for one head vector at a time. Who
+/// may touch a page is decided by the block pool, not by this type: a page is written only by
+/// the engine whose sequence holds it with reference count 1, and read only by engines holding
+/// a reference (copy-on-write keeps shared pages read-only). The pool's release on free pairs
+/// with its acquire on allocation, so a page's last writes by its old owner happen before the
+/// new owner's first access. That contract is why the accessors that build views are `unsafe`.
 pub struct KvArena {
     ptr: NonNull<u8>,
     num_pages: usize,

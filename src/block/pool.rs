@@ -1,83 +1,4 @@
 //! The lock-free KV block pool of one device.
-//!
-//! # Algorithm
-//!
-//! The free blocks form a **Treiber stack** (R. K. Treiber, 1986) threaded through a per-block
-//! link array, with a **tagged head word** against ABA:
-//!
-//! ```text
-//!  head: |        tag (40 bits)        | top index (24 bits) |
-//!  link[i]: | depth (32 bits) | next index (24 bits, low) |
-//! ```
-//!
-//! - `pop` reads the head, reads `link[top].next`, and CASes the head to `(tag + 1, next)`.
-//! - `push(i)` writes `link[i] = (depth(top) + 1, top)` and CASes the head to `(tag + 1, i)`.
-//! - `alloc_n(n)` walks `n` links from the top and detaches the whole chain with **one** CAS,
-//!   so it takes `n` blocks or none: no partial grab is ever visible to anyone.
-//!
-//! **ABA.** Every successful CAS on the head increments the 40-bit tag. A CAS that compares
-//! against a head it read earlier can only succeed if no other CAS succeeded in between, unless
-//! a multiple of 2^40 (1.1 × 10^12) head updates happened while this thread was between its load
-//! and its CAS: at one update per 10 ns that is a stall of three hours inside a handful of
-//! instructions. (Under loom the tag has 2 bits, so that models can show it is what stops ABA.) Within that argument, a successful CAS proves the stack was untouched since the
-//! load, so the `next` (or the chain) read from it was the live one. Links read from a stale head
-//! may be garbage; they are only used if the CAS proves them current, and every link value is an
-//! index below the pool size or the end marker, so reading them is always in bounds.
-//!
-//! **Reclamation.** Nodes are never freed: the link array lives as long as the pool, so a stale
-//! reader never touches freed memory (no hazard pointers or epochs needed).
-//!
-//! # Per-engine magazines
-//!
-//! Beside the shared stack, each of the first 64 engines has a **magazine** (magazine.rs): a
-//! bounded array stack of up to 64 free blocks with one pusher at a time and any number of
-//! poppers, so an engine's scheduler thread recycles its own blocks without the shared head and
-//! without walking links.
-//!
-//! - Blocks whose last reference `free_n` releases go to their owner's magazine if they fit and
-//!   no other push to that magazine is in progress (never awaited), else to the shared stack. A
-//!   single `release` pushes to the shared stack (one CAS, cheaper than a magazine push).
-//! - `alloc`/`alloc_n` take from the caller's magazine when it holds enough (one CAS, a slice of
-//!   the array), else from the shared stack (one CAS). Each grab takes from one list, so no
-//!   partial grab is ever visible.
-//! - When neither holds enough, the refusal is decided on a snapshot of the shared stack and
-//!   every magazine at one instant (a double collect: every change to any of those words changes
-//!   it, tags included). If the snapshot holds enough, every magazine is moved to the shared
-//!   stack and the grab retried: a retry means another thread's operation completed a step, so
-//!   this stays lock-free.
-//!
-//! **Exact counts.** Each link records the depth of the stack below and including its node, set
-//! when pushed; a magazine's word holds its count. The free count is the stack's top depth plus
-//! every magazine's count: exact whenever no operation is in flight. During concurrent
-//! operations a refusal (and `free_count`) reflects one instant at which the free lists held
-//! fewer blocks than asked; blocks between lists at that instant count as not free: a block
-//! being released (between its last reference and its push, as before magazines) and, new with
-//! magazines, blocks another allocation is moving from the magazines to the shared stack.
-//!
-//! # Ownership, reference counts and stale ids
-//!
-//! Each block has a metadata word:
-//!
-//! ```text
-//!  meta[i]: | owner engine (16) | generation (24) | reference count (24) |
-//! ```
-//!
-//! A count of zero means the block is on the free list. Only the thread that popped a block
-//! writes its metadata while the count is zero (the block is unreachable by anyone else), so
-//! allocation publishes `count = 1, generation + 1, owner` with a plain store. Every other change
-//! (`share`, `release`) is a CAS that requires a non-zero count and the caller's generation: a
-//! double free and a free of a never-allocated block are refused with an error, and so is a free
-//! through an id kept after the block was freed and reallocated, unless the 24-bit generation
-//! wrapped in between (the block reallocated a multiple of 2^24 times: see [`BlockId`]; with an
-//! arbitrary reuse count a stale id is caught with probability 1 - 2^-24). The pool stays
-//! consistent either way. The release that takes the count from one to zero is the only one
-//! that pushes the block back, so a block returns to the free list exactly once.
-//!
-//! # Per-engine accounting
-//!
-//! The engine that allocates a block owns it until it returns to the free list; `held[engine]`
-//! counts the physical blocks each engine owns (shared references do not count twice). The budget
-//! coordinator reads these counters.
 
 use super::ids::{BlockId, EngineId, INDEX_BITS, INDEX_MASK, MAX_BLOCKS};
 use super::magazine::{count_of, Magazine, MAG_CAP};
@@ -182,8 +103,88 @@ pub struct PoolStats {
 ///
 /// Lock-free: every operation completes in a bounded number of its own steps unless another
 /// thread's operation on the same word (the head, a magazine, a block) succeeded meanwhile; no
-/// operation waits for another to finish (a magazine another thread is pushing to is skipped). See the module docs for the
-/// algorithm and the ABA argument.
+/// operation waits for another to finish (a magazine another thread is pushing to is skipped). The algorithm and the ABA argument
+/// follow.
+///
+///
+/// # Algorithm
+///
+/// The free blocks form a **Treiber stack** (R. K. Treiber, 1986) threaded through a per-block
+/// link array, with a **tagged head word** against ABA:
+///
+/// ```text
+///  head: |        tag (40 bits)        | top index (24 bits) |
+///  link[i]: | depth (32 bits) | next index (24 bits, low) |
+/// ```
+///
+/// - `pop` reads the head, reads `link[top].next`, and CASes the head to `(tag + 1, next)`.
+/// - `push(i)` writes `link[i] = (depth(top) + 1, top)` and CASes the head to `(tag + 1, i)`.
+/// - `alloc_n(n)` walks `n` links from the top and detaches the whole chain with **one** CAS,
+///   so it takes `n` blocks or none: no partial grab is ever visible to anyone.
+///
+/// **ABA.** Every successful CAS on the head increments the 40-bit tag. A CAS that compares
+/// against a head it read earlier can only succeed if no other CAS succeeded in between, unless
+/// a multiple of 2^40 (1.1 × 10^12) head updates happened while this thread was between its load
+/// and its CAS: at one update per 10 ns that is a stall of three hours inside a handful of
+/// instructions. (Under loom the tag has 2 bits, so that models can show it is what stops ABA.) Within that argument, a successful CAS proves the stack was untouched since the
+/// load, so the `next` (or the chain) read from it was the live one. Links read from a stale head
+/// may be garbage; they are only used if the CAS proves them current, and every link value is an
+/// index below the pool size or the end marker, so reading them is always in bounds.
+///
+/// **Reclamation.** Nodes are never freed: the link array lives as long as the pool, so a stale
+/// reader never touches freed memory (no hazard pointers or epochs needed).
+///
+/// # Per-engine magazines
+///
+/// Beside the shared stack, each of the first 64 engines has a **magazine** (magazine.rs): a
+/// bounded array stack of up to 64 free blocks with one pusher at a time and any number of
+/// poppers, so an engine's scheduler thread recycles its own blocks without the shared head and
+/// without walking links.
+///
+/// - Blocks whose last reference `free_n` releases go to their owner's magazine if they fit and
+///   no other push to that magazine is in progress (never awaited), else to the shared stack. A
+///   single `release` pushes to the shared stack (one CAS, cheaper than a magazine push).
+/// - `alloc`/`alloc_n` take from the caller's magazine when it holds enough (one CAS, a slice of
+///   the array), else from the shared stack (one CAS). Each grab takes from one list, so no
+///   partial grab is ever visible.
+/// - When neither holds enough, the refusal is decided on a snapshot of the shared stack and
+///   every magazine at one instant (a double collect: every change to any of those words changes
+///   it, tags included). If the snapshot holds enough, every magazine is moved to the shared
+///   stack and the grab retried: a retry means another thread's operation completed a step, so
+///   this stays lock-free.
+///
+/// **Exact counts.** Each link records the depth of the stack below and including its node, set
+/// when pushed; a magazine's word holds its count. The free count is the stack's top depth plus
+/// every magazine's count: exact whenever no operation is in flight. During concurrent
+/// operations a refusal (and `free_count`) reflects one instant at which the free lists held
+/// fewer blocks than asked; blocks between lists at that instant count as not free: a block
+/// being released (between its last reference and its push, as before magazines) and, new with
+/// magazines, blocks another allocation is moving from the magazines to the shared stack.
+///
+/// # Ownership, reference counts and stale ids
+///
+/// Each block has a metadata word:
+///
+/// ```text
+///  meta[i]: | owner engine (16) | generation (24) | reference count (24) |
+/// ```
+///
+/// A count of zero means the block is on the free list. Only the thread that popped a block
+/// writes its metadata while the count is zero (the block is unreachable by anyone else), so
+/// allocation publishes `count = 1, generation + 1, owner` with a plain store. Every other change
+/// (`share`, `release`) is a CAS that requires a non-zero count and the caller's generation: a
+/// double free and a free of a never-allocated block are refused with an error, and so is a free
+/// through an id kept after the block was freed and reallocated, unless the 24-bit generation
+/// wrapped in between (the block reallocated a multiple of 2^24 times: see [`BlockId`]; with an
+/// arbitrary reuse count a stale id is caught with probability 1 - 2^-24). The pool stays
+/// consistent either way. The release that takes the count from one to zero is the only one
+/// that pushes the block back, so a block returns to the free list exactly once.
+///
+/// # Per-engine accounting
+///
+/// The engine that allocates a block owns it until it returns to the free list; `held[engine]`
+/// counts the physical blocks each engine owns (shared references do not count twice). The budget
+/// coordinator reads these counters.
 #[derive(Debug)]
 pub struct BlockPool {
     /// `tag (40) | top index (24)`. The tag increments on every successful CAS; the index is the

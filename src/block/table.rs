@@ -1,42 +1,4 @@
 //! Atomic block tables: one sequence's logical-to-physical block map.
-//!
-//! # Protocol
-//!
-//! One writer (the engine's scheduler, through the `&mut` methods of [`BlockTable`]) and any
-//! number of readers ([`TableReader`], e.g. metrics or a prefix-cache indexer on other threads).
-//!
-//! ```text
-//!  state: | epoch (32 bits) | len (32 bits) |
-//!  slots: [AtomicU64; capacity]   slot i < len holds the BlockId of logical block i
-//! ```
-//!
-//! - **append** (wait-free, two stores): write `slots[len]`, then store `state = (epoch, len+1)`
-//!   with Release. Appends never change a slot below `len`.
-//! - **truncate / replace**: store `state = (epoch+1, new_len)` with Release (it is itself a
-//!   state readers may accept), a Release fence, then write slots. This is the writer side of a
-//!   **sequence lock**: the epoch changes *before* any slot below the old length can be
-//!   overwritten.
-//! - **snapshot** (reader): load `state` (Acquire), copy `slots[..len]`, an Acquire fence, load
-//!   `state` again; if the epoch is unchanged the copy is exactly the table at the first load
-//!   (appends in between only touched slots at or past `len`), otherwise retry. If a copied slot
-//!   saw a write made after an epoch bump, the writer's Release fence synchronises with the
-//!   reader's Acquire fence and the second load sees the new epoch. Readers retry only across a
-//!   truncate or replace; the epoch would have to wrap (2^32 truncations during one copy) to
-//!   fool them.
-//!
-//! Blocks are owned by the table: dropping it, or truncating it, releases them through the pool's
-//! reference counting, so a table never leaks a block.
-//!
-//! # Progress
-//!
-//! `push` is wait-free (two stores). The table's own part of `truncate`, `replace` and `clear`
-//! is a fixed number of stores, but they (and `drop`) then release blocks through the pool,
-//! whose reference-count and free-list updates are CAS loops: those calls are **lock-free**,
-//! not wait-free (a call can retry only because another thread's pool operation succeeded).
-//! `grow` and `fork` allocate or share through the pool and are lock-free too. A reader's
-//! `snapshot_into` retries only when the writer completed a truncate or replace meanwhile, so
-//! it is lock-free, and it waits for nothing: a writer stalled half way leaves a state readers
-//! accept.
 
 use super::ids::{BlockId, EngineId};
 use super::pool::BlockPool;
@@ -67,6 +29,45 @@ struct Shared {
 }
 
 /// A sequence's block table: the writer's handle. Owns one reference to each of its blocks.
+///
+///
+/// # Protocol
+///
+/// One writer (the engine's scheduler, through the `&mut` methods of [`BlockTable`]) and any
+/// number of readers ([`TableReader`], e.g. metrics or a prefix-cache indexer on other threads).
+///
+/// ```text
+///  state: | epoch (32 bits) | len (32 bits) |
+///  slots: [AtomicU64; capacity]   slot i < len holds the BlockId of logical block i
+/// ```
+///
+/// - **append** (wait-free, two stores): write `slots[len]`, then store `state = (epoch, len+1)`
+///   with Release. Appends never change a slot below `len`.
+/// - **truncate / replace**: store `state = (epoch+1, new_len)` with Release (it is itself a
+///   state readers may accept), a Release fence, then write slots. This is the writer side of a
+///   **sequence lock**: the epoch changes *before* any slot below the old length can be
+///   overwritten.
+/// - **snapshot** (reader): load `state` (Acquire), copy `slots[..len]`, an Acquire fence, load
+///   `state` again; if the epoch is unchanged the copy is exactly the table at the first load
+///   (appends in between only touched slots at or past `len`), otherwise retry. If a copied slot
+///   saw a write made after an epoch bump, the writer's Release fence synchronises with the
+///   reader's Acquire fence and the second load sees the new epoch. Readers retry only across a
+///   truncate or replace; the epoch would have to wrap (2^32 truncations during one copy) to
+///   fool them.
+///
+/// Blocks are owned by the table: dropping it, or truncating it, releases them through the pool's
+/// reference counting, so a table never leaks a block.
+///
+/// # Progress
+///
+/// `push` is wait-free (two stores). The table's own part of `truncate`, `replace` and `clear`
+/// is a fixed number of stores, but they (and `drop`) then release blocks through the pool,
+/// whose reference-count and free-list updates are CAS loops: those calls are **lock-free**,
+/// not wait-free (a call can retry only because another thread's pool operation succeeded).
+/// `grow` and `fork` allocate or share through the pool and are lock-free too. A reader's
+/// `snapshot_into` retries only when the writer completed a truncate or replace meanwhile, so
+/// it is lock-free, and it waits for nothing: a writer stalled half way leaves a state readers
+/// accept.
 #[derive(Debug)]
 pub struct BlockTable {
     shared: Arc<Shared>,

@@ -1,6 +1,6 @@
 //! The CPU kernels: `reshape_and_cache`, `paged_attention_decode`, `paged_attention_prefill`,
 //! `copy_blocks`, with exactly the semantics of their CUDA twins (see [`crate::attn`] for the
-//! attention formula and [`crate::kv::layout`] for the cache layout).
+//! attention formula and [`KvCacheConfig`] for the cache layout).
 
 use super::AttnWorkspace;
 use crate::error::AttnError;

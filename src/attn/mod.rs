@@ -4,7 +4,7 @@
 //! The kernels live in [`cpu`], with their reusable scratch memory ([`AttnWorkspace`]). What
 //! they share with their CUDA twins, the batch view ([`PagedSeqs`](crate::kv::PagedSeqs)), the attention parameters
 //! ([`AttnParams`](crate::kv::AttnParams)) and their validation, is the kernel contract in [`crate::kv`], below both;
-//! the cache layout they read is [`crate::kv::layout`].
+//! the cache layout they read is [`KvCacheConfig`](crate::kv::KvCacheConfig).
 //!
 //! # Attention semantics (CPU and CUDA alike)
 //!

@@ -13,8 +13,8 @@ mod magazine;
 mod pool;
 mod table;
 
-pub use arena::{KvArena, ARENA_ALIGN, PAGE_ALIGN, POISON_BYTE};
 pub use crate::ids::{BlockId, EngineId, MAX_BLOCKS};
+pub use arena::{KvArena, ARENA_ALIGN, PAGE_ALIGN, POISON_BYTE};
 // The ground-floor ids, under their old in-crate path for the pool and tables.
 use crate::ids;
 pub use pool::{BlockPool, PoolConfig, PoolStats, MAX_REFS};

@@ -6,8 +6,8 @@ use super::{
     unpack_load, BudgetCoordinator, Donor, Priority, Reclaim, JOINING, LIVE, LOAD_PUBLISHED,
     USED_BITS, USED_MASK,
 };
-use crate::ids::EngineId;
 use crate::error::BudgetError;
+use crate::ids::EngineId;
 use crate::sync::{Backoff, Ordering};
 
 impl BudgetCoordinator {

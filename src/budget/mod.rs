@@ -128,8 +128,8 @@ mod registry;
 mod snapshot;
 mod waterfill;
 
-use crate::ids::EngineId;
 use crate::error::BudgetError;
+use crate::ids::EngineId;
 use crate::sync::{AtomicBool, AtomicU32, AtomicU64, CachePadded, Ordering, UnsafeCell};
 #[cfg(any(test, loom))]
 #[doc(hidden)]

@@ -1,8 +1,8 @@
 //! The engine registry: register, reweight, deregister (slot life cycle in the module docs).
 
 use super::{BudgetCoordinator, Slot, CLAIMED, FREE, JOINING, LEAVING, LIVE};
-use crate::ids::EngineId;
 use crate::error::BudgetError;
+use crate::ids::EngineId;
 use crate::sync::Ordering;
 
 impl BudgetCoordinator {

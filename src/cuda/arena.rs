@@ -25,8 +25,8 @@
 //! context first, so no stream still uses the memory when cudarc frees it.
 
 use super::device::Gpu;
+use crate::block::PAGE_ALIGN;
 use crate::error::{CudaError, KvError};
-use crate::kv::PAGE_ALIGN;
 use cudarc::driver::{CudaContext, CudaSlice, DevicePtr};
 use std::sync::Arc;
 

@@ -1,5 +1,5 @@
 //! The device KV cache (a model's view of a [`DeviceArena`], the layout of
-//! [`crate::kv::layout`]) and the pinned host swap space, with the block-moving operations:
+//! [`KvCacheConfig`](crate::kv::KvCacheConfig)) and the pinned host swap space, with the block-moving operations:
 //! `copy_blocks`, `swap_out`, `swap_in`.
 
 use super::arena::DeviceArena;

@@ -32,7 +32,7 @@
 //!
 //! One [`DeviceArena`] per device (`num_pages x page_bytes`); every model's [`DeviceKvCache`]
 //! is a view of it with its own geometry and the arena's page size as page stride, in the
-//! layout of [`crate::kv::layout`] (the C ABI carries the stride: `pkv_cache_geometry::
+//! layout of [`KvCacheConfig`](crate::kv::KvCacheConfig) (the C ABI carries the stride: `pkv_cache_geometry::
 //! block_stride`). Attention semantics of [`crate::attn`]. The CPU kernels in
 //! [`crate::attn::cpu`] are the oracle of `tests/cuda_kernels.rs` and `tests/cuda_arena.rs`.
 

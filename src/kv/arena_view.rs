@@ -19,8 +19,9 @@
 
 use super::dtype::{KvDtype, KvElem};
 use super::host::{check_block_mapping, coalesce_block_runs, LayerKv, LayerKvMut, SwapSpace};
-use super::layout::{KvCacheConfig, PAGE_ALIGN};
+use super::layout::KvCacheConfig;
 use crate::block::KvArena;
+use crate::block::PAGE_ALIGN;
 use crate::error::KvError;
 use crate::sync::Arc;
 use std::ptr::NonNull;

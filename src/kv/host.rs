@@ -88,7 +88,7 @@ impl Drop for AlignedBuf {
     }
 }
 
-/// A paged KV cache in host memory, laid out exactly as the [layout](super::layout) says: the
+/// A paged KV cache in host memory, laid out exactly as [`KvCacheConfig`](super::KvCacheConfig)'s layout says: the
 /// pool of the CPU path, and the host image of a device pool in tests.
 pub struct HostKvCache {
     config: KvCacheConfig,

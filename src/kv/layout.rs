@@ -1,69 +1,9 @@
 //! The paged KV layout: the one place it is defined. The CPU kernels ([`crate::attn::cpu`]), the
-//! CUDA kernels (`kernels/*.cu`, `src/cuda`), host storage and swap all address bytes through
-//! the strides below and nothing else.
-//!
-//! # Layout
-//!
-//! One allocation per pool (device memory for a GPU pool, [`HostKvCache`](super::HostKvCache)
-//! on the host, [`SwapSpace`](super::SwapSpace) for swapped-out blocks), row-major, element
-//! offsets:
-//!
-//! ```text
-//! [num_blocks][num_layers][2 (K then V)][block_size][num_kv_heads][head_dim]
-//! ```
-//!
-//! With `L = num_layers`, `BS = block_size`, `H = num_kv_heads`, `D = head_dim`:
-//!
-//! | stride (elements) | value          | what one step moves over                    |
-//! |-------------------|----------------|---------------------------------------------|
-//! | `head_stride`     | `D`            | one KV head of one token                    |
-//! | `token_stride`    | `H*D`          | one token (all KV heads) of one K or V      |
-//! | `kv_stride`       | `BS*H*D`       | K -> V of one block of one layer             |
-//! | `layer_stride`    | `2*BS*H*D`     | one layer of one block                      |
-//! | `block_stride`    | `P >= L*2*BS*H*D` | one block (all layers): the *page stride* |
-//!
-//! `P`, the page stride, is the distance between consecutive blocks. A cache that owns its
-//! memory packs blocks densely (`P = elems_per_block = L*2*BS*H*D`); a model's view of a shared
-//! [`KvArena`](crate::block::KvArena) uses the arena's page size, so `P` may exceed the block's
-//! own size and the tail of each page (`page_bytes - bytes_per_block`) is padding the model
-//! never touches. Every offset below, on the CPU and on the GPU, steps over blocks by `P`.
-//!
-//! The head vector of token `t` (`0..BS`) of block `b`, layer `l`, K (`kv = 0`) or V (`kv = 1`),
-//! KV head `h` starts at element
-//!
-//! ```text
-//! b*block_stride + l*layer_stride + kv*kv_stride + t*token_stride + h*head_stride
-//! ```
-//!
-//! and its `D` elements are contiguous. A token at logical position `p` of a sequence lives in
-//! block `block_table[p / BS]`, token `p % BS`; its *slot* is `block * BS + p % BS` (what
-//! `slot_mapping` holds).
-//!
-//! # Why this order
-//!
-//! A block is the unit the pool hands out, shares (copy-on-write) and swaps; putting the block
-//! index outermost makes one block, across all layers and both K and V, **one contiguous run of
-//! [`bytes_per_block`](KvCacheConfig::bytes_per_block) bytes**. `copy_blocks` and swap-in/out
-//! are therefore one `memcpy` per block (and one per run of consecutive blocks, which
-//! [`coalesce_block_runs`](super::coalesce_block_runs) merges), instead of one per block per
-//! layer per K/V as with vLLM's per-layer `[num_blocks, ...]` tensors. The price is that one
-//! layer of the cache is not a dense tensor: a kernel on layer `l` strides over blocks by
-//! `block_stride`, which costs nothing since kernels reach blocks through the block table
-//! anyway. Inside one (block, layer, K|V) the order `[BS][H][D]` keeps a token's heads
-//! contiguous, so `reshape_and_cache` writes each new token with one contiguous copy of `H*D`
-//! elements, and a kernel reading KV head `h` walks `BS` rows of `D` contiguous elements.
-//!
-//! # Limits
-//!
-//! All sizes are at least 1; `head_dim` is a multiple of [`HEAD_DIM_ALIGN`] (so a head vector
-//! is whole 16-byte vectors in every dtype); `num_blocks` is at most
-//! [`crate::ids::MAX_BLOCKS`] (block tables hold `i32`, block ids 24 bits); the
-//! whole pool's byte size fits in `isize` (and so every element offset fits in `i64`).
 
 use super::dtype::KvDtype;
-use crate::ids::MAX_BLOCKS;
-pub use crate::block::PAGE_ALIGN;
+use crate::block::PAGE_ALIGN;
 use crate::error::KvError;
+use crate::ids::MAX_BLOCKS;
 
 /// `head_dim` must be a multiple of this many elements: 16 bytes of `f16`/`bf16`, the width
 /// the CUDA kernels load per thread and the CPU kernels' inner-loop unroll.
@@ -79,12 +19,75 @@ pub enum KvPart {
 }
 
 /// The geometry of one paged KV cache: a validated, immutable description of the layout in
-/// the [module docs](self). Cheap to copy.
+/// the layout below. Cheap to copy.
 ///
 /// Invariant (checked by [`new`](Self::new) and [`with_page_stride`](Self::with_page_stride)):
 /// every field is at least 1, `head_dim` is a multiple of [`HEAD_DIM_ALIGN`],
 /// `num_blocks <= MAX_BLOCKS`, `page_elems >= L*2*BS*H*D`, and
 /// `num_blocks * page_elems * dtype.size_bytes()` does not overflow and fits in `isize`.
+///
+/// # The layout
+///
+/// CUDA kernels (`kernels/*.cu`, `src/cuda`), host storage and swap all address bytes through
+/// the strides below and nothing else.
+///
+/// # Layout
+///
+/// One allocation per pool (device memory for a GPU pool, [`HostKvCache`](super::HostKvCache)
+/// on the host, [`SwapSpace`](super::SwapSpace) for swapped-out blocks), row-major, element
+/// offsets:
+///
+/// ```text
+/// [num_blocks][num_layers][2 (K then V)][block_size][num_kv_heads][head_dim]
+/// ```
+///
+/// With `L = num_layers`, `BS = block_size`, `H = num_kv_heads`, `D = head_dim`:
+///
+/// | stride (elements) | value          | what one step moves over                    |
+/// |-------------------|----------------|---------------------------------------------|
+/// | `head_stride`     | `D`            | one KV head of one token                    |
+/// | `token_stride`    | `H*D`          | one token (all KV heads) of one K or V      |
+/// | `kv_stride`       | `BS*H*D`       | K -> V of one block of one layer             |
+/// | `layer_stride`    | `2*BS*H*D`     | one layer of one block                      |
+/// | `block_stride`    | `P >= L*2*BS*H*D` | one block (all layers): the *page stride* |
+///
+/// `P`, the page stride, is the distance between consecutive blocks. A cache that owns its
+/// memory packs blocks densely (`P = elems_per_block = L*2*BS*H*D`); a model's view of a shared
+/// [`KvArena`](crate::block::KvArena) uses the arena's page size, so `P` may exceed the block's
+/// own size and the tail of each page (`page_bytes - bytes_per_block`) is padding the model
+/// never touches. Every offset below, on the CPU and on the GPU, steps over blocks by `P`.
+///
+/// The head vector of token `t` (`0..BS`) of block `b`, layer `l`, K (`kv = 0`) or V (`kv = 1`),
+/// KV head `h` starts at element
+///
+/// ```text
+/// b*block_stride + l*layer_stride + kv*kv_stride + t*token_stride + h*head_stride
+/// ```
+///
+/// and its `D` elements are contiguous. A token at logical position `p` of a sequence lives in
+/// block `block_table[p / BS]`, token `p % BS`; its *slot* is `block * BS + p % BS` (what
+/// `slot_mapping` holds).
+///
+/// # Why this order
+///
+/// A block is the unit the pool hands out, shares (copy-on-write) and swaps; putting the block
+/// index outermost makes one block, across all layers and both K and V, **one contiguous run of
+/// [`bytes_per_block`](KvCacheConfig::bytes_per_block) bytes**. `copy_blocks` and swap-in/out
+/// are therefore one `memcpy` per block (and one per run of consecutive blocks, which
+/// [`coalesce_block_runs`](super::coalesce_block_runs) merges), instead of one per block per
+/// layer per K/V as with vLLM's per-layer `[num_blocks, ...]` tensors. The price is that one
+/// layer of the cache is not a dense tensor: a kernel on layer `l` strides over blocks by
+/// `block_stride`, which costs nothing since kernels reach blocks through the block table
+/// anyway. Inside one (block, layer, K|V) the order `[BS][H][D]` keeps a token's heads
+/// contiguous, so `reshape_and_cache` writes each new token with one contiguous copy of `H*D`
+/// elements, and a kernel reading KV head `h` walks `BS` rows of `D` contiguous elements.
+///
+/// # Limits
+///
+/// All sizes are at least 1; `head_dim` is a multiple of [`HEAD_DIM_ALIGN`] (so a head vector
+/// is whole 16-byte vectors in every dtype); `num_blocks` is at most
+/// [`crate::ids::MAX_BLOCKS`] (block tables hold `i32`, block ids 24 bits); the
+/// whole pool's byte size fits in `isize` (and so every element offset fits in `i64`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KvCacheConfig {
     num_layers: usize,
@@ -327,7 +330,7 @@ impl KvCacheConfig {
 
     /// Element offset of the head vector (`head_dim` contiguous elements) of token `token`
     /// (`0..block_size`) of block `block`, layer `layer`, `part`, KV head `head`. Arguments are
-    /// not range-checked (debug builds assert); see the [module docs](self) for the formula.
+    /// not range-checked (debug builds assert); see [`KvCacheConfig`] for the formula.
     #[inline]
     pub fn offset(
         &self,

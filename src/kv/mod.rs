@@ -1,8 +1,8 @@
 //! KV cache geometry: the one paged layout that the CPU and CUDA kernels share, host storage and
 //! swap space.
 //!
-//! - [`layout`]: the layout (documented once, with the reason for it) and [`KvCacheConfig`],
-//!   the validated geometry that exposes its strides and byte sizes.
+//! - [`KvCacheConfig`]: the validated geometry of the layout (documented once on it, with the
+//!   reason for it), which exposes its strides and byte sizes.
 //! - [`KvDtype`] / [`KvElem`]: `f32`, `f16`, `bf16` storage; arithmetic is always `f32`.
 //! - [`HostKvCache`], [`SwapSpace`]: page-aligned host storage of that layout; batched
 //!   block copies ([`HostKvCache::copy_blocks`]) and swap-out / swap-in by mapping lists.
@@ -18,7 +18,7 @@ mod arena_view;
 mod contract;
 mod dtype;
 mod host;
-pub mod layout;
+mod layout;
 
 pub use arena_view::{
     page_bytes_for, ArenaView, ModelKvShape, MAX_TOKENS_PER_PAGE, MIN_TOKENS_PER_PAGE,
@@ -32,6 +32,6 @@ pub use host::{
     check_block_mapping, coalesce_block_runs, BlockRun, HostKvCache, KvCacheView, KvCacheViewMut,
     LayerKv, LayerKvMut, SwapSpace, HOST_ALIGN,
 };
-pub use layout::{KvCacheConfig, KvPart, HEAD_DIM_ALIGN, PAGE_ALIGN};
+pub use layout::{KvCacheConfig, KvPart, HEAD_DIM_ALIGN};
 
 pub(crate) use host::copy_runs_within;

@@ -34,7 +34,10 @@ fn cuda_simulate_matches_the_cpu_report_on_one_device_arena() {
     let mut cpu = sim::run(&cfg, &|_| {}).unwrap();
     assert_eq!(gpu.leaked_blocks, 0);
     assert_eq!(gpu.kv_bytes_allocated, gpu.kv_pool_bytes);
-    assert!(gpu.engines.iter().any(|e| e.preempted_swap > 0 || e.preempted_recompute > 0));
+    assert!(gpu
+        .engines
+        .iter()
+        .any(|e| e.preempted_swap > 0 || e.preempted_recompute > 0));
     // Only the device name and this machine's wall clock may differ.
     gpu.device = cpu.device.clone();
     gpu.wall = Default::default();

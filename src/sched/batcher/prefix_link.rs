@@ -158,7 +158,9 @@ impl Batcher {
             let at = s.hashed as usize * bs;
             let parent: BlockHash = s.parent.unwrap_or_else(|| cache.hasher().root(&key));
             let hash = cache.hasher().block(parent, &s.tokens[at..at + bs]);
-            let Some(id) = s.table.get(s.hashed) else { break };
+            let Some(id) = s.table.get(s.hashed) else {
+                break;
+            };
             // Not cached (busy, duplicate, no room) is fine: the chain goes on from the hash.
             let _ = cache.insert(self.cfg.engine, hash, id);
             s.parent = Some(hash);

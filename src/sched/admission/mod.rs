@@ -1,4 +1,6 @@
-//! Lock-free admission queues: where server threads hand requests to engine workers.
+//! Admission queues without locks: where server threads hand requests to engine workers.
+//! Most calls never wait for another thread, but the queues are not lock-free in the strict
+//! sense (a stalled submitter holds up its queue, and drop-oldest can block): see "Progress".
 //!
 //! An [`Admission`] queue set has one pair of bounded queues per worker — latency-critical and
 //! throughput ([`Priority`]) — and one [`OverflowPolicy`] for what happens when a queue is full.
@@ -335,8 +337,9 @@ impl Counters {
     }
 }
 
-/// A lock-free queue set: per-worker bounded priority queues with routing and an overflow
-/// policy. `T` is the request payload, `R` the worker's result type. Share it with `Arc`.
+/// A queue set without locks (progress per call in the module docs): per-worker bounded
+/// priority queues with routing and an overflow policy. `T` is the request payload, `R` the
+/// worker's result type. Share it with `Arc`.
 pub struct Admission<T, R> {
     workers: Box<[WorkerQueues<T, R>]>,
     counters: Arc<Counters>,

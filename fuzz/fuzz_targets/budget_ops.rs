@@ -1,7 +1,8 @@
 //! Fuzz the budget coordinator with arbitrary operation sequences, checking every call and every
 //! published figure against the sequential model of tests/budget_model (an independent
 //! water-filling by iterative fixpoint), plus the invariants: budgets sum to at most the global
-//! (exactly, when the caps allow), each within its cap, blocks in use within the pool.
+//! (exactly, when the caps allow), each within its cap, blocks in use within the pool, and the
+//! tokens outstanding across all engines within `tokens_per_step` (the device token cap).
 #![no_main]
 
 #[path = "../../tests/budget_model/mod.rs"]
@@ -38,6 +39,7 @@ enum Op {
     PublishLoad(u8, u16, u32),
     ClearLoad(u8),
     PickDonor(u8, u16, u32),
+    AcquireTokensUpTo(u8, u32),
 }
 
 fuzz_target!(|input: Input| {
@@ -86,6 +88,10 @@ fuzz_target!(|input: Input| {
                 c.release_tokens(EngineId(id(e)), n).map_err(|e| kind(&e)),
                 m.release_tokens(id(e), n)
             ),
+            Op::AcquireTokensUpTo(e, n) => assert_eq!(
+                c.acquire_tokens_up_to(EngineId(id(e)), n),
+                m.acquire_tokens_up_to(id(e), n)
+            ),
             Op::BeginStep(e) => assert_eq!(c.begin_step(EngineId(id(e))), m.begin_step(id(e))),
             Op::AcquireBlocks(e, n) => assert_eq!(
                 c.try_acquire_blocks(EngineId(id(e)), u32::from(n)).map_err(|e| kind(&e)),
@@ -117,6 +123,7 @@ fuzz_target!(|input: Input| {
             assert_eq!(c.is_active(e), s.active);
             assert_eq!(c.token_budget(e), s.token_budget);
             assert_eq!(c.tokens_used(e), s.tokens_used);
+            assert_eq!(c.tokens_granted(e), s.tokens_granted);
             assert_eq!(c.block_quota(e), s.block_quota);
             assert_eq!(c.block_limit(e), s.block_limit);
             assert_eq!(c.blocks_held(e), s.blocks_held);
@@ -127,6 +134,9 @@ fuzz_target!(|input: Input| {
         }
         assert!(token_sum <= u64::from(input.tokens_per_step));
         assert!(c.blocks_in_use() <= u64::from(blocks));
+        // The device's token cap: every engine's outstanding grants together.
+        assert_eq!(c.tokens_in_use(), m.tokens_in_use);
+        assert!(c.tokens_in_use() <= u64::from(input.tokens_per_step));
         assert_eq!(c.blocks_in_use(), m.in_use);
         let snap = c.snapshot();
         assert!(snap.consistent);

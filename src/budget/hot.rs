@@ -1,6 +1,7 @@
 //! The hot path: activity, token and block acquires, budget reads, reclaim and donor queries
-//! are wait-free, each a fixed number of atomic operations; releases are lock-free (a
-//! compare-exchange loop, so that a refused release changes nothing). Table in the module docs.
+//! are wait-free, each a bounded number of atomic operations (`reclaim_orders` also allocates
+//! its result); releases are lock-free (a compare-exchange loop, so that a refused release
+//! changes nothing). Table in the module docs, "Progress".
 
 use super::{
     unpack_load, BudgetCoordinator, Donor, Priority, Reclaim, JOINING, LIVE, LOAD_PUBLISHED,
@@ -68,10 +69,10 @@ impl BudgetCoordinator {
 
     /// Takes `n` tokens for this step, or nothing: granted iff they fit both the engine's budget
     /// and what the device's `tokens_per_step` has left after every engine's current step
-    /// (module docs, "Global token cap"). Wait-free: one load and at most five
-    /// read-modify-writes, no retry. Concurrent acquirers are never granted more than an
-    /// engine's budget, nor all engines together more than `tokens_per_step`. `false` for an
-    /// unknown engine.
+    /// (module docs, "Global token cap"). Wait-free: one load and at most four
+    /// read-modify-writes (three when granted), no retry. Concurrent acquirers are never
+    /// granted more than an engine's budget, nor all engines together more than
+    /// `tokens_per_step`. `false` for an unknown engine.
     #[inline]
     pub fn try_acquire_tokens(&self, engine: EngineId, n: u32) -> bool {
         let Ok(slot) = self.slot(engine) else {
@@ -82,8 +83,8 @@ impl BudgetCoordinator {
 
     /// Takes as many of `n` tokens as fit (the engine's budget, and what the device has left),
     /// and returns how many: the admission of [`try_acquire_tokens`](Self::try_acquire_tokens)
-    /// with a partial grant instead of a refusal. Wait-free, the same bound. 0 for an unknown
-    /// engine.
+    /// with a partial grant instead of a refusal. Wait-free: one load and at most six
+    /// read-modify-writes, no retry. 0 for an unknown engine.
     #[inline]
     pub fn acquire_tokens_up_to(&self, engine: EngineId, n: u32) -> u32 {
         let Ok(slot) = self.slot(engine) else {
@@ -158,8 +159,8 @@ impl BudgetCoordinator {
     /// release changes nothing, not even transiently.
     ///
     /// Lock-free, not wait-free: one compare-exchange loop on the engine's token word, which
-    /// retries only when a concurrent acquire on the same engine changed the word (so some call
-    /// made progress), then one `fetch_sub` on the device's counter.
+    /// retries only when a concurrent acquire or release on the same engine changed the word (so
+    /// some call made progress), then one `fetch_sub` on the device's counter.
     #[inline]
     pub fn release_tokens(&self, engine: EngineId, n: u32) -> Result<(), BudgetError> {
         let slot = self.slot(engine)?;

@@ -1,8 +1,8 @@
-//! Wait-free global budget coordinator: weighted token and KV-block shares across the models
-//! (engines) that share one device.
+//! Global budget coordinator: weighted token and KV-block shares across the models (engines)
+//! that share one device, with no lock and no call that blocks on another (progress per call
+//! in "Progress" below).
 //!
-//! One [`BudgetCoordinator`] per device, shared by every engine through `Arc`. It answers, with
-//! no call ever waiting on another:
+//! One [`BudgetCoordinator`] per device, shared by every engine through `Arc`. It answers:
 //!
 //! - **tokens**: how many tokens each engine may schedule per step (its weighted share of
 //!   `tokens_per_step`; idle engines' shares lent to the active ones in proportion to their
@@ -23,22 +23,42 @@
 //! # Algorithms
 //!
 //! **Hot path: fetch-and-add admission with compensation.** Every budgeted quantity is one
-//! counter per engine (the used field of `Slot::tokens`, `blocks_held`) plus, for blocks, one
-//! device-wide counter (`blocks_in_use`). An acquire of `n` does `prev = counter.fetch_add(n)` and is granted iff
-//! `prev + n ≤ limit`; otherwise it undoes itself with `counter.fetch_sub(n)`. There is no
-//! compare-and-swap and no loop, so every call is a fixed number of atomic instructions whatever
-//! other threads do (wait-free, population-oblivious):
+//! admission counter per engine (the used field of `Slot::tokens`, `blocks_claimed`) plus one
+//! device-wide counter (`tokens_in_use`, `blocks_in_use`). An acquire of `n` does
+//! `prev = counter.fetch_add(n)` and is granted iff `prev + n ≤ limit` (checked, so a counter
+//! near its top refuses rather than wraps); otherwise it undoes itself with
+//! `counter.fetch_sub(n)`. Acquires have no compare-and-swap and no loop: each is a fixed number
+//! of atomic instructions whatever other threads do (wait-free, population-oblivious).
+//! Releases are checked against the exact holding (the granted field of `Slot::tokens`,
+//! `blocks_held`), which no acquire in flight inflates, by a compare-exchange loop: a refused
+//! release then changes nothing, not even for an instant (a `fetch_sub` then undo would
+//! transiently lower the counter and let a concurrent acquire over-grant). So releases are
+//! lock-free, not wait-free.
 //!
-//! | call | atomic operations |
-//! |---|---|
-//! | [`token_budget`], [`block_quota`], [`block_limit`], [`reclaim_for`] | 1–2 loads |
-//! | [`set_active`] | 1 swap + (if it changed) 1 `fetch_or` |
-//! | [`try_acquire_tokens`] | 1 load, 1 `fetch_add`, then 1 `fetch_add` (granted) or 1 `fetch_sub` (undo) |
-//! | [`release_tokens`] | 1 `fetch_sub` (+1 `fetch_add` undo on a caller error) |
-//! | [`begin_step`] | 1 load, 1 `fetch_sub` |
-//! | [`try_acquire_blocks`] | 1 load, ≤ 2 `fetch_add`, ≤ 2 `fetch_sub` |
-//! | [`release_blocks`] | 2 `fetch_sub` (+1 `fetch_add` undo on a caller error) |
-//! | [`publish_load`] | 1 store |
+//! # Progress
+//!
+//! | call | atomic operations | progress |
+//! |---|---|---|
+//! | [`token_budget`], [`block_quota`], [`block_limit`], [`reclaim_for`] | 1–2 loads | wait-free |
+//! | [`set_active`] | 1 swap + (if it changed) 1 `fetch_or` | wait-free |
+//! | [`try_acquire_tokens`], [`acquire_tokens_up_to`] | 1 load, ≤ 6 `fetch_add`/`fetch_sub` | wait-free |
+//! | [`release_tokens`] | a CAS loop on the engine's token word, then 1 `fetch_sub` | lock-free |
+//! | [`begin_step`] | 1 load, 2 `fetch_sub` | wait-free |
+//! | [`try_acquire_blocks`] | 1 load, ≤ 3 `fetch_add`, ≤ 2 `fetch_sub` | wait-free |
+//! | [`release_blocks`] | a CAS loop on the engine's holding, then 2 `fetch_sub` | lock-free |
+//! | [`publish_load`], [`clear_load`] | 1 store | wait-free |
+//! | [`pick_donor`] | O(max_engines) loads | wait-free |
+//! | [`reclaim_orders`] | O(max_engines) loads, allocates its result | bounded steps, but allocates |
+//! | [`snapshot`] | ≤ 8 passes of O(max_engines) loads, allocates its result | bounded steps, but allocates |
+//! | [`recompute`] (and [`register`], [`set_weight`], [`deregister`]) | ≤ [`MAX_ROUNDS`] rounds | bounded steps; may delegate |
+//!
+//! A release's loop retries only when its compare-exchange failed because another operation on
+//! the same word succeeded (an acquire, a release or a step reset of that engine), so some call
+//! always completes; `Backoff` spaces the retries. No call waits for another thread to do
+//! something: a thread stalled anywhere delays no other call's return. The one thing a stalled
+//! thread can delay is a *publication*: while a publisher holds `BUSY`, a `recompute` elsewhere
+//! returns [`Publication::Deferred`] at once and the new budgets appear only when that publisher
+//! runs on (or unwinds: a panicking round gives `BUSY` back through a drop guard).
 //!
 //! *Why concurrent acquirers are never granted more than the limit in total.* Every `fetch_add`
 //! is eventually matched by exactly one `fetch_sub` of the same amount (its undo, or the
@@ -51,17 +71,35 @@
 //! subtracted, so `g`'s `prev ≥ Σ_{G∖g} n`, and `g` was granted because `prev + n_g ≤ limit`;
 //! hence `Σ_G n ≤ limit`. An acquirer that fails only ever makes the counter larger while it is
 //! in flight, which can make a concurrent acquirer fail too (conservative), never succeed
-//! wrongly. The counting argument needs only the atomicity of each read-modify-write, not any
-//! ordering with other memory, so the counters use `Relaxed`. A limit changed by a concurrent
-//! recomputation is read once per call: the bound holds for the limit each grant saw.
+//! wrongly. On one counter the argument needs only the atomicity of each read-modify-write, so
+//! the admission RMWs are `Relaxed`. A release subtracts from the device-wide counter (and for
+//! blocks the engine's admission counter) after its compare-exchange on the exact holding; for
+//! that subtraction to come after the grant's addition in the second counter's modification
+//! order, the grant's final add to the holding is `Release` and the release's compare-exchange
+//! (or `begin_step`'s load) `Acquire`. A limit changed by a concurrent recomputation is read
+//! once per call: the bound holds for the limit each grant saw.
+//!
+//! **Global token cap.** Each engine's budget bounds its own grants, but budgets change: after a
+//! recomputation lowers engine A and raises B, A's tokens granted under the old budget plus B's
+//! new grant could sum past `tokens_per_step`. So every token grant is also admitted against
+//! the device-wide `tokens_in_use` counter (the same fetch-and-add admission, limit
+//! `tokens_per_step`), and stays counted there until it is released or its engine's
+//! [`begin_step`] takes it out. What is bounded, at every instant: the tokens granted to all
+//! engines in their current steps and not yet released total at most `tokens_per_step`,
+//! whatever recomputations happen meanwhile. Engines' steps are not synchronised, so this is a
+//! bound on tokens held at once, not on a device-wide step; the scheduler link
+//! ([`EngineShare`](crate::sched::EngineShare)) holds a step's tokens from the start of its
+//! schedule until the start of the next, so the tokens of steps that may run at once are what
+//! it bounds.
 //!
 //! **Per-step token reset.** The used-token counter also carries the in-flight adds of
 //! acquirers about to fail, so it cannot simply be zeroed (their later undo would then make
 //! room that does not exist). Granted tokens are counted a second time in a *granted* field of
 //! the same word (net of releases); [`begin_step`] reads it and subtracts that amount from both
 //! fields in one `fetch_sub`. A grant racing with the reset lands in one step or the next, never
-//! in neither, so the reset can only under-grant. Keeping both fields in one word makes a
-//! release one read-modify-write, and orders every token operation by coherence alone.
+//! in neither, so the reset can only under-grant. Keeping both fields in one word makes a reset
+//! one `fetch_sub` and a release one successful compare-exchange, and orders every token
+//! operation on an engine by coherence alone.
 //!
 //! **Recomputation: single publisher by delegation, under a sequence lock.** A control word holds
 //! `BUSY | DIRTY`. Anything that changes the inputs (registration, weights, activity) sets
@@ -72,8 +110,8 @@
 //! (see `waterfill.rs`), writes the results, and gives up `BUSY`; if `DIRTY` was set again
 //! meanwhile it runs another round, at most [`MAX_ROUNDS`] in all, leaving `DIRTY` set for the
 //! next caller after that. A round is O(max_engines log max_engines) at worst (usually
-//! O(max_engines): see `waterfill.rs`), so recomputation is wait-free too (bounded by
-//! `MAX_ROUNDS` rounds), only it may defer. Its working space lives in the coordinator and is
+//! O(max_engines): see `waterfill.rs`), so a `recompute` call returns within `MAX_ROUNDS`
+//! rounds, and never waits; the publication it asks for may be left to another publisher. Its working space lives in the coordinator and is
 //! touched only by the `BUSY` holder (an `UnsafeCell`, which the loom models check: letting two
 //! publishers in fails them). Because there is only ever one publisher, every published
 //! field has a single writer; the
@@ -121,6 +159,14 @@
 //! [`try_acquire_blocks`]: BudgetCoordinator::try_acquire_blocks
 //! [`release_blocks`]: BudgetCoordinator::release_blocks
 //! [`publish_load`]: BudgetCoordinator::publish_load
+//! [`clear_load`]: BudgetCoordinator::clear_load
+//! [`acquire_tokens_up_to`]: BudgetCoordinator::acquire_tokens_up_to
+//! [`pick_donor`]: BudgetCoordinator::pick_donor
+//! [`snapshot`]: BudgetCoordinator::snapshot
+//! [`recompute`]: BudgetCoordinator::recompute
+//! [`register`]: BudgetCoordinator::register
+//! [`set_weight`]: BudgetCoordinator::set_weight
+//! [`deregister`]: BudgetCoordinator::deregister
 
 mod hot;
 mod publish;
@@ -309,8 +355,9 @@ struct Slot {
     active: AtomicBool,
     /// Tokens per step. Single writer: the publisher.
     token_budget: AtomicU32,
-    /// Token accounting of the current step, two fields in one word so that release and reset
-    /// are one read-modify-write each and every token operation is ordered by coherence alone:
+    /// Token accounting of the current step, two fields in one word so that a reset is one
+    /// `fetch_sub`, a release one successful compare-exchange, and every token operation on
+    /// the engine is ordered by coherence alone:
     ///
     /// ```text
     ///   63            40 39                                   0
@@ -360,7 +407,8 @@ impl Slot {
     }
 }
 
-/// The wait-free cross-engine token and block budget coordinator of one device (module docs).
+/// The cross-engine token and block budget coordinator of one device: acquires and reads are
+/// wait-free, releases lock-free (module docs, "Progress").
 pub struct BudgetCoordinator {
     config: BudgetConfig,
     slots: Box<[CachePadded<Slot>]>,

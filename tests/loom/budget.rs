@@ -223,11 +223,17 @@ fn single(limit: u32) -> (Arc<BudgetCoordinator>, EngineId) {
 /// A refused token release racing a failing and a would-be over-granting acquirer (issue 17
 /// item 3): budget 10, 5 held; an acquire of 10 in flight, a bogus release of 11, an acquire of
 /// 6. Before the fix the release's transient `fetch_sub` took the counter to 4 while the 10 were
-/// in flight, and the 6 were granted (11 of 10).
+/// in flight, and the 6 were granted (11 of 10). The device has 20 tokens and a cap of half of
+/// them per engine, so the device-wide counter (which would refuse the 11th of 10 tokens on
+/// its own) cannot hide an over-grant of the engine's budget.
 #[test]
 fn bogus_token_release_never_lets_an_acquirer_over_grant() {
     loom::model(|| {
-        let (c, e) = single(10);
+        let c = Arc::new(
+            BudgetCoordinator::new(BudgetConfig::new(1, 20, 20).with_cap_permille(500)).unwrap(),
+        );
+        let e = active_engine(&c);
+        assert_eq!(c.token_budget(e), 10);
         assert!(c.try_acquire_tokens(e, 5));
         let failing = {
             let c = c.clone();
@@ -468,5 +474,39 @@ fn release_retries_against_a_concurrent_acquire() {
         );
         assert_eq!((c.blocks_held(e), c.blocks_in_use()), (2, 2));
         assert!(c.release_tokens(e, 3).is_err() && c.release_blocks(e, 3).is_err());
+    });
+}
+
+/// The device's token cap under a concurrent recompute (issue 17 item 8): a holds 3 of the 4
+/// tokens alone; b becomes active and a recompute (a: 2, b: 2) runs on one thread while b asks
+/// for 2 tokens and a for 1 more on another. b's budget may already be 2 when it asks, but a's
+/// 3 still count, so b is refused whatever the interleaving; a's extra token fits while its
+/// budget still reads 4. Before the fix b was granted as soon as its budget was published: 5
+/// tokens of 4.
+#[test]
+fn global_token_cap_holds_under_a_concurrent_recompute() {
+    loom::model(|| {
+        let c = Arc::new(coordinator(2, 4, 2));
+        let a = c.register(1).unwrap();
+        let b = c.register(1).unwrap();
+        c.set_active(a, true);
+        c.recompute();
+        assert!(c.try_acquire_tokens(a, 3));
+        let acquirer = {
+            let c = c.clone();
+            thread::spawn(move || (c.try_acquire_tokens(b, 2), c.try_acquire_tokens(a, 1)))
+        };
+        c.set_active(b, true);
+        let published = c.recompute();
+        let (got_b, got_a) = acquirer.join().unwrap();
+        let held = c.tokens_granted(a) + c.tokens_granted(b);
+        assert!(!got_b, "b granted 2 while a holds 3: {held} tokens of 4");
+        assert_eq!(held, 3 + u64::from(got_a));
+        assert!(matches!(published, Publication::Published { .. }));
+        assert_eq!((c.token_budget(a), c.token_budget(b)), (2, 2));
+        assert_eq!(c.tokens_in_use(), held);
+        // Once a's step ends, b's share is there.
+        c.begin_step(a);
+        assert!(c.try_acquire_tokens(b, 2));
     });
 }

@@ -86,3 +86,83 @@ fn replace_racing_fork() {
         assert_eq!(pool.held(EngineId(0)), 0);
     });
 }
+
+/// The state the stress test's first history model refused (issue 17): a replace inside the
+/// table, then a truncate that keeps the replaced block, then an append, against a reader.
+/// The 1-block state after the truncate holds only an id written before it; every snapshot
+/// is one of the four states the writer passed through.
+#[test]
+fn replace_then_truncate_against_reader() {
+    loom::model(|| {
+        let pool = Arc::new(
+            BlockPool::new(PoolConfig {
+                device: 0,
+                num_blocks: 4,
+                max_engines: 1,
+            })
+            .unwrap(),
+        );
+        let mut t = BlockTable::new(pool.clone(), EngineId(0), 2);
+        let a = pool.alloc(EngineId(0)).unwrap();
+        let b = pool.alloc(EngineId(0)).unwrap();
+        t.push(a).unwrap();
+        t.push(b).unwrap();
+        let fresh = pool.alloc(EngineId(0)).unwrap();
+        let c = pool.alloc(EngineId(0)).unwrap();
+        let reader = t.reader();
+        let r = thread::spawn(move || {
+            let mut snap: Vec<BlockId> = Vec::new();
+            reader.snapshot_into(&mut snap);
+            snap
+        });
+        t.replace(0, fresh).unwrap();
+        t.truncate(1);
+        t.push(c).unwrap();
+        let snap = r.join().unwrap();
+        let valid: [&[BlockId]; 4] = [&[a, b], &[fresh, b], &[fresh], &[fresh, c]];
+        assert!(
+            valid.contains(&snap.as_slice()),
+            "snapshot {snap:?} is no state of the table"
+        );
+        drop(t);
+        assert_eq!(pool.free_count(), 4);
+    });
+}
+
+/// A replace right after an append, against a reader that loaded the length before the
+/// append: the reader must not pair the old length with the replaced block (`[fresh]` was never
+/// a state). Fails if `replace` stores the slot without starting a new epoch.
+#[test]
+fn append_then_replace_against_reader() {
+    loom::model(|| {
+        let pool = Arc::new(
+            BlockPool::new(PoolConfig {
+                device: 0,
+                num_blocks: 3,
+                max_engines: 1,
+            })
+            .unwrap(),
+        );
+        let mut t = BlockTable::new(pool.clone(), EngineId(0), 2);
+        let a = pool.alloc(EngineId(0)).unwrap();
+        t.push(a).unwrap();
+        let b = pool.alloc(EngineId(0)).unwrap();
+        let fresh = pool.alloc(EngineId(0)).unwrap();
+        let reader = t.reader();
+        let r = thread::spawn(move || {
+            let mut snap: Vec<BlockId> = Vec::new();
+            reader.snapshot_into(&mut snap);
+            snap
+        });
+        t.push(b).unwrap();
+        t.replace(0, fresh).unwrap();
+        let snap = r.join().unwrap();
+        let valid: [&[BlockId]; 3] = [&[a], &[a, b], &[fresh, b]];
+        assert!(
+            valid.contains(&snap.as_slice()),
+            "snapshot {snap:?} is no state of the table"
+        );
+        drop(t);
+        assert_eq!(pool.free_count(), 3);
+    });
+}

@@ -1,4 +1,6 @@
-//! Lock-free admission queues: where server threads hand requests to engine workers.
+//! Admission queues without locks: where server threads hand requests to engine workers.
+//! Most calls never wait for another thread, but the queues are not lock-free in the strict
+//! sense (a stalled submitter holds up its queue, and drop-oldest can block): see "Progress".
 //!
 //! An [`Admission`] queue set has one pair of bounded queues per worker — latency-critical and
 //! throughput ([`Priority`]) — and one [`OverflowPolicy`] for what happens when a queue is full.
@@ -343,8 +345,9 @@ impl Counters {
     }
 }
 
-/// A lock-free queue set: per-worker bounded priority queues with routing and an overflow
-/// policy. `T` is the request payload, `R` the worker's result type. Share it with `Arc`.
+/// A queue set without locks (progress per call in the module docs): per-worker bounded
+/// priority queues with routing and an overflow policy. `T` is the request payload, `R` the
+/// worker's result type. Share it with `Arc`.
 pub struct Admission<T, R> {
     workers: Box<[WorkerQueues<T, R>]>,
     counters: Arc<Counters>,
@@ -360,16 +363,6 @@ enum Rejected<T, R> {
     Closed(Entry<T, R>),
     /// No usable slot now (`Block` and `DropNewest` only: drop-oldest evicts instead).
     Full(Entry<T, R>),
-}
-
-/// What `take` found.
-enum Take<T, R> {
-    Job(Job<T, R>),
-    /// Both queues empty.
-    Empty,
-    /// Nothing taken, and a queue's oldest request is still being written by its submitter
-    /// (who wakes the worker's wait list when it lands).
-    Busy,
 }
 
 /// The closed flag in `WorkerCounters::submitting`; the bits below count attempts (at most one
@@ -446,6 +439,20 @@ impl<T, R> Drop for Attempt<'_, T, R> {
                 _ => {}
             }
         }
+    }
+}
+
+/// A request taken from its queue whose job does not exist yet (`Admission::take`, while
+/// wakers run): dropping it does what dropping the job would, for the load counters.
+struct Taken<'a> {
+    counters: &'a Counters,
+    worker: usize,
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        self.counters.release_load(self.worker);
+        Counters::bump(&self.counters.workers[self.worker].abandoned);
     }
 }
 
@@ -710,32 +717,37 @@ impl<T, R> Admission<T, R> {
     }
 
     /// Takes the next request of `worker`: its oldest latency-critical request, else its oldest
-    /// throughput request. Never waits; `Busy` if nothing was taken and some queue's oldest
-    /// request is still being written.
-    fn take(&self, worker: usize) -> Take<T, R> {
+    /// throughput request. Never waits. When it takes nothing, `busy` says whether some queue's
+    /// oldest request is still being written (else both queues were empty).
+    ///
+    /// Shaped for the code it inlines into: the job is built from the entry's fields in the
+    /// expression that returns it, after any waker ran. With a job alive across a waker call,
+    /// rustc kept it in memory for the unwinding path and moved it into the caller's
+    /// `Result<Option<Job>, AdmissionError>` in pieces that straddle the error's byte fields;
+    /// reassembling them defeated store-to-load forwarding, about 1.6x on the uncontended
+    /// submit + pop (BENCHMARKS.md, admission). What an unwinding job would do is done by
+    /// [`Taken`] instead.
+    #[inline]
+    fn take(&self, worker: usize, busy: &mut bool) -> Option<Job<T, R>> {
         let wq = &self.workers[worker];
-        let mut busy = false;
+        *busy = false;
         for priority in [Priority::LatencyCritical, Priority::Throughput] {
             let entry = match wq.ring(priority).try_pop() {
                 Pop::Value(entry) => entry,
                 Pop::Empty => continue,
                 Pop::Busy => {
-                    busy = true;
+                    *busy = true;
                     continue;
                 }
             };
-            // The job exists before any waker runs: if one panics, dropping the job resolves
-            // the ticket `Abandoned` and releases its load.
-            let job = Job {
-                payload: entry.payload,
-                completion: Completion {
-                    tx: Some(entry.tx),
-                    counters: self.counters.clone(),
-                    worker: worker as u32,
-                },
-                priority,
-            };
             if self.policy == OverflowPolicy::Block {
+                // If a waker panics, the request ends as a dropped job would: `entry`'s
+                // completer resolves the ticket `Abandoned`, the guard releases the load and
+                // counts the abandonment.
+                let taken = Taken {
+                    counters: &self.counters,
+                    worker,
+                };
                 // SeqCst fence: the waker half of the handshake with blocked submitters
                 // (pairs with the fence after registration in `Submit::poll`).
                 fence(Ordering::SeqCst);
@@ -743,14 +755,19 @@ impl<T, R> Admission<T, R> {
                 if room.has_waiters() {
                     room.wake_all();
                 }
+                std::mem::forget(taken);
             }
-            return Take::Job(job);
+            return Some(Job {
+                payload: entry.payload,
+                completion: Completion {
+                    tx: Some(entry.tx),
+                    counters: self.counters.clone(),
+                    worker: worker as u32,
+                },
+                priority,
+            });
         }
-        if busy {
-            Take::Busy
-        } else {
-            Take::Empty
-        }
+        None
     }
 
     /// True if the queue set is closed and no push attempt on `worker` is in progress: then
@@ -769,10 +786,7 @@ impl<T, R> Admission<T, R> {
     /// written by its submitter (the waiting [`Admission::pop_wait`] is woken when it lands).
     pub fn pop(&self, worker: usize) -> Result<Option<Job<T, R>>, AdmissionError> {
         self.worker_queues(worker)?;
-        Ok(match self.take(worker) {
-            Take::Job(job) => Some(job),
-            Take::Empty | Take::Busy => None,
-        })
+        Ok(self.take(worker, &mut false))
     }
 
     /// Waits for the next request of `worker` (a future; runtime-agnostic). Resolves to
@@ -1011,6 +1025,47 @@ mod tests {
         fn wake(self: Arc<Self>) {
             self.0.fetch_add(1, Ordering::SeqCst);
         }
+    }
+
+    struct Panics;
+    impl Wake for Panics {
+        fn wake(self: Arc<Self>) {
+            panic!("this waker panics");
+        }
+    }
+
+    /// A pop under `Block` that wakes a blocked submitter whose waker panics: the panic reaches
+    /// the popping worker, and the request it took ends as a dropped job does (its ticket
+    /// `Abandoned`, its load released, the abandonment counted) instead of vanishing with the
+    /// load still counted. The blocked submit then gets the room.
+    #[test]
+    fn a_panicking_room_waker_abandons_the_taken_request() {
+        let q: Admission<u32, u32> =
+            Admission::new(AdmissionConfig::new(1, 1, OverflowPolicy::Block)).unwrap();
+        let first = q
+            .try_submit(1, Priority::Throughput, Route::Worker(0))
+            .unwrap();
+        let mut blocked = std::pin::pin!(q.submit(2, Priority::Throughput, Route::Worker(0)));
+        let panics = Waker::from(Arc::new(Panics));
+        assert!(blocked
+            .as_mut()
+            .poll(&mut Context::from_waker(&panics))
+            .is_pending());
+        assert_eq!(q.in_flight(), 1);
+        let popped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| q.pop(0)));
+        assert!(popped.is_err(), "the waker's panic reaches the worker");
+        assert_eq!(first.wait(), Err(AdmissionError::Abandoned));
+        assert_eq!(q.in_flight(), 0, "the taken request's load was released");
+        assert_eq!(q.metrics().abandoned, 1);
+        let count = Waker::from(Arc::new(Count(AtomicUsize::new(0))));
+        let Poll::Ready(Ok(second)) = blocked.as_mut().poll(&mut Context::from_waker(&count))
+        else {
+            panic!("the blocked submit has room now")
+        };
+        let job = q.pop(0).unwrap().expect("the second request");
+        job.complete(20);
+        assert_eq!(second.wait(), Ok(20));
+        assert_eq!(q.in_flight(), 0);
     }
 
     /// A submit stopped between claiming its slot and publishing it (a descheduled thread):

@@ -13,9 +13,7 @@ use std::task::{Context, Poll};
 
 use super::waitlist::Registration;
 use super::Job;
-use super::{
-    Admission, AdmissionError, Admit, Entry, Priority, Refused, Rejected, Route, Take, Ticket,
-};
+use super::{Admission, AdmissionError, Admit, Entry, Priority, Refused, Rejected, Route, Ticket};
 use crate::sync::{fence, Ordering};
 
 pub(super) enum SubmitStage<T, R> {
@@ -158,18 +156,16 @@ impl<T, R> Future for PopWait<'_, T, R> {
             // and a take that finds the queues empty means they stay empty (the closing
             // handshake, `Admission::enqueue`).
             let drained_if_empty = adm.closed_and_quiet(this.worker);
-            match adm.take(this.worker) {
-                Take::Job(job) => {
-                    this.reg = None;
-                    return Poll::Ready(Ok(job));
-                }
-                Take::Empty if drained_if_empty => {
-                    this.reg = None;
-                    return Poll::Ready(Err(AdmissionError::Closed));
-                }
-                // `Busy`: a submit is writing the oldest request; it wakes us when it lands.
-                Take::Empty | Take::Busy => {}
+            let mut busy = false;
+            if let Some(job) = adm.take(this.worker, &mut busy) {
+                this.reg = None;
+                return Poll::Ready(Ok(job));
             }
+            if drained_if_empty && !busy {
+                this.reg = None;
+                return Poll::Ready(Err(AdmissionError::Closed));
+            }
+            // Busy: a submit is writing the oldest request; it wakes us when it lands.
         }
         Poll::Pending
     }

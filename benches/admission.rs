@@ -12,7 +12,8 @@
 //!   slice, so the figure stays meaningful on an oversubscribed machine.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
-use pagedkv::sched::admission::{Admission, AdmissionConfig, OverflowPolicy, Priority, Route};
+use pagedkv::sched::admission::{Admission, AdmissionConfig, OverflowPolicy, Route};
+use pagedkv::sched::Priority;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

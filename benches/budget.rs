@@ -7,8 +7,8 @@
 //! `cargo bench --bench budget -- --warm-up-time 1 --measurement-time 3`
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use pagedkv::block::EngineId;
 use pagedkv::budget::{BudgetConfig, BudgetCoordinator, Publication};
-use pagedkv::EngineId;
 use std::hint::black_box;
 use std::sync::{Arc, Barrier, Mutex};
 use std::thread;

@@ -23,6 +23,3 @@ pub mod kv;
 pub mod prefix;
 pub mod sched;
 pub mod sync;
-
-pub use block::{BlockId, BlockPool, BlockTable, EngineId, PoolConfig};
-pub use error::{EngineError, PoolError, SchedError};

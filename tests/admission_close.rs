@@ -11,8 +11,9 @@ use std::thread;
 use std::time::Duration;
 
 use pagedkv::sched::admission::{
-    Admission, AdmissionConfig, AdmissionError, OverflowPolicy, OverloadReason, Priority, Route,
+    Admission, AdmissionConfig, AdmissionError, OverflowPolicy, OverloadReason, Route,
 };
+use pagedkv::sched::Priority;
 
 const WORKERS: usize = 2;
 const SUBMITTERS: usize = 4;

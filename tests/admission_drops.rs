@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::thread;
 
-use pagedkv::sched::admission::{Admission, AdmissionConfig, OverflowPolicy, Priority, Route};
+use pagedkv::sched::admission::{Admission, AdmissionConfig, OverflowPolicy, Route};
+use pagedkv::sched::Priority;
 
 /// Counts its drops in a shared per-id table; a second drop of one id fails the test.
 #[derive(Debug)]

@@ -11,9 +11,9 @@ use std::thread;
 use std::time::Duration;
 
 use pagedkv::sched::admission::{
-    Admission, AdmissionConfig, AdmissionError, OverflowPolicy, OverloadReason, Priority, Route,
-    Ticket,
+    Admission, AdmissionConfig, AdmissionError, OverflowPolicy, OverloadReason, Route, Ticket,
 };
+use pagedkv::sched::Priority;
 
 const WORKERS: usize = 3;
 const PRODUCERS: usize = 3;

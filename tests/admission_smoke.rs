@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use pagedkv::sched::admission::{
     block_on, session_worker, Admission, AdmissionConfig, AdmissionError, OverflowPolicy,
-    OverloadReason, Priority, Route,
+    OverloadReason, Route,
 };
+use pagedkv::sched::Priority;
 
 const HI: Priority = Priority::LatencyCritical;
 const LO: Priority = Priority::Throughput;

@@ -2,7 +2,7 @@
 //! per-engine accounting.
 
 use pagedkv::block::{BlockId, BlockPool, EngineId, PoolConfig};
-use pagedkv::PoolError;
+use pagedkv::error::PoolError;
 
 const E0: EngineId = EngineId(0);
 const E1: EngineId = EngineId(1);

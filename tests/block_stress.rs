@@ -8,7 +8,7 @@
 //! left the others waiting) fails the test with a message instead of hanging it.
 
 use pagedkv::block::{BlockId, BlockPool, EngineId, PoolConfig};
-use pagedkv::PoolError;
+use pagedkv::error::PoolError;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

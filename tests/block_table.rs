@@ -2,7 +2,7 @@
 //! racing readers that must only ever see prefixes of the writer's history.
 
 use pagedkv::block::{BlockId, BlockPool, BlockTable, EngineId, PoolConfig};
-use pagedkv::PoolError;
+use pagedkv::error::PoolError;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};

@@ -1,9 +1,9 @@
 //! The kapsl `GlobalKvScheduler` behaviours users rely on, and the coordinator's own contract
 //! (borrowing, reclaim, donors, registry, errors), single-threaded.
 
+use pagedkv::block::EngineId;
 use pagedkv::budget::{BudgetConfig, BudgetCoordinator, Donor, Publication, Reclaim};
 use pagedkv::error::BudgetError;
-use pagedkv::EngineId;
 
 fn coord(tokens: u32, blocks: u32, cap: u16) -> BudgetCoordinator {
     BudgetCoordinator::new(BudgetConfig::new(8, tokens, blocks).with_cap_permille(cap)).unwrap()

@@ -5,8 +5,8 @@
 mod budget_model;
 
 use budget_model::{kind, water_fill, Model};
+use pagedkv::block::EngineId;
 use pagedkv::budget::{BudgetConfig, BudgetCoordinator, MAX_TOKENS_PER_STEP};
-use pagedkv::EngineId;
 use proptest::prelude::*;
 
 /// Checks that `shares` is the exact water-filling of `total` over `claims`: it sums to

@@ -7,9 +7,9 @@
 //! - the tokens acquired by all engines together never exceed `tokens_per_step`, even right
 //!   after a recomputation moved budget from an engine that still holds tokens to another.
 
+use pagedkv::block::EngineId;
 use pagedkv::budget::{BudgetConfig, BudgetCoordinator};
 use pagedkv::error::BudgetError;
-use pagedkv::EngineId;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

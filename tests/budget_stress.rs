@@ -5,9 +5,9 @@
 mod budget_model;
 
 use budget_model::Model;
+use pagedkv::block::EngineId;
 use pagedkv::budget::{BudgetConfig, BudgetCoordinator, Publication};
 use pagedkv::error::BudgetError;
-use pagedkv::EngineId;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -4,11 +4,11 @@
 use std::sync::Arc;
 
 use pagedkv::block::{BlockId, BlockPool, EngineId, PoolConfig};
+use pagedkv::error::PoolError;
 use pagedkv::prefix::{
     BlockHash, CacheEvent, EngineUsage, Inserted, MostOverShare, PrefixCache, PrefixConfig,
     PrefixError, PrefixKey,
 };
-use pagedkv::PoolError;
 
 const B: u32 = 4;
 

@@ -2,11 +2,11 @@
 //! swap), copy-on-write forks, aborts, budgets, and invariants over random workloads.
 
 use pagedkv::block::{BlockPool, EngineId, PoolConfig};
+use pagedkv::error::SchedError;
 use pagedkv::sched::{
     Batch, Batcher, BatcherConfig, EngineBudget, FinishReason, FinishedSeq, PreemptionMode,
     Priority, SeqPhase, SeqRequest, StopRules,
 };
-use pagedkv::SchedError;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -12,7 +12,7 @@ use arbitrary::Arbitrary;
 use budget_model::{kind, Model};
 use libfuzzer_sys::fuzz_target;
 use pagedkv::budget::{BudgetConfig, BudgetCoordinator};
-use pagedkv::EngineId;
+use pagedkv::block::EngineId;
 
 #[derive(Debug, Arbitrary)]
 struct Input {

@@ -4,8 +4,8 @@
 //! changes nothing). Table in the module docs, "Progress".
 
 use super::{
-    unpack_load, BudgetCoordinator, Donor, Priority, Reclaim, JOINING, LIVE, LOAD_PUBLISHED,
-    USED_BITS, USED_MASK,
+    unpack_load, BudgetCoordinator, Donor, Rank, Reclaim, JOINING, LIVE, LOAD_PUBLISHED, USED_BITS,
+    USED_MASK,
 };
 use crate::error::BudgetError;
 use crate::ids::EngineId;
@@ -369,7 +369,7 @@ impl BudgetCoordinator {
     pub fn publish_load(
         &self,
         engine: EngineId,
-        lowest_running_priority: Priority,
+        lowest_running_priority: Rank,
         freeable_blocks: u32,
     ) {
         if let Ok(slot) = self.slot(engine) {
@@ -397,7 +397,7 @@ impl BudgetCoordinator {
     pub fn pick_donor(
         &self,
         requester: EngineId,
-        priority: Priority,
+        priority: Rank,
         blocks_needed: u32,
     ) -> Option<Donor> {
         let mut best: Option<Donor> = None;

@@ -194,8 +194,10 @@ pub const MAX_TOKENS_PER_STEP: u32 = (1 << 24) - 1;
 const USED_BITS: u32 = 40;
 const USED_MASK: u64 = (1 << USED_BITS) - 1;
 
-/// A request or running work's priority; larger is more important.
-pub type Priority = u16;
+/// The rank of a priority class in the coordinator's donor choice; larger is more important.
+/// The scheduler's classes map onto it with [`Priority::rank`](crate::sched::Priority::rank);
+/// the coordinator, a floor below the scheduler, only compares ranks.
+pub type Rank = u16;
 
 // Slot states (`Slot::state`).
 const FREE: u32 = 0;
@@ -277,7 +279,7 @@ pub struct Donor {
     /// The engine to preempt on.
     pub engine: EngineId,
     /// The lowest priority it runs, as it last published.
-    pub priority: Priority,
+    pub priority: Rank,
     /// Blocks it said it could free.
     pub freeable_blocks: u32,
     /// Blocks it holds above its quota.
@@ -317,7 +319,7 @@ pub struct EngineStats {
     /// Blocks held above its limit, which it must give back.
     pub blocks_to_reclaim: u64,
     /// Its published `(lowest running priority, freeable blocks)`, if any.
-    pub load: Option<(Priority, u32)>,
+    pub load: Option<(Rank, u32)>,
 }
 
 /// A view of every registered engine, from [`BudgetCoordinator::snapshot`].
@@ -502,6 +504,6 @@ impl BudgetCoordinator {
 
 /// Unpacks `Slot::load`.
 #[inline]
-fn unpack_load(word: u64) -> Option<(Priority, u32)> {
-    (word & LOAD_PUBLISHED != 0).then_some((((word >> 32) & 0xFFFF) as Priority, word as u32))
+fn unpack_load(word: u64) -> Option<(Rank, u32)> {
+    (word & LOAD_PUBLISHED != 0).then_some((((word >> 32) & 0xFFFF) as Rank, word as u32))
 }

@@ -6,8 +6,8 @@ use super::shared::SharedArena;
 use crate::block::EngineId;
 use crate::error::{EngineError, SchedError};
 use crate::sched::{
-    budget_priority, Batch, Batcher, BatcherConfig, EngineShare, FinishReason, FinishedSeq,
-    PreemptionMode, Priority, SeqId, SeqRequest, SeqUpdate, StepResults,
+    Batch, Batcher, BatcherConfig, EngineShare, FinishReason, FinishedSeq, PreemptionMode,
+    Priority, SeqId, SeqRequest, SeqUpdate, StepResults,
 };
 use crate::sync::Arc;
 use std::mem::ManuallyDrop;
@@ -356,9 +356,7 @@ impl<B: KvBackend> Engine<B> {
             .commit_with_updates(&self.sampled, &mut self.finished, &mut self.results)?;
         let coordinator = self.shared.coordinator();
         match self.batcher.preemptible_load() {
-            Some((class, pages)) => {
-                coordinator.publish_load(self.id, budget_priority(class), pages)
-            }
+            Some((class, pages)) => coordinator.publish_load(self.id, class.rank(), pages),
             None => coordinator.clear_load(self.id),
         }
         let policy = self.cfg.recompute;
@@ -393,7 +391,7 @@ impl<B: KvBackend> Engine<B> {
         let donor = self
             .shared
             .coordinator()
-            .pick_donor(self.id, budget_priority(class), need)?;
+            .pick_donor(self.id, class.rank(), need)?;
         Some((donor.engine, need))
     }
 

@@ -26,7 +26,7 @@ use super::metrics::bump;
 pub struct EngineUsage {
     /// The engine.
     pub engine: EngineId,
-    /// Pages it holds, cached ones included (e.g. [`BlockPool::held`](crate::BlockPool::held)).
+    /// Pages it holds, cached ones included (e.g. [`BlockPool::held`](crate::block::BlockPool::held)).
     pub held: u32,
     /// Its weighted share of the pool, in pages (e.g. the budget's block quota).
     pub share: u32,

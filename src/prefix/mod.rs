@@ -2,7 +2,7 @@
 //!
 //! A request's full blocks are named by chained 128-bit hashes ([`hash`]: parent, tokens, and
 //! the extra keys engine / adapter / salt at the root). [`PrefixCache`] maps a hash to the page
-//! holding that block's KV, for every engine of one [`BlockPool`](crate::BlockPool):
+//! holding that block's KV, for every engine of one [`BlockPool`](crate::block::BlockPool):
 //!
 //! - **lookup** ([`PrefixCache::lookup`], on admission): the longest cached prefix of a token
 //!   sequence in full blocks, each page returned with a pool reference taken for the caller;
@@ -38,7 +38,7 @@
 //! state word, hence the same hash and engine: eviction and forget leave `CACHED` (and remove
 //! the slot) before dropping the cache's reference, so a page is never freed, reallocated or
 //! rewritten while a lookup could still accept it. A reallocated page fails the generation
-//! check of `share` (up to the 24-bit generation's wrap, see [`BlockId`](crate::BlockId)); a
+//! check of `share` (up to the 24-bit generation's wrap, see [`BlockId`](crate::block::BlockId)); a
 //! page forgotten and rewritten at the same generation fails the state re-check (the argument
 //! is on `PrefixCache::take`; the loom model in tests/loom/prefix.rs fails without it).
 

@@ -84,11 +84,3 @@ impl EngineBudget for EngineShare {
         }
     }
 }
-
-/// The coordinator's priority scale (larger is more important) for a scheduler class.
-pub fn budget_priority(class: super::Priority) -> crate::budget::Priority {
-    match class {
-        super::Priority::LatencyCritical => 1,
-        super::Priority::Throughput => 0,
-    }
-}

@@ -13,7 +13,7 @@ mod sequence;
 
 pub use batch::Batch;
 pub use batcher::{Batcher, BatcherConfig, BatcherStats, EngineBudget, PreemptionMode};
-pub use budget_link::{budget_priority, EngineShare};
+pub use budget_link::EngineShare;
 pub use sequence::{
     FinishReason, FinishedSeq, Priority, SeqId, SeqPhase, SeqRequest, SeqUpdate, StepResults,
     StopRules,

@@ -24,6 +24,15 @@ impl Priority {
     pub const fn index(self) -> usize {
         self as usize
     }
+
+    /// The class's rank in the budget coordinator's donor choice (larger is more important).
+    #[inline]
+    pub const fn rank(self) -> crate::budget::Rank {
+        match self {
+            Priority::LatencyCritical => 1,
+            Priority::Throughput => 0,
+        }
+    }
 }
 
 /// When a sequence stops generating.

@@ -26,8 +26,9 @@ use loom::sync::Arc;
 use loom::thread;
 
 use pagedkv::sched::admission::{
-    Admission, AdmissionConfig, AdmissionError, OverflowPolicy, OverloadReason, Priority, Route,
+    Admission, AdmissionConfig, AdmissionError, OverflowPolicy, OverloadReason, Route,
 };
+use pagedkv::sched::Priority;
 
 /// Drives `f` on this loom thread, parking it (loom's `park`) while pending. A wake-up that
 /// never comes leaves every thread parked, which loom reports as a deadlock.

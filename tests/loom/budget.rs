@@ -4,8 +4,8 @@
 use loom::sync::atomic::{AtomicU64, Ordering};
 use loom::sync::Arc;
 use loom::thread;
+use pagedkv::block::EngineId;
 use pagedkv::budget::{BudgetConfig, BudgetCoordinator, Publication, PublishFault};
-use pagedkv::EngineId;
 
 fn coordinator(max_engines: u16, tokens: u32, blocks: u32) -> BudgetCoordinator {
     BudgetCoordinator::new(BudgetConfig::new(max_engines, tokens, blocks)).unwrap()

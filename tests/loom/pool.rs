@@ -3,7 +3,7 @@
 use loom::sync::Arc;
 use loom::thread;
 use pagedkv::block::{BlockId, BlockPool, EngineId, PoolConfig};
-use pagedkv::PoolError;
+use pagedkv::error::PoolError;
 
 fn pool(n: u32) -> Arc<BlockPool> {
     Arc::new(

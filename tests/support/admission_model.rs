@@ -9,8 +9,9 @@ use std::task::{Context, Poll, Waker};
 
 use pagedkv::sched::admission::{
     session_worker, Admission, AdmissionConfig, AdmissionError, Job, OverflowPolicy,
-    OverloadReason, Priority, Route, Ticket,
+    OverloadReason, Route, Ticket,
 };
+use pagedkv::sched::Priority;
 
 /// The result a worker answers request `id` with.
 fn answer(id: u32) -> u32 {

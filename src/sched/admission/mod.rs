@@ -75,7 +75,8 @@
 //! # Example
 //!
 //! ```
-//! use pagedkv::sched::admission::{Admission, AdmissionConfig, OverflowPolicy, Priority, Route};
+//! use pagedkv::sched::admission::{Admission, AdmissionConfig, OverflowPolicy, Route};
+//! use pagedkv::sched::Priority;
 //!
 //! let q: Admission<&str, usize> =
 //!     Admission::new(AdmissionConfig::new(2, 64, OverflowPolicy::DropNewest)).unwrap();
@@ -97,7 +98,7 @@ mod wait;
 mod waitlist;
 
 pub use crate::error::{AdmissionError, OverloadReason};
-pub use crate::sched::sequence::Priority;
+use crate::sched::Priority;
 pub use job::{Completion, Job};
 pub use oneshot::Ticket;
 pub use stream::{

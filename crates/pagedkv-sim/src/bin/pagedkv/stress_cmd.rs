@@ -42,7 +42,7 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         .map(|t| {
             let pool = Arc::clone(&pool);
             let seed = args.seed.wrapping_add(u64::from(t));
-            std::thread::spawn(move || -> Result<u64, pagedkv::PoolError> {
+            std::thread::spawn(move || -> Result<u64, pagedkv::error::PoolError> {
                 let engine = EngineId(t);
                 let mut rng = SmallRng::seed_from_u64(seed);
                 let mut held: Vec<BlockId> = Vec::new();

@@ -4,12 +4,13 @@
 //! several engine threads running kernels on one arena at once over pages from one pool.
 
 use pagedkv::attn::{cpu, AttnWorkspace};
-use pagedkv::block::{BlockPool, EngineId, KvArena, PoolConfig, POISON_BYTE};
+use pagedkv::block::{BlockPool, EngineId, PoolConfig};
 use pagedkv::error::KvError;
 use pagedkv::kv::{
     page_bytes_for, ArenaView, HostKvCache, KvCacheConfig, KvDtype, KvElem, LayerKv, ModelKvShape,
 };
 use pagedkv::kv::{AttnParams, PagedSeqs};
+use pagedkv::kv::{KvArena, POISON_BYTE};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;

@@ -2,7 +2,7 @@
 //! model's [`DeviceKvCache`](super::DeviceKvCache) on the device is a view of. A block id
 //! handed out by the block pool names a page whatever model holds it, so a page one model frees
 //! is the same device memory another model writes next: a block lent between models is not
-//! paid for twice. (The host twin is `block::KvArena`; how a geometry lays its blocks over a
+//! paid for twice. (The host twin is `kv::KvArena`; how a geometry lays its blocks over a
 //! page is [`KvCacheConfig::with_page_stride`].)
 //!
 //! # Raw addresses instead of cudarc's per-buffer events
@@ -25,8 +25,8 @@
 //! context first, so no stream still uses the memory when cudarc frees it.
 
 use super::device::Gpu;
-use crate::block::PAGE_ALIGN;
 use crate::error::{CudaError, KvError};
+use crate::kv::PAGE_ALIGN;
 use cudarc::driver::{CudaContext, CudaSlice, DevicePtr};
 use std::sync::Arc;
 

@@ -1,9 +1,10 @@
 //! What every engine of one device shares: the block pool, the KV arena it indexes, the budget
 //! coordinator, and the donation board through which engines ask each other for pages.
 
-use crate::block::{BlockPool, EngineId, KvArena, PoolConfig};
+use crate::block::{BlockPool, EngineId, PoolConfig};
 use crate::budget::{BudgetConfig, BudgetCoordinator};
 use crate::error::EngineError;
+use crate::kv::KvArena;
 use crate::prefix::{PrefixCache, PrefixConfig};
 use crate::sync::{Arc, AtomicU32, CachePadded, Ordering};
 

@@ -17,11 +17,10 @@
 //! Powers of two keep the kernels' `position / block_size` a shift, and the CUDA kernels accept
 //! exactly those from 8 to 256.
 
+use super::arena::{KvArena, PAGE_ALIGN};
 use super::dtype::{KvDtype, KvElem};
 use super::host::{check_block_mapping, coalesce_block_runs, LayerKv, LayerKvMut, SwapSpace};
 use super::layout::KvCacheConfig;
-use crate::block::KvArena;
-use crate::block::PAGE_ALIGN;
 use crate::error::KvError;
 use crate::sync::Arc;
 use std::ptr::NonNull;

@@ -406,7 +406,7 @@ impl<'a, T: KvElem> KvCacheViewMut<'a, T> {
 /// Invariant: `ptr` is valid for reads of `len = config.total_elems()` elements of `T` for
 /// `'a`, and no element this view reads is written by anyone else during `'a`.
 ///
-/// [`KvArena`]: crate::block::KvArena
+/// [`KvArena`]: crate::kv::KvArena
 #[derive(Debug, Clone, Copy)]
 pub struct LayerKv<'a, T> {
     config: KvCacheConfig,

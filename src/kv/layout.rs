@@ -1,7 +1,7 @@
 //! The paged KV layout: the one place it is defined. The CPU kernels ([`crate::attn::cpu`]), the
 
+use super::arena::PAGE_ALIGN;
 use super::dtype::KvDtype;
-use crate::block::PAGE_ALIGN;
 use crate::error::KvError;
 use crate::ids::MAX_BLOCKS;
 
@@ -53,7 +53,7 @@ pub enum KvPart {
 ///
 /// `P`, the page stride, is the distance between consecutive blocks. A cache that owns its
 /// memory packs blocks densely (`P = elems_per_block = L*2*BS*H*D`); a model's view of a shared
-/// [`KvArena`](crate::block::KvArena) uses the arena's page size, so `P` may exceed the block's
+/// [`KvArena`](crate::kv::KvArena) uses the arena's page size, so `P` may exceed the block's
 /// own size and the tail of each page (`page_bytes - bytes_per_block`) is padding the model
 /// never touches. Every offset below, on the CPU and on the GPU, steps over blocks by `P`.
 ///

@@ -7,19 +7,21 @@
 //! - [`HostKvCache`], [`SwapSpace`]: page-aligned host storage of that layout; batched
 //!   block copies ([`HostKvCache::copy_blocks`]) and swap-out / swap-in by mapping lists.
 //! - [`ArenaView`]: one model's cache as a view of the device's shared
-//!   [`KvArena`](crate::block::KvArena), with its own tokens per page ([`ModelKvShape`],
+//!   [`KvArena`], with its own tokens per page ([`ModelKvShape`],
 //!   [`page_bytes_for`]).
 //! - [`PagedSeqs`], [`AttnParams`]: the kernel contract (the batch view and the attention
 //!   parameters that the CPU and CUDA kernels take) and its validation.
 //! - [`KvCacheView`], [`LayerKv`] (and their `Mut` twins): typed, validated views of a cache
 //!   slice, what the kernels in [`crate::attn::cpu`] take.
 
+mod arena;
 mod arena_view;
 mod contract;
 mod dtype;
 mod host;
 mod layout;
 
+pub use arena::{check_arena_size, KvArena, ARENA_ALIGN, PAGE_ALIGN, POISON_BYTE};
 pub use arena_view::{
     page_bytes_for, ArenaView, ModelKvShape, MAX_TOKENS_PER_PAGE, MIN_TOKENS_PER_PAGE,
 };

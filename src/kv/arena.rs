@@ -25,8 +25,8 @@ pub const POISON_BYTE: u8 = 0xFF;
 /// by this value and freed exactly once, by `Drop`. No `&`/`&mut` to the bytes outlives one
 /// method call of this type or a view's head-vector access (see below).
 ///
-/// loaded model's KV cache is a view of. A [`BlockId`](super::BlockId) handed out by the
-/// [`BlockPool`](super::BlockPool) names a page, whichever model holds it: a page one model
+/// loaded model's KV cache is a view of. A [`BlockId`](crate::block::BlockId) handed out by the
+/// [`BlockPool`](crate::block::BlockPool) names a page, whichever model holds it: a page one model
 /// frees is memory another model can write the next step, so a block lent between models is
 /// the same bytes, not a second allocation.
 ///
@@ -74,7 +74,7 @@ impl KvArena {
     /// # Errors
     /// [`KvError::ZeroDimension`] if either is 0, [`KvError::PageMisaligned`] if `page_bytes`
     /// is not a multiple of [`PAGE_ALIGN`],
-    /// [`KvError::TooManyBlocks`] above [`MAX_BLOCKS`](super::MAX_BLOCKS),
+    /// [`KvError::TooManyBlocks`] above [`MAX_BLOCKS`](crate::ids::MAX_BLOCKS),
     /// [`KvError::SizeOverflow`], [`KvError::AllocFailed`].
     pub fn new(num_pages: usize, page_bytes: usize) -> Result<Self, KvError> {
         let total = check_arena_size(num_pages, page_bytes)?;
@@ -205,10 +205,10 @@ pub fn check_arena_size(num_pages: usize, page_bytes: usize) -> Result<usize, Kv
             align: PAGE_ALIGN,
         });
     }
-    if num_pages > super::MAX_BLOCKS as usize {
+    if num_pages > crate::ids::MAX_BLOCKS as usize {
         return Err(KvError::TooManyBlocks {
             num_blocks: num_pages,
-            max: super::MAX_BLOCKS as usize,
+            max: crate::ids::MAX_BLOCKS as usize,
         });
     }
     num_pages

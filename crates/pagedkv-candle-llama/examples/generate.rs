@@ -2,7 +2,7 @@
 //! tokens/s.
 //!
 //! ```sh
-//! # a tiny random llama written by pagedkv's GGUF writer (about 1.3 MB)
+//! # a tiny random llama written by pagedkv's GGUF writer (1.1 MB)
 //! cargo run --release -p pagedkv-candle-llama --example generate -- --write-tiny /tmp/tiny.gguf
 //! # 8 sequences at once, 64 tokens each
 //! cargo run --release -p pagedkv-candle-llama --example generate -- /tmp/tiny.gguf --seqs 8 --max-new 64

@@ -46,7 +46,7 @@ pub struct TinyLlama {
 
 impl TinyLlama {
     /// 2 layers, width 256, 8 heads of 32 with 2 KV heads (grouped-query attention), MLP 512,
-    /// vocabulary 384, all F32 and tied embeddings (about 5.5 MB).
+    /// vocabulary 384, all F32 and tied embeddings (4.9 MB).
     pub fn f32() -> Self {
         Self {
             vocab: 384,
@@ -67,7 +67,7 @@ impl TinyLlama {
 
     /// The same shape with mixed types: Q4_K embedding, projections rotating through Q8_0,
     /// Q4_0, Q4_K, F16 and F32, a Q8_0 `output.weight`, RoPE base 500000 and eps 1e-6
-    /// (about 1.3 MB).
+    /// (1.1 MB).
     pub fn mixed() -> Self {
         Self {
             rope_base: 500_000.0,

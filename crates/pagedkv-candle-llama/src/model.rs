@@ -17,7 +17,7 @@ use candle_core::{Device, Tensor};
 use pagedkv::engine::{HostBackend, KvBackend, LayerQkv, StepModel};
 use pagedkv::error::EngineError;
 use pagedkv::gguf::Gguf;
-use pagedkv::sched::{Batch, SeqId};
+use pagedkv::sched::{Batch, SeqId, SeqRequest};
 
 /// The logits of one sampled token, kept when [`PagedLlama::record_logits`] is on.
 #[derive(Debug, Clone, PartialEq)]
@@ -76,6 +76,28 @@ impl PagedLlama {
     /// The hyperparameters.
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg
+    }
+
+    /// Refuses a request the model cannot run (an empty prompt, a token outside the
+    /// vocabulary), before it is queued: a step that meets such a token fails as a whole.
+    pub fn check_request(&self, req: &SeqRequest) -> Result<()> {
+        if req.prompt.is_empty() {
+            return Err(Error::BadInput(format!(
+                "request {} has an empty prompt",
+                req.id
+            )));
+        }
+        if let Some(&t) = req
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= self.cfg.vocab_size)
+        {
+            return Err(Error::BadInput(format!(
+                "request {}: token {t} is outside the vocabulary of {}",
+                req.id, self.cfg.vocab_size
+            )));
+        }
+        Ok(())
     }
 
     /// Keeps (or stops keeping) every sampled row's logits, for [`take_logits`](Self::take_logits).
@@ -203,6 +225,12 @@ impl PagedLlama {
             }
         }
         Ok(())
+    }
+}
+
+impl AsRef<PagedLlama> for PagedLlama {
+    fn as_ref(&self) -> &PagedLlama {
+        self
     }
 }
 

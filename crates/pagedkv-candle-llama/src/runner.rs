@@ -3,6 +3,7 @@
 
 use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
+use crate::model::PagedLlama;
 use pagedkv::budget::BudgetConfig;
 use pagedkv::engine::{Engine, EngineConfig, HostBackend, RecomputePolicy, SharedArena, StepModel};
 use pagedkv::kv::page_bytes_for;
@@ -88,14 +89,22 @@ impl Generation {
     }
 }
 
-/// Queues `requests` and steps the engine with `model` (a [`PagedLlama`](crate::PagedLlama),
-/// or a wrapper around one) until every sequence finished, or `max_steps`.
-pub fn generate<M: StepModel<HostBackend<f32>> + ?Sized>(
+/// Queues `requests` and steps the engine with `model` (a [`PagedLlama`], or a wrapper around
+/// one) until every sequence finished, or `max_steps`.
+///
+/// Every request is checked ([`PagedLlama::check_request`]) before any is queued; if the
+/// engine then refuses one (a duplicate id, a prompt longer than its context), the requests
+/// before it stay queued.
+pub fn generate<M: StepModel<HostBackend<f32>> + AsRef<PagedLlama> + ?Sized>(
     engine: &mut Engine<HostBackend<f32>>,
     model: &mut M,
     requests: impl IntoIterator<Item = SeqRequest>,
     max_steps: u64,
 ) -> Result<Generation> {
+    let requests: Vec<SeqRequest> = requests.into_iter().collect();
+    for r in &requests {
+        model.as_ref().check_request(r)?;
+    }
     for r in requests {
         engine.add(r)?;
     }

@@ -69,6 +69,12 @@ pub struct Observed {
     shifted: Option<Batch>,
 }
 
+impl AsRef<PagedLlama> for Observed {
+    fn as_ref(&self) -> &PagedLlama {
+        &self.model
+    }
+}
+
 impl StepModel<HostBackend<f32>> for Observed {
     fn qkv(
         &mut self,

@@ -40,8 +40,9 @@ struct Args {
     /// Multiply quantized tensors dequantized in f32 instead of with candle's quantized matmul.
     #[arg(long)]
     dequantized: bool,
-    /// KV pages of 16 tokens.
-    #[arg(long, default_value_t = 1024)]
+    /// KV pages of 16 tokens (0: just enough for every sequence's whole context at once; f32
+    /// KV is 8 bytes per layer, KV head and head element per token).
+    #[arg(long, default_value_t = 0)]
     pages: u32,
 }
 
@@ -92,15 +93,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(&t) = prompt.iter().find(|&&t| t >= vocab) {
         return Err(format!("prompt token {t} is outside the vocabulary of {vocab}").into());
     }
+    let seqs = args.seqs.max(1);
+    let max_context = prompt.len() as u32 + args.max_new.max(1);
+    let pages = match args.pages {
+        0 => seqs * max_context.div_ceil(16),
+        n => n,
+    };
     let setup = EngineSetup {
-        pages: args.pages,
-        max_running: args.seqs.max(1),
-        max_context: (prompt.len() as u32 + args.max_new).max(1),
+        tokens_per_page: 16,
+        pages,
+        max_running: seqs,
+        max_context,
         preemption: PreemptionMode::Recompute,
         ..EngineSetup::default()
     };
     let mut engine = build_engine(&cfg, &setup)?;
-    let requests = (0..args.seqs.max(1)).map(|i| {
+    let requests = (0..seqs).map(|i| {
         let mut prompt = prompt.clone();
         if let Some(last) = prompt.last_mut() {
             *last = (*last + i) % vocab;

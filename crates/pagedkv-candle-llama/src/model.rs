@@ -51,8 +51,11 @@ pub struct PagedLlama {
 }
 
 impl PagedLlama {
-    /// Loads the model from a parsed GGUF file (see [`crate::weights`] for how each tensor is
-    /// read). The file's bytes may be dropped afterwards: every weight is copied.
+    /// Loads the model from a parsed GGUF file. Every tensor's bytes come through pagedkv's
+    /// parser; norms and the embedding are dequantized by pagedkv; float projections are
+    /// dequantized and multiplied in f32, quantized ones as [`MatMulMode`] says (candle's
+    /// `QMatMul` rules, so the model computes what `quantized_llama` computes). The file's
+    /// bytes may be dropped afterwards: every weight is copied.
     pub fn from_gguf(g: &Gguf<'_>, mode: MatMulMode) -> Result<Self> {
         let cfg = LlamaConfig::from_gguf(g)?;
         let weights = Weights::load(g, &cfg, mode)?;

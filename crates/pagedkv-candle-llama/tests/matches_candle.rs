@@ -2,8 +2,9 @@
 //! sequences of prompt lengths 2 to 60 run together (chunked prefill, mixed prefill/decode
 //! steps, preemption by recompute or by swap in a 20-page arena), and every sampled row's
 //! logits match candle's single-sequence forward within `support::ATOL`/`RTOL` (f32), with
-//! identical greedy generations. Two files: all F32 with tied embeddings, and mixed Q4_K /
-//! Q8_0 / Q4_0 / F16 / F32 tensors with an output projection of its own.
+//! identical greedy generations. Three files: all F32 with tied embeddings; mixed Q4_K /
+//! Q8_0 / Q4_0 / F16 / F32 tensors with a Q8_0 output projection; the same mixed file with
+//! tied (Q4_K) embeddings.
 
 mod support;
 
@@ -79,4 +80,16 @@ fn shifted_decode_positions_do_not_match_candle() {
         F32_TOL,
         true,
     );
+}
+
+/// Tied embeddings on a quantized file: the output projection is the Q4_K token embedding
+/// through candle's quantized matmul (candle's fallback when `output.weight` is absent).
+#[test]
+fn quantized_tied_matches_candle_with_recompute_preemption() {
+    let spec = TinyLlama {
+        output_type: None,
+        embd_scale: 0.05,
+        ..TinyLlama::mixed()
+    };
+    check(spec, 6, PreemptionMode::Recompute, Q_TOL);
 }

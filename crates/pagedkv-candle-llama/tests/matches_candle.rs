@@ -15,11 +15,15 @@ use support::{candle_model, run_and_compare, small_engine, Tolerance, F32_TOL};
 
 /// candle's quantized matmul quantizes each activation row to 8 bits before its integer dot
 /// products, so an f32 rounding difference upstream (attention summation order) can move an
-/// activation across a rounding step and change an output by a step's weight. The logits
-/// still agree to this bound, and greedy choices are identical (the closest top-2 gap is printed).
+/// activation across a rounding step and change an output by a step's weight. candle against
+/// itself shows the same: its prompt fed in chunks of 16 instead of whole moves logits by up
+/// to 4.6e-2 (printed as "candle against itself"); pagedkv's largest difference is 5.4e-2, its
+/// mean 2e-3. A decode-position bug (the negative controls) gives 0.8 and a mean of 9e-2.
+/// Greedy choices are identical (the closest top-2 gap is printed).
 const Q_TOL: Tolerance = Tolerance {
     atol: 0.1,
     rtol: 0.02,
+    mean: 1e-2,
 };
 
 fn check(spec: TinyLlama, seed: u64, preemption: PreemptionMode, tol: Tolerance) {
@@ -34,14 +38,15 @@ fn check(spec: TinyLlama, seed: u64, preemption: PreemptionMode, tol: Tolerance)
         false,
     );
     println!(
-        "{} bytes, {preemption:?}: {} rows, max |diff| {:.3e}, mean |diff| {:.3e}, max |logit| {:.2}, min top-2 gap {:.3e}, {} preemptions",
+        "{} bytes, {preemption:?}: {} rows, max |diff| {:.3e}, mean |diff| {:.3e}, max |logit| {:.2}, min top-2 gap {:.3e}, {} preemptions; candle against itself (prompt chunked) max |diff| {:.3e}",
         bytes.len(),
         c.rows,
         c.max_abs_diff,
         c.mean_abs_diff,
         c.max_abs_logit,
         c.min_top2_gap,
-        c.preempted
+        c.preempted,
+        c.candle_self_noise
     );
 }
 
@@ -70,14 +75,25 @@ fn quantized_matches_candle_with_swap_preemption() {
 #[test]
 #[should_panic(expected = "candle")]
 fn shifted_decode_positions_do_not_match_candle() {
-    let bytes = TinyLlama::f32().write(1).unwrap();
+    sabotaged(TinyLlama::f32(), 1, F32_TOL);
+}
+
+/// The same on the quantized file, under its looser bound.
+#[test]
+#[should_panic(expected = "candle")]
+fn shifted_decode_positions_do_not_match_candle_quantized() {
+    sabotaged(TinyLlama::mixed(), 3, Q_TOL);
+}
+
+fn sabotaged(spec: TinyLlama, seed: u64, tol: Tolerance) {
+    let bytes = spec.write(seed).unwrap();
     let mut oracle = candle_model(&bytes);
     run_and_compare(
         &bytes,
         MatMulMode::Quantized,
         small_engine(PreemptionMode::Recompute),
         &mut oracle,
-        F32_TOL,
+        tol,
         true,
     );
 }

@@ -28,7 +28,13 @@ fn dequantized_matches_candle_dequantize_all() {
     );
     println!(
         "{} rows, max |diff| {:.3e}, mean |diff| {:.3e}, max |logit| {:.2}, min top-2 gap {:.3e}, \
-         {} preemptions",
-        c.rows, c.max_abs_diff, c.mean_abs_diff, c.max_abs_logit, c.min_top2_gap, c.preempted
+         {} preemptions; candle against itself (prompt chunked) max |diff| {:.3e}",
+        c.rows,
+        c.max_abs_diff,
+        c.mean_abs_diff,
+        c.max_abs_logit,
+        c.min_top2_gap,
+        c.preempted,
+        c.candle_self_noise
     );
 }

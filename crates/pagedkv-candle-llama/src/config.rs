@@ -1,0 +1,110 @@
+//! The model's hyperparameters, read from GGUF metadata the way candle's `quantized_llama`
+//! reads them, so that the two run the same model from the same file.
+
+use crate::error::{Error, Result};
+use pagedkv::gguf::{Gguf, LlamaParams};
+use pagedkv::kv::{KvDtype, ModelKvShape};
+
+/// Architectures this client runs: llama's GGUF layout with llama.cpp's "NORM" RoPE (adjacent
+/// pairs rotated), which is what candle's `quantized_llama` runs for them (it reads `llama.*`
+/// keys whatever the architecture). NEOX-RoPE families (qwen2, phi3, ...) are refused.
+const SUPPORTED_ARCHS: [&str; 1] = ["llama"];
+
+/// A llama's hyperparameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    /// pagedkv's reading of the llama keys (layers, heads, widths, eps, rope base).
+    pub params: LlamaParams,
+    /// Rows of the token embedding (and of the output projection).
+    pub vocab_size: usize,
+    /// Whether the file has no `output.weight`, so the output projection is the token
+    /// embedding (tied), as candle does.
+    pub tied_embeddings: bool,
+}
+
+impl LlamaConfig {
+    /// Reads and checks the hyperparameters.
+    ///
+    /// Beyond [`LlamaParams::from_gguf`], candle's reader requires
+    /// `{arch}.rope.dimension_count` and `{arch}.attention.layer_norm_rms_epsilon` and takes the
+    /// head dimension as `embedding_length / head_count`; a file where the RoPE covers part of
+    /// a head, or whose key length differs from that quotient, is refused here rather than run
+    /// differently from the oracle.
+    pub fn from_gguf(g: &Gguf<'_>) -> Result<Self> {
+        let params = g.llama_params()?;
+        let arch = params.architecture.as_str();
+        if !SUPPORTED_ARCHS.contains(&arch) {
+            return Err(Error::Unsupported(format!(
+                "architecture {arch:?} (supported: {SUPPORTED_ARCHS:?})"
+            )));
+        }
+        let rope_dim = g.get_u32(&format!("{arch}.rope.dimension_count"))?;
+        g.get_f32(&format!("{arch}.attention.layer_norm_rms_epsilon"))?;
+        if params.embedding_length % params.n_heads != 0
+            || params.head_dim != params.embedding_length / params.n_heads
+            || params.head_dim_v != params.head_dim
+        {
+            return Err(Error::Unsupported(format!(
+                "head dims {}/{} differ from embedding_length / head_count = {} / {}",
+                params.head_dim, params.head_dim_v, params.embedding_length, params.n_heads
+            )));
+        }
+        if rope_dim != params.head_dim || params.head_dim % 2 != 0 {
+            return Err(Error::Unsupported(format!(
+                "rope.dimension_count {rope_dim} with head_dim {}: only a RoPE over the whole \
+                 (even) head is supported",
+                params.head_dim
+            )));
+        }
+        let embd = g.require_tensor("token_embd.weight")?;
+        let vocab_size = match embd.shape() {
+            [d, v] if *d == u64::from(params.embedding_length) => *v as usize,
+            s => {
+                return Err(Error::Unsupported(format!(
+                    "token_embd.weight has shape {s:?}, expected [{}, vocab]",
+                    params.embedding_length
+                )))
+            }
+        };
+        Ok(Self {
+            tied_embeddings: g.tensor("output.weight").is_none(),
+            params,
+            vocab_size,
+        })
+    }
+
+    /// Model width.
+    pub fn dim(&self) -> usize {
+        self.params.embedding_length as usize
+    }
+
+    /// Transformer layers.
+    pub fn n_layers(&self) -> usize {
+        self.params.n_layers as usize
+    }
+
+    /// Query heads.
+    pub fn n_heads(&self) -> usize {
+        self.params.n_heads as usize
+    }
+
+    /// Key/value heads.
+    pub fn n_kv_heads(&self) -> usize {
+        self.params.n_kv_heads as usize
+    }
+
+    /// Elements per head.
+    pub fn head_dim(&self) -> usize {
+        self.params.head_dim as usize
+    }
+
+    /// The KV shape of this model in pagedkv's arena (f32 on the CPU).
+    pub fn kv_shape(&self) -> ModelKvShape {
+        ModelKvShape {
+            num_layers: self.n_layers(),
+            num_kv_heads: self.n_kv_heads(),
+            head_dim: self.head_dim(),
+            dtype: KvDtype::F32,
+        }
+    }
+}

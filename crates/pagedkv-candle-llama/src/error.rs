@@ -1,0 +1,49 @@
+//! The client's errors: each source keeps its own typed error.
+
+use pagedkv::error::{EngineError, KvError, SchedError};
+use pagedkv::gguf::GgufError;
+
+/// Everything loading or running the llama can refuse.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The GGUF file was malformed, lacked a key or tensor, or could not be dequantized.
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    /// A candle operation failed.
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+    /// The engine (batcher, cache, kernels) refused.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The scheduler refused a request.
+    #[error(transparent)]
+    Sched(#[from] SchedError),
+    /// The KV geometry was refused.
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    /// The file describes a model this client does not run (another architecture, a RoPE
+    /// that covers part of a head, a tensor of the wrong shape or type).
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+    /// A request or a step's input the model cannot take (a token outside the vocabulary, a
+    /// position past the RoPE table).
+    #[error("bad input: {0}")]
+    BadInput(String),
+    /// The engine did not finish its requests within the step limit.
+    #[error("the engine still had work after {0} steps")]
+    StepLimit(u64),
+}
+
+impl Error {
+    /// As the engine's error type, for the [`StepModel`](pagedkv::engine::StepModel) methods
+    /// (the engine keeps the caller's message).
+    pub(crate) fn into_engine(self) -> EngineError {
+        match self {
+            Error::Engine(e) => e,
+            other => EngineError::Model(other.to_string()),
+        }
+    }
+}
+
+/// The client's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,153 @@
+//! Bad input is refused with a typed error, never a panic: files this client does not run,
+//! missing tensors, and tokens outside the vocabulary (before they are queued, and, if a
+//! caller bypasses the check, as a failed step).
+
+use pagedkv::error::EngineError;
+use pagedkv::gguf::{Gguf, GgufError, GgufWriter, MetaValue};
+use pagedkv::sched::{PreemptionMode, Priority, SeqRequest, StopRules};
+use pagedkv_candle_llama::fixture::TinyLlama;
+use pagedkv_candle_llama::{build_engine, generate, EngineSetup, Error, MatMulMode, PagedLlama};
+
+/// The tiny F32 file with its metadata passed through `edit` (`None` drops an entry) and
+/// without the tensor `drop`.
+fn rewritten(
+    edit: impl Fn(&str, MetaValue) -> Option<(String, MetaValue)>,
+    drop: Option<&str>,
+) -> Vec<u8> {
+    let bytes = TinyLlama::f32().write(9).unwrap();
+    let g = Gguf::parse(&bytes).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in g.metadata() {
+        if let Some((k, v)) = edit(k, MetaValue::from_value(v)) {
+            w.add(&k, v).unwrap();
+        }
+    }
+    for t in g.tensors().iter().filter(|t| Some(t.name()) != drop) {
+        w.add_tensor(t.name(), t.ty(), t.shape(), t.data()).unwrap();
+    }
+    w.to_bytes().unwrap()
+}
+
+fn load(bytes: &[u8]) -> Result<PagedLlama, Error> {
+    PagedLlama::from_gguf(&Gguf::parse(bytes).unwrap(), MatMulMode::Quantized)
+}
+
+/// Steps until a step fails (the first steps may schedule nothing while the coordinator's
+/// budgets settle); panics if none does.
+fn failing_step(
+    engine: &mut pagedkv::engine::Engine<pagedkv::engine::HostBackend<f32>>,
+    model: &mut PagedLlama,
+) -> EngineError {
+    for _ in 0..8 {
+        if let Err(e) = engine.step(model) {
+            return e;
+        }
+    }
+    panic!("no step failed");
+}
+
+fn request(id: u64, prompt: Vec<u32>) -> SeqRequest {
+    SeqRequest {
+        id,
+        prompt,
+        stop: StopRules {
+            max_new_tokens: 4,
+            eos: Vec::new(),
+            stop_sequences: Vec::new(),
+        },
+        priority: Priority::Throughput,
+    }
+}
+
+#[test]
+fn a_neox_rope_architecture_is_refused() {
+    let bytes = rewritten(
+        |k, v| match (k, v) {
+            ("general.architecture", _) => Some((k.into(), MetaValue::String("qwen2".into()))),
+            (k, v) => Some((k.replacen("llama.", "qwen2.", 1), v)),
+        },
+        None,
+    );
+    assert!(matches!(load(&bytes), Err(Error::Unsupported(m)) if m.contains("qwen2")));
+}
+
+#[test]
+fn a_partial_rope_is_refused() {
+    let bytes = rewritten(
+        |k, v| match k {
+            "llama.rope.dimension_count" => Some((k.into(), MetaValue::U32(16))),
+            _ => Some((k.into(), v)),
+        },
+        None,
+    );
+    assert!(matches!(load(&bytes), Err(Error::Unsupported(m)) if m.contains("rope")));
+}
+
+#[test]
+fn a_missing_key_or_tensor_is_a_gguf_error() {
+    let no_eps = rewritten(
+        |k, v| (k != "llama.attention.layer_norm_rms_epsilon").then(|| (k.into(), v)),
+        None,
+    );
+    assert!(matches!(
+        load(&no_eps),
+        Err(Error::Gguf(GgufError::MissingKey { .. }))
+    ));
+    let no_down = rewritten(|k, v| Some((k.into(), v)), Some("blk.1.ffn_down.weight"));
+    assert!(matches!(
+        load(&no_down),
+        Err(Error::Gguf(GgufError::NoSuchTensor { .. }))
+    ));
+}
+
+#[test]
+fn tokens_outside_the_vocabulary_are_refused() {
+    let bytes = TinyLlama::f32().write(9).unwrap();
+    let mut model = load(&bytes).unwrap();
+    let vocab = model.config().vocab_size as u32;
+    let setup = EngineSetup {
+        preemption: PreemptionMode::Recompute,
+        ..EngineSetup::default()
+    };
+    let mut engine = build_engine(model.config(), &setup).unwrap();
+    // Checked before anything is queued: the good request is not queued either.
+    let bad = [request(1, vec![1, 2]), request(2, vec![3, vocab])];
+    let err = generate(&mut engine, &mut model, bad, 100).unwrap_err();
+    assert!(
+        matches!(err, Error::BadInput(ref m) if m.contains("vocabulary")),
+        "{err}"
+    );
+    assert!(!engine.has_work());
+    assert!(matches!(
+        generate(&mut engine, &mut model, [request(3, vec![])], 100),
+        Err(Error::BadInput(_))
+    ));
+    // A caller that queues past the check gets a failed step, not a panic.
+    engine.add(request(4, vec![vocab + 7])).unwrap();
+    let err = failing_step(&mut engine, &mut model);
+    assert!(
+        matches!(err, EngineError::Model(ref m) if m.contains("vocabulary")),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_model_on_another_models_engine_is_refused() {
+    let small = load(&TinyLlama::f32().write(9).unwrap()).unwrap();
+    let mut other = load(
+        &TinyLlama {
+            kv_heads: 4,
+            ..TinyLlama::f32()
+        }
+        .write(9)
+        .unwrap(),
+    )
+    .unwrap();
+    let mut engine = build_engine(small.config(), &EngineSetup::default()).unwrap();
+    engine.add(request(1, vec![1, 2, 3])).unwrap();
+    let err = failing_step(&mut engine, &mut other);
+    assert!(
+        matches!(err, EngineError::Model(ref m) if m.contains("KV heads")),
+        "{err}"
+    );
+}

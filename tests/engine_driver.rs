@@ -623,3 +623,14 @@ fn cached_prefixes_are_reused_exactly_across_sequences_and_preemptions() {
         assert_no_leak(&shared);
     }
 }
+
+#[test]
+fn a_fresh_engine_schedules_its_first_request_on_its_first_step() {
+    let (_shared, mut engines) = build(64, PreemptionMode::Recompute);
+    add(&mut engines[0], request(1, 8, 4));
+    let (engine, model) = &mut engines[0];
+    assert_eq!(engine.schedule().num_tokens(), 8);
+    engine.execute(model).unwrap();
+    engine.commit(model).unwrap();
+    assert_eq!(engine.results().updates.len(), 1);
+}

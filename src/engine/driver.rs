@@ -292,6 +292,13 @@ impl<B: KvBackend> Engine<B> {
         self.results.clear();
         self.finished.clear();
         self.report = StepReport::default();
+        // An engine that just got its first requests reports itself active and, as the policy
+        // allows, has the budgets recomputed now: its first step then gets tokens (without
+        // this, an idle engine's first step after `add` schedules nothing).
+        self.batcher.sync_activity();
+        if self.cfg.recompute.when_dirty {
+            self.shared.coordinator().maybe_recompute();
+        }
         self.track_reclaim();
         self.steps += 1;
         if let Some((donor, pages)) = self.donation_needed() {

@@ -236,6 +236,20 @@ impl Batcher {
         })
     }
 
+    /// Reports to the attached budget whether the engine has work, if that changed since the
+    /// last report (the batcher otherwise reports it at the end of each schedule and commit).
+    /// Call after queueing requests on an idle engine, so that a budget recomputation before
+    /// the next schedule already gives it a share.
+    pub fn sync_activity(&mut self) {
+        if let Some(b) = &self.budget {
+            let active = self.has_work();
+            if active != self.active_reported {
+                b.set_active(active);
+                self.active_reported = active;
+            }
+        }
+    }
+
     /// Draw also against `budget` (token budget per step and block quota).
     pub fn attach_budget(&mut self, budget: Box<dyn EngineBudget>) {
         self.budget = Some(budget);

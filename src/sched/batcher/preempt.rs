@@ -82,7 +82,22 @@ impl Batcher {
     /// engine can), then new ones from the budget and the pool. On failure nothing is taken.
     pub(super) fn take_pages(&mut self, n: u32) -> bool {
         self.scratch.clear();
-        let reuse = (n as usize).min(self.swap_out_pending.len());
+        // Only pages the pending swap-outs hold alone may be reused: one another sequence still
+        // references (a fork, an attached cached prefix) or the prefix cache holds must not be
+        // rewritten. A stable partition puts the reusable ones last (only when swap-outs are
+        // pending, which is rare).
+        let mut reusable = 0;
+        if !self.swap_out_pending.is_empty() {
+            let mut pending = std::mem::take(&mut self.swap_out_pending);
+            pending.sort_by_key(|&id| self.pool.ref_count(id) == Ok(1));
+            reusable = pending
+                .iter()
+                .rev()
+                .take_while(|&&id| self.pool.ref_count(id) == Ok(1))
+                .count();
+            self.swap_out_pending = pending;
+        }
+        let reuse = (n as usize).min(reusable);
         let fresh = n - reuse as u32;
         if fresh > 0 {
             if let Some(b) = &self.budget {

@@ -13,6 +13,8 @@ pub mod block;
 pub mod budget;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(any(feature = "cuda", feature = "cuda-emu"))]
+pub mod cuda_raw;
 #[cfg(all(feature = "cuda-emu", not(feature = "cuda")))]
 pub mod cuda_emu;
 pub mod engine;

@@ -13,10 +13,10 @@ pub mod block;
 pub mod budget;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-#[cfg(any(feature = "cuda", feature = "cuda-emu"))]
-pub mod cuda_raw;
 #[cfg(all(feature = "cuda-emu", not(feature = "cuda")))]
 pub mod cuda_emu;
+#[cfg(any(feature = "cuda", feature = "cuda-emu"))]
+pub mod cuda_raw;
 pub mod engine;
 pub mod error;
 pub mod gguf;

@@ -376,7 +376,14 @@ impl<T: DeviceRepr> TokenRows<'_, T> {
         row: usize,
     ) -> Result<(), CudaError> {
         same_device(gpu, self.buf)?;
-        check_view(what, self.buf.len(), self.offset, self.token_stride, tokens, row)
+        check_view(
+            what,
+            self.buf.len(),
+            self.offset,
+            self.token_stride,
+            tokens,
+            row,
+        )
     }
     pub(crate) fn raw<'s>(
         &'s self,
@@ -400,7 +407,14 @@ impl<T: DeviceRepr> TokenRowsMut<'_, T> {
         row: usize,
     ) -> Result<(), CudaError> {
         same_device(gpu, self.buf)?;
-        check_view(what, self.buf.len(), self.offset, self.token_stride, tokens, row)
+        check_view(
+            what,
+            self.buf.len(),
+            self.offset,
+            self.token_stride,
+            tokens,
+            row,
+        )
     }
     pub(crate) fn raw<'s>(
         &'s mut self,

@@ -211,12 +211,11 @@ impl DecodeStep {
             capacity,
             gpu.info().sm_count.max(1) as usize,
         )?;
-        let layout = MetaLayout::new(max_seqs, max_blocks_per_seq).ok_or(
-            CudaError::Unsupported {
+        let layout =
+            MetaLayout::new(max_seqs, max_blocks_per_seq).ok_or(CudaError::Unsupported {
                 what: "decode step metadata bytes",
                 value: max_seqs,
-            },
-        )?;
+            })?;
         let mut staging = Pinned::new(gpu, layout.total)?;
         let meta = gpu.alloc_zeros::<u8>(layout.total)?;
         let workspace = match plan.workspace_bytes() {
@@ -228,12 +227,13 @@ impl DecodeStep {
         // at once): the buffers are owned by the step and used only on its stream, so stream
         // order alone orders every later use, captured or eager.
         let meta_ptr = meta.device_ptr(stream).0;
-        let workspace_raw = workspace
-            .as_ref()
-            .map_or(cuda_raw::Workspace::NONE, |w| cuda_raw::Workspace {
-                ptr: w.device_ptr(stream).0,
-                bytes: w.len(),
-            });
+        let workspace_raw =
+            workspace
+                .as_ref()
+                .map_or(cuda_raw::Workspace::NONE, |w| cuda_raw::Workspace {
+                    ptr: w.device_ptr(stream).0,
+                    bytes: w.len(),
+                });
         let params_raw = params.raw(stream).0;
         let staged = gpu.context().new_event(None)?;
         fill_padding(&mut staging, &layout, max_seqs, 0);
@@ -339,7 +339,11 @@ impl DecodeStep {
             }
         }
         self.staged.synchronize()?;
-        let (l, mbps_in, mbps) = (self.layout, seqs.max_blocks_per_seq, self.max_blocks_per_seq);
+        let (l, mbps_in, mbps) = (
+            self.layout,
+            seqs.max_blocks_per_seq,
+            self.max_blocks_per_seq,
+        );
         let bytes = self.staging.bytes_mut();
         for (i, &slot) in slot_mapping.iter().enumerate() {
             put(bytes, l.slots + 8 * i, &slot.to_ne_bytes());

@@ -111,10 +111,13 @@ pub(crate) fn rows(
         });
     }
     aligned(what, v.ptr, align)?;
-    let bytes = v.token_stride.checked_mul(elem).ok_or(RawError::Unsupported {
-        what,
-        value: v.token_stride,
-    })?;
+    let bytes = v
+        .token_stride
+        .checked_mul(elem)
+        .ok_or(RawError::Unsupported {
+            what,
+            value: v.token_stride,
+        })?;
     if bytes % align != 0 {
         return Err(RawError::Misaligned { what, align });
     }

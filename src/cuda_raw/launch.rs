@@ -318,11 +318,7 @@ pub unsafe fn copy_blocks(
             stream,
         )
     };
-    check_status(
-        "pkv_copy_blocks",
-        status,
-        Some(PageArgs::of(&cache.config)),
-    )
+    check_status("pkv_copy_blocks", status, Some(PageArgs::of(&cache.config)))
 }
 
 /// Swaps whole blocks between a device cache and a host swap space of the same block shape

@@ -47,9 +47,9 @@ mod launch;
 mod plan;
 
 pub use crate::error::RawError;
-pub use check::{geometry, status_message, SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS, VIEW_ALIGN};
 #[cfg(feature = "cuda")]
 pub(crate) use check::check_status;
+pub use check::{geometry, status_message, SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS, VIEW_ALIGN};
 pub use launch::{
     copy_blocks, paged_attention_decode, paged_attention_prefill, reshape_and_cache, swap_blocks,
 };

@@ -157,7 +157,11 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_kernel(const DecodeArgs a)
   const int begin = max(start, wstart);  // tokens [begin, end) are read; others are masked
   const int h0 = kh * a.group + g0;                            // first head served here
   const int64_t row0 = (int64_t)seq * a.num_heads + h0;        // its workspace row
-  T *const out_row = reinterpret_cast<T *>(a.out) + (int64_t)seq * a.out_stride + (int64_t)h0 * D;
+  // Its output row (single split), computed where used: keeping it live through the passes
+  // costs registers.
+  auto out_row = [&]() {
+    return reinterpret_cast<T *>(a.out) + (int64_t)seq * a.out_stride + (int64_t)h0 * D;
+  };
   const bool split_mode = a.num_splits > 1;
 
   if (begin >= end) {
@@ -169,7 +173,8 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_kernel(const DecodeArgs a)
         a.tmp_sum[r] = 0.f;
       }
     } else {
-      for (int i = threadIdx.x; i < ng * D; i += DEC_THREADS) out_row[i] = Elem<T>::from_f32(0.f);
+      T *const o = out_row();
+      for (int i = threadIdx.x; i < ng * D; i += DEC_THREADS) o[i] = Elem<T>::from_f32(0.f);
     }
     return;
   }
@@ -351,7 +356,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_kernel(const DecodeArgs a)
       }
     } else {
       const float l = s_sum[g];
-      out_row[g * D + d] = Elem<T>::from_f32(l > 0.f ? v / l : 0.f);
+      out_row()[g * D + d] = Elem<T>::from_f32(l > 0.f ? v / l : 0.f);
     }
   }
 }

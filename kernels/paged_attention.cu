@@ -2,7 +2,10 @@
 // (templates in attention.cuh). Each launcher validates its arguments, picks the template
 // instance for (dtype, head_dim, group size), launches on the caller's stream and returns the
 // launch status; none synchronizes.
+#include <type_traits>
+
 #include "attention.cuh"
+#include "decode_mma.cuh"
 
 namespace pkv {
 namespace {
@@ -30,28 +33,59 @@ inline WorkspaceLayout workspace_layout(int64_t rows, int head_dim, int splits) 
   return w;
 }
 
-template <typename T, int D, int GT>
-int launch_decode(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t stream) {
-  const size_t smem = decode_smem_bytes<GT, D>(a.part_tokens);
-  // Static and dynamic shared memory share the budget; callers keep below it (see below).
-  if (smem + decode_static_smem_bytes(GT) > SINGLE_PASS_SMEM) return PKV_ERR_INVALID_ARG;
-  const dim3 grid(num_kv_heads * a.head_chunks, num_seqs, a.num_splits);
-  decode_kernel<T, D, GT><<<grid, DEC_THREADS, smem, stream>>>(a);
+// Groups of at least this many query heads per KV head run the tensor-core body when the cache
+// is f16 / bf16: its cost per token does not grow with the heads served, while the CUDA-core
+// body pays one FMA per head per K/V element in each pass (a group of 2 or 3 already costs it
+// what 4 heads do, since it serves 4). MHA (one head) stays on CUDA cores: an mma would waste 15
+// of its 16 rows.
+constexpr int DECODE_MMA_MIN_GROUP = 2;
+inline bool decode_uses_mma(int dtype, int group) {
+  return dtype != PKV_DTYPE_F32 && group >= DECODE_MMA_MIN_GROUP;
+}
+
+// The reduce kernel after a split launch (nothing to do unsplit).
+template <typename T>
+int launch_decode_reduce(const DecodeArgs &a, int num_seqs, int head_dim, cudaStream_t stream) {
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || a.num_splits == 1) return status_of(e);
   const dim3 rgrid(a.num_heads, num_seqs);
   decode_reduce_kernel<T><<<rgrid, 128, a.num_splits * sizeof(float), stream>>>(
-      a.out, a.tmp_out, a.tmp_max, a.tmp_sum, a.context_lens, a.table_tokens, a.num_heads, D,
-      a.num_splits, a.part_tokens);
+      a.out, a.tmp_out, a.tmp_max, a.tmp_sum, a.context_lens, a.table_tokens, a.num_heads,
+      head_dim, a.num_splits, a.part_tokens);
   return status_of(cudaGetLastError());
+}
+
+template <typename T, int D, int GT>
+int launch_decode(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t stream) {
+  constexpr size_t smem = SimtDecode<T, D, GT>::smem_bytes();
+  static_assert(smem <= 48 * 1024, "the merge buffer fits without the opt-in");
+  const dim3 grid(num_kv_heads * a.head_chunks, num_seqs, a.num_splits);
+  decode_simt_kernel<T, D, GT><<<grid, DEC_THREADS, smem, stream>>>(a);
+  return launch_decode_reduce<T>(a, num_seqs, D, stream);
+}
+
+template <typename T, int D>
+int launch_decode_mma(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t stream) {
+  constexpr size_t smem = MmaDecode<T, D>::smem_bytes();
+  static_assert(smem <= 48 * 1024, "queries and merge buffer fit without the opt-in");
+  const dim3 grid(num_kv_heads * a.head_chunks, num_seqs, a.num_splits);
+  decode_mma_kernel<T, D><<<grid, DEC_THREADS, smem, stream>>>(a);
+  return launch_decode_reduce<T>(a, num_seqs, D, stream);
 }
 
 template <typename T, int D>
 int dispatch_decode_gt(int gt, DecodeArgs a, int hkv, int ns, cudaStream_t s) {
-  switch (gt) {
-    case 1: return launch_decode<T, D, 1>(a, hkv, ns, s);
-    case 4: return launch_decode<T, D, 4>(a, hkv, ns, s);
-    default: return launch_decode<T, D, 8>(a, hkv, ns, s);
+  if constexpr (!std::is_same<T, float>::value) {
+    // f16 / bf16: tensor cores for GQA, the one-head CUDA-core body for MHA (no other
+    // instance is built).
+    if (a.group >= DECODE_MMA_MIN_GROUP) return launch_decode_mma<T, D>(a, hkv, ns, s);
+    return launch_decode<T, D, 1>(a, hkv, ns, s);
+  } else {
+    switch (gt) {
+      case 1: return launch_decode<T, D, 1>(a, hkv, ns, s);
+      case 4: return launch_decode<T, D, 4>(a, hkv, ns, s);
+      default: return launch_decode<T, D, 8>(a, hkv, ns, s);
+    }
   }
 }
 
@@ -103,7 +137,8 @@ extern "C" int pkv_paged_attention_decode(void *out, const void *query, const vo
 
   const int hkv = geom->num_kv_heads;
   const int group = params->num_heads / hkv;
-  const int gt = decode_gt(group);
+  // Heads per block: the tensor-core body serves 8, the CUDA-core body 1, 4 or 8.
+  const int gt = decode_uses_mma(geom->dtype, group) ? MmaDecode<__half, 64>::GT : decode_gt(group);
   // The context a kernel can see is clamped to what the block table row can name.
   const int64_t table_tokens = (int64_t)max_blocks_per_seq * geom->block_size;
   const int max_ctx = (int)(max_context_len < table_tokens ? max_context_len : table_tokens);
@@ -131,8 +166,10 @@ extern "C" int pkv_paged_attention_decode(void *out, const void *query, const vo
   // Single pass: the whole context's logits fit the shared-memory budget. Split-K: partitions
   // of PKV_DECODE_PARTITION tokens, then the reduce kernel.
   const int single_tokens = max_ctx > 0 ? max_ctx : 1;
-  const bool single_fits =
-      (size_t)gt * single_tokens * sizeof(float) + decode_static_smem_bytes(gt) <= SINGLE_PASS_SMEM;
+  // (The rule pagedkv.h documents for PKV_DECODE_SINGLE, in the old body's heads per block.)
+  const int doc_gt = decode_gt(group);
+  const bool single_fits = (size_t)doc_gt * single_tokens * sizeof(float) +
+                               decode_static_smem_bytes(doc_gt) <= SINGLE_PASS_SMEM;
   bool single;
   if (params->decode_mode == PKV_DECODE_SINGLE) {
     if (!single_fits) return PKV_ERR_INVALID_ARG;

@@ -150,6 +150,20 @@ __device__ __forceinline__ bool decode_block_ok(const DecodeArgs &a, int blk) {
 // head (identical in the slot's lanes) and an accumulator for its lane's chunks; the slots of a
 // warp are merged by shuffles at the end.
 
+// Lane layout of one head row of D elements of T in the CUDA-core body.
+template <typename T, int D> struct RowLayout {
+  static constexpr int VEC = Elem<T>::VEC;            // elements per 16-byte chunk
+  static constexpr int CHUNKS = D / VEC;              // 16-byte chunks per row
+  static_assert(D % VEC == 0, "head_dim must be whole 16-byte vectors");
+  // Lanes per token: the smallest of 8/16/32 that holds every chunk in <= 2 rounds.
+  static constexpr int T_PER_TOK = CHUNKS <= 8 ? 8 : (CHUNKS <= 16 ? 16 : 32);
+  static constexpr int NV = (CHUNKS + T_PER_TOK - 1) / T_PER_TOK;  // chunks per lane
+  static constexpr int TOK_PER_WARP = 32 / T_PER_TOK;
+  // Tokens a lane slot takes per tile: 4 (2 with two chunks per lane), so that a tile's K and
+  // V are 128 bytes of loads per lane.
+  static constexpr int UNROLL = NV == 1 ? 4 : 2;
+};
+
 template <typename T, int D, int GT> struct SimtDecode {
   using L = RowLayout<T, D>;
   // Tokens per lane slot per tile. K and V of one tile are 2 * U * NV 16-byte loads per lane,

@@ -14,7 +14,8 @@ namespace {
 // groups of 8 for larger ratios, read once per 8 query heads).
 inline int decode_gt(int group) { return group == 1 ? 1 : (group <= 4 ? 4 : 8); }
 
-// Shared-memory budget of the single-pass logits buffer: what every GPU gives without opt-in.
+// Shared memory every GPU gives a kernel without opt-in (the reduce kernel's weights, and the
+// documented PKV_DECODE_SINGLE limit below).
 constexpr size_t SINGLE_PASS_SMEM = 48 * 1024;
 
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -163,13 +164,14 @@ extern "C" int pkv_paged_attention_decode(void *out, const void *query, const vo
   a.softcap = params->softcap;
   a.window = params->sliding_window;
 
-  // Single pass: the whole context's logits fit the shared-memory budget. Split-K: partitions
-  // of PKV_DECODE_PARTITION tokens, then the reduce kernel.
+  // Single pass: one block per (sequence, KV head, head chunk) over the whole context.
+  // Split-K: num_splits blocks each, then the reduce kernel.
   const int single_tokens = max_ctx > 0 ? max_ctx : 1;
-  // (The rule pagedkv.h documents for PKV_DECODE_SINGLE, in the old body's heads per block.)
+  // A forced single pass keeps the limit pagedkv.h documents (the old body's logits buffer, in
+  // its heads per block), though the v2 bodies have no such buffer: the ABI's owner lifts it.
   const int doc_gt = decode_gt(group);
-  const bool single_fits = (size_t)doc_gt * single_tokens * sizeof(float) +
-                               decode_static_smem_bytes(doc_gt) <= SINGLE_PASS_SMEM;
+  const bool single_fits =
+      (size_t)doc_gt * ((size_t)single_tokens + 2) * sizeof(float) <= SINGLE_PASS_SMEM;
   bool single;
   if (params->decode_mode == PKV_DECODE_SINGLE) {
     if (!single_fits) return PKV_ERR_INVALID_ARG;
@@ -183,15 +185,19 @@ extern "C" int pkv_paged_attention_decode(void *out, const void *query, const vo
     cudaError_t e = cudaGetDevice(&dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (e != cudaSuccess) return status_of(e);
+    // (The single pass of the v2 bodies needs no context-sized buffer: any length fits.)
     const int64_t ctas = (int64_t)num_seqs * hkv * a.head_chunks;
-    single = single_fits && (max_ctx <= PKV_DECODE_PARTITION || ctas >= 4 * (int64_t)sms);
+    single = max_ctx <= PKV_DECODE_PARTITION || ctas >= 4 * (int64_t)sms;
   }
 
   if (single) {
     a.part_tokens = single_tokens;
     a.num_splits = 1;
   } else {
-    a.part_tokens = PKV_DECODE_PARTITION;
+    // Forced split: fixed partitions of PKV_DECODE_PARTITION tokens. Auto: as many splits, but
+    // each sequence's partitions derived on the device from its own context (decode_v2.cuh),
+    // so a short sequence in a long batch is spread over every split too.
+    a.part_tokens = params->decode_mode == PKV_DECODE_SPLIT ? PKV_DECODE_PARTITION : 0;
     a.num_splits = ceil_div(max_ctx > 0 ? max_ctx : 1, PKV_DECODE_PARTITION);
     // The reduce kernel keeps one weight per split (plus its static total) in shared memory.
     if ((size_t)a.num_splits * sizeof(float) + sizeof(float) > SINGLE_PASS_SMEM)

@@ -385,6 +385,83 @@ fn decode_benchmark_shapes() {
     }
 }
 
+/// Every GQA ratio from 1 to 8 (and 12, 16: head groups split over blocks) on each body: the
+/// tensor-core one (f16 / bf16, ratio >= 2: 8 heads per block, rows past the group padded),
+/// the CUDA-core one (f32, MHA), over every head dim and block size in turn, contexts that
+/// cross tiles, partitions and blocks, each decode partitioning (auto: splits derived per
+/// sequence on the device; forced split: fixed 512-token partitions; single pass).
+#[test]
+fn decode_every_group_size() {
+    let mut rng = SmallRng::seed_from_u64(16);
+    let ctx = [1, 16, 17, 600, 1100, 0];
+    for (i, group) in (1..=8).chain([12, 16]).enumerate() {
+        let d = HEAD_DIMS[i % HEAD_DIMS.len()];
+        let bs = BLOCK_SIZES[(i + 2) % BLOCK_SIZES.len()];
+        let page = PAGES[i % PAGES.len()];
+        let f = features(i, bs);
+        check_decode::<bf16>(&mut rng, d, group, bs, page, &ctx, f, &MODES);
+        let d2 = HEAD_DIMS[(i + 3) % HEAD_DIMS.len()];
+        let f2 = features(i + 1, 8);
+        check_decode::<f16>(&mut rng, d2, group, 8, page, &ctx, f2, &MODES);
+        if group <= 8 {
+            check_decode::<f32>(&mut rng, d, group, bs, page, &ctx[..4], f2, &MODES);
+        }
+    }
+}
+
+/// The decode bodies' results are bit-identical whatever order the threads of a block run in
+/// between barriers (their per-warp states meet only in the merge after a __syncthreads), on
+/// each body and partitioning.
+#[test]
+fn decode_results_do_not_depend_on_thread_order() {
+    let mut rng = SmallRng::seed_from_u64(17);
+    let ctx = [700, 33, 1, 1300];
+    // bf16 g6 d112: tensor cores with a padded group and 8- and 4-byte tails; f32 g8 d64 and
+    // f16 g1 d256: the CUDA-core body.
+    fn run<T: Elem>(rng: &mut SmallRng, d: usize, group: usize, bs: usize, ctx: &[usize]) {
+        let (layers, layer, hkv) = (2, 1, 2);
+        let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, Page::Pad(1), ctx);
+        let host = random_cache::<T>(rng, b.cfg);
+        let nh = hkv * group;
+        let sl = slopes(rng, nh);
+        let params = attn_params(nh, d, features(3, bs), &sl);
+        let q = random_vec::<T>(rng, ctx.len() * nh * d);
+        let want = cpu_decode(&b, &host, layer, &q, &params);
+        let mut case = AttnCase::new(&b, &host, &q, &params, ffi::PKV_DECODE_AUTO);
+        for mode in [
+            ffi::PKV_DECODE_AUTO,
+            ffi::PKV_DECODE_SPLIT,
+            ffi::PKV_DECODE_SINGLE,
+        ] {
+            let mut first: Option<Vec<f32>> = None;
+            for sched in [
+                Schedule::Forward,
+                Schedule::Reverse,
+                Schedule::Random(3),
+                Schedule::Random(4),
+            ] {
+                cuda_emu::set_schedule(sched);
+                let (s, got) = case.decode::<T>(layer, mode);
+                let what = format!("{} d{d} g{group} mode {mode} {sched:?}", T::DTYPE);
+                expect_ok(&what, s);
+                assert_close(&what, &got, &want, d);
+                let now: Vec<f32> = got.iter().map(|x| x.to_f32()).collect();
+                match &first {
+                    None => first = Some(now),
+                    Some(f) => assert!(
+                        f.iter().zip(&now).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}: outputs differ from the forward order"
+                    ),
+                }
+            }
+        }
+        cuda_emu::set_schedule(Schedule::Forward);
+    }
+    run::<bf16>(&mut rng, 112, 6, 8, &ctx);
+    run::<f32>(&mut rng, 64, 8, 32, &ctx);
+    run::<f16>(&mut rng, 256, 1, 16, &ctx);
+}
+
 fn prefill_grid<T: Elem>(seed: u64) {
     let mut rng = SmallRng::seed_from_u64(seed);
     let mut variant = 0;

@@ -10,6 +10,36 @@
 //   accumulator, max and sum to the workspace and decode_reduce_kernel merges them (log-sum-exp
 //   rescaling).
 //
+// THE DECODE CONTRACT (pkv_decode_plan in pagedkv.h; every decode kernel body obeys it, so a
+// plan made once serves every launch of a captured CUDA graph):
+//   * The host fixes, per plan: num_splits (grid z), the grid (num_kv_heads * head_chunks,
+//     num_seqs, num_splits) with head_chunks = ceil(group / GT) and blockIdx.x = kh *
+//     head_chunks + chunk, the dynamic shared memory (fixed per kernel instance: the bodies
+//     keep nothing per token in shared memory), the workspace layout and the reduce grid
+//     (num_heads, num_seqs). Nothing of it depends on device memory or on per-step host
+//     values.
+//   * The device derives each sequence's partitions (decode_seq_ctx, decode_part_len below):
+//       ctx  = clamp(context_lens[s], 0, ctx_clamp)     ctx_clamp = min(max_context_capacity,
+//                                                        max_blocks_per_seq * block_size)
+//       part = round_up(ceil(max(ctx, 1) / num_splits), PKV_DECODE_PART_ALIGN)
+//       split z covers tokens [z * part, min(ctx, (z + 1) * part)); keys below ctx - window
+//       are masked. Any part fits any body: no partition length is limited.
+//   * Query row of (sequence s, head h): query + s * q_stride + h * D elements; out likewise
+//     with out_stride. Both strides are multiples of 16 bytes, so 16-byte vector access works.
+//   * num_splits == 1: the block writes the normalized output of its heads (zeros when it has
+//     nothing to attend: an empty or padding sequence, ctx 0).
+//   * num_splits > 1: block (.., s, z) writes, for each of its heads h (row = s * num_heads +
+//     h), tmp_out[row][z][0..D) = sum_t e^(logit_t - m) v_t (unnormalized), tmp_max[row][z] =
+//     m and tmp_sum[row][z] = sum_t e^(logit_t - m); a partition with nothing to attend
+//     (empty, or masked whole) writes tmp_max = -inf and tmp_sum = 0 and may leave tmp_out
+//     unwritten. Every (row, z) of every launched sequence is written each launch, so stale
+//     partials of an earlier replay are never read.
+//   * Workspace (f32, rows = num_seqs_capacity * num_heads): tmp_out [rows][num_splits][D] at
+//     byte 0, tmp_max [rows][num_splits] at the next 256-byte boundary, tmp_sum [rows]
+//     [num_splits] at the one after (decode_workspace_layout in paged_attention.cu).
+//   * decode_reduce_kernel merges all num_splits partials of a row, skipping tmp_max == -inf
+//     (so it never reads an unwritten tmp_out), and writes zeros when the total weight is 0.
+//
 // Prefill (flash-attention style, f32 on CUDA cores):
 //   grid (num_kv_heads, row_tiles, num_seqs), PF_THREADS threads. A row is one (query token,
 //   query head of this KV head's group) pair; a thread block takes PF_ROWS rows, streams the
@@ -27,58 +57,66 @@ constexpr int DEC_THREADS = 128;
 constexpr int DEC_WARPS = DEC_THREADS / 32;
 
 struct DecodeArgs {
-  void *out;                     // device [num_seqs][num_heads][D] T (single pass)
-  const void *query;             // device [num_seqs][num_heads][D] T
+  void *out;                     // device, row (s, h) at s * out_stride + h * D, T
+  const void *query;             // device, row (s, h) at s * q_stride + h * D, T
   const void *cache;             // device, whole cache
   const int32_t *block_tables;   // device [num_seqs][max_blocks_per_seq]
   const int32_t *context_lens;   // device [num_seqs]
   const float *alibi_slopes;     // device [num_heads] or nullptr
-  float *tmp_out;                // device [num_seqs][num_heads][num_splits][D] f32 (split)
-  float *tmp_max;                // device [num_seqs][num_heads][num_splits] f32 (split)
-  float *tmp_sum;                // device [num_seqs][num_heads][num_splits] f32 (split)
+  float *tmp_out;                // device [rows][num_splits][D] f32 (split; see the contract)
+  float *tmp_max;                // device [rows][num_splits] f32 (split)
+  float *tmp_sum;                // device [rows][num_splits] f32 (split)
   Strides st;                    // st.block: the page stride
   int64_t layer_offset;          // layer * st.layer
+  int64_t q_stride;              // elements between sequences' query rows (16-byte multiple)
+  int64_t out_stride;            // elements between sequences' out rows (16-byte multiple)
   int32_t num_blocks;
   int32_t block_size;
   int32_t max_blocks_per_seq;
-  int32_t table_tokens;          // table_tokens_i32(max_blocks_per_seq, block_size)
+  int32_t ctx_clamp;             // min(plan max_context_capacity, max_blocks_per_seq * block_size)
   int32_t num_heads;
   int32_t group;                 // num_heads / num_kv_heads
   int32_t head_chunks;           // ceil(group / GT)
-  int32_t part_tokens;           // tokens per partition (the whole context when num_splits ==
-                                 // 1); <= 0: derived per sequence on the device (decode_v2.cuh)
   int32_t num_splits;
   float scale;
   float softcap;
   int32_t window;
 };
 
-// Merges the splits of the decode kernels: out = sum_s acc_s * e^(m_s - M) / sum_s l_s * e^(m_s - M).
-// grid (num_heads, num_seqs), 128 threads; dynamic smem: num_splits floats (the weights).
+// The contract's per-sequence context: context_lens[s] clamped to [0, ctx_clamp].
+__device__ __forceinline__ int decode_seq_ctx(const int32_t *context_lens, int seq, int clamp) {
+  return min(max(context_lens[seq], 0), clamp);
+}
+
+// The contract's partition length of a sequence of ctx tokens over num_splits splits.
+__host__ __device__ __forceinline__ int decode_part_len(int ctx, int num_splits) {
+  const int per = ceil_div(ctx > 0 ? ctx : 1, num_splits);
+  return ceil_div(per, PKV_DECODE_PART_ALIGN) * PKV_DECODE_PART_ALIGN;
+}
+
+// Merges the splits of the decode kernels: out = sum_s acc_s * e^(m_s - M) / sum_s l_s *
+// e^(m_s - M) over every split whose m_s is finite (the contract: an empty partition has
+// m_s = -inf and an unwritten acc_s). grid (num_heads, num_seqs), 128 threads; dynamic smem:
+// num_splits floats (the weights).
 template <typename T>
 __global__ void __launch_bounds__(128) decode_reduce_kernel(
-    void *out,                     // device [num_seqs][num_heads][D] T
-    const float *tmp_out,          // device [num_seqs][num_heads][num_splits][D]
-    const float *tmp_max,          // device [num_seqs][num_heads][num_splits]
-    const float *tmp_sum,          // device [num_seqs][num_heads][num_splits]
-    const int32_t *context_lens,   // device [num_seqs]
-    int max_ctx_clamp, int num_heads, int head_dim, int num_splits, int part_tokens) {
+    void *out,                     // device, row (s, h) at s * out_stride + h * head_dim, T
+    int64_t out_stride,            // elements between sequences' out rows
+    const float *tmp_out,          // device [rows][num_splits][head_dim]
+    const float *tmp_max,          // device [rows][num_splits]
+    const float *tmp_sum,          // device [rows][num_splits]
+    int num_heads, int head_dim, int num_splits) {
   extern __shared__ float w[];  // [num_splits]
   __shared__ float s_total;
   const int h = blockIdx.x, seq = blockIdx.y;
   const int64_t row = (int64_t)seq * num_heads + h;
-  const int ctx = min(context_lens[seq], max_ctx_clamp);
-  // Fixed partitions (part_tokens > 0): the splits past the context hold nothing. Derived ones
-  // (part_tokens <= 0) may leave any split empty: each wrote max -inf and sum 0 (weight 0).
-  const int used =
-      ctx <= 0 ? 0 : (part_tokens > 0 ? min(num_splits, ceil_div(ctx, part_tokens)) : num_splits);
   const float *m = tmp_max + row * num_splits;
   const float *l = tmp_sum + row * num_splits;
   if (threadIdx.x == 0) {
     float gm = -INFINITY;
-    for (int s = 0; s < used; ++s) gm = fmaxf(gm, m[s]);
+    for (int s = 0; s < num_splits; ++s) gm = fmaxf(gm, m[s]);
     float total = 0.f;
-    for (int s = 0; s < used; ++s) {
+    for (int s = 0; s < num_splits; ++s) {
       const float ws = (m[s] == -INFINITY) ? 0.f : expf(m[s] - gm);
       w[s] = ws;
       total += l[s] * ws;
@@ -87,10 +125,10 @@ __global__ void __launch_bounds__(128) decode_reduce_kernel(
   }
   __syncthreads();
   const float total = s_total;
-  T *o = reinterpret_cast<T *>(out) + row * head_dim;
+  T *o = reinterpret_cast<T *>(out) + (int64_t)seq * out_stride + (int64_t)h * head_dim;
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float v = 0.f;
-    for (int s = 0; s < used; ++s)
+    for (int s = 0; s < num_splits; ++s)
       if (w[s] != 0.f) v = fmaf(tmp_out[(row * num_splits + s) * head_dim + d], w[s], v);
     o[d] = Elem<T>::from_f32(total > 0.f ? v / total : 0.f);
   }
@@ -106,8 +144,8 @@ constexpr int PF_KEYS = 32;  // keys per shared-memory tile (== warp size: lane 
 constexpr int PF_ROWS_PER_WARP = PF_ROWS / PF_WARPS;
 
 struct PrefillArgs {
-  void *out;                        // device [num_tokens][num_heads][D] T
-  const void *query;                // device [num_tokens][num_heads][D] T
+  void *out;                        // device, row (t, h) at t * out_stride + h * D, T
+  const void *query;                // device, row (t, h) at t * q_stride + h * D, T
   const void *cache;                // device, whole cache
   const int32_t *block_tables;      // device [num_seqs][max_blocks_per_seq]
   const int32_t *context_lens;      // device [num_seqs]
@@ -115,6 +153,8 @@ struct PrefillArgs {
   const float *alibi_slopes;        // device [num_heads] or nullptr
   Strides st;                       // st.block: the page stride
   int64_t layer_offset;
+  int64_t q_stride;                 // elements between tokens' query rows (16-byte multiple)
+  int64_t out_stride;               // elements between tokens' out rows (16-byte multiple)
   int32_t num_blocks;
   int32_t block_size;
   int32_t max_blocks_per_seq;
@@ -163,8 +203,9 @@ __global__ void __launch_bounds__(PF_THREADS) prefill_kernel(const PrefillArgs a
     float f[VEC];
     if (r < nrows) {
       const int row = rbase + r;
-      const int64_t qrow = (int64_t)(q0 + row / a.group) * a.num_heads + kh * a.group + row % a.group;
-      vec_to_f32<T>(ld_vec(qg + qrow * D + c * VEC), f);
+      const int64_t qoff = (int64_t)(q0 + row / a.group) * a.q_stride +
+                           (int64_t)(kh * a.group + row % a.group) * D;
+      vec_to_f32<T>(ld_vec(qg + qoff + c * VEC), f);
     } else {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) f[e] = 0.f;
@@ -271,12 +312,13 @@ __global__ void __launch_bounds__(PF_THREADS) prefill_kernel(const PrefillArgs a
     const int r = warp + PF_WARPS * i;
     if (r >= nrows) continue;
     const int row = rbase + r;
-    const int64_t orow = (int64_t)(q0 + row / a.group) * a.num_heads + kh * a.group + row % a.group;
+    const int64_t ooff = (int64_t)(q0 + row / a.group) * a.out_stride +
+                         (int64_t)(kh * a.group + row % a.group) * D;
     const float inv = l_run[i] > 0.f ? 1.f / l_run[i] : 0.f;
 #pragma unroll
     for (int k = 0; k < DPL; ++k) {
       const int d = lane + 32 * k;
-      if (d < D) og[orow * D + d] = Elem<T>::from_f32(acc[i][k] * inv);
+      if (d < D) og[ooff + d] = Elem<T>::from_f32(acc[i][k] * inv);
     }
   }
 }

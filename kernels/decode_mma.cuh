@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
   T *sq = reinterpret_cast<T *>(smem);                           // [GT][D]
   float *sm = smem + P::q_bytes() / sizeof(float);               // DecodeMerge
 
-  const DecodeBlock b = DecodeBlock::of(a, GT);
+  const DecodeBlock b = DecodeBlock::of<D>(a, GT);
   if (b.begin >= b.end) {
     decode_store_empty<T, D>(a, b);
     return;
@@ -92,8 +92,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
   // The served heads' queries into shared memory (zero rows past ng).
   for (int i = threadIdx.x; i < GT * (D / VEC); i += DEC_THREADS) {
     const int h = i / (D / VEC), c = i % (D / VEC);
-    const uint4 v = h < b.ng ? ld_vec(reinterpret_cast<const T *>(a.query) + (b.row0 + h) * D +
-                                      c * VEC)
+    const uint4 v = h < b.ng ? ld_vec(reinterpret_cast<const T *>(a.query) + b.q0 + h * D + c * VEC)
                              : make_uint4(0, 0, 0, 0);
     *reinterpret_cast<uint4 *>(sq + h * D + c * VEC) = v;
   }

@@ -12,31 +12,17 @@
 // With one split the block writes the normalized output; with several it writes its unnormalized
 // accumulator, max and sum to the workspace, which decode_reduce_kernel (attention.cuh) merges.
 //
-// Partitions: with a.part_tokens > 0, split s covers [s * part_tokens, (s + 1) * part_tokens);
-// with a.part_tokens <= 0 they are derived on the device from the sequence's own context:
-// ceil(ctx / num_splits) rounded up to DECODE_PART_ALIGN tokens (a whole number of the
-// tensor-core body's 16-token tiles). Either way a split past the context, or wholly before a
-// sliding window, is empty and writes max = -inf, sum = 0, which the reduce ignores.
+// Partitions follow the decode contract (attention.cuh): derived on the device from each
+// sequence's own context and the plan's num_splits, in multiples of PKV_DECODE_PART_ALIGN
+// tokens (a whole number of the tensor-core body's 16-token tiles). A split past the context,
+// or wholly before a sliding window, is empty and writes max = -inf, sum = 0.
 #pragma once
 
 #include "attention.cuh"
 
 namespace pkv {
 
-constexpr int DECODE_PART_ALIGN = 16;
-
-// The tokens [start, end) of split `split` of a `ctx`-token context (see the top of the file).
-__device__ __forceinline__ void decode_partition(const DecodeArgs &a, int ctx, int split,
-                                                 int &start, int &end) {
-  int64_t len = a.part_tokens;
-  if (len <= 0) {
-    len = ceil_div(ctx > 0 ? ctx : 1, a.num_splits);
-    len = (len + DECODE_PART_ALIGN - 1) / DECODE_PART_ALIGN * DECODE_PART_ALIGN;
-  }
-  const int64_t s = (int64_t)split * len, e = s + len;
-  start = (int)(s < ctx ? s : ctx);
-  end = (int)(e < ctx ? e : ctx);
-}
+static_assert(PKV_DECODE_PART_ALIGN % 16 == 0, "partitions are whole 16-token tiles");
 
 // What one thread block of either body works on.
 struct DecodeBlock {
@@ -48,23 +34,29 @@ struct DecodeBlock {
   int qpos;     // the query's position, ctx - 1
   int begin;    // first token read: the partition's start or the window's, whichever is later
   int end;      // one past the last token read; begin >= end: nothing to attend
-  int64_t row0; // query / output row of head g0: [num_seqs][num_heads]
+  int64_t row0; // workspace row of head g0: seq * num_heads + its head index
+  int64_t q0;   // element offset of head g0's query row (the query view's token stride)
+  int64_t o0;   // element offset of head g0's output row (the out view's token stride)
 
-  __device__ static DecodeBlock of(const DecodeArgs &a, int gt) {
+  template <int D> __device__ static DecodeBlock of(const DecodeArgs &a, int gt) {
     DecodeBlock b;
     b.kh = blockIdx.x / a.head_chunks;
     b.g0 = (blockIdx.x % a.head_chunks) * gt;
     b.ng = min(gt, a.group - b.g0);
     b.seq = blockIdx.y;
     b.split = blockIdx.z;
-    b.ctx = min(a.context_lens[b.seq], a.table_tokens);  // memory safety, see pagedkv.h
+    b.ctx = decode_seq_ctx(a.context_lens, b.seq, a.ctx_clamp);  // memory safety: clamped
     b.qpos = b.ctx - 1;
-    int start, end;
-    decode_partition(a, b.ctx, b.split, start, end);
+    // The contract's partition [split * part, min(ctx, (split + 1) * part)), in 64 bits.
+    const int64_t part = decode_part_len(b.ctx, a.num_splits);
+    const int64_t start = (int64_t)b.split * part, stop = start + part;
     const int wstart = a.window > 0 ? max(0, b.ctx - a.window) : 0;
-    b.begin = max(start, wstart);
-    b.end = end;
-    b.row0 = (int64_t)b.seq * a.num_heads + (int64_t)b.kh * a.group + b.g0;
+    b.begin = max(start < b.ctx ? (int)start : b.ctx, wstart);
+    b.end = stop < b.ctx ? (int)stop : b.ctx;
+    const int64_t h0 = (int64_t)b.kh * a.group + b.g0;
+    b.row0 = (int64_t)b.seq * a.num_heads + h0;
+    b.q0 = (int64_t)b.seq * a.q_stride + h0 * D;
+    b.o0 = (int64_t)b.seq * a.out_stride + h0 * D;
     return b;
   }
 };
@@ -80,9 +72,8 @@ __device__ void decode_store_empty(const DecodeArgs &a, const DecodeBlock &b) {
       a.tmp_sum[r] = 0.f;
     }
   } else {
-    T *out = reinterpret_cast<T *>(a.out);
-    for (int i = threadIdx.x; i < b.ng * D; i += DEC_THREADS)
-      out[(b.row0 + i / D) * D + i % D] = Elem<T>::from_f32(0.f);
+    T *out = reinterpret_cast<T *>(a.out) + b.o0;  // the ng heads' rows are contiguous
+    for (int i = threadIdx.x; i < b.ng * D; i += DEC_THREADS) out[i] = Elem<T>::from_f32(0.f);
   }
 }
 
@@ -124,7 +115,7 @@ __device__ void decode_merge_and_store(const DecodeArgs &a, const DecodeBlock &b
         a.tmp_sum[r] = l;
       }
     } else {
-      reinterpret_cast<T *>(a.out)[(b.row0 + g) * D + d] = Elem<T>::from_f32(l > 0.f ? o / l : 0.f);
+      reinterpret_cast<T *>(a.out)[b.o0 + g * D + d] = Elem<T>::from_f32(l > 0.f ? o / l : 0.f);
     }
   }
 }
@@ -183,7 +174,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
   constexpr int U = P::U, TILE = P::TILE;
   extern __shared__ float smem[];
 
-  const DecodeBlock b = DecodeBlock::of(a, GT);
+  const DecodeBlock b = DecodeBlock::of<D>(a, GT);
   if (b.begin >= b.end) {
     decode_store_empty<T, D>(a, b);
     return;
@@ -203,7 +194,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
     for (int k = 0; k < NV; ++k) {
       const int c = li + k * TPT;
       if (g < b.ng && c < L::CHUNKS) {
-        const T *qp = reinterpret_cast<const T *>(a.query) + (b.row0 + g) * D + c * VEC;
+        const T *qp = reinterpret_cast<const T *>(a.query) + b.q0 + g * D + c * VEC;
         vec_to_f32<T>(ld_vec(qp), q[g][k]);
       } else {
 #pragma unroll

@@ -17,8 +17,8 @@ pub enum DecodeMode {
     /// launch from the batch shape and the device's SM count (the default).
     #[default]
     Auto,
-    /// One pass per (sequence, KV head); refused for contexts whose logits (plus 8 bytes per
-    /// head) exceed 48 KiB of shared memory (e.g. > 1534 tokens with 8 query heads per KV head).
+    /// One pass per (sequence, KV head) over the whole context, whatever its length (the
+    /// kernels keep nothing per token in shared memory).
     SinglePass,
     /// Partitions of `PKV_DECODE_PARTITION` (512) tokens and the reduce kernel.
     SplitK,
@@ -300,11 +300,6 @@ fn ffi_params<'a>(
         alibi_slopes: guard
             .as_ref()
             .map_or(std::ptr::null(), |g| g.ptr as usize as *const f32),
-        decode_mode: match p.mode {
-            DecodeMode::Auto => ffi::PKV_DECODE_AUTO as i32,
-            DecodeMode::SinglePass => ffi::PKV_DECODE_SINGLE as i32,
-            DecodeMode::SplitK => ffi::PKV_DECODE_SPLIT as i32,
-        },
     };
     (raw, guard)
 }
@@ -409,7 +404,8 @@ impl DeviceKvCache {
         let cfg = *self.config();
         check_dtype::<T>(&cfg)?;
         let layer_i = check_layer(&cfg, layer)?;
-        let rows = seqs.num_seqs * params.num_heads * cfg.head_dim();
+        let row = params.num_heads * cfg.head_dim();
+        let rows = seqs.num_seqs * row;
         check_len("query", rows, query.len())?;
         check_len("out", rows, out.len())?;
         check_heads(&cfg, params)?;
@@ -424,15 +420,28 @@ impl DeviceKvCache {
             what: "max_context_len",
             value: seqs.max_context_len,
         })?;
-        // SAFETY: a pure host function of its integer arguments (no CUDA call, no pointer).
-        let need = unsafe {
-            ffi::pkv_decode_workspace_bytes(
+        let mode = match params.mode {
+            DecodeMode::Auto => ffi::PKV_DECODE_AUTO,
+            DecodeMode::SinglePass => ffi::PKV_DECODE_SINGLE,
+            DecodeMode::SplitK => ffi::PKV_DECODE_SPLIT,
+        };
+        let mut plan = ffi::pkv_decode_plan::default();
+        // SAFETY: `plan` is a valid local the call writes; with the SM count given the call is
+        // a pure host function of its integer arguments.
+        let status = unsafe {
+            ffi::pkv_decode_plan_init(
+                &mut plan,
+                mode as i32,
                 seqs.num_seqs as i32,
                 params.num_heads as i32,
+                cfg.num_kv_heads() as i32,
                 cfg.head_dim() as i32,
-                max_ctx,
+                max_ctx.max(1),
+                gpu.info().sm_count.max(1),
             )
         };
+        check_status("pkv_decode_plan_init", status, None)?;
+        let need = plan.workspace_bytes as usize;
         if need > 0 && ws.capacity_bytes() < need {
             ws.buf = Some(gpu.alloc_zeros::<u8>(need)?);
         }
@@ -460,7 +469,9 @@ impl DeviceKvCache {
         let status = unsafe {
             ffi::pkv_paged_attention_decode(
                 op as usize as *mut c_void,
+                row as i64,
                 qp as usize as *const c_void,
+                row as i64,
                 self.base() as *const c_void,
                 self.geom(),
                 layer_i,
@@ -468,7 +479,7 @@ impl DeviceKvCache {
                 seqs.max_blocks_per_seq as i32,
                 lp as usize as *const i32,
                 seqs.num_seqs as i32,
-                max_ctx,
+                &plan,
                 &raw,
                 wp as usize as *mut c_void,
                 ws_len,
@@ -507,7 +518,8 @@ impl DeviceKvCache {
             .query_start_loc
             .as_ref()
             .ok_or(AttnError::QueryStartLoc { seq: 0 })?;
-        let rows = seqs.num_tokens * params.num_heads * cfg.head_dim();
+        let row = params.num_heads * cfg.head_dim();
+        let rows = seqs.num_tokens * row;
         check_len("query", rows, query.len())?;
         check_len("out", rows, out.len())?;
         check_heads(&cfg, params)?;
@@ -533,7 +545,9 @@ impl DeviceKvCache {
         let status = unsafe {
             ffi::pkv_paged_attention_prefill(
                 op as usize as *mut c_void,
+                row as i64,
                 qp as usize as *const c_void,
+                row as i64,
                 self.base() as *const c_void,
                 self.geom(),
                 layer_i,

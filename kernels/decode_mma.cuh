@@ -103,23 +103,8 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
   const T *cache = reinterpret_cast<const T *>(a.cache);
   const int32_t *btab = a.block_tables + (int64_t)b.seq * a.max_blocks_per_seq;
 
-  // A tile's two halves (tokens 0..7 and 8..15) each lie in one block (tiles are 16-aligned,
-  // blocks hold a power of two >= 8 tokens). -1: no token of that half is read.
-  struct Tile {
-    int base, lo, hi;
-  };
-  auto tile_of = [&](int t) -> Tile {
-    Tile x{t * TILE, -1, -1};
-    if (x.base < b.end && x.base + 8 > b.begin) x.lo = btab[x.base / a.block_size];
-    if (x.base + 8 < b.end && x.base + 16 > b.begin) x.hi = btab[(x.base + 8) / a.block_size];
-    return x;
-  };
-  // Element offset of token base + i's K row, or -1 when it is masked.
-  auto row = [&](const Tile &x, int i) -> int64_t {
-    const int t = x.base + i, blk = i < 8 ? x.lo : x.hi;
-    if (t < b.begin || t >= b.end || !decode_block_ok(a, blk)) return -1;
-    return decode_row_offset(a, blk, t, b.kh, D);
-  };
+  using Tile = DecodeTile<TILE>;
+  auto row = [&](const Tile &x, int i) -> int64_t { return x.template row<D>(a, b, i); };
   auto load_k = [&](const Tile &x, MmaK<T, D> &k) {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -210,13 +195,13 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
   const int first = b.begin / TILE, last = (b.end - 1) / TILE;
   MmaK<T, D> kr;
   MmaV<T, D> vr;
-  Tile cur = tile_of(first + warp);
+  Tile cur = Tile::of(a, b, btab, first + warp);
   if (P::PIPE && first + warp <= last) {
     load_k(cur, kr);
     load_v(cur, vr);
   }
   for (int t = first + warp; t <= last; t += DEC_WARPS) {
-    const Tile nxt = tile_of(t + DEC_WARPS);  // block ids in flight during this tile
+    const Tile nxt = Tile::of(a, b, btab, t + DEC_WARPS);  // table reads in flight
     if (!P::PIPE) load_k(cur, kr);
     float s[2][4];
     scores(kr, s);

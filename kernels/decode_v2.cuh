@@ -120,17 +120,39 @@ __device__ void decode_merge_and_store(const DecodeArgs &a, const DecodeBlock &b
   }
 }
 
-// Element offset (in the cache) of the K row of token t of KV head kh when block `blk` holds
-// it; V is st.kv further.
-__device__ __forceinline__ int64_t decode_row_offset(const DecodeArgs &a, int blk, int t, int kh,
-                                                     int d) {
-  return (int64_t)blk * a.st.block + (int64_t)(t % a.block_size) * a.st.token + a.layer_offset +
-         (int64_t)kh * d;
-}
-
 __device__ __forceinline__ bool decode_block_ok(const DecodeArgs &a, int blk) {
   return blk >= 0 && blk < a.num_blocks;
 }
+
+// A warp's tile: TILE (<= 16) consecutive tokens from a TILE-aligned `base`. Blocks hold a power
+// of two >= 8 tokens, so tokens base .. base + 7 lie in one block (`lo`) and base + 8 ..
+// base + 15 in one (`hi`): two table entries per tile, looked up one tile ahead, instead of
+// one 64-bit offset per token held in registers. -1: no token of that half is read.
+template <int TILE> struct DecodeTile {
+  static_assert(TILE >= 1 && TILE <= 16 && (TILE & (TILE - 1)) == 0, "1..16 tokens, 2^k");
+  int base, lo, hi;
+
+  // Tile `index` of block b's partition; reads the table only for halves it will read.
+  __device__ static DecodeTile of(const DecodeArgs &a, const DecodeBlock &b, const int32_t *btab,
+                                  int index) {
+    DecodeTile x{index * TILE, -1, -1};
+    const int lo_end = x.base + (TILE < 8 ? TILE : 8);
+    if (x.base < b.end && lo_end > b.begin) x.lo = btab[x.base / a.block_size];
+    if (TILE > 8 && x.base + 8 < b.end && x.base + 16 > b.begin)
+      x.hi = btab[(x.base + 8) / a.block_size];
+    return x;
+  }
+
+  // Element offset (in the cache) of the K row of token base + i of KV head b.kh (V is st.kv
+  // further), or -1 when the token is masked: outside [begin, end) or in an invalid block.
+  template <int D>
+  __device__ int64_t row(const DecodeArgs &a, const DecodeBlock &b, int i) const {
+    const int t = base + i, blk = i < 8 ? lo : hi;
+    if (t < b.begin || t >= b.end || !decode_block_ok(a, blk)) return -1;
+    return (int64_t)blk * a.st.block + (int64_t)(t % a.block_size) * a.st.token +
+           a.layer_offset + (int64_t)b.kh * D;
+  }
+};
 
 // ---------------------------------------------------------------------------------------------
 // CUDA-core body: f32 storage (any group) and f16 / bf16 MHA.
@@ -205,28 +227,20 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
 
   const T *cache = reinterpret_cast<const T *>(a.cache);
   const int32_t *btab = a.block_tables + (int64_t)b.seq * a.max_blocks_per_seq;
-  // K row offsets of this lane slot's tokens of tile `tile`; -1 for a token outside [begin,
-  // end) or in an invalid block (masked: never read, never weighted).
-  auto offsets = [&](int tile, int64_t (&off)[U]) {
+  using Tile = DecodeTile<TILE>;
+  // This lane's chunks of the K (plus = 0) or V (plus = st.kv) rows of its slot's tokens of
+  // tile x (zero for masked tokens: never read, never weighted).
+  auto load = [&](const Tile &x, int64_t plus, uint4 (&r)[U][NV]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int t = tile * TILE + u * TPW + tg;
-      off[u] = -1;
-      if (t >= b.begin && t < b.end) {
-        const int blk = btab[t / a.block_size];
-        if (decode_block_ok(a, blk)) off[u] = decode_row_offset(a, blk, t, b.kh, D);
-      }
-    }
-  };
-  auto load = [&](const int64_t (&off)[U], int64_t plus, uint4 (&r)[U][NV]) {
-#pragma unroll
-    for (int u = 0; u < U; ++u)
+      const int64_t o = x.template row<D>(a, b, u * TPW + tg);
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const int c = li + k * TPT;
-        r[u][k] = (off[u] >= 0 && c < L::CHUNKS) ? ld_stream(cache + off[u] + plus + c * VEC)
-                                                 : make_uint4(0, 0, 0, 0);
+        r[u][k] = (o >= 0 && c < L::CHUNKS) ? ld_stream(cache + o + plus + c * VEC)
+                                            : make_uint4(0, 0, 0, 0);
       }
+    }
   };
 
   float m[GT], l[GT], acc[GT][NV][VEC];
@@ -241,15 +255,12 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
   }
 
   const int first = b.begin / TILE, last = (b.end - 1) / TILE;
-  int tile = first + warp;
   uint4 kr[U][NV], vr[U][NV];
-  int64_t off[U];
-  offsets(tile, off);  // tile > last: every token past end, all -1
-  load(off, 0, kr);
-  load(off, a.st.kv, vr);
-  for (; tile <= last; tile += DEC_WARPS) {
-    int64_t next[U];
-    offsets(tile + DEC_WARPS, next);
+  Tile cur = Tile::of(a, b, btab, first + warp);  // past `last`: every token masked
+  load(cur, 0, kr);
+  load(cur, a.st.kv, vr);
+  for (int tile = first + warp; tile <= last; tile += DEC_WARPS) {
+    const Tile nxt = Tile::of(a, b, btab, tile + DEC_WARPS);  // table reads in flight
 
     // Logits of this tile (every lane of a token's group ends with the same values).
     float s[U][GT];
@@ -267,15 +278,17 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
 #pragma unroll
           for (int e = 0; e < VEC; ++e) dot[g] = fmaf(q[g][k][e], kf[e], dot[g]);
       }
-      const int t = tile * TILE + u * TPW + tg;
+      const int i = u * TPW + tg;
+      const bool ok = cur.template row<D>(a, b, i) >= 0;
 #pragma unroll
       for (int g = 0; g < GT; ++g) {
         dot[g] = group_sum<TPT>(dot[g]);
-        s[u][g] = off[u] >= 0 ? attn_logit(dot[g], a.scale, a.softcap, slope[g], t, b.qpos, a.window)
-                              : -INFINITY;
+        s[u][g] = ok ? attn_logit(dot[g], a.scale, a.softcap, slope[g], cur.base + i, b.qpos,
+                                  a.window)
+                     : -INFINITY;
       }
     }
-    load(next, 0, kr);  // the next tile's K, in flight from here
+    load(nxt, 0, kr);  // the next tile's K, in flight from here
 
     // Online softmax: rescale by e^(m_old - m_new) when the max grows.
 #pragma unroll
@@ -308,9 +321,8 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
 #pragma unroll
           for (int e = 0; e < VEC; ++e) acc[g][k][e] = fmaf(s[u][g], vf[e], acc[g][k][e]);
       }
-    load(next, a.st.kv, vr);  // the next tile's V
-#pragma unroll
-    for (int u = 0; u < U; ++u) off[u] = next[u];
+    load(nxt, a.st.kv, vr);  // the next tile's V
+    cur = nxt;
   }
 
   // Merge the warp's token slots (lanes li, li + TPT, ...) to the slots' common max.

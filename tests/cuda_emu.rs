@@ -481,6 +481,80 @@ fn decode_results_do_not_depend_on_thread_order() {
     run::<f16>(&mut rng, 256, 1, 16, &ctx);
 }
 
+/// Query rows read from a fused-QKV-shaped view (token stride num_heads + 2 * num_kv_heads
+/// rows of head_dim, plus 16 bytes) and out rows written to a padded view give the dense
+/// result on each body and partitioning; the padding between out rows is left as it was.
+#[test]
+fn decode_strided_views_match_the_oracle() {
+    fn run<T: Elem>(rng: &mut SmallRng, d: usize, group: usize) {
+        let (layers, layer, hkv, bs) = (1, 0, 2, 16);
+        let ctx = [300usize, 1, 77];
+        let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, Page::Dense, &ctx);
+        let host = random_cache::<T>(rng, b.cfg);
+        let nh = hkv * group;
+        let sl = slopes(rng, nh);
+        let params = attn_params(nh, d, features(1, bs), &sl);
+        let query = random_vec::<T>(rng, ctx.len() * nh * d);
+        let want = cpu_decode(&b, &host, layer, &query, &params);
+        let vec = 16 / std::mem::size_of::<T>();
+        let (qs, os) = ((nh + 2 * hkv) * d + vec, nh * d + vec);
+        // The fused view: each token's q heads first, then garbage (k, v and the pad).
+        let mut fused = vec![T::from_f32(f32::NAN); ctx.len() * qs];
+        for s in 0..ctx.len() {
+            fused[s * qs..s * qs + nh * d].copy_from_slice(&query[s * nh * d..(s + 1) * nh * d]);
+        }
+        let case = AttnCase::new(&b, &host, &query, &params);
+        let fq = buf(&fused);
+        for mode in MODES {
+            let plan = case.plan(mode).expect("plan");
+            let out = poisoned::<T>(ctx.len() * os);
+            let ws =
+                (plan.workspace_bytes > 0).then(|| poisoned::<u8>(plan.workspace_bytes as usize));
+            // SAFETY: fq holds ctx.len() rows of qs elements (the q heads first), out
+            // ctx.len() rows of os; the rest as AttnCase::decode_with; synchronous launch.
+            let s = unsafe {
+                ffi::pkv_paged_attention_decode(
+                    out.ptr(),
+                    os as i64,
+                    fq.ptr(),
+                    qs as i64,
+                    case.cache.ptr(),
+                    &case.geom,
+                    layer as i32,
+                    case.tables.ptr() as *const i32,
+                    case.mbps as i32,
+                    case.ctx.ptr() as *const i32,
+                    ctx.len() as i32,
+                    &plan,
+                    &case.params,
+                    ws.as_ref().map_or(null(), EmuBuf::ptr),
+                    plan.workspace_bytes as usize,
+                    null(),
+                )
+            };
+            let what = format!("strided decode {} d{d} g{group} mode {mode}", T::DTYPE);
+            expect_ok(&what, s);
+            let got = out.as_slice::<T>();
+            let dense: Vec<T> = (0..ctx.len())
+                .flat_map(|s| got[s * os..s * os + nh * d].iter().copied())
+                .collect();
+            assert_close(&what, &dense, &want, d);
+            for s in 0..ctx.len() {
+                assert!(
+                    got[s * os + nh * d..(s + 1) * os]
+                        .iter()
+                        .all(|x| x.to_f32().is_nan()),
+                    "{what}: padding after out row {s} written"
+                );
+            }
+        }
+    }
+    let mut rng = SmallRng::seed_from_u64(18);
+    run::<bf16>(&mut rng, 96, 4); // tensor cores
+    run::<f16>(&mut rng, 64, 1); // CUDA cores, MHA
+    run::<f32>(&mut rng, 80, 3); // CUDA cores, GQA
+}
+
 fn prefill_grid<T: Elem>(seed: u64) {
     let mut rng = SmallRng::seed_from_u64(seed);
     let mut variant = 0;

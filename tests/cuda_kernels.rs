@@ -710,11 +710,8 @@ fn ffi_argument_errors_need_no_gpu() {
         )
     };
     assert_eq!(s, ffi::PKV_ERR_WORKSPACE as i32);
-    // A context capacity one split cannot hold is refused for a forced single pass.
-    assert_eq!(
-        plan_of(ffi::PKV_DECODE_SINGLE, 1, 4000).0,
-        ffi::PKV_ERR_INVALID_ARG as i32
-    );
+    // A forced single pass takes any context capacity (no body limits a partition).
+    assert_eq!(plan_of(ffi::PKV_DECODE_SINGLE, 1, 4000).0, 0);
     assert_eq!(
         plan_of(ffi::PKV_DECODE_SPLIT, 0, 16).0,
         ffi::PKV_ERR_INVALID_ARG as i32

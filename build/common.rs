@@ -14,6 +14,9 @@ pub const HEADERS: &[&str] = &[
     "kernels/pagedkv.h",
     "kernels/common.cuh",
     "kernels/attention.cuh",
+    "kernels/mma.cuh",
+    "kernels/decode_v2.cuh",
+    "kernels/decode_mma.cuh",
 ];
 
 /// Stops the build with a message.

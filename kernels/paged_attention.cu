@@ -1,9 +1,13 @@
 // paged_attention.cu: the decode plan and the extern "C" launchers of the decode and prefill
-// attention kernels (templates in attention.cuh). Each launcher validates its arguments, picks
-// the template instance for (dtype, head_dim, group size), launches on the caller's stream and
-// returns the launch status; none synchronizes. The decode split policy lives in decode_plan
-// (the only place that chooses num_splits; the kernels derive partitions on the device).
+// attention kernels (templates in attention.cuh, decode_v2.cuh, decode_mma.cuh). Each launcher
+// validates its arguments, picks the template instance for (dtype, head_dim, group size),
+// launches on the caller's stream and returns the launch status; none synchronizes. The decode
+// split policy lives in decode_plan (the only place that chooses num_splits; the kernels derive
+// partitions on the device).
+#include <type_traits>
+
 #include "attention.cuh"
+#include "decode_mma.cuh"
 
 namespace pkv {
 namespace {
@@ -11,10 +15,6 @@ namespace {
 // Query heads one decode thread block serves: 1 (MHA), 4 (GQA ratio 2..4) or 8 (5..8, and
 // groups of 8 for larger ratios, read once per 8 query heads).
 inline int decode_gt(int group) { return group == 1 ? 1 : (group <= 4 ? 4 : 8); }
-
-// Shared-memory budget of the decode kernel's logits buffer: what every GPU gives without
-// opt-in.
-constexpr size_t SINGLE_PASS_SMEM = 48 * 1024;
 
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
@@ -38,22 +38,6 @@ inline bool decode_workspace_layout(int64_t rows, int head_dim, int splits, Work
   w->sum_off = w->max_off + align_up((size_t)n * sizeof(float), 256);
   w->total = w->sum_off + align_up((size_t)n * sizeof(float), 256);
   return true;
-}
-
-// The most tokens one partition may hold when a block serves `gt` heads: its logits
-// [gt][tokens] f32 plus the static max/sum must fit SINGLE_PASS_SMEM (the cross-warp
-// reduction buffer, at most 32 KiB, always does).
-inline int decode_max_part(int gt) {
-  return (int)((SINGLE_PASS_SMEM - decode_static_smem_bytes(gt)) / ((size_t)gt * sizeof(float)));
-}
-
-// Fewest splits whose partitions fit decode_max_part at a context capacity of `cap` tokens:
-// with S = ceil(cap / L) for L the limit rounded down to PKV_DECODE_PART_ALIGN, every
-// partition length round_up(ceil(ctx / S), ALIGN) <= L for ctx <= cap.
-inline int64_t decode_min_splits(int cap, int gt) {
-  const int lim = decode_max_part(gt);
-  if (cap <= lim) return 1;
-  return ceil_div64(cap, lim / PKV_DECODE_PART_ALIGN * PKV_DECODE_PART_ALIGN);
 }
 
 // A query/out view: 16-byte aligned pointer and stride, stride >= one row.
@@ -93,16 +77,13 @@ int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_k
   if (!supported_head_dim(head_dim)) return PKV_ERR_HEAD_DIM;
   const int group = num_heads / num_kv_heads;
   const int gt = decode_gt(group);
-  const int64_t min_splits = decode_min_splits(cap, gt);
-  int64_t splits = 1;
+  int64_t splits = 1;  // any partition length fits the kernels (nothing per token in smem)
   switch (mode) {
     case PKV_DECODE_SINGLE:
-      if (min_splits > 1) return PKV_ERR_INVALID_ARG;
       break;
     case PKV_DECODE_SPLIT: {
       const int64_t by_len = ceil_div64(cap, PKV_DECODE_PARTITION);
       splits = by_len > 2 ? by_len : 2;
-      if (splits < min_splits) splits = min_splits;
       break;
     }
     case PKV_DECODE_AUTO: {
@@ -120,7 +101,6 @@ int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_k
       const int64_t want = ctas >= target ? 1 : ceil_div64(target, ctas);
       const int64_t by_len = ceil_div64(cap, PKV_DECODE_MIN_PART);
       splits = want < by_len ? want : by_len;
-      if (splits < min_splits) splits = min_splits;
       break;
     }
     default:
@@ -145,27 +125,56 @@ int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_k
   return PKV_OK;
 }
 
-template <typename T, int D, int GT>
-int launch_decode(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t stream) {
-  const size_t smem = decode_smem_bytes<GT, D>(a.part_cap);
-  // Static and dynamic shared memory share the budget; plans keep below it (decode_max_part).
-  if (smem + decode_static_smem_bytes(GT) > SINGLE_PASS_SMEM) return PKV_ERR_PLAN;
-  const dim3 grid(num_kv_heads * a.head_chunks, num_seqs, a.num_splits);
-  decode_kernel<T, D, GT><<<grid, DEC_THREADS, smem, stream>>>(a);
+// Groups of at least this many query heads per KV head run the tensor-core body when the cache
+// is f16 / bf16: its cost per token does not grow with the heads served, while the CUDA-core
+// body pays one FMA per head per K/V element in each product (a group of 2 or 3 already costs
+// it what 4 heads do, since it serves 4). MHA (one head) stays on CUDA cores: an mma would
+// waste 15 of its 16 rows.
+constexpr int DECODE_MMA_MIN_GROUP = 2;
+
+// The reduce kernel after a split launch (nothing to do unsplit).
+template <typename T>
+int launch_decode_reduce(const DecodeArgs &a, int num_seqs, int head_dim, cudaStream_t stream) {
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || a.num_splits == 1) return status_of(e);
   const dim3 rgrid(a.num_heads, num_seqs);
   decode_reduce_kernel<T><<<rgrid, 128, a.num_splits * sizeof(float), stream>>>(
-      a.out, a.out_stride, a.tmp_out, a.tmp_max, a.tmp_sum, a.num_heads, D, a.num_splits);
+      a.out, a.out_stride, a.tmp_out, a.tmp_max, a.tmp_sum, a.num_heads, head_dim,
+      a.num_splits);
   return status_of(cudaGetLastError());
+}
+
+template <typename T, int D, int GT>
+int launch_decode(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t stream) {
+  constexpr size_t smem = SimtDecode<T, D, GT>::smem_bytes();
+  static_assert(smem <= 48 * 1024, "the merge buffer fits without the opt-in");
+  const dim3 grid(num_kv_heads * a.head_chunks, num_seqs, a.num_splits);
+  decode_simt_kernel<T, D, GT><<<grid, DEC_THREADS, smem, stream>>>(a);
+  return launch_decode_reduce<T>(a, num_seqs, D, stream);
+}
+
+template <typename T, int D>
+int launch_decode_mma(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t stream) {
+  constexpr size_t smem = MmaDecode<T, D>::smem_bytes();
+  static_assert(smem <= 48 * 1024, "queries and merge buffer fit without the opt-in");
+  const dim3 grid(num_kv_heads * a.head_chunks, num_seqs, a.num_splits);
+  decode_mma_kernel<T, D><<<grid, DEC_THREADS, smem, stream>>>(a);
+  return launch_decode_reduce<T>(a, num_seqs, D, stream);
 }
 
 template <typename T, int D>
 int dispatch_decode_gt(int gt, DecodeArgs a, int hkv, int ns, cudaStream_t s) {
-  switch (gt) {
-    case 1: return launch_decode<T, D, 1>(a, hkv, ns, s);
-    case 4: return launch_decode<T, D, 4>(a, hkv, ns, s);
-    default: return launch_decode<T, D, 8>(a, hkv, ns, s);
+  if constexpr (!std::is_same<T, float>::value) {
+    // f16 / bf16: tensor cores for GQA, the one-head CUDA-core body for MHA (no other
+    // instance is built).
+    if (a.group >= DECODE_MMA_MIN_GROUP) return launch_decode_mma<T, D>(a, hkv, ns, s);
+    return launch_decode<T, D, 1>(a, hkv, ns, s);
+  } else {
+    switch (gt) {
+      case 1: return launch_decode<T, D, 1>(a, hkv, ns, s);
+      case 4: return launch_decode<T, D, 4>(a, hkv, ns, s);
+      default: return launch_decode<T, D, 8>(a, hkv, ns, s);
+    }
   }
 }
 
@@ -209,8 +218,9 @@ extern "C" int pkv_paged_attention_decode(void *out, int64_t out_token_stride, c
     return PKV_ERR_PLAN;
   const int hkv = geom->num_kv_heads;
   const int group = params->num_heads / hkv;
+  // Heads per block of the CUDA-core body (1, 4 or 8); the tensor-core body serves 8, which
+  // gives the same head_chunks = ceil(group / gt) for every group.
   const int gt = decode_gt(group);
-  if (plan->num_splits < decode_min_splits(plan->max_context_capacity, gt)) return PKV_ERR_PLAN;
   if (num_seqs == 0) return PKV_OK;
 
   DecodeArgs a{};
@@ -233,7 +243,6 @@ extern "C" int pkv_paged_attention_decode(void *out, int64_t out_token_stride, c
   a.num_heads = params->num_heads;
   a.group = group;
   a.head_chunks = ceil_div(group, gt);
-  a.part_cap = decode_part_cap(plan->max_context_capacity, plan->num_splits);
   a.num_splits = plan->num_splits;
   a.scale = params->scale;
   a.softcap = params->softcap;

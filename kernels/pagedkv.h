@@ -76,8 +76,7 @@ extern "C" {
 #define PKV_ERR_ROW_STRIDE 10009
 /** The decode plan does not fit the launch: num_heads, num_kv_heads or head_dim differ from
  *  the plan's, num_seqs exceeds its capacity, or the plan itself is not one
- *  pkv_decode_plan_init could have made (num_splits out of range or too few for its context
- *  capacity). */
+ *  pkv_decode_plan_init could have made (num_splits out of range). */
 #define PKV_ERR_PLAN 10010
 /** Bytes every page stride must be a multiple of. */
 #define PKV_PAGE_ALIGN 16
@@ -91,12 +90,10 @@ extern "C" {
 /** Choose the number of splits from the batch capacity and the SM count (the default): one
  *  split when num_seqs_capacity * num_kv_heads * head_chunks thread blocks already give every
  *  SM PKV_DECODE_CTAS_PER_SM of them, else enough splits to reach that many (partitions no
- *  shorter than PKV_DECODE_MIN_PART tokens), never fewer than the context capacity needs. */
+ *  shorter than PKV_DECODE_MIN_PART tokens). */
 #define PKV_DECODE_AUTO 0
-/** Force one split (one pass per sequence and KV head, no reduce kernel); refused
- *  (PKV_ERR_INVALID_ARG) when the context capacity does not fit one partition: heads_per_block *
- *  (max_context_capacity + 2) * 4 bytes must fit 48 KiB, heads_per_block 1 (MHA), 4 (GQA ratios
- *  2-4) or 8 (above). */
+/** Force one split (one pass per sequence and KV head, no reduce kernel), whatever the context
+ *  capacity: the kernels keep nothing per token in shared memory. */
 #define PKV_DECODE_SINGLE 1
 /** Force split-K plus the reduce kernel: max(2, ceil(max_context_capacity /
  *  PKV_DECODE_PARTITION)) splits. */
@@ -186,9 +183,9 @@ typedef struct pkv_decode_plan {
  *
  * plan     host, written on success only
  * Returns PKV_ERR_INVALID_ARG for a non-positive size, num_heads not a multiple of
- * num_kv_heads, num_seqs_capacity above 65535, a PKV_DECODE_SINGLE plan whose context
- * capacity does not fit one partition, or a capacity needing more than PKV_DECODE_MAX_SPLITS
- * splits; PKV_ERR_HEAD_DIM for an unsupported head_dim; a cudaError_t if the SM query fails.
+ * num_kv_heads, num_seqs_capacity above 65535, or a capacity needing more than
+ * PKV_DECODE_MAX_SPLITS splits; PKV_ERR_HEAD_DIM for an unsupported head_dim; a cudaError_t if
+ * the SM query fails.
  */
 int pkv_decode_plan_init(pkv_decode_plan *plan, int32_t mode, int32_t num_seqs_capacity,
                          int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,

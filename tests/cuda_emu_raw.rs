@@ -515,8 +515,8 @@ fn fused_qkv_views_match_dense() {
 }
 
 /// The split policy: one split when the batch fills the device, enough splits to fill it
-/// otherwise (bounded by the minimum partition), never too few for the context capacity,
-/// workspaces sized for the splits; the forced modes.
+/// otherwise (bounded by the minimum partition), workspaces sized for the splits; the forced
+/// modes.
 #[test]
 fn decode_plan_policy() {
     let plan = |mode, seqs, nh, nkv, d, cap, sms| DecodePlan::new(mode, seqs, nh, nkv, d, cap, sms);
@@ -526,9 +526,8 @@ fn decode_plan_policy() {
     // 64 seqs x 8 KV heads = 512 blocks >= 2 per SM of 132: no split.
     assert_eq!(auto(64, 32, 8, 2048, 132).num_splits(), 1);
     assert_eq!(auto(64, 32, 8, 2048, 132).workspace_bytes(), 0);
-    // ... unless one partition cannot hold the capacity's logits (4 heads per block: 3070
-    // tokens, 3056 at 16-token alignment): 4096 needs 2.
-    assert_eq!(auto(64, 32, 8, 4096, 132).num_splits(), 2);
+    // ... at any context capacity (no body limits a partition's length).
+    assert_eq!(auto(64, 32, 8, 4096, 132).num_splits(), 1);
     // Batch 1, 8 KV heads: 264 / 8 = 33 splits (partitions of 128 tokens at 4096).
     assert_eq!(auto(1, 32, 8, 4096, 132).num_splits(), 33);
     // ... but no partition below 32 tokens: 512 / 32 = 16.
@@ -547,22 +546,23 @@ fn decode_plan_policy() {
         assert!(s <= last, "{seqs} seqs: {s} splits after {last}");
         last = s;
     }
-    // A capacity one partition cannot hold is split even when the batch fills the device:
-    // 8 heads per block fit 1534 tokens of logits, i.e. 1520 at 16-token alignment.
+    // A batch that fills the device alone is one split whatever its context capacity: no
+    // kernel body limits a partition's length.
     let big = auto(512, 64, 8, 20000, 132);
-    assert_eq!(big.num_splits(), 20000usize.div_ceil(1520));
-    assert!(big.workspace_bytes() >= 512 * 64 * big.num_splits() * (128 + 2) * 4);
+    assert_eq!((big.num_splits(), big.workspace_bytes()), (1, 0));
     // Forced modes.
     let split = plan(DecodeMode::SplitK, 8, 32, 8, 128, 100, 132).expect("split");
     assert_eq!(split.num_splits(), 2);
     let split = plan(DecodeMode::SplitK, 8, 32, 8, 128, 5000, 132).expect("split");
     assert_eq!(split.num_splits(), 10);
     assert!(split.workspace_bytes() >= 8 * 32 * 10 * (128 + 2) * 4);
-    let single = plan(DecodeMode::SinglePass, 8, 32, 8, 128, 3070, 132).expect("single");
-    assert_eq!((single.num_splits(), single.workspace_bytes()), (1, 0));
-    assert_eq!(single.mode(), DecodeMode::SinglePass);
-    // Refusals: 3071 tokens x 4 heads of logits no longer fit one pass; zero sizes; heads
-    // that do not divide; an unsupported head dim; more than 65535 sequences.
+    for cap in [3070, 3071, 1 << 20] {
+        let single = plan(DecodeMode::SinglePass, 8, 32, 8, 128, cap, 132).expect("single");
+        assert_eq!((single.num_splits(), single.workspace_bytes()), (1, 0));
+        assert_eq!(single.mode(), DecodeMode::SinglePass);
+    }
+    // Refusals: zero sizes; heads that do not divide; an unsupported head dim; more than 65535
+    // sequences.
     let invalid = |r: Result<DecodePlan, RawError>, what: &str| match r {
         Err(RawError::Launch { status, .. }) => assert!(
             status == cuda_raw::ffi::PKV_ERR_INVALID_ARG as i32
@@ -571,10 +571,6 @@ fn decode_plan_policy() {
         ),
         other => panic!("{what}: {other:?}"),
     };
-    invalid(
-        plan(DecodeMode::SinglePass, 8, 32, 8, 128, 3071, 132),
-        "single 3071",
-    );
     invalid(plan(DecodeMode::Auto, 0, 32, 8, 128, 100, 132), "no seqs");
     invalid(plan(DecodeMode::Auto, 8, 32, 8, 128, 0, 132), "no context");
     invalid(plan(DecodeMode::Auto, 8, 30, 8, 128, 100, 132), "heads");

@@ -170,7 +170,7 @@ impl DecodeStep {
     /// # Errors
     /// [`CudaError::Unsupported`] for a geometry without kernels or sizes beyond the C ABI,
     /// [`CudaError::Attn`] for heads that do not divide, [`CudaError::Launch`] for a plan the
-    /// kernels refuse (e.g. [`DecodeMode::SinglePass`] with too long a context capacity),
+    /// kernels refuse (e.g. more than `PKV_DECODE_MAX_SPLITS` splits),
     /// [`CudaError::Driver`] / [`CudaError::HostAlloc`] for allocation failures.
     pub fn new(
         gpu: &Gpu,

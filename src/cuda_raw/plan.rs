@@ -17,12 +17,11 @@ use crate::error::RawError;
 pub enum DecodeMode {
     /// One split when the batch capacity alone gives every SM `PKV_DECODE_CTAS_PER_SM` thread
     /// blocks, else enough splits to do so (partitions of at least `PKV_DECODE_MIN_PART`
-    /// tokens at capacity), never fewer than the context capacity needs (the default).
+    /// tokens at capacity) (the default).
     #[default]
     Auto,
-    /// One split per (sequence, KV head), no reduce kernel; refused for context capacities
-    /// whose logits (plus 8 bytes per head) exceed 48 KiB of shared memory (e.g. > 1534 tokens
-    /// with 8 query heads per KV head).
+    /// One split per (sequence, KV head), no reduce kernel, whatever the context capacity (the
+    /// kernels keep nothing per token in shared memory).
     SinglePass,
     /// At least two splits, partitions of at most `PKV_DECODE_PARTITION` (512) tokens at
     /// capacity, and the reduce kernel.
@@ -55,8 +54,7 @@ impl DecodePlan {
     /// # Errors
     /// [`RawError::Unsupported`] for a size beyond the C ABI; [`RawError::Launch`] with
     /// `PKV_ERR_INVALID_ARG` for a zero size, heads that do not divide, a capacity above 65535
-    /// sequences, a [`DecodeMode::SinglePass`] plan whose context capacity does not fit one
-    /// partition, or one needing more than `PKV_DECODE_MAX_SPLITS` splits;
+    /// sequences, or one needing more than `PKV_DECODE_MAX_SPLITS` splits;
     /// `PKV_ERR_HEAD_DIM` for a head dim without a kernel; a CUDA status if the SM query fails.
     pub fn new(
         mode: DecodeMode,

@@ -339,15 +339,33 @@ pub fn dequantize_on_device(
     src: &CudaSlice<u8>,
     to: DequantTo,
 ) -> Result<CudaSlice<u8>, CudaError> {
-    let ts = ty.type_size() as usize;
-    if src.len() % ts != 0 {
+    let n = whole_blocks(ty, src.len())?;
+    // SAFETY: uninitialized device bytes (every bit pattern is a u8); the conversion queued
+    // next on the same stream writes every one of them before anything can read them.
+    let mut dst = unsafe { gpu.stream().alloc::<u8>((n * DequantTo::BYTES).max(1)) }?;
+    dequantize_on_device_into(gpu, ty, src, &mut dst, to)?;
+    Ok(dst)
+}
+
+/// As [`dequantize_on_device`], into `dst` (at least 2 bytes per element; the first
+/// `2 * elements` bytes are written).
+///
+/// # Errors
+/// As [`dequantize_on_device`], and [`CudaError::Unsupported`] for a `dst` too small.
+pub fn dequantize_on_device_into(
+    gpu: &Gpu,
+    ty: GgmlType,
+    src: &CudaSlice<u8>,
+    dst: &mut CudaSlice<u8>,
+    to: DequantTo,
+) -> Result<(), CudaError> {
+    let n = whole_blocks(ty, src.len())?;
+    if dst.len() < n * DequantTo::BYTES {
         return Err(CudaError::Unsupported {
-            what: "dequantize: bytes not a whole number of blocks",
-            value: src.len(),
+            what: "dequantize: destination bytes",
+            value: dst.len(),
         });
     }
-    let n = src.len() / ts * ty.block_size() as usize;
-    let mut dst = gpu.stream().alloc_zeros::<u8>((n * DequantTo::BYTES).max(1))?;
     launch_dequant(
         gpu.context(),
         gpu.stream(),
@@ -355,9 +373,20 @@ pub fn dequantize_on_device(
         0..src.len(),
         ty,
         n,
-        &mut dst,
+        dst,
         0..n * DequantTo::BYTES,
         to,
-    )?;
-    Ok(dst)
+    )
+}
+
+/// Elements in `bytes` of `ty`, or the refusal of bytes that are not whole blocks.
+fn whole_blocks(ty: GgmlType, bytes: usize) -> Result<usize, CudaError> {
+    let ts = ty.type_size() as usize;
+    if bytes % ts != 0 {
+        return Err(CudaError::Unsupported {
+            what: "dequantize: bytes not a whole number of blocks",
+            value: bytes,
+        });
+    }
+    Ok(bytes / ts * ty.block_size() as usize)
 }

@@ -38,7 +38,9 @@ mod plan;
 mod uploader;
 
 #[cfg(feature = "cuda")]
-pub use cuda::{dequantize_on_device, CudaCopy, CudaRegistered, CudaStaging};
+pub use cuda::{
+    dequantize_on_device, dequantize_on_device_into, CudaCopy, CudaRegistered, CudaStaging,
+};
 pub use direct::{upload_registered, upload_registered_dequantized};
 pub use engine::{CopyEngine, DequantEngine, RegisterEngine};
 #[cfg(feature = "test-util")]

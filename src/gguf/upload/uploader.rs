@@ -4,7 +4,7 @@
 use super::cuda::CudaCopy;
 use super::{
     device_can_dequantize, upload_registered, upload_registered_dequantized, DequantTo,
-    RingError, StagingRing, UploadProgress, MAX_FILL_THREADS,
+    FillStats, RingError, StagingRing, UploadProgress, MAX_FILL_THREADS,
 };
 use crate::cuda::Gpu;
 use crate::error::CudaError;
@@ -258,6 +258,14 @@ impl Uploader {
     /// The options it was made with.
     pub fn options(&self) -> &UploadOptions {
         &self.opts
+    }
+
+    /// What the last staged upload's fills did (`None` when registered).
+    pub fn fill_stats(&self) -> Option<FillStats> {
+        match &self.engine {
+            Engine::Staged(r) => Some(r.last_stats()),
+            Engine::Registered(_) => None,
+        }
     }
 
     /// Register / unregister times of the last registered upload (`None` when staged).

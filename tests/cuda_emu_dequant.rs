@@ -259,7 +259,14 @@ fn every_scale_extreme_in_every_position() {
                     blk[at..at + 2].copy_from_slice(&x.to_le_bytes());
                 }
                 for out in [Out::F16, Out::Bf16] {
-                    check(ty, id, &src, n, out, &format!("scale {x:#06x} at byte {at}"));
+                    check(
+                        ty,
+                        id,
+                        &src,
+                        n,
+                        out,
+                        &format!("scale {x:#06x} at byte {at}"),
+                    );
                 }
             }
         }
@@ -270,15 +277,41 @@ fn every_scale_extreme_in_every_position() {
 fn plain_types_cover_every_delicate_value() {
     // Every delicate f32 (and its f16/bf16 bit twins) at every lane position.
     let ex = extreme_f32();
-    let src: Vec<u8> = ex.iter().cycle().take(ex.len() * 9).flat_map(|v| v.to_le_bytes()).collect();
+    let src: Vec<u8> = ex
+        .iter()
+        .cycle()
+        .take(ex.len() * 9)
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
     let n = src.len() / 4;
     for out in [Out::F16, Out::Bf16] {
-        check(GgmlType::F32, ffi::PKV_GGML_F32, &src, n, out, "delicate f32");
+        check(
+            GgmlType::F32,
+            ffi::PKV_GGML_F32,
+            &src,
+            n,
+            out,
+            "delicate f32",
+        );
     }
     let h: Vec<u8> = (0..=u16::MAX).flat_map(|v| v.to_le_bytes()).collect();
     for out in [Out::F16, Out::Bf16] {
-        check(GgmlType::F16, ffi::PKV_GGML_F16, &h, 1 << 16, out, "every f16");
-        check(GgmlType::BF16, ffi::PKV_GGML_BF16, &h, 1 << 16, out, "every bf16");
+        check(
+            GgmlType::F16,
+            ffi::PKV_GGML_F16,
+            &h,
+            1 << 16,
+            out,
+            "every f16",
+        );
+        check(
+            GgmlType::BF16,
+            ffi::PKV_GGML_BF16,
+            &h,
+            1 << 16,
+            out,
+            "every bf16",
+        );
     }
 }
 
@@ -336,7 +369,10 @@ fn the_launcher_refuses_what_it_cannot_do() {
         // SAFETY: as above.
         assert_eq!(unsafe { ffi::pkv_dequant_supported(id as i32) }, 1);
     }
-    assert_eq!(call(d, ffi::PKV_DTYPE_F32, s, ffi::PKV_GGML_Q8_0, 32), dtype_err);
+    assert_eq!(
+        call(d, ffi::PKV_DTYPE_F32, s, ffi::PKV_GGML_Q8_0, 32),
+        dtype_err
+    );
     assert_eq!(call(d, 7, s, ffi::PKV_GGML_Q8_0, 32), dtype_err);
     // Sizes: negative, not a whole number of blocks.
     assert_eq!(call(d, bf, s, ffi::PKV_GGML_Q8_0, -32), arg_err);
@@ -349,11 +385,21 @@ fn the_launcher_refuses_what_it_cannot_do() {
     assert_eq!(call(d, bf, s2, ffi::PKV_GGML_F16, 64), arg_err);
     // Null pointers, and nothing to do.
     let null = std::ptr::null_mut::<c_void>();
-    assert_eq!(call(null, bf, s, ffi::PKV_GGML_F16, 64), ffi::PKV_ERR_NULL_POINTER as i32);
-    assert_eq!(call(d, bf, null, ffi::PKV_GGML_F16, 64), ffi::PKV_ERR_NULL_POINTER as i32);
+    assert_eq!(
+        call(null, bf, s, ffi::PKV_GGML_F16, 64),
+        ffi::PKV_ERR_NULL_POINTER as i32
+    );
+    assert_eq!(
+        call(d, bf, null, ffi::PKV_GGML_F16, 64),
+        ffi::PKV_ERR_NULL_POINTER as i32
+    );
     let _ = cuda_emu::take_stats();
     assert_eq!(call(null, bf, null, ffi::PKV_GGML_Q4_K, 0), OK);
-    assert_eq!(cuda_emu::take_stats().launches, 0, "nothing refused or empty launched");
+    assert_eq!(
+        cuda_emu::take_stats().launches,
+        0,
+        "nothing refused or empty launched"
+    );
     assert_eq!(call(d, bf, s, ffi::PKV_GGML_Q4_K, 256), OK);
     assert_eq!(cuda_emu::take_stats().launches, 1);
 }

@@ -15,8 +15,8 @@ use half::{bf16, f16};
 use pagedkv::cuda::Gpu;
 use pagedkv::error::CudaError;
 use pagedkv::gguf::upload::{
-    dequantize_on_device, DequantTo, DeviceUploadError, UploadOptions, UploadPath,
-    UploadProgress, Uploader, DEVICE_DEQUANT_TYPES,
+    dequantize_on_device, DequantTo, DeviceUploadError, UploadOptions, UploadPath, UploadProgress,
+    Uploader, DEVICE_DEQUANT_TYPES,
 };
 use pagedkv::gguf::{dequantize_into_bf16, dequantize_into_f16, GgmlType, Gguf, GgufWriter};
 use rand::rngs::SmallRng;
@@ -414,7 +414,10 @@ fn the_kernel_alone_matches_the_cpu_on_extreme_blocks() {
                 let out = dequantize_on_device(&gpu, ty, &dsrc, to).expect("dequantize");
                 let got = gpu.download(&out).expect("download");
                 let want = cpu_bytes(ty, &src, n as usize, to);
-                assert!(got[..want.len()] == want[..], "{ty} -> {to:?}, {n} elements");
+                assert!(
+                    got[..want.len()] == want[..],
+                    "{ty} -> {to:?}, {n} elements"
+                );
             }
         }
     }
@@ -422,7 +425,10 @@ fn the_kernel_alone_matches_the_cpu_on_extreme_blocks() {
     let dsrc = gpu.upload(&[0u8; 35]).expect("upload");
     for (ty, what) in [
         (GgmlType::Q5_K, "device dequantization of ggml type id"),
-        (GgmlType::Q8_0, "dequantize: bytes not a whole number of blocks"),
+        (
+            GgmlType::Q8_0,
+            "dequantize: bytes not a whole number of blocks",
+        ),
     ] {
         match dequantize_on_device(&gpu, ty, &dsrc, DequantTo::F16) {
             Err(CudaError::Unsupported { what: w, .. }) => assert_eq!(w, what),

@@ -18,8 +18,8 @@
 use half::{bf16, f16};
 use pagedkv::gguf::upload::{
     upload_registered, upload_registered_dequantized, CopyEngine, DequantTo, HostConfig, HostDst,
-    HostEngine, HostFault, HostOp, HostProbe, RingError, StagingRing, UploadError,
-    RegisterEngine, UploadProgress, Violation,
+    HostEngine, HostFault, HostOp, HostProbe, RegisterEngine, RingError, StagingRing, UploadError,
+    UploadProgress, Violation,
 };
 use pagedkv::gguf::{dequantize_into_bf16, dequantize_into_f16, GgmlType, Gguf, GgufWriter};
 use rand::rngs::SmallRng;
@@ -96,7 +96,10 @@ fn first_diff(got: &[u8], want: &[u8]) -> Option<usize> {
 /// Checks progress calls `(done, tensor)` against the upload order: strictly rising to the
 /// total, never ahead of what the stream copied, each tensor covered exactly, in order.
 fn check_progress(seen: &[(u64, String)], order: &[(String, usize)]) {
-    assert!(seen.windows(2).all(|w| w[0].0 < w[1].0), "progress not rising");
+    assert!(
+        seen.windows(2).all(|w| w[0].0 < w[1].0),
+        "progress not rising"
+    );
     let total: u64 = order.iter().map(|o| o.1 as u64).sum();
     assert_eq!(seen.last().map(|s| s.0), Some(total).filter(|&t| t > 0));
     let mut per: Vec<(String, u64)> = Vec::new();
@@ -135,13 +138,21 @@ fn delays(us: u64, seed: u64) -> HostConfig {
 }
 
 /// A staged dequantizing upload of `g`, checked against the CPU.
-fn staged_round_trip(r: &mut StagingRing<HostEngine>, probe: &HostProbe, g: &Gguf<'_>, to: DequantTo) {
+fn staged_round_trip(
+    r: &mut StagingRing<HostEngine>,
+    probe: &HostProbe,
+    g: &Gguf<'_>,
+    to: DequantTo,
+) {
     let base = probe.bytes_copied();
     let mut seen = Vec::new();
     let out = r
         .upload_dequantized(g, to, |p: UploadProgress<'_>| {
             assert_eq!(p.total, g.total_tensor_bytes());
-            assert!(probe.bytes_copied() - base >= p.done, "progress ahead of the stream");
+            assert!(
+                probe.bytes_copied() - base >= p.done,
+                "progress ahead of the stream"
+            );
             seen.push((p.done, p.tensor.to_owned()));
         })
         .expect("upload");
@@ -170,9 +181,10 @@ fn staged_dequantized_uploads_match_the_cpu() {
     let bytes = file_of(&mixed_specs(), 1);
     let g = Gguf::parse(&bytes).expect("parse");
     // 1040 bytes hold one 256-element unit of F32 (1024 bytes) and the 16-byte alignment.
-    for (k, (buffers, staging, threads)) in [(2, 1040, 0), (3, 4096, 1), (5, 3001, 4), (8, 65536, 2)]
-        .into_iter()
-        .enumerate()
+    for (k, (buffers, staging, threads)) in
+        [(2, 1040, 0), (3, 4096, 1), (5, 3001, 4), (8, 65536, 2)]
+            .into_iter()
+            .enumerate()
     {
         let (mut r, probe) = ring(buffers, staging, threads, delays(30, k as u64));
         for to in [DequantTo::BF16, DequantTo::F16, DequantTo::BF16] {
@@ -192,7 +204,10 @@ fn staged_dequantized_uploads_match_the_cpu() {
 #[test]
 fn refusals_come_before_anything_is_allocated() {
     // A type the device does not convert.
-    let bytes = file_of(&[(GgmlType::Q8_0, vec![64]), (GgmlType::Q5_K, vec![256])], 2);
+    let bytes = file_of(
+        &[(GgmlType::Q8_0, vec![64]), (GgmlType::Q5_K, vec![256])],
+        2,
+    );
     let g = Gguf::parse(&bytes).expect("parse");
     let (mut r, probe) = ring(2, 4096, 1, HostConfig::default());
     match r.upload_dequantized(&g, DequantTo::BF16, |_| panic!("no progress expected")) {
@@ -295,12 +310,21 @@ fn staged_fault_sweep(op: HostOp) {
             }
         }
     }
-    assert!(failed > 0 && succeeded > 0, "{op:?}: sweep too short or too long");
+    assert!(
+        failed > 0 && succeeded > 0,
+        "{op:?}: sweep too short or too long"
+    );
 }
 
 #[test]
 fn staged_dequantized_faults_at_every_call() {
-    for op in [HostOp::Dequant, HostOp::Copy, HostOp::DstAlloc, HostOp::Wait, HostOp::Record] {
+    for op in [
+        HostOp::Dequant,
+        HostOp::Copy,
+        HostOp::DstAlloc,
+        HostOp::Wait,
+        HostOp::Record,
+    ] {
         staged_fault_sweep(op);
     }
 }
@@ -308,7 +332,10 @@ fn staged_dequantized_faults_at_every_call() {
 // ---- the registered path -------------------------------------------------------------------
 
 /// `g`'s data section and each tensor's range in it, largest first.
-fn registered_parts<'a>(g: &Gguf<'a>) -> (&'a [u8], Vec<(String, GgmlType, Range<usize>)>) {
+/// A tensor of the registered path: name, type, range in the data section.
+type Part = (String, GgmlType, Range<usize>);
+
+fn registered_parts<'a>(g: &Gguf<'a>) -> (&'a [u8], Vec<Part>) {
     let host = &g.file_bytes()[g.data_offset() as usize..];
     let parts = g
         .tensors_largest_first()
@@ -321,12 +348,21 @@ fn registered_parts<'a>(g: &Gguf<'a>) -> (&'a [u8], Vec<(String, GgmlType, Range
     (host, parts)
 }
 
-fn registered_round_trip(e: &mut HostEngine, probe: &HostProbe, g: &Gguf<'_>, to: Option<DequantTo>, stage: usize) {
+fn registered_round_trip(
+    e: &mut HostEngine,
+    probe: &HostProbe,
+    g: &Gguf<'_>,
+    to: Option<DequantTo>,
+    stage: usize,
+) {
     let (host, parts) = registered_parts(g);
     let base = probe.bytes_copied();
     let mut seen = Vec::new();
     let mut progress = |i: usize, done: u64| {
-        assert!(probe.bytes_copied() - base >= done, "progress ahead of the stream");
+        assert!(
+            probe.bytes_copied() - base >= done,
+            "progress ahead of the stream"
+        );
         seen.push((done, parts[i].0.clone()));
     };
     let out: Vec<HostDst> = match to {
@@ -351,7 +387,10 @@ fn registered_round_trip(e: &mut HostEngine, probe: &HostProbe, g: &Gguf<'_>, to
                 oracle(*ty, &host[r.clone()], n, to)
             }
         };
-        assert!(first_diff(&d.to_vec(), &want).is_none(), "{name} ({ty}) via {to:?}");
+        assert!(
+            first_diff(&d.to_vec(), &want).is_none(),
+            "{name} ({ty}) via {to:?}"
+        );
     }
     assert_eq!(probe.violations(), Vec::<Violation>::new());
     assert_eq!(probe.live_registrations(), 0);
@@ -434,7 +473,8 @@ fn registered_faults_at_every_call() {
                         succeeded += 1;
                         for ((_, ty, r), d) in parts.iter().zip(&out) {
                             let want = if dequant {
-                                let n = r.len() / ty.type_size() as usize * ty.block_size() as usize;
+                                let n =
+                                    r.len() / ty.type_size() as usize * ty.block_size() as usize;
                                 oracle(*ty, &host[r.clone()], n, DequantTo::BF16)
                             } else {
                                 host[r.clone()].to_vec()
@@ -461,8 +501,11 @@ fn registered_faults_at_every_call() {
                 drop(e);
                 assert_eq!(probe.violations(), Vec::<Violation>::new(), "{what}");
             }
-            let reaches = !(op == HostOp::Dequant && !dequant);
-            assert!(succeeded > 0, "{op:?}: the sweep did not reach past the last call");
+            let reaches = op != HostOp::Dequant || dequant;
+            assert!(
+                succeeded > 0,
+                "{op:?}: the sweep did not reach past the last call"
+            );
             assert_eq!(failed > 0, reaches, "{op:?} (dequantized: {dequant})");
         }
     }
@@ -480,7 +523,8 @@ fn engine_catches_an_unregister_under_a_pending_copy() {
         let mut reg = e.register(&host).expect("register");
         let mut d = e.alloc_dst(32).expect("dst");
         probe.pause();
-        e.copy_registered_async(&mut reg, 0..32, &mut d, 0).expect("copy");
+        e.copy_registered_async(&mut reg, 0..32, &mut d, 0)
+            .expect("copy");
         e.unregister(reg).expect("unregister");
     }
     drop(e); // releases the held stream: the copy runs after the unregister

@@ -228,7 +228,11 @@ fn every_byte_arrives_in_queue_order_under_many_ring_shapes() {
                 assert_eq!(st.out_of_order, 0, "one filler cannot overtake itself");
             }
             overtaken += st.out_of_order;
-            drop_clean(r, &probe, &format!("{buffers} x {staging}, {threads} threads"));
+            drop_clean(
+                r,
+                &probe,
+                &format!("{buffers} x {staging}, {threads} threads"),
+            );
         }
     }
     // The shapes with several buffers and fill threads, random fill times: some fills must
@@ -383,11 +387,9 @@ fn a_fill_that_panics_on_a_fill_thread_gives_its_buffer_back() {
             let (mut r, probe) = ring_with(3, 128, threads, config);
             let res = catch_unwind(AssertUnwindSafe(|| r.upload(&g, |_| {})));
             let what = format!("fill #{call} panics, {threads} fill threads");
-            let msg = res.err().map(|p| {
-                p.downcast_ref::<String>()
-                    .cloned()
-                    .unwrap_or_default()
-            });
+            let msg = res
+                .err()
+                .map(|p| p.downcast_ref::<String>().cloned().unwrap_or_default());
             assert!(
                 msg.as_deref().is_some_and(|m| m.contains("injected panic")),
                 "{what}: the fill's panic must reach the caller, got {msg:?}"

@@ -170,7 +170,13 @@ fn synth_writes_a_llama_shaped_file_of_finite_random_tensors() {
     assert_eq!(g.tensors().len(), 75);
     let p = g.llama_params().expect("llama params");
     assert_eq!(
-        (p.n_layers, p.n_heads, p.n_kv_heads, p.head_dim, p.embedding_length),
+        (
+            p.n_layers,
+            p.n_heads,
+            p.n_kv_heads,
+            p.head_dim,
+            p.embedding_length
+        ),
         (8, 4, 2, 64, 256)
     );
     let ty = |name: &str| g.tensor(name).unwrap_or_else(|| panic!("{name}")).ty();
@@ -195,7 +201,11 @@ fn synth_writes_a_llama_shaped_file_of_finite_random_tensors() {
     // Values: finite everywhere, norms near 1, weights within their scale.
     for t in g.tensors() {
         let v = t.dequantize().expect("dequantize");
-        assert!(v.iter().all(|x| x.is_finite()), "{}: non-finite value", t.name());
+        assert!(
+            v.iter().all(|x| x.is_finite()),
+            "{}: non-finite value",
+            t.name()
+        );
         if t.shape().len() == 1 {
             assert!(v.iter().all(|x| (0.94..=1.06).contains(x)), "{}", t.name());
         } else {
@@ -215,11 +225,23 @@ fn synth_writes_a_llama_shaped_file_of_finite_random_tensors() {
 fn synth_weights_option_and_refusals() {
     use pagedkv::gguf::{GgmlType, Gguf};
     let dir = tempfile::tempdir().expect("tmp");
-    for (flag, want) in [("q4_0", GgmlType::Q4_0), ("BF16", GgmlType::BF16), ("q4_k", GgmlType::Q4_K)] {
-        let bytes = synth(&dir.path().join(format!("{flag}.gguf")), "1", &["--weights", flag]);
+    for (flag, want) in [
+        ("q4_0", GgmlType::Q4_0),
+        ("BF16", GgmlType::BF16),
+        ("q4_k", GgmlType::Q4_K),
+    ] {
+        let bytes = synth(
+            &dir.path().join(format!("{flag}.gguf")),
+            "1",
+            &["--weights", flag],
+        );
         let g = Gguf::parse(&bytes).expect("parse");
         for t in g.tensors() {
-            let expect = if t.shape().len() == 1 { GgmlType::F32 } else { want };
+            let expect = if t.shape().len() == 1 {
+                GgmlType::F32
+            } else {
+                want
+            };
             assert_eq!(t.ty(), expect, "{flag}: {}", t.name());
             assert!(t.dequantize().expect("dq").iter().all(|x| x.is_finite()));
         }
@@ -228,13 +250,24 @@ fn synth_weights_option_and_refusals() {
     let o = out.to_str().expect("utf8");
     for (args, needle) in [
         (vec!["gguf", "synth", o, "--layers", "0"], "--layers"),
-        (vec!["gguf", "synth", o, "--layers", "1", "--dim", "300"], "multiple of 256"),
-        (vec!["gguf", "synth", o, "--layers", "1", "--weights", "Q5_K"], "--weights"),
         (
-            vec!["gguf", "synth", o, "--layers", "1", "--dim", "256", "--heads", "3"],
+            vec!["gguf", "synth", o, "--layers", "1", "--dim", "300"],
+            "multiple of 256",
+        ),
+        (
+            vec!["gguf", "synth", o, "--layers", "1", "--weights", "Q5_K"],
+            "--weights",
+        ),
+        (
+            vec![
+                "gguf", "synth", o, "--layers", "1", "--dim", "256", "--heads", "3",
+            ],
             "--heads",
         ),
-        (vec!["gguf", "synth", "/nonexistent/dir/x.gguf", "--layers", "1"], "cannot create"),
+        (
+            vec!["gguf", "synth", "/nonexistent/dir/x.gguf", "--layers", "1"],
+            "cannot create",
+        ),
     ] {
         let r = pagedkv(&args);
         let err = String::from_utf8_lossy(&r.stderr);

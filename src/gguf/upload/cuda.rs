@@ -198,9 +198,8 @@ impl RegisterEngine for CudaCopy {
     type Registered = CudaRegistered;
 
     unsafe fn register(&mut self, host: &[u8]) -> Result<CudaRegistered, CudaError> {
-        let ptr = NonNull::new(host.as_ptr() as *mut u8).ok_or(CudaError::HostAlloc {
-            bytes: host.len(),
-        })?;
+        let ptr = NonNull::new(host.as_ptr() as *mut u8)
+            .ok_or(CudaError::HostAlloc { bytes: host.len() })?;
         self.ctx.bind_to_thread()?;
         let t0 = Instant::now();
         // SAFETY: `host` is `host.len()` readable bytes that, by the caller's contract, stay

@@ -655,7 +655,11 @@ impl CopyEngine for HostEngine {
         // Relaxed: the counter only numbers calls; which thread's call is number n is the
         // test's business (it injects one panic somewhere in an upload).
         let call = staging.shared.fill_calls.fetch_add(1, Ordering::Relaxed);
-        if let Some(HostFault { op: HostOp::Fill, call: n }) = staging.shared.fault {
+        if let Some(HostFault {
+            op: HostOp::Fill,
+            call: n,
+        }) = staging.shared.fault
+        {
             assert!(call != n, "injected panic in host engine call fill #{call}");
         }
         let max = u64::try_from(staging.shared.max_fill_delay.as_nanos()).unwrap_or(u64::MAX);

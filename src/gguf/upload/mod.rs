@@ -48,7 +48,7 @@ pub use host::{
     HostConfig, HostDst, HostEngine, HostFault, HostOp, HostProbe, HostRegistered, HostStaging,
     UploadError, Violation, HOST_DST_POISON,
 };
-pub use pipeline::{FillStats, StagingRing, MAX_FILL_THREADS};
+pub use pipeline::{FillStats, Landed, StagingRing, MAX_FILL_THREADS};
 #[cfg(feature = "cuda")]
 pub use uploader::{
     upload_gguf, DeviceTensor, DeviceUploadError, DeviceWeights, RegisterTimes, UploadOptions,

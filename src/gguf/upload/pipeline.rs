@@ -11,6 +11,9 @@ use std::num::NonZeroUsize;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 
+/// An upload's result: each tensor with its destination, in upload order.
+pub type Landed<'a, D> = Vec<(TensorInfo<'a>, D)>;
+
 /// Most fill threads a ring runs.
 pub const MAX_FILL_THREADS: usize = 64;
 
@@ -168,7 +171,7 @@ impl<E: CopyEngine> StagingRing<E> {
         &mut self,
         gguf: &Gguf<'a>,
         mut progress: impl FnMut(UploadProgress<'_>),
-    ) -> Result<Vec<(TensorInfo<'a>, E::Dst)>, E::Error> {
+    ) -> Result<Landed<'a, E::Dst>, E::Error> {
         let order: Vec<TensorInfo<'a>> =
             gguf.tensors_largest_first().into_iter().copied().collect();
         let total = gguf.total_tensor_bytes();
@@ -205,7 +208,10 @@ impl<E: CopyEngine> StagingRing<E> {
         for t in tensors {
             dst.push(self.engine.alloc_dst(t.len())?);
         }
-        let planner = Planner::raw(tensors.iter().map(|t| t.len()).collect(), self.staging_bytes);
+        let planner = Planner::raw(
+            tensors.iter().map(|t| t.len()).collect(),
+            self.staging_bytes,
+        );
         self.run(
             tensors,
             planner,
@@ -292,7 +298,14 @@ impl<E: CopyEngine> StagingRing<E> {
                 done_bytes: 0,
                 stats,
             };
-            c.drive::<E>(engine, &mut fleet, unsynced, &mut planner, &mut queue, &mut progress)
+            c.drive::<E>(
+                engine,
+                &mut fleet,
+                unsynced,
+                &mut planner,
+                &mut queue,
+                &mut progress,
+            )
             // `fleet` drops here, before the scope joins the fill threads: it takes back every
             // buffer still out and closes the job channels, so the threads exit.
         })
@@ -312,7 +325,7 @@ impl<E: DequantEngine> StagingRing<E> {
         gguf: &Gguf<'a>,
         to: DequantTo,
         mut progress: impl FnMut(UploadProgress<'_>),
-    ) -> Result<Vec<(TensorInfo<'a>, E::Dst)>, RingError<E::Error>> {
+    ) -> Result<Landed<'a, E::Dst>, RingError<E::Error>> {
         let order: Vec<TensorInfo<'a>> =
             gguf.tensors_largest_first().into_iter().copied().collect();
         let total = gguf.total_tensor_bytes();
@@ -366,7 +379,10 @@ impl<E: DequantEngine> StagingRing<E> {
         }
         let mut dst = Vec::with_capacity(tensors.len());
         for &(ty, data) in tensors {
-            dst.push(self.engine.alloc_dst(elements(ty, data.len()) * DequantTo::BYTES)?);
+            dst.push(
+                self.engine
+                    .alloc_dst(elements(ty, data.len()) * DequantTo::BYTES)?,
+            );
         }
         let mut twin = self.engine.alloc_dst(stride * self.slots.len())?;
         let sources: Vec<&[u8]> = tensors.iter().map(|t| t.1).collect();
@@ -539,7 +555,12 @@ impl<S> Fleet<'_, '_, S> {
     }
 
     /// Hands the buffer of `slot` (home) over for fill `seq`, or fills it here without threads.
-    fn dispatch<E: CopyEngine<Staging = S>>(&mut self, seq: usize, slot: usize, pieces: Vec<Piece>) {
+    fn dispatch<E: CopyEngine<Staging = S>>(
+        &mut self,
+        seq: usize,
+        slot: usize,
+        pieces: Vec<Piece>,
+    ) {
         let Some(staging) = self.slots[slot].take() else {
             return; // the coordinator dispatches home buffers only
         };
@@ -636,6 +657,10 @@ impl<S> Drop for Fleet<'_, '_, S> {
 
 // ---- the coordinator ---------------------------------------------------------------------------
 
+/// A fill whose copies are queued: the number of the record that covers them, and its pieces
+/// (tensor, bytes) for the progress report.
+type QueuedFill = (u64, Vec<(usize, usize)>);
+
 /// The coordinator's bookkeeping for one upload.
 struct Coordinator<'a> {
     /// Records made in this upload (record numbers start at 1).
@@ -648,7 +673,7 @@ struct Coordinator<'a> {
     free: VecDeque<usize>,
     /// Fills dispatched and not yet reported, in planned order: the record number that covers
     /// each once its copies are queued, and its pieces (tensor, bytes).
-    pending: VecDeque<Option<(u64, Vec<(usize, usize)>)>>,
+    pending: VecDeque<Option<QueuedFill>>,
     /// Fills reported so far (the planned index of `pending`'s front).
     reported: usize,
     /// Bytes reported so far.

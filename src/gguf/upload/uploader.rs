@@ -3,8 +3,8 @@
 
 use super::cuda::CudaCopy;
 use super::{
-    device_can_dequantize, upload_registered, upload_registered_dequantized, DequantTo,
-    FillStats, RingError, StagingRing, UploadProgress, MAX_FILL_THREADS,
+    device_can_dequantize, upload_registered, upload_registered_dequantized, DequantTo, FillStats,
+    RingError, StagingRing, UploadProgress, MAX_FILL_THREADS,
 };
 use crate::cuda::Gpu;
 use crate::error::CudaError;
@@ -415,7 +415,11 @@ fn data_section<'a>(
 
 /// Names the tensor of a schedule's refusal.
 fn ring_error(e: RingError<CudaError>, order: &[TensorInfo<'_>]) -> DeviceUploadError {
-    let name = |i: usize| order.get(i).map_or_else(|| format!("#{i}"), |t| t.name().to_owned());
+    let name = |i: usize| {
+        order
+            .get(i)
+            .map_or_else(|| format!("#{i}"), |t| t.name().to_owned())
+    };
     match e {
         RingError::Engine(e) => DeviceUploadError::Cuda(e),
         RingError::NotDequantizable { tensor, ty } => DeviceUploadError::NotDequantizable {

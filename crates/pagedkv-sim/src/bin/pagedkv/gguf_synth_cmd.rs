@@ -85,7 +85,9 @@ pub fn run(a: Args) -> Result<(), BoxErr> {
             let ty = GgmlType::from_name(&name.to_ascii_uppercase())
                 .filter(|t| TYPES.contains(t))
                 .ok_or_else(|| {
-                    format!("--weights {name}: synth writes F32, F16, BF16, Q4_0, Q8_0, Q4_K or Q6_K")
+                    format!(
+                        "--weights {name}: synth writes F32, F16, BF16, Q4_0, Q8_0, Q4_K or Q6_K"
+                    )
                 })?;
             Some(ty)
         }
@@ -95,7 +97,9 @@ pub fn run(a: Args) -> Result<(), BoxErr> {
     }
     for (what, v) in [("--dim", a.dim), ("--ffn", a.ffn)] {
         if v == 0 || v % 256 != 0 {
-            return Err(format!("{what} {v}: must be a positive multiple of 256 (K-quant blocks)").into());
+            return Err(
+                format!("{what} {v}: must be a positive multiple of 256 (K-quant blocks)").into(),
+            );
         }
     }
     if a.vocab == 0 || a.heads == 0 || a.kv_heads == 0 || a.context == 0 {
@@ -124,17 +128,35 @@ pub fn run(a: Args) -> Result<(), BoxErr> {
         ),
         ("llama.block_count", MetaValue::U32(a.layers)),
         ("llama.context_length", MetaValue::U32(a.context)),
-        ("llama.embedding_length", MetaValue::U32(u32_of("--dim", a.dim)?)),
-        ("llama.feed_forward_length", MetaValue::U32(u32_of("--ffn", a.ffn)?)),
-        ("llama.attention.head_count", MetaValue::U32(u32_of("--heads", a.heads)?)),
+        (
+            "llama.embedding_length",
+            MetaValue::U32(u32_of("--dim", a.dim)?),
+        ),
+        (
+            "llama.feed_forward_length",
+            MetaValue::U32(u32_of("--ffn", a.ffn)?),
+        ),
+        (
+            "llama.attention.head_count",
+            MetaValue::U32(u32_of("--heads", a.heads)?),
+        ),
         (
             "llama.attention.head_count_kv",
             MetaValue::U32(u32_of("--kv-heads", a.kv_heads)?),
         ),
-        ("llama.rope.dimension_count", MetaValue::U32(u32_of("head dim", head_dim)?)),
+        (
+            "llama.rope.dimension_count",
+            MetaValue::U32(u32_of("head dim", head_dim)?),
+        ),
         ("llama.rope.freq_base", MetaValue::F32(10_000.0)),
-        ("llama.attention.layer_norm_rms_epsilon", MetaValue::F32(1e-5)),
-        ("llama.vocab_size", MetaValue::U32(u32_of("--vocab", a.vocab)?)),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            MetaValue::F32(1e-5),
+        ),
+        (
+            "llama.vocab_size",
+            MetaValue::U32(u32_of("--vocab", a.vocab)?),
+        ),
     ];
     for (k, v) in meta {
         w.add(k, v)?;
@@ -189,18 +211,58 @@ fn specs(a: &Args, weights: Option<GgmlType>, kv_dim: u64) -> Vec<Spec> {
             fan_in: n_in,
         });
     };
-    t("token_embd.weight".into(), GgmlType::F16, a.dim, Some(a.vocab));
+    t(
+        "token_embd.weight".into(),
+        GgmlType::F16,
+        a.dim,
+        Some(a.vocab),
+    );
     for l in 0..a.layers {
         let b = format!("blk.{l}");
         t(format!("{b}.attn_norm.weight"), GgmlType::F32, a.dim, None);
-        t(format!("{b}.attn_q.weight"), GgmlType::F16, a.dim, Some(a.dim));
-        t(format!("{b}.attn_k.weight"), GgmlType::Q8_0, a.dim, Some(kv_dim));
-        t(format!("{b}.attn_v.weight"), GgmlType::Q6_K, a.dim, Some(kv_dim));
-        t(format!("{b}.attn_output.weight"), GgmlType::Q4_K, a.dim, Some(a.dim));
+        t(
+            format!("{b}.attn_q.weight"),
+            GgmlType::F16,
+            a.dim,
+            Some(a.dim),
+        );
+        t(
+            format!("{b}.attn_k.weight"),
+            GgmlType::Q8_0,
+            a.dim,
+            Some(kv_dim),
+        );
+        t(
+            format!("{b}.attn_v.weight"),
+            GgmlType::Q6_K,
+            a.dim,
+            Some(kv_dim),
+        );
+        t(
+            format!("{b}.attn_output.weight"),
+            GgmlType::Q4_K,
+            a.dim,
+            Some(a.dim),
+        );
         t(format!("{b}.ffn_norm.weight"), GgmlType::F32, a.dim, None);
-        t(format!("{b}.ffn_gate.weight"), GgmlType::Q8_0, a.dim, Some(a.ffn));
-        t(format!("{b}.ffn_up.weight"), GgmlType::Q8_0, a.dim, Some(a.ffn));
-        t(format!("{b}.ffn_down.weight"), GgmlType::F16, a.ffn, Some(a.dim));
+        t(
+            format!("{b}.ffn_gate.weight"),
+            GgmlType::Q8_0,
+            a.dim,
+            Some(a.ffn),
+        );
+        t(
+            format!("{b}.ffn_up.weight"),
+            GgmlType::Q8_0,
+            a.dim,
+            Some(a.ffn),
+        );
+        t(
+            format!("{b}.ffn_down.weight"),
+            GgmlType::F16,
+            a.ffn,
+            Some(a.dim),
+        );
     }
     t("output_norm.weight".into(), GgmlType::F32, a.dim, None);
     t("output.weight".into(), GgmlType::Q6_K, a.dim, Some(a.vocab));
@@ -239,9 +301,8 @@ fn generate(buf: &mut Vec<u8>, s: &Spec, n: u64, seed: u64, tensor: u64) {
     buf.par_chunks_mut(per_chunk * ts)
         .enumerate()
         .for_each(|(c, chunk)| {
-            let mut rng = SplitMix64(
-                seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ (tensor << 40) ^ c as u64,
-            );
+            let mut rng =
+                SplitMix64(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ (tensor << 40) ^ c as u64);
             for blk in chunk.chunks_exact_mut(ts) {
                 fill_block(blk, ty, scale, norm, &mut rng);
             }
@@ -266,7 +327,9 @@ fn fill_block(b: &mut [u8], ty: GgmlType, scale: f32, norm: bool, rng: &mut Spli
             b.copy_from_slice(&x.to_le_bytes());
         }
         GgmlType::F16 => b.copy_from_slice(&f16_bytes(scale * rng.signed_unit())),
-        GgmlType::BF16 => b.copy_from_slice(&bf16::from_f32(scale * rng.signed_unit()).to_le_bytes()),
+        GgmlType::BF16 => {
+            b.copy_from_slice(&bf16::from_f32(scale * rng.signed_unit()).to_le_bytes())
+        }
         _ => {
             for c in b.chunks_mut(8) {
                 let r = rng.next().to_le_bytes();

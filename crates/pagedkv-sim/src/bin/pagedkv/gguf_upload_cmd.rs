@@ -114,9 +114,18 @@ pub fn run(a: Args) -> Result<(), BoxErr> {
         ..staged(0, false)
     };
     let ways = [
-        (format!("staged, {} fill threads, write-combined", a.fill_threads), staged(a.fill_threads, true)),
-        (format!("staged, {} fill threads, host-cached", a.fill_threads), staged(a.fill_threads, false)),
-        ("staged, 1 fill thread, write-combined".to_string(), staged(1, true)),
+        (
+            format!("staged, {} fill threads, write-combined", a.fill_threads),
+            staged(a.fill_threads, true),
+        ),
+        (
+            format!("staged, {} fill threads, host-cached", a.fill_threads),
+            staged(a.fill_threads, false),
+        ),
+        (
+            "staged, 1 fill thread, write-combined".to_string(),
+            staged(1, true),
+        ),
         ("registered (pages pinned in place)".to_string(), registered),
     ];
     let mut best: Option<(String, f64)> = None;
@@ -148,7 +157,10 @@ pub fn run(a: Args) -> Result<(), BoxErr> {
     drop(raw);
     for (name, opts) in [
         (
-            format!("staged + dequantize to {to:?}, {} fill threads", a.fill_threads),
+            format!(
+                "staged + dequantize to {to:?}, {} fill threads",
+                a.fill_threads
+            ),
             UploadOptions {
                 dequantize: Some(to),
                 ..staged(a.fill_threads, true)
@@ -301,10 +313,15 @@ fn verify_dequantized(
             .ok_or_else(|| format!("{} missing after upload", t.name()))?;
         let want = cpu_bytes(t.ty(), t.data(), t.n_elements() as usize, to)?;
         if d.ty() != to.ggml_type() || gpu.download(d.data())?[..want.len()] != want[..] {
-            return Err(format!("{}: device dequantization differs from the CPU's", t.name()).into());
+            return Err(
+                format!("{}: device dequantization differs from the CPU's", t.name()).into(),
+            );
         }
     }
-    println!("  verified: {} tensors bit-identical to the CPU dequantizer", w.len());
+    println!(
+        "  verified: {} tensors bit-identical to the CPU dequantizer",
+        w.len()
+    );
     Ok(())
 }
 
@@ -381,7 +398,11 @@ fn kernel_alone(
             for (t, out) in tensors.iter().zip(&outs) {
                 let want = cpu_bytes(ty, t.data(), t.n_elements() as usize, to)?;
                 if gpu.download(out)?[..want.len()] != want[..] {
-                    return Err(format!("{}: device dequantization differs from the CPU's", t.name()).into());
+                    return Err(format!(
+                        "{}: device dequantization differs from the CPU's",
+                        t.name()
+                    )
+                    .into());
                 }
             }
         }
@@ -392,7 +413,11 @@ fn kernel_alone(
         "dequantize, whole file: {rate:.1} GB/s = {pct:.1}% of the device-to-device copy \
          (target >= 70% of device memory bandwidth: {}){}",
         if pct >= 70.0 { "met" } else { "MISSED" },
-        if no_verify { "" } else { "; every tensor bit-identical to the CPU dequantizer" }
+        if no_verify {
+            ""
+        } else {
+            "; every tensor bit-identical to the CPU dequantizer"
+        }
     );
     Ok(())
 }

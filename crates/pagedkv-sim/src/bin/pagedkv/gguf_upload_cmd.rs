@@ -12,11 +12,12 @@
 //!   bytes written each), and the dequantizing uploads (staged and registered), against the
 //!   pinned memcpy of the file's bytes.
 //!
-//! Figures are wall-clock medians of `--iters` runs after one untimed warm-up (which also warms
-//! the page cache: a file larger than it is measured from disk), from the first call until the
-//! stream has finished. Every raw upload's last result is downloaded and compared with the file
+//! Upload figures are wall-clock medians of `--iters` runs after one untimed warm-up (which also
+//! warms the page cache: a file larger than it is measured from disk), from the first call until
+//! the stream has finished; the kernel and the device copy are timed with CUDA events. Every raw upload's last result is downloaded and compared with the file
 //! byte for byte, every dequantized one with the CPU dequantizer bit for bit.
 
+use cudarc::driver::sys::CUevent_flags;
 use half::{bf16, f16};
 use pagedkv::cuda::Gpu;
 use pagedkv::gguf::upload::{
@@ -325,6 +326,30 @@ fn verify_dequantized(
     Ok(())
 }
 
+/// Median CUDA-event time of `iters` runs of `f` (after one warm-up run), in milliseconds.
+fn event_ms(
+    gpu: &Gpu,
+    iters: usize,
+    mut f: impl FnMut() -> Result<(), BoxErr>,
+) -> Result<f64, BoxErr> {
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let (start, end) = (
+        gpu.context().new_event(flags)?,
+        gpu.context().new_event(flags)?,
+    );
+    f()?;
+    gpu.synchronize()?;
+    let mut t = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        start.record(gpu.stream())?;
+        f()?;
+        end.record(gpu.stream())?;
+        end.synchronize()?;
+        t.push(f64::from(start.elapsed_ms(&end)?));
+    }
+    Ok(median(t))
+}
+
 /// The kernel alone, per source type, on the raw tensors already on the device, beside a
 /// device-to-device copy of 1 GiB (both counted as bytes read + bytes written).
 fn kernel_alone(
@@ -339,18 +364,11 @@ fn kernel_alone(
     let n = 1usize << 30;
     let src = gpu.alloc_zeros::<u8>(n)?;
     let mut dst = gpu.alloc_zeros::<u8>(n)?;
-    let mut rates = Vec::new();
-    for i in 0..=iters {
-        gpu.synchronize()?;
-        let t0 = Instant::now();
-        gpu.stream().memcpy_dtod(&src, &mut dst)?;
-        gpu.synchronize()?;
-        if i > 0 {
-            rates.push(2.0 * n as f64 / t0.elapsed().as_secs_f64() / 1e9);
-        }
-    }
+    let ms = event_ms(gpu, iters, || {
+        Ok(gpu.stream().memcpy_dtod(&src, &mut dst)?)
+    })?;
     drop((src, dst));
-    let d2d = median(rates);
+    let d2d = 2.0 * n as f64 / (ms * 1e-3) / 1e9;
     println!("device-to-device copy: 1 GiB, median {d2d:.2} GB/s (read + write)");
 
     let mut types: Vec<GgmlType> = Vec::new();
@@ -370,20 +388,18 @@ fn kernel_alone(
             outs.push(gpu.alloc_zeros::<u8>(n.max(1))?);
             moved += (t.n_bytes() + n) as u64;
         }
-        let mut times = Vec::new();
-        for i in 0..=iters {
-            gpu.synchronize()?;
-            let t0 = Instant::now();
-            for (t, out) in tensors.iter().zip(outs.iter_mut()) {
-                let d = raw.get(t.name()).ok_or("raw tensor missing")?;
-                dequantize_on_device_into(gpu, ty, d.data(), out, to)?;
+        let srcs = tensors
+            .iter()
+            .map(|t| raw.get(t.name()).map(|d| d.data()))
+            .collect::<Option<Vec<_>>>()
+            .ok_or("raw tensor missing")?;
+        let ms = event_ms(gpu, iters, || {
+            for (s, out) in srcs.iter().zip(outs.iter_mut()) {
+                dequantize_on_device_into(gpu, ty, s, out, to)?;
             }
-            gpu.synchronize()?;
-            if i > 0 {
-                times.push(t0.elapsed().as_secs_f64());
-            }
-        }
-        let secs = median(times);
+            Ok(())
+        })?;
+        let secs = ms * 1e-3;
         all_bytes += moved;
         all_secs += secs;
         let rate = moved as f64 / secs / 1e9;

@@ -8,6 +8,7 @@ pub const KERNELS: &[&str] = &[
     "kernels/paged_attention.cu",
     "kernels/cache_ops.cu",
     "kernels/probe.cu",
+    "kernels/dequant.cu",
 ];
 /// Every header those units include; a change to any of them rebuilds the kernels.
 pub const HEADERS: &[&str] = &[

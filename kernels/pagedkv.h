@@ -342,3 +342,56 @@ const char *pkv_status_string(int status);
 #endif
 
 #endif /* PAGEDKV_H */
+
+/* ==== GGUF device dequantization (kernels/dequant.cu) ========================================
+ * A section of its own (own include guard, own extern "C"), after the attention ABI above. */
+#ifndef PAGEDKV_DEQUANT_H
+#define PAGEDKV_DEQUANT_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ggml type ids (GGUF's tensor type field) that pkv_dequantize converts. */
+#define PKV_GGML_F32 0
+#define PKV_GGML_F16 1
+#define PKV_GGML_Q4_0 2
+#define PKV_GGML_Q8_0 8
+#define PKV_GGML_Q4_K 12
+#define PKV_GGML_Q6_K 14
+#define PKV_GGML_BF16 30
+
+/** 1 if pkv_dequantize converts ggml type `ggml_type` (one of PKV_GGML_*), else 0. */
+int pkv_dequant_supported(int32_t ggml_type);
+
+/**
+ * Dequantizes one run of ggml blocks into f16 or bf16, asynchronously on `stream`.
+ *
+ * Result, bit for bit: src/gguf/dequant.rs's dequantize_into_f16 / dequantize_into_bf16 of the
+ * same bytes. That is, each value is computed in f32 exactly as ggml's dequantize_row_* does it
+ * (the same operations in the same order, each rounded once: never fused into an FMA), then
+ * rounded to nearest even into the output type; every NaN result is written as the canonical
+ * quiet NaN, 0x7E00 (f16) or 0x7FC0 (bf16), whatever its sign and payload (IEEE 754 leaves the
+ * payload of an operation's NaN to the implementation: a CPU keeps an operand's, a GPU returns
+ * its own). Infinities and signed zeros are kept.
+ *
+ * dst          device [n_elements] of dst_dtype, 16-byte aligned; every element written
+ * dst_dtype    PKV_DTYPE_F16 or PKV_DTYPE_BF16 (else PKV_ERR_DTYPE)
+ * src          device, the n_elements / block elements blocks of ggml_type, as stored in a GGUF
+ *              file, 16-byte aligned
+ * ggml_type    PKV_GGML_* (else PKV_ERR_DTYPE)
+ * n_elements   >= 0 and a whole number of blocks (32 for Q4_0 / Q8_0, 256 for Q4_K / Q6_K)
+ *              (else PKV_ERR_INVALID_ARG); 0 launches nothing
+ * Misaligned src or dst: PKV_ERR_INVALID_ARG; NULL with n_elements > 0: PKV_ERR_NULL_POINTER.
+ * src and dst must not overlap.
+ */
+int pkv_dequantize(void *dst, int32_t dst_dtype, const void *src, int32_t ggml_type,
+                   int64_t n_elements, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PAGEDKV_DEQUANT_H */

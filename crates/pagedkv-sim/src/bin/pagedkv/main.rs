@@ -6,6 +6,7 @@ use std::process::ExitCode;
 #[cfg(feature = "cuda")]
 mod bench_cmd;
 mod gguf_cmd;
+mod gguf_synth_cmd;
 #[cfg(feature = "cuda")]
 mod gguf_upload_cmd;
 mod simulate_cmd;
@@ -28,7 +29,7 @@ enum Command {
     /// Benchmarks that need hardware: `bench gpu` (feature `cuda`).
     #[cfg(feature = "cuda")]
     Bench(bench_cmd::Args),
-    /// Inspect a GGUF file, or dequantize one of its tensors to raw f32.
+    /// Inspect a GGUF file, dequantize a tensor, write a synthetic file, bench the upload.
     Gguf(gguf_cmd::Args),
 }
 

@@ -41,6 +41,10 @@
 //     [num_splits] at the one after (decode_workspace_layout in paged_attention.cu).
 //   * decode_reduce_kernel merges all num_splits partials of a row, skipping tmp_max == -inf
 //     (so it never reads an unwritten tmp_out), and writes zeros when the total weight is 0.
+//   * The split policy lives in one place, decode_plan (paged_attention.cu). Its floor on
+//     num_splits (decode_min_splits) is this body's: a partition's logits must fit its shared
+//     memory. A body that keeps no per-token logits (an online softmax) can drop that floor
+//     there; the launcher re-checks any plan against decode_min_splits.
 //
 // Prefill (flash-attention style, f32 on CUDA cores):
 //   grid (num_kv_heads, row_tiles, num_seqs), PF_THREADS threads. A row is one (query token,

@@ -39,6 +39,9 @@
 //     [num_splits] at the one after (decode_workspace_layout in paged_attention.cu).
 //   * decode_reduce_kernel merges all num_splits partials of a row, skipping tmp_max == -inf
 //     (so it never reads an unwritten tmp_out), and writes zeros when the total weight is 0.
+//   * The split policy lives in one place, decode_plan (paged_attention.cu). Neither body
+//     keeps per-token logits (both are online softmax), so no partition length is too long
+//     and the plan has no floor on num_splits.
 //
 // Prefill (flash-attention style, f32 on CUDA cores):
 //   grid (num_kv_heads, row_tiles, num_seqs), PF_THREADS threads. A row is one (query token,

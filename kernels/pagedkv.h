@@ -1,6 +1,6 @@
 /*
  * pagedkv.h: the C ABI of every CUDA launcher in kernels/ -- the one source of truth that
- * build.rs feeds to bindgen (src/cuda/ffi.rs) and that every .cu file implements.
+ * build.rs feeds to bindgen (src/cuda_raw/ffi.rs) and that every .cu file implements.
  *
  * Plain C, no CUDA headers, so bindgen needs nothing but libclang.
  *

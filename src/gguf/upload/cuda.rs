@@ -326,7 +326,8 @@ fn launch_dequant(
 /// Dequantizes `src` (a tensor's raw bytes on the device: whole blocks of `ty`, e.g. an
 /// [`super::UploadOptions`]-raw upload's [`super::DeviceTensor::data`]) into a new device buffer
 /// of 2-byte values of `to`, on `gpu`'s stream (asynchronous: later work on the stream sees the
-/// result). Bit for bit [`crate::gguf::dequantize_into_f16`] / [`crate::gguf::dequantize_into_bf16`].
+/// result). Bit for bit [`crate::gguf::dequantize_into_f16`] /
+/// [`crate::gguf::dequantize_into_bf16`].
 ///
 /// # Errors
 /// [`CudaError::Unsupported`] for a type outside [`super::DEVICE_DEQUANT_TYPES`] or bytes that

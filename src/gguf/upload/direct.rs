@@ -164,8 +164,9 @@ fn registered<E: RegisterEngine>(
         }
         return Err(e.into());
     }
-    engine.synchronize()?; // on failure `reg` drops still registered: leaked, never freed early
-                           // SAFETY: the synchronize returned after the last copy from `reg` was queued.
+    // On failure `reg` drops still registered: leaked, never unregistered under a copy.
+    engine.synchronize()?;
+    // SAFETY: the synchronize returned after the last copy from `reg` was queued.
     unsafe { engine.unregister(reg) }?;
     let mut done = 0u64;
     for (i, r) in ranges.iter().enumerate().filter(|(_, r)| !r.is_empty()) {

@@ -141,7 +141,7 @@ pub enum RingError<E> {
     /// one cut unit ([`DEQUANT_GRANULE`] elements) of some tensor.
     #[error("staging areas of {have} bytes cannot hold one {needed}-byte unit of 256 elements")]
     StagingTooSmall {
-        /// Bytes one unit (plus alignment) needs.
+        /// Bytes one unit of the largest cut needs.
         needed: usize,
         /// Bytes available.
         have: usize,

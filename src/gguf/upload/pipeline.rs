@@ -46,9 +46,9 @@ pub const MAX_FILL_THREADS: usize = 64;
 /// to a fill thread (the hand-over is a channel send, which orders the wait before the thread's
 /// writes) and before it frees it; while a fill thread holds a buffer, nothing is queued from
 /// it. A copy queued whose record then failed breaks the invariant until [`StagingRing`]'s
-/// resync (a record and wait on buffer 0 — the stream runs in order, so that event covers every
-/// earlier copy) succeeds; until then the ring neither writes nor frees a buffer, and a drop
-/// that cannot resync leaks the ring rather than free it under a copy.
+/// resync (a record and wait on any one buffer — the stream runs in order, so that event covers
+/// every earlier copy) succeeds; until then the ring neither writes nor frees a buffer, and a
+/// drop that cannot resync leaks the ring rather than free it under a copy.
 ///
 /// # Never lost
 ///
@@ -232,13 +232,17 @@ impl<E: CopyEngine> StagingRing<E> {
         Ok(dst)
     }
 
-    /// Restores the invariant after a copy whose record may be missing: records slot 0's event
-    /// after everything queued so far and waits on it.
+    /// Restores the invariant after a copy whose record may be missing: records a buffer's
+    /// event after everything queued so far (the stream runs in order, so it covers every
+    /// earlier copy) and waits on it.
     fn resync(&mut self) -> Result<(), E::Error> {
-        if let Some(s) = self.slots.first_mut().and_then(Option::as_mut) {
-            self.engine.record(s)?;
-            self.engine.wait(s)?;
-        }
+        // Every buffer is home between uploads; with none home nothing may be written or freed
+        // anyway, so the ring stays unsynced.
+        let Some(s) = self.slots.iter_mut().flatten().next() else {
+            return Ok(());
+        };
+        self.engine.record(s)?;
+        self.engine.wait(s)?;
         self.unsynced = false;
         Ok(())
     }

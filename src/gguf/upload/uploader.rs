@@ -284,10 +284,11 @@ impl Uploader {
     /// bytes); returns once everything is on the device.
     ///
     /// # Errors
-    /// [`DeviceUploadError::NotDequantizable`] (nothing allocated), [`CudaError::DeviceOutOfMemory`]
-    /// if the device has too little free memory for the tensors and the device staging area
-    /// (nothing copied), [`CudaError::Driver`] / [`CudaError::Launch`] for an allocation, copy,
-    /// registration or conversion failure. Device memory already allocated is freed.
+    /// [`DeviceUploadError::NotDequantizable`] (nothing allocated),
+    /// [`CudaError::DeviceOutOfMemory`] if the device has too little free memory for the tensors
+    /// and the device staging area (nothing copied), [`CudaError::Driver`] /
+    /// [`CudaError::Launch`] for an allocation, copy, registration or conversion failure.
+    /// Device memory already allocated is freed.
     pub fn upload(
         &mut self,
         gguf: &Gguf<'_>,

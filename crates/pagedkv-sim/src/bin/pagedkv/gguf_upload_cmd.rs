@@ -14,8 +14,9 @@
 //!
 //! Upload figures are wall-clock medians of `--iters` runs after one untimed warm-up (which also
 //! warms the page cache: a file larger than it is measured from disk), from the first call until
-//! the stream has finished; the kernel and the device copy are timed with CUDA events. Every raw upload's last result is downloaded and compared with the file
-//! byte for byte, every dequantized one with the CPU dequantizer bit for bit.
+//! the stream has finished; the kernel and the device copy are timed with CUDA events. Every
+//! raw upload's last result is downloaded and compared with the file byte for byte, every
+//! dequantized one with the CPU dequantizer bit for bit.
 
 use cudarc::driver::sys::CUevent_flags;
 use half::{bf16, f16};

@@ -132,15 +132,28 @@ pub fn run(a: Args) -> Result<(), BoxErr> {
     ];
     let mut best: Option<(String, f64)> = None;
     let mut raw_weights = None;
+    // A way that fails (a driver without read-only registration, say) is reported and the
+    // others still run; the command fails at the end.
+    let mut failed = Vec::new();
     for (name, opts) in &ways {
-        let (rate, w) = bench_upload(&gpu, &g, *opts, iters, name, base)?;
-        if !a.no_verify {
-            verify_raw(&gpu, &g, &w)?;
+        let run = bench_upload(&gpu, &g, *opts, iters, name, base).and_then(|(rate, w)| {
+            if !a.no_verify {
+                verify_raw(&gpu, &g, &w)?;
+            }
+            Ok((rate, w))
+        });
+        match run {
+            Ok((rate, w)) => {
+                if best.as_ref().is_none_or(|b| rate > b.1) {
+                    best = Some((name.clone(), rate));
+                }
+                raw_weights = Some(w);
+            }
+            Err(e) => {
+                println!("{name}: FAILED: {e}");
+                failed.push(name.clone());
+            }
         }
-        if best.as_ref().is_none_or(|b| rate > b.1) {
-            best = Some((name.clone(), rate));
-        }
-        raw_weights = Some(w);
     }
     if let Some((name, rate)) = &best {
         let pct = 100.0 * rate / base;
@@ -151,37 +164,67 @@ pub fn run(a: Args) -> Result<(), BoxErr> {
     }
 
     // ---- device dequantization ----
-    let Some(to) = to else {
-        return Ok(());
+    if let Some(to) = to {
+        let raw = raw_weights.ok_or("no raw upload succeeded")?;
+        if let Err(e) = kernel_alone(&gpu, &g, &raw, to, iters, a.no_verify) {
+            println!("dequantize on the device: FAILED: {e}");
+            failed.push("the kernel alone".to_string());
+        }
+        drop(raw);
+        dequantizing_uploads(&gpu, &g, &a, to, iters, base, &mut failed);
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("failed: {}", failed.join("; ")).into())
+    }
+}
+
+/// The staged and registered dequantizing uploads, each timed and verified.
+fn dequantizing_uploads(
+    gpu: &Gpu,
+    g: &Gguf<'_>,
+    a: &Args,
+    to: DequantTo,
+    iters: usize,
+    base: f64,
+    failed: &mut Vec<String>,
+) {
+    let staged = UploadOptions {
+        path: UploadPath::Staged,
+        staging_buffers: a.buffers,
+        staging_bytes: a.buffer_mib.saturating_mul(1 << 20),
+        write_combined: true,
+        fill_threads: a.fill_threads,
+        dequantize: Some(to),
     };
-    let raw = raw_weights.ok_or("no raw upload ran")?;
-    kernel_alone(&gpu, &g, &raw, to, iters, a.no_verify)?;
-    drop(raw);
     for (name, opts) in [
         (
             format!(
                 "staged + dequantize to {to:?}, {} fill threads",
                 a.fill_threads
             ),
-            UploadOptions {
-                dequantize: Some(to),
-                ..staged(a.fill_threads, true)
-            },
+            staged,
         ),
         (
             format!("registered + dequantize to {to:?}"),
             UploadOptions {
-                dequantize: Some(to),
-                ..registered
+                path: UploadPath::Registered,
+                ..staged
             },
         ),
     ] {
-        let (_, w) = bench_upload(&gpu, &g, opts, iters, &name, base)?;
-        if !a.no_verify {
-            verify_dequantized(&gpu, &g, &w, to)?;
+        let run = bench_upload(gpu, g, opts, iters, &name, base).and_then(|(_, w)| {
+            if !a.no_verify {
+                verify_dequantized(gpu, g, &w, to)?;
+            }
+            Ok(())
+        });
+        if let Err(e) = run {
+            println!("{name}: FAILED: {e}");
+            failed.push(name);
         }
     }
-    Ok(())
 }
 
 /// Median GB/s of `reps` copies of one pinned buffer of up to 1 GiB covering `total` bytes.

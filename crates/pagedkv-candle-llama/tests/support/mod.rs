@@ -217,6 +217,9 @@ pub struct Compared {
     pub candle_self_noise: f32,
     /// Smallest gap between candle's best and second-best logit: how close greedy came to a tie.
     pub min_top2_gap: f32,
+    /// Rows where the engine's greedy token is not candle's but a tie within twice the row's
+    /// largest difference (at most 1 in 20 rows).
+    pub greedy_ties: usize,
     pub preempted: u64,
 }
 
@@ -306,6 +309,7 @@ pub fn run_and_compare(
     let mut sum_abs_diff = 0f64;
     let mut n_values = 0u64;
     let mut min_gap = f32::INFINITY;
+    let mut greedy_ties = 0usize;
     for (i, prompt) in prompts.iter().enumerate() {
         let id = i as SeqId;
         let output = &gen.outputs[&id];
@@ -319,8 +323,10 @@ pub fn run_and_compare(
                 .remove(&(id, pos))
                 .unwrap_or_else(|| panic!("seq {id}: no logits at position {pos}"));
             assert_eq!(got.len(), want.len());
+            let mut row_max_diff = 0f32;
             for (v, (&a, &b)) in got.iter().zip(want).enumerate() {
                 let d = (a - b).abs();
+                row_max_diff = row_max_diff.max(d);
                 max_abs_diff = max_abs_diff.max(d);
                 max_abs_logit = max_abs_logit.max(b.abs());
                 sum_abs_diff += f64::from(d);
@@ -335,15 +341,24 @@ pub fn run_and_compare(
             min_gap = min_gap.min(sorted[0] - sorted[1]);
             // Greedy: candle's choice after this position is the token the engine generated
             // next, so candle's own greedy run, fed its own choices, yields the same tokens.
-            // (A failure whose gap is within the tolerance is a tie between the two top
-            // logits, not a wrong cache: see the tolerance's note.)
-            assert_eq!(
-                argmax(want),
-                tokens[pos as usize + 1],
-                "seq {id}: greedy differs at position {} (candle's top-2 gap {})",
-                pos + 1,
-                sorted[0] - sorted[1]
-            );
+            // The one exception is a tie that this row's measured disagreement explains: when
+            // candle's logit of the engine's token is within twice the row's largest
+            // |pagedkv - candle| of candle's best, the two models' orders of those two tokens
+            // may differ by rounding alone (different float kernels, e.g. on another CPU's
+            // SIMD path). Candle is fed the engine's tokens, so later rows still compare like
+            // with like; such ties are counted and bounded below.
+            let next = tokens[pos as usize + 1];
+            let best = argmax(want);
+            if best != next {
+                let gap = want[best as usize] - want[next as usize];
+                assert!(
+                    gap <= 2.0 * row_max_diff,
+                    "seq {id}: greedy differs at position {} (candle prefers {best} by {gap}, \
+                     more than twice this row's largest difference {row_max_diff})",
+                    pos + 1
+                );
+                greedy_ties += 1;
+            }
             rows += 1;
         }
     }
@@ -351,6 +366,10 @@ pub fn run_and_compare(
         ours.is_empty(),
         "logits for positions candle never reached: {:?}",
         ours.keys()
+    );
+    assert!(
+        greedy_ties * 20 <= rows,
+        "{greedy_ties} greedy ties in {rows} rows: more than 1 in 20 is not rounding"
     );
     let mean_abs_diff = (sum_abs_diff / n_values.max(1) as f64) as f32;
     assert!(
@@ -367,6 +386,7 @@ pub fn run_and_compare(
         mean_abs_diff,
         max_abs_logit,
         min_top2_gap: min_gap,
+        greedy_ties,
         preempted,
     }
 }

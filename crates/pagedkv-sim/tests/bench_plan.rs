@@ -320,3 +320,65 @@ fn rows_show_both_sides_and_the_ratio() {
         "{row}\n{header}"
     );
 }
+
+/// The Python peer's accounting (`--plan`: no torch, no GPU) is the same as this crate's on the
+/// default grids: same bytes, FLOPs and rotation copies per point. Skipped, saying so, where no
+/// `python3` runs.
+#[test]
+fn python_peer_accounts_the_same_way() {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../benches/gpu_sdpa_baseline.py"
+    );
+    let (l2, budget) = (50 * MIB, 64u64 << 30);
+    let out = match std::process::Command::new("python3")
+        .args([script, "--plan"])
+        .arg(format!("--l2-bytes={l2}"))
+        .arg(format!("--budget-bytes={budget}"))
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("SKIP python_peer_accounts_the_same_way: cannot run python3 ({e})");
+            return;
+        }
+    };
+    assert!(
+        out.status.success(),
+        "{script} --plan failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let recs: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let ours: Vec<(String, u64, f64, usize)> = default_decode_grid()
+        .iter()
+        .map(|p| {
+            let b = p.bytes(BF16_D128);
+            (
+                p.to_string(),
+                b,
+                p.flops(BF16_D128),
+                rotation_copies(b, l2, budget),
+            )
+        })
+        .chain(default_prefill_grid().iter().map(|p| {
+            let b = p.bytes(BF16_D128);
+            (
+                p.to_string(),
+                b,
+                p.flops(BF16_D128),
+                rotation_copies(b, l2, budget),
+            )
+        }))
+        .collect();
+    assert_eq!(recs.len(), ours.len(), "{text}");
+    for (r, (point, bytes, flops, copies)) in recs.iter().zip(&ours) {
+        assert_eq!(r["point"].as_str(), Some(point.as_str()), "{r}");
+        assert_eq!(r["bytes"].as_u64(), Some(*bytes), "{r}");
+        assert_eq!(r["flops"].as_f64(), Some(*flops), "{r}");
+        assert_eq!(r["copies"].as_u64(), Some(*copies as u64), "{r}");
+    }
+}

@@ -14,6 +14,7 @@ pub const HEADERS: &[&str] = &[
     "kernels/pagedkv.h",
     "kernels/common.cuh",
     "kernels/attention.cuh",
+    "kernels/mma.cuh",
 ];
 
 /// Stops the build with a message.

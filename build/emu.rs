@@ -22,6 +22,7 @@ use std::path::Path;
 /// The emulation's own sources and headers.
 const EMU_FILES: &[&str] = &[
     "kernels/emu/emu.h",
+    "kernels/emu/emu_mma.h",
     "kernels/emu/emu_runtime.cpp",
     "kernels/emu/pagedkv_emu.h",
     "kernels/emu/cuda_runtime.h",

@@ -207,3 +207,152 @@ fn overrun_of_a_guarded_buffer_aborts_with_coordinates() {
         "unexpected report: {stderr}"
     );
 }
+
+// ---- __shfl_sync, mma and ldmatrix (kernels/mma.cuh over kernels/emu/emu_mma.h) ----------------
+
+#[test]
+fn indexed_shuffles_read_the_source_lane_of_each_segment() {
+    for width in [32, 8] {
+        let out = zeroed(64 * 4);
+        // SAFETY: out holds one int per thread of the 64-thread block.
+        let s = unsafe { emu_ffi::pkv_emu_selftest_shuffle_idx(out.ptr() as *mut i32, width) };
+        assert_eq!(s, 0);
+        for (t, &v) in out.as_slice::<i32>().iter().enumerate() {
+            let lane = t % 32;
+            let src = (t - lane)
+                + (lane / width as usize) * width as usize
+                + ((t * 7 + 3) % 32) % width as usize;
+            assert_eq!(v, (src * 10) as i32, "thread {t} width {width}");
+        }
+    }
+}
+
+/// Rounds to the mma's input type, as pack_f32x2 does (round to nearest even).
+fn round_to(dtype: u32, x: f32) -> f32 {
+    if dtype == pagedkv::cuda_emu::ffi::PKV_DTYPE_F16 {
+        half::f16::from_f32(x).to_f32()
+    } else {
+        half::bf16::from_f32(x).to_f32()
+    }
+}
+
+/// mma_m16n8k16 against a plain matrix product, per dtype, with two warps on different
+/// operands, in-place accumulation over several calls, and values whose rounding to the input
+/// type matters. Exact against the same f32 arithmetic in k order (what the emulation promises:
+/// products are exact, sums fmaf in k order), and within f32 rounding of an f64 product.
+#[test]
+fn mma_m16n8k16_matches_a_plain_matrix_product() {
+    use pagedkv::cuda_emu::ffi;
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        ((seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+    };
+    for dtype in [ffi::PKV_DTYPE_F16, ffi::PKV_DTYPE_BF16] {
+        for (warps, reps) in [(1usize, 1usize), (2, 3)] {
+            let a: Vec<f32> = (0..warps * 256).map(|_| next()).collect();
+            let b: Vec<f32> = (0..warps * 128).map(|_| next()).collect();
+            let c: Vec<f32> = (0..warps * 128).map(|_| next()).collect();
+            let (ab, bb, cb) = (
+                EmuBuf::from_slice(&a).expect("a"),
+                EmuBuf::from_slice(&b).expect("b"),
+                EmuBuf::from_slice(&c).expect("c"),
+            );
+            let mut db = zeroed(warps * 128 * 4);
+            db.as_mut_slice::<f32>().fill(f32::NAN);
+            // SAFETY: a, b, c, d hold `warps` operand sets of the documented shapes.
+            let s = unsafe {
+                emu_ffi::pkv_emu_selftest_mma(
+                    dtype as i32,
+                    ab.ptr() as *const f32,
+                    bb.ptr() as *const f32,
+                    cb.ptr() as *const f32,
+                    db.ptr() as *mut f32,
+                    warps as i32,
+                    reps as i32,
+                )
+            };
+            assert_eq!(s, 0, "{:?}", cuda_emu::last_fault());
+            let got = db.as_slice::<f32>();
+            for w in 0..warps {
+                for m in 0..16 {
+                    for n in 0..8 {
+                        let (mut acc, mut acc64) = (c[w * 128 + m * 8 + n], 0f64);
+                        for _ in 0..reps {
+                            for k in 0..16 {
+                                let x = round_to(dtype, a[w * 256 + m * 16 + k]);
+                                let y = round_to(dtype, b[w * 128 + k * 8 + n]);
+                                acc = x.mul_add(y, acc);
+                                acc64 += x as f64 * y as f64;
+                            }
+                        }
+                        acc64 += c[w * 128 + m * 8 + n] as f64;
+                        let g = got[w * 128 + m * 8 + n];
+                        let what = format!("dtype {dtype} warp {w} reps {reps} D[{m}][{n}]");
+                        assert_eq!(g.to_bits(), acc.to_bits(), "{what}: {g} vs {acc}");
+                        assert!(
+                            (g as f64 - acc64).abs() < 1e-4,
+                            "{what}: {g} vs f64 {acc64}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn mma_without_the_whole_warp_is_reported() {
+    let out = zeroed(32 * 4);
+    // SAFETY: out holds 32 floats.
+    let s = unsafe { emu_ffi::pkv_emu_selftest_mma_partial_warp(out.ptr() as *mut f32) };
+    assert_eq!(s, LAUNCH_FAILURE);
+    let msg = cuda_emu::last_fault().expect("a fault message");
+    assert!(msg.contains("all 32 lanes"), "{msg}");
+}
+
+/// ldmatrix x1 / x2 / x4, plain and transposed: lane l holds row l / 4, columns 2 (l % 4) and
+/// 2 (l % 4) + 1 of each matrix (of its transpose), from rows that are not evenly spaced.
+#[test]
+fn ldmatrix_fragments_follow_the_isa_layout() {
+    let val = |j: usize, r: usize, c: usize| (j * 64 + r * 8 + c) as u16 + 0x100;
+    let m: Vec<u16> = (0..256).map(|i| val(i / 64, i / 8 % 8, i % 8)).collect();
+    // As u32 pairs (little endian: the u16 at the lower address in the low half).
+    let words: Vec<u32> = m
+        .chunks(2)
+        .map(|p| p[0] as u32 | (p[1] as u32) << 16)
+        .collect();
+    let mb = EmuBuf::from_slice(&words).expect("m");
+    for n in [1usize, 2, 4] {
+        for trans in [false, true] {
+            let out = zeroed(32 * n * 4);
+            // SAFETY: m holds 4 matrices of 64 u16, out 32 * n u32.
+            let s = unsafe {
+                emu_ffi::pkv_emu_selftest_ldmatrix(
+                    mb.ptr() as *const u16,
+                    out.ptr() as *mut u32,
+                    n as i32,
+                    trans as i32,
+                )
+            };
+            assert_eq!(s, 0, "{:?}", cuda_emu::last_fault());
+            let got = out.as_slice::<u32>();
+            for l in 0..32 {
+                for j in 0..n {
+                    let (lo, hi) = if trans {
+                        (val(j, 2 * (l % 4), l / 4), val(j, 2 * (l % 4) + 1, l / 4))
+                    } else {
+                        (val(j, l / 4, 2 * (l % 4)), val(j, l / 4, 2 * (l % 4) + 1))
+                    };
+                    assert_eq!(
+                        got[l * n + j],
+                        lo as u32 | (hi as u32) << 16,
+                        "x{n} trans {trans} lane {l} matrix {j}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -168,6 +168,16 @@ template <typename V, typename Tag> inline void poison_shared_once(V &v, Tag) {
 void syncthreads();
 void syncwarp(unsigned mask);
 uint64_t shfl_xor_bits(unsigned mask, uint64_t bits, int lane_mask, int width);
+uint64_t shfl_idx_bits(unsigned mask, uint64_t bits, int src_lane, int width);
+// The calling thread's lane in its warp (its linear index in the block % 32).
+int lane_id();
+// Most 32-bit words one lane posts to warp_gather (an mma posts 6, an ldmatrix 2).
+constexpr int GATHER_WORDS = 8;
+// Warp-collective exchange behind the emulated mma and ldmatrix: every lane of the calling warp
+// posts `bytes` (a multiple of 4, at most 4 * GATHER_WORDS) from `mine`; once all have, `all`
+// ([32][bytes]) receives every lane's post in lane order. All 32 lanes must take part, as the
+// .sync.aligned instructions require: a warp with a returned or missing lane fails the launch.
+void warp_gather(const void *mine, size_t bytes, void *all);
 // Records a device-side fault (the launch fails with `e`) and ends the calling thread's block.
 [[noreturn]] void fault(cudaError_t e, const char *what, const void *addr);
 
@@ -207,6 +217,16 @@ template <typename T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask
   uint64_t bits = 0;
   memcpy(&bits, &v, sizeof(T));
   bits = emu::shfl_xor_bits(mask, bits, lane_mask, width);
+  T r;
+  memcpy(&r, &bits, sizeof(T));
+  return r;
+}
+
+template <typename T> inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffle of a scalar");
+  uint64_t bits = 0;
+  memcpy(&bits, &v, sizeof(T));
+  bits = emu::shfl_idx_bits(mask, bits, src_lane, width);
   T r;
   memcpy(&r, &bits, sizeof(T));
   return r;

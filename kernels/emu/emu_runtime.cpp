@@ -212,6 +212,7 @@ struct Fiber {
   char *stack = nullptr;  // lowest usable byte (a guard page lies below)
   State state = State::Ready;
   uint32_t wait_gen = 0;
+  uint32_t gathers = 0;  // warp_gather calls made: selects the bank of the next one
   int warp = 0, lane = 0;
   ThreadCoords coords{};
 };
@@ -230,6 +231,11 @@ struct Runner {
   Barrier block_bar;
   std::vector<Barrier> warp_bars;
   std::vector<std::array<uint64_t, 32>> slots;
+  // Per warp, two banks of GATHER_WORDS words per lane for warp_gather (mma, ldmatrix). A lane
+  // posts into bank (its gather count % 2): it can only post its next-but-one gather after
+  // every lane has passed the barrier of the next one, so after every lane has read this one;
+  // one barrier per gather suffices.
+  std::vector<std::array<std::array<uint32_t, 32 * GATHER_WORDS>, 2>> gather;
   Context sched;
   Fiber *cur = nullptr;
   bool failed = false;
@@ -354,6 +360,7 @@ bool run_block(Runner &r, uint3 block, dim3 grid, dim3 bdim) {
   r.block_bar = Barrier{n, 0, 0};
   r.warp_bars.assign(nwarps, Barrier{});
   r.slots.assign(nwarps, {});
+  r.gather.resize(nwarps);  // contents need no reset: every gather writes before it reads
   for (int i = 0; i < n; ++i) {
     Fiber &f = r.fibers[i];
     char *stack = tl_stacks.get(i);
@@ -449,8 +456,23 @@ void syncwarp(unsigned mask) {
   arrive(r->warp_bars[r->cur->warp], State::WaitWarp);
 }
 
-uint64_t shfl_xor_bits(unsigned mask, uint64_t bits, int lane_mask, int width) {
-  Runner *r = require_runner("__shfl_xor_sync");
+namespace {
+
+// The source lane `src` of the calling lane's shuffle, which must exist and not have returned
+// (reading a returned lane is undefined on a GPU; here it is an error).
+void check_source_lane(Runner *r, int w, int src) {
+  const int src_tid = w * 32 + src;
+  if (src_tid >= (int)r->fibers.size() || r->fibers[src_tid].state == State::Done) {
+    char buf[96];
+    snprintf(buf, sizeof buf, "shuffle reads lane %d, which does not exist or has returned", src);
+    fault(cudaErrorLaunchFailure, buf, nullptr);
+  }
+}
+
+// Posts `bits` in the lane's slot, waits for the warp, reads lane `src(lane)`, waits again.
+template <typename Src>
+uint64_t shuffle(const char *what, unsigned mask, uint64_t bits, int width, Src src_of) {
+  Runner *r = require_runner(what);
   if (mask != 0xffffffffu) fault(cudaErrorLaunchFailure, "shuffle with a partial mask", nullptr);
   if (width <= 0 || width > 32 || (width & (width - 1)) != 0)
     fault(cudaErrorLaunchFailure, "shuffle width not a power of two <= 32", nullptr);
@@ -458,17 +480,51 @@ uint64_t shfl_xor_bits(unsigned mask, uint64_t bits, int lane_mask, int width) {
   const int w = f->warp, lane = f->lane;
   r->slots[w][lane] = bits;
   arrive(r->warp_bars[w], State::WaitWarp);  // every lane has published its value
-  int src = lane ^ lane_mask;
-  if (src >= (lane / width + 1) * width) src = lane;  // later segment: own value (CUDA rule)
-  const int src_tid = w * 32 + src;
-  if (src_tid >= (int)r->fibers.size() || r->fibers[src_tid].state == State::Done) {
-    char buf[96];
-    snprintf(buf, sizeof buf, "shuffle reads lane %d, which does not exist or has returned", src);
-    fault(cudaErrorLaunchFailure, buf, nullptr);
-  }
+  const int src = src_of(lane);
+  check_source_lane(r, w, src);
   const uint64_t v = r->slots[w][src];
   arrive(r->warp_bars[w], State::WaitWarp);  // every lane has read before slots are reused
   return v;
+}
+
+}  // namespace
+
+uint64_t shfl_xor_bits(unsigned mask, uint64_t bits, int lane_mask, int width) {
+  return shuffle("__shfl_xor_sync", mask, bits, width, [&](int lane) {
+    const int src = lane ^ lane_mask;
+    return src >= (lane / width + 1) * width ? lane : src;  // later segment: own value (CUDA rule)
+  });
+}
+
+uint64_t shfl_idx_bits(unsigned mask, uint64_t bits, int src_lane, int width) {
+  // CUDA: lane srcLane % width of the caller's segment of `width` lanes.
+  return shuffle("__shfl_sync", mask, bits, width,
+                 [&](int lane) { return (lane / width) * width + (src_lane & (width - 1)); });
+}
+
+int lane_id() { return require_runner("the lane id")->cur->lane; }
+
+void warp_gather(const void *mine, size_t bytes, void *all) {
+  Runner *r = require_runner("a warp-collective operation");
+  if (bytes == 0 || bytes > 4 * GATHER_WORDS || bytes % 4 != 0)
+    fault(cudaErrorLaunchFailure, "warp_gather of an unsupported size", nullptr);
+  Fiber *f = r->cur;
+  const int w = f->warp, lane = f->lane, words = (int)(bytes / 4);
+  auto &bank = r->gather[w][f->gathers++ % 2];
+  memcpy(&bank[lane * GATHER_WORDS], mine, bytes);
+  const uint32_t mine_count = f->gathers;
+  arrive(r->warp_bars[w], State::WaitWarp);  // every live lane has posted
+  // mma and ldmatrix are .sync.aligned: the whole warp executes them together. A lane that has
+  // posted this gather may already have gone on (even returned): its count is at least ours.
+  for (int l = 0; l < 32; ++l) {
+    const int tid = w * 32 + l;
+    if (tid >= (int)r->fibers.size() || r->fibers[tid].gathers < mine_count)
+      fault(cudaErrorLaunchFailure,
+            "a warp-collective operation (mma / ldmatrix) without all 32 lanes of the warp",
+            nullptr);
+  }
+  char *out = static_cast<char *>(all);
+  for (int l = 0; l < 32; ++l) memcpy(out + (size_t)l * bytes, &bank[l * GATHER_WORDS], (size_t)words * 4);
 }
 
 void fault(cudaError_t e, const char *what, const void *addr) {

@@ -90,6 +90,20 @@ int pkv_emu_selftest_static_plus_dynamic(float *out, int dynamic_bytes);
 int pkv_emu_selftest_config(unsigned grid_x, unsigned grid_y, unsigned block_x);
 /** p[i] = i for i < n (one block of 64 threads). */
 int pkv_emu_selftest_write(int *p, int n);
+/** 64 threads: out[t] = (the lane (t * 7 + 3) % 32 of t's segment of `width` lanes) * 10,
+ *  through __shfl_sync. */
+int pkv_emu_selftest_shuffle_idx(int *out, int width);
+/** `warps` warps each run mma_m16n8k16 (kernels/mma.cuh) for dtype PKV_DTYPE_F16 or _BF16 on
+ *  their own operands: a [warps][16][16] (A row-major), b [warps][16][8] (B[k][n]), c and d
+ *  [warps][16][8], all f32 (a and b rounded to dtype). d = c + A B, accumulated in place `reps`
+ *  times. */
+int pkv_emu_selftest_mma(int dtype, const float *a, const float *b, const float *c, float *d,
+                         int warps, int reps);
+/** An mma in a warp whose lane 31 has returned: must fail. d: 32 floats. */
+int pkv_emu_selftest_mma_partial_warp(float *d);
+/** ldmatrix<n, trans> (n = 1, 2, 4) over four 8x8 matrices m [4][8][8] of 16-bit values staged
+ *  in shared memory; out [32][n]: each lane's registers. */
+int pkv_emu_selftest_ldmatrix(const uint16_t *m, uint32_t *out, int n, int trans);
 
 #ifdef __cplusplus
 }

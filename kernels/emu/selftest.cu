@@ -4,6 +4,7 @@
 // build/emu.rs like the real kernels; driven by tests/cuda_emu_selftest.rs.
 #include <cuda_runtime.h>
 
+#include "mma.cuh"
 #include "pagedkv_emu.h"
 
 namespace {
@@ -81,7 +82,99 @@ __global__ void write_kernel(int *p, int n) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) p[i] = i;
 }
 
+__global__ void shuffle_idx_kernel(int *out, int width) {
+  const int t = threadIdx.x;
+  out[t] = __shfl_sync(0xffffffffu, t * 10, (t * 7 + 3) % 32, width);
+}
+
+// One m16n8k16 per warp on its own matrices: a [16][16], b [16][8] (B[k][n]), c and d [16][8],
+// f32 values rounded to T when packed. The fragments are built with MmaFrag's layout (the
+// kernels' helpers), the emulation reads them with the ISA's own formulas: a disagreement shows.
+// `reps` accumulates in place (d = c, then d += A B reps times), as a kernel's loop does.
+template <typename T>
+__global__ void mma_kernel(const float *a, const float *b, const float *c, float *d, int reps) {
+  const int w = threadIdx.x / 32, l = threadIdx.x % 32;
+  a += w * 256;
+  b += w * 128;
+  c += w * 128;
+  d += w * 128;
+  uint32_t ra[4], rb[2];
+  float acc[4];
+  for (int i = 0; i < 4; ++i)
+    ra[i] = pkv::pack_f32x2<T>(a[pkv::MmaFrag::a_row(l, 2 * i) * 16 + pkv::MmaFrag::a_col(l, 2 * i)],
+                               a[pkv::MmaFrag::a_row(l, 2 * i + 1) * 16 +
+                                 pkv::MmaFrag::a_col(l, 2 * i + 1)]);
+  for (int i = 0; i < 2; ++i)
+    rb[i] = pkv::pack_f32x2<T>(b[pkv::MmaFrag::b_row(l, 2 * i) * 8 + pkv::MmaFrag::b_col(l, 2 * i)],
+                               b[pkv::MmaFrag::b_row(l, 2 * i + 1) * 8 +
+                                 pkv::MmaFrag::b_col(l, 2 * i + 1)]);
+  for (int i = 0; i < 4; ++i) acc[i] = c[pkv::MmaFrag::c_row(l, i) * 8 + pkv::MmaFrag::c_col(l, i)];
+  for (int r = 0; r < reps; ++r) pkv::mma_m16n8k16<T>(acc, ra, rb, acc);
+  for (int i = 0; i < 4; ++i) d[pkv::MmaFrag::c_row(l, i) * 8 + pkv::MmaFrag::c_col(l, i)] = acc[i];
+}
+
+__global__ void mma_partial_warp_kernel(float *d) {
+  if (threadIdx.x == 31) return;
+  uint32_t a[4] = {0, 0, 0, 0}, b[2] = {0, 0};
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  pkv::mma_m16n8k16<__half>(acc, a, b, acc);
+  d[threadIdx.x] = acc[0];
+}
+
+// Four 8x8 matrices of 16-bit values in shared memory, rows `stride` elements apart and the
+// matrices in the order 2, 0, 3, 1 (so row addresses are not one arithmetic sequence); lane l
+// passes row l % 8 of matrix l / 8. out[l][0..N) = the registers of ldmatrix<N, TRANS>.
+template <int N, bool TRANS> __global__ void ldmatrix_kernel(const uint16_t *m, uint32_t *out) {
+  constexpr int stride = 24;  // elements: 48 bytes, 16-byte aligned rows with a gap
+  extern __shared__ uint16_t sm[];
+  for (int i = threadIdx.x; i < 4 * 8 * stride; i += blockDim.x) sm[i] = 0xdead;
+  __syncthreads();
+  const int place[4] = {1, 3, 0, 2};  // matrix j's rows start at row 8 * place[j]
+  for (int i = threadIdx.x; i < 4 * 64; i += blockDim.x) {
+    const int j = i / 64, r = i / 8 % 8, c = i % 8;
+    sm[(8 * place[j] + r) * stride + c] = m[i];
+  }
+  __syncthreads();
+  const int l = threadIdx.x;
+  uint32_t r[N];
+  pkv::ldmatrix<N, TRANS>(r, sm + (8 * place[(l / 8) % 4] + l % 8) * stride);
+  for (int j = 0; j < N; ++j) out[l * N + j] = r[j];
+}
+
 }  // namespace
+
+extern "C" int pkv_emu_selftest_shuffle_idx(int *out, int width) {
+  shuffle_idx_kernel<<<1, 64>>>(out, width);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int pkv_emu_selftest_mma(int dtype, const float *a, const float *b, const float *c,
+                                    float *d, int warps, int reps) {
+  if (dtype == PKV_DTYPE_F16)
+    mma_kernel<__half><<<1, 32 * warps>>>(a, b, c, d, reps);
+  else if (dtype == PKV_DTYPE_BF16)
+    mma_kernel<__nv_bfloat16><<<1, 32 * warps>>>(a, b, c, d, reps);
+  else
+    return PKV_ERR_DTYPE;
+  return (int)cudaGetLastError();
+}
+
+extern "C" int pkv_emu_selftest_mma_partial_warp(float *d) {
+  mma_partial_warp_kernel<<<1, 32>>>(d);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int pkv_emu_selftest_ldmatrix(const uint16_t *m, uint32_t *out, int n, int trans) {
+  const size_t smem = 4 * 8 * 24 * sizeof(uint16_t);
+  if (n == 1 && !trans) ldmatrix_kernel<1, false><<<1, 32, smem>>>(m, out);
+  else if (n == 1) ldmatrix_kernel<1, true><<<1, 32, smem>>>(m, out);
+  else if (n == 2 && !trans) ldmatrix_kernel<2, false><<<1, 32, smem>>>(m, out);
+  else if (n == 2) ldmatrix_kernel<2, true><<<1, 32, smem>>>(m, out);
+  else if (n == 4 && !trans) ldmatrix_kernel<4, false><<<1, 32, smem>>>(m, out);
+  else if (n == 4) ldmatrix_kernel<4, true><<<1, 32, smem>>>(m, out);
+  else return PKV_ERR_INVALID_ARG;
+  return (int)cudaGetLastError();
+}
 
 extern "C" int pkv_emu_selftest_block_sum(const int *in, int *out, int grid_x, int grid_y,
                                           int block_x, int block_y) {

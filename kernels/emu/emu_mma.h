@@ -1,0 +1,90 @@
+// emu_mma.h: the CPU emulation of the warp-level matrix instructions kernels/mma.cuh wraps
+// (mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 and ldmatrix.sync.aligned
+// .m8n8{.x1,.x2,.x4}{.trans}.shared.b16), under feature `cuda-emu` (see emu.h for the model).
+//
+// Each lane posts its fragment registers to its warp (warp_gather: one warp barrier), rebuilds
+// the whole operands from all 32 posts, and computes only its own part of the result. The
+// fragment layouts are written here straight from the PTX ISA ("Matrix Fragments for
+// mma.m16n8k16 with floating point type"; "ldmatrix"), in its own notation, independently of
+// the layout helpers in mma.cuh that kernels use: a wrong helper then shows up as a mismatch in
+// the self-test (kernels/emu/selftest.cu) instead of being mirrored here.
+//
+// Arithmetic: each product of two f16 (or two bf16) values is exact in f32; the products are
+// added to C in k order with fmaf, in f32. PTX does not specify the order or the intermediate
+// rounding of the hardware's sum, so a GPU may differ in the last bits (never in what is
+// summed).
+#pragma once
+
+#include "emu.h"
+
+namespace emu {
+
+enum class MmaElem { F16, BF16 };
+
+inline float mma_elem_f32(uint32_t reg, int half, MmaElem t) {
+  const uint16_t bits = (uint16_t)(reg >> (16 * half));
+  return t == MmaElem::F16 ? __half2float(__half{bits}) : __bfloat162float(__nv_bfloat16{bits});
+}
+
+// D = A * B + C for the calling lane's fragments (all 32 lanes of the warp must call it).
+inline void mma_m16n8k16(MmaElem t, float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                         const float (&c)[4]) {
+  struct Post {
+    uint32_t a[4], b[2];
+  };
+  Post mine{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}};
+  Post all[32];
+  warp_gather(&mine, sizeof mine, all);
+  float A[16][16], B[16][8];
+  for (int laneid = 0; laneid < 32; ++laneid) {
+    const int groupID = laneid >> 2, threadID_in_group = laneid % 4;
+    // A: a0..a7, two per .f16x2 register, low half first.
+    for (int i = 0; i < 8; ++i) {
+      const int row = (i < 2 || (4 <= i && i < 6)) ? groupID : groupID + 8;
+      const int col = i < 4 ? threadID_in_group * 2 + (i & 0x1)
+                            : threadID_in_group * 2 + (i & 0x1) + 8;
+      A[row][col] = mma_elem_f32(all[laneid].a[i / 2], i % 2, t);
+    }
+    // B: b0..b3.
+    for (int i = 0; i < 4; ++i) {
+      const int row = i < 2 ? threadID_in_group * 2 + (i & 0x1)
+                            : threadID_in_group * 2 + (i & 0x1) + 8;
+      const int col = groupID;
+      B[row][col] = mma_elem_f32(all[laneid].b[i / 2], i % 2, t);
+    }
+  }
+  const int laneid = lane_id();
+  const int groupID = laneid >> 2, threadID_in_group = laneid % 4;
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    // C / D: c0..c3.
+    const int row = i < 2 ? groupID : groupID + 8;
+    const int col = threadID_in_group * 2 + (i & 0x1);
+    float acc = c[i];
+    for (int k = 0; k < 16; ++k) acc = fmaf(A[row][k], B[k][col], acc);
+    out[i] = acc;
+  }
+  for (int i = 0; i < 4; ++i) d[i] = out[i];  // d may alias c
+}
+
+// ldmatrix.m8n8.xN{.trans}.b16: lanes 8j .. 8j + 7 give the row addresses of matrix j; without
+// .trans, lane l receives in r[j] row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix j;
+// with .trans the same positions of matrix j's transpose. Rows must be 16-byte aligned.
+template <int N, bool TRANS> inline void ldmatrix(uint32_t (&r)[N], const void *row) {
+  static_assert(N == 1 || N == 2 || N == 4, "ldmatrix takes 1, 2 or 4 matrices");
+  const void *rows[32];
+  warp_gather(&row, sizeof row, rows);
+  for (int i = 0; i < 8 * N; ++i) check_align16(rows[i], "ldmatrix row address");
+  const int l = lane_id();
+  for (int j = 0; j < N; ++j) {
+    uint16_t e[2];
+    for (int h = 0; h < 2; ++h) {
+      const int rr = TRANS ? 2 * (l % 4) + h : l / 4;  // row of matrix j
+      const int cc = TRANS ? l / 4 : 2 * (l % 4) + h;  // column of matrix j
+      memcpy(&e[h], static_cast<const char *>(rows[8 * j + rr]) + 2 * cc, 2);
+    }
+    r[j] = (uint32_t)e[0] | (uint32_t)e[1] << 16;
+  }
+}
+
+}  // namespace emu

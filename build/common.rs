@@ -15,6 +15,7 @@ pub const HEADERS: &[&str] = &[
     "kernels/common.cuh",
     "kernels/attention.cuh",
     "kernels/mma.cuh",
+    "kernels/prefill_mma.cuh",
 ];
 
 /// Stops the build with a message.

@@ -50,6 +50,10 @@ template <int D> struct Cfg {
   static constexpr int NT_S = BC / 8;             // n8 tiles of S per warp
   static constexpr int NT_O = D / 8;              // n8 tiles of O per warp
   static constexpr bool Q_REGS = D <= 128;
+  // Thread blocks per SM the register allocation must allow. 3 (<= 168 registers per thread)
+  // up to head dim 96, where ptxas fits it without spilling and 3 blocks' stages fit an
+  // H100's 228 KiB of shared memory; at 112 and 128 it spills (sm_90: 8 to 104 bytes), so 2.
+  static constexpr int MIN_BLOCKS = D <= 96 ? 3 : 2;
   static constexpr int STAGE = 2 * BC * LD;       // elements of one stage (K then V)
   static constexpr int Q_ELEMS = Q_REGS ? 0 : ROWS * LD;
   // T is 2 bytes: the stages, Q (head dim 256), then 2 * BC int flags.
@@ -99,19 +103,20 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // finite: it is multiplied by p = 0) and flagged invalid (masked).
 template <typename T, int D>
 __device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *cache,
-                                             const int32_t *btab, int64_t head_off, int kt,
-                                             int klast, T *sk, T *sv, int *kvalid) {
+                                             const int32_t *btab, int bs_shift,
+                                             int64_t head_off, int kt, int klast, T *sk, T *sv,
+                                             int *kvalid) {
   using C = Cfg<D>;
   for (int i = threadIdx.x; i < C::BC * C::CH; i += THREADS) {
     const int j = i / C::CH, c = i % C::CH;
     const int t = kt + j;
-    const int b = t <= klast ? btab[t / a.block_size] : -1;
+    const int b = t <= klast ? btab[t >> bs_shift] : -1;
     const bool ok = b >= 0 && b < a.num_blocks;
     T *dk = sk + j * C::LD + c * 8;
     T *dv = sv + j * C::LD + c * 8;
     if (ok) {
-      const T *p = cache + (int64_t)b * a.st.block + (int64_t)(t % a.block_size) * a.st.token +
-                   head_off + c * 8;
+      const T *p = cache + (int64_t)b * a.st.block +
+                   (int64_t)(t & (a.block_size - 1)) * a.st.token + head_off + c * 8;
       cp_async16(dk, p);
       cp_async16(dv, p + a.st.kv);
     } else {
@@ -123,7 +128,7 @@ __device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *cach
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(THREADS) prefill_mma_kernel(const PrefillArgs a) {
+__global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kernel(const PrefillArgs a) {
   using C = Cfg<D>;
   extern __shared__ uint4 pf_smem[];
   T *smem = reinterpret_cast<T *>(pf_smem);
@@ -171,6 +176,9 @@ __global__ void __launch_bounds__(THREADS) prefill_mma_kernel(const PrefillArgs 
   const T *cache = reinterpret_cast<const T *>(a.cache);
   const int32_t *btab = a.block_tables + (int64_t)seq * a.max_blocks_per_seq;
   const int64_t head_off = a.layer_offset + (int64_t)kh * D;
+  // block_size is a power of two (the launcher's check): shifts instead of divisions.
+  int bs_shift = 0;
+  while ((1 << bs_shift) < a.block_size) ++bs_shift;
 
   // ---- prologue: Q rows (zero past nrows) and key tile 0 ----
   const T *qg = reinterpret_cast<const T *>(a.query);
@@ -187,8 +195,8 @@ __global__ void __launch_bounds__(THREADS) prefill_mma_kernel(const PrefillArgs 
     }
   }
   if (ntiles > 0)
-    load_kv_tile<T, D>(a, cache, btab, head_off, kbegin, klast, smem, smem + C::BC * C::LD,
-                       kvalid);
+    load_kv_tile<T, D>(a, cache, btab, bs_shift, head_off, kbegin, klast, smem,
+                       smem + C::BC * C::LD, kvalid);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -219,8 +227,8 @@ __global__ void __launch_bounds__(THREADS) prefill_mma_kernel(const PrefillArgs 
     __syncthreads();
     if (j + 1 < ntiles) {
       T *nk = smem + (st ^ 1) * C::STAGE;
-      load_kv_tile<T, D>(a, cache, btab, head_off, kbegin + (j + 1) * C::BC, klast, nk,
-                         nk + C::BC * C::LD, kvalid + (st ^ 1) * C::BC);
+      load_kv_tile<T, D>(a, cache, btab, bs_shift, head_off, kbegin + (j + 1) * C::BC, klast,
+                         nk, nk + C::BC * C::LD, kvalid + (st ^ 1) * C::BC);
     }
     cp_async_commit();
     const T *sk = smem + st * C::STAGE;

@@ -8,6 +8,9 @@
 //! * `gguf_dequant/<TYPE>`: dequantize 2^20 elements to f32, pagedkv parallel and serial, beside
 //!   a `memcpy` of the output bytes (the floor any dequantizer pays to write its output).
 //!
+//! * `gguf_dequant_bf16/<TYPE>`: `dequantize_into_bf16` (the device dequantizer's oracle,
+//!   NaNs canonical) beside the f32 dequantizer followed by a plain `bf16::from_f32` loop.
+//!
 //! Correctness is checked inside each group before timing: both parsers must agree on the
 //! header, and parallel dequantization must equal the serial reference bit for bit.
 
@@ -16,7 +19,8 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use pagedkv::gguf::{
-    dequantize_into, dequantize_into_serial, GgmlType, Gguf, GgufWriter, MetaValue, ValueType,
+    dequantize_into, dequantize_into_bf16, dequantize_into_serial, GgmlType, Gguf, GgufWriter,
+    MetaValue, ValueType,
 };
 
 /// A llama-shaped file: 1,000 tiny tensors, 30 scalar keys, a 32,000-token vocabulary.
@@ -241,9 +245,72 @@ fn bench_dequant(c: &mut Criterion) {
     grp.finish();
 }
 
+/// `dequantize_into_bf16` (the device dequantizer's oracle: f32, then round to nearest even,
+/// every NaN canonical) beside the same conversion without the NaN canonicalization
+/// (`dequantize_into` then `bf16::from_f32` element by element): the cost of the one NaN check
+/// per element that makes the narrow output a function of the input bits.
+fn bench_dequant_bf16(c: &mut Criterion) {
+    const N: usize = 1 << 20;
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut grp = c.benchmark_group("gguf_dequant_bf16");
+    grp.throughput(Throughput::Bytes((N * 2) as u64));
+    for name in ["F16", "Q8_0", "Q4_K", "Q6_K"] {
+        let ty = GgmlType::from_name(name).expect("type");
+        let n_bytes = N / ty.block_size() as usize * ty.type_size() as usize;
+        let mut src: Vec<u8> = (0..n_bytes)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect();
+        // Finite scales (and finite F16 values), so both sides agree bit for bit.
+        let scale_at: &[usize] = match ty {
+            GgmlType::Q8_0 => &[0],
+            GgmlType::Q4_K => &[0, 2],
+            GgmlType::Q6_K => &[208],
+            _ => &[],
+        };
+        let ts = ty.type_size() as usize;
+        for blk in src.chunks_exact_mut(ts) {
+            for &at in scale_at {
+                blk[at..at + 2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+            }
+            if ty == GgmlType::F16 {
+                blk[1] &= 0x3F; // exponent below 0x1F: finite
+            }
+        }
+        let mut ours = vec![half::bf16::ZERO; N];
+        let mut f32s = vec![0f32; N];
+        let mut plain = vec![half::bf16::ZERO; N];
+        let convert_plain = |f32s: &mut [f32], plain: &mut [half::bf16]| {
+            dequantize_into(ty, &src, f32s).expect("f32");
+            for (d, &x) in plain.iter_mut().zip(f32s.iter()) {
+                *d = half::bf16::from_f32(x);
+            }
+        };
+        dequantize_into_bf16(ty, &src, &mut ours).expect("bf16");
+        convert_plain(&mut f32s, &mut plain);
+        assert!(
+            ours.iter()
+                .zip(&plain)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}: bf16 outputs differ"
+        );
+        grp.bench_function(BenchmarkId::new("pagedkv", name), |b| {
+            b.iter(|| dequantize_into_bf16(ty, black_box(&src), black_box(&mut ours)))
+        });
+        grp.bench_function(BenchmarkId::new("f32_then_from_f32", name), |b| {
+            b.iter(|| convert_plain(black_box(&mut f32s), black_box(&mut plain)))
+        });
+    }
+    grp.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20);
-    targets = bench_header, bench_dequant
+    targets = bench_header, bench_dequant, bench_dequant_bf16
 }
 criterion_main!(benches);

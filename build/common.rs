@@ -8,6 +8,7 @@ pub const KERNELS: &[&str] = &[
     "kernels/paged_attention.cu",
     "kernels/cache_ops.cu",
     "kernels/probe.cu",
+    "kernels/dequant.cu",
 ];
 /// Every header those units include; a change to any of them rebuilds the kernels.
 pub const HEADERS: &[&str] = &[
@@ -15,6 +16,8 @@ pub const HEADERS: &[&str] = &[
     "kernels/common.cuh",
     "kernels/attention.cuh",
     "kernels/mma.cuh",
+    "kernels/decode_v2.cuh",
+    "kernels/decode_mma.cuh",
     "kernels/prefill_mma.cuh",
 ];
 

@@ -6,7 +6,7 @@
 //!    the static library `pagedkv_kernels`, with SASS for sm_80 and sm_90 and PTX for
 //!    compute_90 (so newer GPUs JIT it), linked against the static CUDA runtime;
 //! 3. runs bindgen over `kernels/pagedkv.h`, the C ABI of every launcher, into
-//!    `$OUT_DIR/pagedkv_ffi.rs`, which `src/cuda/ffi.rs` includes.
+//!    `$OUT_DIR/pagedkv_ffi.rs`, which `src/cuda_raw/ffi.rs` includes.
 //!
 //! `PAGEDKV_CUDA_ARCHS` (e.g. `80` or `80,90`) narrows the SASS targets for quick local
 //! iteration; CI and release builds leave it unset.

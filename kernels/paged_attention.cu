@@ -1,8 +1,13 @@
-// paged_attention.cu: the extern "C" launchers of the decode and prefill attention kernels
-// (templates in attention.cuh; the f16 / bf16 prefill on tensor cores in prefill_mma.cuh). Each launcher validates its arguments, picks the template
-// instance for (dtype, head_dim, group size), launches on the caller's stream and returns the
-// launch status; none synchronizes.
+// paged_attention.cu: the decode plan and the extern "C" launchers of the decode and prefill
+// attention kernels (templates in attention.cuh, decode_v2.cuh, decode_mma.cuh, and the f16 /
+// bf16 prefill on tensor cores in prefill_mma.cuh). Each launcher validates its arguments, picks
+// the template instance for (dtype, head_dim, group size), launches on the caller's stream and
+// returns the launch status; none synchronizes. The decode split policy lives in decode_plan
+// (the only place that chooses num_splits; the kernels derive partitions on the device).
+#include <type_traits>
+
 #include "attention.cuh"
+#include "decode_mma.cuh"
 #include "prefill_mma.cuh"
 
 namespace pkv {
@@ -12,67 +17,166 @@ namespace {
 // groups of 8 for larger ratios, read once per 8 query heads).
 inline int decode_gt(int group) { return group == 1 ? 1 : (group <= 4 ? 4 : 8); }
 
-// Shared-memory budget of the single-pass logits buffer: what every GPU gives without opt-in.
-constexpr size_t SINGLE_PASS_SMEM = 48 * 1024;
-
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The decode workspace (the contract in attention.cuh): tmp_out, tmp_max, tmp_sum of `rows`
+// rows x `splits` splits, each section on a 256-byte boundary.
 struct WorkspaceLayout {
   size_t out_off, max_off, sum_off, total;
 };
 inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
-inline WorkspaceLayout workspace_layout(int64_t rows, int head_dim, int splits) {
-  WorkspaceLayout w;
-  const size_t n = (size_t)rows * (size_t)splits;
-  w.out_off = 0;
-  w.max_off = align_up(n * (size_t)head_dim * sizeof(float), 256);
-  w.sum_off = w.max_off + align_up(n * sizeof(float), 256);
-  w.total = w.sum_off + align_up(n * sizeof(float), 256);
-  return w;
+// False when the sizes overflow 64 bits.
+inline bool decode_workspace_layout(int64_t rows, int head_dim, int splits, WorkspaceLayout *w) {
+  int64_t n = 0, out_bytes = 0;
+  if (!mul_i64(rows, splits, &n) || !mul_i64(n, (int64_t)head_dim * (int64_t)sizeof(float),
+                                               &out_bytes))
+    return false;
+  if (out_bytes > (INT64_MAX >> 2)) return false;  // the sums below stay far from overflow
+  w->out_off = 0;
+  w->max_off = align_up((size_t)out_bytes, 256);
+  w->sum_off = w->max_off + align_up((size_t)n * sizeof(float), 256);
+  w->total = w->sum_off + align_up((size_t)n * sizeof(float), 256);
+  return true;
 }
 
-template <typename T, int D, int GT>
-int launch_decode(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t stream) {
-  const size_t smem = decode_smem_bytes<GT, D>(a.part_tokens);
-  // Static and dynamic shared memory share the budget; callers keep below it (see below).
-  if (smem + decode_static_smem_bytes(GT) > SINGLE_PASS_SMEM) return PKV_ERR_INVALID_ARG;
-  const dim3 grid(num_kv_heads * a.head_chunks, num_seqs, a.num_splits);
-  decode_kernel<T, D, GT><<<grid, DEC_THREADS, smem, stream>>>(a);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess || a.num_splits == 1) return status_of(e);
-  const dim3 rgrid(a.num_heads, num_seqs);
-  decode_reduce_kernel<T><<<rgrid, 128, a.num_splits * sizeof(float), stream>>>(
-      a.out, a.tmp_out, a.tmp_max, a.tmp_sum, a.context_lens, a.table_tokens, a.num_heads, D,
-      a.num_splits, a.part_tokens);
-  return status_of(cudaGetLastError());
+// A query/out view: 16-byte aligned pointer and stride, stride >= one row.
+inline bool rows_ok(const void *p, int64_t stride, int64_t row, int elem) {
+  return aligned16(p) && stride >= row && (stride * elem) % 16 == 0;
 }
 
-template <typename T, int D>
-int dispatch_decode_gt(int gt, DecodeArgs a, int hkv, int ns, cudaStream_t s) {
-  switch (gt) {
-    case 1: return launch_decode<T, D, 1>(a, hkv, ns, s);
-    case 4: return launch_decode<T, D, 4>(a, hkv, ns, s);
-    default: return launch_decode<T, D, 8>(a, hkv, ns, s);
-  }
-}
-
-int common_attn_checks(const void *out, const void *query, const void *cache,
-                       const pkv_cache_geometry *geom, int32_t layer, const int32_t *block_tables,
-                       int32_t max_blocks_per_seq, const int32_t *context_lens,
-                       const pkv_attn_params *params) {
+int common_attn_checks(const void *out, int64_t out_stride, const void *query, int64_t q_stride,
+                       const void *cache, const pkv_cache_geometry *geom, int32_t layer,
+                       const int32_t *block_tables, int32_t max_blocks_per_seq,
+                       const int32_t *context_lens, const pkv_attn_params *params) {
   const int g = check_geometry(geom, layer);
   if (g != PKV_OK) return g;
   if (params == nullptr || out == nullptr || query == nullptr || cache == nullptr ||
       block_tables == nullptr || context_lens == nullptr)
     return PKV_ERR_NULL_POINTER;
   // Every page starts on the 16-byte grid (check_geometry) only if the base does.
-  if (!aligned16(query) || !aligned16(cache)) return PKV_ERR_INVALID_ARG;
+  if (!aligned16(cache)) return PKV_ERR_INVALID_ARG;
   if (params->num_heads <= 0 || params->num_heads % geom->num_kv_heads != 0)
     return PKV_ERR_INVALID_ARG;
   if (max_blocks_per_seq <= 0) return PKV_ERR_INVALID_ARG;
   if (!(params->scale == params->scale) || !(params->softcap == params->softcap))
     return PKV_ERR_INVALID_ARG;  // NaN
+  const int64_t row = (int64_t)params->num_heads * geom->head_dim;
+  const int es = dtype_size(geom->dtype);
+  if (!rows_ok(query, q_stride, row, es) || !rows_ok(out, out_stride, row, es))
+    return PKV_ERR_ROW_STRIDE;
   return PKV_OK;
+}
+
+// pkv_decode_plan_init without the output write (also the launcher's plan check).
+int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads,
+                int32_t head_dim, int32_t cap, int32_t sm_count, pkv_decode_plan *plan) {
+  if (num_seqs <= 0 || num_seqs > 65535 || num_heads <= 0 || num_kv_heads <= 0 || cap <= 0 ||
+      num_heads % num_kv_heads != 0)
+    return PKV_ERR_INVALID_ARG;
+  if (!supported_head_dim(head_dim)) return PKV_ERR_HEAD_DIM;
+  const int group = num_heads / num_kv_heads;
+  const int gt = decode_gt(group);
+  int64_t splits = 1;  // any partition length fits the kernels (nothing per token in smem)
+  switch (mode) {
+    case PKV_DECODE_SINGLE:
+      break;
+    case PKV_DECODE_SPLIT: {
+      const int64_t by_len = ceil_div64(cap, PKV_DECODE_PARTITION);
+      splits = by_len > 2 ? by_len : 2;
+      break;
+    }
+    case PKV_DECODE_AUTO: {
+      if (sm_count <= 0) {
+        int dev = 0;
+        cudaError_t e = cudaGetDevice(&dev);
+        if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev);
+        if (e != cudaSuccess) return status_of(e);
+        if (sm_count <= 0) sm_count = 1;
+      }
+      // Thread blocks of one split; enough splits to give every SM PKV_DECODE_CTAS_PER_SM of
+      // them, no partition (at capacity) shorter than PKV_DECODE_MIN_PART tokens.
+      const int64_t ctas = (int64_t)num_seqs * num_kv_heads * ceil_div(group, gt);
+      const int64_t target = (int64_t)PKV_DECODE_CTAS_PER_SM * sm_count;
+      const int64_t want = ctas >= target ? 1 : ceil_div64(target, ctas);
+      const int64_t by_len = ceil_div64(cap, PKV_DECODE_MIN_PART);
+      splits = want < by_len ? want : by_len;
+      break;
+    }
+    default:
+      return PKV_ERR_INVALID_ARG;
+  }
+  if (splits > PKV_DECODE_MAX_SPLITS) return PKV_ERR_INVALID_ARG;
+  uint64_t ws = 0;
+  if (splits > 1) {
+    WorkspaceLayout w;
+    if (!decode_workspace_layout((int64_t)num_seqs * num_heads, head_dim, (int)splits, &w))
+      return PKV_ERR_INVALID_ARG;
+    ws = w.total;
+  }
+  plan->mode = mode;
+  plan->num_seqs_capacity = num_seqs;
+  plan->num_heads = num_heads;
+  plan->num_kv_heads = num_kv_heads;
+  plan->head_dim = head_dim;
+  plan->max_context_capacity = cap;
+  plan->num_splits = (int32_t)splits;
+  plan->workspace_bytes = ws;
+  return PKV_OK;
+}
+
+// Groups of at least this many query heads per KV head run the tensor-core body when the cache
+// is f16 / bf16: its cost per token does not grow with the heads served, while the CUDA-core
+// body pays one FMA per head per K/V element in each product (a group of 2 or 3 already costs
+// it what 4 heads do, since it serves 4). MHA (one head) stays on CUDA cores: an mma would
+// waste 15 of its 16 rows.
+constexpr int DECODE_MMA_MIN_GROUP = 2;
+
+// The reduce kernel after a split launch (nothing to do unsplit).
+template <typename T>
+int launch_decode_reduce(const DecodeArgs &a, int num_seqs, int head_dim, cudaStream_t stream) {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || a.num_splits == 1) return status_of(e);
+  const dim3 rgrid(a.num_heads, num_seqs);
+  decode_reduce_kernel<T><<<rgrid, 128, a.num_splits * sizeof(float), stream>>>(
+      a.out, a.out_stride, a.tmp_out, a.tmp_max, a.tmp_sum, a.num_heads, head_dim,
+      a.num_splits);
+  return status_of(cudaGetLastError());
+}
+
+template <typename T, int D, int GT>
+int launch_decode(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t stream) {
+  constexpr size_t smem = SimtDecode<T, D, GT>::smem_bytes();
+  static_assert(smem <= 48 * 1024, "the merge buffer fits without the opt-in");
+  const dim3 grid(num_kv_heads * a.head_chunks, num_seqs, a.num_splits);
+  decode_simt_kernel<T, D, GT><<<grid, DEC_THREADS, smem, stream>>>(a);
+  return launch_decode_reduce<T>(a, num_seqs, D, stream);
+}
+
+template <typename T, int D>
+int launch_decode_mma(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t stream) {
+  constexpr size_t smem = MmaDecode<T, D>::smem_bytes();
+  static_assert(smem <= 48 * 1024, "queries and merge buffer fit without the opt-in");
+  const dim3 grid(num_kv_heads * a.head_chunks, num_seqs, a.num_splits);
+  decode_mma_kernel<T, D><<<grid, DEC_THREADS, smem, stream>>>(a);
+  return launch_decode_reduce<T>(a, num_seqs, D, stream);
+}
+
+template <typename T, int D>
+int dispatch_decode_gt(int gt, DecodeArgs a, int hkv, int ns, cudaStream_t s) {
+  if constexpr (!std::is_same<T, float>::value) {
+    // f16 / bf16: tensor cores for GQA, the one-head CUDA-core body for MHA (no other
+    // instance is built).
+    if (a.group >= DECODE_MMA_MIN_GROUP) return launch_decode_mma<T, D>(a, hkv, ns, s);
+    return launch_decode<T, D, 1>(a, hkv, ns, s);
+  } else {
+    switch (gt) {
+      case 1: return launch_decode<T, D, 1>(a, hkv, ns, s);
+      case 4: return launch_decode<T, D, 4>(a, hkv, ns, s);
+      default: return launch_decode<T, D, 8>(a, hkv, ns, s);
+    }
+  }
 }
 
 }  // namespace
@@ -80,34 +184,45 @@ int common_attn_checks(const void *out, const void *query, const void *cache,
 
 using namespace pkv;
 
-extern "C" size_t pkv_decode_workspace_bytes(int32_t num_seqs, int32_t num_heads,
-                                             int32_t head_dim, int32_t max_context_len) {
-  if (num_seqs <= 0 || num_heads <= 0 || head_dim <= 0 || max_context_len <= PKV_DECODE_PARTITION)
-    return 0;
-  const int splits = ceil_div(max_context_len, PKV_DECODE_PARTITION);
-  return workspace_layout((int64_t)num_seqs * num_heads, head_dim, splits).total;
+extern "C" int pkv_decode_plan_init(pkv_decode_plan *plan, int32_t mode,
+                                    int32_t num_seqs_capacity, int32_t num_heads,
+                                    int32_t num_kv_heads, int32_t head_dim,
+                                    int32_t max_context_capacity, int32_t sm_count) {
+  if (plan == nullptr) return PKV_ERR_NULL_POINTER;
+  pkv_decode_plan p{};
+  const int st = decode_plan(mode, num_seqs_capacity, num_heads, num_kv_heads, head_dim,
+                             max_context_capacity, sm_count, &p);
+  if (st == PKV_OK) *plan = p;
+  return st;
 }
 
-extern "C" int pkv_paged_attention_decode(void *out, const void *query, const void *cache,
+extern "C" int pkv_paged_attention_decode(void *out, int64_t out_token_stride, const void *query,
+                                          int64_t query_token_stride, const void *cache,
                                           const pkv_cache_geometry *geom, int32_t layer,
                                           const int32_t *block_tables, int32_t max_blocks_per_seq,
                                           const int32_t *context_lens, int32_t num_seqs,
-                                          int32_t max_context_len, const pkv_attn_params *params,
-                                          void *workspace, size_t workspace_bytes, void *stream) {
-  const int chk = common_attn_checks(out, query, cache, geom, layer, block_tables,
-                                     max_blocks_per_seq, context_lens, params);
+                                          const pkv_decode_plan *plan,
+                                          const pkv_attn_params *params, void *workspace,
+                                          size_t workspace_bytes, void *stream) {
+  const int chk = common_attn_checks(out, out_token_stride, query, query_token_stride, cache,
+                                     geom, layer, block_tables, max_blocks_per_seq, context_lens,
+                                     params);
   if (chk != PKV_OK) return chk;
-  if (num_seqs < 0 || num_seqs > 65535 || max_context_len < 0) return PKV_ERR_INVALID_ARG;
-  if (num_seqs == 0) return PKV_OK;
-  if (params->decode_mode < PKV_DECODE_AUTO || params->decode_mode > PKV_DECODE_SPLIT)
-    return PKV_ERR_INVALID_ARG;
-
+  if (plan == nullptr) return PKV_ERR_NULL_POINTER;
+  if (num_seqs < 0) return PKV_ERR_INVALID_ARG;
+  // The plan must describe this launch, and be one decode_plan could have made (a plan is
+  // plain data a caller may have built by hand: nothing in it is trusted).
+  if (plan->num_heads != params->num_heads || plan->num_kv_heads != geom->num_kv_heads ||
+      plan->head_dim != geom->head_dim || num_seqs > plan->num_seqs_capacity ||
+      plan->num_seqs_capacity > 65535 || plan->max_context_capacity <= 0 ||
+      plan->num_splits < 1 || plan->num_splits > PKV_DECODE_MAX_SPLITS)
+    return PKV_ERR_PLAN;
   const int hkv = geom->num_kv_heads;
   const int group = params->num_heads / hkv;
+  // Heads per block of the CUDA-core body (1, 4 or 8); the tensor-core body serves 8, which
+  // gives the same head_chunks = ceil(group / gt) for every group.
   const int gt = decode_gt(group);
-  // The context a kernel can see is clamped to what the block table row can name.
-  const int64_t table_tokens = (int64_t)max_blocks_per_seq * geom->block_size;
-  const int max_ctx = (int)(max_context_len < table_tokens ? max_context_len : table_tokens);
+  if (num_seqs == 0) return PKV_OK;
 
   DecodeArgs a{};
   a.out = out;
@@ -118,52 +233,28 @@ extern "C" int pkv_paged_attention_decode(void *out, const void *query, const vo
   a.alibi_slopes = params->alibi_slopes;
   a.st = Strides::of(*geom);
   a.layer_offset = (int64_t)layer * a.st.layer;
+  a.q_stride = query_token_stride;
+  a.out_stride = out_token_stride;
   a.num_blocks = geom->num_blocks;
   a.block_size = geom->block_size;
   a.max_blocks_per_seq = max_blocks_per_seq;
-  a.table_tokens = table_tokens_i32(max_blocks_per_seq, geom->block_size);
+  const int32_t table_tokens = table_tokens_i32(max_blocks_per_seq, geom->block_size);
+  a.ctx_clamp = plan->max_context_capacity < table_tokens ? plan->max_context_capacity
+                                                          : table_tokens;
   a.num_heads = params->num_heads;
   a.group = group;
   a.head_chunks = ceil_div(group, gt);
+  a.num_splits = plan->num_splits;
   a.scale = params->scale;
   a.softcap = params->softcap;
   a.window = params->sliding_window;
 
-  // Single pass: the whole context's logits fit the shared-memory budget. Split-K: partitions
-  // of PKV_DECODE_PARTITION tokens, then the reduce kernel.
-  const int single_tokens = max_ctx > 0 ? max_ctx : 1;
-  const bool single_fits =
-      (size_t)gt * single_tokens * sizeof(float) + decode_static_smem_bytes(gt) <= SINGLE_PASS_SMEM;
-  bool single;
-  if (params->decode_mode == PKV_DECODE_SINGLE) {
-    if (!single_fits) return PKV_ERR_INVALID_ARG;
-    single = true;
-  } else if (params->decode_mode == PKV_DECODE_SPLIT) {
-    single = false;  // partitions of PKV_DECODE_PARTITION even if there is only one
-  } else {
-    // Auto: short contexts are one pass. Longer ones are split unless the batch alone gives
-    // every SM several thread blocks (then a split only adds the reduce's traffic).
-    int dev = 0, sms = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (e != cudaSuccess) return status_of(e);
-    const int64_t ctas = (int64_t)num_seqs * hkv * a.head_chunks;
-    single = single_fits && (max_ctx <= PKV_DECODE_PARTITION || ctas >= 4 * (int64_t)sms);
-  }
-
-  if (single) {
-    a.part_tokens = single_tokens;
-    a.num_splits = 1;
-  } else {
-    a.part_tokens = PKV_DECODE_PARTITION;
-    a.num_splits = ceil_div(max_ctx > 0 ? max_ctx : 1, PKV_DECODE_PARTITION);
-    // The reduce kernel keeps one weight per split (plus its static total) in shared memory.
-    if ((size_t)a.num_splits * sizeof(float) + sizeof(float) > SINGLE_PASS_SMEM)
-      return PKV_ERR_INVALID_ARG;
-  }
   if (a.num_splits > 1) {
-    const WorkspaceLayout w =
-        workspace_layout((int64_t)num_seqs * params->num_heads, geom->head_dim, a.num_splits);
+    // Sized for the plan's capacity (not num_seqs): the layout's row stride is fixed per plan.
+    WorkspaceLayout w;
+    if (!decode_workspace_layout((int64_t)plan->num_seqs_capacity * params->num_heads,
+                                 geom->head_dim, a.num_splits, &w))
+      return PKV_ERR_PLAN;
     if (workspace == nullptr || workspace_bytes < w.total || !aligned16(workspace))
       return PKV_ERR_WORKSPACE;
     char *ws = static_cast<char *>(workspace);
@@ -212,16 +303,19 @@ int launch_prefill_mma(const PrefillArgs &a, int hkv, int row_tiles, int num_seq
 }  // namespace
 }  // namespace pkv
 
-extern "C" int pkv_paged_attention_prefill(void *out, const void *query, const void *cache,
-                                           const pkv_cache_geometry *geom, int32_t layer,
+extern "C" int pkv_paged_attention_prefill(void *out, int64_t out_token_stride,
+                                           const void *query, int64_t query_token_stride,
+                                           const void *cache, const pkv_cache_geometry *geom,
+                                           int32_t layer,
                                            const int32_t *block_tables,
                                            int32_t max_blocks_per_seq,
                                            const int32_t *context_lens,
                                            const int32_t *query_start_loc, int32_t num_seqs,
                                            int32_t max_query_len, const pkv_attn_params *params,
                                            void *stream) {
-  const int chk = common_attn_checks(out, query, cache, geom, layer, block_tables,
-                                     max_blocks_per_seq, context_lens, params);
+  const int chk = common_attn_checks(out, out_token_stride, query, query_token_stride, cache,
+                                     geom, layer, block_tables, max_blocks_per_seq, context_lens,
+                                     params);
   if (chk != PKV_OK) return chk;
   if (query_start_loc == nullptr) return PKV_ERR_NULL_POINTER;
   if (num_seqs < 0 || num_seqs > 65535 || max_query_len < 0) return PKV_ERR_INVALID_ARG;
@@ -242,6 +336,8 @@ extern "C" int pkv_paged_attention_prefill(void *out, const void *query, const v
   a.alibi_slopes = params->alibi_slopes;
   a.st = Strides::of(*geom);
   a.layer_offset = (int64_t)layer * a.st.layer;
+  a.q_stride = query_token_stride;
+  a.out_stride = out_token_stride;
   a.num_blocks = geom->num_blocks;
   a.block_size = geom->block_size;
   a.max_blocks_per_seq = max_blocks_per_seq;

@@ -1,6 +1,6 @@
 /*
  * pagedkv.h: the C ABI of every CUDA launcher in kernels/ -- the one source of truth that
- * build.rs feeds to bindgen (src/cuda/ffi.rs) and that every .cu file implements.
+ * build.rs feeds to bindgen (src/cuda_raw/ffi.rs) and that every .cu file implements.
  *
  * Plain C, no CUDA headers, so bindgen needs nothing but libclang.
  *
@@ -58,8 +58,8 @@ extern "C" {
 /** A size, index or count argument is out of range (negative, zero where not allowed, a
  *  layer >= num_layers, num_heads not a multiple of num_kv_heads, ...). */
 #define PKV_ERR_INVALID_ARG 10004
-/** The workspace passed to pkv_paged_attention_decode is smaller than
- *  pkv_decode_workspace_bytes() asked for. */
+/** The workspace passed to pkv_paged_attention_decode is missing, misaligned or smaller than
+ *  its plan's workspace_bytes. */
 #define PKV_ERR_WORKSPACE 10005
 /** A required pointer is NULL. */
 #define PKV_ERR_NULL_POINTER 10006
@@ -70,6 +70,14 @@ extern "C" {
 /** The page stride is not a whole number of 16-byte units, so pages (and the 16-byte vector
  *  loads of the kernels) would fall off the 16-byte grid. */
 #define PKV_ERR_PAGE_ALIGN 10008
+/** A query or out view of decode/prefill is off the 16-byte grid (its pointer, or its token
+ *  stride in bytes, not a multiple of 16) or its token stride is smaller than a row
+ *  (num_heads * head_dim elements), so rows would overlap. */
+#define PKV_ERR_ROW_STRIDE 10009
+/** The decode plan does not fit the launch: num_heads, num_kv_heads or head_dim differ from
+ *  the plan's, num_seqs exceeds its capacity, or the plan itself is not one
+ *  pkv_decode_plan_init could have made (num_splits out of range). */
+#define PKV_ERR_PLAN 10010
 /** Bytes every page stride must be a multiple of. */
 #define PKV_PAGE_ALIGN 16
 
@@ -78,17 +86,28 @@ extern "C" {
 #define PKV_DTYPE_F16 1
 #define PKV_DTYPE_BF16 2
 
-/* ---- decode partitioning (pkv_attn_params.decode_mode) ---- */
-/** Choose single pass or split-K from the batch shape and the device (the default). */
+/* ---- decode partitioning (pkv_decode_plan_init's `mode`) ---- */
+/** Choose the number of splits from the batch capacity and the SM count (the default): one
+ *  split when num_seqs_capacity * num_kv_heads * head_chunks thread blocks already give every
+ *  SM PKV_DECODE_CTAS_PER_SM of them, else enough splits to reach that many (partitions no
+ *  shorter than PKV_DECODE_MIN_PART tokens). */
 #define PKV_DECODE_AUTO 0
-/** Force one pass per (sequence, KV head); refused (PKV_ERR_INVALID_ARG) if the context is too
- *  long for the pass's shared-memory logits buffer: heads_per_block * (max_context_len + 2) * 4
- *  bytes must fit 48 KiB, heads_per_block 1 (MHA), 4 (GQA ratios 2-4) or 8 (above). */
+/** Force one split (one pass per sequence and KV head, no reduce kernel), whatever the context
+ *  capacity: the kernels keep nothing per token in shared memory. */
 #define PKV_DECODE_SINGLE 1
-/** Force split-K (partitions of PKV_DECODE_PARTITION tokens) plus the reduce kernel. */
+/** Force split-K plus the reduce kernel: max(2, ceil(max_context_capacity /
+ *  PKV_DECODE_PARTITION)) splits. */
 #define PKV_DECODE_SPLIT 2
-/** Tokens per split-K partition. */
+/** Tokens per partition of PKV_DECODE_SPLIT at the context capacity. */
 #define PKV_DECODE_PARTITION 512
+/** Partition lengths are multiples of this many tokens (see pkv_decode_plan). */
+#define PKV_DECODE_PART_ALIGN 16
+/** PKV_DECODE_AUTO splits no further than partitions of this many tokens at capacity. */
+#define PKV_DECODE_MIN_PART 32
+/** PKV_DECODE_AUTO's target: thread blocks per SM over all splits. */
+#define PKV_DECODE_CTAS_PER_SM 2
+/** Most splits of a plan (grid z; the reduce kernel keeps one f32 per split in shared memory). */
+#define PKV_DECODE_MAX_SPLITS 4096
 
 /** The geometry of one model's view of a paged KV arena (mirrors kv::KvCacheConfig). */
 typedef struct pkv_cache_geometry {
@@ -117,46 +136,104 @@ typedef struct pkv_attn_params {
   int32_t sliding_window;
   /** device [num_heads] f32, or NULL for no ALiBi. */
   const float *alibi_slopes;
-  /** PKV_DECODE_* (decode only; prefill ignores it). */
-  int32_t decode_mode;
 } pkv_attn_params;
 
 /**
- * Bytes of device workspace that pkv_paged_attention_decode needs for a batch of `num_seqs`
- * sequences, `num_heads` query heads of `head_dim`, whose longest context is
- * `max_context_len` tokens (enough for the split-K path whatever mode is chosen). 0 when no
- * split is ever needed. Never fails; negative arguments count as 0.
+ * A decode plan: the partitioning of every decode launch made with it, fixed for a batch
+ * capacity so that a captured decode step (a CUDA graph) replays with the same grid, shared
+ * memory and workspace whatever the per-step context lengths are. Made by pkv_decode_plan_init;
+ * plain data (copy it, keep it beside the captured graph).
+ *
+ * What the plan fixes and what the kernels derive on the device (the contract every decode
+ * kernel body obeys; kernels/attention.cuh describes it in full):
+ * - grid (num_kv_heads * head_chunks, num_seqs, num_splits) for the partial kernel and
+ *   (num_heads, num_seqs) for the reduce kernel (run only when num_splits > 1); num_seqs is the
+ *   launch's (<= num_seqs_capacity), so a graph captured with num_seqs = capacity replays the
+ *   same grid.
+ * - sequence s's partitions come from context_lens[s] on the device: with ctx = context_lens[s]
+ *   (clamped to [0, min(max_context_capacity, max_blocks_per_seq * block_size)]),
+ *   part = round_up(ceil(max(ctx, 1) / num_splits), PKV_DECODE_PART_ALIGN) and split z covers
+ *   tokens [z * part, min(ctx, (z + 1) * part)). An empty partition (or one the sliding window
+ *   masks whole) contributes nothing; a sequence with ctx 0 (padding) gets an all-zero output.
  */
-size_t pkv_decode_workspace_bytes(int32_t num_seqs, int32_t num_heads, int32_t head_dim,
-                                  int32_t max_context_len);
+typedef struct pkv_decode_plan {
+  /** PKV_DECODE_* the plan was made for. */
+  int32_t mode;
+  /** Most sequences of a launch (grid y); 1 .. 65535. */
+  int32_t num_seqs_capacity;
+  /** Query heads, KV heads and head dim every launch with the plan must have. */
+  int32_t num_heads;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  /** Longest context of a launch: longer context_lens are clamped to it on the device (a wrong
+   *  result, never an access outside the buffers). 1 .. 2^31 - 1. */
+  int32_t max_context_capacity;
+  /** Splits per sequence (grid z), 1 .. PKV_DECODE_MAX_SPLITS. */
+  int32_t num_splits;
+  /** Device workspace a launch needs, bytes (0 when num_splits == 1). */
+  uint64_t workspace_bytes;
+} pkv_decode_plan;
+
+/**
+ * Makes a decode plan for launches of at most `num_seqs_capacity` sequences whose contexts are
+ * at most `max_context_capacity` tokens, with `mode` (PKV_DECODE_*) and, for PKV_DECODE_AUTO,
+ * the device's `sm_count` (<= 0: ask the device current on this thread). Host only: no launch,
+ * no allocation (the SM query excepted); cheap enough to call per launch (what an eager caller
+ * does).
+ *
+ * plan     host, written on success only
+ * Returns PKV_ERR_INVALID_ARG for a non-positive size, num_heads not a multiple of
+ * num_kv_heads, num_seqs_capacity above 65535, or a capacity needing more than
+ * PKV_DECODE_MAX_SPLITS splits; PKV_ERR_HEAD_DIM for an unsupported head_dim; a cudaError_t if
+ * the SM query fails.
+ */
+int pkv_decode_plan_init(pkv_decode_plan *plan, int32_t mode, int32_t num_seqs_capacity,
+                         int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
+                         int32_t max_context_capacity, int32_t sm_count);
 
 /**
  * Decode attention: one new query token per sequence, attending to its whole context
  * (context_lens[s] tokens, the new one included, already written to the cache by
- * pkv_reshape_and_cache). GQA-aware: one thread block serves all the query heads of one KV
- * head, so each K/V byte is read once per KV head.
+ * pkv_reshape_and_cache), partitioned as `plan` says. GQA-aware: one thread block serves the
+ * query heads of one KV head (up to 8 of them), so each K/V byte is read once per KV head.
+ * The grid, the shared memory and the workspace used depend on `plan` and `num_seqs` only,
+ * never on the contents of device memory: the launch can be captured in a CUDA graph and
+ * replayed after context_lens / block_tables / query change in place.
  *
- * out           device [num_seqs][num_heads][head_dim], geom->dtype; every element written
- * query         device [num_seqs][num_heads][head_dim], geom->dtype
+ * out           device, row s ([num_heads][head_dim], geom->dtype) at out + s * out_token_stride
+ *               elements, s < num_seqs; every element of those rows written
+ * out_token_stride    elements between two sequences' out rows: >= num_heads * head_dim, and
+ *               a multiple of 16 bytes (as `out` itself)
+ * query         device, row s ([num_heads][head_dim], geom->dtype) at query + s *
+ *               query_token_stride elements: a dense [num_seqs][num_heads][head_dim] tensor, or
+ *               the q part of a fused QKV projection ([q heads | k heads | v heads] per token)
+ * query_token_stride  elements between two sequences' query rows: >= num_heads * head_dim, a
+ *               multiple of 16 bytes (as `query` itself); rows may not overlap `out`
  * cache         device, the arena's base (layout above: geom->num_blocks pages of
  *               geom->block_stride elements), geom->dtype, 16-byte aligned
  * geom          host
  * layer         0 <= layer < geom->num_layers
  * block_tables  device [num_seqs][max_blocks_per_seq] i32 physical block ids; entries past a
- *               sequence's ceil(context_len / block_size) are not read
- * context_lens  device [num_seqs] i32, each <= max_context_len and
- *               <= max_blocks_per_seq * block_size
- * max_context_len  host: an upper bound of context_lens (chooses the partitioning); above
- *               12287 partitions (6,290,944 tokens) PKV_ERR_INVALID_ARG
+ *               sequence's ceil(context_len / block_size) are not read; an id outside
+ *               0 .. num_blocks - 1 masks its tokens (never read)
+ * context_lens  device [num_seqs] i32; each at most plan->max_context_capacity and
+ *               max_blocks_per_seq * block_size (longer ones are clamped); <= 0 is an empty
+ *               sequence (zero output)
+ * num_seqs      0 .. plan->num_seqs_capacity (0: nothing launched; above: PKV_ERR_PLAN)
+ * plan          host, from pkv_decode_plan_init with num_heads == params->num_heads,
+ *               num_kv_heads == geom->num_kv_heads and head_dim == geom->head_dim (else
+ *               PKV_ERR_PLAN)
  * params        host
- * workspace     device scratch of at least workspace_bytes bytes (see
- *               pkv_decode_workspace_bytes; may be NULL when that is 0)
+ * workspace     device scratch of workspace_bytes >= plan->workspace_bytes, 16-byte aligned
+ *               (may be NULL when that is 0; else PKV_ERR_WORKSPACE); contents need no
+ *               initialization and are left undefined
  */
-int pkv_paged_attention_decode(void *out, const void *query, const void *cache,
+int pkv_paged_attention_decode(void *out, int64_t out_token_stride, const void *query,
+                               int64_t query_token_stride, const void *cache,
                                const pkv_cache_geometry *geom, int32_t layer,
                                const int32_t *block_tables, int32_t max_blocks_per_seq,
                                const int32_t *context_lens, int32_t num_seqs,
-                               int32_t max_context_len, const pkv_attn_params *params,
+                               const pkv_decode_plan *plan, const pkv_attn_params *params,
                                void *workspace, size_t workspace_bytes, void *stream);
 
 /**
@@ -165,9 +242,15 @@ int pkv_paged_attention_decode(void *out, const void *query, const void *cache,
  * tokens (their K/V already in the cache). Query token i of s sits at position
  * context_lens[s] - q_len + i and attends to cached positions 0 ..= that position.
  *
- * out              device [num_tokens][num_heads][head_dim], geom->dtype (num_tokens =
- *                  query_start_loc[num_seqs]); every row of a listed sequence written
- * query            device [num_tokens][num_heads][head_dim], geom->dtype
+ * out              device, row t ([num_heads][head_dim], geom->dtype) at out + t *
+ *                  out_token_stride elements, t < num_tokens = query_start_loc[num_seqs];
+ *                  every row of a listed sequence written
+ * out_token_stride    elements between two tokens' out rows: >= num_heads * head_dim and a
+ *                  multiple of 16 bytes (as `out` itself)
+ * query            device, row t ([num_heads][head_dim], geom->dtype) at query + t *
+ *                  query_token_stride elements (dense, or the q part of a fused QKV row)
+ * query_token_stride  elements between two tokens' query rows: >= num_heads * head_dim and a
+ *                  multiple of 16 bytes (as `query` itself); rows may not overlap `out`
  * cache            device, the arena's base (layout above), geom->dtype, 16-byte aligned
  * geom             host
  * layer            0 <= layer < geom->num_layers
@@ -175,9 +258,10 @@ int pkv_paged_attention_decode(void *out, const void *query, const void *cache,
  * context_lens     device [num_seqs] i32, each >= its q_len
  * query_start_loc  device [num_seqs + 1] i32, non-decreasing, starting at 0
  * max_query_len    host: an upper bound of every q_len (sizes the grid)
- * params           host (decode_mode ignored)
+ * params           host
  */
-int pkv_paged_attention_prefill(void *out, const void *query, const void *cache,
+int pkv_paged_attention_prefill(void *out, int64_t out_token_stride, const void *query,
+                                int64_t query_token_stride, const void *cache,
                                 const pkv_cache_geometry *geom, int32_t layer,
                                 const int32_t *block_tables, int32_t max_blocks_per_seq,
                                 const int32_t *context_lens, const int32_t *query_start_loc,
@@ -258,3 +342,56 @@ const char *pkv_status_string(int status);
 #endif
 
 #endif /* PAGEDKV_H */
+
+/* ==== GGUF device dequantization (kernels/dequant.cu) ========================================
+ * A section of its own (own include guard, own extern "C"), after the attention ABI above. */
+#ifndef PAGEDKV_DEQUANT_H
+#define PAGEDKV_DEQUANT_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ggml type ids (GGUF's tensor type field) that pkv_dequantize converts. */
+#define PKV_GGML_F32 0
+#define PKV_GGML_F16 1
+#define PKV_GGML_Q4_0 2
+#define PKV_GGML_Q8_0 8
+#define PKV_GGML_Q4_K 12
+#define PKV_GGML_Q6_K 14
+#define PKV_GGML_BF16 30
+
+/** 1 if pkv_dequantize converts ggml type `ggml_type` (one of PKV_GGML_*), else 0. */
+int pkv_dequant_supported(int32_t ggml_type);
+
+/**
+ * Dequantizes one run of ggml blocks into f16 or bf16, asynchronously on `stream`.
+ *
+ * Result, bit for bit: src/gguf/dequant.rs's dequantize_into_f16 / dequantize_into_bf16 of the
+ * same bytes. That is, each value is computed in f32 exactly as ggml's dequantize_row_* does it
+ * (the same operations in the same order, each rounded once: never fused into an FMA), then
+ * rounded to nearest even into the output type; every NaN result is written as the canonical
+ * quiet NaN, 0x7E00 (f16) or 0x7FC0 (bf16), whatever its sign and payload (IEEE 754 leaves the
+ * payload of an operation's NaN to the implementation: a CPU keeps an operand's, a GPU returns
+ * its own). Infinities and signed zeros are kept.
+ *
+ * dst          device [n_elements] of dst_dtype, 16-byte aligned; every element written
+ * dst_dtype    PKV_DTYPE_F16 or PKV_DTYPE_BF16 (else PKV_ERR_DTYPE)
+ * src          device, the n_elements / block elements blocks of ggml_type, as stored in a GGUF
+ *              file, 16-byte aligned
+ * ggml_type    PKV_GGML_* (else PKV_ERR_DTYPE)
+ * n_elements   >= 0 and a whole number of blocks (32 for Q4_0 / Q8_0, 256 for Q4_K / Q6_K)
+ *              (else PKV_ERR_INVALID_ARG); 0 launches nothing
+ * Misaligned src or dst: PKV_ERR_INVALID_ARG; NULL with n_elements > 0: PKV_ERR_NULL_POINTER.
+ * src and dst must not overlap.
+ */
+int pkv_dequantize(void *dst, int32_t dst_dtype, const void *src, int32_t ggml_type,
+                   int64_t n_elements, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PAGEDKV_DEQUANT_H */

@@ -187,9 +187,9 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kerne
     T *dst = sq + r * C::LD + c * 8;
     if (r < nrows) {
       const int row = rbase + r;
-      const int64_t qrow =
-          (int64_t)(q0 + row / a.group) * a.num_heads + kh * a.group + row % a.group;
-      cp_async16(dst, qg + qrow * D + c * 8);
+      const T *src = qg + (int64_t)(q0 + row / a.group) * a.q_stride +
+                     (int64_t)(kh * a.group + row % a.group) * D + c * 8;
+      cp_async16(dst, src);
     } else {
       *reinterpret_cast<uint4 *>(dst) = make_uint4(0, 0, 0, 0);
     }
@@ -343,15 +343,15 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kerne
     const int r = warp * 16 + g + 8 * h;
     if (r >= nrows) continue;
     const int row = rbase + r;
-    const int64_t orow =
-        (int64_t)(q0 + row / a.group) * a.num_heads + kh * a.group + row % a.group;
     const float inv = sum > 0.f ? 1.f / sum : 0.f;  // no visible key: zeros, as the oracle
-    T *op = og + orow * D + qd * 2;
+    // Rows start on the 16-byte grid (the launcher checks out and out_stride), so each lane's
+    // two adjacent elements are one aligned 4-byte store.
+    T *op = og + (int64_t)(q0 + row / a.group) * a.out_stride +
+            (int64_t)(kh * a.group + row % a.group) * D + qd * 2;
 #pragma unroll
-    for (int n = 0; n < C::NT_O; ++n) {
-      op[n * 8] = Elem<T>::from_f32(o[n][2 * h] * inv);
-      op[n * 8 + 1] = Elem<T>::from_f32(o[n][2 * h + 1] * inv);
-    }
+    for (int n = 0; n < C::NT_O; ++n)
+      *reinterpret_cast<uint32_t *>(op + n * 8) =
+          pack_f32x2<T>(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
   }
 }
 

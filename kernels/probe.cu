@@ -35,11 +35,14 @@ extern "C" const char *pkv_status_string(int status) {
     case PKV_ERR_HEAD_DIM: return "unsupported head_dim (64, 80, 96, 112, 128, 256)";
     case PKV_ERR_BLOCK_SIZE: return "unsupported block_size (a power of two from 8 to 256)";
     case PKV_ERR_INVALID_ARG: return "invalid argument";
-    case PKV_ERR_WORKSPACE: return "decode workspace missing or too small";
+    case PKV_ERR_WORKSPACE: return "decode workspace missing, misaligned or too small";
     case PKV_ERR_NULL_POINTER: return "null pointer argument";
     case PKV_ERR_PAGE_STRIDE:
       return "page stride smaller than one block of the geometry (or the pages overflow 64 bits)";
     case PKV_ERR_PAGE_ALIGN: return "page stride is not a multiple of 16 bytes";
+    case PKV_ERR_ROW_STRIDE:
+      return "query/out view off the 16-byte grid or token stride smaller than a row";
+    case PKV_ERR_PLAN: return "decode plan does not fit the launch (heads, head_dim, capacity)";
     default: return cudaGetErrorString(static_cast<cudaError_t>(status));
   }
 }

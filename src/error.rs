@@ -337,6 +337,93 @@ pub enum AttnError {
     },
 }
 
+/// Errors of the raw kernel API ([`crate::cuda_raw`]): what the host checks refuse before
+/// anything launches, and the status a launcher returned. Only with feature `cuda` or
+/// `cuda-emu`.
+#[cfg(any(feature = "cuda", feature = "cuda-emu"))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum RawError {
+    /// A shape or parameter the CPU kernels refuse too (same checks, same words).
+    #[error(transparent)]
+    Attn(#[from] AttnError),
+    /// A KV geometry, layer or dtype problem.
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    /// The geometry is valid for the CPU kernels but not supported by the CUDA kernels, or a
+    /// size does not fit the C ABI.
+    #[error("unsupported by the CUDA kernels: {what} = {value}")]
+    Unsupported {
+        /// Which parameter (head_dim, block_size, ...).
+        what: &'static str,
+        /// The refused value.
+        value: usize,
+    },
+    /// A required device pointer is null.
+    #[error("{what} is a null pointer")]
+    NullPointer {
+        /// Which argument.
+        what: &'static str,
+    },
+    /// A pointer, or a token stride in bytes, is not a multiple of the alignment the kernels
+    /// load with.
+    #[error("{what} is not {align}-byte aligned (its address or its token stride in bytes)")]
+    Misaligned {
+        /// Which argument.
+        what: &'static str,
+        /// Bytes it must be a multiple of.
+        align: usize,
+    },
+    /// A token stride is shorter than a row, so rows would overlap.
+    #[error("{what}: token stride of {stride} elements is shorter than a row of {row}")]
+    StrideTooSmall {
+        /// Which argument.
+        what: &'static str,
+        /// The stride given, in elements.
+        stride: usize,
+        /// Elements of one row (heads * head_dim).
+        row: usize,
+    },
+    /// The decode plan was made for another shape than the launch's.
+    #[error("decode plan made for {what} = {plan}, launched with {found}")]
+    PlanMismatch {
+        /// Which parameter (num_heads, num_kv_heads, head_dim).
+        what: &'static str,
+        /// The plan's value.
+        plan: usize,
+        /// The launch's value.
+        found: usize,
+    },
+    /// A launch exceeds a capacity fixed at creation (a decode plan, a decode step).
+    #[error("{what} = {found} exceeds the capacity {capacity}")]
+    OverCapacity {
+        /// Which quantity (num_seqs, max_blocks_per_seq, context length, ...).
+        what: &'static str,
+        /// The capacity.
+        capacity: usize,
+        /// What was asked for.
+        found: usize,
+    },
+    /// The decode workspace is smaller than the plan needs.
+    #[error("decode workspace of {found} bytes; the plan needs {needed}")]
+    WorkspaceTooSmall {
+        /// Bytes the plan needs.
+        needed: usize,
+        /// Bytes given.
+        found: usize,
+    },
+    /// A launcher of kernels/pagedkv.h returned a non-zero status: a CUDA runtime error
+    /// (1..9999) or an argument the launcher refused (`PKV_ERR_*`, >= 10000).
+    #[error("{op}: {message} (status {status})")]
+    Launch {
+        /// The launcher.
+        op: &'static str,
+        /// The status it returned.
+        status: i32,
+        /// The runtime's or the launcher's description of it.
+        message: &'static str,
+    },
+}
+
 /// Errors of the CUDA run time ([`crate::cuda`]): probing, allocation, copies and kernel
 /// launches. Only with feature `cuda`.
 #[cfg(feature = "cuda")]
@@ -412,6 +499,34 @@ pub enum CudaError {
         /// Bytes asked for.
         bytes: usize,
     },
+    /// A refusal of the raw kernel API that has no variant of its own here (views, plans,
+    /// capacities, workspaces).
+    #[error(transparent)]
+    Raw(RawError),
+}
+
+/// The raw API's shape, geometry and launch errors keep the variants they always had here
+/// ([`CudaError::Attn`], [`CudaError::Kv`], [`CudaError::Unsupported`], [`CudaError::Launch`]);
+/// the rest arrive as [`CudaError::Raw`].
+#[cfg(feature = "cuda")]
+impl From<RawError> for CudaError {
+    fn from(e: RawError) -> Self {
+        match e {
+            RawError::Attn(a) => Self::Attn(a),
+            RawError::Kv(k) => Self::Kv(k),
+            RawError::Unsupported { what, value } => Self::Unsupported { what, value },
+            RawError::Launch {
+                op,
+                status,
+                message,
+            } => Self::Launch {
+                op,
+                status,
+                message,
+            },
+            other => Self::Raw(other),
+        }
+    }
 }
 
 /// Errors of the budget coordinator ([`crate::budget::BudgetCoordinator`]).

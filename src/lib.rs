@@ -15,6 +15,8 @@ pub mod budget;
 pub mod cuda;
 #[cfg(all(feature = "cuda-emu", not(feature = "cuda")))]
 pub mod cuda_emu;
+#[cfg(any(feature = "cuda", feature = "cuda-emu"))]
+pub mod cuda_raw;
 pub mod engine;
 pub mod error;
 pub mod gguf;

@@ -90,13 +90,7 @@ struct AttnCase {
 }
 
 impl AttnCase {
-    fn new<T: Elem>(
-        b: &Batch,
-        host: &HostKvCache,
-        query: &[T],
-        params: &AttnParams<'_>,
-        mode: u32,
-    ) -> Self {
+    fn new<T: Elem>(b: &Batch, host: &HostKvCache, query: &[T], params: &AttnParams<'_>) -> Self {
         let slopes = params.alibi_slopes.map(buf::<f32>);
         let ffi_params = ffi::pkv_attn_params {
             num_heads: params.num_heads as i32,
@@ -106,7 +100,6 @@ impl AttnCase {
             alibi_slopes: slopes
                 .as_ref()
                 .map_or(std::ptr::null(), |s| s.ptr() as *const f32),
-            decode_mode: mode as i32,
         };
         Self {
             cfg: b.cfg,
@@ -125,29 +118,58 @@ impl AttnCase {
         }
     }
 
-    /// Decode into a fresh poisoned output; returns the launcher status and the output.
-    fn decode<T: Elem>(&mut self, layer: usize, mode: u32) -> (i32, Vec<T>) {
-        self.params.decode_mode = mode as i32;
-        let d = self.cfg.head_dim();
-        let out = poisoned::<T>(self.rows * d);
-        // SAFETY: pure function of its integer arguments.
-        let ws_bytes = unsafe {
-            ffi::pkv_decode_workspace_bytes(
+    /// The plan of `mode` for this batch (sized exactly to it, the device's SM count), or the
+    /// status that refused it.
+    fn plan(&self, mode: u32) -> Result<ffi::pkv_decode_plan, i32> {
+        let mut plan = ffi::pkv_decode_plan::default();
+        // SAFETY: `plan` is a valid local the call writes; with sm_count 0 it asks the
+        // (emulated) device of this thread, which has no precondition.
+        let s = unsafe {
+            ffi::pkv_decode_plan_init(
+                &mut plan,
+                mode as i32,
                 self.num_seqs as i32,
                 self.nh as i32,
-                d as i32,
-                self.max_ctx as i32,
+                self.cfg.num_kv_heads() as i32,
+                self.cfg.head_dim() as i32,
+                self.max_ctx.max(1) as i32,
+                0,
             )
         };
+        if s == OK {
+            Ok(plan)
+        } else {
+            Err(s)
+        }
+    }
+
+    /// Decode into a fresh poisoned output with a plan of `mode` made for this batch; returns
+    /// the status (the plan's refusal, or the launcher's) and the output.
+    fn decode<T: Elem>(&mut self, layer: usize, mode: u32) -> (i32, Vec<T>) {
+        match self.plan(mode) {
+            Ok(plan) => self.decode_with::<T>(layer, &plan),
+            Err(s) => (s, Vec::new()),
+        }
+    }
+
+    /// Decode into a fresh poisoned output under `plan`; returns the launcher status and the
+    /// output.
+    fn decode_with<T: Elem>(&self, layer: usize, plan: &ffi::pkv_decode_plan) -> (i32, Vec<T>) {
+        let d = self.cfg.head_dim();
+        let row = (self.nh * d) as i64;
+        let out = poisoned::<T>(self.rows * d);
+        let ws_bytes = plan.workspace_bytes as usize;
         let ws = (ws_bytes > 0).then(|| poisoned::<u8>(ws_bytes));
         // SAFETY: every pointer is a live guarded buffer of the shape pagedkv.h documents
-        // (cache: the whole cache; query/out: [num_seqs][nh][d]; tables: [num_seqs][mbps];
-        // ctx: [num_seqs]; workspace: ws_bytes as asked); the emulated launch is synchronous,
-        // so the buffers outlive every access.
+        // (cache: the whole cache; query/out: [num_seqs][nh][d], dense rows; tables:
+        // [num_seqs][mbps]; ctx: [num_seqs]; workspace: the plan's bytes); the emulated launch
+        // is synchronous, so the buffers outlive every access.
         let s = unsafe {
             ffi::pkv_paged_attention_decode(
                 out.ptr(),
+                row,
                 self.query.ptr(),
+                row,
                 self.cache.ptr(),
                 &self.geom,
                 layer as i32,
@@ -155,7 +177,7 @@ impl AttnCase {
                 self.mbps as i32,
                 self.ctx.ptr() as *const i32,
                 self.num_seqs as i32,
-                self.max_ctx as i32,
+                plan,
                 &self.params,
                 ws.as_ref().map_or(null(), EmuBuf::ptr),
                 ws_bytes,
@@ -175,7 +197,9 @@ impl AttnCase {
         let s = unsafe {
             ffi::pkv_paged_attention_prefill(
                 out.ptr(),
+                (self.nh * d) as i64,
                 self.query.ptr(),
+                (self.nh * d) as i64,
                 self.cache.ptr(),
                 &self.geom,
                 layer as i32,
@@ -219,17 +243,13 @@ fn check_decode<T: Elem>(
     let params = attn_params(nh, d, f, &sl);
     let want = cpu_decode(&b, &host, layer, &query, &params);
 
-    let mut case = AttnCase::new(&b, &host, &query, &params, ffi::PKV_DECODE_AUTO);
+    let mut case = AttnCase::new(&b, &host, &query, &params);
     for &mode in modes {
         let (s, got) = case.decode::<T>(layer, mode);
         let what = format!(
             "decode {} d{d} g{group} bs{bs} {page:?} {f:?} mode {mode} ctx {ctx:?}",
             T::DTYPE
         );
-        if mode == ffi::PKV_DECODE_SINGLE && single_pass_refused(group, ctx) {
-            assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32, "{what}: not refused");
-            continue;
-        }
         expect_ok(&what, s);
         assert_close(&what, &got, &want, d);
     }
@@ -258,7 +278,7 @@ fn check_prefill<T: Elem>(
     if query.is_empty() {
         return;
     }
-    let case = AttnCase::new(&b, &host, &query, &params, ffi::PKV_DECODE_AUTO);
+    let case = AttnCase::new(&b, &host, &query, &params);
     let (s, got) = case.prefill::<T>(layer, &qsl);
     let what = format!(
         "prefill {} d{d} g{group} bs{bs} {page:?} {f:?} q/ctx {seqs_q_ctx:?}",
@@ -334,21 +354,18 @@ fn decode_long_contexts_and_odd_groups() {
             &MODES,
         );
     }
-    // The single pass's shared-memory boundary: logits of 3072 tokens x 4 heads are exactly
-    // 48 KiB, which with the static max/sum no longer fits (refused when forced, split in
-    // auto); 3070 tokens fit.
-    for ctx in [[3072, 5], [3070, 5]] {
-        check_decode::<bf16>(
-            &mut rng,
-            128,
-            4,
-            16,
-            Page::Dense,
-            &ctx,
-            Features::PLAIN,
-            &MODES,
-        );
-    }
+    // A forced single pass over a context whose logits alone would overflow 48 KiB of shared
+    // memory (the old body refused it): the v2 bodies keep nothing per token there.
+    check_decode::<bf16>(
+        &mut rng,
+        128,
+        4,
+        16,
+        Page::Dense,
+        &[5000, 5],
+        Features::PLAIN,
+        &MODES,
+    );
     for group in [2, 3, 6, 16] {
         let f = features(group, 16);
         check_decode::<bf16>(
@@ -383,6 +400,157 @@ fn decode_benchmark_shapes() {
             &MODES,
         );
     }
+}
+
+/// Every GQA ratio from 1 to 8 (and 12, 16: head groups split over blocks) on each body: the
+/// tensor-core one (f16 / bf16, ratio >= 2: 8 heads per block, rows past the group padded),
+/// the CUDA-core one (f32, MHA), over every head dim and block size in turn, contexts that
+/// cross tiles, partitions and blocks, each decode partitioning (auto: splits derived per
+/// sequence on the device; forced split: fixed 512-token partitions; single pass).
+#[test]
+fn decode_every_group_size() {
+    let mut rng = SmallRng::seed_from_u64(16);
+    let ctx = [1, 16, 17, 600, 1100, 0];
+    for (i, group) in (1..=8).chain([12, 16]).enumerate() {
+        let d = HEAD_DIMS[i % HEAD_DIMS.len()];
+        let bs = BLOCK_SIZES[(i + 2) % BLOCK_SIZES.len()];
+        let page = PAGES[i % PAGES.len()];
+        let f = features(i, bs);
+        check_decode::<bf16>(&mut rng, d, group, bs, page, &ctx, f, &MODES);
+        let d2 = HEAD_DIMS[(i + 3) % HEAD_DIMS.len()];
+        let f2 = features(i + 1, 8);
+        check_decode::<f16>(&mut rng, d2, group, 8, page, &ctx, f2, &MODES);
+        if group <= 8 {
+            check_decode::<f32>(&mut rng, d, group, bs, page, &ctx[..4], f2, &MODES);
+        }
+    }
+}
+
+/// The decode bodies' results are bit-identical whatever order the threads of a block run in
+/// between barriers (their per-warp states meet only in the merge after a __syncthreads), on
+/// each body and partitioning.
+#[test]
+fn decode_results_do_not_depend_on_thread_order() {
+    let mut rng = SmallRng::seed_from_u64(17);
+    let ctx = [700, 33, 1, 1300];
+    // bf16 g6 d112: tensor cores with a padded group and 8- and 4-byte tails; f32 g8 d64 and
+    // f16 g1 d256: the CUDA-core body.
+    fn run<T: Elem>(rng: &mut SmallRng, d: usize, group: usize, bs: usize, ctx: &[usize]) {
+        let (layers, layer, hkv) = (2, 1, 2);
+        let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, Page::Pad(1), ctx);
+        let host = random_cache::<T>(rng, b.cfg);
+        let nh = hkv * group;
+        let sl = slopes(rng, nh);
+        let params = attn_params(nh, d, features(3, bs), &sl);
+        let q = random_vec::<T>(rng, ctx.len() * nh * d);
+        let want = cpu_decode(&b, &host, layer, &q, &params);
+        let mut case = AttnCase::new(&b, &host, &q, &params);
+        for mode in [
+            ffi::PKV_DECODE_AUTO,
+            ffi::PKV_DECODE_SPLIT,
+            ffi::PKV_DECODE_SINGLE,
+        ] {
+            let mut first: Option<Vec<f32>> = None;
+            for sched in [
+                Schedule::Forward,
+                Schedule::Reverse,
+                Schedule::Random(3),
+                Schedule::Random(4),
+            ] {
+                cuda_emu::set_schedule(sched);
+                let (s, got) = case.decode::<T>(layer, mode);
+                let what = format!("{} d{d} g{group} mode {mode} {sched:?}", T::DTYPE);
+                expect_ok(&what, s);
+                assert_close(&what, &got, &want, d);
+                let now: Vec<f32> = got.iter().map(|x| x.to_f32()).collect();
+                match &first {
+                    None => first = Some(now),
+                    Some(f) => assert!(
+                        f.iter().zip(&now).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}: outputs differ from the forward order"
+                    ),
+                }
+            }
+        }
+        cuda_emu::set_schedule(Schedule::Forward);
+    }
+    run::<bf16>(&mut rng, 112, 6, 8, &ctx);
+    run::<f32>(&mut rng, 64, 8, 32, &ctx);
+    run::<f16>(&mut rng, 256, 1, 16, &ctx);
+}
+
+/// Query rows read from a fused-QKV-shaped view (token stride num_heads + 2 * num_kv_heads
+/// rows of head_dim, plus 16 bytes) and out rows written to a padded view give the dense
+/// result on each body and partitioning; the padding between out rows is left as it was.
+#[test]
+fn decode_strided_views_match_the_oracle() {
+    fn run<T: Elem>(rng: &mut SmallRng, d: usize, group: usize) {
+        let (layers, layer, hkv, bs) = (1, 0, 2, 16);
+        let ctx = [300usize, 1, 77];
+        let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, Page::Dense, &ctx);
+        let host = random_cache::<T>(rng, b.cfg);
+        let nh = hkv * group;
+        let sl = slopes(rng, nh);
+        let params = attn_params(nh, d, features(1, bs), &sl);
+        let query = random_vec::<T>(rng, ctx.len() * nh * d);
+        let want = cpu_decode(&b, &host, layer, &query, &params);
+        let vec = 16 / std::mem::size_of::<T>();
+        let (qs, os) = ((nh + 2 * hkv) * d + vec, nh * d + vec);
+        // The fused view: each token's q heads first, then garbage (k, v and the pad).
+        let mut fused = vec![T::from_f32(f32::NAN); ctx.len() * qs];
+        for s in 0..ctx.len() {
+            fused[s * qs..s * qs + nh * d].copy_from_slice(&query[s * nh * d..(s + 1) * nh * d]);
+        }
+        let case = AttnCase::new(&b, &host, &query, &params);
+        let fq = buf(&fused);
+        for mode in MODES {
+            let plan = case.plan(mode).expect("plan");
+            let out = poisoned::<T>(ctx.len() * os);
+            let ws =
+                (plan.workspace_bytes > 0).then(|| poisoned::<u8>(plan.workspace_bytes as usize));
+            // SAFETY: fq holds ctx.len() rows of qs elements (the q heads first), out
+            // ctx.len() rows of os; the rest as AttnCase::decode_with; synchronous launch.
+            let s = unsafe {
+                ffi::pkv_paged_attention_decode(
+                    out.ptr(),
+                    os as i64,
+                    fq.ptr(),
+                    qs as i64,
+                    case.cache.ptr(),
+                    &case.geom,
+                    layer as i32,
+                    case.tables.ptr() as *const i32,
+                    case.mbps as i32,
+                    case.ctx.ptr() as *const i32,
+                    ctx.len() as i32,
+                    &plan,
+                    &case.params,
+                    ws.as_ref().map_or(null(), EmuBuf::ptr),
+                    plan.workspace_bytes as usize,
+                    null(),
+                )
+            };
+            let what = format!("strided decode {} d{d} g{group} mode {mode}", T::DTYPE);
+            expect_ok(&what, s);
+            let got = out.as_slice::<T>();
+            let dense: Vec<T> = (0..ctx.len())
+                .flat_map(|s| got[s * os..s * os + nh * d].iter().copied())
+                .collect();
+            assert_close(&what, &dense, &want, d);
+            for s in 0..ctx.len() {
+                assert!(
+                    got[s * os + nh * d..(s + 1) * os]
+                        .iter()
+                        .all(|x| x.to_f32().is_nan()),
+                    "{what}: padding after out row {s} written"
+                );
+            }
+        }
+    }
+    let mut rng = SmallRng::seed_from_u64(18);
+    run::<bf16>(&mut rng, 96, 4); // tensor cores
+    run::<f16>(&mut rng, 64, 1); // CUDA cores, MHA
+    run::<f32>(&mut rng, 80, 3); // CUDA cores, GQA
 }
 
 fn prefill_grid<T: Elem>(seed: u64) {
@@ -456,10 +624,10 @@ fn results_do_not_depend_on_thread_order() {
     let f = features(3, bs);
     let params = attn_params(nh, d, f, &sl);
     let dq = random_vec::<bf16>(&mut rng, ctx.len() * nh * d);
-    let mut dcase = AttnCase::new(&b, &host, &dq, &params, ffi::PKV_DECODE_AUTO);
+    let mut dcase = AttnCase::new(&b, &host, &dq, &params);
     let qsl = [0, 40, 73, 74];
     let pq = random_vec::<bf16>(&mut rng, 74 * nh * d);
-    let pcase = AttnCase::new(&b, &host, &pq, &params, ffi::PKV_DECODE_AUTO);
+    let pcase = AttnCase::new(&b, &host, &pq, &params);
 
     let mut first: Option<(Vec<u16>, Vec<u16>, Vec<u16>)> = None;
     for sched in [
@@ -501,8 +669,9 @@ fn auto_mode_picks_split_by_device_size() {
     let params = attn_params(nh, d, Features::PLAIN, &[]);
     let query = random_vec::<f16>(&mut rng, ctx.len() * nh * d);
     let want = cpu_decode(&b, &host, layer, &query, &params);
-    let mut case = AttnCase::new(&b, &host, &query, &params, ffi::PKV_DECODE_AUTO);
-    // 2 seqs x 2 KV heads = 4 thread blocks: >= 4 per SM only on a 1-SM device.
+    let mut case = AttnCase::new(&b, &host, &query, &params);
+    // 2 seqs x 2 KV heads = 4 thread blocks per split: PKV_DECODE_CTAS_PER_SM (2) per SM
+    // without splitting only on a 1-SM device; on 132 SMs the plan splits (2 launches).
     for (sms, launches) in [(132, 2), (1, 1)] {
         cuda_emu::set_sm_count(sms);
         let _ = cuda_emu::take_stats();
@@ -764,37 +933,118 @@ fn check_swap(page: Page) {
 
 // ---- what the emulation refuses, as the hardware would ----------------------------------------
 
-/// A query pointer off the 16-byte grid is refused by the launcher before any launch.
+/// Query and out views off the 16-byte grid (pointer or token stride) or with a token stride
+/// shorter than a row are refused by both launchers before any launch (`PKV_ERR_ROW_STRIDE`);
+/// a plan that does not describe the launch is refused with `PKV_ERR_PLAN`.
 #[test]
-fn misaligned_query_is_refused() {
+fn bad_views_and_plans_are_refused() {
     let mut rng = SmallRng::seed_from_u64(14);
     let b = make_batch(&mut rng, 1, 1, 64, 16, KvDtype::F32, Page::Dense, &[20]);
     let host = random_cache::<f32>(&mut rng, b.cfg);
     let params = attn_params(1, 64, Features::PLAIN, &[]);
-    let query = random_vec::<f32>(&mut rng, 64 + 4);
-    let case = AttnCase::new(&b, &host, &query, &params, ffi::PKV_DECODE_AUTO);
-    let out = poisoned::<f32>(64);
-    // SAFETY: the query pointer is misaligned, which the launcher checks before any launch or
-    // dereference; every other pointer is valid.
-    let s = unsafe {
-        ffi::pkv_paged_attention_decode(
-            out.ptr(),
-            case.query.ptr().cast::<u8>().add(4).cast(),
-            case.cache.ptr(),
-            &case.geom,
-            0,
-            case.tables.ptr() as *const i32,
-            case.mbps as i32,
-            case.ctx.ptr() as *const i32,
-            1,
-            20,
-            &case.params,
-            null(),
-            0,
-            null(),
-        )
+    let query = random_vec::<f32>(&mut rng, 2 * 64 + 4);
+    let case = AttnCase::new(&b, &host, &query, &params);
+    let out = poisoned::<f32>(2 * 64 + 4);
+    let plan = case.plan(ffi::PKV_DECODE_SINGLE).expect("plan");
+    let qsl = buf(&[0i32, 1]);
+    let (q, o) = (case.query.ptr(), out.ptr());
+    // SAFETY: offsets stay inside the buffers; only used as (possibly misaligned) addresses.
+    let (q4, o4) = unsafe { (q.cast::<u8>().add(4).cast(), o.cast::<u8>().add(4).cast()) };
+    let launch = |o: *mut c_void, os: i64, q: *mut c_void, qs: i64, plan: &ffi::pkv_decode_plan| {
+        // SAFETY: every pointer is a live guarded buffer holding at least one row of 64 f32
+        // (plus 4 bytes of slack for the shifted views) and the tables/ctx/qsl of one
+        // sequence; a refused launch touches nothing, an accepted one reads/writes one row.
+        unsafe {
+            [
+                ffi::pkv_paged_attention_decode(
+                    o,
+                    os,
+                    q,
+                    qs,
+                    case.cache.ptr(),
+                    &case.geom,
+                    0,
+                    case.tables.ptr() as *const i32,
+                    case.mbps as i32,
+                    case.ctx.ptr() as *const i32,
+                    1,
+                    plan,
+                    &case.params,
+                    null(),
+                    0,
+                    null(),
+                ),
+                ffi::pkv_paged_attention_prefill(
+                    o,
+                    os,
+                    q,
+                    qs,
+                    case.cache.ptr(),
+                    &case.geom,
+                    0,
+                    case.tables.ptr() as *const i32,
+                    case.mbps as i32,
+                    case.ctx.ptr() as *const i32,
+                    qsl.ptr() as *const i32,
+                    1,
+                    1,
+                    &case.params,
+                    null(),
+                ),
+            ]
+        }
     };
-    assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32);
+    let bad = ffi::PKV_ERR_ROW_STRIDE as i32;
+    assert_eq!(launch(o, 64, q, 64, &plan), [OK, OK], "dense views");
+    assert_eq!(launch(o, 128, q, 68, &plan), [OK, OK], "padded rows");
+    assert_eq!(launch(o, 64, q4, 64, &plan), [bad, bad], "misaligned query");
+    assert_eq!(launch(o4, 64, q, 64, &plan), [bad, bad], "misaligned out");
+    assert_eq!(
+        launch(o, 64, q, 66, &plan),
+        [bad, bad],
+        "query stride off the grid"
+    );
+    assert_eq!(
+        launch(o, 60, q, 64, &plan),
+        [bad, bad],
+        "out stride below a row"
+    );
+    assert_eq!(launch(o, 64, q, 0, &plan), [bad, bad], "zero query stride");
+    let bad_plan = ffi::PKV_ERR_PLAN as i32;
+    for wrong in [
+        ffi::pkv_decode_plan {
+            num_heads: 2,
+            ..plan
+        },
+        ffi::pkv_decode_plan {
+            head_dim: 128,
+            ..plan
+        },
+        ffi::pkv_decode_plan {
+            num_seqs_capacity: 0,
+            ..plan
+        },
+        ffi::pkv_decode_plan {
+            num_splits: 0,
+            ..plan
+        },
+        ffi::pkv_decode_plan {
+            num_splits: ffi::PKV_DECODE_MAX_SPLITS as i32 + 1,
+            ..plan
+        },
+    ] {
+        assert_eq!(launch(o, 64, q, 64, &wrong)[0], bad_plan, "{wrong:?}");
+    }
+    // One split over a 20000-token capacity is a valid plan: no body limits a partition.
+    let long = ffi::pkv_decode_plan {
+        max_context_capacity: 20000,
+        ..plan
+    };
+    assert_eq!(
+        launch(o, 64, q, 64, &long)[0],
+        OK,
+        "single split, long capacity"
+    );
 }
 
 // ---- the page stride and block sizes in the C ABI ----------------------------------------------
@@ -817,6 +1067,16 @@ fn page_stride_and_block_size_are_validated() {
         scale: 0.1,
         ..Default::default()
     };
+    let plan = ffi::pkv_decode_plan {
+        mode: ffi::PKV_DECODE_SINGLE as i32,
+        num_seqs_capacity: 1,
+        num_heads: 2,
+        num_kv_heads: 2,
+        head_dim: 64,
+        max_context_capacity: 16,
+        num_splits: 1,
+        workspace_bytes: 0,
+    };
     let launch_all = |g: &ffi::pkv_cache_geometry| -> [i32; 4] {
         // SAFETY: the geometry is invalid, so each launcher returns before any launch or any
         // access through `p`.
@@ -824,7 +1084,9 @@ fn page_stride_and_block_size_are_validated() {
             [
                 ffi::pkv_paged_attention_decode(
                     p,
+                    128,
                     p,
+                    128,
                     p,
                     g,
                     0,
@@ -832,7 +1094,7 @@ fn page_stride_and_block_size_are_validated() {
                     1,
                     p as *const i32,
                     1,
-                    16,
+                    &plan,
                     &params,
                     null(),
                     0,
@@ -840,7 +1102,9 @@ fn page_stride_and_block_size_are_validated() {
                 ),
                 ffi::pkv_paged_attention_prefill(
                     p,
+                    128,
                     p,
+                    128,
                     p,
                     g,
                     0,
@@ -931,7 +1195,7 @@ fn table_capacity_beyond_i32_does_not_wrap() {
     let params = attn_params(nh, d, Features::PLAIN, &[]);
     let query = random_vec::<f32>(&mut rng, ctx.len() * nh * d);
     let want = cpu_decode(&b, &host, 0, &query, &params);
-    let mut case = AttnCase::new(&b, &host, &query, &params, ffi::PKV_DECODE_AUTO);
+    let mut case = AttnCase::new(&b, &host, &query, &params);
     for mode in [ffi::PKV_DECODE_SINGLE, ffi::PKV_DECODE_SPLIT] {
         let (s, got) = case.decode::<f32>(0, mode);
         expect_ok("decode, huge table", s);
@@ -941,7 +1205,7 @@ fn table_capacity_beyond_i32_does_not_wrap() {
     let qsl = query_start_loc(&seqs_q_ctx);
     let pq = random_vec::<f32>(&mut rng, 47 * nh * d);
     let want = cpu_prefill(&b, &host, 0, &pq, &qsl, &params);
-    let pcase = AttnCase::new(&b, &host, &pq, &params, ffi::PKV_DECODE_AUTO);
+    let pcase = AttnCase::new(&b, &host, &pq, &params);
     let (s, got) = pcase.prefill::<f32>(0, &qsl);
     expect_ok("prefill, huge table", s);
     assert_close("prefill, huge table", &got, &want, d);

@@ -117,34 +117,54 @@ fn run_model<T: Elem>(arena: &mut EmuBuf, w: &HandOff<T>) -> Outputs<T> {
         softcap: p.softcap,
         sliding_window: 0,
         alibi_slopes: std::ptr::null(),
-        decode_mode: 0,
     };
     let (tables, ctx) = (buf(&w.batch.tables), buf(&w.batch.ctx));
     let (dq, pq, qsl) = (buf(&w.decode_q), buf(&w.prefill_q), buf(&w.qsl));
     let num_seqs = w.batch.ctx.len();
-    let max_ctx = w.batch.ctx.iter().copied().max().unwrap_or(0);
+    let max_ctx = w.batch.ctx.iter().copied().max().unwrap_or(0).max(1);
     let max_q = w.qsl.windows(2).map(|x| x[1] - x[0]).max().unwrap_or(0);
     let d = cfg.head_dim();
-    // SAFETY: a pure function of its integer arguments.
-    let ws_bytes = unsafe {
-        ffi::pkv_decode_workspace_bytes(num_seqs as i32, p.num_heads as i32, d as i32, max_ctx)
+    let row = (p.num_heads * d) as i64;
+    let plan = |mode: u32| {
+        let mut plan = ffi::pkv_decode_plan::default();
+        // SAFETY: `plan` is a valid local the call writes; the SM count is given, so no device
+        // query.
+        let s = unsafe {
+            ffi::pkv_decode_plan_init(
+                &mut plan,
+                mode as i32,
+                num_seqs as i32,
+                p.num_heads as i32,
+                cfg.num_kv_heads() as i32,
+                d as i32,
+                max_ctx,
+                132,
+            )
+        };
+        expect_ok(&format!("{} plan mode {mode}", w.model.name), s);
+        plan
     };
-    // Split-K over partitions of 512 tokens needs a workspace even for one partition.
-    let ws = poisoned::<u8>(ws_bytes.max(64 << 10));
+    let plans = [plan(ffi::PKV_DECODE_SINGLE), plan(ffi::PKV_DECODE_SPLIT)];
+    let ws_bytes = plans
+        .iter()
+        .map(|p| p.workspace_bytes as usize)
+        .max()
+        .unwrap_or(0);
+    let ws = poisoned::<u8>(ws_bytes.max(1));
     let mut outs = Vec::new();
     for layer in 0..cfg.num_layers() {
-        let decode = |mode: u32| {
-            let mut params = params;
-            params.decode_mode = mode as i32;
+        let decode = |plan: &ffi::pkv_decode_plan| {
             let out = poisoned::<T>(w.decode_q.len());
             // SAFETY: every pointer is a live guarded buffer of the shape pagedkv.h documents
-            // (query/out [num_seqs][heads][d], tables [num_seqs][mbps], ctx [num_seqs], the
-            // workspace at least what pkv_decode_workspace_bytes asks for a split); the launch
-            // is synchronous.
+            // (query/out [num_seqs][heads][d], dense rows; tables [num_seqs][mbps]; ctx
+            // [num_seqs]; the workspace at least the plan's workspace_bytes); the launch is
+            // synchronous.
             let s = unsafe {
                 ffi::pkv_paged_attention_decode(
                     out.ptr(),
+                    row,
                     dq.ptr(),
+                    row,
                     arena.ptr(),
                     &geom,
                     layer as i32,
@@ -152,25 +172,27 @@ fn run_model<T: Elem>(arena: &mut EmuBuf, w: &HandOff<T>) -> Outputs<T> {
                     w.batch.mbps as i32,
                     ctx.ptr() as *const i32,
                     num_seqs as i32,
-                    max_ctx,
+                    plan,
                     &params,
                     ws.ptr(),
                     ws.len(),
                     null(),
                 )
             };
-            expect_ok(&format!("{} decode mode {mode}", w.model.name), s);
+            expect_ok(&format!("{} decode mode {}", w.model.name, plan.mode), s);
             out.as_slice::<T>().to_vec()
         };
-        let single = decode(ffi::PKV_DECODE_SINGLE);
-        let split = decode(ffi::PKV_DECODE_SPLIT);
+        let single = decode(&plans[0]);
+        let split = decode(&plans[1]);
         let out = poisoned::<T>(w.prefill_q.len());
         // SAFETY: as above; query_start_loc is [num_seqs + 1] with every chunk <= max_q and
         // <= its context.
         let s = unsafe {
             ffi::pkv_paged_attention_prefill(
                 out.ptr(),
+                row,
                 pq.ptr(),
+                row,
                 arena.ptr(),
                 &geom,
                 layer as i32,

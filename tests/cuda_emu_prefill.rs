@@ -42,13 +42,18 @@ fn geometry(cfg: &KvCacheConfig) -> ffi::pkv_cache_geometry {
     }
 }
 
-/// Runs the prefill launcher on guarded copies of the inputs, into an output poisoned with NaN;
-/// returns the status and the output.
+/// Runs the prefill launcher on guarded copies of the inputs: the query rows (dense in `query`,
+/// `[tokens][heads * d]`) placed `qs` elements apart with NaN between them (a fused-QKV-shaped
+/// view when `qs` is larger than a row), the output rows `os` elements apart in a buffer
+/// poisoned with NaN. Returns the status and the output rows, dense; panics if anything
+/// between the output rows was written.
+#[allow(clippy::too_many_arguments)]
 fn launch<T: Elem>(
     b: &Batch,
     cache_bytes: &[u8],
     layer: usize,
     query: &[T],
+    (qs, os): (usize, usize),
     qsl: &[i32],
     params: &AttnParams<'_>,
 ) -> (i32, Vec<T>) {
@@ -61,27 +66,34 @@ fn launch<T: Elem>(
         alibi_slopes: slopes
             .as_ref()
             .map_or(std::ptr::null(), |s| s.ptr() as *const f32),
-        decode_mode: 0,
     };
+    let row = params.num_heads * b.cfg.head_dim();
+    let tokens = query.len() / row.max(1);
+    let mut strided = vec![T::from_f32(f32::NAN); tokens * qs];
+    for t in 0..tokens {
+        strided[t * qs..t * qs + row].copy_from_slice(&query[t * row..(t + 1) * row]);
+    }
     let geom = geometry(&b.cfg);
     let (cache, q, tables, ctx, qsl_buf) = (
         buf(cache_bytes),
-        buf(query),
+        buf(&strided),
         buf(&b.tables),
         buf(&b.ctx),
         buf(qsl),
     );
-    let mut out = EmuBuf::zeroed(std::mem::size_of_val(query)).expect("guarded allocation");
+    let mut out = EmuBuf::zeroed(tokens * os * std::mem::size_of::<T>()).expect("allocation");
     out.as_mut_slice::<u8>().fill(0xff);
     let max_q = qsl.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
     // SAFETY: every pointer is a live guarded buffer of the shape pagedkv.h documents (cache:
-    // the whole cache; query/out: [tokens][heads][d]; tables: [num_seqs][mbps]; ctx: [num_seqs];
-    // query_start_loc: [num_seqs + 1] with every query length <= max_q); the emulated launch
-    // is synchronous, so the buffers outlive every access.
+    // the whole cache; query/out: `tokens` rows of `row` elements `qs` / `os` apart; tables:
+    // [num_seqs][mbps]; ctx: [num_seqs]; query_start_loc: [num_seqs + 1] with every query
+    // length <= max_q); the emulated launch is synchronous, so the buffers outlive every access.
     let s = unsafe {
         ffi::pkv_paged_attention_prefill(
             out.ptr(),
+            os as i64,
             q.ptr(),
+            qs as i64,
             cache.ptr(),
             &geom,
             layer as i32,
@@ -95,7 +107,18 @@ fn launch<T: Elem>(
             std::ptr::null_mut(),
         )
     };
-    (s, out.as_slice::<T>().to_vec())
+    let all = out.as_slice::<T>();
+    let mut dense = Vec::with_capacity(tokens * row);
+    for t in 0..tokens {
+        dense.extend_from_slice(&all[t * os..t * os + row]);
+        assert!(
+            all[t * os + row..(t + 1) * os]
+                .iter()
+                .all(|x| x.to_f32().is_nan()),
+            "prefill wrote between output rows (token {t})"
+        );
+    }
+    (s, dense)
 }
 
 /// One case: sequences given as (query tokens, context) pairs over a fresh random cache of 2
@@ -110,6 +133,22 @@ fn check<T: Elem>(
     seqs_q_ctx: &[(usize, usize)],
     f: Features,
 ) {
+    check_strided::<T>(rng, d, group, bs, page, seqs_q_ctx, f, None);
+}
+
+/// As `check`, with the query read from a fused-QKV-shaped view (`strides` = (query token
+/// stride, out token stride) in elements; `None`: dense).
+#[allow(clippy::too_many_arguments)]
+fn check_strided<T: Elem>(
+    rng: &mut SmallRng,
+    d: usize,
+    group: usize,
+    bs: usize,
+    page: Page,
+    seqs_q_ctx: &[(usize, usize)],
+    f: Features,
+    strides: Option<(usize, usize)>,
+) {
     let (layers, layer, hkv) = (2, 1, 2);
     let ctx: Vec<usize> = seqs_q_ctx.iter().map(|&(_, c)| c).collect();
     let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, page, &ctx);
@@ -121,9 +160,10 @@ fn check<T: Elem>(
     let sl = slopes(rng, nh);
     let params = attn_params(nh, d, f, &sl);
     let want = cpu_prefill(&b, &host, layer, &query, &qsl, &params);
-    let (s, got) = launch(&b, host.as_bytes(), layer, &query, &qsl, &params);
+    let strides = strides.unwrap_or((nh * d, nh * d));
+    let (s, got) = launch(&b, host.as_bytes(), layer, &query, strides, &qsl, &params);
     let what = format!(
-        "prefill {} d{d} g{group} bs{bs} {page:?} {f:?} q/ctx {seqs_q_ctx:?}",
+        "prefill {} d{d} g{group} bs{bs} {page:?} {f:?} q/ctx {seqs_q_ctx:?} strides {strides:?}",
         T::DTYPE
     );
     assert_eq!(
@@ -207,6 +247,26 @@ fn windows_softcap_alibi() {
     check::<f16>(&mut rng, 256, 1, 16, Page::Dense, &[(40, 78)], f);
 }
 
+/// Query rows read from a fused-QKV-shaped view (token stride: the query heads, the K and V
+/// heads, 8 elements of padding) and written to output rows with a padded stride: the kernel
+/// addresses rows by the strides (nothing between output rows is written), for both dtypes, a
+/// few head dims and GQA ratios, over several row and key tiles.
+#[test]
+fn strided_query_and_out_views() {
+    let mut rng = SmallRng::seed_from_u64(35);
+    for (i, (d, group)) in [(64, 1), (128, 4), (256, 8), (80, 3)]
+        .into_iter()
+        .enumerate()
+    {
+        let nh = 2 * group;
+        let strides = Some(((nh + 2 * 2) * d + 8, nh * d + 16));
+        let f = features(i, 16);
+        let seqs = [(30, 100), (1, 65)];
+        check_strided::<bf16>(&mut rng, d, group, 16, Page::Dense, &seqs, f, strides);
+        check_strided::<f16>(&mut rng, d, group, 32, Page::Pad(1), &seqs, f, strides);
+    }
+}
+
 /// Bytes of dynamic shared memory the tensor-core kernel asks for at head dim `d` (its
 /// layout: two stages of K and V rows of d + 8 elements, 64 or 32 keys each; Q's 64 rows at
 /// d = 256; two key-flag arrays).
@@ -229,10 +289,33 @@ fn f16_and_bf16_take_the_tensor_core_kernel() {
             let params = AttnParams::new(2, d);
             let qsl = [0, 5];
             let _ = cuda_emu::take_stats();
+            let dense = (2 * d, 2 * d);
             let s = match dtype {
-                KvDtype::F16 => launch(&b, &bytes, 0, &vec![f16::ZERO; 10 * d], &qsl, &params).0,
-                KvDtype::Bf16 => launch(&b, &bytes, 0, &vec![bf16::ZERO; 10 * d], &qsl, &params).0,
-                KvDtype::F32 => launch(&b, &bytes, 0, &vec![0f32; 10 * d], &qsl, &params).0,
+                KvDtype::F16 => {
+                    launch(
+                        &b,
+                        &bytes,
+                        0,
+                        &vec![f16::ZERO; 10 * d],
+                        dense,
+                        &qsl,
+                        &params,
+                    )
+                    .0
+                }
+                KvDtype::Bf16 => {
+                    launch(
+                        &b,
+                        &bytes,
+                        0,
+                        &vec![bf16::ZERO; 10 * d],
+                        dense,
+                        &qsl,
+                        &params,
+                    )
+                    .0
+                }
+                KvDtype::F32 => launch(&b, &bytes, 0, &vec![0f32; 10 * d], dense, &qsl, &params).0,
             };
             assert_eq!(s, ffi::PKV_OK as i32, "{dtype} d{d}");
             let st = cuda_emu::take_stats();

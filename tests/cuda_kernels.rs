@@ -12,7 +12,7 @@ use half::{bf16, f16};
 use pagedkv::attn::cpu;
 use pagedkv::cuda::{
     self, ffi, DecodeMode, DecodeWorkspace, DeviceAttnParams, DeviceKvCache, DeviceSeqs, Gpu,
-    PinnedSwapSpace,
+    PinnedSwapSpace, TokenRows, TokenRowsMut,
 };
 use pagedkv::error::CudaError;
 use pagedkv::kv::{AttnParams, PagedSeqs};
@@ -83,15 +83,6 @@ fn check_decode<T: Elem>(
             .upload(&vec![T::from_f32(f32::NAN); query.len()])
             .expect("out");
         let r = dev.paged_attention_decode(g, layer, &dq, &dseqs, &dparams, &mut ws, &mut out);
-        // Single pass keeps the logits of the whole context in 48 KiB of shared memory.
-        if mode == DecodeMode::SinglePass && single_pass_refused(group, ctx) {
-            // Documented refusal: the context does not fit a single pass.
-            assert!(
-                matches!(r, Err(CudaError::Launch { .. })),
-                "single pass should be refused: {r:?}"
-            );
-            continue;
-        }
         r.unwrap_or_else(|e| panic!("decode {mode:?}: {e}"));
         g.synchronize().expect("sync");
         let got = g.download(&out).expect("download");
@@ -398,6 +389,154 @@ fn reshape_and_cache_grid() {
     }
 }
 
+/// Query, output, key and value rows inside a fused QKV projection (`[q | k | v]` heads per
+/// token) and an output with padded rows give the same bits as dense tensors (decode in every
+/// mode, prefill, the cache write), through the cudarc layer's strided views.
+fn check_fused<T: Elem + cudarc::driver::ValidAsZeroBits>(
+    g: &Gpu,
+    rng: &mut SmallRng,
+    d: usize,
+    group: usize,
+) {
+    let (layers, layer, hkv, bs) = (2, 1, 2, 16);
+    let nh = hkv * group;
+    let ctx = [37usize, 1, 700];
+    let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, Page::Pad(1), &ctx);
+    let host = random_cache::<T>(rng, b.cfg);
+    let mut dev = DeviceKvCache::new(g, b.cfg).expect("cache");
+    dev.upload_from(g, &host).expect("upload");
+    let sl = slopes(rng, nh);
+    let params = attn_params(nh, d, features(3, bs), &sl);
+    let mut dparams = DeviceAttnParams::upload(g, &b.cfg, &params).expect("params");
+    let (row, kv_row) = (nh * d, hkv * d);
+    let fused_row = row + 2 * kv_row;
+    let out_stride = row + 16 / std::mem::size_of::<T>();
+    let qsl = [0i32, 2, 3, 7];
+    let tokens = 7;
+    let fused = random_vec::<T>(rng, tokens * fused_row);
+    let df = g.upload(&fused).expect("fused");
+    let dense_part = |off: usize, w: usize, rows: usize| -> Vec<T> {
+        (0..rows)
+            .flat_map(|t| fused[t * fused_row + off..t * fused_row + off + w].to_vec())
+            .collect()
+    };
+    let dq = g.upload(&dense_part(0, row, tokens)).expect("q");
+    let unpad = |v: Vec<T>, rows: usize| -> Vec<u64> {
+        (0..rows)
+            .flat_map(|t| v[t * out_stride..t * out_stride + row].to_vec())
+            .map(|x| x.to_f32().to_bits() as u64)
+            .collect()
+    };
+    let bits =
+        |v: Vec<T>| -> Vec<u64> { v.into_iter().map(|x| x.to_f32().to_bits() as u64).collect() };
+    let dseqs = DeviceSeqs::upload(g, &b.cfg, &b.seqs()).expect("seqs");
+    let mut ws = DecodeWorkspace::new();
+    for mode in ALL_MODES {
+        dparams.mode = mode;
+        let mut od = g.alloc_zeros::<T>(3 * row).expect("out");
+        let mut os = g.alloc_zeros::<T>(3 * out_stride).expect("out");
+        dev.paged_attention_decode_rows(
+            g,
+            layer,
+            TokenRows::dense(&dq, row),
+            &dseqs,
+            &dparams,
+            &mut ws,
+            TokenRowsMut::dense(&mut od, row),
+        )
+        .expect("dense decode");
+        dev.paged_attention_decode_rows(
+            g,
+            layer,
+            TokenRows::strided(&df, 0, fused_row),
+            &dseqs,
+            &dparams,
+            &mut ws,
+            TokenRowsMut::strided(&mut os, 0, out_stride),
+        )
+        .expect("fused decode");
+        let (od, os) = (g.download(&od).expect("d"), g.download(&os).expect("d"));
+        assert!(
+            bits(od.clone()) == unpad(os, 3),
+            "{} d{d} {mode:?}: fused decode differs",
+            T::DTYPE
+        );
+        let want = cpu_decode(&b, &host, layer, &dense_part(0, row, 3), &params);
+        assert_close("dense decode", &od, &want, d);
+    }
+    let pseqs = DeviceSeqs::upload_prefill(g, &b.cfg, &b.seqs(), &qsl).expect("seqs");
+    let mut pd = g.alloc_zeros::<T>(tokens * row).expect("out");
+    let mut ps = g.alloc_zeros::<T>(tokens * out_stride).expect("out");
+    dev.paged_attention_prefill_rows(
+        g,
+        layer,
+        TokenRows::dense(&dq, row),
+        &pseqs,
+        &dparams,
+        TokenRowsMut::dense(&mut pd, row),
+    )
+    .expect("dense prefill");
+    dev.paged_attention_prefill_rows(
+        g,
+        layer,
+        TokenRows::strided(&df, 0, fused_row),
+        &pseqs,
+        &dparams,
+        TokenRowsMut::strided(&mut ps, 0, out_stride),
+    )
+    .expect("fused prefill");
+    let (pd, ps) = (g.download(&pd).expect("d"), g.download(&ps).expect("d"));
+    assert!(
+        bits(pd.clone()) == unpad(ps, tokens),
+        "{} d{d}: fused prefill differs",
+        T::DTYPE
+    );
+    let want = cpu_prefill(&b, &host, layer, &dense_part(0, row, tokens), &qsl, &params);
+    assert_close("dense prefill", &pd, &want, d);
+    // The cache write from the fused k and v parts equals the CPU write of dense copies.
+    let mut all: Vec<i64> = (0..(b.cfg.num_blocks() * bs) as i64).collect();
+    all.shuffle(rng);
+    let mut slots = all[..tokens].to_vec();
+    slots[2] = -1;
+    let ds = g.upload(&slots).expect("slots");
+    dev.reshape_and_cache_rows(
+        g,
+        layer,
+        TokenRows::strided(&df, row, fused_row),
+        TokenRows::strided(&df, row + kv_row, fused_row),
+        &ds,
+    )
+    .expect("fused write");
+    let mut mirror = HostKvCache::new(b.cfg).expect("host");
+    mirror.as_bytes_mut().copy_from_slice(host.as_bytes());
+    let mut v = mirror.view_mut::<T>().expect("view");
+    cpu::reshape_and_cache(
+        v.layer_mut(layer).expect("layer"),
+        &dense_part(row, kv_row, tokens),
+        &dense_part(row + kv_row, kv_row, tokens),
+        &slots,
+    )
+    .expect("cpu write");
+    let mut back = HostKvCache::new(b.cfg).expect("host");
+    dev.download_to(g, &mut back).expect("download");
+    assert!(
+        back.as_bytes() == mirror.as_bytes(),
+        "{} d{d}: fused cache write differs",
+        T::DTYPE
+    );
+}
+
+#[test]
+fn fused_qkv_views_match_dense() {
+    let Some(g) = gpu("fused_qkv_views_match_dense") else {
+        return;
+    };
+    let mut rng = SmallRng::seed_from_u64(16);
+    check_fused::<bf16>(&g, &mut rng, 128, 4);
+    check_fused::<f16>(&g, &mut rng, 80, 1);
+    check_fused::<f32>(&g, &mut rng, 256, 8);
+}
+
 #[test]
 fn copy_blocks_matches_cpu() {
     let Some(g) = gpu("copy_blocks_matches_cpu") else {
@@ -641,11 +780,22 @@ fn ffi_argument_errors_need_no_gpu() {
         scale: 0.1,
         ..Default::default()
     };
+    let plan_of = |mode: u32, seqs: i32, ctx: i32| {
+        let mut plan = ffi::pkv_decode_plan::default();
+        // SAFETY: `plan` is a valid local; a forced mode makes no device query.
+        let s =
+            unsafe { ffi::pkv_decode_plan_init(&mut plan, mode as i32, seqs, 4, 2, 128, ctx, 0) };
+        (s, plan)
+    };
+    let (s, plan) = plan_of(ffi::PKV_DECODE_SINGLE, 1, 16);
+    assert_eq!(s, 0);
     // SAFETY: num_heads is invalid: the launcher returns before any CUDA call or dereference.
     let s = unsafe {
         ffi::pkv_paged_attention_decode(
             p,
+            512,
             p,
+            512,
             p,
             &g,
             0,
@@ -653,7 +803,7 @@ fn ffi_argument_errors_need_no_gpu() {
             1,
             p as *const i32,
             1,
-            16,
+            &plan,
             &params,
             std::ptr::null_mut(),
             0,
@@ -666,7 +816,9 @@ fn ffi_argument_errors_need_no_gpu() {
     let s = unsafe {
         ffi::pkv_paged_attention_prefill(
             p,
+            512,
             p,
+            512,
             p,
             &g,
             2,
@@ -681,13 +833,16 @@ fn ffi_argument_errors_need_no_gpu() {
         )
     };
     assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32);
-    // Split-K with a long context and no workspace: refused (forced split, so no device query).
-    params.decode_mode = ffi::PKV_DECODE_SPLIT as i32;
+    // Split-K and no workspace: refused (a forced plan, so no device query).
+    let (s, plan) = plan_of(ffi::PKV_DECODE_SPLIT, 1, 3000);
+    assert_eq!(s, 0);
     // SAFETY: the workspace check fails before any launch or dereference.
     let s = unsafe {
         ffi::pkv_paged_attention_decode(
             p,
+            512,
             p,
+            512,
             p,
             &g,
             0,
@@ -695,7 +850,7 @@ fn ffi_argument_errors_need_no_gpu() {
             200,
             p as *const i32,
             1,
-            3000,
+            &plan,
             &params,
             std::ptr::null_mut(),
             0,
@@ -703,6 +858,12 @@ fn ffi_argument_errors_need_no_gpu() {
         )
     };
     assert_eq!(s, ffi::PKV_ERR_WORKSPACE as i32);
+    // A forced single pass takes any context capacity (no body limits a partition).
+    assert_eq!(plan_of(ffi::PKV_DECODE_SINGLE, 1, 4000).0, 0);
+    assert_eq!(
+        plan_of(ffi::PKV_DECODE_SPLIT, 0, 16).0,
+        ffi::PKV_ERR_INVALID_ARG as i32
+    );
     // SAFETY: a null pointer argument is refused before use.
     let s = unsafe {
         ffi::pkv_copy_blocks(
@@ -714,14 +875,8 @@ fn ffi_argument_errors_need_no_gpu() {
         )
     };
     assert_eq!(s, ffi::PKV_ERR_NULL_POINTER as i32);
-    // SAFETY: pure host functions.
+    // SAFETY: a pure host function returning a static string.
     unsafe {
-        assert_eq!(ffi::pkv_decode_workspace_bytes(8, 32, 128, 512), 0);
-        let w = ffi::pkv_decode_workspace_bytes(8, 32, 128, 4096);
-        assert!(
-            w >= 8 * 32 * 8 * (128 + 2) * 4,
-            "workspace {w} too small for 8 splits"
-        );
         let msg = std::ffi::CStr::from_ptr(ffi::pkv_status_string(ffi::PKV_ERR_HEAD_DIM as i32));
         assert!(msg.to_str().expect("utf8").contains("head_dim"));
     }

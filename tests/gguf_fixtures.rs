@@ -415,3 +415,43 @@ fn mapped_and_read_files_parse_alike() {
         Err(GgufError::Io { .. })
     ));
 }
+
+/// The narrow outputs write one canonical NaN (0x7E00 / 0x7FC0) for every NaN, whatever the
+/// sign and payload the f32 arithmetic gave it: the device dequantizer must match them bit for
+/// bit, and a NaN's payload is the one thing IEEE 754 leaves to the hardware.
+#[test]
+fn narrow_outputs_write_one_canonical_nan() {
+    // Q8_0 blocks whose scale is a signalling NaN with a payload, a negative quiet NaN, and
+    // infinity (so q = 0 gives inf * 0 = NaN and the rest give infinities).
+    let mut src = Vec::new();
+    for scale in [0x7C01u16, 0xFE55, 0x7C00] {
+        src.extend_from_slice(&scale.to_le_bytes());
+        src.extend((0..32).map(|i: i32| (i - 16) as i8 as u8));
+    }
+    let mut h = vec![f16::ZERO; 96];
+    let mut b = vec![bf16::ZERO; 96];
+    dequantize_into_f16(GgmlType::Q8_0, &src, &mut h).expect("f16");
+    dequantize_into_bf16(GgmlType::Q8_0, &src, &mut b).expect("bf16");
+    for i in 0..96 {
+        let q = (i % 32) as i32 - 16;
+        let (wh, wb) = if i < 64 || q == 0 {
+            (0x7E00, 0x7FC0)
+        } else if q > 0 {
+            (0x7C00, 0x7F80)
+        } else {
+            (0xFC00, 0xFF80)
+        };
+        assert_eq!((h[i].to_bits(), b[i].to_bits()), (wh, wb), "element {i}");
+    }
+    // F32 NaNs with payloads and signs.
+    let nans: Vec<u8> = [0x7FC0_0001u32, 0xFF80_0001, 0x7FFF_FFFF]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    let mut h = vec![f16::ZERO; 3];
+    let mut b = vec![bf16::ZERO; 3];
+    dequantize_into_f16(GgmlType::F32, &nans, &mut h).expect("f16");
+    dequantize_into_bf16(GgmlType::F32, &nans, &mut b).expect("bf16");
+    assert!(h.iter().all(|x| x.to_bits() == 0x7E00));
+    assert!(b.iter().all(|x| x.to_bits() == 0x7FC0));
+}

@@ -132,3 +132,64 @@ fn write_files_for_gguf_py() {
     .expect("write");
     assert!(GgmlType::MXFP4.can_dequantize());
 }
+
+/// Deferred tensors (`add_tensor_deferred` + `write_streaming`, how `pagedkv gguf synth` writes
+/// files larger than memory) give the very bytes of borrowed ones; a producer that writes the
+/// wrong length, and `write_to` on a writer with deferred tensors, are refused.
+#[test]
+fn deferred_tensors_stream_the_same_bytes() {
+    let a: Vec<u8> = (0..34 * 3).map(|i| (i * 7) as u8).collect();
+    let b: Vec<u8> = (0..4 * 5).map(|i| (i * 13 + 1) as u8).collect();
+    let mut borrowed = GgufWriter::new();
+    borrowed
+        .add("general.architecture", MetaValue::String("llama".into()))
+        .expect("meta");
+    let mut deferred = borrowed.clone();
+    borrowed
+        .add_tensor("a", GgmlType::Q8_0, &[32, 3], &a)
+        .expect("a");
+    borrowed
+        .add_tensor("b", GgmlType::F32, &[5], &b)
+        .expect("b");
+    deferred
+        .add_tensor("a", GgmlType::Q8_0, &[32, 3], &a)
+        .expect("a");
+    deferred
+        .add_tensor_deferred("b", GgmlType::F32, &[5])
+        .expect("b");
+    let want = borrowed.to_bytes().expect("borrowed");
+    let mut got = Vec::new();
+    let mut calls = Vec::new();
+    let n = deferred
+        .write_streaming(&mut got, |i, name, buf| {
+            calls.push((i, name.to_owned(), buf.len()));
+            buf.extend_from_slice(&b);
+            Ok(())
+        })
+        .expect("streaming");
+    assert_eq!(
+        calls,
+        [(1, "b".to_owned(), 0)],
+        "one call, for the deferred tensor only"
+    );
+    assert_eq!(n, got.len() as u64);
+    assert!(got == want, "deferred bytes differ from borrowed ones");
+    assert!(matches!(
+        deferred.write_streaming(Vec::new(), |_, _, buf| {
+            buf.push(0);
+            Ok(())
+        }),
+        Err(pagedkv::gguf::GgufError::Unwritable(_))
+    ));
+    assert!(matches!(
+        deferred.to_bytes(),
+        Err(pagedkv::gguf::GgufError::Unwritable(_))
+    ));
+    // A deferred tensor is checked like a borrowed one.
+    assert!(deferred
+        .add_tensor_deferred("b", GgmlType::F32, &[5])
+        .is_err());
+    assert!(deferred
+        .add_tensor_deferred("c", GgmlType::Q4_K, &[100])
+        .is_err());
+}

@@ -1,17 +1,24 @@
 //! GGUF device upload: every tensor of the gguf-py fixture and of a synthetic multi-MiB file
 //! (written with `GgufWriter`, random bytes, sizes that straddle staging buffers) goes up
-//! through the pinned staging ring under several ring shapes, comes back with a plain download,
-//! and must equal the file byte for byte, with its type and shape; progress must rise to the
-//! total in largest-first order.
+//! through the pinned staging ring under several ring shapes and fill-thread counts, and
+//! through registered file pages, comes back with a plain download, and must equal the file
+//! byte for byte, with its type and shape; progress must rise to the total in largest-first
+//! order. Dequantizing uploads (staged and registered, f16 and bf16) and the kernel alone
+//! (`dequantize_on_device`, random blocks with extreme scales) must equal the CPU dequantizer
+//! bit for bit.
 //!
 //! Without a GPU each GPU test prints `SKIP` and passes; with `PAGEDKV_REQUIRE_GPU=1` it fails
 //! instead. `options_are_checked` and `synthetic_file_exercises_the_ring` run everywhere.
 #![cfg(feature = "cuda")]
 
+use half::{bf16, f16};
 use pagedkv::cuda::Gpu;
 use pagedkv::error::CudaError;
-use pagedkv::gguf::upload::{UploadOptions, UploadProgress, Uploader};
-use pagedkv::gguf::{GgmlType, Gguf, GgufWriter};
+use pagedkv::gguf::upload::{
+    dequantize_on_device, DequantTo, DeviceUploadError, UploadOptions, UploadPath, UploadProgress,
+    Uploader, DEVICE_DEQUANT_TYPES,
+};
+use pagedkv::gguf::{dequantize_into_bf16, dequantize_into_f16, GgmlType, Gguf, GgufWriter};
 use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
 use std::io::Write;
@@ -114,20 +121,82 @@ fn round_trip(gpu: &Gpu, up: &mut Uploader, g: &Gguf<'_>) {
     }
 }
 
-fn ring_shapes() -> [UploadOptions; 3] {
+fn ring_shapes() -> [UploadOptions; 5] {
+    let d = UploadOptions::default();
     [
         UploadOptions {
             staging_buffers: 2,
             staging_bytes: 64 << 10,
             write_combined: true,
+            fill_threads: 0,
+            ..d
         },
         UploadOptions {
             staging_buffers: 3,
             staging_bytes: (1 << 20) + 4096,
             write_combined: false,
+            fill_threads: 2,
+            ..d
         },
-        UploadOptions::default(),
+        UploadOptions {
+            staging_buffers: 8,
+            staging_bytes: 1 << 20,
+            fill_threads: 8,
+            ..d
+        },
+        UploadOptions {
+            path: UploadPath::Registered,
+            ..d
+        },
+        d,
     ]
+}
+
+/// The CPU dequantizer's bytes.
+fn cpu_bytes(ty: GgmlType, data: &[u8], n: usize, to: DequantTo) -> Vec<u8> {
+    match to {
+        DequantTo::F16 => {
+            let mut v = vec![f16::ZERO; n];
+            dequantize_into_f16(ty, data, &mut v).expect("cpu");
+            v.iter().flat_map(|x| x.to_le_bytes()).collect()
+        }
+        DequantTo::BF16 => {
+            let mut v = vec![bf16::ZERO; n];
+            dequantize_into_bf16(ty, data, &mut v).expect("cpu");
+            v.iter().flat_map(|x| x.to_le_bytes()).collect()
+        }
+    }
+}
+
+/// A file of every device-dequantizable type, random bytes (random scales, NaN and infinity
+/// among them), sizes from one block to several MiB, plain types of odd element counts.
+fn dequant_file() -> Vec<u8> {
+    let mut rng = SmallRng::seed_from_u64(17);
+    let specs: Vec<(String, GgmlType, Vec<u64>)> = vec![
+        ("q4k".into(), GgmlType::Q4_K, vec![4096, 300]),
+        ("q6k".into(), GgmlType::Q6_K, vec![2048, 129]),
+        ("q8".into(), GgmlType::Q8_0, vec![4096, 257]),
+        ("q4".into(), GgmlType::Q4_0, vec![1024, 33]),
+        ("f16".into(), GgmlType::F16, vec![1001, 777]),
+        ("bf16".into(), GgmlType::BF16, vec![999, 3]),
+        ("f32".into(), GgmlType::F32, vec![4097, 5]),
+        ("norm".into(), GgmlType::F32, vec![4096]),
+        ("tiny".into(), GgmlType::Q8_0, vec![32]),
+    ];
+    let data: Vec<Vec<u8>> = specs
+        .iter()
+        .map(|(_, ty, shape)| {
+            let n = ty.bytes_for(shape.iter().product()).expect("size") as usize;
+            let mut v = vec![0u8; n];
+            rng.fill_bytes(&mut v);
+            v
+        })
+        .collect();
+    let mut w = GgufWriter::new();
+    for ((name, ty, shape), d) in specs.iter().zip(&data) {
+        w.add_tensor(name, *ty, shape, d).expect("add");
+    }
+    w.to_bytes().expect("write")
 }
 
 #[test]
@@ -144,10 +213,17 @@ fn options_are_checked() {
         ),
         (
             UploadOptions {
-                staging_buffers: 17,
+                staging_buffers: 65,
                 ..ok
             },
             "staging_buffers",
+        ),
+        (
+            UploadOptions {
+                fill_threads: 65,
+                ..ok
+            },
+            "fill_threads",
         ),
         (
             UploadOptions {
@@ -240,6 +316,8 @@ fn panicking_progress_leaves_a_usable_ring() {
         staging_buffers: 2,
         staging_bytes: 1 << 20,
         write_combined: true,
+        fill_threads: 3,
+        ..UploadOptions::default()
     };
     let mut up = Uploader::new(&gpu, opts).expect("uploader");
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -247,4 +325,114 @@ fn panicking_progress_leaves_a_usable_ring() {
     }));
     assert!(r.is_err(), "the callback should have panicked");
     round_trip(&gpu, &mut up, &g);
+}
+
+#[test]
+fn dequantized_uploads_match_the_cpu_bit_for_bit() {
+    let Some(gpu) = gpu("dequantized_uploads_match_the_cpu_bit_for_bit") else {
+        return;
+    };
+    let bytes = dequant_file();
+    let g = Gguf::parse(&bytes).expect("parse");
+    let d = UploadOptions::default();
+    for path in [UploadPath::Staged, UploadPath::Registered] {
+        for (to, threads) in [(DequantTo::BF16, 4), (DequantTo::F16, 0)] {
+            let opts = UploadOptions {
+                path,
+                staging_bytes: 1 << 20,
+                fill_threads: threads,
+                dequantize: Some(to),
+                ..d
+            };
+            let mut up = Uploader::new(&gpu, opts).expect("uploader");
+            for _ in 0..2 {
+                let mut last = 0;
+                let w = up.upload(&g, |p| last = p.done).expect("upload");
+                assert_eq!(last, g.total_tensor_bytes());
+                for t in g.tensors() {
+                    let dt = w.get(t.name()).expect("tensor");
+                    assert_eq!((dt.ty(), dt.file_ty()), (to.ggml_type(), t.ty()));
+                    let want = cpu_bytes(t.ty(), t.data(), t.n_elements() as usize, to);
+                    let got = gpu.download(dt.data()).expect("download");
+                    assert!(got == want, "{path:?} {to:?}: {} differs", t.name());
+                }
+            }
+        }
+    }
+    // A type the device does not convert: refused by name before anything moves.
+    let fx = fixture();
+    let gf = Gguf::parse(&fx).expect("parse");
+    let mut up = Uploader::new(
+        &gpu,
+        UploadOptions {
+            dequantize: Some(DequantTo::BF16),
+            ..d
+        },
+    )
+    .expect("uploader");
+    match up.upload(&gf, |_| panic!("no progress expected")) {
+        Err(DeviceUploadError::NotDequantizable { ty, .. }) => {
+            assert!(!DEVICE_DEQUANT_TYPES.contains(&ty))
+        }
+        other => panic!("{:?}", other.map(|w| w.len())),
+    }
+}
+
+#[test]
+fn the_kernel_alone_matches_the_cpu_on_extreme_blocks() {
+    let Some(gpu) = gpu("the_kernel_alone_matches_the_cpu_on_extreme_blocks") else {
+        return;
+    };
+    let mut rng = SmallRng::seed_from_u64(23);
+    // f16 bits that stress a scale, written over every block's scale fields in turn.
+    let extremes: [u16; 10] = [
+        0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE00, 0x7BFF, 0x0001, 0x8001, 0x0000, 0x3C00,
+    ];
+    for ty in DEVICE_DEQUANT_TYPES {
+        let bs = ty.block_size() as u64;
+        for n in [bs, 7 * bs, 256 * 33 + if bs == 1 { 5 } else { bs }, 1 << 20] {
+            let len = ty.bytes_for(n).expect("size") as usize;
+            let mut src = vec![0u8; len];
+            rng.fill_bytes(&mut src);
+            let ts = ty.type_size() as usize;
+            let fields: &[usize] = match ty {
+                GgmlType::Q8_0 | GgmlType::Q4_0 => &[0],
+                GgmlType::Q4_K => &[0, 2],
+                GgmlType::Q6_K => &[208],
+                _ => &[],
+            };
+            for (b, blk) in src.chunks_exact_mut(ts).enumerate() {
+                for &at in fields {
+                    if b % 3 == 0 {
+                        let x = extremes[(b / 3 + at) % extremes.len()];
+                        blk[at..at + 2].copy_from_slice(&x.to_le_bytes());
+                    }
+                }
+            }
+            let dsrc = gpu.upload(&src).expect("upload");
+            for to in [DequantTo::F16, DequantTo::BF16] {
+                let out = dequantize_on_device(&gpu, ty, &dsrc, to).expect("dequantize");
+                let got = gpu.download(&out).expect("download");
+                let want = cpu_bytes(ty, &src, n as usize, to);
+                assert!(
+                    got[..want.len()] == want[..],
+                    "{ty} -> {to:?}, {n} elements"
+                );
+            }
+        }
+    }
+    // Refusals: a type it does not convert, bytes that are not whole blocks.
+    let dsrc = gpu.upload(&[0u8; 35]).expect("upload");
+    for (ty, what) in [
+        (GgmlType::Q5_K, "device dequantization of ggml type id"),
+        (
+            GgmlType::Q8_0,
+            "dequantize: bytes not a whole number of blocks",
+        ),
+    ] {
+        match dequantize_on_device(&gpu, ty, &dsrc, DequantTo::F16) {
+            Err(CudaError::Unsupported { what: w, .. }) => assert_eq!(w, what),
+            other => panic!("{ty}: {:?}", other.map(|b| b.len())),
+        }
+    }
 }

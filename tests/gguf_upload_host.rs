@@ -1,16 +1,18 @@
-//! The upload pipeline ([`StagingRing`]) on the host copy engine ([`HostEngine`]: host memory
+//! The staged upload ([`StagingRing`]) on the host copy engine ([`HostEngine`]: host memory
 //! for device memory, a worker thread with random delays for the stream), no GPU needed.
 //!
 //! GGUF files written with `GgufWriter` — tiny tensors that share a buffer, tensors exactly one
 //! or two buffers long, tensors spanning many buffers, sizes that are multiples of nothing —
-//! go up through rings of 1 to 16 buffers of 7 bytes to 4 KiB. Every destination byte must equal
-//! the file's; progress must count only completed bytes (checked against the stream's own
-//! count), rise in queue order, cover each tensor exactly and end at the total; tensors go
-//! largest first, ties in file order. Injected failures at every call of every engine
-//! operation, and a panicking progress callback, must leave a ring that is correct when reused
-//! and never rewrites or frees a staging buffer under a pending copy (the engine records every
-//! such breach as a [`Violation`]). The engine's own checks are tested too: breaking the
-//! contract on purpose must be flagged and must show in the bytes.
+//! go up through rings of 1 to 16 buffers of 7 bytes to 4 KiB, filled on the calling thread or
+//! by 1 to 8 fill threads (fills then finish, and are queued, out of order). Every destination
+//! byte must equal the file's; progress must count only completed bytes (checked against the
+//! stream's own count), rise in planned order, cover each tensor exactly and end at the total;
+//! tensors go largest first, ties in file order. Injected failures at every call of every
+//! engine operation, a fill that panics on a fill thread, and a panicking progress callback,
+//! must leave a ring that keeps all its buffers (every one freed when it drops), is correct
+//! when reused, and never rewrites or frees a staging buffer under a pending copy (the engine
+//! records every such breach as a [`Violation`]). The engine's own checks are tested too:
+//! breaking the contract on purpose must be flagged and must show in the bytes.
 
 use pagedkv::gguf::upload::UploadError;
 use pagedkv::gguf::upload::UploadProgress;
@@ -74,15 +76,36 @@ fn ring(
     staging: usize,
     config: HostConfig,
 ) -> (StagingRing<HostEngine>, HostProbe) {
+    ring_with(buffers, staging, 1, config)
+}
+
+fn ring_with(
+    buffers: usize,
+    staging: usize,
+    threads: usize,
+    config: HostConfig,
+) -> (StagingRing<HostEngine>, HostProbe) {
     let e = HostEngine::new(config);
     let probe = e.probe();
-    let r = StagingRing::new(e, nz(buffers), nz(staging)).expect("ring");
+    let mut r = StagingRing::new(e, nz(buffers), nz(staging)).expect("ring");
+    r.set_fill_threads(threads);
+    assert_eq!(r.fill_threads(), threads);
     (r, probe)
 }
 
+/// Drops the ring and checks that it freed every buffer and saw no breach.
+fn drop_clean(r: StagingRing<HostEngine>, probe: &HostProbe, what: &str) {
+    drop(r);
+    assert_eq!(probe.violations(), Vec::<Violation>::new(), "{what}");
+    assert_eq!(probe.live_staging(), 0, "{what}: buffers leaked");
+}
+
+/// Copies and fills each wait up to `max_us` microseconds (fills on fill threads then finish
+/// out of order).
 fn delays(max_us: u64, seed: u64) -> HostConfig {
     HostConfig {
         max_delay: Duration::from_micros(max_us),
+        max_fill_delay: Duration::from_micros(max_us),
         seed,
         fault: None,
     }
@@ -183,24 +206,38 @@ fn every_byte_arrives_in_queue_order_under_many_ring_shapes() {
         (8, 4096),
         (1, 256),
     ];
+    let mut overtaken = 0;
     for (i, &(buffers, staging)) in shapes.iter().enumerate() {
-        for max_us in [0, 40] {
-            let seed = (i as u64) << 8 | max_us;
+        for (max_us, threads) in [(0, 0), (40, 1), (40, 3), (0, 8)] {
+            let seed = (i as u64) << 8 | max_us << 4 | threads as u64;
             let a = file_of_sizes(&sizes_around(staging), seed);
             let b = file_of_sizes(&sizes_around(staging + 5), seed + 1);
             let (ga, gb) = (
                 Gguf::parse(&a).expect("parse"),
                 Gguf::parse(&b).expect("parse"),
             );
-            let (mut r, probe) = ring(buffers, staging, delays(max_us, seed));
+            let (mut r, probe) = ring_with(buffers, staging, threads, delays(max_us, seed));
             // One ring, three uploads: later ones reuse buffers the stream just read.
             round_trip(&mut r, &probe, &ga);
             round_trip(&mut r, &probe, &gb);
             round_trip(&mut r, &probe, &ga);
-            drop(r);
-            assert_eq!(probe.violations(), Vec::<Violation>::new());
+            let st = r.last_stats();
+            assert_eq!(st.threads, threads);
+            assert!(st.fills > 0);
+            if threads < 2 {
+                assert_eq!(st.out_of_order, 0, "one filler cannot overtake itself");
+            }
+            overtaken += st.out_of_order;
+            drop_clean(
+                r,
+                &probe,
+                &format!("{buffers} x {staging}, {threads} threads"),
+            );
         }
     }
+    // The shapes with several buffers and fill threads, random fill times: some fills must
+    // have been queued before an earlier one, or the out-of-order path went untested.
+    assert!(overtaken > 0, "no fill ever overtook another");
 }
 
 #[test]
@@ -215,8 +252,8 @@ fn quantized_and_multi_dimensional_tensors_round_trip() {
     specs.extend((0..12).map(|i| (GgmlType::F32, vec![1 + i * 5])));
     let bytes = file_of(&specs, 3);
     let g = Gguf::parse(&bytes).expect("parse");
-    for (buffers, staging) in [(2, 1024), (3, 4099), (6, 512)] {
-        let (mut r, probe) = ring(buffers, staging, delays(20, 9));
+    for (buffers, staging, threads) in [(2, 1024, 0), (3, 4099, 2), (6, 512, 4)] {
+        let (mut r, probe) = ring_with(buffers, staging, threads, delays(20, 9));
         round_trip(&mut r, &probe, &g);
     }
 }
@@ -256,53 +293,57 @@ fn sweep_file() -> Vec<u8> {
 fn fault_sweep(op: HostOp, name: &'static str) {
     let bytes = sweep_file();
     let g = Gguf::parse(&bytes).expect("parse");
-    let (mut failed, mut succeeded) = (0, 0);
-    for call in 0..80u64 {
-        let config = HostConfig {
-            max_delay: Duration::from_micros(30),
-            seed: call,
-            fault: Some(HostFault { op, call }),
-        };
-        let e = HostEngine::new(config);
-        let probe = e.probe();
-        let mut r = match StagingRing::new(e, nz(3), nz(128)) {
-            Ok(r) => r,
-            Err(err) => {
-                assert_eq!(op, HostOp::StagingAlloc);
-                assert_eq!(err, UploadError::Injected { op: name, call });
-                assert_eq!(probe.violations(), Vec::<Violation>::new());
-                failed += 1;
-                continue;
-            }
-        };
-        match r.upload(&g, |_| {}) {
-            Ok(out) => {
-                succeeded += 1;
-                for (t, d) in &out {
-                    assert_eq!(d.to_vec(), t.data(), "{}", t.name());
+    for threads in [0, 2] {
+        let (mut failed, mut succeeded) = (0, 0);
+        for call in 0..80u64 {
+            let config = HostConfig {
+                fault: Some(HostFault { op, call }),
+                ..delays(30, call)
+            };
+            let e = HostEngine::new(config);
+            let probe = e.probe();
+            let mut r = match StagingRing::new(e, nz(3), nz(128)) {
+                Ok(r) => r,
+                Err(err) => {
+                    assert_eq!(op, HostOp::StagingAlloc);
+                    assert_eq!(err, UploadError::Injected { op: name, call });
+                    assert_eq!(probe.violations(), Vec::<Violation>::new());
+                    assert_eq!(probe.live_staging(), 0, "buffers of a failed new() freed");
+                    failed += 1;
+                    continue;
                 }
-            }
-            Err(err) => {
-                failed += 1;
-                assert_eq!(err, UploadError::Injected { op: name, call });
-                // The fault is spent: a second upload must succeed and be exact.
-                if call % 2 == 1 {
-                    round_trip(&mut r, &probe, &g);
+            };
+            r.set_fill_threads(threads);
+            let what = format!("{name} failing at call {call}, {threads} fill threads");
+            match r.upload(&g, |_| {}) {
+                Ok(out) => {
+                    succeeded += 1;
+                    for (t, d) in &out {
+                        assert_eq!(d.to_vec(), t.data(), "{}", t.name());
+                    }
+                    drop(r);
+                    // The fault may fire inside the drop's waits: a leak is then the right
+                    // answer, a breach never is.
+                    assert_eq!(probe.violations(), Vec::<Violation>::new(), "{what}");
+                }
+                Err(err) => {
+                    failed += 1;
+                    assert_eq!(err, UploadError::Injected { op: name, call }, "{what}");
+                    // The fault is spent: a second upload must succeed and be exact.
+                    if call % 2 == 1 {
+                        round_trip(&mut r, &probe, &g);
+                    }
+                    // No buffer lost: the drop frees them all.
+                    drop_clean(r, &probe, &what);
                 }
             }
         }
-        drop(r);
-        assert_eq!(
-            probe.violations(),
-            Vec::<Violation>::new(),
-            "{name} failing at call {call}"
+        assert!(failed > 0, "{name}: no call failed");
+        assert!(
+            succeeded > 0,
+            "{name}: the sweep did not reach past the last call"
         );
     }
-    assert!(failed > 0, "{name}: no call failed");
-    assert!(
-        succeeded > 0,
-        "{name}: the sweep did not reach past the last call"
-    );
 }
 
 #[test]
@@ -328,6 +369,36 @@ fn record_failure_at_every_call() {
 #[test]
 fn wait_failure_at_every_call() {
     fault_sweep(HostOp::Wait, "wait");
+}
+
+#[test]
+fn a_fill_that_panics_on_a_fill_thread_gives_its_buffer_back() {
+    let bytes = sweep_file();
+    let g = Gguf::parse(&bytes).expect("parse");
+    for threads in [0, 1, 3] {
+        for call in [0u64, 1, 5, 11] {
+            let config = HostConfig {
+                fault: Some(HostFault {
+                    op: HostOp::Fill,
+                    call,
+                }),
+                ..delays(20, call)
+            };
+            let (mut r, probe) = ring_with(3, 128, threads, config);
+            let res = catch_unwind(AssertUnwindSafe(|| r.upload(&g, |_| {})));
+            let what = format!("fill #{call} panics, {threads} fill threads");
+            let msg = res
+                .err()
+                .map(|p| p.downcast_ref::<String>().cloned().unwrap_or_default());
+            assert!(
+                msg.as_deref().is_some_and(|m| m.contains("injected panic")),
+                "{what}: the fill's panic must reach the caller, got {msg:?}"
+            );
+            // Every buffer came back: the ring uploads exactly again and frees all three.
+            round_trip(&mut r, &probe, &g);
+            drop_clean(r, &probe, &what);
+        }
+    }
 }
 
 #[test]
@@ -358,7 +429,7 @@ fn panicking_progress_leaves_a_safe_ring() {
         .into_iter()
         .enumerate()
     {
-        let (mut r, probe) = ring(3, 100, delays(50, k as u64));
+        let (mut r, probe) = ring_with(3, 100, k % 3, delays(50, k as u64));
         let res = catch_unwind(AssertUnwindSafe(|| {
             r.upload(&g, |p| assert!(p.done < stop, "stop mid-upload"))
         }));
@@ -367,12 +438,7 @@ fn panicking_progress_leaves_a_safe_ring() {
             round_trip(&mut r, &probe, &g);
         }
         // Dropped right after the panic: copies of later pieces may still be pending.
-        drop(r);
-        assert_eq!(
-            probe.violations(),
-            Vec::<Violation>::new(),
-            "stop at {stop}"
-        );
+        drop_clean(r, &probe, &format!("stop at {stop}"));
     }
 }
 
@@ -384,16 +450,18 @@ proptest! {
         sizes in prop::collection::vec(1usize..3000, 0..24),
         buffers in 1usize..=16,
         staging in 16usize..1500,
+        threads in 0usize..6,
         max_us in 0u64..40,
         seed in any::<u64>(),
     ) {
         let bytes = file_of_sizes(&sizes, seed);
         let g = Gguf::parse(&bytes).expect("parse");
-        let (mut r, probe) = ring(buffers, staging, delays(max_us, seed));
+        let (mut r, probe) = ring_with(buffers, staging, threads, delays(max_us, seed));
         round_trip(&mut r, &probe, &g);
         round_trip(&mut r, &probe, &g);
         drop(r);
         prop_assert_eq!(probe.violations(), Vec::<Violation>::new());
+        prop_assert_eq!(probe.live_staging(), 0);
     }
 }
 
@@ -410,13 +478,13 @@ fn engine_catches_a_rewrite_before_the_wait_and_the_bytes_show_it() {
     // SAFETY: HostEngine's unsafe methods are memory-safe in any order (atomic bytes, buffers
     // shared by Arc); their contract is checked, not assumed. Ranges are in bounds.
     unsafe {
-        e.fill(&mut s, 0, &[1, 2, 3, 4]);
+        HostEngine::fill(&mut s, 0, &[1, 2, 3, 4]);
         e.copy_async(&mut s, 0..4, &mut d, 0).expect("copy");
     }
     e.record(&mut s).expect("record");
     // The breach: the copy has not run (the stream is held) and nobody waited.
     // SAFETY: as above; the breach is the point of the test.
-    unsafe { e.fill(&mut s, 2, &[9, 9]) };
+    unsafe { HostEngine::fill(&mut s, 2, &[9, 9]) };
     assert_eq!(
         probe.violations(),
         [Violation::RewriteUnderCopy {
@@ -436,7 +504,7 @@ fn engine_catches_a_rewrite_before_the_wait_and_the_bytes_show_it() {
     );
     // After the wait the same rewrite is fine.
     // SAFETY: as above; this one keeps the contract.
-    unsafe { e.fill(&mut s, 0, &[5; 8]) };
+    unsafe { HostEngine::fill(&mut s, 0, &[5; 8]) };
     assert_eq!(probe.violations().len(), 1);
 }
 
@@ -449,9 +517,9 @@ fn engine_events_cover_every_earlier_copy_on_the_stream() {
     let mut d = e.alloc_dst(8).expect("dst");
     // SAFETY: see the test above; this sequence keeps the contract.
     unsafe {
-        e.fill(&mut a, 0, &[1; 4]);
+        HostEngine::fill(&mut a, 0, &[1; 4]);
         e.copy_async(&mut a, 0..4, &mut d, 0).expect("copy");
-        e.fill(&mut b, 0, &[2; 4]);
+        HostEngine::fill(&mut b, 0, &[2; 4]);
         e.copy_async(&mut b, 0..4, &mut d, 4).expect("copy");
     }
     e.record(&mut a).expect("record");
@@ -459,7 +527,7 @@ fn engine_events_cover_every_earlier_copy_on_the_stream() {
     // b's event was recorded after a's copy too: waiting on it frees both buffers.
     e.wait(&mut b).expect("wait");
     // SAFETY: the wait above covers the copy from `a` (stream order).
-    unsafe { e.fill(&mut a, 0, &[3; 4]) };
+    unsafe { HostEngine::fill(&mut a, 0, &[3; 4]) };
     assert_eq!(probe.violations(), Vec::<Violation>::new());
     assert_eq!(d.to_vec(), [1, 1, 1, 1, 2, 2, 2, 2]);
 }
@@ -474,7 +542,7 @@ fn engine_catches_a_free_under_a_pending_copy() {
     // SAFETY: memory-safe whatever the order (see above); the free breaks the contract on
     // purpose.
     unsafe {
-        e.fill(&mut s, 0, &[7; 16]);
+        HostEngine::fill(&mut s, 0, &[7; 16]);
         e.copy_async(&mut s, 0..16, &mut d, 0).expect("copy");
         e.free_staging(s);
     }
@@ -507,7 +575,7 @@ fn engine_faults_fire_once_at_the_chosen_call() {
     let mut d = e.alloc_dst(4).expect("dst");
     // SAFETY: memory-safe whatever the order; each copy is waited on before the next fill.
     unsafe {
-        e.fill(&mut s, 0, &[1; 4]);
+        HostEngine::fill(&mut s, 0, &[1; 4]);
         e.copy_async(&mut s, 0..4, &mut d, 0).expect("call 0");
         e.record(&mut s).expect("record");
         e.wait(&mut s).expect("wait");

@@ -52,6 +52,9 @@
 struct alignas(16) uint4 {
   unsigned int x, y, z, w;
 };
+struct alignas(8) uint2 {
+  unsigned int x, y;
+};
 struct alignas(16) float4 {
   float x, y, z, w;
 };
@@ -69,6 +72,7 @@ struct dim3 {
 inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) {
   return uint4{x, y, z, w};
 }
+inline uint2 make_uint2(unsigned int x, unsigned int y) { return uint2{x, y}; }
 
 // ---- the CUDA runtime types and calls the launchers use -----------------------------------
 

@@ -182,9 +182,19 @@ pub struct PoolStats {
 ///
 /// # Per-engine accounting
 ///
-/// The engine that allocates a block owns it until it returns to the free list; `held[engine]`
-/// counts the physical blocks each engine owns (shared references do not count twice). The budget
-/// coordinator reads these counters.
+/// The engine that allocates a block owns it until it returns to the free list;
+/// [`held`](Self::held) counts the physical blocks each engine owns (shared references do not
+/// count twice). It is kept as `acct[engine]` (owned plus parked in the engine's magazine) minus
+/// the magazine's count, so a batch moving between an engine and its own magazine (the common
+/// `alloc_n` / `free_n` pair) updates no counter: the counters change only when blocks move to
+/// or from the shared stack.
+///
+/// # Read-modify-writes per batch
+///
+/// The fast pair `alloc_n(n)` + `free_n` of those blocks does `n + 3` of them: the magazine pop,
+/// one CAS per block (the release, which is also the block's check), and the magazine push's
+/// claim and release. The per-block CAS is what makes a double free racing the batch come out
+/// with exactly one success; it is most of the pair's time (see BENCHMARKS.md).
 #[derive(Debug)]
 pub struct BlockPool {
     /// `tag (40) | top index (24)`. The tag increments on every successful CAS; the index is the
@@ -195,8 +205,12 @@ pub struct BlockPool {
     link: Box<[AtomicU64]>,
     /// `owner (16) | generation (24) | refs (24)` per block; `refs == 0` iff on the free list.
     meta: Box<[AtomicU64]>,
-    /// Physical blocks owned by each engine (blocks whose last reference is still held).
-    held: Box<[CachePadded<AtomicU32>]>,
+    /// Per engine: the physical blocks it owns (last reference still held) plus the free blocks
+    /// parked in its magazine. A block moving between an engine's ownership and its magazine
+    /// (the fast paths of `alloc_n` and `free_n`) leaves this unchanged, so those paths do no
+    /// read-modify-write on it; only moves to or from the shared stack change it. `held`
+    /// subtracts the magazine's count.
+    acct: Box<[CachePadded<AtomicU32>]>,
     /// Free blocks parked per engine (the first `MAG_ENGINES` engines): a block whose last
     /// reference is released goes to its owner's magazine when there is room and no other push
     /// to it is in progress, else to the shared stack. Free = shared stack + every magazine.
@@ -231,7 +245,7 @@ impl BlockPool {
         let meta = (0..n)
             .map(|_| AtomicU64::new(meta_word(0, 0, EngineId(0))))
             .collect();
-        let held = (0..config.max_engines)
+        let acct = (0..config.max_engines)
             .map(|_| CachePadded::new(AtomicU32::new(0)))
             .collect();
         let mag_cap = MAG_CAP.min(n);
@@ -242,7 +256,7 @@ impl BlockPool {
             head: CachePadded::new(AtomicU64::new(0)),
             link,
             meta,
-            held,
+            acct,
             mags,
             tag: global::next_pool_tag(),
             device: config.device,
@@ -271,7 +285,7 @@ impl BlockPool {
     /// Engines this pool serves.
     #[inline]
     pub fn max_engines(&self) -> u16 {
-        self.held.len() as u16
+        self.acct.len() as u16
     }
 
     /// Free blocks (the shared stack plus every magazine). Exact whenever no operation is in
@@ -323,29 +337,47 @@ impl BlockPool {
     }
 
     /// Physical blocks owned by `engine` (0 for an engine out of range).
+    ///
+    /// Exact whenever no operation is in flight. During concurrent operations it is the count
+    /// at some instant of the call, except that blocks another thread is moving from `engine`'s
+    /// magazine to the shared stack (the slow path of an allocation that found too few blocks
+    /// where it looked) count as held until they reach the stack.
     pub fn held(&self, engine: EngineId) -> u32 {
-        // Relaxed: a statistic; no memory is published through it.
-        self.held
-            .get(engine.index())
-            .map_or(0, |h| h.load(Ordering::Relaxed))
+        let Some(acct) = self.acct.get(engine.index()) else {
+            return 0;
+        };
+        let Some(m) = self.mags.get(engine.index()) else {
+            // Relaxed: a statistic; no memory is published through it.
+            return acct.load(Ordering::Relaxed);
+        };
+        // Double collect: the magazine's word changes with every push and pop, so an unchanged
+        // word around the read of `acct` gives the magazine's count at that read's instant.
+        let backoff = Backoff::new();
+        loop {
+            let word = m.word();
+            // Relaxed: see above.
+            let owned_or_parked = acct.load(Ordering::Relaxed);
+            if m.word() == word {
+                return owned_or_parked.saturating_sub(count_of(word));
+            }
+            backoff.spin();
+        }
     }
 
-    /// A snapshot of the pool's counts.
+    /// A snapshot of the pool's counts (`held` of each engine as [`held`](Self::held) reads it).
     pub fn stats(&self) -> PoolStats {
         PoolStats {
             total: self.total,
             free: self.snapshot_free(),
-            held: self
-                .held
-                .iter()
-                .map(|h| h.load(Ordering::Relaxed))
+            held: (0..self.max_engines())
+                .map(|e| self.held(EngineId(e)))
                 .collect(),
         }
     }
 
     #[inline]
     fn check_engine(&self, engine: EngineId) -> Result<(), PoolError> {
-        if engine.index() < self.held.len() {
+        if engine.index() < self.acct.len() {
             Ok(())
         } else {
             Err(PoolError::UnknownEngine {
@@ -378,29 +410,31 @@ impl BlockPool {
     /// Allocates one block for `engine`, with one reference.
     pub fn alloc(&self, engine: EngineId) -> Result<BlockId, PoolError> {
         self.check_engine(engine)?;
-        let index = self.take_one(engine).ok_or(PoolError::OutOfBlocks {
+        let (index, from_magazine) = self.take_one(engine).ok_or(PoolError::OutOfBlocks {
             requested: 1,
             free: 0,
         })?;
-        let id = self.claim(index, engine);
-        // Relaxed: a statistic (see `held`).
-        self.held[engine.index()].fetch_add(1, Ordering::Relaxed);
-        Ok(id)
+        if !from_magazine {
+            // Relaxed: a statistic (see `acct`).
+            self.acct[engine.index()].fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(self.claim(index, engine))
     }
 
     /// Takes one free block: from `engine`'s magazine, else the shared stack, else (moving
     /// every magazine to the stack) from anywhere; `None` when a snapshot found none free.
-    fn take_one(&self, engine: EngineId) -> Option<u32> {
+    /// Also says whether the block came from the magazine (no change to `acct`).
+    fn take_one(&self, engine: EngineId) -> Option<(u32, bool)> {
         if let Some(m) = self.mags.get(engine.index()) {
             let mut got = NIL;
             if m.pop_n(1, |_, index| got = index) {
-                return Some(got);
+                return Some((got, true));
             }
         }
         let backoff = Backoff::new();
         loop {
             if let Some(index) = self.pop() {
-                return Some(index);
+                return Some((index, false));
             }
             if self.snapshot_free() == 0 {
                 return None;
@@ -441,9 +475,8 @@ impl BlockPool {
             if let Some(m) = self.mags.get(engine.index()) {
                 let mut popped = [0u32; MAG_CAP as usize];
                 if m.pop_n(n, |k, index| popped[k] = index) {
+                    // From the engine's magazine to the engine: `acct` is unchanged.
                     out.extend(popped[..n as usize].iter().map(|&i| self.claim(i, engine)));
-                    // Relaxed: a statistic (see `held`).
-                    self.held[engine.index()].fetch_add(n, Ordering::Relaxed);
                     return Ok(());
                 }
             }
@@ -459,11 +492,12 @@ impl BlockPool {
             self.flush_magazines();
             backoff.spin();
         }
+        // Counted before any id escapes, so a free of these blocks never meets an uncounted one.
+        // Relaxed: a statistic (see `acct`).
+        self.acct[engine.index()].fetch_add(n, Ordering::Relaxed);
         for slot in &mut out[start..] {
             *slot = self.claim(slot.to_bits() as u32, engine);
         }
-        // Relaxed: a statistic (see `held`).
-        self.held[engine.index()].fetch_add(n, Ordering::Relaxed);
         Ok(())
     }
 
@@ -518,28 +552,32 @@ impl BlockPool {
     #[cold]
     fn flush_magazines(&self) {
         let mut buf = [0u32; MAG_CAP as usize];
-        for m in self.mags.iter() {
+        for (m, acct) in self.mags.iter().zip(self.acct.iter()) {
             let k = m.pop_all(&mut buf);
-            self.push_chain(&buf[..k as usize]);
+            if k > 0 {
+                self.push_chain(&buf[..k as usize]);
+                // Relaxed: a statistic (see `acct`); until here `held` counts these blocks.
+                acct.fetch_sub(k, Ordering::Relaxed);
+            }
         }
     }
 
     /// Returns blocks of `owner` whose last reference was just released to a free list: the
     /// owner's magazine when it has room and no other push to it is in progress (never
-    /// awaited), else the shared stack. Uncounts them first, so `held` never counts a block
-    /// that is already free.
+    /// awaited; `acct` unchanged: owned becomes parked), else the shared stack (uncounted
+    /// first, so `held` never counts a block that is already on the stack).
     #[inline]
     fn recycle(&self, owner: EngineId, chain: &[u32]) {
         if chain.is_empty() {
             return;
         }
-        // Relaxed: a statistic (see `held`).
-        self.held[owner.index()].fetch_sub(chain.len() as u32, Ordering::Relaxed);
         if let Some(m) = self.mags.get(owner.index()) {
             if m.try_push(chain) {
                 return;
             }
         }
+        // Relaxed: a statistic (see `acct`).
+        self.acct[owner.index()].fetch_sub(chain.len() as u32, Ordering::Relaxed);
         self.push_chain(chain);
     }
 
@@ -675,8 +713,8 @@ impl BlockPool {
             Some(owner) => {
                 // One block: the shared stack's single CAS is cheaper than a magazine push
                 // (claim and release of its busy bit); batches go to the magazine.
-                // Relaxed: a statistic (see `held`).
-                self.held[owner.index()].fetch_sub(1, Ordering::Relaxed);
+                // Relaxed: a statistic (see `acct`).
+                self.acct[owner.index()].fetch_sub(1, Ordering::Relaxed);
                 self.push_chain(&[id.index()]);
                 Ok(true)
             }
@@ -824,75 +862,63 @@ impl BlockPool {
     }
 
     /// `free_n`'s fast path, for the common batch: every id names a distinct block of one
-    /// owner holding exactly one reference (a sequence giving back its blocks). Checking a block
-    /// is one compare of its word against the word such a block must have, which is also the
-    /// expected value of its release CAS; the blocks go back with one push. `None`, with
-    /// nothing changed, when the batch is not of that shape: the general path decides.
+    /// owner holding exactly one reference (a sequence giving back its blocks). One pass: each
+    /// block's release is a CAS whose expected value is the word such a block must have
+    /// (allocated, one reference, the id's generation, the first block's owner), so the CAS is
+    /// also the block's whole check, and a repeated id fails its CAS (its first mention already
+    /// took it to zero). The blocks go back with one push. `None`, with nothing changed, when the
+    /// batch is not of that shape: the general path decides.
     ///
-    /// A CAS that fails (another thread changed the word after the check: a double free or a
-    /// share racing this call) continues as the general path's release does, from the word
-    /// it found.
+    /// When a CAS fails after earlier ones succeeded, those blocks are put back to one
+    /// reference before returning `None`. Between the two they are at zero references and on
+    /// no free list: no one can allocate them, and a `share`, `release` or `ref_count` that
+    /// meets one of them is refused or reads zero. Only a thread that holds none of their
+    /// references can meet them (this call's caller holds the only one), so no caller that uses
+    /// the pool correctly can tell; a double free that meets one is refused, and this call's
+    /// retry on the general path then frees the block, so of two racing frees of one
+    /// reference exactly one still succeeds.
     #[inline]
     fn free_unshared(&self, ids: &[BlockId]) -> Option<Result<u32, PoolError>> {
-        if ids.len() > CHAIN {
+        let n = ids.len();
+        if n > CHAIN {
             return None;
         }
         let first = ids.first()?;
         if first.pool_tag() != self.tag || first.index() >= self.total {
             return None;
         }
-        // Relaxed: only names the owner every block must have; the checks below decide.
+        // Relaxed: only names the owner every block must have; the CASes below decide.
         let owner = meta_owner(self.meta[first.index() as usize].load(Ordering::Relaxed));
-        let mut filter = 0u64;
-        for &id in ids {
-            let index = id.index();
-            if id.pool_tag() != self.tag || index >= self.total {
-                return None;
-            }
-            // Acquire pairs with claim's Release store.
-            let cur = self.meta[index as usize].load(Ordering::Acquire);
-            // One compare: allocated, one reference, this generation, this owner.
-            let bit = 1u64 << (index % 64);
-            if cur != meta_word(1, id.generation(), owner) || filter & bit != 0 {
-                // Shared, of another owner, a bad id, or a possible repeat (refused by the
-                // general path when it is one: a block with one reference named twice).
-                return None;
-            }
-            filter |= bit;
-        }
         let mut chain = [0u32; CHAIN];
-        let mut len = 0;
-        let mut raced = None;
-        for &id in ids {
+        for (i, &id) in ids.iter().enumerate() {
             let index = id.index();
+            let ours = id.pool_tag() == self.tag && index < self.total;
             let unshared = meta_word(1, id.generation(), owner);
-            // AcqRel: as in drop_ref_from.
-            let freed = match self.meta[index as usize].compare_exchange(
-                unshared,
-                unshared - 1,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => true,
-                Err(actual) => match self.drop_ref_from(id, index as usize, actual) {
-                    Ok(last) => last.is_some(),
-                    Err(_) => {
-                        raced.get_or_insert(id);
-                        false
-                    }
-                },
-            };
-            if freed {
-                chain[len] = index;
-                len += 1;
+            // AcqRel on success: as in drop_ref_from. Relaxed on failure: the word is not used.
+            if !ours
+                || self.meta[index as usize]
+                    .compare_exchange(unshared, unshared - 1, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_err()
+            {
+                self.unfree(&ids[..i], owner);
+                return None;
             }
+            chain[i] = index;
         }
-        self.recycle(owner, &chain[..len]);
-        let freed = len as u32;
-        Some(match raced {
-            None => Ok(freed),
-            Some(id) => Err(PoolError::ConcurrentDoubleFree { id, freed }),
-        })
+        self.recycle(owner, &chain[..n]);
+        Some(Ok(n as u32))
+    }
+
+    /// Puts blocks that `free_unshared` took from one reference to none back to one (see
+    /// there): they are this thread's alone meanwhile (on no list, every CAS of another thread
+    /// on them fails), so a store restores them.
+    #[cold]
+    fn unfree(&self, ids: &[BlockId], owner: EngineId) {
+        for &id in ids {
+            // Release: the restored word is published like claim's.
+            self.meta[id.index() as usize]
+                .store(meta_word(1, id.generation(), owner), Ordering::Release);
+        }
     }
 
     /// Whether more than one holder references the block (copy-on-write must copy before

@@ -3,19 +3,16 @@
 //! `copy_blocks`, `swap_out`, `swap_in`.
 
 use super::arena::DeviceArena;
-use super::device::{check_status, Gpu, PageArgs};
-use super::ffi;
+use super::device::Gpu;
+use crate::cuda_raw::{self, geometry, CacheView};
 use crate::error::{CudaError, KvError};
-use crate::kv::{check_block_mapping, HostKvCache, KvCacheConfig, KvDtype};
+use crate::kv::{check_block_mapping, HostKvCache, KvCacheConfig};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, DevicePtr};
 use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-/// Head dims the CUDA kernels are instantiated for.
-pub const SUPPORTED_HEAD_DIMS: [usize; 6] = [64, 80, 96, 112, 128, 256];
-/// Block sizes (tokens per block) the CUDA kernels accept: every power of two from 8 to 256.
-pub const SUPPORTED_BLOCK_SIZES: [usize; 6] = [8, 16, 32, 64, 128, 256];
+pub use crate::cuda_raw::{SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS};
 
 /// One model's paged KV cache in device memory: a view of a [`DeviceArena`] with the model's
 /// geometry, block `b` at the start of arena page `b` (the geometry's page stride is the
@@ -28,55 +25,13 @@ pub const SUPPORTED_BLOCK_SIZES: [usize; 6] = [8, 16, 32, 64, 128, 256];
 #[derive(Debug)]
 pub struct DeviceKvCache {
     arena: Arc<DeviceArena>,
-    /// The view's geometry: `num_blocks` = the arena's pages, page stride = its page size.
+    /// The view's geometry: `num_blocks` = the arena's pages, page stride = its page size;
+    /// supported by the CUDA kernels (checked by `geometry` at construction).
     config: KvCacheConfig,
-    /// The launchers' view of `config` (all sizes fit `i32`: checked in `geometry`).
-    geom: ffi::pkv_cache_geometry,
     /// Device copy of the last `copy_blocks` pair list; grows, never shrinks.
     pairs: Option<CudaSlice<i32>>,
     /// Host staging of the same (no allocation per call once grown).
     pairs_host: Vec<i32>,
-}
-
-/// The launchers' geometry of `config`, or why the CUDA kernels cannot take it.
-///
-/// # Errors
-/// [`CudaError::Unsupported`] for a head dim or block size without a kernel, or a size beyond
-/// what the C ABI carries.
-pub(crate) fn geometry(config: &KvCacheConfig) -> Result<ffi::pkv_cache_geometry, CudaError> {
-    if !SUPPORTED_HEAD_DIMS.contains(&config.head_dim()) {
-        return Err(CudaError::Unsupported {
-            what: "head_dim",
-            value: config.head_dim(),
-        });
-    }
-    if !SUPPORTED_BLOCK_SIZES.contains(&config.block_size()) {
-        return Err(CudaError::Unsupported {
-            what: "block_size",
-            value: config.block_size(),
-        });
-    }
-    let i = |what: &'static str, v: usize| {
-        i32::try_from(v).map_err(|_| CudaError::Unsupported { what, value: v })
-    };
-    Ok(ffi::pkv_cache_geometry {
-        num_blocks: i("num_blocks", config.num_blocks())?,
-        num_layers: i("num_layers", config.num_layers())?,
-        block_size: i("block_size", config.block_size())?,
-        num_kv_heads: i("num_kv_heads", config.num_kv_heads())?,
-        head_dim: i("head_dim", config.head_dim())?,
-        dtype: match config.dtype() {
-            KvDtype::F32 => ffi::PKV_DTYPE_F32 as i32,
-            KvDtype::F16 => ffi::PKV_DTYPE_F16 as i32,
-            KvDtype::Bf16 => ffi::PKV_DTYPE_BF16 as i32,
-        },
-        // The config's invariant bounds num_blocks * page bytes by isize::MAX: the stride
-        // (elements, <= bytes) fits i64.
-        block_stride: i64::try_from(config.block_stride()).map_err(|_| CudaError::Unsupported {
-            what: "page stride",
-            value: config.block_stride(),
-        })?,
-    })
 }
 
 /// Refuses a device buffer of another device than `gpu`'s.
@@ -98,9 +53,9 @@ impl DeviceKvCache {
     /// [`CudaError::Unsupported`] for a head dim or block size without a kernel (or a size
     /// beyond `i32`), [`CudaError::Driver`] if the allocation fails.
     pub fn new(gpu: &Gpu, config: KvCacheConfig) -> Result<Self, CudaError> {
-        let geom = geometry(&config)?;
+        geometry(&config)?;
         let arena = DeviceArena::new(gpu, config.num_blocks(), config.page_bytes())?;
-        Ok(Self::from_parts(arena, config, geom))
+        Ok(Self::from_parts(arena, config))
     }
 
     /// A model's view of a shared arena: `config`'s block shape (layers, KV heads, head dim,
@@ -115,20 +70,15 @@ impl DeviceKvCache {
         let config = config
             .with_num_blocks(arena.num_pages())?
             .with_page_stride(arena.page_bytes())?;
-        let geom = geometry(&config)?;
-        Ok(Self::from_parts(arena.clone(), config, geom))
+        geometry(&config)?;
+        Ok(Self::from_parts(arena.clone(), config))
     }
 
-    fn from_parts(
-        arena: Arc<DeviceArena>,
-        config: KvCacheConfig,
-        geom: ffi::pkv_cache_geometry,
-    ) -> Self {
+    fn from_parts(arena: Arc<DeviceArena>, config: KvCacheConfig) -> Self {
         debug_assert_eq!(config.total_bytes(), arena.total_bytes());
         Self {
             arena,
             config,
-            geom,
             pairs: None,
             pairs_host: Vec::new(),
         }
@@ -142,11 +92,16 @@ impl DeviceKvCache {
     pub fn arena(&self) -> &Arc<DeviceArena> {
         &self.arena
     }
-    pub(crate) fn geom(&self) -> &ffi::pkv_cache_geometry {
-        &self.geom
+    /// The view as the raw kernel API takes it ([`crate::cuda_raw`]): the arena's base and
+    /// this geometry. The base stays valid while this cache (or its arena) lives.
+    pub fn raw_view(&self) -> CacheView {
+        CacheView {
+            base: self.arena.base(),
+            config: self.config,
+        }
     }
-    /// The arena's base as a launcher's `cache` argument.
-    pub(crate) fn base(&self) -> *mut c_void {
+    /// The arena's base as a swap launcher's argument.
+    fn base(&self) -> *mut c_void {
         self.arena.base() as usize as *mut c_void
     }
     /// Refuses a `gpu` of another device than the arena's.
@@ -193,10 +148,12 @@ impl DeviceKvCache {
             return Ok(());
         }
         self.check_device(gpu)?;
-        let num_pairs = i32::try_from(pairs.len()).map_err(|_| CudaError::Unsupported {
-            what: "copy_blocks pairs",
-            value: pairs.len(),
-        })?;
+        if i32::try_from(pairs.len()).is_err() {
+            return Err(CudaError::Unsupported {
+                what: "copy_blocks pairs",
+                value: pairs.len(),
+            });
+        }
         self.pairs_host.clear();
         // Indices are < num_blocks <= MAX_BLOCKS < 2^31 (checked above): the casts are exact.
         self.pairs_host
@@ -206,7 +163,7 @@ impl DeviceKvCache {
             self.pairs = Some(gpu.alloc_zeros::<i32>(need.next_power_of_two())?);
         }
         let stream = gpu.stream();
-        let base = self.base();
+        let view = self.raw_view();
         let dev_pairs = self.pairs.as_mut().ok_or(CudaError::Unsupported {
             what: "copy_blocks pairs",
             value: need,
@@ -214,25 +171,18 @@ impl DeviceKvCache {
         stream.memcpy_htod(&self.pairs_host[..], &mut dev_pairs.slice_mut(..need))?;
         gpu.bind()?;
         let (pp, _gp) = dev_pairs.device_ptr(stream);
-        // SAFETY: `base` is the arena's allocation of num_blocks pages of the page
-        // stride `self.geom` carries (the view's config was built from the arena's size), kept
-        // alive by our Arc until after the launch completes (the arena's drop synchronizes);
-        // `pp` holds `num_pairs` (src, dst) i32 pairs written by the copy above on the same
-        // stream, all < num_blocks (check_block_mapping), alive until `_gp` drops after the
-        // call, with cudarc's events ordering the launch after that copy. The kernel writes
-        // only the block part of destination pages, which this view's sequences own (the
-        // arena's rule). The primary context is current (bind), so the runtime API launches
-        // into cudarc's context and stream.
-        let status = unsafe {
-            ffi::pkv_copy_blocks(
-                base,
-                &self.geom,
-                pp as usize as *const i32,
-                num_pairs,
-                gpu.raw_stream(),
-            )
-        };
-        check_status("pkv_copy_blocks", status, Some(PageArgs::of(&self.config)))
+        // SAFETY: `view` is the arena's allocation of num_blocks pages of the page stride its
+        // config carries (the view's config was built from the arena's size), kept alive by
+        // our Arc until after the launch completes (the arena's drop synchronizes); `pp` holds
+        // `pairs.len()` (src, dst) i32 pairs written by the copy above on the same stream, all
+        // < num_blocks and with distinct destinations that are not sources
+        // (check_block_mapping), alive until `_gp` drops after the call, with cudarc's events
+        // ordering the launch after that copy. The kernel writes only the block part of
+        // destination pages, which this view's sequences own (the arena's rule). The primary
+        // context is current (bind), so the runtime API launches into cudarc's context and
+        // stream.
+        unsafe { cuda_raw::copy_blocks(&view, pp, pairs.len(), gpu.raw_stream()) }?;
+        Ok(())
     }
 
     /// Swaps blocks out to pinned host memory: `(device block, swap block)` pairs, one call,
@@ -251,32 +201,30 @@ impl DeviceKvCache {
         self.check_swap(gpu, swap, mapping, true)?;
         let mut pairs = std::mem::take(&mut swap.staging);
         pairs.clear();
-        pairs.extend(mapping.iter().flat_map(|&(s, d)| [s as i64, d as i64]));
+        pairs.extend(mapping.iter().map(|&(s, d)| [i64::from(s), i64::from(d)]));
         gpu.bind()?;
         // SAFETY: `self.base()` is the arena (num_blocks pages of config.page_bytes(), alive
         // through our Arc until the queued copies complete: the arena's drop synchronizes) and
         // `swap.ptr` the pinned allocation of swap.config's num_blocks dense blocks of the same
         // bytes_per_block (same block shape, checked); every pair is in range of its side
         // (check_swap), so each copy of bytes_per_block (or a merged run, equal page sizes
-        // only) stays inside both allocations. `pairs` is a host array of mapping.len()
-        // (src, dst) pairs read during the call only. The DMA writes into `swap`'s memory,
-        // which we hold by &mut: no host access can overlap it until `swap.pending` (recorded
-        // below) is waited on by an accessor.
-        let status = unsafe {
-            ffi::pkv_swap_blocks(
+        // only) stays inside both allocations. `pairs` is read during the call only. The DMA
+        // writes into `swap`'s memory, which we hold by &mut: no host access can overlap it
+        // until `swap.pending` (recorded below) is waited on by an accessor.
+        let r = unsafe {
+            cuda_raw::swap_blocks(
                 swap.ptr.as_ptr() as *mut c_void,
                 swap.config.page_bytes(),
                 self.base(),
                 self.config.page_bytes(),
                 self.config.bytes_per_block(),
-                pairs.as_ptr(),
-                mapping.len() as i32,
-                1,
+                &pairs,
+                true,
                 gpu.raw_stream(),
             )
         };
         swap.staging = pairs;
-        check_status("pkv_swap_blocks", status, Some(PageArgs::of(&self.config)))?;
+        r?;
         swap.pending.record(gpu.stream())?;
         Ok(())
     }
@@ -295,28 +243,27 @@ impl DeviceKvCache {
         self.check_swap(gpu, swap, mapping, false)?;
         let mut pairs = std::mem::take(&mut swap.staging);
         pairs.clear();
-        pairs.extend(mapping.iter().flat_map(|&(s, d)| [s as i64, d as i64]));
+        pairs.extend(mapping.iter().map(|&(s, d)| [i64::from(s), i64::from(d)]));
         gpu.bind()?;
         // SAFETY: as in swap_out with the roles exchanged: the arena is the destination (only
         // the block part of the mapped pages is written, pages this view owns), `swap.ptr` the
         // pinned swap allocation of the same block shape, pairs in range. The DMA reads
         // `swap`'s memory, held by &mut until `swap.pending` is recorded, so the host cannot
         // write it while the copy runs (accessors wait on `pending`).
-        let status = unsafe {
-            ffi::pkv_swap_blocks(
+        let r = unsafe {
+            cuda_raw::swap_blocks(
                 self.base(),
                 self.config.page_bytes(),
                 swap.ptr.as_ptr() as *const c_void,
                 swap.config.page_bytes(),
                 self.config.bytes_per_block(),
-                pairs.as_ptr(),
-                mapping.len() as i32,
-                0,
+                &pairs,
+                false,
                 gpu.raw_stream(),
             )
         };
         swap.staging = pairs;
-        check_status("pkv_swap_blocks", status, Some(PageArgs::of(&self.config)))?;
+        r?;
         swap.pending.record(gpu.stream())?;
         Ok(())
     }
@@ -365,7 +312,7 @@ pub struct PinnedSwapSpace {
     /// Context that allocated `ptr` (bound again to free it).
     ctx: Arc<CudaContext>,
     /// Reused host staging of the launcher's pair list.
-    staging: Vec<i64>,
+    staging: Vec<[i64; 2]>,
 }
 
 // SAFETY: the pinned buffer is plain memory owned by this value alone (no aliasing handle is

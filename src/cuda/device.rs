@@ -1,9 +1,8 @@
 //! Device probe and the [`Gpu`] handle (context + stream).
 
-use super::ffi;
+use crate::cuda_raw::{check_status, ffi};
 use crate::error::CudaError;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-use std::ffi::CStr;
 use std::sync::Arc;
 
 /// What [`Gpu::open`] found out about the device.
@@ -44,64 +43,6 @@ fn culib_present() -> bool {
     // drops the handles; it touches no CUDA state, so it is sound to call at any time, from any
     // thread, any number of times.
     unsafe { cudarc::driver::sys::is_culib_present() }
-}
-
-/// The page size and block size a launch was given (for the typed page-stride errors).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct PageArgs {
-    /// Bytes from one block to the next.
-    pub(crate) page_bytes: usize,
-    /// Bytes of one block.
-    pub(crate) block_bytes: usize,
-}
-
-impl PageArgs {
-    /// The page of a cache view's geometry.
-    pub(crate) fn of(config: &crate::kv::KvCacheConfig) -> Self {
-        Self {
-            page_bytes: config.page_bytes(),
-            block_bytes: config.bytes_per_block(),
-        }
-    }
-}
-
-/// Turns a launcher status (kernels/pagedkv.h) into a result. The page-stride refusals
-/// (`PKV_ERR_PAGE_STRIDE`, `PKV_ERR_PAGE_ALIGN`) become the layout's own errors,
-/// [`KvError::PageTooSmall`](crate::error::KvError::PageTooSmall) and
-/// [`KvError::PageMisaligned`](crate::error::KvError::PageMisaligned), when `page` says what
-/// the launch was given; every other status is a [`CudaError::Launch`].
-pub(crate) fn check_status(
-    op: &'static str,
-    status: i32,
-    page: Option<PageArgs>,
-) -> Result<(), CudaError> {
-    if status == 0 {
-        return Ok(());
-    }
-    if let Some(p) = page {
-        if status == ffi::PKV_ERR_PAGE_STRIDE as i32 {
-            return Err(crate::error::KvError::PageTooSmall {
-                page_bytes: p.page_bytes,
-                block_bytes: p.block_bytes,
-            }
-            .into());
-        }
-        if status == ffi::PKV_ERR_PAGE_ALIGN as i32 {
-            return Err(crate::error::KvError::PageMisaligned {
-                page_bytes: p.page_bytes,
-                align: ffi::PKV_PAGE_ALIGN as usize,
-            }
-            .into());
-        }
-    }
-    // SAFETY: pkv_status_string returns a pointer to a static NUL-terminated string (a literal
-    // or cudaGetErrorString's static table) for every int, never NULL; it has no side effects.
-    let msg = unsafe { CStr::from_ptr(ffi::pkv_status_string(status)) };
-    Err(CudaError::Launch {
-        op,
-        status,
-        message: msg.to_str().unwrap_or("(non-UTF-8 message)"),
-    })
 }
 
 /// One CUDA device's primary context and the stream every wrapper of this module launches on.
@@ -158,7 +99,7 @@ impl Gpu {
                 minor: cc_minor,
             });
         }
-        check_status("pkv_probe", status, None)?;
+        check_status("pkv_probe", status, None).map_err(CudaError::from)?;
         Ok(Self {
             ctx,
             stream,
@@ -200,13 +141,17 @@ impl Gpu {
         &self.stream
     }
 
-    /// Makes the primary context current on this thread (before any runtime-API launch).
-    pub(crate) fn bind(&self) -> Result<(), CudaError> {
+    /// Makes the primary context current on this thread (before any raw launch: the kernels
+    /// run in the context current on the calling thread).
+    ///
+    /// # Errors
+    /// [`CudaError::Driver`] if the driver refuses.
+    pub fn bind(&self) -> Result<(), CudaError> {
         Ok(self.ctx.bind_to_thread()?)
     }
 
-    /// The stream as the launchers' `void *stream` (`cudaStream_t` == `CUstream`).
-    pub(crate) fn raw_stream(&self) -> *mut std::ffi::c_void {
+    /// The stream as the raw launches take it ([`crate::cuda_raw::CuStream`], a `CUstream`).
+    pub fn raw_stream(&self) -> crate::cuda_raw::CuStream {
         self.stream.cu_stream() as *mut std::ffi::c_void
     }
 

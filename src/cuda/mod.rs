@@ -1,5 +1,7 @@
-//! CUDA run time (feature `cuda`): device probe, FFI to `kernels/pagedkv.h`, the device KV
-//! cache, pinned swap space and safe launch wrappers.
+//! CUDA run time (feature `cuda`): device probe, the device KV cache, pinned swap space, safe
+//! launch wrappers over cudarc 0.17 buffers and the graph-safe [`DecodeStep`]: a convenience
+//! layer over [`crate::cuda_raw`] (the launches over raw pointers and the caller's stream,
+//! which clients on other cudarc versions use directly).
 //!
 //! # Two CUDA APIs, one context
 //!
@@ -39,11 +41,14 @@
 mod arena;
 mod cache;
 mod device;
-pub mod ffi;
 mod ops;
+mod step;
 
+pub use crate::cuda_raw::ffi;
+pub use crate::cuda_raw::{DecodeMode, DecodePlan};
 pub use crate::error::CudaError;
 pub use arena::{DeviceArena, POISON_BYTE};
 pub use cache::{DeviceKvCache, PinnedSwapSpace, SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS};
 pub use device::{device_count, Gpu, GpuInfo};
-pub use ops::{DecodeMode, DecodeWorkspace, DeviceAttnParams, DeviceSeqs};
+pub use ops::{DecodeWorkspace, DeviceAttnParams, DeviceSeqs, TokenRows, TokenRowsMut};
+pub use step::{DecodeGraph, DecodeStep};

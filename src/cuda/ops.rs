@@ -1,28 +1,16 @@
-//! Safe launch wrappers of the attention and cache-write kernels, and the device-side batch
-//! metadata they read ([`DeviceSeqs`], [`DeviceAttnParams`], [`DecodeWorkspace`]).
+//! Safe launch wrappers of the attention and cache-write kernels over cudarc buffers, and the
+//! device-side batch metadata they read ([`DeviceSeqs`], [`DeviceAttnParams`],
+//! [`DecodeWorkspace`]). A thin layer over [`crate::cuda_raw`]: each wrapper checks what the
+//! cudarc types let it check (lengths, devices, dtypes), takes the buffers' device pointers
+//! (cudarc's events order the launch after earlier work on them) and calls the raw launch.
 
 use super::cache::{same_device, DeviceKvCache};
-use super::device::{check_status, Gpu, PageArgs};
-use super::ffi;
+use super::device::Gpu;
+use crate::cuda_raw::{self, AttnParamsRaw, DecodeMode, DecodePlan, DevPtr, Rows, SeqTables};
 use crate::error::{AttnError, CudaError, KvError};
 use crate::kv::{check_len, KvCacheConfig, KvElem};
 use crate::kv::{AttnParams, PagedSeqs};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
-use std::ffi::c_void;
-
-/// How decode attention partitions each sequence's context.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DecodeMode {
-    /// Single pass for short contexts or large batches, split-K + reduce otherwise, chosen per
-    /// launch from the batch shape and the device's SM count (the default).
-    #[default]
-    Auto,
-    /// One pass per (sequence, KV head); refused for contexts whose logits (plus 8 bytes per
-    /// head) exceed 48 KiB of shared memory (e.g. > 1534 tokens with 8 query heads per KV head).
-    SinglePass,
-    /// Partitions of `PKV_DECODE_PARTITION` (512) tokens and the reduce kernel.
-    SplitK,
-}
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop};
 
 /// Batch metadata in device memory: block tables and context lengths (and, for prefill, the
 /// query start offsets), validated on the host with the CPU kernels' rules when uploaded.
@@ -260,6 +248,186 @@ impl DecodeWorkspace {
     pub fn capacity_bytes(&self) -> usize {
         self.buf.as_ref().map_or(0, |b| b.len())
     }
+    /// Grows to at least `bytes` (never shrinks; the contents are scratch).
+    ///
+    /// # Errors
+    /// [`CudaError::Driver`] if the allocation fails (the old buffer is kept).
+    pub fn reserve(&mut self, gpu: &Gpu, bytes: usize) -> Result<(), CudaError> {
+        if bytes > self.capacity_bytes() {
+            self.buf = Some(gpu.alloc_zeros::<u8>(bytes)?);
+        }
+        Ok(())
+    }
+    /// The raw workspace and the guard that records its use on `stream` when dropped.
+    fn raw<'a>(
+        &'a mut self,
+        stream: &'a cudarc::driver::CudaStream,
+    ) -> (cuda_raw::Workspace, Option<SyncOnDrop<'a>>) {
+        match self.buf.as_mut() {
+            None => (cuda_raw::Workspace::NONE, None),
+            Some(b) => {
+                let bytes = b.len();
+                let (ptr, g) = b.device_ptr_mut(stream);
+                (cuda_raw::Workspace { ptr, bytes }, Some(g))
+            }
+        }
+    }
+}
+
+/// A `[tokens][heads][head_dim]` view of a cudarc buffer: row `t` starts at element `offset +
+/// t * token_stride` (heads contiguous). [`dense`](Self::dense) for a plain tensor,
+/// [`strided`](Self::strided) for the q, k or v part of a fused QKV projection.
+#[derive(Debug, Clone, Copy)]
+pub struct TokenRows<'a, T> {
+    buf: &'a CudaSlice<T>,
+    offset: usize,
+    token_stride: usize,
+}
+
+impl<'a, T> TokenRows<'a, T> {
+    /// Rows of `row` elements packed back to back from the start of `buf`.
+    pub fn dense(buf: &'a CudaSlice<T>, row: usize) -> Self {
+        Self {
+            buf,
+            offset: 0,
+            token_stride: row,
+        }
+    }
+    /// Rows `token_stride` elements apart starting `offset` elements into `buf`.
+    pub fn strided(buf: &'a CudaSlice<T>, offset: usize, token_stride: usize) -> Self {
+        Self {
+            buf,
+            offset,
+            token_stride,
+        }
+    }
+}
+
+/// The writable twin of [`TokenRows`].
+#[derive(Debug)]
+pub struct TokenRowsMut<'a, T> {
+    buf: &'a mut CudaSlice<T>,
+    offset: usize,
+    token_stride: usize,
+}
+
+impl<'a, T> TokenRowsMut<'a, T> {
+    /// Rows of `row` elements packed back to back from the start of `buf`.
+    pub fn dense(buf: &'a mut CudaSlice<T>, row: usize) -> Self {
+        Self {
+            buf,
+            offset: 0,
+            token_stride: row,
+        }
+    }
+    /// Rows `token_stride` elements apart starting `offset` elements into `buf`.
+    pub fn strided(buf: &'a mut CudaSlice<T>, offset: usize, token_stride: usize) -> Self {
+        Self {
+            buf,
+            offset,
+            token_stride,
+        }
+    }
+}
+
+/// `tokens` rows of `row` elements at `offset` + t * `stride` fit a buffer of `len` elements
+/// (the stride itself is checked by the raw launch: at least a row, 16-byte multiple).
+fn check_view(
+    what: &'static str,
+    len: usize,
+    offset: usize,
+    stride: usize,
+    tokens: usize,
+    row: usize,
+) -> Result<(), CudaError> {
+    if tokens == 0 {
+        return Ok(());
+    }
+    let need = (tokens - 1)
+        .checked_mul(stride)
+        .and_then(|x| x.checked_add(offset))
+        .and_then(|x| x.checked_add(row))
+        .ok_or(CudaError::Unsupported {
+            what,
+            value: stride,
+        })?;
+    if need > len {
+        return Err(AttnError::LengthMismatch {
+            what,
+            expected: need,
+            found: len,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// A buffer's device pointer advanced by `offset` elements of `T`.
+fn at<T>(ptr: DevPtr, offset: usize) -> DevPtr {
+    ptr + (offset * std::mem::size_of::<T>()) as u64
+}
+
+impl<T: DeviceRepr> TokenRows<'_, T> {
+    pub(crate) fn check(
+        &self,
+        gpu: &Gpu,
+        what: &'static str,
+        tokens: usize,
+        row: usize,
+    ) -> Result<(), CudaError> {
+        same_device(gpu, self.buf)?;
+        check_view(
+            what,
+            self.buf.len(),
+            self.offset,
+            self.token_stride,
+            tokens,
+            row,
+        )
+    }
+    pub(crate) fn raw<'s>(
+        &'s self,
+        stream: &'s cudarc::driver::CudaStream,
+    ) -> (Rows, SyncOnDrop<'s>) {
+        let (p, g) = self.buf.device_ptr(stream);
+        let rows = Rows {
+            ptr: at::<T>(p, self.offset),
+            token_stride: self.token_stride,
+        };
+        (rows, g)
+    }
+}
+
+impl<T: DeviceRepr> TokenRowsMut<'_, T> {
+    pub(crate) fn check(
+        &self,
+        gpu: &Gpu,
+        what: &'static str,
+        tokens: usize,
+        row: usize,
+    ) -> Result<(), CudaError> {
+        same_device(gpu, self.buf)?;
+        check_view(
+            what,
+            self.buf.len(),
+            self.offset,
+            self.token_stride,
+            tokens,
+            row,
+        )
+    }
+    pub(crate) fn raw<'s>(
+        &'s mut self,
+        stream: &'s cudarc::driver::CudaStream,
+    ) -> (Rows, SyncOnDrop<'s>) {
+        let (offset, token_stride) = (self.offset, self.token_stride);
+        let (p, g) = self.buf.device_ptr_mut(stream);
+        let rows = Rows {
+            ptr: at::<T>(p, offset),
+            token_stride,
+        };
+        (rows, g)
+    }
 }
 
 fn check_dtype<T: KvElem>(cfg: &KvCacheConfig) -> Result<(), CudaError> {
@@ -273,7 +441,7 @@ fn check_dtype<T: KvElem>(cfg: &KvCacheConfig) -> Result<(), CudaError> {
     Ok(())
 }
 
-fn check_layer(cfg: &KvCacheConfig, layer: usize) -> Result<i32, CudaError> {
+fn check_layer(cfg: &KvCacheConfig, layer: usize) -> Result<(), CudaError> {
     if layer >= cfg.num_layers() {
         return Err(KvError::LayerOutOfRange {
             layer,
@@ -281,38 +449,61 @@ fn check_layer(cfg: &KvCacheConfig, layer: usize) -> Result<i32, CudaError> {
         }
         .into());
     }
-    Ok(layer as i32)
+    Ok(())
 }
 
-fn ffi_params<'a>(
-    p: &'a DeviceAttnParams,
-    gpu: &'a Gpu,
-) -> (ffi::pkv_attn_params, Option<GuardedPtr<'a>>) {
-    let guard = p.alibi_slopes.as_ref().map(|s| {
-        let (ptr, g) = s.device_ptr(gpu.stream());
-        GuardedPtr { ptr, _g: g }
-    });
-    let raw = ffi::pkv_attn_params {
-        num_heads: p.num_heads as i32,
-        scale: p.scale,
-        softcap: p.softcap,
-        sliding_window: i32::try_from(p.sliding_window).unwrap_or(i32::MAX),
-        alibi_slopes: guard
-            .as_ref()
-            .map_or(std::ptr::null(), |g| g.ptr as usize as *const f32),
-        decode_mode: match p.mode {
-            DecodeMode::Auto => ffi::PKV_DECODE_AUTO as i32,
-            DecodeMode::SinglePass => ffi::PKV_DECODE_SINGLE as i32,
-            DecodeMode::SplitK => ffi::PKV_DECODE_SPLIT as i32,
-        },
-    };
-    (raw, guard)
+fn check_heads(cfg: &KvCacheConfig, params: &DeviceAttnParams) -> Result<(), CudaError> {
+    if params.num_heads == 0 || params.num_heads % cfg.num_kv_heads() != 0 {
+        return Err(AttnError::HeadsNotMultiple {
+            num_heads: params.num_heads,
+            num_kv_heads: cfg.num_kv_heads(),
+        }
+        .into());
+    }
+    Ok(())
 }
 
-/// A device pointer and the cudarc guard that records its use on the stream when dropped.
-struct GuardedPtr<'a> {
-    ptr: u64,
-    _g: cudarc::driver::SyncOnDrop<'a>,
+impl DeviceAttnParams {
+    /// The raw parameters, with the slopes' device pointer (and the guard recording the read
+    /// on `stream`).
+    pub(crate) fn raw<'a>(
+        &'a self,
+        stream: &'a cudarc::driver::CudaStream,
+    ) -> (AttnParamsRaw, Option<SyncOnDrop<'a>>) {
+        let (alibi_slopes, guard) = match self.alibi_slopes.as_ref() {
+            None => (0, None),
+            Some(s) => {
+                let (p, g) = s.device_ptr(stream);
+                (p, Some(g))
+            }
+        };
+        let raw = AttnParamsRaw {
+            num_heads: self.num_heads,
+            scale: self.scale,
+            softcap: self.softcap,
+            sliding_window: self.sliding_window,
+            alibi_slopes,
+        };
+        (raw, guard)
+    }
+}
+
+impl DeviceSeqs {
+    /// The raw metadata, with the guards recording the reads on `stream`.
+    fn raw<'a>(
+        &'a self,
+        stream: &'a cudarc::driver::CudaStream,
+    ) -> (SeqTables, [SyncOnDrop<'a>; 2]) {
+        let (bp, gb) = self.block_tables.device_ptr(stream);
+        let (lp, gl) = self.context_lens.device_ptr(stream);
+        let raw = SeqTables {
+            block_tables: bp,
+            max_blocks_per_seq: self.max_blocks_per_seq,
+            context_lens: lp,
+            num_seqs: self.num_seqs,
+        };
+        (raw, [gb, gl])
+    }
 }
 
 impl DeviceKvCache {
@@ -333,68 +524,71 @@ impl DeviceKvCache {
         value: &CudaSlice<T>,
         slot_mapping: &CudaSlice<i64>,
     ) -> Result<(), CudaError> {
-        let cfg = *self.config();
-        check_dtype::<T>(&cfg)?;
-        let layer_i = check_layer(&cfg, layer)?;
-        let n = slot_mapping.len();
-        let row = cfg.token_stride();
+        let (n, row) = (slot_mapping.len(), self.config().token_stride());
         check_len("key", n * row, key.len())?;
         check_len("value", n * row, value.len())?;
+        self.reshape_and_cache_rows(
+            gpu,
+            layer,
+            TokenRows::dense(key, row),
+            TokenRows::dense(value, row),
+            slot_mapping,
+        )
+    }
+
+    /// [`reshape_and_cache`](Self::reshape_and_cache) from strided rows: the k and v parts of
+    /// a fused QKV projection in place, one row per slot of `slot_mapping`.
+    ///
+    /// # Errors
+    /// As [`reshape_and_cache`](Self::reshape_and_cache); [`CudaError::Raw`] for a stride
+    /// shorter than a row or a view off the element grid.
+    pub fn reshape_and_cache_rows<T: KvElem + DeviceRepr>(
+        &mut self,
+        gpu: &Gpu,
+        layer: usize,
+        key: TokenRows<'_, T>,
+        value: TokenRows<'_, T>,
+        slot_mapping: &CudaSlice<i64>,
+    ) -> Result<(), CudaError> {
+        let cfg = *self.config();
+        check_dtype::<T>(&cfg)?;
+        check_layer(&cfg, layer)?;
+        let (n, row) = (slot_mapping.len(), cfg.token_stride());
+        key.check(gpu, "key", n, row)?;
+        value.check(gpu, "value", n, row)?;
+        same_device(gpu, slot_mapping)?;
         self.check_device(gpu)?;
-        for s in [key.ordinal(), value.ordinal(), slot_mapping.ordinal()] {
-            if s != gpu.info().ordinal {
-                return Err(CudaError::WrongDevice {
-                    expected: gpu.info().ordinal,
-                    found: s,
-                });
-            }
-        }
-        let num_tokens = i32::try_from(n).map_err(|_| CudaError::Unsupported {
-            what: "num_tokens",
-            value: n,
-        })?;
         if n == 0 {
             return Ok(());
         }
         gpu.bind()?;
         let stream = gpu.stream();
-        let geom = *self.geom();
-        let (kp, _gk) = key.device_ptr(stream);
-        let (vp, _gv) = value.device_ptr(stream);
+        let (k, _gk) = key.raw(stream);
+        let (v, _gv) = value.raw(stream);
         let (sp, _gs) = slot_mapping.device_ptr(stream);
-        // SAFETY: `self.base()` is the arena that `geom` describes (num_blocks pages of its
-        // page stride), alive through our Arc until the launch completes (the arena's drop
-        // synchronizes); the kernel writes only the block part of the slots' pages, which this
-        // view's sequences own (the arena's rule). `kp`/`vp` hold
-        // n * H * D elements of the cache's dtype (checked: T::DTYPE == dtype, lengths), dense,
-        // so row stride H*D; `sp` holds n i64 slots. All four are device buffers of this
-        // context (ordinal checked), valid until the guards drop after the call, with cudarc's
-        // events ordering the launch after earlier writes. The kernel skips slots outside
-        // 0..num_blocks*block_size, so no input makes it write outside the cache.
-        let status = unsafe {
-            ffi::pkv_reshape_and_cache(
-                self.base(),
-                &geom,
-                layer_i,
-                kp as usize as *const c_void,
-                vp as usize as *const c_void,
-                row as i64,
-                row as i64,
-                sp as usize as *const i64,
-                num_tokens,
-                gpu.raw_stream(),
-            )
-        };
-        check_status("pkv_reshape_and_cache", status, Some(PageArgs::of(&cfg)))
+        // SAFETY: the cache view is this arena (num_blocks pages of its page stride, alive
+        // through our Arc until the launch completes: the arena's drop synchronizes); the
+        // kernel writes only the block part of the slots' pages, which this view's sequences
+        // own (the arena's rule). `k`/`v` hold n rows of H*D elements of the cache's dtype at
+        // their strides (dtype, lengths and device checked above), `sp` n i64 slots; all are
+        // buffers of this context held by guards until after the call, with cudarc's events
+        // ordering the launch after earlier work on them. The primary context is current
+        // (bind) and the stream is cudarc's. Slots outside the cache are skipped by the kernel.
+        unsafe {
+            cuda_raw::reshape_and_cache(&self.raw_view(), layer, k, v, sp, n, gpu.raw_stream())
+        }?;
+        Ok(())
     }
 
     /// Decode attention over layer `layer` (the CUDA twin of
     /// [`crate::attn::cpu::paged_attention_decode`]): `query`, `out` `[num_seqs, num_heads,
-    /// head_dim]`. GQA-aware single pass or split-K per [`DeviceAttnParams::mode`].
+    /// head_dim]`. The partitioning is a [`DecodePlan`] made per launch for this batch with
+    /// [`DeviceAttnParams::mode`] (for a plan fixed across launches, see
+    /// [`DecodeStep`](super::DecodeStep)).
     ///
     /// # Errors
     /// [`CudaError::Kv`] (dtype, layer), [`CudaError::Attn`] (lengths), [`CudaError::Driver`]
-    /// (workspace allocation), [`CudaError::Launch`].
+    /// (workspace allocation), [`CudaError::Launch`] (a refused plan, the launch).
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention_decode<T: KvElem + DeviceRepr>(
         &self,
@@ -406,81 +600,88 @@ impl DeviceKvCache {
         ws: &mut DecodeWorkspace,
         out: &mut CudaSlice<T>,
     ) -> Result<(), CudaError> {
+        let row = params.num_heads * self.config().head_dim();
+        check_len("query", seqs.num_seqs * row, query.len())?;
+        check_len("out", seqs.num_seqs * row, out.len())?;
+        self.paged_attention_decode_rows(
+            gpu,
+            layer,
+            TokenRows::dense(query, row),
+            seqs,
+            params,
+            ws,
+            TokenRowsMut::dense(out, row),
+        )
+    }
+
+    /// [`paged_attention_decode`](Self::paged_attention_decode) over strided query and output
+    /// rows (e.g. the q part of a fused QKV projection, in place).
+    ///
+    /// # Errors
+    /// As [`paged_attention_decode`](Self::paged_attention_decode); [`CudaError::Raw`] for a
+    /// view off the 16-byte grid or a stride shorter than a row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_decode_rows<T: KvElem + DeviceRepr>(
+        &self,
+        gpu: &Gpu,
+        layer: usize,
+        query: TokenRows<'_, T>,
+        seqs: &DeviceSeqs,
+        params: &DeviceAttnParams,
+        ws: &mut DecodeWorkspace,
+        mut out: TokenRowsMut<'_, T>,
+    ) -> Result<(), CudaError> {
         let cfg = *self.config();
         check_dtype::<T>(&cfg)?;
-        let layer_i = check_layer(&cfg, layer)?;
-        let rows = seqs.num_seqs * params.num_heads * cfg.head_dim();
-        check_len("query", rows, query.len())?;
-        check_len("out", rows, out.len())?;
+        check_layer(&cfg, layer)?;
         check_heads(&cfg, params)?;
-        same_device(gpu, query)?;
-        same_device(gpu, out)?;
+        let row = params.num_heads * cfg.head_dim();
+        query.check(gpu, "query", seqs.num_seqs, row)?;
+        out.check(gpu, "out", seqs.num_seqs, row)?;
         same_device(gpu, &seqs.block_tables)?;
         self.check_device(gpu)?;
         if seqs.num_seqs == 0 {
             return Ok(());
         }
-        let max_ctx = i32::try_from(seqs.max_context_len).map_err(|_| CudaError::Unsupported {
-            what: "max_context_len",
-            value: seqs.max_context_len,
-        })?;
-        // SAFETY: a pure host function of its integer arguments (no CUDA call, no pointer).
-        let need = unsafe {
-            ffi::pkv_decode_workspace_bytes(
-                seqs.num_seqs as i32,
-                params.num_heads as i32,
-                cfg.head_dim() as i32,
-                max_ctx,
-            )
-        };
-        if need > 0 && ws.capacity_bytes() < need {
-            ws.buf = Some(gpu.alloc_zeros::<u8>(need)?);
-        }
+        let plan = DecodePlan::new(
+            params.mode,
+            seqs.num_seqs,
+            params.num_heads,
+            cfg.num_kv_heads(),
+            cfg.head_dim(),
+            seqs.max_context_len.max(1),
+            gpu.info().sm_count.max(1) as usize,
+        )?;
+        ws.reserve(gpu, plan.workspace_bytes())?;
         gpu.bind()?;
         let stream = gpu.stream();
-        let (raw, _alibi) = ffi_params(params, gpu);
-        let (qp, _gq) = query.device_ptr(stream);
-        let (bp, _gb) = seqs.block_tables.device_ptr(stream);
-        let (lp, _gl) = seqs.context_lens.device_ptr(stream);
-        let ws_len = ws.capacity_bytes();
-        let wsg = ws.buf.as_mut().map(|b| b.device_ptr_mut(stream));
-        let wp = wsg.as_ref().map_or(0, |(p, _)| *p);
-        let (op, _go) = out.device_ptr_mut(stream);
-        // SAFETY: every pointer is a live device buffer of this context (ordinals checked)
-        // held by a guard until after the call: `op`/`qp` num_seqs*num_heads*head_dim elements
-        // of the cache dtype (checked), `self.base()` the arena `geom` describes (num_blocks
-        // pages of its page stride, alive through our Arc until the launch completes; the
-        // kernel only reads), `bp`
-        // num_seqs*max_blocks_per_seq i32 whose live entries are < num_blocks and `lp` num_seqs
-        // context lengths <= max_blocks_per_seq*block_size and <= max_ctx (validated on upload),
-        // the ALiBi slopes num_heads f32 (validated), `wp` ws_len >= the bytes
-        // pkv_decode_workspace_bytes asked for (or 0 when none is needed). The primary context
-        // is current (bind); the launch is queued on cudarc's stream after earlier work on
-        // these buffers (cudarc's events).
-        let status = unsafe {
-            ffi::pkv_paged_attention_decode(
-                op as usize as *mut c_void,
-                qp as usize as *const c_void,
-                self.base() as *const c_void,
-                self.geom(),
-                layer_i,
-                bp as usize as *const i32,
-                seqs.max_blocks_per_seq as i32,
-                lp as usize as *const i32,
-                seqs.num_seqs as i32,
-                max_ctx,
-                &raw,
-                wp as usize as *mut c_void,
-                ws_len,
+        let (q, _gq) = query.raw(stream);
+        let (tables, _gt) = seqs.raw(stream);
+        let (p, _gp) = params.raw(stream);
+        let (w, _gw) = ws.raw(stream);
+        let (o, _go) = out.raw(stream);
+        // SAFETY: every pointer is a live device buffer of this context (devices checked) held
+        // by a guard until after the call: `q`/`o` seqs.num_seqs rows of num_heads*head_dim
+        // elements of the cache dtype at their strides (checked), the arena `self` views
+        // (alive through our Arc until the launch completes; read only), the tables and
+        // context lengths of seqs.num_seqs sequences (validated on upload), the slopes
+        // num_heads f32 (validated), the workspace at least the plan's bytes (reserved). The
+        // primary context is current (bind); the launch is queued on cudarc's stream after
+        // earlier work on these buffers (cudarc's events).
+        unsafe {
+            cuda_raw::paged_attention_decode(
+                &self.raw_view(),
+                layer,
+                q,
+                o,
+                &tables,
+                &p,
+                &plan,
+                w,
                 gpu.raw_stream(),
             )
-        };
-        drop(wsg);
-        check_status(
-            "pkv_paged_attention_decode",
-            status,
-            Some(PageArgs::of(&cfg)),
-        )
+        }?;
+        Ok(())
     }
 
     /// Prefill attention over layer `layer` (the CUDA twin of
@@ -500,19 +701,45 @@ impl DeviceKvCache {
         params: &DeviceAttnParams,
         out: &mut CudaSlice<T>,
     ) -> Result<(), CudaError> {
+        let row = params.num_heads * self.config().head_dim();
+        check_len("query", seqs.num_tokens * row, query.len())?;
+        check_len("out", seqs.num_tokens * row, out.len())?;
+        self.paged_attention_prefill_rows(
+            gpu,
+            layer,
+            TokenRows::dense(query, row),
+            seqs,
+            params,
+            TokenRowsMut::dense(out, row),
+        )
+    }
+
+    /// [`paged_attention_prefill`](Self::paged_attention_prefill) over strided query and
+    /// output rows.
+    ///
+    /// # Errors
+    /// As [`paged_attention_prefill`](Self::paged_attention_prefill); [`CudaError::Raw`] for
+    /// a view off the 16-byte grid or a stride shorter than a row.
+    pub fn paged_attention_prefill_rows<T: KvElem + DeviceRepr>(
+        &self,
+        gpu: &Gpu,
+        layer: usize,
+        query: TokenRows<'_, T>,
+        seqs: &DeviceSeqs,
+        params: &DeviceAttnParams,
+        mut out: TokenRowsMut<'_, T>,
+    ) -> Result<(), CudaError> {
         let cfg = *self.config();
         check_dtype::<T>(&cfg)?;
-        let layer_i = check_layer(&cfg, layer)?;
+        check_layer(&cfg, layer)?;
         let qsl = seqs
             .query_start_loc
             .as_ref()
             .ok_or(AttnError::QueryStartLoc { seq: 0 })?;
-        let rows = seqs.num_tokens * params.num_heads * cfg.head_dim();
-        check_len("query", rows, query.len())?;
-        check_len("out", rows, out.len())?;
         check_heads(&cfg, params)?;
-        same_device(gpu, query)?;
-        same_device(gpu, out)?;
+        let row = params.num_heads * cfg.head_dim();
+        query.check(gpu, "query", seqs.num_tokens, row)?;
+        out.check(gpu, "out", seqs.num_tokens, row)?;
         same_device(gpu, qsl)?;
         self.check_device(gpu)?;
         if seqs.num_seqs == 0 || seqs.num_tokens == 0 {
@@ -520,48 +747,28 @@ impl DeviceKvCache {
         }
         gpu.bind()?;
         let stream = gpu.stream();
-        let (raw, _alibi) = ffi_params(params, gpu);
-        let (qp, _gq) = query.device_ptr(stream);
-        let (bp, _gb) = seqs.block_tables.device_ptr(stream);
-        let (lp, _gl) = seqs.context_lens.device_ptr(stream);
+        let (q, _gq) = query.raw(stream);
+        let (tables, _gt) = seqs.raw(stream);
         let (sp, _gs) = qsl.device_ptr(stream);
-        let (op, _go) = out.device_ptr_mut(stream);
-        // SAFETY: as in paged_attention_decode; additionally `sp` holds num_seqs + 1
-        // non-decreasing offsets from 0 with each q_len <= its context length and the last equal
-        // to num_tokens (validated on upload), so every query/out row the kernel touches is
-        // < num_tokens; max_query_len bounds every q_len.
-        let status = unsafe {
-            ffi::pkv_paged_attention_prefill(
-                op as usize as *mut c_void,
-                qp as usize as *const c_void,
-                self.base() as *const c_void,
-                self.geom(),
-                layer_i,
-                bp as usize as *const i32,
-                seqs.max_blocks_per_seq as i32,
-                lp as usize as *const i32,
-                sp as usize as *const i32,
-                seqs.num_seqs as i32,
-                seqs.max_query_len as i32,
-                &raw,
+        let (p, _gp) = params.raw(stream);
+        let (o, _go) = out.raw(stream);
+        // SAFETY: as in paged_attention_decode_rows; additionally `sp` holds num_seqs + 1
+        // non-decreasing offsets from 0 with each q_len <= its context length and <=
+        // max_query_len, the last equal to num_tokens (validated on upload), so every
+        // query/out row the kernel touches is < num_tokens, inside the checked views.
+        unsafe {
+            cuda_raw::paged_attention_prefill(
+                &self.raw_view(),
+                layer,
+                q,
+                o,
+                &tables,
+                sp,
+                seqs.max_query_len,
+                &p,
                 gpu.raw_stream(),
             )
-        };
-        check_status(
-            "pkv_paged_attention_prefill",
-            status,
-            Some(PageArgs::of(&cfg)),
-        )
+        }?;
+        Ok(())
     }
-}
-
-fn check_heads(cfg: &KvCacheConfig, params: &DeviceAttnParams) -> Result<(), CudaError> {
-    if params.num_heads == 0 || params.num_heads % cfg.num_kv_heads() != 0 {
-        return Err(AttnError::HeadsNotMultiple {
-            num_heads: params.num_heads,
-            num_kv_heads: cfg.num_kv_heads(),
-        }
-        .into());
-    }
-    Ok(())
 }

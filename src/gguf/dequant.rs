@@ -338,10 +338,23 @@ trait Narrow: Copy + Send + Sync {
     fn from_f32_slice(dst: &mut [Self], src: &[f32]);
 }
 
+/// The one NaN [`dequantize_into_f16`] writes (quiet, positive, no payload).
+pub const F16_CANONICAL_NAN: f16 = f16::from_bits(0x7E00);
+/// The one NaN [`dequantize_into_bf16`] writes (quiet, positive, no payload).
+pub const BF16_CANONICAL_NAN: bf16 = bf16::from_bits(0x7FC0);
+
+// NaNs are canonicalized because IEEE 754 leaves the payload (and sign) of an operation's NaN
+// result to the implementation: x86 keeps an operand's, a GPU returns its own canonical NaN. One
+// NaN for all makes the narrow outputs a function of the input bits alone, so the device
+// dequantizer (kernels/dequant.cu) can be required to match them bit for bit.
 impl Narrow for f16 {
     fn from_f32_slice(dst: &mut [Self], src: &[f32]) {
         for (d, &s) in dst.iter_mut().zip(src) {
-            *d = f16::from_f32(s);
+            *d = if s.is_nan() {
+                F16_CANONICAL_NAN
+            } else {
+                f16::from_f32(s)
+            };
         }
     }
 }
@@ -349,7 +362,11 @@ impl Narrow for f16 {
 impl Narrow for bf16 {
     fn from_f32_slice(dst: &mut [Self], src: &[f32]) {
         for (d, &s) in dst.iter_mut().zip(src) {
-            *d = bf16::from_f32(s);
+            *d = if s.is_nan() {
+                BF16_CANONICAL_NAN
+            } else {
+                bf16::from_f32(s)
+            };
         }
     }
 }
@@ -379,12 +396,16 @@ fn dequantize_narrow<T: Narrow>(ty: GgmlType, src: &[u8], dst: &mut [T]) -> Resu
     Ok(())
 }
 
-/// Dequantizes to f16 (each value rounded to nearest even from the f32 result).
+/// Dequantizes to f16: each value is [`dequantize_into`]'s f32 result rounded to nearest even
+/// (overflow to infinity), and every NaN is [`F16_CANONICAL_NAN`]. The device dequantizer
+/// (`kernels/dequant.cu`, `pkv_dequantize`) matches this bit for bit.
 pub fn dequantize_into_f16(ty: GgmlType, src: &[u8], dst: &mut [f16]) -> Result<(), GgufError> {
     dequantize_narrow(ty, src, dst)
 }
 
-/// Dequantizes to bf16 (each value rounded to nearest even from the f32 result).
+/// Dequantizes to bf16: each value is [`dequantize_into`]'s f32 result rounded to nearest even,
+/// and every NaN is [`BF16_CANONICAL_NAN`]. The device dequantizer (`kernels/dequant.cu`,
+/// `pkv_dequantize`) matches this bit for bit.
 pub fn dequantize_into_bf16(ty: GgmlType, src: &[u8], dst: &mut [bf16]) -> Result<(), GgufError> {
     dequantize_narrow(ty, src, dst)
 }

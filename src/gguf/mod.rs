@@ -40,6 +40,7 @@ mod write;
 
 pub use dequant::{
     dequantize_into, dequantize_into_bf16, dequantize_into_f16, dequantize_into_serial,
+    BF16_CANONICAL_NAN, F16_CANONICAL_NAN,
 };
 pub use error::GgufError;
 pub use llama::LlamaParams;

@@ -174,7 +174,24 @@ struct PendingTensor<'d> {
     name: String,
     ty: GgmlType,
     shape: Vec<u64>,
-    data: &'d [u8],
+    data: TensorBytes<'d>,
+}
+
+/// A tensor's bytes: borrowed now, or produced while the file is written.
+#[derive(Debug, Clone, Copy)]
+enum TensorBytes<'d> {
+    Borrowed(&'d [u8]),
+    /// [`GgufWriter::write_streaming`]'s producer writes this many bytes.
+    Deferred(usize),
+}
+
+impl TensorBytes<'_> {
+    fn len(&self) -> usize {
+        match *self {
+            TensorBytes::Borrowed(b) => b.len(),
+            TensorBytes::Deferred(n) => n,
+        }
+    }
 }
 
 /// Builds a GGUF file from metadata and tensors borrowed from the caller.
@@ -260,6 +277,48 @@ impl<'d> GgufWriter<'d> {
         shape: &[u64],
         data: &'d [u8],
     ) -> Result<&mut Self, GgufError> {
+        let n = self.check_tensor(name, ty, shape)?;
+        if ty.bytes_for(n) != Some(data.len() as u64) {
+            return Err(GgufError::Unwritable(
+                "tensor data length does not match its type and shape",
+            ));
+        }
+        self.push_tensor(name, ty, shape, TensorBytes::Borrowed(data));
+        Ok(self)
+    }
+
+    /// Adds a tensor of type `ty` with `shape` whose bytes are produced while the file is
+    /// written ([`GgufWriter::write_streaming`]), so a file larger than memory can be written
+    /// one tensor at a time.
+    pub fn add_tensor_deferred(
+        &mut self,
+        name: &str,
+        ty: GgmlType,
+        shape: &[u64],
+    ) -> Result<&mut Self, GgufError> {
+        let n = self.check_tensor(name, ty, shape)?;
+        let len = ty
+            .bytes_for(n)
+            .and_then(|b| usize::try_from(b).ok())
+            .ok_or(GgufError::Unwritable(
+                "tensor size does not fit this machine's address space",
+            ))?;
+        self.push_tensor(name, ty, shape, TensorBytes::Deferred(len));
+        Ok(self)
+    }
+
+    fn push_tensor(&mut self, name: &str, ty: GgmlType, shape: &[u64], data: TensorBytes<'d>) {
+        self.names.insert(name.into());
+        self.tensors.push(PendingTensor {
+            name: name.into(),
+            ty,
+            shape: shape.to_vec(),
+            data,
+        });
+    }
+
+    /// Checks a new tensor's name and shape; returns its element count.
+    fn check_tensor(&self, name: &str, ty: GgmlType, shape: &[u64]) -> Result<u64, GgufError> {
         if self.names.contains(name) {
             return Err(GgufError::DuplicateTensor { name: name.into() });
         }
@@ -291,19 +350,7 @@ impl<'d> GgufWriter<'d> {
                 block_size: ty.block_size(),
             });
         }
-        if ty.bytes_for(n) != Some(data.len() as u64) {
-            return Err(GgufError::Unwritable(
-                "tensor data length does not match its type and shape",
-            ));
-        }
-        self.names.insert(name.into());
-        self.tensors.push(PendingTensor {
-            name: name.into(),
-            ty,
-            shape: shape.to_vec(),
-            data,
-        });
-        Ok(self)
+        Ok(n)
     }
 
     /// The header (everything before the data section, padding included).
@@ -340,13 +387,50 @@ impl<'d> GgufWriter<'d> {
     }
 
     /// Writes the file to `out`, returning the bytes written.
-    pub fn write_to<W: Write>(&self, mut out: W) -> Result<u64, GgufError> {
+    ///
+    /// # Errors
+    /// [`GgufError::Unwritable`] if a tensor was added with
+    /// [`GgufWriter::add_tensor_deferred`] (write those with [`GgufWriter::write_streaming`]);
+    /// [`GgufError::Write`] when `out` fails.
+    pub fn write_to<W: Write>(&self, out: W) -> Result<u64, GgufError> {
+        self.write_streaming(out, |_, _, _| {
+            Err(GgufError::Unwritable(
+                "a deferred tensor needs write_streaming",
+            ))
+        })
+    }
+
+    /// Writes the file to `out`; for each tensor added with
+    /// [`GgufWriter::add_tensor_deferred`], in order, `produce(index, tensor name, buf)` fills
+    /// `buf` (handed over empty) with exactly the tensor's bytes. Returns the bytes written.
+    ///
+    /// # Errors
+    /// `produce`'s error; [`GgufError::Unwritable`] if it produced the wrong number of bytes;
+    /// [`GgufError::Write`] when `out` fails.
+    pub fn write_streaming<W: Write>(
+        &self,
+        mut out: W,
+        mut produce: impl FnMut(usize, &str, &mut Vec<u8>) -> Result<(), GgufError>,
+    ) -> Result<u64, GgufError> {
         let header = self.header()?;
         out.write_all(&header)?;
         let mut written = header.len() as u64;
         let zeros = vec![0u8; self.alignment.min(1 << 16) as usize];
-        for t in &self.tensors {
-            out.write_all(t.data)?;
+        let mut buf = Vec::new();
+        for (i, t) in self.tensors.iter().enumerate() {
+            match t.data {
+                TensorBytes::Borrowed(b) => out.write_all(b)?,
+                TensorBytes::Deferred(n) => {
+                    buf.clear();
+                    produce(i, &t.name, &mut buf)?;
+                    if buf.len() != n {
+                        return Err(GgufError::Unwritable(
+                            "a deferred tensor's producer wrote the wrong number of bytes",
+                        ));
+                    }
+                    out.write_all(&buf)?;
+                }
+            }
             let len = t.data.len() as u64;
             let mut pad = len.next_multiple_of(self.alignment) - len;
             written += len + pad;

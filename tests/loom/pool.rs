@@ -373,3 +373,48 @@ fn magazine_two_pushers() {
         drain_and_check(&p, &[]);
     });
 }
+
+/// `free_n`'s fast path takes the first block to zero references, then finds the second shared
+/// and puts the first back before the general path frees the batch; meanwhile another thread
+/// releases the first block (a double free). Exactly one of the two releases of it succeeds
+/// whichever way the race goes, and no block is lost or freed twice.
+#[test]
+fn free_n_fast_path_undo_racing_a_double_release() {
+    loom::model(|| {
+        let p = pool(2);
+        let mut ids = Vec::new();
+        p.alloc_n(EngineId(0), 2, &mut ids).unwrap();
+        let (first, second) = (ids[0], ids[1]);
+        p.share(second).unwrap();
+        let rogue = {
+            let p = p.clone();
+            thread::spawn(move || p.release(first).is_ok())
+        };
+        let mine = match p.free_n(&ids) {
+            Ok(n) => {
+                assert_eq!(n, 1, "only the first block reaches zero references");
+                true
+            }
+            Err(PoolError::NotAllocated { id }) | Err(PoolError::StaleBlock { id, .. }) => {
+                // Refused as a whole: the second block keeps both references.
+                assert_eq!(id, first);
+                assert_eq!(p.release(second), Ok(false));
+                false
+            }
+            Err(PoolError::ConcurrentDoubleFree { id, freed }) => {
+                assert_eq!((id, freed), (first, 0));
+                false
+            }
+            Err(e) => panic!("unexpected {e}"),
+        };
+        let theirs = rogue.join().unwrap();
+        assert!(
+            mine ^ theirs,
+            "exactly one release of the first block succeeds"
+        );
+        assert_eq!(p.release(second), Ok(true));
+        assert_eq!(p.free_count(), 2, "a block is neither free nor allocated");
+        assert_eq!(p.held(EngineId(0)), 0);
+        drain_and_check(&p, &[]);
+    });
+}

@@ -76,24 +76,6 @@ pub fn poison_padding(h: &mut HostKvCache) {
     }
 }
 
-/// Query heads one decode thread block serves (as kernels/paged_attention.cu chooses).
-pub fn heads_per_block(group: usize) -> usize {
-    if group == 1 {
-        1
-    } else if group <= 4 {
-        4
-    } else {
-        8
-    }
-}
-
-/// Whether a forced single pass is refused: the logits of the longest context, plus the
-/// kernel's static max and sum per head, do not fit the 48 KiB of shared memory.
-pub fn single_pass_refused(group: usize, ctx: &[usize]) -> bool {
-    let tokens = ctx.iter().max().copied().unwrap_or(1).max(1);
-    heads_per_block(group) * (tokens + 2) * 4 > 48 * 1024
-}
-
 pub fn random_vec<T: KvElem>(rng: &mut SmallRng, n: usize) -> Vec<T> {
     (0..n)
         .map(|_| T::from_f32(rng.gen_range(-1.0f32..1.0)))

@@ -129,3 +129,150 @@ fn bad_input_is_a_one_line_error_and_a_failing_exit() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+// ---- pagedkv gguf synth ----------------------------------------------------------------------
+
+/// Runs `pagedkv gguf synth OUT` with a small shape plus `extra`; returns the file's bytes.
+fn synth(out: &Path, layers: &str, extra: &[&str]) -> Vec<u8> {
+    let mut args = vec![
+        "gguf",
+        "synth",
+        out.to_str().expect("utf8"),
+        "--layers",
+        layers,
+        "--dim",
+        "256",
+        "--ffn",
+        "512",
+        "--vocab",
+        "300",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+    ];
+    args.extend_from_slice(extra);
+    let r = pagedkv(&args);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let text = String::from_utf8_lossy(&r.stdout);
+    assert!(text.starts_with("wrote "), "{text}");
+    std::fs::read(out).expect("synth output")
+}
+
+#[test]
+fn synth_writes_a_llama_shaped_file_of_finite_random_tensors() {
+    use pagedkv::gguf::{GgmlType, Gguf};
+    let dir = tempfile::tempdir().expect("tmp");
+    let bytes = synth(&dir.path().join("a.gguf"), "8", &[]);
+    let g = Gguf::parse(&bytes).expect("parse");
+    // The first GPU run's file had 8 layers and 75 tensors: 9 per layer, embedding, output
+    // norm and output.
+    assert_eq!(g.tensors().len(), 75);
+    let p = g.llama_params().expect("llama params");
+    assert_eq!(
+        (
+            p.n_layers,
+            p.n_heads,
+            p.n_kv_heads,
+            p.head_dim,
+            p.embedding_length
+        ),
+        (8, 4, 2, 64, 256)
+    );
+    let ty = |name: &str| g.tensor(name).unwrap_or_else(|| panic!("{name}")).ty();
+    let kv_dim = 2 * 64;
+    for (name, want, shape) in [
+        ("token_embd.weight", GgmlType::F16, vec![256, 300]),
+        ("output.weight", GgmlType::Q6_K, vec![256, 300]),
+        ("output_norm.weight", GgmlType::F32, vec![256]),
+        ("blk.7.attn_q.weight", GgmlType::F16, vec![256, 256]),
+        ("blk.7.attn_k.weight", GgmlType::Q8_0, vec![256, kv_dim]),
+        ("blk.7.attn_v.weight", GgmlType::Q6_K, vec![256, kv_dim]),
+        ("blk.7.attn_output.weight", GgmlType::Q4_K, vec![256, 256]),
+        ("blk.7.ffn_gate.weight", GgmlType::Q8_0, vec![256, 512]),
+        ("blk.7.ffn_up.weight", GgmlType::Q8_0, vec![256, 512]),
+        ("blk.7.ffn_down.weight", GgmlType::F16, vec![512, 256]),
+        ("blk.0.attn_norm.weight", GgmlType::F32, vec![256]),
+        ("blk.0.ffn_norm.weight", GgmlType::F32, vec![256]),
+    ] {
+        assert_eq!(ty(name), want, "{name}");
+        assert_eq!(g.tensor(name).expect("t").shape(), shape, "{name}");
+    }
+    // Values: finite everywhere, norms near 1, weights within their scale.
+    for t in g.tensors() {
+        let v = t.dequantize().expect("dequantize");
+        assert!(
+            v.iter().all(|x| x.is_finite()),
+            "{}: non-finite value",
+            t.name()
+        );
+        if t.shape().len() == 1 {
+            assert!(v.iter().all(|x| (0.94..=1.06).contains(x)), "{}", t.name());
+        } else {
+            let max = v.iter().fold(0f32, |m, x| m.max(x.abs()));
+            assert!(max > 0.0 && max < 1.0, "{}: max |x| {max}", t.name());
+        }
+    }
+    // Deterministic from the seed: the same arguments give the same bytes, another seed others.
+    let again = synth(&dir.path().join("b.gguf"), "8", &[]);
+    assert!(again == bytes, "same arguments, different bytes");
+    let other = synth(&dir.path().join("c.gguf"), "8", &["--seed", "2"]);
+    assert_eq!(other.len(), bytes.len());
+    assert!(other != bytes, "another seed, same bytes");
+}
+
+#[test]
+fn synth_weights_option_and_refusals() {
+    use pagedkv::gguf::{GgmlType, Gguf};
+    let dir = tempfile::tempdir().expect("tmp");
+    for (flag, want) in [
+        ("q4_0", GgmlType::Q4_0),
+        ("BF16", GgmlType::BF16),
+        ("q4_k", GgmlType::Q4_K),
+    ] {
+        let bytes = synth(
+            &dir.path().join(format!("{flag}.gguf")),
+            "1",
+            &["--weights", flag],
+        );
+        let g = Gguf::parse(&bytes).expect("parse");
+        for t in g.tensors() {
+            let expect = if t.shape().len() == 1 {
+                GgmlType::F32
+            } else {
+                want
+            };
+            assert_eq!(t.ty(), expect, "{flag}: {}", t.name());
+            assert!(t.dequantize().expect("dq").iter().all(|x| x.is_finite()));
+        }
+    }
+    let out = dir.path().join("x.gguf");
+    let o = out.to_str().expect("utf8");
+    for (args, needle) in [
+        (vec!["gguf", "synth", o, "--layers", "0"], "--layers"),
+        (
+            vec!["gguf", "synth", o, "--layers", "1", "--dim", "300"],
+            "multiple of 256",
+        ),
+        (
+            vec!["gguf", "synth", o, "--layers", "1", "--weights", "Q5_K"],
+            "--weights",
+        ),
+        (
+            vec![
+                "gguf", "synth", o, "--layers", "1", "--dim", "256", "--heads", "3",
+            ],
+            "--heads",
+        ),
+        (
+            vec!["gguf", "synth", "/nonexistent/dir/x.gguf", "--layers", "1"],
+            "cannot create",
+        ),
+    ] {
+        let r = pagedkv(&args);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}

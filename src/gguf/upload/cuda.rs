@@ -1,140 +1,29 @@
-//! Device upload over CUDA (feature `cuda`): [`super::StagingRing`] driven by [`CudaCopy`], a
-//! [`CopyEngine`] of pinned staging buffers, `cuMemcpyHtoDAsync` on one stream and one
-//! `CUevent` per buffer; [`Uploader`] wraps it with the device-memory check and the result map.
+//! The CUDA engine (feature `cuda`): [`CudaCopy`], a [`CopyEngine`] of pinned staging buffers,
+//! `cuMemcpyHtoDAsync` on one stream and one `CUevent` per buffer; a [`RegisterEngine`] over
+//! `cuMemHostRegister` (read-only) and a [`DequantEngine`] over `pkv_dequantize`
+//! (kernels/dequant.cu). [`dequantize_on_device`] is the kernel alone, for tensors already on
+//! the device.
 //!
 //! A DMA engine copies to the device asynchronously only from page-locked memory; from pageable
 //! memory (an mmapped file) the driver stages the copy itself and the call returns only after
-//! it, which is how llama.cpp's mmap path uploads. Here the host copies each piece from the file
-//! into a pinned buffer (spread over rayon's pool: one core's memcpy from the page cache is
-//! slower than a PCIe 5 DMA) and queues its DMA at once, while the DMAs of the buffers filled
-//! before run; every piece is its own DMA straight into its tensor's device allocation, so
-//! nothing is copied twice on the device. The schedule and its safety argument are in
-//! [`super::pipeline`].
+//! it, which is how llama.cpp's mmap path uploads. Here either fill threads copy each piece from
+//! the file into a pinned buffer and its DMA is queued as soon as the buffer is full (the
+//! staged path, [`super::StagingRing`]), or the file's own pages are registered and DMAed
+//! directly (the registered path, [`super::upload_registered`]).
 
-use super::pipeline::{CopyEngine, StagingRing};
-use super::UploadProgress;
-use crate::cuda::Gpu;
+use super::engine::{CopyEngine, DequantEngine, RegisterEngine};
+use super::{device_can_dequantize, DequantTo};
+use crate::cuda::{ffi, Gpu};
 use crate::error::CudaError;
-use crate::gguf::{GgmlType, Gguf};
-use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtrMut};
-use rayon::prelude::*;
-use std::collections::HashMap;
-use std::ffi::c_void;
-use std::num::NonZeroUsize;
+use crate::gguf::GgmlType;
+use cudarc::driver::{
+    result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+};
+use std::ffi::{c_void, CStr};
 use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::Arc;
-
-/// Most staging buffers a ring may have.
-pub const MAX_STAGING_BUFFERS: usize = 16;
-
-/// How an [`Uploader`] stages its copies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct UploadOptions {
-    /// Pinned buffers in the ring, 2 to [`MAX_STAGING_BUFFERS`]: two overlap one host copy
-    /// with one DMA; more absorb jitter in either.
-    pub staging_buffers: usize,
-    /// Bytes per staging buffer, 64 KiB to 2 GiB: the largest single DMA.
-    pub staging_bytes: usize,
-    /// Allocate the ring write-combined (the host only writes it, the device only reads it).
-    pub write_combined: bool,
-}
-
-impl Default for UploadOptions {
-    /// Four write-combined buffers of 64 MiB.
-    fn default() -> Self {
-        Self {
-            staging_buffers: 4,
-            staging_bytes: 64 << 20,
-            write_combined: true,
-        }
-    }
-}
-
-impl UploadOptions {
-    /// Checks the ranges documented on the fields.
-    ///
-    /// # Errors
-    /// [`CudaError::Unsupported`] naming the field out of range.
-    pub fn check(&self) -> Result<(), CudaError> {
-        if !(2..=MAX_STAGING_BUFFERS).contains(&self.staging_buffers) {
-            return Err(CudaError::Unsupported {
-                what: "staging_buffers",
-                value: self.staging_buffers,
-            });
-        }
-        if !((64 << 10)..=(2 << 30)).contains(&self.staging_bytes) {
-            return Err(CudaError::Unsupported {
-                what: "staging_bytes",
-                value: self.staging_bytes,
-            });
-        }
-        Ok(())
-    }
-}
-
-/// One tensor in device memory.
-#[derive(Debug)]
-pub struct DeviceTensor {
-    ty: GgmlType,
-    /// Innermost dimension first, as in the file.
-    shape: Vec<u64>,
-    /// The tensor's bytes exactly as stored in the file (`ty.bytes_for(product of shape)`).
-    data: CudaSlice<u8>,
-}
-
-impl DeviceTensor {
-    /// Its ggml type.
-    pub fn ty(&self) -> GgmlType {
-        self.ty
-    }
-    /// Its shape, innermost dimension first.
-    pub fn shape(&self) -> &[u64] {
-        &self.shape
-    }
-    /// Its bytes in device memory.
-    pub fn data(&self) -> &CudaSlice<u8> {
-        &self.data
-    }
-    /// Its bytes in device memory, owned.
-    pub fn into_data(self) -> CudaSlice<u8> {
-        self.data
-    }
-}
-
-/// A GGUF's tensors in device memory, by name.
-#[derive(Debug, Default)]
-pub struct DeviceWeights {
-    tensors: HashMap<String, DeviceTensor>,
-    total_bytes: u64,
-}
-
-impl DeviceWeights {
-    /// The tensor named `name`.
-    pub fn get(&self, name: &str) -> Option<&DeviceTensor> {
-        self.tensors.get(name)
-    }
-    /// Every tensor, in no particular order.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &DeviceTensor)> {
-        self.tensors.iter().map(|(k, v)| (k.as_str(), v))
-    }
-    /// Number of tensors.
-    pub fn len(&self) -> usize {
-        self.tensors.len()
-    }
-    /// True when there are no tensors.
-    pub fn is_empty(&self) -> bool {
-        self.tensors.is_empty()
-    }
-    /// Bytes of all tensors.
-    pub fn total_bytes(&self) -> u64 {
-        self.total_bytes
-    }
-    /// The map itself.
-    pub fn into_map(self) -> HashMap<String, DeviceTensor> {
-        self.tensors
-    }
-}
+use std::time::{Duration, Instant};
 
 /// One pinned staging buffer of a [`CudaCopy`] ring and its event. Dropping it destroys the
 /// event and leaks the memory; [`CopyEngine::free_staging`] frees it.
@@ -149,17 +38,46 @@ pub struct CudaStaging {
 }
 
 // SAFETY: the pinned memory is owned by this value alone and reached only through it (`&mut`
-// for writes); CudaEvent is Send. Moving it to another thread moves that ownership.
+// for writes); CudaEvent is Send. Moving it to another thread (a fill thread) moves that
+// ownership; the pinned memory is valid in any thread of the process.
 unsafe impl Send for CudaStaging {}
 
-/// The CUDA [`CopyEngine`]: pinned staging buffers on a context, DMAs and events on one stream,
-/// destinations allocated on that stream.
+/// Host memory registered for DMA by [`CudaCopy`]: `len` bytes at `ptr`. Dropping it without
+/// [`RegisterEngine::unregister`] leaves them registered (pinned until the process exits).
+#[derive(Debug)]
+pub struct CudaRegistered {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+/// The CUDA engine: pinned staging buffers on a context, DMAs, conversions and events on one
+/// stream, destinations allocated on that stream.
 #[derive(Debug)]
 pub struct CudaCopy {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     /// `cuMemHostAlloc` flags of the staging buffers.
     host_alloc_flags: u32,
+    /// How long the last `register` and `unregister` took (for the bench).
+    pub(crate) last_register: Duration,
+    pub(crate) last_unregister: Duration,
+}
+
+impl CudaCopy {
+    /// An engine on `gpu`'s context and stream; staging buffers write-combined or not.
+    pub(crate) fn new(gpu: &Gpu, write_combined: bool) -> Self {
+        Self {
+            ctx: gpu.context().clone(),
+            stream: gpu.stream().clone(),
+            host_alloc_flags: if write_combined {
+                sys::CU_MEMHOSTALLOC_WRITECOMBINED
+            } else {
+                0
+            },
+            last_register: Duration::ZERO,
+            last_unregister: Duration::ZERO,
+        }
+    }
 }
 
 impl CopyEngine for CudaCopy {
@@ -200,14 +118,14 @@ impl CopyEngine for CudaCopy {
         Ok(unsafe { self.stream.alloc::<u8>(bytes) }?)
     }
 
-    unsafe fn fill(&mut self, staging: &mut CudaStaging, at: usize, src: &[u8]) {
+    unsafe fn fill(staging: &mut CudaStaging, at: usize, src: &[u8]) {
         debug_assert!(at + src.len() <= staging.len);
         // SAFETY: [at, at + src.len()) lies inside the buffer's `len` initialized bytes (the
         // caller's bound); no DMA reads them (the caller's contract) and no other reference to
         // them exists (we hold `&mut` of the buffer).
         let bytes =
             unsafe { std::slice::from_raw_parts_mut(staging.ptr.as_ptr().add(at), src.len()) };
-        copy_parallel(bytes, src);
+        bytes.copy_from_slice(src);
     }
 
     unsafe fn copy_async(
@@ -243,111 +161,232 @@ impl CopyEngine for CudaCopy {
     }
 }
 
-/// Uploads GGUF files to one device through a ring of pinned staging buffers, reusable across
-/// files (the ring is pinned once).
-#[derive(Debug)]
-pub struct Uploader {
-    gpu: Gpu,
-    ring: StagingRing<CudaCopy>,
-}
-
-impl Uploader {
-    /// Pins the ring on `gpu`'s context; uploads run on `gpu`'s stream.
-    ///
-    /// # Errors
-    /// [`CudaError::Unsupported`] for options out of range, [`CudaError::HostAlloc`] or
-    /// [`CudaError::Driver`] if pinning fails.
-    pub fn new(gpu: &Gpu, opts: UploadOptions) -> Result<Self, CudaError> {
-        opts.check()?;
-        let engine = CudaCopy {
-            ctx: gpu.context().clone(),
-            stream: gpu.stream().clone(),
-            host_alloc_flags: if opts.write_combined {
-                sys::CU_MEMHOSTALLOC_WRITECOMBINED
-            } else {
-                0
-            },
-        };
-        // check() bounds both below by 2 and 64 KiB.
-        let nz =
-            |v: usize, what| NonZeroUsize::new(v).ok_or(CudaError::Unsupported { what, value: v });
-        let ring = StagingRing::new(
-            engine,
-            nz(opts.staging_buffers, "staging_buffers")?,
-            nz(opts.staging_bytes, "staging_bytes")?,
-        )?;
-        Ok(Self {
-            gpu: gpu.clone(),
-            ring,
-        })
-    }
-
-    /// The device and stream uploads run on.
-    pub fn gpu(&self) -> &Gpu {
-        &self.gpu
-    }
-
-    /// Copies every tensor of `gguf` into a device allocation of its own, largest first,
-    /// calling `progress` as pieces complete; returns once all bytes are on the device.
-    ///
-    /// # Errors
-    /// [`CudaError::DeviceOutOfMemory`] if the device has too little free memory (nothing is
-    /// copied), [`CudaError::Driver`] for an allocation or copy failure. Device memory already
-    /// allocated is freed.
-    pub fn upload(
+impl DequantEngine for CudaCopy {
+    unsafe fn dequantize_async(
         &mut self,
-        gguf: &Gguf<'_>,
-        progress: impl FnMut(UploadProgress<'_>),
-    ) -> Result<DeviceWeights, CudaError> {
-        let total = gguf.total_tensor_bytes();
-        self.gpu.bind()?;
-        let (free, _) = result::mem_get_info()?;
-        if total > free as u64 {
-            return Err(CudaError::DeviceOutOfMemory {
-                needed: total,
-                free: free as u64,
-            });
+        src: &CudaSlice<u8>,
+        src_offset: usize,
+        ty: GgmlType,
+        n_elements: usize,
+        dst: &mut CudaSlice<u8>,
+        dst_elem: usize,
+        to: DequantTo,
+    ) -> Result<(), CudaError> {
+        let bytes = ty
+            .bytes_for(n_elements as u64)
+            .and_then(|b| usize::try_from(b).ok())
+            .ok_or(CudaError::Unsupported {
+                what: "dequantize: elements not a whole number of blocks",
+                value: n_elements,
+            })?;
+        let out = dst_elem * DequantTo::BYTES..(dst_elem + n_elements) * DequantTo::BYTES;
+        launch_dequant(
+            &self.ctx,
+            &self.stream,
+            src,
+            src_offset..src_offset + bytes,
+            ty,
+            n_elements,
+            dst,
+            out,
+            to,
+        )
+    }
+}
+
+impl RegisterEngine for CudaCopy {
+    type Registered = CudaRegistered;
+
+    unsafe fn register(&mut self, host: &[u8]) -> Result<CudaRegistered, CudaError> {
+        let ptr = NonNull::new(host.as_ptr() as *mut u8)
+            .ok_or(CudaError::HostAlloc { bytes: host.len() })?;
+        self.ctx.bind_to_thread()?;
+        let t0 = Instant::now();
+        // SAFETY: `host` is `host.len()` readable bytes that, by the caller's contract, stay
+        // mapped and unmodified until unregistered (or forever, if leaked). READ_ONLY: the
+        // device only reads them, and a read-only mapping (an mmapped model file) can be
+        // registered only so; the driver pins the pages, it never writes them.
+        unsafe {
+            sys::cuMemHostRegister_v2(
+                ptr.as_ptr().cast(),
+                host.len(),
+                sys::CU_MEMHOSTREGISTER_READ_ONLY,
+            )
         }
-        let tensors = self
-            .ring
-            .upload(gguf, progress)?
-            .into_iter()
-            .map(|(t, data)| {
-                let dt = DeviceTensor {
-                    ty: t.ty(),
-                    shape: t.shape().to_vec(),
-                    data,
-                };
-                (t.name().to_owned(), dt)
-            })
-            .collect();
-        Ok(DeviceWeights {
-            tensors,
-            total_bytes: total,
+        .result()?;
+        self.last_register = t0.elapsed();
+        Ok(CudaRegistered {
+            ptr,
+            len: host.len(),
         })
     }
-}
 
-/// Copies `src` into `dst` (same length), split over rayon's pool above a few MiB.
-fn copy_parallel(dst: &mut [u8], src: &[u8]) {
-    const PART: usize = 4 << 20;
-    if src.len() <= PART {
-        dst.copy_from_slice(src);
-    } else {
-        dst.par_chunks_mut(PART)
-            .zip(src.par_chunks(PART))
-            .for_each(|(d, s)| d.copy_from_slice(s));
+    unsafe fn copy_registered_async(
+        &mut self,
+        registered: &mut CudaRegistered,
+        range: Range<usize>,
+        dst: &mut CudaSlice<u8>,
+        dst_offset: usize,
+    ) -> Result<(), CudaError> {
+        debug_assert!(range.end <= registered.len);
+        let len = range.len();
+        // SAFETY: `range` lies inside the registration (the caller's bound), whose bytes stay
+        // mapped and unmodified while it is registered (register's contract).
+        let bytes =
+            unsafe { std::slice::from_raw_parts(registered.ptr.as_ptr().add(range.start), len) };
+        let mut view = dst.slice_mut(dst_offset..dst_offset + len);
+        let (dptr, _record) = view.device_ptr_mut(&self.stream);
+        // SAFETY: `dptr` is `len` bytes of the destination; `bytes` is registered (page-locked)
+        // memory that the caller does not unregister before a synchronize after this copy.
+        unsafe { result::memcpy_htod_async(dptr, bytes, self.stream.cu_stream()) }?;
+        Ok(())
+    }
+
+    fn synchronize(&mut self) -> Result<(), CudaError> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    unsafe fn unregister(&mut self, registered: CudaRegistered) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread()?;
+        let t0 = Instant::now();
+        // SAFETY: the pointer was registered by `register` in this context and is unregistered
+        // once (the handle is consumed); no copy from it is pending (the caller's contract).
+        unsafe { sys::cuMemHostUnregister(registered.ptr.as_ptr().cast()) }.result()?;
+        self.last_unregister = t0.elapsed();
+        Ok(())
     }
 }
 
-/// Uploads `gguf` to `gpu` with [`UploadOptions::default`] (pins a ring for this call only).
+/// Queues `pkv_dequantize` of `src[src_bytes]` (`n` elements of `ty`) into `dst[dst_bytes]`.
+#[allow(clippy::too_many_arguments)]
+fn launch_dequant(
+    ctx: &CudaContext,
+    stream: &CudaStream,
+    src: &CudaSlice<u8>,
+    src_bytes: Range<usize>,
+    ty: GgmlType,
+    n: usize,
+    dst: &mut CudaSlice<u8>,
+    dst_bytes: Range<usize>,
+    to: DequantTo,
+) -> Result<(), CudaError> {
+    if !device_can_dequantize(ty) {
+        return Err(CudaError::Unsupported {
+            what: "device dequantization of ggml type id",
+            value: ty.id() as usize,
+        });
+    }
+    if src_bytes.end > src.len() || dst_bytes.end > dst.len() {
+        return Err(CudaError::Unsupported {
+            what: "dequantize: range past its buffer, end byte",
+            value: src_bytes.end.max(dst_bytes.end),
+        });
+    }
+    let n = i64::try_from(n).map_err(|_| CudaError::Unsupported {
+        what: "dequantize: elements",
+        value: n,
+    })?;
+    let dtype = match to {
+        DequantTo::F16 => ffi::PKV_DTYPE_F16,
+        DequantTo::BF16 => ffi::PKV_DTYPE_BF16,
+    };
+    ctx.bind_to_thread()?;
+    let s = src.slice(src_bytes);
+    let (sp, _gs) = s.device_ptr(stream);
+    let mut d = dst.slice_mut(dst_bytes);
+    let (dp, _gd) = d.device_ptr_mut(stream);
+    // SAFETY: the context is current; `sp` / `dp` are the checked ranges of two device
+    // allocations of this context (distinct: one is borrowed shared, the other exclusively),
+    // sized for `n` elements each way; the launch is queued on `stream`, after the work that
+    // wrote `src`, and cudarc's guards order later users of both buffers after it. The launcher
+    // checks types, sizes and alignment itself and launches nothing it refuses.
+    let status = unsafe {
+        ffi::pkv_dequantize(
+            dp as *mut c_void,
+            dtype as i32,
+            sp as *const c_void,
+            ty.id() as i32,
+            n,
+            stream.cu_stream() as *mut c_void,
+        )
+    };
+    if status == 0 {
+        return Ok(());
+    }
+    // SAFETY: pkv_status_string returns a pointer to a static NUL-terminated string (a literal
+    // or cudaGetErrorString's static table) for every int, never NULL; no side effects.
+    let msg = unsafe { CStr::from_ptr(ffi::pkv_status_string(status)) };
+    Err(CudaError::Launch {
+        op: "pkv_dequantize",
+        status,
+        message: msg.to_str().unwrap_or("(non-UTF-8 message)"),
+    })
+}
+
+/// Dequantizes `src` (a tensor's raw bytes on the device: whole blocks of `ty`, e.g. an
+/// [`super::UploadOptions`]-raw upload's [`super::DeviceTensor::data`]) into a new device buffer
+/// of 2-byte values of `to`, on `gpu`'s stream (asynchronous: later work on the stream sees the
+/// result). Bit for bit [`crate::gguf::dequantize_into_f16`] /
+/// [`crate::gguf::dequantize_into_bf16`].
 ///
 /// # Errors
-/// As [`Uploader::new`] and [`Uploader::upload`].
-pub fn upload_gguf(
+/// [`CudaError::Unsupported`] for a type outside [`super::DEVICE_DEQUANT_TYPES`] or bytes that
+/// are not whole blocks; [`CudaError::Driver`] / [`CudaError::Launch`] from the allocation or
+/// launch.
+pub fn dequantize_on_device(
     gpu: &Gpu,
-    gguf: &Gguf<'_>,
-    progress: impl FnMut(UploadProgress<'_>),
-) -> Result<DeviceWeights, CudaError> {
-    Uploader::new(gpu, UploadOptions::default())?.upload(gguf, progress)
+    ty: GgmlType,
+    src: &CudaSlice<u8>,
+    to: DequantTo,
+) -> Result<CudaSlice<u8>, CudaError> {
+    let n = whole_blocks(ty, src.len())?;
+    // SAFETY: uninitialized device bytes (every bit pattern is a u8); the conversion queued
+    // next on the same stream writes every one of them before anything can read them.
+    let mut dst = unsafe { gpu.stream().alloc::<u8>((n * DequantTo::BYTES).max(1)) }?;
+    dequantize_on_device_into(gpu, ty, src, &mut dst, to)?;
+    Ok(dst)
+}
+
+/// As [`dequantize_on_device`], into `dst` (at least 2 bytes per element; the first
+/// `2 * elements` bytes are written).
+///
+/// # Errors
+/// As [`dequantize_on_device`], and [`CudaError::Unsupported`] for a `dst` too small.
+pub fn dequantize_on_device_into(
+    gpu: &Gpu,
+    ty: GgmlType,
+    src: &CudaSlice<u8>,
+    dst: &mut CudaSlice<u8>,
+    to: DequantTo,
+) -> Result<(), CudaError> {
+    let n = whole_blocks(ty, src.len())?;
+    if dst.len() < n * DequantTo::BYTES {
+        return Err(CudaError::Unsupported {
+            what: "dequantize: destination bytes",
+            value: dst.len(),
+        });
+    }
+    launch_dequant(
+        gpu.context(),
+        gpu.stream(),
+        src,
+        0..src.len(),
+        ty,
+        n,
+        dst,
+        0..n * DequantTo::BYTES,
+        to,
+    )
+}
+
+/// Elements in `bytes` of `ty`, or the refusal of bytes that are not whole blocks.
+fn whole_blocks(ty: GgmlType, bytes: usize) -> Result<usize, CudaError> {
+    let ts = ty.type_size() as usize;
+    if bytes % ts != 0 {
+        return Err(CudaError::Unsupported {
+            what: "dequantize: bytes not a whole number of blocks",
+            value: bytes,
+        });
+    }
+    Ok(bytes / ts * ty.block_size() as usize)
 }

@@ -1,127 +1,94 @@
-//! The staging pipeline, generic over the copy engine: n-buffered staging as in NVIDIA's "How to
+//! The staged upload: a ring of staging buffers filled by a pool of fill threads and drained by
+//! one stream of asynchronous copies, generic over the [`CopyEngine`].
 
-use super::UploadProgress;
-use crate::gguf::{Gguf, TensorInfo};
+use super::engine::{CopyEngine, DequantEngine};
+use super::plan::{Piece, Planner};
+use super::{device_can_dequantize, DequantTo, RingError, UploadProgress, DEQUANT_GRANULE};
+use crate::gguf::{GgmlType, Gguf, TensorInfo};
+use std::any::Any;
+use std::collections::VecDeque;
 use std::num::NonZeroUsize;
-use std::ops::Range;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 
-/// One in-order stream of asynchronous copies from host staging buffers into destination
-/// allocations, with one event per staging buffer: the seam between [`StagingRing`]'s
-/// scheduling and a transfer mechanism (CUDA's, or the host copy engine for tests, feature `test-util`).
+/// An upload's result: each tensor with its destination, in upload order.
+pub type Landed<'a, D> = Vec<(TensorInfo<'a>, D)>;
+
+/// Most fill threads a ring runs.
+pub const MAX_FILL_THREADS: usize = 64;
+
+/// A ring of staging buffers over a [`CopyEngine`], reusable across uploads: n-buffered staging
+/// as in NVIDIA's "How to Overlap Data Transfers", with one event per buffer and a pool of fill
+/// threads.
 ///
-/// The engine runs copies in the order they were queued; an event recorded after a copy
-/// completes only once that copy (and every copy queued before it) has finished reading its
-/// staging bytes and writing its destination.
-pub trait CopyEngine {
-    /// What a failed call returns.
-    type Error;
-    /// One staging buffer and its event. Dropping one without [`CopyEngine::free_staging`] must
-    /// leak its memory, never free it (the ring drops a buffer it cannot prove idle).
-    type Staging;
-    /// One destination allocation (a tensor's memory on the device).
-    type Dst;
-
-    /// A staging buffer of `bytes` bytes (at least 1) and its event, which has nothing
-    /// recorded yet (a wait on it returns at once).
-    ///
-    /// # Errors
-    /// The engine's allocation error.
-    fn alloc_staging(&mut self, bytes: usize) -> Result<Self::Staging, Self::Error>;
-
-    /// Frees a staging buffer.
-    ///
-    /// # Safety
-    /// No copy reading `staging` may still be pending: every copy queued from it was followed by
-    /// a record of its event (or of any later event on the stream), and a wait on that event has
-    /// since returned.
-    unsafe fn free_staging(&mut self, staging: Self::Staging);
-
-    /// A destination of `bytes` bytes (at least 1); its contents are unspecified until copies
-    /// have written them.
-    ///
-    /// # Errors
-    /// The engine's allocation error.
-    fn alloc_dst(&mut self, bytes: usize) -> Result<Self::Dst, Self::Error>;
-
-    /// Writes `src` into `staging` at `at`, on the host.
-    ///
-    /// # Safety
-    /// `at + src.len()` is at most the buffer's size, and no copy queued from any of those
-    /// bytes is still pending (as for [`CopyEngine::free_staging`]).
-    unsafe fn fill(&mut self, staging: &mut Self::Staging, at: usize, src: &[u8]);
-
-    /// Queues a copy of `staging[range]` to `dst[dst_offset..dst_offset + range.len()]` on the
-    /// stream and returns without waiting for it.
-    ///
-    /// # Safety
-    /// `range` lies inside the staging buffer and the destination range inside `dst`; the bytes
-    /// were written by [`CopyEngine::fill`]. The caller neither writes those staging bytes nor
-    /// frees the buffer until it has recorded an event after this call and waited on it.
-    ///
-    /// # Errors
-    /// The engine's error if the copy cannot be queued (the caller must then assume it may
-    /// have been).
-    unsafe fn copy_async(
-        &mut self,
-        staging: &mut Self::Staging,
-        range: Range<usize>,
-        dst: &mut Self::Dst,
-        dst_offset: usize,
-    ) -> Result<(), Self::Error>;
-
-    /// Records `staging`'s event at the stream's current end: it completes once every copy
-    /// queued so far has.
-    ///
-    /// # Errors
-    /// The engine's error; the event then still shows only its previous record.
-    fn record(&mut self, staging: &mut Self::Staging) -> Result<(), Self::Error>;
-
-    /// Blocks until `staging`'s last recorded event has completed.
-    ///
-    /// # Errors
-    /// The engine's error; nothing may then be assumed about the copies the event covers.
-    fn wait(&mut self, staging: &mut Self::Staging) -> Result<(), Self::Error>;
-}
-
-/// A ring of staging buffers over a [`CopyEngine`], reusable across uploads: the schedule, and
-/// the invariant that keeps a buffer from being rewritten or freed under a pending copy.
+/// # Schedule
 ///
-/// Overlap Data Transfers", with one event per buffer.
-///
-/// [`StagingRing`] owns `n` staging buffers of `b` bytes and a [`CopyEngine`] (one in-order
-/// stream of asynchronous copies from staging buffers into destination allocations, plus one
-/// event per buffer). An upload cuts its tensors, in the order given, into pieces of at most
-/// what is left of the current buffer: fill `k` of an upload goes to buffer `k mod n`, a buffer
-/// holds pieces of as many tensors as fit, and a tensor larger than a buffer spans several fills.
-/// For every piece the host writes its bytes into the buffer, queues one copy straight into the
-/// tensor's destination at the piece's offset, and records the buffer's event.
+/// An upload cuts its tensors, in the order given, into *fills* of at most one buffer each
+/// ([`super::plan`]: a fill holds pieces of as many tensors as fit, a tensor larger than a
+/// buffer spans several fills). The thread that called the upload (the *coordinator*) owns the
+/// engine; it hands fill `k` with a free buffer to an idle fill thread, which copies the
+/// pieces' bytes from the file into the buffer ([`CopyEngine::fill`]) and hands the buffer
+/// back. The coordinator queues the copies of a returned fill at once — fills come back, and
+/// are queued, in the order they finish, not the order they were planned — each piece its own
+/// copy straight into its tensor's destination (or, dequantizing, into the buffer's twin on the
+/// device followed by the conversion into the destination), then records the buffer's event.
+/// Free buffers are handed out oldest record first. So several fills run at once (one host core
+/// copies from the page cache slower than a PCIe 5 DMA engine reads), while the copies of the
+/// fills before them run on the stream. With `fill_threads == 0` the coordinator fills each
+/// buffer itself (no threads).
 ///
 /// # Never overwritten early
 ///
 /// Invariant (between any two calls into the engine, so also when an error or a panicking
 /// progress callback leaves an upload): every copy queued from buffer `i` is followed on the
 /// stream by a record of buffer `i`'s event, so once a wait on that event returns, no queued
-/// copy reads the buffer. The ring waits on a buffer's event before it writes the buffer again
-/// and before it frees it. A copy queued whose record then failed breaks the invariant until
-/// [`StagingRing`]'s resync (a record and wait on buffer 0 — the stream runs in order, so that
-/// event covers every earlier copy) succeeds; until then the ring neither writes nor frees a
-/// buffer, and a drop that cannot resync leaks the ring rather than free it under a copy.
+/// copy reads the buffer. The coordinator waits on a buffer's event before it hands the buffer
+/// to a fill thread (the hand-over is a channel send, which orders the wait before the thread's
+/// writes) and before it frees it; while a fill thread holds a buffer, nothing is queued from
+/// it. A copy queued whose record then failed breaks the invariant until [`StagingRing`]'s
+/// resync (a record and wait on any one buffer — the stream runs in order, so that event covers
+/// every earlier copy) succeeds; until then the ring neither writes nor frees a buffer, and a
+/// drop that cannot resync leaks the ring rather than free it under a copy.
+///
+/// # Never lost
+///
+/// Every exit from an upload — success, an engine error, a panicking progress callback, a panic
+/// inside a fill (caught on the fill thread and resumed on the coordinator) — first takes back
+/// every buffer the fill threads hold, so the ring keeps all of its buffers.
 ///
 /// # Progress
 ///
-/// A buffer's pieces are reported once its event has been waited on, which happens just before
-/// the buffer is refilled and, at the end, for every buffer from the oldest fill to the newest:
-/// the callback sees completed bytes only, in the order the pieces were queued.
+/// A fill's pieces are reported once a wait has returned on an event recorded after its copies
+/// (every buffer is waited on before reuse and at the end), and fills are reported in planned
+/// order: the callback sees completed bytes only, piece by piece in the order the tensors were
+/// given.
 pub struct StagingRing<E: CopyEngine> {
     engine: E,
-    /// Fill `k` of an upload goes to `slots[k % slots.len()]`. Every copy queued from a slot is
-    /// followed by a record of that slot's event, except while `unsynced`.
-    slots: Vec<E::Staging>,
-    /// Bytes per slot, at least 1.
+    /// Buffer `i` with its event. `Some` between uploads; during one, `None` while a fill
+    /// thread holds it. Every copy queued from a buffer is followed by a record of its event,
+    /// except while `unsynced`.
+    slots: Vec<Option<E::Staging>>,
+    /// Bytes per buffer, at least 1.
     staging_bytes: usize,
+    /// Fill threads per upload, 0 (the coordinator fills) to [`MAX_FILL_THREADS`].
+    fill_threads: usize,
     /// A copy may be pending that no event recorded after it covers (its queueing or its
-    /// record failed): no slot may be written or freed before [`StagingRing::resync`].
+    /// record failed): no buffer may be written or freed before [`StagingRing::resync`].
     unsynced: bool,
+    /// What the last upload did.
+    stats: FillStats,
+}
+
+/// What an upload's fills did (see [`StagingRing::last_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FillStats {
+    /// Fills queued (each one buffer's worth of pieces).
+    pub fills: usize,
+    /// Fills queued while a fill planned before them was still being filled: the stream got
+    /// their copies earlier than an in-order schedule would have given them.
+    pub out_of_order: usize,
+    /// Fill threads that ran (0: the calling thread filled).
+    pub threads: usize,
 }
 
 impl<E: CopyEngine> std::fmt::Debug for StagingRing<E> {
@@ -129,13 +96,15 @@ impl<E: CopyEngine> std::fmt::Debug for StagingRing<E> {
         f.debug_struct("StagingRing")
             .field("buffers", &self.slots.len())
             .field("staging_bytes", &self.staging_bytes)
+            .field("fill_threads", &self.fill_threads)
             .field("unsynced", &self.unsynced)
             .finish_non_exhaustive()
     }
 }
 
 impl<E: CopyEngine> StagingRing<E> {
-    /// Allocates `buffers` staging buffers of `staging_bytes` each from `engine`.
+    /// Allocates `buffers` staging buffers of `staging_bytes` each from `engine`; uploads fill
+    /// them on one fill thread until [`StagingRing::set_fill_threads`].
     ///
     /// # Errors
     /// The engine's allocation error (buffers already allocated are freed).
@@ -148,13 +117,32 @@ impl<E: CopyEngine> StagingRing<E> {
             engine,
             slots: Vec::with_capacity(buffers.get()),
             staging_bytes: staging_bytes.get(),
+            fill_threads: 1,
             unsynced: false,
+            stats: FillStats::default(),
         };
         for _ in 0..buffers.get() {
             let s = ring.engine.alloc_staging(ring.staging_bytes)?;
-            ring.slots.push(s);
+            ring.slots.push(Some(s));
         }
         Ok(ring)
+    }
+
+    /// Sets the fill threads of later uploads: 0 fills on the calling thread, more run that
+    /// many fills at once (capped at [`MAX_FILL_THREADS`]; more threads than buffers wait).
+    pub fn set_fill_threads(&mut self, threads: usize) {
+        self.fill_threads = threads.min(MAX_FILL_THREADS);
+    }
+
+    /// Fill threads per upload.
+    pub fn fill_threads(&self) -> usize {
+        self.fill_threads
+    }
+
+    /// What the last upload's fills did (all zero before the first, or after one that failed
+    /// before its first fill).
+    pub fn last_stats(&self) -> FillStats {
+        self.stats
     }
 
     /// The engine.
@@ -183,7 +171,7 @@ impl<E: CopyEngine> StagingRing<E> {
         &mut self,
         gguf: &Gguf<'a>,
         mut progress: impl FnMut(UploadProgress<'_>),
-    ) -> Result<Vec<(TensorInfo<'a>, E::Dst)>, E::Error> {
+    ) -> Result<Landed<'a, E::Dst>, E::Error> {
         let order: Vec<TensorInfo<'a>> =
             gguf.tensors_largest_first().into_iter().copied().collect();
         let total = gguf.total_tensor_bytes();
@@ -200,8 +188,8 @@ impl<E: CopyEngine> StagingRing<E> {
 
     /// Copies `tensors`, in this order, each into a destination of its own; `progress(i, done)`
     /// is called as pieces complete, with `i` the tensor the piece belongs to and `done` the
-    /// bytes completed so far (a running sum in queue order). Returns the destinations in the
-    /// order of `tensors` once every copy has completed.
+    /// bytes completed so far (a running sum in the order of `tensors`). Returns the
+    /// destinations in the order of `tensors` once every copy has completed.
     ///
     /// Every destination is allocated before the first copy is queued, so running out of memory
     /// costs no copy.
@@ -211,7 +199,7 @@ impl<E: CopyEngine> StagingRing<E> {
     pub fn upload_slices(
         &mut self,
         tensors: &[&[u8]],
-        mut progress: impl FnMut(usize, u64),
+        progress: impl FnMut(usize, u64),
     ) -> Result<Vec<E::Dst>, E::Error> {
         if self.unsynced {
             self.resync()?;
@@ -220,79 +208,259 @@ impl<E: CopyEngine> StagingRing<E> {
         for t in tensors {
             dst.push(self.engine.alloc_dst(t.len())?);
         }
-        let n = self.slots.len();
-        // Pieces (tensor index, bytes) queued from each slot since its event was last waited on.
-        let mut pending: Vec<Vec<(usize, usize)>> = vec![Vec::new(); n];
-        let mut done = 0u64;
-        let mut report = |pieces: &mut Vec<(usize, usize)>| {
-            for (ti, len) in pieces.drain(..) {
-                done += len as u64;
-                progress(ti, done);
-            }
-        };
-        // The slot being filled and the bytes of it written in this fill. Slot 0 may still be
-        // read by the previous upload's copies.
-        let (mut slot, mut fill) = (0usize, 0usize);
-        self.engine.wait(&mut self.slots[0])?;
-        for (ti, data) in tensors.iter().enumerate() {
-            let mut off = 0;
-            while off < data.len() {
-                if fill == self.staging_bytes {
-                    slot = (slot + 1) % n;
-                    fill = 0;
-                    // The wait that lets this fill overwrite the slot: after it, no copy reads it.
-                    self.engine.wait(&mut self.slots[slot])?;
-                    report(&mut pending[slot]);
-                }
-                let len = (data.len() - off).min(self.staging_bytes - fill);
-                let stage = &mut self.slots[slot];
-                // SAFETY: [fill, fill + len) lies inside the slot (`len` is at most what is left
-                // of it). Copies queued from the slot before this fill were covered by its event
-                // (the invariant; not `unsynced`, checked above) and that event was waited on
-                // when this fill began; the copies of this fill read only [0, fill).
-                unsafe { self.engine.fill(stage, fill, &data[off..off + len]) };
-                // Set before queueing: from here until the record succeeds a copy may be pending
-                // that no event covers.
-                self.unsynced = true;
-                // SAFETY: the staging range was just filled and lies inside the slot; the
-                // destination range [off, off + len) lies inside `dst[ti]`, allocated with
-                // `data.len()` bytes. The slot is not written again before the wait above (at
-                // its next fill), nor freed before the waits in `Drop`, both after the record
-                // below (or, if that fails, after a resync's record).
+        let planner = Planner::raw(
+            tensors.iter().map(|t| t.len()).collect(),
+            self.staging_bytes,
+        );
+        self.run(
+            tensors,
+            planner,
+            |engine, staging, _slot, p| {
+                let len = p.src.len();
+                // SAFETY: the coordinator calls this for a piece of a fill that a fill thread
+                // has just written ([p.at, p.at + len) inside the buffer: the planner keeps
+                // every piece inside staging_bytes) and records the buffer's event after it; the
+                // destination range [p.src.start, p.src.end) lies inside dst[p.tensor],
+                // allocated with the tensor's length. The buffer is not written again before a
+                // wait on that event, nor freed before the waits of Drop.
                 unsafe {
-                    self.engine
-                        .copy_async(stage, fill..fill + len, &mut dst[ti], off)
-                }?;
-                self.engine.record(stage)?;
-                self.unsynced = false;
-                pending[slot].push((ti, len));
-                fill += len;
-                off += len;
-            }
-        }
-        // Oldest fill first, so progress stays in queue order.
-        for k in 1..=n {
-            let s = (slot + k) % n;
-            self.engine.wait(&mut self.slots[s])?;
-            report(&mut pending[s]);
-        }
+                    engine.copy_async(staging, p.at..p.at + len, &mut dst[p.tensor], p.src.start)
+                }
+            },
+            progress,
+        )?;
         Ok(dst)
     }
 
-    /// Restores the invariant after a copy whose record may be missing: records slot 0's event
-    /// after everything queued so far and waits on it.
+    /// Restores the invariant after a copy whose record may be missing: records a buffer's
+    /// event after everything queued so far (the stream runs in order, so it covers every
+    /// earlier copy) and waits on it.
     fn resync(&mut self) -> Result<(), E::Error> {
-        self.engine.record(&mut self.slots[0])?;
-        self.engine.wait(&mut self.slots[0])?;
+        // Every buffer is home between uploads; with none home nothing may be written or freed
+        // anyway, so the ring stays unsynced.
+        let Some(s) = self.slots.iter_mut().flatten().next() else {
+            return Ok(());
+        };
+        self.engine.record(s)?;
+        self.engine.wait(s)?;
         self.unsynced = false;
         Ok(())
     }
+
+    /// Runs one upload's fills: see the type's docs. `queue` queues the copies (and whatever
+    /// follows them on the stream) of one piece of a filled buffer; the coordinator records
+    /// the buffer's event after a fill's last piece.
+    fn run(
+        &mut self,
+        sources: &[&[u8]],
+        mut planner: Planner,
+        mut queue: impl FnMut(&mut E, &mut E::Staging, usize, &Piece) -> Result<(), E::Error>,
+        mut progress: impl FnMut(usize, u64),
+    ) -> Result<(), E::Error> {
+        let threads = self.fill_threads;
+        let Self {
+            engine,
+            slots,
+            unsynced,
+            stats,
+            ..
+        } = self;
+        *stats = FillStats::default();
+        std::thread::scope(|scope| {
+            let (done_tx, done_rx) = mpsc::channel::<Done<E::Staging>>();
+            let mut jobs = Vec::with_capacity(threads);
+            for w in 0..threads {
+                let (tx, rx) = mpsc::channel::<Job<E::Staging>>();
+                let done_tx = done_tx.clone();
+                let spawned = std::thread::Builder::new()
+                    .name(format!("pagedkv-fill-{w}"))
+                    .spawn_scoped(scope, move || fill_worker::<E>(w, &rx, &done_tx, sources));
+                // A thread that cannot be spawned is one fill thread fewer; with none, the
+                // coordinator fills itself.
+                if spawned.is_ok() {
+                    jobs.push(tx);
+                }
+            }
+            drop(done_tx);
+            stats.threads = jobs.len();
+            let mut fleet = Fleet {
+                idle: (0..jobs.len()).rev().collect(),
+                jobs,
+                done: done_rx,
+                ready: VecDeque::new(),
+                slots,
+                out: 0,
+                sources,
+            };
+            let mut c = Coordinator {
+                records: 0,
+                known: 0,
+                slot_rec: vec![0; fleet.slots.len()],
+                free: (0..fleet.slots.len()).collect(),
+                pending: VecDeque::new(),
+                reported: 0,
+                done_bytes: 0,
+                stats,
+            };
+            c.drive::<E>(
+                engine,
+                &mut fleet,
+                unsynced,
+                &mut planner,
+                &mut queue,
+                &mut progress,
+            )
+            // `fleet` drops here, before the scope joins the fill threads: it takes back every
+            // buffer still out and closes the job channels, so the threads exit.
+        })
+    }
+}
+
+impl<E: DequantEngine> StagingRing<E> {
+    /// As [`StagingRing::upload`], landing every tensor dequantized to `to` (its destination
+    /// holds `n_elements` 2-byte values): each piece is copied into the device twin of its
+    /// staging buffer, then converted on the device into the tensor's destination. Progress
+    /// counts the file's bytes.
+    ///
+    /// # Errors
+    /// As [`StagingRing::upload_slices_dequantized`].
+    pub fn upload_dequantized<'a>(
+        &mut self,
+        gguf: &Gguf<'a>,
+        to: DequantTo,
+        mut progress: impl FnMut(UploadProgress<'_>),
+    ) -> Result<Landed<'a, E::Dst>, RingError<E::Error>> {
+        let order: Vec<TensorInfo<'a>> =
+            gguf.tensors_largest_first().into_iter().copied().collect();
+        let total = gguf.total_tensor_bytes();
+        let data: Vec<(GgmlType, &[u8])> = order.iter().map(|t| (t.ty(), t.data())).collect();
+        let dst = self.upload_slices_dequantized(&data, to, |ti, done| {
+            progress(UploadProgress {
+                done,
+                total,
+                tensor: order[ti].name(),
+            })
+        })?;
+        Ok(order.into_iter().zip(dst).collect())
+    }
+
+    /// As [`StagingRing::upload_slices`], for tensors `(type, bytes)` landed dequantized to
+    /// `to`: destination `i` holds the tensor's elements as 2-byte values of `to`, bit for bit
+    /// [`crate::gguf::dequantize_into_f16`] / [`crate::gguf::dequantize_into_bf16`] of its
+    /// bytes. Pieces are cut at whole units of [`DEQUANT_GRANULE`] elements and start on
+    /// 16-byte boundaries; the device staging area is one twin per staging buffer (`buffers x
+    /// staging_bytes` rounded up to 16, allocated for the upload), so a piece's conversion is
+    /// covered by its buffer's event.
+    ///
+    /// # Errors
+    /// [`RingError::NotDequantizable`] or [`RingError::PartialBlock`] for a tensor the device
+    /// cannot take, [`RingError::StagingTooSmall`] for buffers below one unit (before anything
+    /// is allocated); [`RingError::Engine`] otherwise (destinations already allocated are
+    /// dropped; the ring stays usable).
+    pub fn upload_slices_dequantized(
+        &mut self,
+        tensors: &[(GgmlType, &[u8])],
+        to: DequantTo,
+        progress: impl FnMut(usize, u64),
+    ) -> Result<Vec<E::Dst>, RingError<E::Error>> {
+        let mut granules = Vec::with_capacity(tensors.len());
+        for (i, &(ty, data)) in tensors.iter().enumerate() {
+            granules.push(dequant_granule(i, ty, data.len())?);
+        }
+        let stride = self.staging_bytes.next_multiple_of(16);
+        let planner = Planner::aligned(
+            tensors.iter().map(|t| t.1.len()).collect(),
+            granules,
+            16,
+            self.staging_bytes,
+        )
+        .map_err(|needed| RingError::StagingTooSmall {
+            needed,
+            have: self.staging_bytes,
+        })?;
+        if self.unsynced {
+            self.resync()?;
+        }
+        let mut dst = Vec::with_capacity(tensors.len());
+        for &(ty, data) in tensors {
+            dst.push(
+                self.engine
+                    .alloc_dst(elements(ty, data.len()) * DequantTo::BYTES)?,
+            );
+        }
+        let mut twin = self.engine.alloc_dst(stride * self.slots.len())?;
+        let sources: Vec<&[u8]> = tensors.iter().map(|t| t.1).collect();
+        self.run(
+            &sources,
+            planner,
+            |engine, staging, slot, p| {
+                let (ty, len) = (tensors[p.tensor].0, p.src.len());
+                let at = slot * stride + p.at;
+                // SAFETY: as in upload_slices for the staging side; the twin range [at, at +
+                // len) lies inside the twin (p.at + len <= staging_bytes <= stride) and belongs
+                // to this buffer alone, whose event — recorded after this piece — is waited on
+                // before the buffer, and so its twin, is used again.
+                unsafe { engine.copy_async(staging, p.at..p.at + len, &mut twin, at) }?;
+                let bs = ty.block_size() as usize;
+                let ts = ty.type_size() as usize;
+                // SAFETY: `ty` passed dequant_granule; the piece is whole blocks (cut at
+                // granules, or the tensor's whole-block tail), so its element range is exact
+                // and inside dst[p.tensor] (allocated for all the tensor's elements). `at` is a
+                // multiple of 16 (stride and p.at are) and the element offset a multiple of 256
+                // (pieces start at granules), so 2 * dst_elem is too. The copy that writes the
+                // twin's bytes is queued just before, on the same stream; twin and destination
+                // are different allocations.
+                unsafe {
+                    engine.dequantize_async(
+                        &twin,
+                        at,
+                        ty,
+                        len / ts * bs,
+                        &mut dst[p.tensor],
+                        p.src.start / ts * bs,
+                        to,
+                    )
+                }
+            },
+            progress,
+        )?;
+        drop(twin);
+        Ok(dst)
+    }
+}
+
+/// Elements in `bytes` of `ty` (whole blocks, checked by [`dequant_granule`]).
+pub(crate) fn elements(ty: GgmlType, bytes: usize) -> usize {
+    bytes / ty.type_size() as usize * ty.block_size() as usize
+}
+
+/// The bytes of one cut unit of tensor `i`, after checking that the device converts its type
+/// and that its bytes are whole blocks.
+pub(crate) fn dequant_granule<E>(
+    i: usize,
+    ty: GgmlType,
+    bytes: usize,
+) -> Result<usize, RingError<E>> {
+    if !device_can_dequantize(ty) {
+        return Err(RingError::NotDequantizable { tensor: i, ty });
+    }
+    if bytes % ty.type_size() as usize != 0 {
+        return Err(RingError::PartialBlock {
+            tensor: i,
+            ty,
+            bytes,
+        });
+    }
+    // Every supported block size divides DEQUANT_GRANULE.
+    Ok(ty
+        .bytes_for(DEQUANT_GRANULE)
+        .map_or(usize::MAX, |b| b as usize))
 }
 
 impl<E: CopyEngine> Drop for StagingRing<E> {
     fn drop(&mut self) {
         let synced = !self.unsynced || self.resync().is_ok();
-        for mut s in std::mem::take(&mut self.slots) {
+        for mut s in std::mem::take(&mut self.slots).into_iter().flatten() {
             if synced && self.engine.wait(&mut s).is_ok() {
                 // SAFETY: every copy queued from `s` was followed by a record of its event (the
                 // invariant, which holds: `synced`), and the wait on that event just returned.
@@ -300,5 +468,356 @@ impl<E: CopyEngine> Drop for StagingRing<E> {
             }
             // Otherwise a copy may still read it: leak it (dropping the handle frees nothing).
         }
+    }
+}
+
+// ---- fill threads ---------------------------------------------------------------------------
+
+/// A fill handed to a fill thread: write `pieces` into `staging` (buffer `slot`).
+struct Job<S> {
+    /// Planned order of the fill.
+    seq: usize,
+    slot: usize,
+    staging: S,
+    pieces: Vec<Piece>,
+}
+
+/// A fill handed back by fill thread `worker` (`None`: filled on the coordinator), with the
+/// panic of the fill if it panicked.
+struct Done<S> {
+    worker: Option<usize>,
+    job: Job<S>,
+    panic: Option<Box<dyn Any + Send>>,
+}
+
+/// A fill whose buffer is home again: what the coordinator queues.
+struct Back {
+    seq: usize,
+    slot: usize,
+    pieces: Vec<Piece>,
+    panic: Option<Box<dyn Any + Send>>,
+}
+
+/// Writes a job's pieces into its buffer; a panic is caught so that the buffer goes back.
+fn fill_job<E: CopyEngine>(
+    job: &mut Job<E::Staging>,
+    sources: &[&[u8]],
+) -> Option<Box<dyn Any + Send>> {
+    catch_unwind(AssertUnwindSafe(|| {
+        for p in &job.pieces {
+            // SAFETY: the planner keeps [p.at, p.at + len) inside the buffer; the coordinator
+            // waited on the buffer's event (covering every copy queued from it) before handing
+            // it over through a channel, which orders that wait before these writes; nothing is
+            // queued from the buffer while this thread holds it.
+            unsafe { E::fill(&mut job.staging, p.at, &sources[p.tensor][p.src.clone()]) };
+        }
+    }))
+    .err()
+}
+
+/// A fill thread: fills jobs until its job channel closes (or the coordinator is gone).
+fn fill_worker<E: CopyEngine>(
+    id: usize,
+    jobs: &Receiver<Job<E::Staging>>,
+    done: &Sender<Done<E::Staging>>,
+    sources: &[&[u8]],
+) {
+    for mut job in jobs {
+        let panic = fill_job::<E>(&mut job, sources);
+        let back = Done {
+            worker: Some(id),
+            job,
+            panic,
+        };
+        if done.send(back).is_err() {
+            return;
+        }
+    }
+}
+
+/// The fill threads of one upload, and the buffers they hold. Dropping it takes back every
+/// buffer still out (waiting for the fills to finish) and closes the job channels.
+struct Fleet<'s, 'd, S> {
+    /// Job channel of fill thread `i`; empty: the coordinator fills.
+    jobs: Vec<Sender<Job<S>>>,
+    /// Fill threads without a job.
+    idle: Vec<usize>,
+    done: Receiver<Done<S>>,
+    /// Fills done on the coordinator, not yet taken.
+    ready: VecDeque<Done<S>>,
+    /// The ring's buffers; `None` while out.
+    slots: &'s mut Vec<Option<S>>,
+    /// Fills out at fill threads.
+    out: usize,
+    sources: &'d [&'d [u8]],
+}
+
+impl<S> Fleet<'_, '_, S> {
+    /// Whether a fill can be handed out now (an idle thread, or no threads at all).
+    fn can_take(&self) -> bool {
+        self.jobs.is_empty() || !self.idle.is_empty()
+    }
+
+    /// Hands the buffer of `slot` (home) over for fill `seq`, or fills it here without threads.
+    fn dispatch<E: CopyEngine<Staging = S>>(
+        &mut self,
+        seq: usize,
+        slot: usize,
+        pieces: Vec<Piece>,
+    ) {
+        let Some(staging) = self.slots[slot].take() else {
+            return; // the coordinator dispatches home buffers only
+        };
+        let mut job = Job {
+            seq,
+            slot,
+            staging,
+            pieces,
+        };
+        while let Some(w) = self.idle.pop() {
+            match self.jobs[w].send(job) {
+                Ok(()) => {
+                    self.out += 1;
+                    return;
+                }
+                // The thread is gone (it cannot be: a fill's panic is caught on the thread);
+                // try another, and fill here when none is left.
+                Err(mpsc::SendError(j)) => job = j,
+            }
+        }
+        let panic = fill_job::<E>(&mut job, self.sources);
+        self.ready.push_back(Done {
+            worker: None,
+            job,
+            panic,
+        });
+    }
+
+    /// A finished fill, waiting for one if `block`, with its buffer home again; `None` when
+    /// none is out (or, not blocking, none has finished).
+    fn take(&mut self, block: bool) -> Option<Back> {
+        let d = match self.ready.pop_front() {
+            Some(d) => d,
+            None if self.out == 0 => return None,
+            // The threads hold senders while a fill is out, so a blocking receive returns.
+            None if block => match self.done.recv() {
+                Ok(d) => d,
+                Err(_) => return self.lost(),
+            },
+            None => match self.done.try_recv() {
+                Ok(d) => d,
+                Err(TryRecvError::Empty) => return None,
+                Err(TryRecvError::Disconnected) => return self.lost(),
+            },
+        };
+        Some(self.home(d))
+    }
+
+    /// Every fill thread is gone with fills out (cannot happen: a fill's panic is caught on
+    /// its thread): those buffers are lost (leaked by the ring, never freed under a copy) and
+    /// the coordinator fills the rest itself.
+    fn lost(&mut self) -> Option<Back> {
+        self.out = 0;
+        self.jobs.clear();
+        self.idle.clear();
+        None
+    }
+
+    fn home(&mut self, d: Done<S>) -> Back {
+        if let Some(w) = d.worker {
+            self.out -= 1;
+            self.idle.push(w);
+        }
+        let Job {
+            seq,
+            slot,
+            staging,
+            pieces,
+        } = d.job;
+        self.slots[slot] = Some(staging);
+        Back {
+            seq,
+            slot,
+            pieces,
+            panic: d.panic,
+        }
+    }
+}
+
+impl<S> Drop for Fleet<'_, '_, S> {
+    fn drop(&mut self) {
+        // Closed job channels let each thread finish its fill, send it and exit.
+        self.jobs.clear();
+        while self.out > 0 {
+            match self.done.recv() {
+                Ok(d) => {
+                    let _ = self.home(d);
+                }
+                Err(_) => break, // every thread is gone: nothing more can come back
+            }
+        }
+    }
+}
+
+// ---- the coordinator ---------------------------------------------------------------------------
+
+/// A fill whose copies are queued: the number of the record that covers them, and its pieces
+/// (tensor, bytes) for the progress report.
+type QueuedFill = (u64, Vec<(usize, usize)>);
+
+/// The coordinator's bookkeeping for one upload.
+struct Coordinator<'a> {
+    /// Records made in this upload (record numbers start at 1).
+    records: u64,
+    /// Every record numbered up to this has been waited on: its copies are complete.
+    known: u64,
+    /// Number of slot `i`'s last record in this upload (0: none yet).
+    slot_rec: Vec<u64>,
+    /// Home buffers, oldest record first: the next fill takes the front.
+    free: VecDeque<usize>,
+    /// Fills dispatched and not yet reported, in planned order: the record number that covers
+    /// each once its copies are queued, and its pieces (tensor, bytes).
+    pending: VecDeque<Option<QueuedFill>>,
+    /// Fills reported so far (the planned index of `pending`'s front).
+    reported: usize,
+    /// Bytes reported so far.
+    done_bytes: u64,
+    /// The ring's statistics of this upload.
+    stats: &'a mut FillStats,
+}
+
+impl Coordinator<'_> {
+    /// Reports, in planned order, every fill whose copies are known complete.
+    fn report(&mut self, progress: &mut impl FnMut(usize, u64)) {
+        while let Some(Some((rec, _))) = self.pending.front() {
+            if *rec > self.known {
+                break;
+            }
+            let Some(Some((_, pieces))) = self.pending.pop_front() else {
+                break;
+            };
+            self.reported += 1;
+            for (tensor, len) in pieces {
+                self.done_bytes += len as u64;
+                progress(tensor, self.done_bytes);
+            }
+        }
+    }
+
+    /// Waits on `slot`'s event: every copy queued from it (in this upload or before) is done.
+    fn wait<E: CopyEngine>(
+        &mut self,
+        engine: &mut E,
+        staging: Option<&mut E::Staging>,
+        slot: usize,
+        progress: &mut impl FnMut(usize, u64),
+    ) -> Result<(), E::Error> {
+        if let Some(s) = staging {
+            engine.wait(s)?;
+        }
+        self.known = self.known.max(self.slot_rec[slot]);
+        self.report(progress);
+        Ok(())
+    }
+
+    /// The upload: dispatch fills while threads and buffers allow, queue every fill that comes
+    /// back, then wait on every buffer.
+    fn drive<E: CopyEngine>(
+        &mut self,
+        engine: &mut E,
+        fleet: &mut Fleet<'_, '_, E::Staging>,
+        unsynced: &mut bool,
+        planner: &mut Planner,
+        queue: &mut impl FnMut(&mut E, &mut E::Staging, usize, &Piece) -> Result<(), E::Error>,
+        progress: &mut impl FnMut(usize, u64),
+    ) -> Result<(), E::Error> {
+        let mut planned = 0usize;
+        let mut exhausted = false;
+        loop {
+            // Queue every finished fill first, so the stream gets work as early as possible.
+            while let Some(b) = fleet.take(false) {
+                self.queue_back(engine, fleet, unsynced, b, queue)?;
+            }
+            if !exhausted && fleet.can_take() {
+                if let Some(&slot) = self.free.front() {
+                    let Some(pieces) = planner.next_fill() else {
+                        exhausted = true;
+                        continue;
+                    };
+                    self.free.pop_front();
+                    // The wait that lets the fill overwrite the buffer: after it, no queued
+                    // copy reads it.
+                    let waited = self.wait(engine, fleet.slots[slot].as_mut(), slot, progress);
+                    if let Err(e) = waited {
+                        self.free.push_front(slot);
+                        return Err(e);
+                    }
+                    self.pending.push_back(None);
+                    fleet.dispatch::<E>(planned, slot, pieces);
+                    planned += 1;
+                    continue;
+                }
+            }
+            match fleet.take(true) {
+                Some(b) => self.queue_back(engine, fleet, unsynced, b, queue)?,
+                None if exhausted => break,
+                // Nothing out and more to plan: every buffer is home and free, every thread
+                // idle, so the dispatch above runs next.
+                None => assert!(
+                    !self.free.is_empty(),
+                    "staging ring: every buffer was lost with its fill thread"
+                ),
+            }
+        }
+        // Every fill is queued: wait on every buffer, oldest record first.
+        while let Some(slot) = self.free.pop_front() {
+            let waited = self.wait(engine, fleet.slots[slot].as_mut(), slot, progress);
+            if let Err(e) = waited {
+                self.free.push_front(slot);
+                return Err(e);
+            }
+        }
+        debug_assert!(self.pending.is_empty());
+        Ok(())
+    }
+
+    /// Queues the copies of a fill whose buffer is home again and records its event.
+    fn queue_back<E: CopyEngine>(
+        &mut self,
+        engine: &mut E,
+        fleet: &mut Fleet<'_, '_, E::Staging>,
+        unsynced: &mut bool,
+        b: Back,
+        queue: &mut impl FnMut(&mut E, &mut E::Staging, usize, &Piece) -> Result<(), E::Error>,
+    ) -> Result<(), E::Error> {
+        if let Some(p) = b.panic {
+            // The fill panicked (a bug in an engine's fill): the buffer is home, nothing was
+            // queued from it; unwinding drops the fleet, which takes back the others.
+            resume_unwind(p);
+        }
+        let Some(staging) = fleet.slots[b.slot].as_mut() else {
+            return Ok(()); // home() just put it back
+        };
+        // From the first queued copy until the record succeeds, a copy may be pending that no
+        // event covers.
+        *unsynced = true;
+        for p in &b.pieces {
+            queue(engine, staging, b.slot, p)?;
+        }
+        engine.record(staging)?;
+        *unsynced = false;
+        self.records += 1;
+        self.slot_rec[b.slot] = self.records;
+        self.free.push_back(b.slot);
+        let summary = b.pieces.iter().map(|p| (p.tensor, p.src.len())).collect();
+        let at = b.seq - self.reported;
+        self.stats.fills += 1;
+        if self.pending.iter().take(at).any(Option::is_none) {
+            self.stats.out_of_order += 1;
+        }
+        if let Some(entry) = self.pending.get_mut(at) {
+            *entry = Some((self.records, summary));
+        }
+        Ok(())
     }
 }

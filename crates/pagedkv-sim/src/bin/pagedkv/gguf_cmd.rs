@@ -1,4 +1,5 @@
-//! `pagedkv gguf`: inspect a GGUF file, or dequantize one of its tensors to raw f32.
+//! `pagedkv gguf`: inspect a GGUF file, dequantize one of its tensors to raw f32, write a
+//! synthetic one (gguf_synth_cmd.rs), or bench the device upload (gguf_upload_cmd.rs).
 
 use std::fmt::Write as _;
 use std::io::{BufWriter, Write};
@@ -38,8 +39,13 @@ enum GgufCommand {
         #[arg(short, long)]
         output: PathBuf,
     },
-    /// Upload every tensor to the GPU through pinned staging buffers; report GB/s beside a
-    /// pinned-buffer memcpy of the same byte count, and check the bytes (feature `cuda`).
+    /// Write a llama-shaped file of random tensors (F16 / Q8_0 / Q6_K / Q4_K mix; 8 layers of
+    /// the default shape make 75 tensors, about 2.45 GB), deterministic from --seed.
+    Synth(crate::gguf_synth_cmd::Args),
+    /// Upload every tensor to the GPU each way (staged with fill threads, registered file
+    /// pages, dequantized on the device); report GB/s beside a pinned-buffer memcpy of the same
+    /// byte count and the device dequantizer beside a device-to-device copy, and check every
+    /// byte (feature `cuda`).
     #[cfg(feature = "cuda")]
     UploadBench(crate::gguf_upload_cmd::Args),
 }
@@ -82,6 +88,7 @@ pub fn run(args: Args) -> Result<()> {
             w.flush()?;
             Ok(())
         }
+        GgufCommand::Synth(a) => crate::gguf_synth_cmd::run(a),
         #[cfg(feature = "cuda")]
         GgufCommand::UploadBench(a) => crate::gguf_upload_cmd::run(a),
     }

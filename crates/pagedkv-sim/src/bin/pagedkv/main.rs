@@ -12,6 +12,7 @@ mod bench_peer;
 #[cfg(feature = "cuda")]
 mod bench_timing;
 mod gguf_cmd;
+mod gguf_synth_cmd;
 #[cfg(feature = "cuda")]
 mod gguf_upload_cmd;
 mod simulate_cmd;
@@ -34,7 +35,7 @@ enum Command {
     /// Benchmarks that need hardware: `bench gpu` (feature `cuda`).
     #[cfg(feature = "cuda")]
     Bench(bench_cmd::Args),
-    /// Inspect a GGUF file, or dequantize one of its tensors to raw f32.
+    /// Inspect a GGUF file, dequantize a tensor, write a synthetic file, bench the upload.
     Gguf(gguf_cmd::Args),
 }
 

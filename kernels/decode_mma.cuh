@@ -1,0 +1,277 @@
+// decode_mma.cuh: the tensor-core decode body for GQA with f16 / bf16 storage (the shared
+// partitioning, setup and merge are decode_v2.cuh's; the mma primitive is mma.cuh's).
+//
+// Why: on CUDA cores every K/V element costs GT FMAs per pass (one per query head served), so
+// at GT = 4..8 the group's arithmetic, not memory, set the pace (issue 15). Here a warp's work
+// per 16-token tile is D/16 * 2 mma for S = Q K^T plus D/16 for O += P V, whatever the group,
+// and the loads go straight from global memory into the mma operand registers.
+//
+// One warp, one tile of 16 consecutive tokens (16-aligned), lane l with g = l / 4, q = l % 4:
+//
+// S = Q K^T, m16n8k16 per 8 tokens (n) x 16 dims (k): A = the query heads as rows (head g in
+//   row g, rows 8..15 zero), B = K^T, the 8 tokens' K rows as columns. The k (dimension) order
+//   inside the mma is free as long as A and B use the same one; it is chosen so that each lane
+//   reads 16 contiguous bytes of its token's K row per 32 dims: dims 32G + 8q .. 32G + 8q + 7
+//   feed k-steps 2G (words 0, 1) and 2G + 1 (words 2, 3) as b[0], b[1]; Q (staged in shared
+//   memory, [8][D]) is read the same way into a[0], a[2]. A 16-dim tail (D = 80, 112) uses
+//   8 bytes at 32G + 4q. Lane (g, q) ends with S[head g][tokens 2q, 2q+1] of each 8-token half.
+//
+// Online softmax per head g over the lanes q of group g (two shuffles), then
+// O^T = V^T P^T, m16n8k16 per 16 dims (m) x 8 heads (n) x the 16 tokens (k): B = P^T, whose
+//   fragment (head g; tokens 2q, 2q+1, 2q+8, 2q+9) is exactly what this lane holds of S, packed
+//   to T; A = V^T: lane (g, q) needs dims "g" and "g + 8" of each m-tile for tokens 2q, 2q+1,
+//   2q+8, 2q+9. The dim order of the output is free too: m-tile i of a 64-dim segment maps row
+//   g to dim 8g + 2i and row g + 8 to 8g + 2i + 1, so a lane reads 16 contiguous bytes of each
+//   of its 4 tokens' V rows per 64 dims and packs word i of two tokens (pack_lo16 / pack_hi16).
+//   Segments of 32 and 16 dims (8- and 4-byte reads) cover D = 80, 96, 112.
+//   The accumulator fragment holds O[heads 2q, 2q+1][those dims]: D/4 f32 per lane, no padding
+//   (8 heads = the mma's n), rescaled by the max of heads 2q, 2q+1 (two indexed shuffles).
+//
+// Heads: 8 per block (groups of 2..8 in one block, larger groups in ceil(group / 8) blocks);
+// rows past the group are zero queries whose results are never stored.
+// Pipelining: for D <= 128 the next tile's K is issued right after S and its V right after PV,
+// so each lane keeps a tile's worth of loads (256 bytes) in flight through the compute; at
+// D = 256 that would need ~230 registers, so a tile issues its K, computes S, issues its V, and
+// the other warps (2 blocks per SM) cover the latency.
+#pragma once
+
+#include "decode_v2.cuh"
+#include "mma.cuh"
+
+namespace pkv {
+
+template <typename T, int D> struct MmaDecode {
+  static constexpr int GT = 8;                // heads per block: the mma's n
+  static constexpr int TILE = 16;             // tokens per warp tile: the PV mma's k
+  static constexpr int KG = D / 32;           // 32-dim K groups: one 16-byte read per lane
+  static constexpr bool KTAIL = D % 32 != 0;  // a last 16-dim k-step: one 8-byte read
+  static constexpr int VS4 = D / 64;          // 64-dim V segments (4 m-tiles): 16-byte reads
+  static constexpr bool VS2 = D % 64 >= 32;   // a 32-dim segment (2 m-tiles): 8-byte reads
+  static constexpr bool VS1 = D % 32 != 0;    // a 16-dim segment (1 m-tile): 4-byte reads
+  static constexpr int MT = D / 16;           // m-tiles of O^T
+  static constexpr bool PIPE = D <= 128;      // prefetch the next tile (see the top)
+  static_assert(D % 16 == 0 && MT == 4 * VS4 + 2 * VS2 + VS1, "head dim must be 16-dim steps");
+  static constexpr size_t q_bytes() { return (size_t)GT * D * sizeof(T); }  // 16-byte multiple
+  static constexpr size_t smem_bytes() {
+    return q_bytes() + DecodeMerge<GT, D>::FLOATS * sizeof(float);
+  }
+};
+
+// One tile's K operands of this lane: tokens g (n-tile 0) and 8 + g (n-tile 1).
+template <typename T, int D> struct MmaK {
+  using P = MmaDecode<T, D>;
+  uint4 full[2][P::KG > 0 ? P::KG : 1];
+  uint2 tail[2];
+};
+// One tile's V operands of this lane: tokens 2q, 2q+1, 2q+8, 2q+9 (j = 0..3).
+template <typename T, int D> struct MmaV {
+  using P = MmaDecode<T, D>;
+  uint4 s4[P::VS4 > 0 ? P::VS4 : 1][4];
+  uint2 s2[4];
+  uint32_t s1[4];
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArgs a) {
+  using P = MmaDecode<T, D>;
+  using Mg = DecodeMerge<P::GT, D>;
+  constexpr int GT = P::GT, TILE = P::TILE, KG = P::KG, VS4 = P::VS4, MT = P::MT;
+  constexpr int VEC = Elem<T>::VEC;
+  extern __shared__ float smem[];
+  T *sq = reinterpret_cast<T *>(smem);                           // [GT][D]
+  float *sm = smem + P::q_bytes() / sizeof(float);               // DecodeMerge
+
+  const DecodeBlock b = DecodeBlock::of<D>(a, GT);
+  if (b.begin >= b.end) {
+    decode_store_empty<T, D>(a, b);
+    return;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, q = lane % 4;
+
+  // The served heads' queries into shared memory (zero rows past ng).
+  for (int i = threadIdx.x; i < GT * (D / VEC); i += DEC_THREADS) {
+    const int h = i / (D / VEC), c = i % (D / VEC);
+    const uint4 v = h < b.ng ? ld_vec(reinterpret_cast<const T *>(a.query) + b.q0 + h * D + c * VEC)
+                             : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4 *>(sq + h * D + c * VEC) = v;
+  }
+  __syncthreads();
+
+  const float slope =
+      (a.alibi_slopes != nullptr && g < b.ng) ? a.alibi_slopes[b.kh * a.group + b.g0 + g] : 0.f;
+  const T *cache = reinterpret_cast<const T *>(a.cache);
+  const int32_t *btab = a.block_tables + (int64_t)b.seq * a.max_blocks_per_seq;
+
+  using Tile = DecodeTile<TILE>;
+  auto row = [&](const Tile &x, int i) -> int64_t { return x.template row<D>(a, b, i); };
+  auto load_k = [&](const Tile &x, MmaK<T, D> &k) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int64_t o = row(x, 8 * nt + g);
+#pragma unroll
+      for (int G = 0; G < KG; ++G)
+        k.full[nt][G] = o >= 0 ? __ldcs(reinterpret_cast<const uint4 *>(cache + o + 32 * G + 8 * q))
+                               : make_uint4(0, 0, 0, 0);
+      if constexpr (P::KTAIL)
+        k.tail[nt] = o >= 0 ? __ldcs(reinterpret_cast<const uint2 *>(cache + o + 32 * KG + 4 * q))
+                            : make_uint2(0, 0);
+    }
+  };
+  auto load_v = [&](const Tile &x, MmaV<T, D> &v) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t o0 = row(x, 2 * q + (j & 1) + 8 * (j >> 1));
+      const T *p = cache + (o0 >= 0 ? o0 : 0) + a.st.kv;
+#pragma unroll
+      for (int s = 0; s < VS4; ++s)
+        v.s4[s][j] = o0 >= 0 ? __ldcs(reinterpret_cast<const uint4 *>(p + 64 * s + 8 * g))
+                             : make_uint4(0, 0, 0, 0);
+      if constexpr (P::VS2)
+        v.s2[j] = o0 >= 0 ? __ldcs(reinterpret_cast<const uint2 *>(p + 64 * VS4 + 4 * g))
+                          : make_uint2(0, 0);
+      if constexpr (P::VS1)
+        v.s1[j] = o0 >= 0 ? __ldcs(reinterpret_cast<const uint32_t *>(p + 64 * VS4 + 32 * P::VS2 +
+                                                                       2 * g))
+                          : 0u;
+    }
+  };
+  // S[head g][tokens 2q, 2q+1 of each half]: s[nt][0..1] (s[nt][2..3]: the zero rows).
+  auto scores = [&](const MmaK<T, D> &k, float (&s)[2][4]) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+#pragma unroll
+    for (int G = 0; G < KG; ++G) {
+      const uint4 qv = *reinterpret_cast<const uint4 *>(sq + g * D + 32 * G + 8 * q);
+      const uint32_t a0[4] = {qv.x, 0u, qv.y, 0u}, a1[4] = {qv.z, 0u, qv.w, 0u};
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint32_t b0[2] = {k.full[nt][G].x, k.full[nt][G].y};
+        const uint32_t b1[2] = {k.full[nt][G].z, k.full[nt][G].w};
+        mma_m16n8k16<T>(s[nt], a0, b0, s[nt]);
+        mma_m16n8k16<T>(s[nt], a1, b1, s[nt]);
+      }
+    }
+    if constexpr (P::KTAIL) {
+      const uint2 qt = *reinterpret_cast<const uint2 *>(sq + g * D + 32 * KG + 4 * q);
+      const uint32_t at[4] = {qt.x, 0u, qt.y, 0u};
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint32_t bt[2] = {k.tail[nt].x, k.tail[nt].y};
+        mma_m16n8k16<T>(s[nt], at, bt, s[nt]);
+      }
+    }
+  };
+  // o[mt] += V^T P^T for m-tile mt (A: word i of two tokens' reads, see the top).
+  auto pv = [&](const MmaV<T, D> &v, const uint32_t (&bp)[2], float (&o)[MT][4]) {
+    auto step = [&](int mt, uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+      const uint32_t av[4] = {pack_lo16(w0, w1), pack_hi16(w0, w1), pack_lo16(w2, w3),
+                              pack_hi16(w2, w3)};
+      mma_m16n8k16<T>(o[mt], av, bp, o[mt]);
+    };
+#pragma unroll
+    for (int s = 0; s < VS4; ++s) {
+      step(4 * s + 0, v.s4[s][0].x, v.s4[s][1].x, v.s4[s][2].x, v.s4[s][3].x);
+      step(4 * s + 1, v.s4[s][0].y, v.s4[s][1].y, v.s4[s][2].y, v.s4[s][3].y);
+      step(4 * s + 2, v.s4[s][0].z, v.s4[s][1].z, v.s4[s][2].z, v.s4[s][3].z);
+      step(4 * s + 3, v.s4[s][0].w, v.s4[s][1].w, v.s4[s][2].w, v.s4[s][3].w);
+    }
+    if constexpr (P::VS2) {
+      step(4 * VS4 + 0, v.s2[0].x, v.s2[1].x, v.s2[2].x, v.s2[3].x);
+      step(4 * VS4 + 1, v.s2[0].y, v.s2[1].y, v.s2[2].y, v.s2[3].y);
+    }
+    if constexpr (P::VS1) step(MT - 1, v.s1[0], v.s1[1], v.s1[2], v.s1[3]);
+  };
+
+  float m = -INFINITY, l = 0.f;  // head g's running max; this lane's share of its sum
+  float o[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[mt][e] = 0.f;
+
+  const int first = b.begin / TILE, last = (b.end - 1) / TILE;
+  MmaK<T, D> kr;
+  MmaV<T, D> vr;
+  Tile cur = Tile::of(a, b, btab, first + warp);
+  if (P::PIPE && first + warp <= last) {
+    load_k(cur, kr);
+    load_v(cur, vr);
+  }
+  for (int t = first + warp; t <= last; t += DEC_WARPS) {
+    const Tile nxt = Tile::of(a, b, btab, t + DEC_WARPS);  // table reads in flight
+    if (!P::PIPE) load_k(cur, kr);
+    float s[2][4];
+    scores(kr, s);
+    if (P::PIPE) {
+      if (t + DEC_WARPS <= last) load_k(nxt, kr);
+    } else {
+      load_v(cur, vr);
+    }
+
+    // Online softmax for head g over this tile: lane q holds tokens 2q, 2q+1, 8+2q, 9+2q.
+    float x[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = 2 * q + (j & 1) + 8 * (j >> 1);
+      x[j] = row(cur, i) >= 0 ? attn_logit(s[j >> 1][j & 1], a.scale, a.softcap, slope, cur.base + i,
+                                           b.qpos, a.window)
+                              : -INFINITY;
+    }
+    float mt = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+    mt = fmaxf(mt, m);
+    const float alpha = m == -INFINITY ? 0.f : __expf(m - mt);
+    m = mt;
+    float p[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = safe_exp(x[j], mt);
+    l = l * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
+    // The accumulator columns are heads 2q and 2q + 1: their alphas live in groups 2q, 2q + 1.
+    const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * q);
+    const float al1 = __shfl_sync(0xffffffffu, alpha, 8 * q + 4);
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      o[i][0] *= al0;
+      o[i][1] *= al1;
+      o[i][2] *= al0;
+      o[i][3] *= al1;
+    }
+    const uint32_t bp[2] = {pack_f32x2<T>(p[0], p[1]), pack_f32x2<T>(p[2], p[3])};
+    pv(vr, bp, o);
+    if (P::PIPE && t + DEC_WARPS <= last) load_v(nxt, vr);
+    cur = nxt;
+  }
+
+  // This warp's state into shared memory: head g's max and sum (summed over the group's lanes),
+  // and the accumulator columns 2q, 2q + 1 at this lane's dims.
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (q == 0) {
+    Mg::max_of(sm, warp)[g] = m;
+    Mg::sum_of(sm, warp)[g] = l;
+  }
+  float *o0 = Mg::acc_of(sm, warp, 2 * q), *o1 = Mg::acc_of(sm, warp, 2 * q + 1);
+  auto put = [&](int mt, int dim) {  // rows g, g + 8 of m-tile mt are dims dim, dim + 1
+    o0[dim] = o[mt][0];
+    o1[dim] = o[mt][1];
+    o0[dim + 1] = o[mt][2];
+    o1[dim + 1] = o[mt][3];
+  };
+#pragma unroll
+  for (int s = 0; s < VS4; ++s)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) put(4 * s + i, 64 * s + 8 * g + 2 * i);
+  if constexpr (P::VS2) {
+    put(4 * VS4 + 0, 64 * VS4 + 4 * g);
+    put(4 * VS4 + 1, 64 * VS4 + 4 * g + 2);
+  }
+  if constexpr (P::VS1) put(MT - 1, 64 * VS4 + 32 * P::VS2 + 2 * g);
+  __syncthreads();
+  decode_merge_and_store<T, D, GT>(a, b, sm);
+}
+
+}  // namespace pkv

@@ -1,0 +1,369 @@
+// decode_v2.cuh: the decode attention kernels' shared parts (partitioning, per-block setup, the
+// cross-warp merge) and the CUDA-core body. The tensor-core body for GQA is decode_mma.cuh.
+//
+// Both bodies are single-pass online softmax (flash-decoding): grid (num_kv_heads *
+// head_chunks, num_seqs, num_splits), DEC_THREADS threads; a block reads the K and V of one KV
+// head of one sequence over one partition of its context, once, for up to GT query heads of
+// that KV head's group. Its warps take fixed-size tiles of tokens in turn (warp w: tiles w,
+// w + DEC_WARPS, ...), each warp keeping a running max, sum and f32 accumulator per head; the
+// next tile's K and V loads are issued before the current tile's are used, so every lane has
+// loads in flight while it computes. Nothing in shared memory grows with the context: at the end
+// the warps' states are merged through DEC_WARPS x GT x (D + 2) floats (log-sum-exp rescaling).
+// With one split the block writes the normalized output; with several it writes its unnormalized
+// accumulator, max and sum to the workspace, which decode_reduce_kernel (attention.cuh) merges.
+//
+// Partitions follow the decode contract (attention.cuh): derived on the device from each
+// sequence's own context and the plan's num_splits, in multiples of PKV_DECODE_PART_ALIGN
+// tokens (a whole number of the tensor-core body's 16-token tiles). A split past the context,
+// or wholly before a sliding window, is empty and writes max = -inf, sum = 0.
+#pragma once
+
+#include "attention.cuh"
+
+namespace pkv {
+
+static_assert(PKV_DECODE_PART_ALIGN % 16 == 0, "partitions are whole 16-token tiles");
+
+// What one thread block of either body works on.
+struct DecodeBlock {
+  int kh;       // KV head
+  int g0;       // first query head of the group served here
+  int ng;       // heads served here, 1 ..= GT
+  int seq, split;
+  int ctx;      // context length, clamped to what the block table row can name
+  int qpos;     // the query's position, ctx - 1
+  int begin;    // first token read: the partition's start or the window's, whichever is later
+  int end;      // one past the last token read; begin >= end: nothing to attend
+  int64_t row0; // workspace row of head g0: seq * num_heads + its head index
+  int64_t q0;   // element offset of head g0's query row (the query view's token stride)
+  int64_t o0;   // element offset of head g0's output row (the out view's token stride)
+
+  template <int D> __device__ static DecodeBlock of(const DecodeArgs &a, int gt) {
+    DecodeBlock b;
+    b.kh = blockIdx.x / a.head_chunks;
+    b.g0 = (blockIdx.x % a.head_chunks) * gt;
+    b.ng = min(gt, a.group - b.g0);
+    b.seq = blockIdx.y;
+    b.split = blockIdx.z;
+    b.ctx = decode_seq_ctx(a.context_lens, b.seq, a.ctx_clamp);  // memory safety: clamped
+    b.qpos = b.ctx - 1;
+    // The contract's partition [split * part, min(ctx, (split + 1) * part)), in 64 bits.
+    const int64_t part = decode_part_len(b.ctx, a.num_splits);
+    const int64_t start = (int64_t)b.split * part, stop = start + part;
+    const int wstart = a.window > 0 ? max(0, b.ctx - a.window) : 0;
+    b.begin = max(start < b.ctx ? (int)start : b.ctx, wstart);
+    b.end = stop < b.ctx ? (int)stop : b.ctx;
+    const int64_t h0 = (int64_t)b.kh * a.group + b.g0;
+    b.row0 = (int64_t)b.seq * a.num_heads + h0;
+    b.q0 = (int64_t)b.seq * a.q_stride + h0 * D;
+    b.o0 = (int64_t)b.seq * a.out_stride + h0 * D;
+    return b;
+  }
+};
+
+// The outputs of a block with nothing to attend: an empty split (max -inf, sum 0: the reduce
+// gives it no weight) or, unsplit, a zero row (an empty or padding sequence).
+template <typename T, int D>
+__device__ void decode_store_empty(const DecodeArgs &a, const DecodeBlock &b) {
+  if (a.num_splits > 1) {
+    for (int g = threadIdx.x; g < b.ng; g += DEC_THREADS) {
+      const int64_t r = (b.row0 + g) * a.num_splits + b.split;
+      a.tmp_max[r] = -INFINITY;
+      a.tmp_sum[r] = 0.f;
+    }
+  } else {
+    T *out = reinterpret_cast<T *>(a.out) + b.o0;  // the ng heads' rows are contiguous
+    for (int i = threadIdx.x; i < b.ng * D; i += DEC_THREADS) out[i] = Elem<T>::from_f32(0.f);
+  }
+}
+
+// The per-warp states in shared memory: max [DEC_WARPS][GT], sum [DEC_WARPS][GT], accumulator
+// [DEC_WARPS][GT][D] (unnormalized, relative to that warp's max).
+template <int GT, int D> struct DecodeMerge {
+  static constexpr size_t FLOATS = (size_t)DEC_WARPS * GT * (2 + D);
+  __device__ static float *max_of(float *s, int w) { return s + w * GT; }
+  __device__ static float *sum_of(float *s, int w) { return s + DEC_WARPS * GT + w * GT; }
+  __device__ static float *acc_of(float *s, int w, int g) {
+    return s + 2 * DEC_WARPS * GT + (w * GT + g) * D;
+  }
+};
+
+// After a __syncthreads that follows every warp's DecodeMerge writes: merges the warps
+// (weights e^(m_w - M)) and stores the block's result for its ng heads.
+template <typename T, int D, int GT>
+__device__ void decode_merge_and_store(const DecodeArgs &a, const DecodeBlock &b, float *s) {
+  using Mg = DecodeMerge<GT, D>;
+  for (int i = threadIdx.x; i < b.ng * D; i += DEC_THREADS) {
+    const int g = i / D, d = i % D;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < DEC_WARPS; ++w) m = fmaxf(m, Mg::max_of(s, w)[g]);
+    float l = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < DEC_WARPS; ++w) {
+      const float mw = Mg::max_of(s, w)[g];
+      if (mw == -INFINITY) continue;  // a warp with no unmasked token: nothing to add
+      const float wt = __expf(mw - m);
+      l = fmaf(Mg::sum_of(s, w)[g], wt, l);
+      o = fmaf(Mg::acc_of(s, w, g)[d], wt, o);
+    }
+    if (a.num_splits > 1) {
+      const int64_t r = (b.row0 + g) * a.num_splits + b.split;
+      a.tmp_out[r * D + d] = o;
+      if (d == 0) {
+        a.tmp_max[r] = m;
+        a.tmp_sum[r] = l;
+      }
+    } else {
+      reinterpret_cast<T *>(a.out)[b.o0 + g * D + d] = Elem<T>::from_f32(l > 0.f ? o / l : 0.f);
+    }
+  }
+}
+
+__device__ __forceinline__ bool decode_block_ok(const DecodeArgs &a, int blk) {
+  return blk >= 0 && blk < a.num_blocks;
+}
+
+// A warp's tile: TILE (<= 16) consecutive tokens from a TILE-aligned `base`. Blocks hold a power
+// of two >= 8 tokens, so tokens base .. base + 7 lie in one block (`lo`) and base + 8 ..
+// base + 15 in one (`hi`): two table entries per tile, looked up one tile ahead, instead of
+// one 64-bit offset per token held in registers. -1: no token of that half is read.
+template <int TILE> struct DecodeTile {
+  static_assert(TILE >= 1 && TILE <= 16 && (TILE & (TILE - 1)) == 0, "1..16 tokens, 2^k");
+  int base, lo, hi;
+
+  // Tile `index` of block b's partition; reads the table only for halves it will read.
+  __device__ static DecodeTile of(const DecodeArgs &a, const DecodeBlock &b, const int32_t *btab,
+                                  int index) {
+    DecodeTile x{index * TILE, -1, -1};
+    const int lo_end = x.base + (TILE < 8 ? TILE : 8);
+    if (x.base < b.end && lo_end > b.begin) x.lo = btab[x.base / a.block_size];
+    if (TILE > 8 && x.base + 8 < b.end && x.base + 16 > b.begin)
+      x.hi = btab[(x.base + 8) / a.block_size];
+    return x;
+  }
+
+  // Element offset (in the cache) of the K row of token base + i of KV head b.kh (V is st.kv
+  // further), or -1 when the token is masked: outside [begin, end) or in an invalid block.
+  template <int D>
+  __device__ int64_t row(const DecodeArgs &a, const DecodeBlock &b, int i) const {
+    const int t = base + i, blk = i < 8 ? lo : hi;
+    if (t < b.begin || t >= b.end || !decode_block_ok(a, blk)) return -1;
+    return (int64_t)blk * a.st.block + (int64_t)(t % a.block_size) * a.st.token +
+           a.layer_offset + (int64_t)b.kh * D;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// CUDA-core body: f32 storage (any group) and f16 / bf16 MHA.
+//
+// Lane layout as RowLayout: T_PER_TOK lanes per token with 16-byte chunks, TOK_PER_WARP tokens
+// side by side per warp; a warp's tile is TOK_PER_WARP * U consecutive tokens (lane slot tg
+// takes tokens tg, tg + TOK_PER_WARP, ...). Each lane slot keeps its own running max and sum per
+// head (identical in the slot's lanes) and an accumulator for its lane's chunks; the slots of a
+// warp are merged by shuffles at the end.
+
+// Lane layout of one head row of D elements of T in the CUDA-core body.
+template <typename T, int D> struct RowLayout {
+  static constexpr int VEC = Elem<T>::VEC;            // elements per 16-byte chunk
+  static constexpr int CHUNKS = D / VEC;              // 16-byte chunks per row
+  static_assert(D % VEC == 0, "head_dim must be whole 16-byte vectors");
+  // Lanes per token: the smallest of 8/16/32 that holds every chunk in <= 2 rounds.
+  static constexpr int T_PER_TOK = CHUNKS <= 8 ? 8 : (CHUNKS <= 16 ? 16 : 32);
+  static constexpr int NV = (CHUNKS + T_PER_TOK - 1) / T_PER_TOK;  // chunks per lane
+  static constexpr int TOK_PER_WARP = 32 / T_PER_TOK;
+  // Tokens a lane slot takes per tile: 4 (2 with two chunks per lane), so that a tile's K and
+  // V are 128 bytes of loads per lane.
+  static constexpr int UNROLL = NV == 1 ? 4 : 2;
+};
+
+template <typename T, int D, int GT> struct SimtDecode {
+  using L = RowLayout<T, D>;
+  // Tokens per lane slot per tile. K and V of one tile are 2 * U * NV 16-byte loads per lane,
+  // in flight while the previous tile is computed. Eight f32 heads of 256 dims keep 128
+  // registers of query and accumulator live, so they take one token per tile.
+  static constexpr int U = (GT == 8 && L::NV == 2) ? 1 : L::UNROLL;
+  static constexpr int TILE = L::TOK_PER_WARP * U;
+  static constexpr size_t smem_bytes() { return DecodeMerge<GT, D>::FLOATS * sizeof(float); }
+};
+
+template <typename T, int D, int GT>
+__global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeArgs a) {
+  using P = SimtDecode<T, D, GT>;
+  using L = typename P::L;
+  using Mg = DecodeMerge<GT, D>;
+  constexpr int VEC = L::VEC, NV = L::NV, TPT = L::T_PER_TOK, TPW = L::TOK_PER_WARP;
+  constexpr int U = P::U, TILE = P::TILE;
+  extern __shared__ float smem[];
+
+  const DecodeBlock b = DecodeBlock::of<D>(a, GT);
+  if (b.begin >= b.end) {
+    decode_store_empty<T, D>(a, b);
+    return;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tg = lane / TPT;  // token slot of this lane inside its warp
+  const int li = lane % TPT;  // lane inside the token's lane group
+
+  // Query chunks of this lane, f32, per served head (zero past ng).
+  float q[GT][NV][VEC];
+  float slope[GT];
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    slope[g] = (a.alibi_slopes != nullptr && g < b.ng)
+                   ? a.alibi_slopes[b.kh * a.group + b.g0 + g] : 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int c = li + k * TPT;
+      if (g < b.ng && c < L::CHUNKS) {
+        const T *qp = reinterpret_cast<const T *>(a.query) + b.q0 + g * D + c * VEC;
+        vec_to_f32<T>(ld_vec(qp), q[g][k]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) q[g][k][e] = 0.f;
+      }
+    }
+  }
+
+  const T *cache = reinterpret_cast<const T *>(a.cache);
+  const int32_t *btab = a.block_tables + (int64_t)b.seq * a.max_blocks_per_seq;
+  using Tile = DecodeTile<TILE>;
+  // This lane's chunks of the K (plus = 0) or V (plus = st.kv) rows of its slot's tokens of
+  // tile x (zero for masked tokens: never read, never weighted).
+  auto load = [&](const Tile &x, int64_t plus, uint4 (&r)[U][NV]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t o = x.template row<D>(a, b, u * TPW + tg);
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int c = li + k * TPT;
+        r[u][k] = (o >= 0 && c < L::CHUNKS) ? ld_stream(cache + o + plus + c * VEC)
+                                            : make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+
+  float m[GT], l[GT], acc[GT][NV][VEC];
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[g][k][e] = 0.f;
+  }
+
+  const int first = b.begin / TILE, last = (b.end - 1) / TILE;
+  uint4 kr[U][NV], vr[U][NV];
+  Tile cur = Tile::of(a, b, btab, first + warp);  // past `last`: every token masked
+  load(cur, 0, kr);
+  load(cur, a.st.kv, vr);
+  for (int tile = first + warp; tile <= last; tile += DEC_WARPS) {
+    const Tile nxt = Tile::of(a, b, btab, tile + DEC_WARPS);  // table reads in flight
+
+    // Logits of this tile (every lane of a token's group ends with the same values).
+    float s[U][GT];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float dot[GT];
+#pragma unroll
+      for (int g = 0; g < GT; ++g) dot[g] = 0.f;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        float kf[VEC];
+        vec_to_f32<T>(kr[u][k], kf);
+#pragma unroll
+        for (int g = 0; g < GT; ++g)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) dot[g] = fmaf(q[g][k][e], kf[e], dot[g]);
+      }
+      const int i = u * TPW + tg;
+      const bool ok = cur.template row<D>(a, b, i) >= 0;
+#pragma unroll
+      for (int g = 0; g < GT; ++g) {
+        dot[g] = group_sum<TPT>(dot[g]);
+        s[u][g] = ok ? attn_logit(dot[g], a.scale, a.softcap, slope[g], cur.base + i, b.qpos,
+                                  a.window)
+                     : -INFINITY;
+      }
+    }
+    load(nxt, 0, kr);  // the next tile's K, in flight from here
+
+    // Online softmax: rescale by e^(m_old - m_new) when the max grows.
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      float mt = m[g];
+#pragma unroll
+      for (int u = 0; u < U; ++u) mt = fmaxf(mt, s[u][g]);
+      const float alpha = m[g] == -INFINITY ? 0.f : __expf(m[g] - mt);
+      m[g] = mt;
+      l[g] *= alpha;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        s[u][g] = safe_exp(s[u][g], mt);  // now p
+        l[g] += s[u][g];
+      }
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[g][k][e] *= alpha;
+    }
+    // acc += p * V (a masked token has p = 0 and V = 0).
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        float vf[VEC];
+        vec_to_f32<T>(vr[u][k], vf);
+#pragma unroll
+        for (int g = 0; g < GT; ++g)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[g][k][e] = fmaf(s[u][g], vf[e], acc[g][k][e]);
+      }
+    load(nxt, a.st.kv, vr);  // the next tile's V
+    cur = nxt;
+  }
+
+  // Merge the warp's token slots (lanes li, li + TPT, ...) to the slots' common max.
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    float mw = m[g];
+#pragma unroll
+    for (int o = TPT; o < 32; o <<= 1) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, o));
+    const float sc = m[g] == -INFINITY ? 0.f : __expf(m[g] - mw);
+    l[g] *= sc;
+#pragma unroll
+    for (int o = TPT; o < 32; o <<= 1) l[g] += __shfl_xor_sync(0xffffffffu, l[g], o);
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        float x = acc[g][k][e] * sc;
+#pragma unroll
+        for (int o = TPT; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+        acc[g][k][e] = x;
+      }
+    m[g] = mw;
+  }
+  if (tg == 0) {
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      if (li == 0) {
+        Mg::max_of(smem, warp)[g] = m[g];
+        Mg::sum_of(smem, warp)[g] = l[g];
+      }
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int c = li + k * TPT;
+        if (c < L::CHUNKS)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) Mg::acc_of(smem, warp, g)[c * VEC + e] = acc[g][k][e];
+      }
+    }
+  }
+  __syncthreads();
+  decode_merge_and_store<T, D, GT>(a, b, smem);
+}
+
+}  // namespace pkv

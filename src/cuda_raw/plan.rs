@@ -1,0 +1,128 @@
+//! The decode plan: the split-K partitioning of decode attention, fixed for a batch capacity
+//! (`pkv_decode_plan_init` in kernels/pagedkv.h is the one place that chooses it; this is its
+//! typed front).
+//!
+//! A plan fixes the grid, the shared memory and the workspace of every decode launch made with
+//! it; the kernels derive each sequence's partitions on the device from its context length. So
+//! a decode step captured in a CUDA graph replays correctly after the context lengths, block
+//! tables and queries change in place: nothing the capture baked in depends on them. The
+//! contract is described at the top of kernels/attention.cuh.
+
+use super::check::{check_status, i32_of};
+use super::ffi;
+use crate::error::RawError;
+
+/// How decode attention partitions each sequence's context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DecodeMode {
+    /// One split when the batch capacity alone gives every SM `PKV_DECODE_CTAS_PER_SM` thread
+    /// blocks, else enough splits to do so (partitions of at least `PKV_DECODE_MIN_PART`
+    /// tokens at capacity) (the default).
+    #[default]
+    Auto,
+    /// One split per (sequence, KV head), no reduce kernel, whatever the context capacity (the
+    /// kernels keep nothing per token in shared memory).
+    SinglePass,
+    /// At least two splits, partitions of at most `PKV_DECODE_PARTITION` (512) tokens at
+    /// capacity, and the reduce kernel.
+    SplitK,
+}
+
+impl DecodeMode {
+    fn abi(self) -> i32 {
+        (match self {
+            DecodeMode::Auto => ffi::PKV_DECODE_AUTO,
+            DecodeMode::SinglePass => ffi::PKV_DECODE_SINGLE,
+            DecodeMode::SplitK => ffi::PKV_DECODE_SPLIT,
+        }) as i32
+    }
+}
+
+/// A decode plan (`pkv_decode_plan`): made once per captured batch shape and kept beside the
+/// graph, or made per launch by an eager caller (cheap: integer arithmetic on the host).
+#[derive(Debug, Clone, Copy)]
+pub struct DecodePlan {
+    raw: ffi::pkv_decode_plan,
+}
+
+impl DecodePlan {
+    /// The plan of `mode` for launches of at most `num_seqs_capacity` sequences whose contexts
+    /// are at most `max_context_capacity` tokens, `num_heads` query heads over `num_kv_heads`
+    /// KV heads of `head_dim`, on a device of `sm_count` SMs (used by [`DecodeMode::Auto`]; 0
+    /// asks the device current on this thread).
+    ///
+    /// # Errors
+    /// [`RawError::Unsupported`] for a size beyond the C ABI; [`RawError::Launch`] with
+    /// `PKV_ERR_INVALID_ARG` for a zero size, heads that do not divide, a capacity above 65535
+    /// sequences, or one needing more than `PKV_DECODE_MAX_SPLITS` splits;
+    /// `PKV_ERR_HEAD_DIM` for a head dim without a kernel; a CUDA status if the SM query fails.
+    pub fn new(
+        mode: DecodeMode,
+        num_seqs_capacity: usize,
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        max_context_capacity: usize,
+        sm_count: usize,
+    ) -> Result<Self, RawError> {
+        let mut raw = ffi::pkv_decode_plan::default();
+        // SAFETY: `raw` is a valid local the call writes (on success only); every other
+        // argument is an integer. With sm_count 0 and Auto, the call queries the current
+        // device through the runtime, which has no precondition (an error is a status).
+        let status = unsafe {
+            ffi::pkv_decode_plan_init(
+                &mut raw,
+                mode.abi(),
+                i32_of("num_seqs_capacity", num_seqs_capacity)?,
+                i32_of("num_heads", num_heads)?,
+                i32_of("num_kv_heads", num_kv_heads)?,
+                i32_of("head_dim", head_dim)?,
+                i32_of("max_context_capacity", max_context_capacity)?,
+                i32::try_from(sm_count).unwrap_or(i32::MAX),
+            )
+        };
+        check_status("pkv_decode_plan_init", status, None)?;
+        Ok(Self { raw })
+    }
+
+    /// Most sequences of a launch (grid y).
+    pub fn num_seqs_capacity(&self) -> usize {
+        self.raw.num_seqs_capacity as usize
+    }
+    /// Query heads of every launch.
+    pub fn num_heads(&self) -> usize {
+        self.raw.num_heads as usize
+    }
+    /// KV heads of every launch.
+    pub fn num_kv_heads(&self) -> usize {
+        self.raw.num_kv_heads as usize
+    }
+    /// Head dim of every launch.
+    pub fn head_dim(&self) -> usize {
+        self.raw.head_dim as usize
+    }
+    /// Longest context a launch may carry (longer ones are clamped on the device).
+    pub fn max_context_capacity(&self) -> usize {
+        self.raw.max_context_capacity as usize
+    }
+    /// Splits per sequence (grid z); 1 means no reduce kernel.
+    pub fn num_splits(&self) -> usize {
+        self.raw.num_splits as usize
+    }
+    /// Device workspace bytes a launch needs (0 with one split).
+    pub fn workspace_bytes(&self) -> usize {
+        self.raw.workspace_bytes as usize
+    }
+    /// The mode it was made with.
+    pub fn mode(&self) -> DecodeMode {
+        match self.raw.mode as u32 {
+            ffi::PKV_DECODE_SINGLE => DecodeMode::SinglePass,
+            ffi::PKV_DECODE_SPLIT => DecodeMode::SplitK,
+            _ => DecodeMode::Auto,
+        }
+    }
+    /// The ABI's struct (for a caller of the C launcher).
+    pub fn as_ffi(&self) -> &ffi::pkv_decode_plan {
+        &self.raw
+    }
+}

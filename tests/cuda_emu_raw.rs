@@ -1,0 +1,888 @@
+//! The raw kernel API (`pagedkv::cuda_raw`: raw pointers, shapes and strides, the caller's
+//! stream) on the CPU emulation of the kernels (feature `cuda-emu`), against the CPU oracle:
+//!
+//! - a decode plan fixed for a batch capacity, launched again and again over metadata
+//!   rewritten in place (other context lengths, other block tables, fewer live sequences padded
+//!   with context 0), as a replayed CUDA graph would: the grid never changes, every live row
+//!   matches the oracle and the eager launch (a plan per launch), every padding row is zero,
+//!   and stale split-K partials of earlier steps never leak into later ones;
+//! - query, output, key and value views inside a fused QKV projection (strided rows) give the
+//!   same bits as dense tensors;
+//! - the split policy of `DecodePlan` (SM count, batch, context capacity);
+//! - every host check refuses bad input with its typed error before anything launches.
+#![cfg(all(feature = "cuda-emu", not(feature = "cuda")))]
+
+#[path = "support/kernel_grid.rs"]
+mod kernel_grid;
+
+use half::{bf16, f16};
+use kernel_grid::*;
+use pagedkv::cuda_emu::{self, EmuBuf, EmuElem};
+use pagedkv::cuda_raw::{
+    self, AttnParamsRaw, CacheView, DecodeMode, DecodePlan, RawError, Rows, SeqTables, Workspace,
+};
+use pagedkv::error::{AttnError, KvError};
+use pagedkv::kv::{AttnParams, KvCacheConfig, KvDtype};
+use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+trait Elem: Tol + EmuElem {}
+impl<T: Tol + EmuElem> Elem for T {}
+
+fn buf<T: EmuElem>(data: &[T]) -> EmuBuf {
+    EmuBuf::from_slice(data).expect("guarded allocation")
+}
+
+/// `n` elements of T, every byte 0xFF (NaN in all three float types).
+fn poisoned<T: EmuElem>(n: usize) -> EmuBuf {
+    let mut b = EmuBuf::zeroed(n * std::mem::size_of::<T>()).expect("guarded allocation");
+    b.as_mut_slice::<u8>().fill(0xff);
+    b
+}
+
+fn ptr(b: &EmuBuf) -> u64 {
+    b.ptr() as u64
+}
+
+fn null_stream() -> cuda_raw::CuStream {
+    std::ptr::null_mut()
+}
+
+/// The emulated launches' ALiBi slopes and parameters of an `AttnParams`.
+fn raw_params(p: &AttnParams<'_>, slopes: Option<&EmuBuf>) -> AttnParamsRaw {
+    AttnParamsRaw {
+        num_heads: p.num_heads,
+        scale: p.scale,
+        softcap: p.softcap,
+        sliding_window: p.sliding_window,
+        alibi_slopes: slopes.map_or(0, ptr),
+    }
+}
+
+/// A batch's tables laid out in rows of `mbps` entries (the live entries of `b`, garbage
+/// after), for a capacity wider than the batch's own rows.
+fn widen(b: &Batch, mbps: usize) -> Vec<i32> {
+    let mut t = vec![-9i32; b.ctx.len() * mbps];
+    for s in 0..b.ctx.len() {
+        t[s * mbps..s * mbps + b.mbps].copy_from_slice(&b.tables[s * b.mbps..(s + 1) * b.mbps]);
+    }
+    t
+}
+
+/// One step's live batch over a shared cache: contexts `ctx`, tables scattered over a shuffled
+/// pool of the cache's blocks (each step its own blocks and order).
+fn step_batch(rng: &mut SmallRng, cfg: KvCacheConfig, ctx: &[usize]) -> Batch {
+    let bs = cfg.block_size();
+    let mbps = ctx.iter().map(|c| c.div_ceil(bs)).max().unwrap_or(1).max(1);
+    let mut ids: Vec<i32> = (0..cfg.num_blocks() as i32).collect();
+    ids.shuffle(rng);
+    let mut next = 0;
+    let mut tables = vec![0i32; ctx.len() * mbps];
+    for (s, &c) in ctx.iter().enumerate() {
+        for j in 0..mbps {
+            tables[s * mbps + j] = if j < c.div_ceil(bs) {
+                next += 1;
+                ids[next - 1]
+            } else {
+                [-7, i32::MAX, 1 << 30][j % 3]
+            };
+        }
+    }
+    Batch {
+        cfg,
+        tables,
+        mbps,
+        ctx: ctx.iter().map(|&c| c as i32).collect(),
+    }
+}
+
+/// The eager decode of a live batch: a plan made for exactly this batch (the AUTO policy on
+/// the emulated 132 SMs), fresh buffers.
+fn eager_decode<T: Elem>(
+    cache: &CacheView,
+    layer: usize,
+    b: &Batch,
+    query: &[T],
+    params: &AttnParamsRaw,
+) -> Vec<T> {
+    let cfg = cache.config;
+    let (nh, d) = (params.num_heads, cfg.head_dim());
+    let n = b.ctx.len();
+    let max_ctx = b.ctx.iter().copied().max().unwrap_or(0).max(1) as usize;
+    let plan = DecodePlan::new(DecodeMode::Auto, n, nh, cfg.num_kv_heads(), d, max_ctx, 132)
+        .expect("eager plan");
+    let (q, out) = (buf(query), poisoned::<T>(n * nh * d));
+    let (tables, ctx) = (buf(&b.tables), buf(&b.ctx));
+    let ws = poisoned::<u8>(plan.workspace_bytes().max(1));
+    let seqs = SeqTables {
+        block_tables: ptr(&tables),
+        max_blocks_per_seq: b.mbps,
+        context_lens: ptr(&ctx),
+        num_seqs: n,
+    };
+    // SAFETY: every pointer is a live guarded buffer of the documented shape (query/out n dense
+    // rows, tables n x mbps, ctx n, workspace the plan's bytes); emulated launches complete
+    // before returning.
+    unsafe {
+        cuda_raw::paged_attention_decode(
+            cache,
+            layer,
+            Rows::dense(ptr(&q), nh, d),
+            Rows::dense(ptr(&out), nh, d),
+            &seqs,
+            params,
+            &plan,
+            Workspace {
+                ptr: ptr(&ws),
+                bytes: ws.len(),
+            },
+            null_stream(),
+        )
+    }
+    .expect("eager decode");
+    out.as_slice::<T>().to_vec()
+}
+
+/// The steps a fixed plan of capacity `cap_seqs` x `cap_ctx` tokens replays over: full and
+/// partial batches, contexts from 1 to the capacity, block boundaries, empty sequences.
+fn steps(cap_seqs: usize, cap_ctx: usize, bs: usize) -> Vec<Vec<usize>> {
+    assert!(cap_seqs >= 5);
+    vec![
+        vec![1, bs, cap_ctx, 3 * bs + 1, 33],
+        vec![cap_ctx - 1, 2],
+        (0..cap_seqs).map(|i| 1 + (i * 97) % cap_ctx).collect(),
+        vec![bs - 1],
+        vec![0, cap_ctx / 2, 0, bs + 1],
+    ]
+}
+
+/// A decode plan fixed for `cap_seqs` sequences of up to `mbps` blocks, launched over
+/// persistent metadata, query, output and workspace buffers rewritten in place per step.
+#[allow(clippy::too_many_arguments)]
+fn check_fixed_plan<T: Elem>(
+    rng: &mut SmallRng,
+    d: usize,
+    group: usize,
+    bs: usize,
+    mbps: usize,
+    f: Features,
+    mode: DecodeMode,
+    sms: usize,
+) {
+    let (layers, layer, hkv, cap_seqs) = (2, 1, 2, 6);
+    let cap_ctx = mbps * bs;
+    let nh = hkv * group;
+    // Enough blocks for a full step of full contexts.
+    let cfg = KvCacheConfig::new(layers, hkv, d, bs, cap_seqs * mbps + 5, T::DTYPE).expect("cfg");
+    let cfg = with_page(cfg, Page::Pad(1));
+    let host = random_cache::<T>(rng, cfg);
+    let dev_cache = buf(host.as_bytes());
+    let cache = CacheView {
+        base: ptr(&dev_cache),
+        config: cfg,
+    };
+    let sl = slopes(rng, nh);
+    let slopes_buf = buf(&sl);
+    let params = attn_params(nh, d, f, &sl);
+    let raw = raw_params(&params, f.alibi.then_some(&slopes_buf));
+
+    let plan = DecodePlan::new(mode, cap_seqs, nh, hkv, d, cap_ctx, sms).expect("plan");
+    // The persistent buffers a captured step would hold: metadata, query, output, workspace.
+    let mut tables = poisoned::<i32>(cap_seqs * mbps);
+    let mut ctx = poisoned::<i32>(cap_seqs);
+    let mut query = poisoned::<T>(cap_seqs * nh * d);
+    let mut out = poisoned::<T>(cap_seqs * nh * d);
+    // Poisoned once, never again: a partial left by an earlier step must never be read.
+    let ws = poisoned::<u8>(plan.workspace_bytes().max(1));
+    let seqs = SeqTables {
+        block_tables: ptr(&tables),
+        max_blocks_per_seq: mbps,
+        context_lens: ptr(&ctx),
+        num_seqs: cap_seqs,
+    };
+    let mut grid: Option<(u64, u64)> = None;
+    for (step, live_ctx) in steps(cap_seqs, cap_ctx, bs).into_iter().enumerate() {
+        let what = format!(
+            "{} d{d} g{group} bs{bs} {mode:?} ({} splits) step {step} ctx {live_ctx:?}",
+            T::DTYPE,
+            plan.num_splits()
+        );
+        let b = step_batch(rng, cfg, &live_ctx);
+        let n = live_ctx.len();
+        // Rewrite the metadata in place: live rows, then padding (context 0, garbage tables).
+        let t = tables.as_mut_slice::<i32>();
+        t.fill(i32::MIN);
+        t[..n * mbps].copy_from_slice(&widen(&b, mbps));
+        let c = ctx.as_mut_slice::<i32>();
+        c.fill(0);
+        c[..n].copy_from_slice(&b.ctx);
+        let q_all = random_vec::<T>(rng, cap_seqs * nh * d);
+        query.as_mut_slice::<T>().copy_from_slice(&q_all);
+        out.as_mut_slice::<u8>().fill(0xff);
+
+        let _ = cuda_emu::take_stats();
+        // SAFETY: every pointer is a live guarded buffer of the documented shape (query/out
+        // cap_seqs dense rows, tables cap_seqs x mbps, ctx cap_seqs, the plan's workspace, the
+        // slopes nh f32); emulated launches complete before returning.
+        unsafe {
+            cuda_raw::paged_attention_decode(
+                &cache,
+                layer,
+                Rows::dense(ptr(&query), nh, d),
+                Rows::dense(ptr(&out), nh, d),
+                &seqs,
+                &raw,
+                &plan,
+                Workspace {
+                    ptr: ptr(&ws),
+                    bytes: ws.len(),
+                },
+                null_stream(),
+            )
+        }
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let st = cuda_emu::take_stats();
+        match grid {
+            None => grid = Some((st.launches, st.blocks)),
+            Some(g) => assert_eq!(
+                g,
+                (st.launches, st.blocks),
+                "{what}: the grid changed between steps"
+            ),
+        }
+
+        let got = out.as_slice::<T>().to_vec();
+        let row = nh * d;
+        let live_q = &q_all[..n * row];
+        let want = cpu_decode(&b, &host, layer, live_q, &params);
+        assert_close(&format!("{what} vs oracle"), &got[..n * row], &want, d);
+        let eager = eager_decode(&cache, layer, &b, live_q, &raw);
+        assert_close(&format!("{what} vs eager"), &got[..n * row], &eager, d);
+        for (i, x) in got[n * row..].iter().enumerate() {
+            assert!(
+                x.to_f32() == 0.0,
+                "{what}: padding element {} is {}",
+                n * row + i,
+                x.to_f32()
+            );
+        }
+    }
+}
+
+#[test]
+fn fixed_plan_replays_over_changed_metadata() {
+    let mut rng = SmallRng::seed_from_u64(31);
+    let alibi_window = Features {
+        alibi: true,
+        window: 40,
+        softcap: 0.0,
+    };
+    let capped = Features {
+        alibi: false,
+        window: 0,
+        softcap: 20.0,
+    };
+    // Auto on an H100-sized device: 6 seqs x 2 KV heads leave the SMs idle, so the plan
+    // splits; contexts far below capacity leave most partitions empty.
+    check_fixed_plan::<bf16>(
+        &mut rng,
+        128,
+        4,
+        16,
+        40,
+        Features::PLAIN,
+        DecodeMode::Auto,
+        132,
+    );
+    check_fixed_plan::<f16>(&mut rng, 64, 1, 8, 30, alibi_window, DecodeMode::Auto, 132);
+    check_fixed_plan::<f32>(&mut rng, 256, 8, 32, 12, capped, DecodeMode::Auto, 132);
+    // Auto on a 4-SM device: the batch fills it, one split (no reduce kernel).
+    check_fixed_plan::<bf16>(&mut rng, 96, 6, 16, 20, alibi_window, DecodeMode::Auto, 4);
+    // Forced modes: split-K with the reduce kernel, and a single pass.
+    check_fixed_plan::<f16>(&mut rng, 112, 3, 64, 20, capped, DecodeMode::SplitK, 132);
+    check_fixed_plan::<bf16>(
+        &mut rng,
+        80,
+        2,
+        16,
+        8,
+        alibi_window,
+        DecodeMode::SinglePass,
+        132,
+    );
+}
+
+/// Rows inside a fused QKV projection (`[q heads | k heads | v heads]` per token) and an
+/// output with padded rows give the same bits as dense tensors, for decode, prefill and the
+/// cache write.
+fn check_fused<T: Elem>(rng: &mut SmallRng, d: usize, group: usize, bs: usize) {
+    let (layers, layer, hkv) = (2, 1, 2);
+    let nh = hkv * group;
+    let ctx = [37usize, 1, 3 * bs + 5];
+    let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, Page::Pad(2), &ctx);
+    let host = random_cache::<T>(rng, b.cfg);
+    let cfg = b.cfg;
+    let sl = slopes(rng, nh);
+    let slopes_buf = buf(&sl);
+    let params = attn_params(nh, d, features(3, bs), &sl);
+    let raw = raw_params(&params, Some(&slopes_buf));
+    let (tables, ctxb) = (buf(&b.tables), buf(&b.ctx));
+    let seqs = SeqTables {
+        block_tables: ptr(&tables),
+        max_blocks_per_seq: b.mbps,
+        context_lens: ptr(&ctxb),
+        num_seqs: ctx.len(),
+    };
+    let (row, kv_row) = (nh * d, hkv * d);
+    let parts = [nh, hkv, hkv];
+    let fused_row = (nh + 2 * hkv) * d;
+    let es = std::mem::size_of::<T>();
+    // An output row padded by 16 bytes' worth of elements.
+    let out_stride = row + 16 / es;
+
+    // Prefill tokens: 2 + 1 + 4 query tokens.
+    let qsl = [0i32, 2, 3, 7];
+    let tokens = 7;
+    let fused = random_vec::<T>(rng, tokens * fused_row);
+    let fbuf = buf(&fused);
+    let part = |p: usize| Rows::fused(ptr(&fbuf), &parts, p, d, es).expect("fused view");
+    let q_dense: Vec<T> = (0..tokens)
+        .flat_map(|t| fused[t * fused_row..t * fused_row + row].to_vec())
+        .collect();
+    let qd = buf(&q_dense);
+    let unpad = |o: &EmuBuf, rows: usize| -> Vec<T> {
+        let v = o.as_slice::<T>();
+        (0..rows)
+            .flat_map(|t| v[t * out_stride..t * out_stride + row].to_vec())
+            .collect()
+    };
+
+    // Decode: the first 3 tokens' q as the 3 sequences' queries.
+    let plan = DecodePlan::new(DecodeMode::SplitK, 3, nh, hkv, d, b.mbps * bs, 132).expect("plan");
+    let ws = poisoned::<u8>(plan.workspace_bytes().max(1));
+    let wsr = Workspace {
+        ptr: ptr(&ws),
+        bytes: ws.len(),
+    };
+    let cache_buf = buf(host.as_bytes());
+    let cache = CacheView {
+        base: ptr(&cache_buf),
+        config: cfg,
+    };
+    let (od, os) = (poisoned::<T>(3 * row), poisoned::<T>(3 * out_stride));
+    // SAFETY: live guarded buffers of the documented shapes (3 query rows in the fused buffer
+    // and the dense one, 3 output rows at each stride, the batch's tables and contexts, the
+    // plan's workspace); emulated launches complete before returning.
+    unsafe {
+        for (q, o) in [
+            (Rows::dense(ptr(&qd), nh, d), Rows::dense(ptr(&od), nh, d)),
+            (
+                part(0),
+                Rows {
+                    ptr: ptr(&os),
+                    token_stride: out_stride,
+                },
+            ),
+        ] {
+            cuda_raw::paged_attention_decode(
+                &cache,
+                layer,
+                q,
+                o,
+                &seqs,
+                &raw,
+                &plan,
+                wsr,
+                null_stream(),
+            )
+            .expect("decode");
+        }
+    }
+    let bits = |v: Vec<T>| -> Vec<u8> {
+        let b = buf(&v);
+        b.as_slice::<u8>().to_vec()
+    };
+    let dense = od.as_slice::<T>().to_vec();
+    assert!(
+        bits(dense.clone()) == bits(unpad(&os, 3)),
+        "{} d{d} g{group}: fused decode differs from dense",
+        T::DTYPE
+    );
+    let want = cpu_decode(&b, &host, layer, &q_dense[..3 * row], &params);
+    assert_close("dense decode", &dense, &want, d);
+
+    // Prefill over the same cache: sequence s has qsl[s+1] - qsl[s] query tokens.
+    let pb = Batch {
+        cfg,
+        tables: b.tables.clone(),
+        mbps: b.mbps,
+        ctx: b.ctx.clone(),
+    };
+    let qslb = buf(&qsl);
+    let (pd, ps) = (
+        poisoned::<T>(tokens * row),
+        poisoned::<T>(tokens * out_stride),
+    );
+    // SAFETY: as above, with `tokens` rows and query_start_loc [4] non-decreasing from 0, each
+    // q_len <= 4 and <= its context.
+    unsafe {
+        for (q, o) in [
+            (Rows::dense(ptr(&qd), nh, d), Rows::dense(ptr(&pd), nh, d)),
+            (
+                part(0),
+                Rows {
+                    ptr: ptr(&ps),
+                    token_stride: out_stride,
+                },
+            ),
+        ] {
+            cuda_raw::paged_attention_prefill(
+                &cache,
+                layer,
+                q,
+                o,
+                &seqs,
+                ptr(&qslb),
+                4,
+                &raw,
+                null_stream(),
+            )
+            .expect("prefill");
+        }
+    }
+    let dense = pd.as_slice::<T>().to_vec();
+    assert!(
+        bits(dense.clone()) == bits(unpad(&ps, tokens)),
+        "{} d{d} g{group}: fused prefill differs from dense",
+        T::DTYPE
+    );
+    let want = cpu_prefill(&pb, &host, layer, &q_dense, &qsl, &params);
+    assert_close("dense prefill", &dense, &want, d);
+
+    // The cache write from the fused k and v parts equals the write from dense copies.
+    let slots: Vec<i64> = {
+        let mut all: Vec<i64> = (0..(cfg.num_blocks() * bs) as i64).collect();
+        all.shuffle(rng);
+        let mut s = all[..tokens].to_vec();
+        s[3] = -1;
+        s
+    };
+    let dense_of = |p: usize| -> Vec<T> {
+        let off = parts[..p].iter().sum::<usize>() * d;
+        (0..tokens)
+            .flat_map(|t| fused[t * fused_row + off..t * fused_row + off + kv_row].to_vec())
+            .collect()
+    };
+    let (kd, vd, sb) = (buf(&dense_of(1)), buf(&dense_of(2)), buf(&slots));
+    let (c1, c2) = (buf(host.as_bytes()), buf(host.as_bytes()));
+    // SAFETY: `tokens` key/value rows in each view, `tokens` i64 slots, whole caches.
+    unsafe {
+        for (c, k, v) in [
+            (
+                &c1,
+                Rows::dense(ptr(&kd), hkv, d),
+                Rows::dense(ptr(&vd), hkv, d),
+            ),
+            (&c2, part(1), part(2)),
+        ] {
+            let view = CacheView {
+                base: ptr(c),
+                config: cfg,
+            };
+            cuda_raw::reshape_and_cache(&view, layer, k, v, ptr(&sb), tokens, null_stream())
+                .expect("reshape");
+        }
+    }
+    assert!(
+        c1.as_slice::<u8>() == c2.as_slice::<u8>(),
+        "{} d{d}: fused cache write differs from dense",
+        T::DTYPE
+    );
+    assert!(
+        c1.as_slice::<u8>() != host.as_bytes(),
+        "the cache write changed nothing"
+    );
+}
+
+#[test]
+fn fused_qkv_views_match_dense() {
+    let mut rng = SmallRng::seed_from_u64(32);
+    check_fused::<bf16>(&mut rng, 128, 4, 16);
+    check_fused::<f16>(&mut rng, 80, 1, 8);
+    check_fused::<f32>(&mut rng, 64, 8, 32);
+    check_fused::<bf16>(&mut rng, 256, 3, 16);
+}
+
+/// The split policy: one split when the batch fills the device, enough splits to fill it
+/// otherwise (bounded by the minimum partition), workspaces sized for the splits; the forced
+/// modes.
+#[test]
+fn decode_plan_policy() {
+    let plan = |mode, seqs, nh, nkv, d, cap, sms| DecodePlan::new(mode, seqs, nh, nkv, d, cap, sms);
+    let auto = |seqs, nh, nkv, cap, sms| {
+        plan(DecodeMode::Auto, seqs, nh, nkv, 128, cap, sms).expect("auto plan")
+    };
+    // 64 seqs x 8 KV heads = 512 blocks >= 2 per SM of 132: no split.
+    assert_eq!(auto(64, 32, 8, 2048, 132).num_splits(), 1);
+    assert_eq!(auto(64, 32, 8, 2048, 132).workspace_bytes(), 0);
+    // ... at any context capacity (no body limits a partition's length).
+    assert_eq!(auto(64, 32, 8, 4096, 132).num_splits(), 1);
+    // Batch 1, 8 KV heads: 264 / 8 = 33 splits (partitions of 128 tokens at 4096).
+    assert_eq!(auto(1, 32, 8, 4096, 132).num_splits(), 33);
+    // ... but no partition below 32 tokens: 512 / 32 = 16.
+    assert_eq!(auto(1, 32, 8, 512, 132).num_splits(), 16);
+    assert_eq!(auto(1, 32, 8, 20, 132).num_splits(), 1);
+    // More SMs never mean fewer splits; a larger batch never more.
+    let mut last = 0;
+    for sms in [1, 8, 32, 108, 132, 264] {
+        let s = auto(4, 32, 8, 32768, sms).num_splits();
+        assert!(s >= last, "{sms} SMs: {s} splits after {last}");
+        last = s;
+    }
+    let mut last = usize::MAX;
+    for seqs in [1, 2, 5, 16, 33, 100] {
+        let s = auto(seqs, 32, 32, 32768, 132).num_splits();
+        assert!(s <= last, "{seqs} seqs: {s} splits after {last}");
+        last = s;
+    }
+    // A batch that fills the device alone is one split whatever its context capacity: no
+    // kernel body limits a partition's length.
+    let big = auto(512, 64, 8, 20000, 132);
+    assert_eq!((big.num_splits(), big.workspace_bytes()), (1, 0));
+    // Forced modes.
+    let split = plan(DecodeMode::SplitK, 8, 32, 8, 128, 100, 132).expect("split");
+    assert_eq!(split.num_splits(), 2);
+    let split = plan(DecodeMode::SplitK, 8, 32, 8, 128, 5000, 132).expect("split");
+    assert_eq!(split.num_splits(), 10);
+    assert!(split.workspace_bytes() >= 8 * 32 * 10 * (128 + 2) * 4);
+    for cap in [3070, 3071, 1 << 20] {
+        let single = plan(DecodeMode::SinglePass, 8, 32, 8, 128, cap, 132).expect("single");
+        assert_eq!((single.num_splits(), single.workspace_bytes()), (1, 0));
+        assert_eq!(single.mode(), DecodeMode::SinglePass);
+    }
+    // Refusals: zero sizes; heads that do not divide; an unsupported head dim; more than 65535
+    // sequences.
+    let invalid = |r: Result<DecodePlan, RawError>, what: &str| match r {
+        Err(RawError::Launch { status, .. }) => assert!(
+            status == cuda_raw::ffi::PKV_ERR_INVALID_ARG as i32
+                || status == cuda_raw::ffi::PKV_ERR_HEAD_DIM as i32,
+            "{what}: status {status}"
+        ),
+        other => panic!("{what}: {other:?}"),
+    };
+    invalid(plan(DecodeMode::Auto, 0, 32, 8, 128, 100, 132), "no seqs");
+    invalid(plan(DecodeMode::Auto, 8, 32, 8, 128, 0, 132), "no context");
+    invalid(plan(DecodeMode::Auto, 8, 30, 8, 128, 100, 132), "heads");
+    invalid(plan(DecodeMode::Auto, 8, 32, 8, 72, 100, 132), "head dim");
+    invalid(plan(DecodeMode::Auto, 65536, 32, 8, 128, 100, 132), "seqs");
+    // sm_count 0: the (emulated) device's own count, 132 by default.
+    assert_eq!(
+        plan(DecodeMode::Auto, 1, 32, 8, 128, 4096, 0)
+            .expect("device plan")
+            .num_splits(),
+        33
+    );
+}
+
+/// Every host check refuses its input with a typed error, and nothing launches.
+#[test]
+fn raw_launches_refuse_bad_input_before_launch() {
+    let mut rng = SmallRng::seed_from_u64(33);
+    let (d, hkv, nh, bs) = (64, 2, 4, 16);
+    let b = make_batch(&mut rng, 2, hkv, d, bs, KvDtype::F16, Page::Dense, &[20, 3]);
+    let host = random_cache::<f16>(&mut rng, b.cfg);
+    let cache_buf = buf(host.as_bytes());
+    let cache = CacheView {
+        base: ptr(&cache_buf),
+        config: b.cfg,
+    };
+    let (tables, ctx) = (buf(&b.tables), buf(&b.ctx));
+    let seqs = SeqTables {
+        block_tables: ptr(&tables),
+        max_blocks_per_seq: b.mbps,
+        context_lens: ptr(&ctx),
+        num_seqs: 2,
+    };
+    let row = nh * d;
+    let (q, out) = (
+        buf(&random_vec::<f16>(&mut rng, 2 * row + 8)),
+        poisoned::<f16>(2 * row + 8),
+    );
+    let plan = DecodePlan::new(DecodeMode::SplitK, 2, nh, hkv, d, 64, 132).expect("plan");
+    let ws = poisoned::<u8>(plan.workspace_bytes());
+    let good_ws = Workspace {
+        ptr: ptr(&ws),
+        bytes: ws.len(),
+    };
+    let params = AttnParamsRaw::new(nh, d);
+    let dense = |b: &EmuBuf| Rows::dense(ptr(b), nh, d);
+    let decode = |cache: &CacheView,
+                  layer: usize,
+                  q: Rows,
+                  o: Rows,
+                  seqs: &SeqTables,
+                  p: &AttnParamsRaw,
+                  plan: &DecodePlan,
+                  ws: Workspace| {
+        let _ = cuda_emu::take_stats();
+        // SAFETY: every pointer is a live guarded buffer of at least the documented size, or
+        // refused by the host checks (the point of this test) before any launch.
+        let r = unsafe {
+            cuda_raw::paged_attention_decode(cache, layer, q, o, seqs, p, plan, ws, null_stream())
+        };
+        if r.is_err() {
+            assert_eq!(cuda_emu::take_stats().launches, 0, "{r:?}: launched anyway");
+        }
+        r
+    };
+    decode(
+        &cache,
+        0,
+        dense(&q),
+        dense(&out),
+        &seqs,
+        &params,
+        &plan,
+        good_ws,
+    )
+    .expect("good");
+    let err = |r: Result<(), RawError>| r.expect_err("accepted");
+    let shift = |r: Rows, bytes: u64| Rows {
+        ptr: r.ptr + bytes,
+        ..r
+    };
+    let strided = |r: Rows, s: usize| Rows {
+        token_stride: s,
+        ..r
+    };
+    let base = || (dense(&q), dense(&out));
+    let (bq, bo) = base();
+    for (r, what) in [
+        (
+            err(decode(&cache, 2, bq, bo, &seqs, &params, &plan, good_ws)),
+            "layer",
+        ),
+        (
+            err(decode(
+                &cache,
+                0,
+                shift(bq, 2),
+                bo,
+                &seqs,
+                &params,
+                &plan,
+                good_ws,
+            )),
+            "misaligned query",
+        ),
+        (
+            err(decode(
+                &cache,
+                0,
+                bq,
+                strided(bo, row - 8),
+                &seqs,
+                &params,
+                &plan,
+                good_ws,
+            )),
+            "short out stride",
+        ),
+        (
+            err(decode(
+                &cache,
+                0,
+                strided(bq, row + 4),
+                bo,
+                &seqs,
+                &params,
+                &plan,
+                good_ws,
+            )),
+            "query stride off the grid",
+        ),
+        (
+            err(decode(
+                &cache,
+                0,
+                Rows { ptr: 0, ..bq },
+                bo,
+                &seqs,
+                &params,
+                &plan,
+                good_ws,
+            )),
+            "null query",
+        ),
+        (
+            err(decode(
+                &cache,
+                0,
+                bq,
+                bo,
+                &SeqTables {
+                    num_seqs: 3,
+                    ..seqs
+                },
+                &params,
+                &plan,
+                good_ws,
+            )),
+            "over capacity",
+        ),
+        (
+            err(decode(
+                &cache,
+                0,
+                bq,
+                bo,
+                &seqs,
+                &AttnParamsRaw::new(2 * nh, d),
+                &plan,
+                good_ws,
+            )),
+            "plan heads",
+        ),
+        (
+            err(decode(
+                &cache,
+                0,
+                bq,
+                bo,
+                &seqs,
+                &AttnParamsRaw::new(3, d),
+                &plan,
+                good_ws,
+            )),
+            "heads not a multiple",
+        ),
+        (
+            err(decode(
+                &cache,
+                0,
+                bq,
+                bo,
+                &seqs,
+                &AttnParamsRaw {
+                    scale: f32::NAN,
+                    ..params
+                },
+                &plan,
+                good_ws,
+            )),
+            "NaN scale",
+        ),
+        (
+            err(decode(
+                &cache,
+                0,
+                bq,
+                bo,
+                &seqs,
+                &params,
+                &plan,
+                Workspace {
+                    bytes: good_ws.bytes - 1,
+                    ..good_ws
+                },
+            )),
+            "short workspace",
+        ),
+        (
+            err(decode(
+                &CacheView {
+                    base: cache.base + 8,
+                    ..cache
+                },
+                0,
+                bq,
+                bo,
+                &seqs,
+                &params,
+                &plan,
+                good_ws,
+            )),
+            "misaligned cache",
+        ),
+    ] {
+        let ok = match what {
+            "layer" => matches!(r, RawError::Kv(KvError::LayerOutOfRange { .. })),
+            "misaligned query" | "query stride off the grid" => {
+                matches!(
+                    r,
+                    RawError::Misaligned {
+                        what: "query",
+                        align: 16
+                    }
+                )
+            }
+            "short out stride" => matches!(r, RawError::StrideTooSmall { what: "out", .. }),
+            "null query" => matches!(r, RawError::NullPointer { what: "query" }),
+            "over capacity" => matches!(
+                r,
+                RawError::OverCapacity {
+                    what: "num_seqs",
+                    capacity: 2,
+                    found: 3
+                }
+            ),
+            "plan heads" => matches!(
+                r,
+                RawError::PlanMismatch {
+                    what: "num_heads",
+                    ..
+                }
+            ),
+            "heads not a multiple" => {
+                matches!(r, RawError::Attn(AttnError::HeadsNotMultiple { .. }))
+            }
+            "NaN scale" => matches!(r, RawError::Attn(AttnError::BadParam { .. })),
+            "short workspace" => matches!(r, RawError::WorkspaceTooSmall { .. }),
+            "misaligned cache" => matches!(r, RawError::Misaligned { what: "cache", .. }),
+            _ => false,
+        };
+        assert!(ok, "{what}: {r:?}");
+        assert!(!r.to_string().is_empty());
+    }
+    // A geometry without kernels, and the cache write's own checks.
+    let cfg72 = KvCacheConfig::new(1, 1, 72, 16, 4, KvDtype::F16).expect("cfg");
+    let c72 = CacheView {
+        base: ptr(&cache_buf),
+        config: cfg72,
+    };
+    // SAFETY: refused by the host checks before any launch.
+    let r = unsafe {
+        cuda_raw::reshape_and_cache(&c72, 0, dense(&q), dense(&q), ptr(&ctx), 1, null_stream())
+    };
+    assert!(
+        matches!(
+            r,
+            Err(RawError::Unsupported {
+                what: "head_dim",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let kv = Rows::dense(ptr(&q), hkv, d);
+    // SAFETY: refused by the host checks before any launch.
+    let r = unsafe {
+        cuda_raw::reshape_and_cache(&cache, 0, strided(kv, 10), kv, ptr(&ctx), 1, null_stream())
+    };
+    assert!(
+        matches!(r, Err(RawError::StrideTooSmall { what: "key", .. })),
+        "{r:?}"
+    );
+    // SAFETY: refused by the host checks before any launch.
+    let r = unsafe { cuda_raw::reshape_and_cache(&cache, 0, kv, kv, 0, 1, null_stream()) };
+    assert!(
+        matches!(
+            r,
+            Err(RawError::NullPointer {
+                what: "slot_mapping"
+            })
+        ),
+        "{r:?}"
+    );
+}

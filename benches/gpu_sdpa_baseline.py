@@ -1,99 +1,301 @@
 #!/usr/bin/env python3
-"""PyTorch baseline for `pagedkv bench gpu`: decode attention the way an engine without paged
-kernels does it -- gather each sequence's K/V blocks from the paged cache into contiguous
-tensors, then torch.nn.functional.scaled_dot_product_attention -- timed end to end (gather
-included) and, separately, SDPA alone on pre-gathered K/V.
+"""The dense peer of `pagedkv bench gpu`: torch.nn.functional.scaled_dot_product_attention on
+contiguous bf16 K/V, on the same decode and prefill grids, timed by the same rules, so that one
+GPU run prints both side by side (`pagedkv bench gpu` runs this script with --jsonl and joins the
+records; run alone, it prints a table).
 
-Same grid and cache shape as `pagedkv bench gpu` (bf16, head dim 128, block 16, batch
-{1,8,64,256} x context {512,4096,32768}, 32 query / 8 KV heads and 32/32), same layout
-([num_blocks][layers=1][2][block_size][kv_heads][head_dim]) with shuffled block tables, CUDA
-events, warm-up, median. Run on the GPU machine:
+The rules, identical to pagedkv_sim::gpu_bench (crates/pagedkv-sim/src/gpu_bench.rs; the test
+crates/pagedkv-sim/tests/bench_plan.rs compares this script's --plan output with it):
+- Points: decode `Q:KV/BATCHxCTX` (one query token per sequence, attending its whole context)
+  and prefill `Q:KV/CHUNK+CACHED` (one sequence, CHUNK new query tokens after CACHED tokens,
+  causal: query i at position CACHED + i sees keys 0..=CACHED + i).
+- Bytes of a point: K and V of every token once per KV head, plus the query read and the
+  output written. FLOPs of prefill: 4 * head_dim * query_heads * the causal pairs
+  CHUNK * CACHED + CHUNK * (CHUNK + 1) / 2 (masked pairs are not counted).
+- Timing: N launches captured once in a CUDA graph, replayed between one event pair, divided by
+  N ("graph", the figure compared); N launches back to back between one event pair ("b2b"); one
+  launch per event pair ("one", median). Medians over --reps.
+- L2 rotation: when a point's bytes are under 3x the L2 cache, the launches cycle over
+  ceil(3 * L2 / bytes) distinct copies of the inputs (at most 256, and at most what 80% of
+  device memory holds), N a whole number of rotations of at least --launches.
+- Data: uniform random in [-1, 1), seeded; scale 1/sqrt(head_dim).
 
-    python3 benches/gpu_sdpa_baseline.py [--iters 20] [--batches 1,8,64,256] ...
+Prefill with cached tokens needs a causal mask aligned to the bottom right (the chunk's last
+query sees every key); torch's is_causal=True aligns it to the top left, so those points use
+torch.nn.attention.bias.causal_lower_right. Should that path refuse grouped K/V, the point is
+run with K/V expanded to the query heads instead and says so in its record's note.
+
+    python3 benches/gpu_sdpa_baseline.py                 # table, default grids
+    python3 benches/gpu_sdpa_baseline.py --jsonl ...     # one JSON record per line
+    python3 benches/gpu_sdpa_baseline.py --plan          # the accounting only, no GPU, no torch
 """
 import argparse
-import torch
-import torch.nn.functional as F
+import json
+import math
+import sys
+
+L2_MULTIPLE = 3
+MAX_COPIES = 256
+GRID_HEADS = ["32:8", "32:32"]
+DECODE_SHAPES = [(1, 512), (1, 4096), (1, 32768), (8, 4096), (64, 4096), (64, 32768)]
+PREFILL_CHUNKS = [512, 2048]
+PREFILL_CACHED = [0, 4096, 32768]
+ELEM_BYTES = 2  # bf16
 
 
-def median_ms(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
+def default_decode():
+    return [f"{h}/{b}x{c}" for h in GRID_HEADS for (b, c) in DECODE_SHAPES]
+
+
+def default_prefill():
+    return [f"{h}/{c}+{k}" for h in GRID_HEADS for c in PREFILL_CHUNKS for k in PREFILL_CACHED]
+
+
+def parse_heads(s):
+    q, kv = (int(x) for x in s.split(":"))
+    if q <= 0 or kv <= 0 or q % kv:
+        raise ValueError(f"bad heads {s}")
+    return q, kv
+
+
+def parse_decode(s):
+    h, rest = s.split("/")
+    b, c = rest.split("x")
+    return parse_heads(h) + (int(b), int(c))
+
+
+def parse_prefill(s):
+    h, rest = s.split("/")
+    c, k = rest.split("+")
+    return parse_heads(h) + (int(c), int(k))
+
+
+def decode_bytes(nh, hkv, batch, ctx, d):
+    return batch * ctx * 2 * hkv * d * ELEM_BYTES + 2 * batch * nh * d * ELEM_BYTES
+
+
+def causal_pairs(chunk, cached):
+    return chunk * cached + chunk * (chunk + 1) // 2
+
+
+def prefill_bytes(nh, hkv, chunk, cached, d):
+    return (cached + chunk) * 2 * hkv * d * ELEM_BYTES + 2 * chunk * nh * d * ELEM_BYTES
+
+
+def prefill_flops(nh, chunk, cached, d):
+    return 4 * causal_pairs(chunk, cached) * nh * d
+
+
+def rotation_copies(nbytes, l2, budget):
+    nbytes = max(nbytes, 1)
+    want = -(-(L2_MULTIPLE * l2) // nbytes)
+    return max(1, min(want, budget // nbytes, MAX_COPIES))
+
+
+def launches(min_launches, copies):
+    copies = max(copies, 1)
+    return copies * -(-max(min_launches, 1) // copies)
+
+
+def points(arg, default):
+    if arg == "default":
+        return default()
+    return [p.strip() for p in arg.split(",") if p.strip()] if arg != "none" else []
+
+
+def plan(a):
+    """The accounting of every point, as JSON records (no torch, no GPU)."""
+    for p in points(a.decode, default_decode):
+        nh, hkv, b, c = parse_decode(p)
+        nbytes = decode_bytes(nh, hkv, b, c, a.head_dim)
+        yield {"kind": "plan", "point": p, "bytes": nbytes, "flops": 4 * b * nh * c * a.head_dim,
+               "copies": rotation_copies(nbytes, a.l2_bytes, a.budget_bytes)}
+    for p in points(a.prefill, default_prefill):
+        nh, hkv, c, k = parse_prefill(p)
+        nbytes = prefill_bytes(nh, hkv, c, k, a.head_dim)
+        yield {"kind": "plan", "point": p, "bytes": nbytes, "flops": prefill_flops(nh, c, k, a.head_dim),
+               "copies": rotation_copies(nbytes, a.l2_bytes, a.budget_bytes)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--decode", default="default", help="points Q:KV/BATCHxCTX,..., default or none")
+    p.add_argument("--prefill", default="default", help="points Q:KV/CHUNK+CACHED,..., default or none")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--l2-bytes", type=int, default=None, help="default: the device's (50 MiB with --plan)")
+    p.add_argument("--budget-bytes", type=int, default=None, help="default: 80%% of device memory (64 GiB with --plan)")
+    p.add_argument("--launches", type=int, default=20)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--jsonl", action="store_true", help="one JSON record per line on stdout")
+    p.add_argument("--plan", action="store_true", help="print the accounting only (no torch, no GPU)")
+    a = p.parse_args()
+    if a.plan:
+        a.l2_bytes = a.l2_bytes if a.l2_bytes is not None else 50 << 20
+        a.budget_bytes = a.budget_bytes if a.budget_bytes is not None else 64 << 30
+        for rec in plan(a):
+            print(json.dumps(rec))
+        return 0
+    return run(a)
+
+
+def run(a):
+    import torch
+    import torch.nn.functional as F
+
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    l2 = a.l2_bytes if a.l2_bytes is not None else getattr(props, "L2_cache_size", 50 << 20)
+    budget = a.budget_bytes if a.budget_bytes is not None else int(0.8 * props.total_memory)
+    torch.manual_seed(1)
+    d = a.head_dim
+    scale = 1.0 / math.sqrt(d)
+    emit_json = a.jsonl
+
+    def emit(rec, line):
+        if emit_json:
+            print(json.dumps(rec), flush=True)
+        else:
+            print(line, flush=True)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+
+    def span_ms(fn):
         start.record()
         fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+        return start.elapsed_time(end)
 
+    def median(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2]
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batches", default="1,8,64,256")
-    p.add_argument("--contexts", default="512,4096,32768")
-    p.add_argument("--heads", default="32:8,32:32")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
-    a = p.parse_args()
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
-    print(f"device: {props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-
+    # Device-to-device copy (read + write bytes), as pagedkv measures it.
     n = 1 << 30
-    src, dst = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
-    ms = median_ms(lambda: dst.copy_(src), a.warmup, a.iters)
-    d2d = 2 * n / (ms * 1e-3) / 1e9
-    print(f"d2d copy: {d2d:.1f} GB/s (read + write)")
+    src = torch.empty(n, dtype=torch.uint8, device=dev)
+    dst = torch.empty(n, dtype=torch.uint8, device=dev)
+    dst.copy_(src)
+    d2d = 2 * n / (median([span_ms(lambda: dst.copy_(src)) for _ in range(max(a.iters, 1))]) * 1e-3) / 1e9
     del src, dst
+    torch.cuda.empty_cache()
+    emit({"kind": "device", "name": props.name, "torch": torch.__version__, "d2d_gbps": d2d},
+         f"device: {props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+         f"L2 {l2 / 2**20:.0f} MiB; d2d copy {d2d:.1f} GB/s (read + write)")
 
-    d, bs = a.head_dim, a.block_size
-    print(f"{'heads':>7} {'batch':>6} {'ctx':>7} {'gather+sdpa ms':>15} {'sdpa ms':>9} {'GB/s e2e':>9} {'% d2d':>6}")
-    g = torch.Generator(device="cpu").manual_seed(1)
-    for h in a.heads.split(","):
-        nh, hkv = (int(x) for x in h.split(":"))
-        for batch in (int(x) for x in a.batches.split(",")):
-            for ctx in (int(x) for x in a.contexts.split(",")):
-                bps = -(-ctx // bs)
-                nblocks = batch * bps
-                cache_bytes = nblocks * 2 * bs * hkv * d * 2
-                # cache + gathered copy must fit
-                if 2.2 * cache_bytes > 0.8 * props.total_memory:
-                    print(f"{h:>7} {batch:>6} {ctx:>7}   skipped: needs {2.2 * cache_bytes / 2**30:.1f} GiB")
-                    continue
-                cache = torch.randn(nblocks, 1, 2, bs, hkv, d, dtype=torch.bfloat16, device=dev)
-                tables = torch.randperm(nblocks, generator=g).view(batch, bps).to(dev)
-                q = torch.randn(batch, nh, 1, d, dtype=torch.bfloat16, device=dev)
+    def uniform(*shape):
+        # Drawn in bf16 directly: an f32 temporary of the largest K (8.6 G elements) would not fit.
+        return torch.empty(*shape, dtype=torch.bfloat16, device=dev).uniform_(-1.0, 1.0)
 
-                def gather():
-                    blocks = cache[tables.flatten(), 0]                      # [B*bps, 2, bs, hkv, d]
-                    kv = blocks.view(batch, bps, 2, bs, hkv, d)
-                    kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, batch, hkv, bps * bs, d)
-                    return kv[0, :, :, :ctx], kv[1, :, :, :ctx]
+    def time_point(calls):
+        """calls[i] queues launch i's work; returns (graph, b2b, one) in microseconds."""
+        copies = len(calls)
+        nl = launches(a.launches, copies)
+        # Warm-up on a side stream, as torch's graph capture asks, every copy at least once.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(max(copies, a.warmup)):
+                calls[i % copies]()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        one = median([1e3 * span_ms(calls[i % copies]) for i in range(max(a.iters, 1))])
 
-                def attend(k, v):
-                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=(nh != hkv))
+        def back_to_back():
+            for i in range(nl):
+                calls[i % copies]()
 
-                def e2e():
-                    k, v = gather()
-                    return attend(k, v)
+        b2b = median([1e3 * span_ms(back_to_back) / nl for _ in range(max(a.reps, 1))])
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            back_to_back()
+        g.replay()
+        torch.cuda.synchronize()
+        graph = median([1e3 * span_ms(g.replay) / nl for _ in range(max(a.reps, 1))])
+        del g
+        return graph, b2b, one, copies
 
-                ms_e2e = median_ms(e2e, a.warmup, a.iters)
-                k, v = gather()
-                k, v = k.contiguous(), v.contiguous()
-                ms_sdpa = median_ms(lambda: attend(k, v), a.warmup, a.iters)
-                kv_bytes = batch * ctx * hkv * d * 2 * 2
-                bw = kv_bytes / (ms_e2e * 1e-3) / 1e9
-                print(f"{h:>7} {batch:>6} {ctx:>7} {ms_e2e:>15.4f} {ms_sdpa:>9.4f} {bw:>9.1f} {100 * bw / d2d:>5.1f}%")
-                del cache, k, v
-                torch.cuda.empty_cache()
+    def run_point(kind, point, nbytes, make_calls, rate):
+        if nbytes > budget:
+            why = f"needs {nbytes / 2**30:.1f} GiB"
+            emit({"kind": "skip", "point": point, "why": why}, f"{kind:>7} {point:>18}   skipped: {why}")
+            return
+        copies = rotation_copies(nbytes, l2, budget)
+        log(f"sdpa {kind} {point}: {copies} copies")
+        try:
+            calls, note = make_calls(copies)
+            graph, b2b, one, copies = time_point(calls)
+        except torch.cuda.OutOfMemoryError as e:
+            why = f"out of memory ({str(e).splitlines()[0][:80]})"
+            emit({"kind": "skip", "point": point, "why": why}, f"{kind:>7} {point:>18}   skipped: {why}")
+            torch.cuda.empty_cache()
+            return
+        rec = {"kind": kind, "point": point, "graph_us": graph, "b2b_us": b2b, "one_us": one, "copies": copies}
+        if note:
+            rec["note"] = note
+        emit(rec, f"{kind:>7} {point:>18} {copies:>4} | graph {graph:>9.1f} us  b2b {b2b:>9.1f} us  "
+                  f"one {one:>9.1f} us | {rate(graph)}" + (f"  ({note})" if note else ""))
+        del calls
+        torch.cuda.empty_cache()
+
+    for point in points(a.decode, default_decode):
+        nh, hkv, batch, ctx = parse_decode(point)
+        nbytes = decode_bytes(nh, hkv, batch, ctx, d)
+
+        def make_decode(copies, nh=nh, hkv=hkv, batch=batch, ctx=ctx):
+            sets = [(uniform(batch, nh, 1, d), uniform(batch, hkv, ctx, d), uniform(batch, hkv, ctx, d))
+                    for _ in range(copies)]
+            gqa = nh != hkv
+            return [lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+                    for (q, k, v) in sets], None
+
+        run_point("decode", point, nbytes, make_decode,
+                  lambda us, nbytes=nbytes: f"{nbytes / us / 1e3:.1f} GB/s")
+
+    for point in points(a.prefill, default_prefill):
+        nh, hkv, chunk, cached = parse_prefill(point)
+        nbytes = prefill_bytes(nh, hkv, chunk, cached, d)
+        flops = prefill_flops(nh, chunk, cached, d)
+
+        def make_prefill(copies, nh=nh, hkv=hkv, chunk=chunk, cached=cached):
+            ctx = cached + chunk
+            sets = [(uniform(1, nh, chunk, d), uniform(1, hkv, ctx, d), uniform(1, hkv, ctx, d))
+                    for _ in range(copies)]
+            gqa = nh != hkv
+            if cached == 0:
+                def attend(q, k, v):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+                note = None
+            else:
+                from torch.nn.attention.bias import causal_lower_right
+                mask = causal_lower_right(chunk, ctx)
+
+                def attend(q, k, v):
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+                note = None
+                q, k, v = sets[0]
+                try:
+                    attend(q, k, v)
+                    torch.cuda.synchronize()
+                except (RuntimeError, ValueError, NotImplementedError) as e:
+                    if not gqa:
+                        raise
+                    # Grouped K/V refused on the lower-right path: expand to the query heads.
+                    note = f"K/V expanded to {nh} heads (lower-right mask refused GQA: {str(e).splitlines()[0][:60]})"
+                    sets = [(q, k.repeat_interleave(nh // hkv, dim=1), v.repeat_interleave(nh // hkv, dim=1))
+                            for (q, k, v) in sets]
+                    gqa = False
+            return [lambda q=q, k=k, v=v: attend(q, k, v) for (q, k, v) in sets], note
+
+        run_point("prefill", point, nbytes, make_prefill,
+                  lambda us, flops=flops: f"{flops / us / 1e6:.1f} TFLOP/s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,6 +18,7 @@ pub const HEADERS: &[&str] = &[
     "kernels/mma.cuh",
     "kernels/decode_v2.cuh",
     "kernels/decode_mma.cuh",
+    "kernels/prefill_mma.cuh",
 ];
 
 /// Stops the build with a message.

@@ -1,13 +1,14 @@
 // paged_attention.cu: the decode plan and the extern "C" launchers of the decode and prefill
-// attention kernels (templates in attention.cuh, decode_v2.cuh, decode_mma.cuh). Each launcher
-// validates its arguments, picks the template instance for (dtype, head_dim, group size),
-// launches on the caller's stream and returns the launch status; none synchronizes. The decode
-// split policy lives in decode_plan (the only place that chooses num_splits; the kernels derive
-// partitions on the device).
+// attention kernels (templates in attention.cuh, decode_v2.cuh, decode_mma.cuh, and the f16 /
+// bf16 prefill on tensor cores in prefill_mma.cuh). Each launcher validates its arguments, picks
+// the template instance for (dtype, head_dim, group size), launches on the caller's stream and
+// returns the launch status; none synchronizes. The decode split policy lives in decode_plan
+// (the only place that chooses num_splits; the kernels derive partitions on the device).
 #include <type_traits>
 
 #include "attention.cuh"
 #include "decode_mma.cuh"
+#include "prefill_mma.cuh"
 
 namespace pkv {
 namespace {
@@ -284,6 +285,21 @@ int launch_prefill(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs, c
   prefill_kernel<T, D><<<grid, PF_THREADS, smem, s>>>(a);
   return status_of(cudaGetLastError());
 }
+
+// f16 / bf16: the tensor-core kernel, 64 rows per thread block.
+template <typename T, int D>
+int launch_prefill_mma(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs,
+                       cudaStream_t s) {
+  constexpr size_t smem = pfmma::Cfg<D>::smem_bytes;
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(pfmma::prefill_mma_kernel<T, D>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return status_of(e);
+  }
+  const dim3 grid(hkv, row_tiles, num_seqs);
+  pfmma::prefill_mma_kernel<T, D><<<grid, pfmma::THREADS, smem, s>>>(a);
+  return status_of(cudaGetLastError());
+}
 }  // namespace
 }  // namespace pkv
 
@@ -305,7 +321,9 @@ extern "C" int pkv_paged_attention_prefill(void *out, int64_t out_token_stride,
   if (num_seqs < 0 || num_seqs > 65535 || max_query_len < 0) return PKV_ERR_INVALID_ARG;
   if (num_seqs == 0 || max_query_len == 0) return PKV_OK;
   const int group = params->num_heads / geom->num_kv_heads;
-  const int64_t row_tiles = ((int64_t)max_query_len * group + PF_ROWS - 1) / PF_ROWS;
+  const bool mma = geom->dtype == PKV_DTYPE_F16 || geom->dtype == PKV_DTYPE_BF16;
+  const int rows_per_tile = mma ? pfmma::ROWS : PF_ROWS;
+  const int64_t row_tiles = ((int64_t)max_query_len * group + rows_per_tile - 1) / rows_per_tile;
   if (row_tiles > 65535) return PKV_ERR_INVALID_ARG;
 
   PrefillArgs a{};
@@ -331,8 +349,23 @@ extern "C" int pkv_paged_attention_prefill(void *out, int64_t out_token_stride,
   a.window = params->sliding_window;
 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  PKV_DISPATCH_DTYPE(geom->dtype, PKV_DISPATCH_HEAD_DIM(geom->head_dim, {
-    return launch_prefill<T, D>(a, geom->num_kv_heads, (int)row_tiles, num_seqs, s);
-  }));
+  const int hkv = geom->num_kv_heads, tiles = (int)row_tiles;
+  switch (geom->dtype) {
+    case PKV_DTYPE_F32:
+      PKV_DISPATCH_HEAD_DIM(geom->head_dim,
+                            { return launch_prefill<float, D>(a, hkv, tiles, num_seqs, s); });
+      break;
+    case PKV_DTYPE_F16:
+      PKV_DISPATCH_HEAD_DIM(geom->head_dim,
+                            { return launch_prefill_mma<__half, D>(a, hkv, tiles, num_seqs, s); });
+      break;
+    case PKV_DTYPE_BF16:
+      PKV_DISPATCH_HEAD_DIM(geom->head_dim, {
+        return launch_prefill_mma<__nv_bfloat16, D>(a, hkv, tiles, num_seqs, s);
+      });
+      break;
+    default:
+      break;
+  }
   return PKV_ERR_DTYPE;
 }

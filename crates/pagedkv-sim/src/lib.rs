@@ -27,6 +27,7 @@
 mod config;
 mod engine;
 pub mod error;
+pub mod gpu_bench;
 mod model;
 mod plot;
 mod report;

@@ -4,7 +4,13 @@ use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
 #[cfg(feature = "cuda")]
+mod bench_attn;
+#[cfg(feature = "cuda")]
 mod bench_cmd;
+#[cfg(feature = "cuda")]
+mod bench_peer;
+#[cfg(feature = "cuda")]
+mod bench_timing;
 mod gguf_cmd;
 mod gguf_synth_cmd;
 #[cfg(feature = "cuda")]

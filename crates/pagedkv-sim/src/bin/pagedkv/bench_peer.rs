@@ -1,0 +1,64 @@
+//! The dense peer of `pagedkv bench gpu`: benches/gpu_sdpa_baseline.py (torch SDPA on contiguous
+//! K/V), run as a child process on the same grid with the same timing rules before pagedkv's own
+//! points, so one invocation prints both side by side. It runs to completion first: the two
+//! never share the GPU's time, and its memory is released before pagedkv allocates.
+
+use pagedkv_sim::gpu_bench::{parse_peer, DecodePoint, PeerResults, PrefillPoint};
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+/// What the peer is asked to run.
+pub struct PeerRequest<'a> {
+    /// The Python interpreter.
+    pub python: &'a str,
+    /// The script.
+    pub script: &'a Path,
+    pub decode: &'a [DecodePoint],
+    pub prefill: &'a [PrefillPoint],
+    pub head_dim: usize,
+    /// The L2 size pagedkv's rotation uses, so both sides rotate by the same rule.
+    pub l2_bytes: u64,
+    pub min_launches: usize,
+    pub reps: usize,
+    pub one_call_iters: usize,
+    pub warmup: usize,
+}
+
+fn join<T: ToString>(v: &[T]) -> String {
+    v.iter().map(T::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// Runs the peer and parses its records; `Err` says why there are none (printed in the tables'
+/// place). The peer's stderr (progress, errors) passes through to ours.
+pub fn run(r: &PeerRequest<'_>) -> Result<PeerResults, String> {
+    if !r.script.is_file() {
+        return Err(format!(
+            "{} not found (run from the checkout root, or pass --peer PATH)",
+            r.script.display()
+        ));
+    }
+    let out = Command::new(r.python)
+        .arg(r.script)
+        .arg("--jsonl")
+        .arg(format!("--decode={}", join(r.decode)))
+        .arg(format!("--prefill={}", join(r.prefill)))
+        .arg(format!("--head-dim={}", r.head_dim))
+        .arg(format!("--l2-bytes={}", r.l2_bytes))
+        .arg(format!("--launches={}", r.min_launches))
+        .arg(format!("--reps={}", r.reps))
+        .arg(format!("--iters={}", r.one_call_iters))
+        .arg(format!("--warmup={}", r.warmup))
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot start {}: {e}", r.python))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{} {} failed ({})",
+            r.python,
+            r.script.display(),
+            out.status
+        ));
+    }
+    parse_peer(&String::from_utf8_lossy(&out.stdout)).map_err(|e| e.to_string())
+}

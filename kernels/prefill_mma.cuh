@@ -1,0 +1,359 @@
+// prefill_mma.cuh: prefill attention on tensor cores for f16 / bf16 caches (FlashAttention-2
+// style); f32 keeps the CUDA-core prefill_kernel of attention.cuh. Same arguments (PrefillArgs)
+// and semantics (pagedkv.h, the CPU oracle src/attn/cpu.rs).
+//
+// Layout of the work:
+//   grid (num_kv_heads, row_tiles, num_seqs), 4 warps. A row is one (query token, query head of
+//   this KV head's group) pair, rows of one token adjacent (r -> token r / group, head r %
+//   group), so every head of a GQA group shares the K/V tiles the thread block stages: each
+//   K/V byte is read once per 64 rows, whatever the group size. A thread block takes 64 rows,
+//   warp w rows 16w .. 16w + 15 (one m16 tile). Row tiles run last-first (blockIdx.y reversed):
+//   under the causal mask the last rows see the most keys, so the longest blocks start first.
+//   Keys are streamed through shared memory in tiles of BC tokens (64; 32 at head dim 256),
+//   double-buffered: tile j + 1 is copied (cp.async on the GPU, plain 16-byte copies in the
+//   emulation) while tile j is computed. Per tile and warp:
+//     S = Q K^T      mma.m16n8k16, f32 accumulators; Q fragments in registers (head dim <=
+//                    128) or re-read from shared memory (256); K fragments by ldmatrix
+//     s -> the oracle's transform (scale, soft-cap, ALiBi, causal + window + invalid-block
+//                    mask), in log2 units
+//     online softmax per row: running max m and sum l; O rescaled by 2^(m_old - m_new)
+//     O += P V       P rounded to T from the S accumulators in registers (the accumulator
+//                    layout of two n8 tiles is the A fragment of one k16 step), V fragments
+//                    by ldmatrix.trans
+//   The row sums l are kept per lane and reduced over the 4 lanes of a row once, at the end.
+//   A warp skips the tiles none of its rows can see (past its last row under the causal mask,
+//   before its first row's window): the diagonal tiles cost only the warps that need them.
+//
+// Shared memory (T elements, rows padded by 8 elements = 16 bytes so that the 8 row addresses
+// of an ldmatrix fall in 8 different 4-bank groups at every supported head dim):
+//   stage s (s = 0, 1): K [BC][LD], V [BC][LD];  then Q [64][LD] (head dim 256 only; below, Q
+//   is staged in stage 1 before its first use and lives in registers after);  then the key
+//   validity flags [2][BC] int.
+#pragma once
+
+#include "attention.cuh"
+#include "mma.cuh"
+
+namespace pkv {
+namespace pfmma {
+
+constexpr int WARPS = 4;
+constexpr int THREADS = 32 * WARPS;
+constexpr int ROWS = 16 * WARPS;  // rows per thread block: one m16 tile per warp
+constexpr float LOG2E = 1.4426950408889634f;
+
+template <int D> struct Cfg {
+  static constexpr int BC = D <= 128 ? 64 : 32;  // keys per tile
+  static constexpr int LD = D + 8;                // shared row stride, elements
+  static constexpr int CH = D / 8;                // 16-byte chunks per row
+  static constexpr int KSTEPS = D / 16;           // k16 steps of Q K^T
+  static constexpr int NT_S = BC / 8;             // n8 tiles of S per warp
+  static constexpr int NT_O = D / 8;              // n8 tiles of O per warp
+  static constexpr bool Q_REGS = D <= 128;
+  // Thread blocks per SM the register allocation must allow. 3 (<= 168 registers per thread)
+  // up to head dim 96, where ptxas fits it without spilling and 3 blocks' stages fit an
+  // H100's 228 KiB of shared memory; at 112 and 128 it spills (sm_90: 8 to 104 bytes), so 2.
+  static constexpr int MIN_BLOCKS = D <= 96 ? 3 : 2;
+  static constexpr int STAGE = 2 * BC * LD;       // elements of one stage (K then V)
+  static constexpr int Q_ELEMS = Q_REGS ? 0 : ROWS * LD;
+  // T is 2 bytes: the stages, Q (head dim 256), then 2 * BC int flags.
+  static constexpr size_t smem_bytes =
+      2 * ((size_t)2 * STAGE + (size_t)Q_ELEMS) + 2 * BC * sizeof(int);
+  static_assert(D % 16 == 0 && NT_S % 2 == 0 && NT_O % 2 == 0, "whole mma tiles, in pairs");
+  static_assert(!Q_REGS || ROWS <= 2 * BC, "Q is staged in stage 1 before the first tile");
+  static_assert((LD * 2) % 16 == 0, "ldmatrix and 16-byte copies need 16-byte aligned rows");
+};
+
+// 16 bytes global -> shared, asynchronous on the GPU (completion: commit + wait below); a plain
+// copy in the emulation, where every launch is synchronous anyway.
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+#ifdef PKV_CUDA_EMU
+  emu::check_align16(smem, "cp.async shared destination");
+  *static_cast<uint4 *>(smem) = ld_vec(gmem);
+#else
+  const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifndef PKV_CUDA_EMU
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until at most N of this thread's committed groups are in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#ifndef PKV_CUDA_EMU
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// 2^x; 0 for x = -inf (the masked logits and the first rescale).
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef PKV_CUDA_EMU
+  return exp2f(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
+// Queues the copy of keys kt .. kt + BC - 1 (K into sk, V into sv, rows of LD) and writes their
+// validity: a key past `klast` or in a block whose id is out of range is zero-filled (V must be
+// finite: it is multiplied by p = 0) and flagged invalid (masked).
+template <typename T, int D>
+__device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *cache,
+                                             const int32_t *btab, int bs_shift,
+                                             int64_t head_off, int kt, int klast, T *sk, T *sv,
+                                             int *kvalid) {
+  using C = Cfg<D>;
+  for (int i = threadIdx.x; i < C::BC * C::CH; i += THREADS) {
+    const int j = i / C::CH, c = i % C::CH;
+    const int t = kt + j;
+    const int b = t <= klast ? btab[t >> bs_shift] : -1;
+    const bool ok = b >= 0 && b < a.num_blocks;
+    T *dk = sk + j * C::LD + c * 8;
+    T *dv = sv + j * C::LD + c * 8;
+    if (ok) {
+      const T *p = cache + (int64_t)b * a.st.block +
+                   (int64_t)(t & (a.block_size - 1)) * a.st.token + head_off + c * 8;
+      cp_async16(dk, p);
+      cp_async16(dv, p + a.st.kv);
+    } else {
+      *reinterpret_cast<uint4 *>(dk) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4 *>(dv) = make_uint4(0, 0, 0, 0);
+    }
+    if (c == 0) kvalid[j] = ok ? 1 : 0;
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kernel(const PrefillArgs a) {
+  using C = Cfg<D>;
+  extern __shared__ uint4 pf_smem[];
+  T *smem = reinterpret_cast<T *>(pf_smem);
+  T *sq = C::Q_REGS ? smem + C::STAGE : smem + 2 * C::STAGE;
+  int *kvalid = reinterpret_cast<int *>(smem + 2 * C::STAGE + C::Q_ELEMS);  // [2][BC]
+
+  const int kh = blockIdx.x, seq = blockIdx.z;
+  const int tile = (int)gridDim.y - 1 - (int)blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int q0 = a.query_start_loc[seq];
+  const int qlen = a.query_start_loc[seq + 1] - q0;
+  const int ctx = min(a.context_lens[seq], a.table_tokens);
+  const int rows_total = qlen * a.group;
+  const int rbase = tile * ROWS;
+  if (qlen <= 0 || rbase >= rows_total) return;  // the whole block, before any barrier
+  const int nrows = min(ROWS, rows_total - rbase);
+  // Query token i (0-based in this sequence) sits at position ctx - qlen + i.
+  const int first_pos = ctx - qlen + rbase / a.group;
+  const int last_pos = ctx - qlen + (rbase + nrows - 1) / a.group;
+  const int kbegin = a.window > 0 ? max(0, first_pos - a.window + 1) : 0;
+  const int klast = min(last_pos, ctx - 1);
+  const int ntiles = klast >= kbegin ? ceil_div(klast - kbegin + 1, C::BC) : 0;
+
+  // The two rows of this lane's accumulator fragments: g and g + 8 of the warp's 16.
+  const int g = lane / 4, qd = lane % 4;
+  int qpos[2];
+  float slope[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = warp * 16 + g + 8 * h;
+    const int row = rbase + r;
+    qpos[h] = r < nrows ? ctx - qlen + row / a.group : -1;  // -1: a padding row, all masked
+    slope[h] = (r < nrows && a.alibi_slopes != nullptr)
+                   ? a.alibi_slopes[kh * a.group + row % a.group]
+                   : 0.f;
+  }
+
+  // This warp's rows as a range of positions (warp-uniform): a key tile wholly after its last
+  // row, or wholly before its first row's window, is skipped by the warp (a warp of padding
+  // rows skips all), which leaves its m, l and O as the all-masked tile would.
+  const int wrows = min(16, nrows - warp * 16);
+  const int w_first = ctx - qlen + (rbase + warp * 16) / a.group;
+  const int w_last = ctx - qlen + (rbase + warp * 16 + max(wrows, 1) - 1) / a.group;
+
+  const T *cache = reinterpret_cast<const T *>(a.cache);
+  const int32_t *btab = a.block_tables + (int64_t)seq * a.max_blocks_per_seq;
+  const int64_t head_off = a.layer_offset + (int64_t)kh * D;
+  // block_size is a power of two (the launcher's check): shifts instead of divisions.
+  int bs_shift = 0;
+  while ((1 << bs_shift) < a.block_size) ++bs_shift;
+
+  // ---- prologue: Q rows (zero past nrows) and key tile 0 ----
+  const T *qg = reinterpret_cast<const T *>(a.query);
+  for (int i = threadIdx.x; i < ROWS * C::CH; i += THREADS) {
+    const int r = i / C::CH, c = i % C::CH;
+    T *dst = sq + r * C::LD + c * 8;
+    if (r < nrows) {
+      const int row = rbase + r;
+      const T *src = qg + (int64_t)(q0 + row / a.group) * a.q_stride +
+                     (int64_t)(kh * a.group + row % a.group) * D + c * 8;
+      cp_async16(dst, src);
+    } else {
+      *reinterpret_cast<uint4 *>(dst) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  if (ntiles > 0)
+    load_kv_tile<T, D>(a, cache, btab, bs_shift, head_off, kbegin, klast, smem,
+                       smem + C::BC * C::LD, kvalid);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // ldmatrix row addresses: lanes 8j .. 8j + 7 name rows 0..7 of matrix j.
+  const int lrow = lane % 8, lmat = lane / 8;
+  uint32_t qf[C::Q_REGS ? C::KSTEPS : 1][4];
+  if constexpr (C::Q_REGS) {
+    // A fragments of the warp's 16 rows: matrices (rows 0-7 | 8-15) x (cols +0 | +8).
+#pragma unroll
+    for (int ks = 0; ks < C::KSTEPS; ++ks)
+      ldmatrix<4, false>(qf[ks], sq + (warp * 16 + (lmat % 2) * 8 + lrow) * C::LD + ks * 16 +
+                                     (lmat / 2) * 8);
+  }
+
+  float o[C::NT_O][4];
+#pragma unroll
+  for (int n = 0; n < C::NT_O; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+  for (int j = 0; j < ntiles; ++j) {
+    const int st = j & 1;
+    cp_async_wait<0>();  // tile j has landed (this thread's copies) ...
+    // ... and everyone's: tile j is visible, and every warp is done with tile j - 1 (and, at
+    // j = 0, with the Q staging), whose buffer the next copy overwrites.
+    __syncthreads();
+    if (j + 1 < ntiles) {
+      T *nk = smem + (st ^ 1) * C::STAGE;
+      load_kv_tile<T, D>(a, cache, btab, bs_shift, head_off, kbegin + (j + 1) * C::BC, klast,
+                         nk, nk + C::BC * C::LD, kvalid + (st ^ 1) * C::BC);
+    }
+    cp_async_commit();
+    const T *sk = smem + st * C::STAGE;
+    const T *sv = sk + C::BC * C::LD;
+    const int *kv_ok = kvalid + st * C::BC;
+    const int kt = kbegin + j * C::BC;
+    if (wrows <= 0 || kt > w_last ||
+        (a.window > 0 && kt + C::BC - 1 < w_first - a.window + 1))
+      continue;  // nothing of this tile is visible to the warp's rows
+
+    // ---- S = Q K^T ----
+    float s[C::NT_S][4];
+#pragma unroll
+    for (int t = 0; t < C::NT_S; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[t][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < C::KSTEPS; ++ks) {
+      uint32_t af[4];
+      if constexpr (C::Q_REGS) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) af[e] = qf[ks][e];
+      } else {
+        ldmatrix<4, false>(af, sq + (warp * 16 + (lmat % 2) * 8 + lrow) * C::LD + ks * 16 +
+                                   (lmat / 2) * 8);
+      }
+#pragma unroll
+      for (int t = 0; t < C::NT_S; t += 2) {
+        // B fragments of key tiles t, t + 1: matrices (keys +0 | +8) x (dims +0 | +8), K rows
+        // being B's columns (no transpose).
+        uint32_t kb[4];
+        ldmatrix<4, false>(kb, sk + (t * 8 + (lmat / 2) * 8 + lrow) * C::LD + ks * 16 +
+                                   (lmat % 2) * 8);
+        const uint32_t b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
+        mma_m16n8k16<T>(s[t], af, b0, s[t]);
+        mma_m16n8k16<T>(s[t + 1], af, b1, s[t + 1]);
+      }
+    }
+
+    // ---- the logit transform and mask (attn_logit's order), in log2 units ----
+#pragma unroll
+    for (int t = 0; t < C::NT_S; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e / 2, jj = t * 8 + qd * 2 + (e % 2), key = kt + jj;
+        float x = s[t][e] * a.scale;
+        if (a.softcap > 0.f) x = a.softcap * tanhf(x / a.softcap);
+        x += slope[h] * (float)(key - qpos[h]);
+        const bool visible = kv_ok[jj] != 0 && key <= qpos[h] &&
+                             !(a.window > 0 && qpos[h] - key >= a.window);
+        s[t][e] = visible ? x * LOG2E : -INFINITY;
+      }
+
+    // ---- online softmax per row; P overwrites S ----
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int t = 0; t < C::NT_S; ++t) mx = fmaxf(mx, fmaxf(s[t][2 * h], s[t][2 * h + 1]));
+      // The 4 lanes of a quad hold the row's columns.
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[h], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
+      const float alpha = fast_exp2(m[h] - m_use);
+      m[h] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int t = 0; t < C::NT_S; ++t)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          s[t][e] = fast_exp2(s[t][e] - m_use);
+          sum += s[t][e];
+        }
+      l[h] = l[h] * alpha + sum;
+#pragma unroll
+      for (int n = 0; n < C::NT_O; ++n) {
+        o[n][2 * h] *= alpha;
+        o[n][2 * h + 1] *= alpha;
+      }
+    }
+
+    // ---- O += P V ----
+#pragma unroll
+    for (int kk = 0; kk < C::BC / 16; ++kk) {
+      // The accumulators of S tiles 2kk, 2kk + 1 are the A fragment of keys 16kk .. 16kk + 15.
+      const uint32_t pa[4] = {
+          pack_f32x2<T>(s[2 * kk][0], s[2 * kk][1]), pack_f32x2<T>(s[2 * kk][2], s[2 * kk][3]),
+          pack_f32x2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+          pack_f32x2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int n = 0; n < C::NT_O; n += 2) {
+        // B fragments of dim tiles n, n + 1: matrices (keys +0 | +8) x (dims +0 | +8) of V,
+        // transposed (V rows are B's rows).
+        uint32_t vb[4];
+        ldmatrix<4, true>(vb, sv + (kk * 16 + (lmat % 2) * 8 + lrow) * C::LD + n * 8 +
+                                  (lmat / 2) * 8);
+        const uint32_t b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
+        mma_m16n8k16<T>(o[n], pa, b0, o[n]);
+        mma_m16n8k16<T>(o[n + 1], pa, b1, o[n + 1]);
+      }
+    }
+  }
+
+  // ---- epilogue: the row sums over the quad, then O / l ----
+  T *og = reinterpret_cast<T *>(a.out);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = l[h];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int r = warp * 16 + g + 8 * h;
+    if (r >= nrows) continue;
+    const int row = rbase + r;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;  // no visible key: zeros, as the oracle
+    // Rows start on the 16-byte grid (the launcher checks out and out_stride), so each lane's
+    // two adjacent elements are one aligned 4-byte store.
+    T *op = og + (int64_t)(q0 + row / a.group) * a.out_stride +
+            (int64_t)(kh * a.group + row % a.group) * D + qd * 2;
+#pragma unroll
+    for (int n = 0; n < C::NT_O; ++n)
+      *reinterpret_cast<uint32_t *>(op + n * 8) =
+          pack_f32x2<T>(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+  }
+}
+
+}  // namespace pfmma
+}  // namespace pkv

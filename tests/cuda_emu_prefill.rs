@@ -1,0 +1,333 @@
+//! The tensor-core prefill kernel (kernels/prefill_mma.cuh: f16 / bf16) on the CPU emulation
+//! (feature `cuda-emu`), against the CPU oracle, where its own structure has edges that the
+//! shared grid of tests/cuda_emu.rs (chunks of at most 37 tokens, one key tile) does not reach:
+//! several 64-row tiles per sequence (a token's group of heads split across two tiles when the
+//! GQA ratio does not divide 64), several key tiles through both shared-memory stages, chunks
+//! after cached tokens (the causal diagonal inside a tile, tiles some warps skip), sliding
+//! windows shorter and longer than a tile, soft-cap and ALiBi, every head dim (key tiles of 32
+//! and Q re-read from shared memory at 256), block sizes 8..256 and padded pages. And that f16 /
+//! bf16 prefill does take this kernel (its shared-memory footprint is the launch's), f32 not.
+#![cfg(all(feature = "cuda-emu", not(feature = "cuda")))]
+
+#[path = "support/kernel_grid.rs"]
+mod kernel_grid;
+
+use half::{bf16, f16};
+use kernel_grid::*;
+use pagedkv::cuda_emu::{self, ffi, EmuBuf, EmuElem};
+use pagedkv::kv::{AttnParams, KvCacheConfig, KvDtype};
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+
+trait Elem: Tol + EmuElem {}
+impl<T: Tol + EmuElem> Elem for T {}
+
+fn buf<T: EmuElem>(data: &[T]) -> EmuBuf {
+    EmuBuf::from_slice(data).expect("guarded allocation")
+}
+
+fn geometry(cfg: &KvCacheConfig) -> ffi::pkv_cache_geometry {
+    ffi::pkv_cache_geometry {
+        num_blocks: cfg.num_blocks() as i32,
+        num_layers: cfg.num_layers() as i32,
+        block_size: cfg.block_size() as i32,
+        num_kv_heads: cfg.num_kv_heads() as i32,
+        head_dim: cfg.head_dim() as i32,
+        dtype: match cfg.dtype() {
+            KvDtype::F32 => ffi::PKV_DTYPE_F32,
+            KvDtype::F16 => ffi::PKV_DTYPE_F16,
+            KvDtype::Bf16 => ffi::PKV_DTYPE_BF16,
+        } as i32,
+        block_stride: cfg.block_stride() as i64,
+    }
+}
+
+/// Runs the prefill launcher on guarded copies of the inputs: the query rows (dense in `query`,
+/// `[tokens][heads * d]`) placed `qs` elements apart with NaN between them (a fused-QKV-shaped
+/// view when `qs` is larger than a row), the output rows `os` elements apart in a buffer
+/// poisoned with NaN. Returns the status and the output rows, dense; panics if anything
+/// between the output rows was written.
+#[allow(clippy::too_many_arguments)]
+fn launch<T: Elem>(
+    b: &Batch,
+    cache_bytes: &[u8],
+    layer: usize,
+    query: &[T],
+    (qs, os): (usize, usize),
+    qsl: &[i32],
+    params: &AttnParams<'_>,
+) -> (i32, Vec<T>) {
+    let slopes = params.alibi_slopes.map(buf::<f32>);
+    let raw = ffi::pkv_attn_params {
+        num_heads: params.num_heads as i32,
+        scale: params.scale,
+        softcap: params.softcap,
+        sliding_window: params.sliding_window as i32,
+        alibi_slopes: slopes
+            .as_ref()
+            .map_or(std::ptr::null(), |s| s.ptr() as *const f32),
+    };
+    let row = params.num_heads * b.cfg.head_dim();
+    let tokens = query.len() / row.max(1);
+    let mut strided = vec![T::from_f32(f32::NAN); tokens * qs];
+    for t in 0..tokens {
+        strided[t * qs..t * qs + row].copy_from_slice(&query[t * row..(t + 1) * row]);
+    }
+    let geom = geometry(&b.cfg);
+    let (cache, q, tables, ctx, qsl_buf) = (
+        buf(cache_bytes),
+        buf(&strided),
+        buf(&b.tables),
+        buf(&b.ctx),
+        buf(qsl),
+    );
+    let mut out = EmuBuf::zeroed(tokens * os * std::mem::size_of::<T>()).expect("allocation");
+    out.as_mut_slice::<u8>().fill(0xff);
+    let max_q = qsl.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+    // SAFETY: every pointer is a live guarded buffer of the shape pagedkv.h documents (cache:
+    // the whole cache; query/out: `tokens` rows of `row` elements `qs` / `os` apart; tables:
+    // [num_seqs][mbps]; ctx: [num_seqs]; query_start_loc: [num_seqs + 1] with every query
+    // length <= max_q); the emulated launch is synchronous, so the buffers outlive every access.
+    let s = unsafe {
+        ffi::pkv_paged_attention_prefill(
+            out.ptr(),
+            os as i64,
+            q.ptr(),
+            qs as i64,
+            cache.ptr(),
+            &geom,
+            layer as i32,
+            tables.ptr() as *const i32,
+            b.mbps as i32,
+            ctx.ptr() as *const i32,
+            qsl_buf.ptr() as *const i32,
+            b.ctx.len() as i32,
+            max_q,
+            &raw,
+            std::ptr::null_mut(),
+        )
+    };
+    let all = out.as_slice::<T>();
+    let mut dense = Vec::with_capacity(tokens * row);
+    for t in 0..tokens {
+        dense.extend_from_slice(&all[t * os..t * os + row]);
+        assert!(
+            all[t * os + row..(t + 1) * os]
+                .iter()
+                .all(|x| x.to_f32().is_nan()),
+            "prefill wrote between output rows (token {t})"
+        );
+    }
+    (s, dense)
+}
+
+/// One case: sequences given as (query tokens, context) pairs over a fresh random cache of 2
+/// KV heads (2 layers, layer 1 read), checked against the oracle.
+#[allow(clippy::too_many_arguments)]
+fn check<T: Elem>(
+    rng: &mut SmallRng,
+    d: usize,
+    group: usize,
+    bs: usize,
+    page: Page,
+    seqs_q_ctx: &[(usize, usize)],
+    f: Features,
+) {
+    check_strided::<T>(rng, d, group, bs, page, seqs_q_ctx, f, None);
+}
+
+/// As `check`, with the query read from a fused-QKV-shaped view (`strides` = (query token
+/// stride, out token stride) in elements; `None`: dense).
+#[allow(clippy::too_many_arguments)]
+fn check_strided<T: Elem>(
+    rng: &mut SmallRng,
+    d: usize,
+    group: usize,
+    bs: usize,
+    page: Page,
+    seqs_q_ctx: &[(usize, usize)],
+    f: Features,
+    strides: Option<(usize, usize)>,
+) {
+    let (layers, layer, hkv) = (2, 1, 2);
+    let ctx: Vec<usize> = seqs_q_ctx.iter().map(|&(_, c)| c).collect();
+    let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, page, &ctx);
+    let host = random_cache::<T>(rng, b.cfg);
+    let nh = hkv * group;
+    let qsl = query_start_loc(seqs_q_ctx);
+    let tokens = *qsl.last().unwrap_or(&0) as usize;
+    let query = random_vec::<T>(rng, tokens * nh * d);
+    let sl = slopes(rng, nh);
+    let params = attn_params(nh, d, f, &sl);
+    let want = cpu_prefill(&b, &host, layer, &query, &qsl, &params);
+    let strides = strides.unwrap_or((nh * d, nh * d));
+    let (s, got) = launch(&b, host.as_bytes(), layer, &query, strides, &qsl, &params);
+    let what = format!(
+        "prefill {} d{d} g{group} bs{bs} {page:?} {f:?} q/ctx {seqs_q_ctx:?} strides {strides:?}",
+        T::DTYPE
+    );
+    assert_eq!(
+        s,
+        ffi::PKV_OK as i32,
+        "{what}: status {s} ({}), fault {:?}",
+        cuda_emu::status_string(s),
+        cuda_emu::last_fault()
+    );
+    assert_close(&what, &got, &want, d);
+}
+
+/// Several row tiles and key tiles per sequence, at every head dim, for GQA ratios 1, 3 (a
+/// token's heads straddle row tiles), 4 and 8; a chunk after cached tokens whose diagonal
+/// falls inside a key tile; a single-token chunk at position 64 or 128, the first key of a
+/// tile (which that row's warp must not skip); a chunk of exactly one row tile. Block sizes, pages and the logit features cycle with the cells.
+fn tiles_grid<T: Elem>(seed: u64) {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut variant = 0;
+    for d in HEAD_DIMS {
+        for group in [1, 3, 4, 8] {
+            let bs = BLOCK_SIZES[variant % BLOCK_SIZES.len()];
+            let page = PAGES[(variant / 2) % PAGES.len()];
+            let f = features(variant, bs);
+            let seqs: &[(usize, usize)] = match group {
+                1 => &[(70, 70), (21, 150), (1, 129), (64, 64)],
+                3 => &[(30, 30), (25, 140), (1, 65)],
+                _ => &[(20, 20), (17, 131), (1, 129), (16, 80)],
+            };
+            check::<T>(&mut rng, d, group, bs, page, seqs, f);
+            variant += 1;
+        }
+    }
+}
+
+#[test]
+fn tiles_grid_bf16() {
+    tiles_grid::<bf16>(31);
+}
+
+#[test]
+fn tiles_grid_f16() {
+    tiles_grid::<f16>(32);
+}
+
+/// Sliding windows of 1 token, shorter than a key tile, exactly one tile, one past it and
+/// longer than the context, each with and without soft-cap and ALiBi, on chunks after cached
+/// tokens (the windowed first tile starts mid-tile, so whole tiles fall before some warps'
+/// windows), at head dims 128 (tiles of 64 keys) and 256 (tiles of 32).
+#[test]
+fn windows_softcap_alibi() {
+    let mut rng = SmallRng::seed_from_u64(33);
+    for (i, window) in [1usize, 5, 32, 64, 65, 400].into_iter().enumerate() {
+        for (alibi, softcap) in [(false, 0.0), (true, 5.0)] {
+            let f = Features {
+                alibi,
+                window,
+                softcap,
+            };
+            let bs = [8, 16, 32, 64, 128, 256][i];
+            check::<bf16>(
+                &mut rng,
+                128,
+                4,
+                bs,
+                Page::Pad(1),
+                &[(40, 300), (9, 129)],
+                f,
+            );
+            check::<f16>(&mut rng, 256, 2, bs, Page::Dense, &[(23, 200), (1, 77)], f);
+        }
+    }
+    // The one shape where a warp's first row sees exactly the last key of an earlier tile
+    // through its window (so skipping that tile would drop a visible key): head dim 256 (tiles
+    // of 32 keys from 0), MHA, window 40, a chunk of 40 at position 38: warp 2's first row is
+    // 70, whose window starts at key 31, the last of tile 0.
+    let f = Features {
+        window: 40,
+        ..Features::PLAIN
+    };
+    check::<f16>(&mut rng, 256, 1, 16, Page::Dense, &[(40, 78)], f);
+}
+
+/// Query rows read from a fused-QKV-shaped view (token stride: the query heads, the K and V
+/// heads, 8 elements of padding) and written to output rows with a padded stride: the kernel
+/// addresses rows by the strides (nothing between output rows is written), for both dtypes, a
+/// few head dims and GQA ratios, over several row and key tiles.
+#[test]
+fn strided_query_and_out_views() {
+    let mut rng = SmallRng::seed_from_u64(35);
+    for (i, (d, group)) in [(64, 1), (128, 4), (256, 8), (80, 3)]
+        .into_iter()
+        .enumerate()
+    {
+        let nh = 2 * group;
+        let strides = Some(((nh + 2 * 2) * d + 8, nh * d + 16));
+        let f = features(i, 16);
+        let seqs = [(30, 100), (1, 65)];
+        check_strided::<bf16>(&mut rng, d, group, 16, Page::Dense, &seqs, f, strides);
+        check_strided::<f16>(&mut rng, d, group, 32, Page::Pad(1), &seqs, f, strides);
+    }
+}
+
+/// Bytes of dynamic shared memory the tensor-core kernel asks for at head dim `d` (its
+/// layout: two stages of K and V rows of d + 8 elements, 64 or 32 keys each; Q's 64 rows at
+/// d = 256; two key-flag arrays).
+fn mma_smem(d: usize) -> u64 {
+    let bc = if d <= 128 { 64 } else { 32 };
+    let q = if d <= 128 { 0 } else { 64 * (d + 8) };
+    (2 * (4 * bc * (d + 8) + q) + 2 * bc * 4) as u64
+}
+
+/// f16 and bf16 prefill launch the tensor-core kernel (one launch with its shared-memory
+/// footprint), f32 the CUDA-core one (another footprint): a dispatch that fell back would pass
+/// every accuracy test above unnoticed.
+#[test]
+fn f16_and_bf16_take_the_tensor_core_kernel() {
+    let mut rng = SmallRng::seed_from_u64(34);
+    for d in HEAD_DIMS {
+        for dtype in [KvDtype::F16, KvDtype::Bf16, KvDtype::F32] {
+            let b = make_batch(&mut rng, 1, 1, d, 16, dtype, Page::Dense, &[5]);
+            let bytes = vec![0u8; b.cfg.total_bytes()];
+            let params = AttnParams::new(2, d);
+            let qsl = [0, 5];
+            let _ = cuda_emu::take_stats();
+            let dense = (2 * d, 2 * d);
+            let s = match dtype {
+                KvDtype::F16 => {
+                    launch(
+                        &b,
+                        &bytes,
+                        0,
+                        &vec![f16::ZERO; 10 * d],
+                        dense,
+                        &qsl,
+                        &params,
+                    )
+                    .0
+                }
+                KvDtype::Bf16 => {
+                    launch(
+                        &b,
+                        &bytes,
+                        0,
+                        &vec![bf16::ZERO; 10 * d],
+                        dense,
+                        &qsl,
+                        &params,
+                    )
+                    .0
+                }
+                KvDtype::F32 => launch(&b, &bytes, 0, &vec![0f32; 10 * d], dense, &qsl, &params).0,
+            };
+            assert_eq!(s, ffi::PKV_OK as i32, "{dtype} d{d}");
+            let st = cuda_emu::take_stats();
+            assert_eq!(st.launches, 1, "{dtype} d{d}");
+            let mma = st.max_dynamic_smem == mma_smem(d);
+            assert_eq!(
+                mma,
+                dtype != KvDtype::F32,
+                "{dtype} d{d}: dynamic shared memory {} (the tensor-core kernel's: {})",
+                st.max_dynamic_smem,
+                mma_smem(d)
+            );
+        }
+    }
+}

@@ -24,7 +24,7 @@ pub const MAX_FILL_THREADS: usize = 64;
 /// # Schedule
 ///
 /// An upload cuts its tensors, in the order given, into *fills* of at most one buffer each
-/// ([`super::plan`]: a fill holds pieces of as many tensors as fit, a tensor larger than a
+/// (`upload/plan.rs`: a fill holds pieces of as many tensors as fit, a tensor larger than a
 /// buffer spans several fills). The thread that called the upload (the *coordinator*) owns the
 /// engine; it hands fill `k` with a free buffer to an idle fill thread, which copies the
 /// pieces' bytes from the file into the buffer ([`CopyEngine::fill`]) and hands the buffer

@@ -205,7 +205,7 @@ fn run_contended(iters: u64, op: impl Fn() + Sync) -> Duration {
 
 /// [`run_contended`] with per-thread scratch state (a reused id vector) and the thread's
 /// number (0 or 1) passed to `op`.
-fn run_contended_with<S: Clone + Send>(
+fn run_contended_with<S: Clone + Send + Sync>(
     iters: u64,
     scratch: S,
     op: impl Fn(&mut S, u16) + Sync,
@@ -213,11 +213,14 @@ fn run_contended_with<S: Clone + Send>(
     let barrier = Barrier::new(2);
     let op = &op;
     let barrier = &barrier;
+    let scratch = &scratch;
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..2u16)
             .map(|thread| {
-                let mut state = scratch.clone();
                 s.spawn(move || {
+                    // Cloned on the thread, so the two threads' scratch buffers come from
+                    // their own allocator arenas and share no cache line.
+                    let mut state = scratch.clone();
                     barrier.wait();
                     let t = Instant::now();
                     for _ in 0..iters {

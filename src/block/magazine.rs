@@ -84,30 +84,33 @@ impl Magazine {
         self.top.load(Ordering::Acquire)
     }
 
-    /// Pops exactly `n >= 1` entries, calling `put` on each (top first), or returns `false` with
-    /// the magazine unchanged (and `put` undone by the caller) when it holds fewer than `n`.
-    /// `put(k, index)` may be called for several attempts; only the last attempt's calls count.
+    /// Pops exactly `dst.len() >= 1` entries into `dst` (top first), or returns `false` with the
+    /// magazine unchanged when it holds fewer. `dst` may be written by several attempts; only
+    /// the last attempt's values count, and after a `false` its contents are meaningless.
     #[inline]
-    pub(super) fn pop_n(&self, n: u32, mut put: impl FnMut(usize, u32)) -> bool {
+    pub(super) fn pop_n(&self, dst: &mut [u32]) -> bool {
+        let n = dst.len();
         let mut top = self.word();
         loop {
-            let count = count_of(top);
+            let count = count_of(top) as usize;
             if count < n {
                 return false;
             }
-            for k in 0..n {
+            // `count <= capacity` (pushes never exceed it), so the slice is in bounds: one check
+            // for the batch instead of one per entry.
+            for (d, slot) in dst
+                .iter_mut()
+                .zip(self.slots[count - n..count].iter().rev())
+            {
                 // Relaxed: ordered by the Acquire on `top` (see `word`); a stale value is
                 // discarded because the CAS below fails.
-                put(
-                    k as usize,
-                    self.slots[(count - 1 - k) as usize].load(Ordering::Relaxed),
-                );
+                *d = slot.load(Ordering::Relaxed);
             }
             // Acquire on success and failure: the next attempt reads entries published by the
             // push that made the observed word current. The pop does not release anything.
             match self.top.compare_exchange_weak(
                 top,
-                top - u64::from(n),
+                top - n as u64,
                 Ordering::Acquire,
                 Ordering::Acquire,
             ) {
@@ -145,7 +148,7 @@ impl Magazine {
     /// Pushes `blocks` (free blocks the caller alone holds) unless another push is in progress
     /// or they do not fit; returns whether it did. Never waits for another thread.
     #[inline]
-    pub(super) fn try_push(&self, blocks: &[u32]) -> bool {
+    pub(super) fn try_push(&self, blocks: impl ExactSizeIterator<Item = u32> + Clone) -> bool {
         let k = blocks.len() as u32;
         let cap = self.slots.len() as u32;
         // Relaxed: the claim below publishes nothing and reads nothing through the word; the
@@ -171,9 +174,10 @@ impl Magazine {
             // the count up are this thread's alone (a stale popper may read them, and then
             // fails its CAS).
             let count = count_of(top);
-            for (j, &b) in blocks.iter().enumerate() {
+            let at = count as usize;
+            for (slot, b) in self.slots[at..at + blocks.len()].iter().zip(blocks.clone()) {
                 // Relaxed: published by the Release CAS below.
-                self.slots[count as usize + j].store(b, Ordering::Relaxed);
+                slot.store(b, Ordering::Relaxed);
             }
             // Release publishes the entries and the blocks' zeroed metadata (written by the
             // caller before this call) to the popper that Acquires the new word.

@@ -1,6 +1,6 @@
 //! The lock-free KV block pool of one device.
 
-use super::ids::{BlockId, EngineId, INDEX_BITS, INDEX_MASK, MAX_BLOCKS};
+use super::ids::{self, BlockId, EngineId, INDEX_BITS, INDEX_MASK, MAX_BLOCKS};
 use super::magazine::{count_of, Magazine, MAG_CAP};
 use crate::error::PoolError;
 use crate::sync::{global, AtomicU32, AtomicU64, Backoff, CachePadded, Ordering};
@@ -19,6 +19,16 @@ const RC_MASK: u64 = (1 << RC_BITS) - 1;
 const GEN_SHIFT: u32 = RC_BITS;
 const GEN_MASK: u64 = (1 << 24) - 1;
 const OWNER_SHIFT: u32 = 48;
+/// The generation's bits, at the same place in a metadata word and in a [`BlockId`]
+/// (`pool (16) | generation (24) | index (24)`), so the fast paths compare and mint
+/// generations without shifting them.
+const GEN_FIELD: u64 = GEN_MASK << GEN_SHIFT;
+const GEN_ONE: u64 = 1 << GEN_SHIFT;
+/// Where a [`BlockId`] keeps its pool tag.
+const POOL_SHIFT: u32 = INDEX_BITS + ids::GEN_BITS;
+const OWNER_FIELD: u64 = 0xffff << OWNER_SHIFT;
+const _: () =
+    assert!(GEN_SHIFT == INDEX_BITS && OWNER_SHIFT == POOL_SHIFT && GEN_MASK == ids::GEN_MASK);
 /// The largest reference count a block can reach.
 pub const MAX_REFS: u32 = (1 << RC_BITS) - 1;
 /// Ids `free_n` checks with their words kept (and blocks it pushes with one CAS).
@@ -74,6 +84,52 @@ fn meta_gen(meta: u64) -> u32 {
 #[inline]
 fn meta_owner(meta: u64) -> EngineId {
     EngineId((meta >> OWNER_SHIFT) as u16)
+}
+
+/// One block's words, alone on a cache line: blocks of different engines never share a line,
+/// so two engines' scheduler threads releasing and claiming their own blocks write no common
+/// line (with 8-byte words packed, neighbouring blocks of two engines made every release a
+/// line transfer between cores: 2.4x the pair's time with 2 threads, BENCHMARKS.md). 64 bytes
+/// of host memory per block (64 MiB for a million blocks).
+#[derive(Debug)]
+#[repr(align(64))]
+struct BlockLine {
+    /// `owner (16) | generation (24) | refs (24)`; `refs == 0` iff the block is free.
+    meta: AtomicU64,
+    /// `depth (32) | next (24)`. Meaningful only while the block is on the shared stack: `next`
+    /// is the block below it, `depth` the stack's length from it to the bottom.
+    link: AtomicU64,
+}
+
+/// Claims blocks just popped from a free list for one engine: see [`Claimer::claim`].
+#[derive(Clone, Copy)]
+struct Claimer<'a> {
+    blocks: &'a [BlockLine],
+    /// The pool's tag at its place in an id.
+    tag: u64,
+    /// The engine at its place in a metadata word, with one reference.
+    owner: u64,
+}
+
+impl Claimer<'_> {
+    /// Marks the block at `index` (popped from a free list by this thread) allocated, with a
+    /// new generation, and mints its id.
+    #[inline]
+    fn claim(self, index: u32) -> BlockId {
+        let meta = &self.blocks[index as usize].meta;
+        // Relaxed load: the popper's Acquire on the list's word already ordered this after the
+        // release that pushed the block (which wrote refs = 0 before its Release CAS).
+        let old = meta.load(Ordering::Relaxed);
+        debug_assert_eq!(meta_refs(old), 0, "a block on the free list had references");
+        // The generation sits at the same bits of the metadata word and of the id, so the new
+        // one is computed, stored and minted in place (no unpacking per block).
+        let generation = (old & GEN_FIELD).wrapping_add(GEN_ONE) & GEN_FIELD;
+        // A plain store is safe: while refs == 0 every CAS on this word (share, release) fails,
+        // and only this thread holds the block. Release publishes the new generation before the
+        // id escapes to other threads through the caller.
+        meta.store(generation | self.owner, Ordering::Release);
+        BlockId::from_bits(self.tag | generation | u64::from(index))
+    }
 }
 
 /// How a pool is built.
@@ -189,6 +245,12 @@ pub struct PoolStats {
 /// `alloc_n` / `free_n` pair) updates no counter: the counters change only when blocks move to
 /// or from the shared stack.
 ///
+/// # Memory
+///
+/// Each block's metadata word and link share one 64-byte line of their own (64 bytes of host
+/// memory per block: 64 MiB for a million blocks), so blocks of different engines never share
+/// a line: two engines' scheduler threads recycling their own blocks write no common line.
+///
 /// # Read-modify-writes per batch
 ///
 /// The fast pair `alloc_n(n)` + `free_n` of those blocks does `n + 3` of them: the magazine pop,
@@ -200,11 +262,8 @@ pub struct BlockPool {
     /// `tag (40) | top index (24)`. The tag increments on every successful CAS; the index is the
     /// top of the free stack, or `NIL` when the pool is exhausted.
     head: CachePadded<AtomicU64>,
-    /// `depth (32) | next (24)` per block. Meaningful only while the block is on the free list:
-    /// `next` is the block below it, `depth` the free-list length from it to the bottom.
-    link: Box<[AtomicU64]>,
-    /// `owner (16) | generation (24) | refs (24)` per block; `refs == 0` iff on the free list.
-    meta: Box<[AtomicU64]>,
+    /// Each block's words (metadata and free-list link), one cache line per block.
+    blocks: Box<[BlockLine]>,
     /// Per engine: the physical blocks it owns (last reference still held) plus the free blocks
     /// parked in its magazine. A block moving between an engine's ownership and its magazine
     /// (the fast paths of `alloc_n` and `free_n`) leaves this unchanged, so those paths do no
@@ -236,14 +295,14 @@ impl BlockPool {
         }
         let n = config.num_blocks;
         // Block 0 on top, so a fresh pool hands out 0, 1, 2, ... (predictable in tests).
-        let link = (0..n)
+        let blocks = (0..n)
             .map(|i| {
                 let next = if i + 1 == n { NIL } else { i + 1 };
-                AtomicU64::new(link_word(n - i, next))
+                BlockLine {
+                    meta: AtomicU64::new(meta_word(0, 0, EngineId(0))),
+                    link: AtomicU64::new(link_word(n - i, next)),
+                }
             })
-            .collect();
-        let meta = (0..n)
-            .map(|_| AtomicU64::new(meta_word(0, 0, EngineId(0))))
             .collect();
         let acct = (0..config.max_engines)
             .map(|_| CachePadded::new(AtomicU32::new(0)))
@@ -254,8 +313,7 @@ impl BlockPool {
             .collect();
         Ok(Self {
             head: CachePadded::new(AtomicU64::new(0)),
-            link,
-            meta,
+            blocks,
             acct,
             mags,
             tag: global::next_pool_tag(),
@@ -305,7 +363,7 @@ impl BlockPool {
         } else {
             // Relaxed: the caller's Acquire load of `head` pairs with the Release CAS of the
             // push that made this top current, so its link (and depth) is visible.
-            link_depth(self.link[top as usize].load(Ordering::Relaxed))
+            link_depth(self.blocks[top as usize].link.load(Ordering::Relaxed))
         }
     }
 
@@ -426,9 +484,9 @@ impl BlockPool {
     /// Also says whether the block came from the magazine (no change to `acct`).
     fn take_one(&self, engine: EngineId) -> Option<(u32, bool)> {
         if let Some(m) = self.mags.get(engine.index()) {
-            let mut got = NIL;
-            if m.pop_n(1, |_, index| got = index) {
-                return Some((got, true));
+            let mut got = [NIL];
+            if m.pop_n(&mut got) {
+                return Some((got[0], true));
             }
         }
         let backoff = Backoff::new();
@@ -474,9 +532,11 @@ impl BlockPool {
         if n <= MAG_CAP {
             if let Some(m) = self.mags.get(engine.index()) {
                 let mut popped = [0u32; MAG_CAP as usize];
-                if m.pop_n(n, |k, index| popped[k] = index) {
+                let popped = &mut popped[..n as usize];
+                if m.pop_n(popped) {
                     // From the engine's magazine to the engine: `acct` is unchanged.
-                    out.extend(popped[..n as usize].iter().map(|&i| self.claim(i, engine)));
+                    let claimer = self.claimer(engine);
+                    out.extend(popped.iter().map(move |&i| claimer.claim(i)));
                     return Ok(());
                 }
             }
@@ -495,8 +555,9 @@ impl BlockPool {
         // Counted before any id escapes, so a free of these blocks never meets an uncounted one.
         // Relaxed: a statistic (see `acct`).
         self.acct[engine.index()].fetch_add(n, Ordering::Relaxed);
+        let claimer = self.claimer(engine);
         for slot in &mut out[start..] {
-            *slot = self.claim(slot.to_bits() as u32, engine);
+            *slot = claimer.claim(slot.to_bits() as u32);
         }
         Ok(())
     }
@@ -526,7 +587,7 @@ impl BlockPool {
                     continue 'retry;
                 }
                 out.push(BlockId::from_bits(u64::from(cursor)));
-                cursor = link_next(self.link[cursor as usize].load(Ordering::Relaxed));
+                cursor = link_next(self.blocks[cursor as usize].link.load(Ordering::Relaxed));
             }
             // AcqRel on success: acquire as above; release keeps the head's release sequence
             // (every later pusher's links stay visible to later poppers).
@@ -567,34 +628,41 @@ impl BlockPool {
     /// awaited; `acct` unchanged: owned becomes parked), else the shared stack (uncounted
     /// first, so `held` never counts a block that is already on the stack).
     #[inline]
-    fn recycle(&self, owner: EngineId, chain: &[u32]) {
-        if chain.is_empty() {
+    fn recycle(&self, owner: EngineId, chain: impl ExactSizeIterator<Item = u32> + Clone) {
+        let k = chain.len();
+        if k == 0 {
             return;
         }
         if let Some(m) = self.mags.get(owner.index()) {
-            if m.try_push(chain) {
+            if m.try_push(chain.clone()) {
                 return;
             }
         }
         // Relaxed: a statistic (see `acct`).
-        self.acct[owner.index()].fetch_sub(chain.len() as u32, Ordering::Relaxed);
-        self.push_chain(chain);
+        self.acct[owner.index()].fetch_sub(k as u32, Ordering::Relaxed);
+        let mut buf = [0u32; CHAIN];
+        debug_assert!(k <= CHAIN, "recycled batches are at most CHAIN blocks");
+        for (dst, index) in buf.iter_mut().zip(chain) {
+            *dst = index;
+        }
+        self.push_chain(&buf[..k.min(CHAIN)]);
     }
 
     /// Marks a block just popped from the free list as allocated to `engine` and mints its id.
     #[inline]
     fn claim(&self, index: u32, engine: EngineId) -> BlockId {
-        let meta = &self.meta[index as usize];
-        // Relaxed load: the popper's Acquire on the head already ordered this after the release
-        // that pushed the block (which wrote refs = 0 before its Release CAS on the head).
-        let old = meta.load(Ordering::Relaxed);
-        debug_assert_eq!(meta_refs(old), 0, "a block on the free list had references");
-        let generation = (meta_gen(old) + 1) & GEN_MASK as u32;
-        // A plain store is safe: while refs == 0 every CAS on this word (share, release) fails,
-        // and only this thread holds the block. Release publishes the new generation before the
-        // id escapes to other threads through the caller.
-        meta.store(meta_word(1, generation, engine), Ordering::Release);
-        BlockId::pack(self.tag, generation, index)
+        self.claimer(engine).claim(index)
+    }
+
+    /// What every claim for `engine` shares, read once per batch (a loop over `self` would
+    /// reload the fields after every atomic store).
+    #[inline]
+    fn claimer(&self, engine: EngineId) -> Claimer<'_> {
+        Claimer {
+            blocks: &self.blocks,
+            tag: u64::from(self.tag) << POOL_SHIFT,
+            owner: (u64::from(engine.0) << OWNER_SHIFT) | 1,
+        }
     }
 
     /// Pops the top of the free stack.
@@ -608,7 +676,7 @@ impl BlockPool {
             if top == NIL {
                 return None;
             }
-            let next = link_next(self.link[top as usize].load(Ordering::Relaxed));
+            let next = link_next(self.blocks[top as usize].link.load(Ordering::Relaxed));
             // AcqRel: see alloc_n.
             match self.head.compare_exchange_weak(
                 head,
@@ -641,13 +709,14 @@ impl BlockPool {
             let below = if top == NIL {
                 0
             } else {
-                link_depth(self.link[top as usize].load(Ordering::Relaxed))
+                link_depth(self.blocks[top as usize].link.load(Ordering::Relaxed))
             };
             // The chain's blocks are ours alone until the CAS publishes them, so their links
             // are rewritten freely on every retry. Relaxed: published by the Release CAS below.
             for (j, &index) in chain.iter().enumerate() {
                 let next = chain.get(j + 1).copied().unwrap_or(top);
-                self.link[index as usize]
+                self.blocks[index as usize]
+                    .link
                     .store(link_word(below + k - j as u32, next), Ordering::Relaxed);
             }
             // Release publishes the links (and the zeroed metadata) to the next popper.
@@ -670,7 +739,7 @@ impl BlockPool {
     /// change.
     pub fn share(&self, id: BlockId) -> Result<(), PoolError> {
         let index = self.check_id(id)?;
-        let meta = &self.meta[index];
+        let meta = &self.blocks[index].meta;
         let backoff = Backoff::new();
         // Acquire pairs with claim's Release store (the generation we compare against).
         let mut cur = meta.load(Ordering::Acquire);
@@ -728,7 +797,7 @@ impl BlockPool {
     fn drop_ref(&self, id: BlockId) -> Result<Option<EngineId>, PoolError> {
         let index = self.check_id(id)?;
         // Acquire pairs with claim's Release store (the generation we compare against).
-        let cur = self.meta[index].load(Ordering::Acquire);
+        let cur = self.blocks[index].meta.load(Ordering::Acquire);
         self.drop_ref_from(id, index, cur)
     }
 
@@ -741,7 +810,7 @@ impl BlockPool {
         index: usize,
         mut cur: u64,
     ) -> Result<Option<EngineId>, PoolError> {
-        let meta = &self.meta[index];
+        let meta = &self.blocks[index].meta;
         let backoff = Backoff::new();
         loop {
             self.check_live(id, cur)?;
@@ -790,7 +859,7 @@ impl BlockPool {
         for (i, &id) in ids.iter().enumerate() {
             let index = self.check_id(id)?;
             // Acquire pairs with claim's Release store.
-            let meta = self.meta[index].load(Ordering::Acquire);
+            let meta = self.blocks[index].meta.load(Ordering::Acquire);
             self.check_live(id, meta)?;
             if small {
                 seen[i] = meta;
@@ -834,7 +903,7 @@ impl BlockPool {
             let cur = if small {
                 seen[i]
             } else {
-                self.meta[index].load(Ordering::Acquire)
+                self.blocks[index].meta.load(Ordering::Acquire)
             };
             let owner = match self.drop_ref_from(id, index, cur) {
                 Ok(Some(owner)) => owner,
@@ -845,7 +914,7 @@ impl BlockPool {
                 }
             };
             if len == CHAIN || (len > 0 && owner != run_owner) {
-                self.recycle(run_owner, &chain[..len]);
+                self.recycle(run_owner, chain[..len].iter().copied());
                 freed += len as u32;
                 len = 0;
             }
@@ -853,7 +922,7 @@ impl BlockPool {
             chain[len] = id.index();
             len += 1;
         }
-        self.recycle(run_owner, &chain[..len]);
+        self.recycle(run_owner, chain[..len].iter().copied());
         let freed = freed + len as u32;
         match raced {
             None => Ok(freed),
@@ -883,29 +952,39 @@ impl BlockPool {
         if n > CHAIN {
             return None;
         }
-        let first = ids.first()?;
-        if first.pool_tag() != self.tag || first.index() >= self.total {
+        let tag = u64::from(self.tag) << POOL_SHIFT;
+        let first = ids.first()?.to_bits();
+        if first & !(GEN_FIELD | INDEX_MASK) != tag {
             return None;
         }
         // Relaxed: only names the owner every block must have; the CASes below decide.
-        let owner = meta_owner(self.meta[first.index() as usize].load(Ordering::Relaxed));
-        let mut chain = [0u32; CHAIN];
+        let owner_bits = self
+            .blocks
+            .get((first & INDEX_MASK) as usize)?
+            .meta
+            .load(Ordering::Relaxed)
+            & OWNER_FIELD;
+        let owner = EngineId((owner_bits >> OWNER_SHIFT) as u16);
         for (i, &id) in ids.iter().enumerate() {
-            let index = id.index();
-            let ours = id.pool_tag() == self.tag && index < self.total;
-            let unshared = meta_word(1, id.generation(), owner);
-            // AcqRel on success: as in drop_ref_from. Relaxed on failure: the word is not used.
-            if !ours
-                || self.meta[index as usize]
+            let bits = id.to_bits();
+            let index = bits & INDEX_MASK;
+            // The word such a block must have: allocated, one reference, the id's generation
+            // (same bits in both words), the batch's owner.
+            let unshared = owner_bits | (bits & GEN_FIELD) | 1;
+            let released = match self.blocks.get(index as usize) {
+                // AcqRel on success: as in drop_ref_from. Relaxed on failure: not used.
+                Some(line) if bits & !(GEN_FIELD | INDEX_MASK) == tag => line
+                    .meta
                     .compare_exchange(unshared, unshared - 1, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_err()
-            {
+                    .is_ok(),
+                _ => false,
+            };
+            if !released {
                 self.unfree(&ids[..i], owner);
                 return None;
             }
-            chain[i] = index;
         }
-        self.recycle(owner, &chain[..n]);
+        self.recycle(owner, ids.iter().map(|id| id.index()));
         Some(Ok(n as u32))
     }
 
@@ -916,7 +995,8 @@ impl BlockPool {
     fn unfree(&self, ids: &[BlockId], owner: EngineId) {
         for &id in ids {
             // Release: the restored word is published like claim's.
-            self.meta[id.index() as usize]
+            self.blocks[id.index() as usize]
+                .meta
                 .store(meta_word(1, id.generation(), owner), Ordering::Release);
         }
     }
@@ -930,7 +1010,7 @@ impl BlockPool {
     /// The block's current reference count (at least 1 for a live id).
     pub fn ref_count(&self, id: BlockId) -> Result<u32, PoolError> {
         let index = self.check_id(id)?;
-        let meta = self.meta[index].load(Ordering::Acquire);
+        let meta = self.blocks[index].meta.load(Ordering::Acquire);
         self.check_live(id, meta)?;
         Ok(meta_refs(meta))
     }
@@ -938,7 +1018,7 @@ impl BlockPool {
     /// The engine that owns (allocated) the block.
     pub fn owner(&self, id: BlockId) -> Result<EngineId, PoolError> {
         let index = self.check_id(id)?;
-        let meta = self.meta[index].load(Ordering::Acquire);
+        let meta = self.blocks[index].meta.load(Ordering::Acquire);
         self.check_live(id, meta)?;
         Ok(meta_owner(meta))
     }

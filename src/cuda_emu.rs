@@ -172,3 +172,71 @@ pub fn status_string(s: i32) -> String {
         .to_string_lossy()
         .into_owned()
 }
+
+/// The emulated device as a [`RawDevice`](crate::engine::RawDevice): "device" memory is
+/// guarded host memory ([`EmuBuf`]'s allocator), copies are `memcpy`, the stream is ignored
+/// (every emulated launch completes before it returns), and the SM count is this value (also
+/// set for the calling thread's launches by [`set_sm_count`] when the device is made).
+#[derive(Debug, Clone, Copy)]
+pub struct EmuDevice {
+    sms: usize,
+}
+
+impl EmuDevice {
+    /// An emulated device of `sms` SMs (at least 1), set for this thread's launches.
+    pub fn new(sms: usize) -> Self {
+        let sms = sms.max(1);
+        set_sm_count(i32::try_from(sms).unwrap_or(i32::MAX));
+        Self { sms }
+    }
+}
+
+// SAFETY: alloc returns pkv_emu_alloc memory (16-byte aligned, at least `bytes`, valid until
+// pkv_emu_free); copies complete before returning and launches before theirs return, so
+// synchronize has nothing to wait for; the emulation has no context to bind.
+unsafe impl crate::engine::RawDevice for EmuDevice {
+    fn stream(&self) -> crate::cuda_raw::CuStream {
+        std::ptr::null_mut()
+    }
+
+    fn sm_count(&self) -> usize {
+        self.sms
+    }
+
+    fn bind(&self) -> Result<(), crate::error::EngineError> {
+        Ok(())
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<crate::cuda_raw::DevPtr, crate::error::EngineError> {
+        // SAFETY: no preconditions (see EmuBuf::zeroed).
+        let p = unsafe { emu_ffi::pkv_emu_alloc(bytes) };
+        if p.is_null() {
+            return Err(crate::error::EngineError::InvalidConfig(format!(
+                "the emulated device could not map {bytes} bytes"
+            )));
+        }
+        Ok(p as usize as u64)
+    }
+
+    unsafe fn free(&self, ptr: crate::cuda_raw::DevPtr) {
+        // SAFETY: `ptr` came from pkv_emu_alloc and is freed once (the caller's contract).
+        unsafe { emu_ffi::pkv_emu_free(ptr as usize as *mut std::ffi::c_void) }
+    }
+
+    unsafe fn copy_to_device(
+        &self,
+        dst: crate::cuda_raw::DevPtr,
+        src: &[u8],
+    ) -> Result<(), crate::error::EngineError> {
+        // SAFETY: `dst` holds at least src.len() bytes of an emulated allocation (the caller's
+        // contract), which is host memory not overlapping the host slice `src`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), dst as usize as *mut u8, src.len());
+        }
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), crate::error::EngineError> {
+        Ok(())
+    }
+}

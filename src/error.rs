@@ -674,6 +674,10 @@ pub enum EngineError {
     #[cfg(feature = "cuda")]
     #[error(transparent)]
     Cuda(#[from] CudaError),
+    /// A raw-pointer launch refused its inputs (or failed).
+    #[cfg(any(feature = "cuda", feature = "cuda-emu"))]
+    #[error(transparent)]
+    Raw(#[from] RawError),
     /// The engine or its model was configured wrongly.
     #[error("invalid engine configuration: {0}")]
     InvalidConfig(String),

@@ -42,6 +42,7 @@ mod arena;
 mod cache;
 mod device;
 mod ops;
+mod raw_device;
 mod step;
 
 pub use crate::cuda_raw::ffi;

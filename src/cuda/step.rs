@@ -122,8 +122,9 @@ unsafe impl Send for Pinned {}
 // SAFETY: shared access only reads (bytes); see Send.
 unsafe impl Sync for Pinned {}
 
-/// A decode step of fixed capacity: persistent device metadata, a pinned staging buffer, a
-/// fixed [`DecodePlan`] and its workspace (see the [module docs](self)).
+/// A decode step of fixed capacity: persistent device metadata filled by one copy per step, a
+/// pinned staging buffer, a fixed [`DecodePlan`] and its workspace, so that a step can be
+/// captured in a CUDA graph and replayed.
 ///
 /// Per step: [`stage`](Self::stage) the batch's metadata, [`upload`](Self::upload) it (one
 /// copy), then per layer [`reshape_and_cache`](Self::reshape_and_cache) the new tokens' K/V

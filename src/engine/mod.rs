@@ -7,8 +7,10 @@
 //!   after commit) and per-step results ([`StepResults`](crate::sched::StepResults)) a server
 //!   streams from.
 //! - [`run_batch`]: runs a [`Batch`](crate::sched::Batch) in its documented order on a
-//!   [`KvBackend`] ([`HostBackend`] on the CPU kernels; `DeviceBackend` on CUDA), with the
-//!   caller's [`StepModel`] supplying projections and sampling.
+//!   [`KvBackend`] ([`HostBackend`] on the CPU kernels; `DeviceBackend` on CUDA through
+//!   cudarc; `RawBackend` on CUDA through raw pointers, the caller's stream and the caller's
+//!   [`RawDevice`]-supplied memory, for clients on another cudarc), with the caller's
+//!   [`StepModel`] supplying projections and sampling.
 //!
 //! Nothing in this module waits for another thread: an engine's step is its own work plus
 //! lock-free operations on the shared pool and coordinator.
@@ -18,6 +20,8 @@ mod device;
 mod driver;
 mod exec;
 mod host;
+#[cfg(any(feature = "cuda", feature = "cuda-emu"))]
+mod raw;
 mod shared;
 
 #[cfg(feature = "cuda")]
@@ -25,4 +29,6 @@ pub use device::DeviceBackend;
 pub use driver::{Engine, EngineConfig, RecomputePolicy, StepReport};
 pub use exec::{kv_bytes_read, run_batch, KvBackend, LayerQkv, StepModel, StepStats};
 pub use host::HostBackend;
+#[cfg(any(feature = "cuda", feature = "cuda-emu"))]
+pub use raw::{DeviceRows, RawBackend, RawCaps, RawDevice};
 pub use shared::SharedArena;

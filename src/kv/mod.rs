@@ -25,7 +25,7 @@ pub use arena::{check_arena_size, KvArena, ARENA_ALIGN, PAGE_ALIGN, POISON_BYTE}
 pub use arena_view::{
     page_bytes_for, ArenaView, ModelKvShape, MAX_TOKENS_PER_PAGE, MIN_TOKENS_PER_PAGE,
 };
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "cuda-emu"))]
 pub(crate) use contract::check_seqs;
 pub(crate) use contract::{check_len, check_params};
 pub use contract::{AttnParams, PagedSeqs};

@@ -1,0 +1,786 @@
+//! The device backend over raw pointers and the caller's stream (feature `cuda` or `cuda-emu`):
+//! the step executor on pagedkv's CUDA kernels through [`crate::cuda_raw`], with no cudarc type
+//! in its API. The caller supplies device memory and host-to-device copies through
+//! [`RawDevice`] (on its own driver binding: candle's cudarc 0.19, pagedkv's
+//! [`Gpu`](crate::cuda::Gpu), the CPU emulation) and the model's projections as
+//! [`DeviceRows`] views of its own buffers (a fused QKV output in place), so a client such as
+//! a candle model drives the engine on its own stream: launches queue behind the model's
+//! matmuls with no synchronisation between them.
+//!
+//! Per step the backend stages the batch's metadata (slot mapping, query starts, context
+//! lengths, block tables) in host memory, checks it with the CPU kernels' rules, and copies it
+//! with **one** copy into one device block allocated once and grown only when a batch
+//! outgrows it; [`end`](KvBackend::end) waits for the stream, so the staging buffer is free
+//! again for the next step and an error surfaces in the step that caused it. Decode uses a
+//! [`DecodePlan`] fixed for the capacities (its workspace allocated with it).
+
+use super::exec::KvBackend;
+use super::host::check_heads;
+use crate::cuda_raw::{
+    self, AttnParamsRaw, CacheView, CuStream, DecodeMode, DecodePlan, DevPtr, Rows, SeqTables,
+    Workspace,
+};
+use crate::error::{AttnError, EngineError, RawError};
+use crate::kv::{KvArena, KvCacheConfig, PagedSeqs};
+use crate::sched::Batch;
+
+/// Device memory and copies for a [`RawBackend`], on one stream of one device context.
+///
+/// # Safety
+/// An implementation guarantees: [`alloc`](Self::alloc) returns the address of at least
+/// `bytes` bytes of device memory, 16-byte aligned, in the context that
+/// [`stream`](Self::stream) belongs to, valid until passed to [`free`](Self::free);
+/// [`copy_to_device`](Self::copy_to_device) queues the copy on that stream (or performs it
+/// before returning); [`synchronize`](Self::synchronize) returns only once all work queued on
+/// the stream has completed; the context is current on the calling thread whenever the
+/// backend launches (a method may bind it; the backend calls one before each group of
+/// launches).
+pub unsafe trait RawDevice {
+    /// The stream every launch and copy of the backend goes to.
+    fn stream(&self) -> CuStream;
+    /// Streaming multiprocessors of the device (sizes the decode plan).
+    fn sm_count(&self) -> usize;
+    /// Makes the device's context current on this thread.
+    ///
+    /// # Errors
+    /// The driver's refusal, as [`EngineError`].
+    fn bind(&self) -> Result<(), EngineError>;
+    /// Allocates `bytes` (> 0) of device memory; see the trait's contract.
+    ///
+    /// # Errors
+    /// Out of memory or a driver failure, as [`EngineError`].
+    fn alloc(&self, bytes: usize) -> Result<DevPtr, EngineError>;
+    /// Frees an allocation of [`alloc`](Self::alloc).
+    ///
+    /// # Safety
+    /// `ptr` came from this device's `alloc`, is freed once, and no queued work still uses it.
+    unsafe fn free(&self, ptr: DevPtr);
+    /// Queues a copy of `src` to `dst` on the stream.
+    ///
+    /// # Safety
+    /// `dst` is device memory of at least `src.len()` bytes from `alloc`; the bytes of `src`
+    /// stay allocated and unmodified until the next [`synchronize`](Self::synchronize)
+    /// returns.
+    ///
+    /// # Errors
+    /// The driver's refusal, as [`EngineError`].
+    unsafe fn copy_to_device(&self, dst: DevPtr, src: &[u8]) -> Result<(), EngineError>;
+    /// Waits for all work queued on the stream and reports its errors.
+    ///
+    /// # Errors
+    /// A failed copy or kernel, as [`EngineError`].
+    fn synchronize(&self) -> Result<(), EngineError>;
+}
+
+/// A step's token rows on the device: `tokens` rows of `[heads][head_dim]` elements at `rows`
+/// (its stride lets a fused projection be passed in place). What the model gives the backend
+/// for queries, keys and values, and what the backend returns as attention output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceRows {
+    /// Address and token stride (elements).
+    pub rows: Rows,
+    /// Rows (the step's tokens).
+    pub tokens: usize,
+}
+
+/// How many sequences, tokens, block-table entries and copy pairs a [`RawBackend`]'s device
+/// buffers hold before a batch makes it grow them (growing waits for the stream).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawCaps {
+    /// Sequences of one step (the engine's `max_running`).
+    pub max_seqs: usize,
+    /// Tokens of one step (the engine's `max_batched_tokens`).
+    pub max_tokens: usize,
+    /// Block-table entries per sequence (`ceil(max_context / block_size)`); also the decode
+    /// plan's context capacity.
+    pub max_blocks_per_seq: usize,
+    /// Copy-on-write pairs of one step.
+    pub max_copies: usize,
+}
+
+/// Byte offsets of the metadata arrays in the device block (and the host staging buffer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct MetaLayout {
+    /// `[max_tokens]` i64 at 0.
+    slots: usize,
+    /// `[max_seqs + 1]` i32.
+    query_start: usize,
+    /// `[max_seqs]` i32.
+    ctx: usize,
+    /// `[max_seqs * max_blocks_per_seq]` i32 (a step uses its own row width).
+    tables: usize,
+    /// `[max_copies][2]` i32.
+    copies: usize,
+    total: usize,
+}
+
+impl MetaLayout {
+    fn new(c: &RawCaps) -> Option<Self> {
+        let up = |x: usize| x.checked_add(15).map(|v| v & !15);
+        let query_start = up(c.max_tokens.checked_mul(8)?)?;
+        let ctx = up(query_start.checked_add(c.max_seqs.checked_add(1)?.checked_mul(4)?)?)?;
+        let tables = up(ctx.checked_add(c.max_seqs.checked_mul(4)?)?)?;
+        let table_bytes = c
+            .max_seqs
+            .checked_mul(c.max_blocks_per_seq)?
+            .checked_mul(4)?;
+        let copies = up(tables.checked_add(table_bytes)?)?;
+        let total = up(copies.checked_add(c.max_copies.checked_mul(8)?)?)?.max(16);
+        Some(Self {
+            slots: 0,
+            query_start,
+            ctx,
+            tables,
+            copies,
+            total,
+        })
+    }
+}
+
+/// Device allocations of one capacity: metadata, attention output, decode workspace.
+#[derive(Debug)]
+struct Buffers {
+    caps: RawCaps,
+    layout: MetaLayout,
+    meta: DevPtr,
+    out: DevPtr,
+    plan: DecodePlan,
+    workspace: Workspace,
+}
+
+/// The step executor's backend on pagedkv's CUDA kernels over raw pointers: device memory and
+/// copies from a [`RawDevice`], the model's projections as [`DeviceRows`], every launch on the
+/// device's stream; per step one metadata copy, and [`end`](KvBackend::end) waits for the
+/// stream.
+///
+/// Several engines' backends may work on one arena at once under the same page-ownership
+/// rule as [`HostBackend`](super::HostBackend) (see [`RawBackend::new`]).
+#[derive(Debug)]
+pub struct RawBackend<D: RawDevice> {
+    dev: D,
+    cache: CacheView,
+    heads: usize,
+    params: AttnParamsRaw,
+    mode: DecodeMode,
+    bufs: Buffers,
+    /// Host staging of the metadata block (`bufs.layout.total` bytes); free again once `end`
+    /// (or a growth) synchronised the stream.
+    staging: Vec<u8>,
+    /// Host swap space: `swap_blocks` pages of one block each.
+    swap: KvArena,
+    /// `[src, dst]` pairs of the current swap, reused.
+    swap_pairs: Vec<[i64; 2]>,
+    /// The current step's shape, set by `begin`.
+    step: Option<StepShape>,
+    /// The attention output of the current step (rows of the output buffer), set by `begin`.
+    out: DeviceRows,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct StepShape {
+    tokens: usize,
+    seqs: usize,
+    blocks_per_seq: usize,
+    max_query_len: usize,
+}
+
+impl<D: RawDevice> RawBackend<D> {
+    /// A backend for a model of `query_heads` heads whose cache is `config`'s view of the
+    /// arena at `arena_base` (on `dev`'s device), with device buffers for `caps` and a host
+    /// swap space of `swap_blocks` blocks.
+    ///
+    /// # Errors
+    /// [`EngineError::Raw`] for a geometry without kernels or a plan the kernels refuse,
+    /// [`EngineError::InvalidConfig`] for heads that do not divide or empty capacities, and
+    /// `dev`'s allocation errors.
+    ///
+    /// # Safety
+    /// `arena_base` is device memory of `dev`'s context holding `config.num_blocks()` pages of
+    /// `config.page_bytes()` bytes, alive as long as the backend; every batch run on the
+    /// backend is the current batch of a batcher for this engine whose blocks come from the
+    /// pool that hands out the arena's pages, run before that batcher's next schedule or
+    /// commit (as for [`HostBackend::new`](super::HostBackend::new)); and `dev` keeps its
+    /// trait's contract.
+    pub unsafe fn new(
+        dev: D,
+        arena_base: DevPtr,
+        config: &KvCacheConfig,
+        query_heads: usize,
+        caps: RawCaps,
+        swap_blocks: usize,
+    ) -> Result<Self, EngineError> {
+        cuda_raw::geometry(config)?;
+        check_heads(config, query_heads)?;
+        if caps.max_seqs == 0 || caps.max_tokens == 0 || caps.max_blocks_per_seq == 0 {
+            return Err(EngineError::InvalidConfig(format!(
+                "raw backend capacities must be positive: {caps:?}"
+            )));
+        }
+        let cache = CacheView {
+            base: arena_base,
+            config: *config,
+        };
+        let params = AttnParamsRaw::new(query_heads, config.head_dim());
+        let mode = DecodeMode::Auto;
+        let bufs = Self::allocate(&dev, &cache, query_heads, mode, caps)?;
+        // Swap pages of the arena's page size (on the 16-byte grid; a block fills its start).
+        let swap = KvArena::new(swap_blocks.max(1), config.page_bytes())?;
+        Ok(Self {
+            staging: vec![0; bufs.layout.total],
+            dev,
+            cache,
+            heads: query_heads,
+            params,
+            mode,
+            bufs,
+            swap,
+            swap_pairs: Vec::new(),
+            step: None,
+            out: DeviceRows {
+                rows: Rows::dense(0, query_heads, config.head_dim()),
+                tokens: 0,
+            },
+        })
+    }
+
+    /// The device handle.
+    pub fn device(&self) -> &D {
+        &self.dev
+    }
+
+    /// The capacities of the device buffers now.
+    pub fn caps(&self) -> RawCaps {
+        self.bufs.caps
+    }
+
+    /// The decode plan now in use.
+    pub fn plan(&self) -> &DecodePlan {
+        &self.bufs.plan
+    }
+
+    fn allocate(
+        dev: &D,
+        cache: &CacheView,
+        heads: usize,
+        mode: DecodeMode,
+        caps: RawCaps,
+    ) -> Result<Buffers, EngineError> {
+        let cfg = &cache.config;
+        let context = caps
+            .max_blocks_per_seq
+            .checked_mul(cfg.block_size())
+            .ok_or_else(|| over("max_blocks_per_seq", caps.max_blocks_per_seq))?;
+        let plan = DecodePlan::new(
+            mode,
+            caps.max_seqs,
+            heads,
+            cfg.num_kv_heads(),
+            cfg.head_dim(),
+            context,
+            dev.sm_count().max(1),
+        )?;
+        let layout = MetaLayout::new(&caps).ok_or_else(|| over("metadata bytes", caps.max_seqs))?;
+        let out_bytes = caps
+            .max_tokens
+            .checked_mul(heads * cfg.head_dim() * cfg.dtype().size_bytes())
+            .ok_or_else(|| over("max_tokens", caps.max_tokens))?;
+        dev.bind()?;
+        let meta = dev.alloc(layout.total)?;
+        let rest = (|| {
+            let out = dev.alloc(out_bytes)?;
+            let workspace = match plan.workspace_bytes() {
+                0 => Workspace::NONE,
+                bytes => match dev.alloc(bytes) {
+                    Ok(ptr) => Workspace { ptr, bytes },
+                    Err(e) => {
+                        // SAFETY: just allocated, never used.
+                        unsafe { dev.free(out) };
+                        return Err(e);
+                    }
+                },
+            };
+            Ok((out, workspace))
+        })();
+        let (out, workspace) = match rest {
+            Ok(r) => r,
+            Err(e) => {
+                // SAFETY: just allocated, never used.
+                unsafe { dev.free(meta) };
+                return Err(e);
+            }
+        };
+        Ok(Buffers {
+            caps,
+            layout,
+            meta,
+            out,
+            plan,
+            workspace,
+        })
+    }
+
+    /// Grows the device buffers to hold `need` (each capacity at least doubled), after waiting
+    /// for the stream (queued work may still use the old ones). On error the old buffers stay.
+    fn reserve(&mut self, need: RawCaps) -> Result<(), EngineError> {
+        let have = self.bufs.caps;
+        if need.max_seqs <= have.max_seqs
+            && need.max_tokens <= have.max_tokens
+            && need.max_blocks_per_seq <= have.max_blocks_per_seq
+            && need.max_copies <= have.max_copies
+        {
+            return Ok(());
+        }
+        let grow = |h: usize, n: usize| {
+            if n <= h {
+                h
+            } else {
+                n.max(h.saturating_mul(2))
+            }
+        };
+        let caps = RawCaps {
+            max_seqs: grow(have.max_seqs, need.max_seqs),
+            max_tokens: grow(have.max_tokens, need.max_tokens),
+            max_blocks_per_seq: grow(have.max_blocks_per_seq, need.max_blocks_per_seq),
+            max_copies: grow(have.max_copies, need.max_copies),
+        };
+        self.dev.synchronize()?;
+        let bufs = Self::allocate(&self.dev, &self.cache, self.heads, self.mode, caps)?;
+        let old = std::mem::replace(&mut self.bufs, bufs);
+        // SAFETY: the stream is idle (synchronised above), so nothing uses the old buffers;
+        // each came from this device's alloc and is freed once, here.
+        unsafe { free_buffers(&self.dev, &old) };
+        self.staging.resize(self.bufs.layout.total, 0);
+        Ok(())
+    }
+
+    fn swap(&mut self, pairs: &[(u32, u32)], to_host: bool) -> Result<(), EngineError> {
+        let cfg = self.cache.config;
+        let (pages, slots) = (cfg.num_blocks(), self.swap.num_pages());
+        self.swap_pairs.clear();
+        for &(a, b) in pairs {
+            let (page, slot) = if to_host { (a, b) } else { (b, a) };
+            if page as usize >= pages || slot as usize >= slots {
+                return Err(EngineError::InvalidConfig(format!(
+                    "swap pair ({a}, {b}) outside {pages} pages or {slots} swap slots"
+                )));
+            }
+            self.swap_pairs.push([i64::from(a), i64::from(b)]);
+        }
+        let host = self.swap.base_ptr().cast::<std::ffi::c_void>();
+        let device = self.cache.base as usize as *mut std::ffi::c_void;
+        let (dst, dst_page, src, src_page) = if to_host {
+            (
+                host,
+                self.swap.page_bytes(),
+                device.cast_const(),
+                cfg.page_bytes(),
+            )
+        } else {
+            (
+                device,
+                cfg.page_bytes(),
+                host.cast_const(),
+                self.swap.page_bytes(),
+            )
+        };
+        self.dev.bind()?;
+        // SAFETY: the device side is the arena (`new`'s contract: num_blocks pages of
+        // page_bytes) and every page named was checked in range; the host side is this
+        // backend's swap space (swap slots checked in range), alive as long as the backend and
+        // not touched by the host until `end` waits for the stream. The pages swapped out stay
+        // held by this engine until the batch has run, and the pages swapped into are held by
+        // its sequences alone (`new`'s contract), so no other work uses them meanwhile.
+        unsafe {
+            cuda_raw::swap_blocks(
+                dst,
+                dst_page,
+                src,
+                src_page,
+                cfg.bytes_per_block(),
+                &self.swap_pairs,
+                to_host,
+                self.dev.stream(),
+            )
+        }?;
+        Ok(())
+    }
+
+    fn step(&self) -> Result<StepShape, EngineError> {
+        self.step
+            .ok_or_else(|| EngineError::InvalidConfig("attention before begin".into()))
+    }
+
+    fn check_rows(
+        &self,
+        what: &'static str,
+        rows: &DeviceRows,
+        step: &StepShape,
+    ) -> Result<(), EngineError> {
+        if rows.tokens != step.tokens {
+            return Err(AttnError::LengthMismatch {
+                what,
+                expected: step.tokens,
+                found: rows.tokens,
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    fn seq_tables(&self, step: &StepShape) -> SeqTables {
+        let (meta, l) = (self.bufs.meta, self.bufs.layout);
+        SeqTables {
+            block_tables: meta + l.tables as u64,
+            max_blocks_per_seq: step.blocks_per_seq,
+            context_lens: meta + l.ctx as u64,
+            num_seqs: step.seqs,
+        }
+    }
+
+    fn out_rows(&self, step: &StepShape) -> DeviceRows {
+        DeviceRows {
+            rows: Rows::dense(self.bufs.out, self.heads, self.cache.config.head_dim()),
+            tokens: step.tokens,
+        }
+    }
+}
+
+/// Frees a capacity's buffers.
+///
+/// # Safety
+/// They came from `dev`, are freed once, and no queued work uses them.
+unsafe fn free_buffers<D: RawDevice>(dev: &D, b: &Buffers) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        dev.free(b.meta);
+        dev.free(b.out);
+        if b.workspace.bytes > 0 {
+            dev.free(b.workspace.ptr);
+        }
+    }
+}
+
+impl<D: RawDevice> Drop for RawBackend<D> {
+    fn drop(&mut self) {
+        // Queued work may still use the buffers: wait (an error cannot be reported from drop;
+        // on failure the buffers are leaked rather than freed under a kernel).
+        if self.dev.synchronize().is_ok() {
+            // SAFETY: the stream is idle; the buffers came from this device and are freed once.
+            unsafe { free_buffers(&self.dev, &self.bufs) };
+        }
+    }
+}
+
+fn over(what: &'static str, value: usize) -> EngineError {
+    EngineError::Raw(RawError::Unsupported { what, value })
+}
+
+fn put(bytes: &mut [u8], at: usize, v: &[u8]) {
+    bytes[at..at + v.len()].copy_from_slice(v);
+}
+
+impl<D: RawDevice> KvBackend for RawBackend<D> {
+    type Buf = DeviceRows;
+
+    fn config(&self) -> &KvCacheConfig {
+        &self.cache.config
+    }
+
+    fn query_heads(&self) -> usize {
+        self.heads
+    }
+
+    fn swap_out(&mut self, pairs: &[(u32, u32)]) -> Result<(), EngineError> {
+        self.swap(pairs, true)
+    }
+
+    fn swap_in(&mut self, pairs: &[(u32, u32)]) -> Result<(), EngineError> {
+        self.swap(pairs, false)
+    }
+
+    fn copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<(), EngineError> {
+        let pages = self.cache.config.num_blocks();
+        if let Some(&(a, b)) = pairs
+            .iter()
+            .find(|&&(a, b)| a as usize >= pages || b as usize >= pages)
+        {
+            return Err(EngineError::InvalidConfig(format!(
+                "copy pair ({a}, {b}) outside {pages} pages"
+            )));
+        }
+        let need = RawCaps {
+            max_copies: pairs.len(),
+            ..self.bufs.caps
+        };
+        self.reserve(need)?;
+        let at = self.bufs.layout.copies;
+        for (i, &(a, b)) in pairs.iter().enumerate() {
+            // Pages are below MAX_BLOCKS (2^24), so they fit an i32.
+            put(&mut self.staging, at + 8 * i, &(a as i32).to_ne_bytes());
+            put(&mut self.staging, at + 8 * i + 4, &(b as i32).to_ne_bytes());
+        }
+        let bytes = &self.staging[at..at + 8 * pairs.len()];
+        let dst = self.bufs.meta + at as u64;
+        self.dev.bind()?;
+        // SAFETY: `dst` is the copies region of the metadata block (max_copies >= pairs.len()
+        // pairs); the staging bytes are not written again before `end` synchronises (begin
+        // writes other regions; the next copy_blocks comes after this step's end). The pairs
+        // name pages of the arena (checked); destinations are fresh pages this engine holds
+        // alone and sources are held (`new`'s contract).
+        unsafe {
+            self.dev.copy_to_device(dst, bytes)?;
+            cuda_raw::copy_blocks(&self.cache, dst, pairs.len(), self.dev.stream())?;
+        }
+        Ok(())
+    }
+
+    fn begin(&mut self, batch: &Batch) -> Result<(), EngineError> {
+        self.step = None;
+        let cfg = self.cache.config;
+        let (tokens, seqs, mbps) = (
+            batch.num_tokens(),
+            batch.num_seqs(),
+            batch.max_blocks_per_seq,
+        );
+        let paged = PagedSeqs {
+            block_tables: &batch.block_tables,
+            max_blocks_per_seq: mbps,
+            context_lens: &batch.context_lens,
+        };
+        crate::kv::check_seqs(&cfg, &paged)?;
+        check_query_starts(&batch.query_start_loc, seqs, tokens)?;
+        if batch.slot_mapping.len() != tokens {
+            return Err(AttnError::LengthMismatch {
+                what: "slot_mapping",
+                expected: tokens,
+                found: batch.slot_mapping.len(),
+            }
+            .into());
+        }
+        let num_slots = cfg.num_blocks() * cfg.block_size();
+        for (token, &slot) in batch.slot_mapping.iter().enumerate() {
+            if slot != -1 && !(0..num_slots as i64).contains(&slot) {
+                return Err(AttnError::SlotOutOfRange {
+                    token,
+                    slot,
+                    num_slots,
+                }
+                .into());
+            }
+        }
+        self.reserve(RawCaps {
+            max_seqs: seqs,
+            max_tokens: tokens,
+            max_blocks_per_seq: mbps.max(1),
+            max_copies: 0,
+        })?;
+        let l = self.bufs.layout;
+        let s = &mut self.staging;
+        for (i, &slot) in batch.slot_mapping.iter().enumerate() {
+            put(s, l.slots + 8 * i, &slot.to_ne_bytes());
+        }
+        for (i, &q) in batch.query_start_loc.iter().enumerate() {
+            put(s, l.query_start + 4 * i, &q.to_ne_bytes());
+        }
+        for (i, &c) in batch.context_lens.iter().enumerate() {
+            put(s, l.ctx + 4 * i, &c.to_ne_bytes());
+        }
+        for (i, &b) in batch.block_tables.iter().enumerate() {
+            put(s, l.tables + 4 * i, &b.to_ne_bytes());
+        }
+        // One copy of everything up to the end of this step's block tables (the copy pairs
+        // region after them is not this step's).
+        let len = l.tables + 4 * batch.block_tables.len();
+        self.dev.bind()?;
+        // SAFETY: the metadata block holds layout.total >= len bytes; the staging bytes stay
+        // unmodified until `end` synchronises the stream.
+        unsafe {
+            self.dev
+                .copy_to_device(self.bufs.meta, &self.staging[..len])?
+        };
+        let max_query_len = batch
+            .query_start_loc
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0);
+        let step = StepShape {
+            tokens,
+            seqs,
+            blocks_per_seq: mbps.max(1),
+            max_query_len,
+        };
+        self.out = self.out_rows(&step);
+        self.step = Some(step);
+        Ok(())
+    }
+
+    fn reshape_and_cache(
+        &mut self,
+        layer: usize,
+        key: &DeviceRows,
+        value: &DeviceRows,
+        _batch: &Batch,
+    ) -> Result<(), EngineError> {
+        let step = self.step()?;
+        self.check_rows("key", key, &step)?;
+        self.check_rows("value", value, &step)?;
+        self.dev.bind()?;
+        // SAFETY: key/value are the model's rows of this step's tokens in device memory of this
+        // context, alive until the model's next call (the executor calls `attended` after the
+        // attention that follows, and `end` waits for the stream before the step is over); the
+        // slot mapping is the step's uploaded, checked metadata; the slots name pages this
+        // engine's running sequences hold alone (`new`'s contract).
+        unsafe {
+            cuda_raw::reshape_and_cache(
+                &self.cache,
+                layer,
+                key.rows,
+                value.rows,
+                self.bufs.meta + self.bufs.layout.slots as u64,
+                step.tokens,
+                self.dev.stream(),
+            )
+        }?;
+        Ok(())
+    }
+
+    fn decode(
+        &mut self,
+        layer: usize,
+        query: &DeviceRows,
+        _batch: &Batch,
+    ) -> Result<&DeviceRows, EngineError> {
+        let step = self.step()?;
+        self.check_rows("query", query, &step)?;
+        let out = self.out;
+        self.dev.bind()?;
+        // SAFETY: the query rows as in reshape_and_cache; the output, metadata and workspace
+        // are this backend's device buffers sized for the capacities (reserve) and the plan;
+        // the block tables name pages this engine's sequences hold (`new`'s contract).
+        unsafe {
+            cuda_raw::paged_attention_decode(
+                &self.cache,
+                layer,
+                query.rows,
+                out.rows,
+                &self.seq_tables(&step),
+                &self.params,
+                &self.bufs.plan,
+                self.bufs.workspace,
+                self.dev.stream(),
+            )
+        }?;
+        Ok(&self.out)
+    }
+
+    fn prefill(
+        &mut self,
+        layer: usize,
+        query: &DeviceRows,
+        _batch: &Batch,
+    ) -> Result<&DeviceRows, EngineError> {
+        let step = self.step()?;
+        self.check_rows("query", query, &step)?;
+        let out = self.out;
+        self.dev.bind()?;
+        // SAFETY: as in decode; query_start_loc is the step's uploaded, checked metadata.
+        unsafe {
+            cuda_raw::paged_attention_prefill(
+                &self.cache,
+                layer,
+                query.rows,
+                out.rows,
+                &self.seq_tables(&step),
+                self.bufs.meta + self.bufs.layout.query_start as u64,
+                step.max_query_len,
+                &self.params,
+                self.dev.stream(),
+            )
+        }?;
+        Ok(&self.out)
+    }
+
+    fn end(&mut self) -> Result<(), EngineError> {
+        self.step = None;
+        self.dev.synchronize()
+    }
+}
+
+/// Checks `query_start_loc`: `seqs + 1` non-decreasing entries from 0 to `tokens`.
+fn check_query_starts(qsl: &[i32], seqs: usize, tokens: usize) -> Result<(), AttnError> {
+    if qsl.len() != seqs + 1 {
+        return Err(AttnError::LengthMismatch {
+            what: "query_start_loc",
+            expected: seqs + 1,
+            found: qsl.len(),
+        });
+    }
+    let monotone = qsl.windows(2).all(|w| w[0] <= w[1]);
+    if qsl[0] != 0 || !monotone || qsl[seqs] as usize != tokens || qsl[seqs] < 0 {
+        return Err(AttnError::BadParam {
+            what: "query_start_loc must rise from 0 to the number of tokens",
+        });
+    }
+    Ok(())
+}
+
+impl RawCaps {
+    /// Capacities for an engine of `cfg` with `block_size` tokens per page on a pool of
+    /// `pages`: its most sequences and tokens of a step, its longest context, a copy per
+    /// sequence.
+    pub fn for_engine(cfg: &super::EngineConfig, block_size: usize, pages: u32) -> Self {
+        let blocks = (cfg.max_context as usize).div_ceil(block_size.max(1));
+        Self {
+            max_seqs: cfg.max_running.max(1) as usize,
+            max_tokens: cfg.max_batched_tokens.max(1) as usize,
+            max_blocks_per_seq: blocks.clamp(1, pages.max(1) as usize),
+            max_copies: cfg.max_running.max(1) as usize,
+        }
+    }
+}
+
+impl<D: RawDevice> super::Engine<RawBackend<D>> {
+    /// An engine whose cache is a view of `shared`'s arena, at `arena_base` in `dev`'s device
+    /// memory, with `shape`'s geometry (its tokens per page), on the CUDA kernels through raw
+    /// pointers and `dev`'s stream, for a model of `query_heads` heads; device buffers sized by
+    /// [`RawCaps::for_engine`].
+    ///
+    /// # Errors
+    /// As [`RawBackend::new`] and [`Engine::new`](super::Engine::new).
+    ///
+    /// # Safety
+    /// `arena_base` is the device memory of `shared`'s arena: `shared.pool().total()` pages of
+    /// `shared.page_bytes()` bytes in `dev`'s context, alive as long as the engine, and every
+    /// other user of those pages keeps the page-ownership rule of [`RawBackend::new`] (every
+    /// engine built on `shared` does); `dev` keeps [`RawDevice`]'s contract.
+    pub unsafe fn raw(
+        shared: &crate::sync::Arc<super::SharedArena>,
+        dev: D,
+        arena_base: DevPtr,
+        cfg: super::EngineConfig,
+        shape: &crate::kv::ModelKvShape,
+        query_heads: usize,
+    ) -> Result<Self, EngineError> {
+        let (pages, page_bytes) = (shared.pool().total(), shared.page_bytes());
+        let tokens = shape.tokens_per_page(page_bytes)?;
+        let config = shape
+            .config(tokens, pages as usize)?
+            .with_page_stride(page_bytes)?;
+        let caps = RawCaps::for_engine(&cfg, tokens, pages);
+        // SAFETY: the caller's contract covers the arena, the page-ownership rule and `dev`;
+        // the engine runs only its own batcher's current batch on the backend, before the
+        // batcher's next schedule or commit, from `shared`'s pool.
+        let backend = unsafe {
+            RawBackend::new(
+                dev,
+                arena_base,
+                &config,
+                query_heads,
+                caps,
+                cfg.swap_blocks as usize,
+            )?
+        };
+        Self::new(shared, cfg, backend)
+    }
+}

@@ -259,12 +259,16 @@ fn run_host(preemption: PreemptionMode) -> Run {
 }
 
 fn run_raw(preemption: PreemptionMode) -> Run {
-    let shared = shared();
-    let arena = shared.host_arena().unwrap().clone();
-    let base = arena.base_ptr() as usize as u64;
-    // SAFETY: under the emulation "device" memory is host memory: the shared arena's host
-    // allocation is exactly its pool's pages (alive through `arena`, held past the engine),
-    // and this engine is the only user of the arena.
+    // The arena's bytes are the caller's: one guarded emulated allocation (an overrun past the
+    // last page faults at once), behind an arena of pool and coordinator only.
+    let page_bytes = page_bytes_for(&[shape()], TOKENS_PER_PAGE).unwrap();
+    let shared = SharedArena::external(BudgetConfig::new(1, 96, PAGES), page_bytes).unwrap();
+    assert!(shared.host_arena().is_none());
+    let arena = EmuBuf::zeroed(PAGES as usize * page_bytes).expect("guarded allocation");
+    let base = arena.ptr() as usize as u64;
+    // SAFETY: under the emulation "device" memory is host memory: `arena` holds the pool's
+    // PAGES pages of page_bytes (alive until after the engine is dropped below), and this
+    // engine is the only user of it.
     let mut engine = unsafe {
         Engine::raw(
             &shared,
@@ -419,6 +423,14 @@ fn raw_backend_grows_its_buffers_for_a_larger_batch() {
     assert!(caps.max_tokens > 1 && caps.max_seqs > 1 && caps.max_blocks_per_seq > 1);
     let host = run_host(PreemptionMode::Recompute);
     assert_eq!(host.outputs, raw_out);
+}
+
+#[test]
+fn external_arena_refuses_bad_sizes() {
+    for (pages, page_bytes) in [(0, 4096), (4, 0), (4, 4100)] {
+        let err = SharedArena::external(BudgetConfig::new(1, 96, pages), page_bytes).unwrap_err();
+        assert!(!err.to_string().is_empty());
+    }
 }
 
 #[test]

@@ -54,6 +54,18 @@ impl SharedArena {
         Ok(Arc::new(shared))
     }
 
+    /// The pool and coordinator of an arena whose bytes the caller allocates: `budget.total_blocks`
+    /// pages of `page_bytes` in memory of the caller's own (device memory from a client's driver
+    /// binding, for [`Engine::raw`](super::Engine::raw) backends). The arena holds no memory of
+    /// its own; [`host_arena`](Self::host_arena) is `None`.
+    ///
+    /// # Errors
+    /// As [`SharedArena::host`] for the sizes (zero, misaligned, too many pages, overflow).
+    pub fn external(budget: BudgetConfig, page_bytes: usize) -> Result<Arc<Self>, EngineError> {
+        crate::kv::check_arena_size(budget.total_blocks as usize, page_bytes)?;
+        Ok(Arc::new(Self::accounting(budget, page_bytes)?))
+    }
+
     fn accounting(budget: BudgetConfig, page_bytes: usize) -> Result<Self, EngineError> {
         let pool = Arc::new(BlockPool::new(PoolConfig {
             device: 0,

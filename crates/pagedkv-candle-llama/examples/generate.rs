@@ -1,11 +1,15 @@
-//! Greedy generation from a llama GGUF file on pagedkv's engine (CPU, f32 KV), printing
-//! tokens/s.
+//! Greedy generation from a llama GGUF file on pagedkv's engine (CPU with f32 KV, or candle's
+//! CUDA device with `--cuda`), printing tokens/s.
 //!
 //! ```sh
 //! # a tiny random llama written by pagedkv's GGUF writer (1.1 MB)
 //! cargo run --release -p pagedkv-candle-llama --example generate -- --write-tiny /tmp/tiny.gguf
 //! # 8 sequences at once, 64 tokens each
 //! cargo run --release -p pagedkv-candle-llama --example generate -- /tmp/tiny.gguf --seqs 8 --max-new 64
+//! # on a GPU (feature candle-cuda; nvcc to build): candle's CUDA device, pagedkv's CUDA kernels
+//! # on candle's stream, KV in bf16
+//! cargo run --release -p pagedkv-candle-llama --features candle-cuda --example generate -- \
+//!     /tmp/tiny.gguf --seqs 32 --cuda --kv bf16
 //! ```
 //!
 //! Prompts are token ids (`--prompt 1,450,4996`): the example has no tokenizer. When the file
@@ -20,7 +24,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 #[derive(Parser, Debug)]
-#[command(about = "Greedy generation from a llama GGUF on pagedkv's engine (CPU)")]
+#[command(
+    about = "Greedy generation from a llama GGUF on pagedkv's engine (CPU, or CUDA with --cuda)"
+)]
 struct Args {
     /// The GGUF file to run.
     path: Option<PathBuf>,
@@ -44,6 +50,12 @@ struct Args {
     /// KV is 8 bytes per layer, KV head and head element per token).
     #[arg(long, default_value_t = 0)]
     pages: u32,
+    /// Run on CUDA device 0 (feature `candle-cuda`).
+    #[arg(long)]
+    cuda: bool,
+    /// KV cache element type on CUDA: f32, f16 or bf16 (the CPU engine keeps f32).
+    #[arg(long, default_value = "f32")]
+    kv: String,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -65,7 +77,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     } else {
         MatMulMode::Quantized
     };
-    let mut model = PagedLlama::from_gguf(&g, mode)?;
+    let device = if args.cuda {
+        cuda_device()?
+    } else {
+        candle_core::Device::Cpu
+    };
+    let mut model = PagedLlama::from_gguf_on(&g, mode, &device)?;
     let cfg = model.config().clone();
     let p = &cfg.params;
     println!(
@@ -107,24 +124,30 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         preemption: PreemptionMode::Recompute,
         ..EngineSetup::default()
     };
-    let mut engine = build_engine(&cfg, &setup)?;
-    let requests = (0..seqs).map(|i| {
-        let mut prompt = prompt.clone();
-        if let Some(last) = prompt.last_mut() {
-            *last = (*last + i) % vocab;
-        }
-        SeqRequest {
-            id: u64::from(i),
-            prompt,
-            stop: StopRules {
-                max_new_tokens: args.max_new.max(1),
-                eos: eos.clone(),
-                stop_sequences: Vec::new(),
-            },
-            priority: Priority::Throughput,
-        }
-    });
-    let gen = generate(&mut engine, &mut model, requests, u64::MAX)?;
+    let requests: Vec<SeqRequest> = (0..seqs)
+        .map(|i| {
+            let mut prompt = prompt.clone();
+            if let Some(last) = prompt.last_mut() {
+                *last = (*last + i) % vocab;
+            }
+            SeqRequest {
+                id: u64::from(i),
+                prompt,
+                stop: StopRules {
+                    max_new_tokens: args.max_new.max(1),
+                    eos: eos.clone(),
+                    stop_sequences: Vec::new(),
+                },
+                priority: Priority::Throughput,
+            }
+        })
+        .collect();
+    let gen = if args.cuda {
+        run_cuda(&cfg, &setup, &device, &args.kv, &mut model, requests)?
+    } else {
+        let mut engine = build_engine(&cfg, &setup)?;
+        generate(&mut engine, &mut model, requests, u64::MAX)?
+    };
     let pieces = g.get_array("tokenizer.ggml.tokens").ok();
     for (id, out) in &gen.outputs {
         print!("seq {id}: {out:?}");
@@ -148,4 +171,46 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         gen.tokens_per_second()
     );
     Ok(())
+}
+
+#[cfg(feature = "candle-cuda")]
+fn cuda_device() -> Result<candle_core::Device, Box<dyn std::error::Error>> {
+    Ok(candle_core::Device::new_cuda(0)?)
+}
+
+#[cfg(not(feature = "candle-cuda"))]
+fn cuda_device() -> Result<candle_core::Device, Box<dyn std::error::Error>> {
+    Err("--cuda needs the example built with --features candle-cuda".into())
+}
+
+#[cfg(feature = "candle-cuda")]
+fn run_cuda(
+    cfg: &pagedkv_candle_llama::LlamaConfig,
+    setup: &EngineSetup,
+    device: &candle_core::Device,
+    kv: &str,
+    model: &mut PagedLlama,
+    requests: Vec<SeqRequest>,
+) -> Result<pagedkv_candle_llama::Generation, Box<dyn std::error::Error>> {
+    use pagedkv::kv::KvDtype;
+    let kv = match kv {
+        "f32" => KvDtype::F32,
+        "f16" => KvDtype::F16,
+        "bf16" => KvDtype::Bf16,
+        other => return Err(format!("--kv {other}: f32, f16 or bf16").into()),
+    };
+    let mut engine = pagedkv_candle_llama::build_cuda_engine(cfg, setup, device, kv)?;
+    Ok(generate(&mut engine, model, requests, u64::MAX)?)
+}
+
+#[cfg(not(feature = "candle-cuda"))]
+fn run_cuda(
+    _cfg: &pagedkv_candle_llama::LlamaConfig,
+    _setup: &EngineSetup,
+    _device: &candle_core::Device,
+    _kv: &str,
+    _model: &mut PagedLlama,
+    _requests: Vec<SeqRequest>,
+) -> Result<pagedkv_candle_llama::Generation, Box<dyn std::error::Error>> {
+    Err("--cuda needs the example built with --features candle-cuda".into())
 }

@@ -28,6 +28,8 @@
 //! ```
 
 mod config;
+#[cfg(feature = "candle-cuda")]
+mod cuda;
 mod error;
 pub mod fixture;
 mod model;
@@ -36,6 +38,8 @@ mod runner;
 mod weights;
 
 pub use config::LlamaConfig;
+#[cfg(feature = "candle-cuda")]
+pub use cuda::{build_cuda_engine, CandleCuda, CudaEngine};
 pub use error::{Error, Result};
 pub use model::{argmax, PagedLlama, RowLogits};
 pub use runner::{build_engine, generate, EngineSetup, Generation};

@@ -17,6 +17,7 @@ use candle_core::{Device, Tensor};
 use pagedkv::engine::{HostBackend, KvBackend, LayerQkv, StepModel};
 use pagedkv::error::EngineError;
 use pagedkv::gguf::Gguf;
+use pagedkv::kv::KvCacheConfig;
 use pagedkv::sched::{Batch, SeqId, SeqRequest};
 
 /// The logits of one sampled token, kept when [`PagedLlama::record_logits`] is on.
@@ -42,10 +43,13 @@ pub struct PagedLlama {
     hidden: Option<Tensor>,
     /// This step's RoPE rows, `[tokens, 1, head_dim / 2]`.
     rope_rows: Option<(Tensor, Tensor)>,
-    /// The current layer's projections in pagedkv's layout, lent to the executor.
+    /// The current layer's projections in pagedkv's layout, lent to the executor (host path).
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
+    /// The current layer's projections on the device and their views (CUDA path).
+    #[cfg(feature = "candle-cuda")]
+    pub(crate) device_qkv: Option<crate::cuda::LayerTensors>,
     record: bool,
     logits: Vec<RowLogits>,
 }
@@ -57,9 +61,15 @@ impl PagedLlama {
     /// `QMatMul` rules, so the model computes what `quantized_llama` computes). The file's
     /// bytes may be dropped afterwards: every weight is copied.
     pub fn from_gguf(g: &Gguf<'_>, mode: MatMulMode) -> Result<Self> {
+        Self::from_gguf_on(g, mode, &Device::Cpu)
+    }
+
+    /// [`from_gguf`](Self::from_gguf) with every weight on `device` (a CUDA device runs the
+    /// model on candle's CUDA kernels; quantized projections stay quantized there).
+    pub fn from_gguf_on(g: &Gguf<'_>, mode: MatMulMode, device: &Device) -> Result<Self> {
         let cfg = LlamaConfig::from_gguf(g)?;
-        let weights = Weights::load(g, &cfg, mode)?;
-        let device = Device::Cpu;
+        let weights = Weights::load(g, &cfg, mode, device)?;
+        let device = device.clone();
         let rope = Rope::new(cfg.head_dim(), cfg.params.rope_freq_base, &device)?;
         Ok(Self {
             cfg,
@@ -71,6 +81,8 @@ impl PagedLlama {
             q: Vec::new(),
             k: Vec::new(),
             v: Vec::new(),
+            #[cfg(feature = "candle-cuda")]
+            device_qkv: None,
             record: false,
             logits: Vec::new(),
         })
@@ -79,6 +91,11 @@ impl PagedLlama {
     /// The hyperparameters.
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg
+    }
+
+    /// The device the weights and activations live on.
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     /// Refuses a request the model cannot run (an empty prompt, a token outside the
@@ -115,12 +132,16 @@ impl PagedLlama {
 
     /// Checks the step's tokens and the backend's geometry, embeds the tokens and computes the
     /// step's RoPE rows (at layer 0).
-    fn begin_step(&mut self, backend: &HostBackend<f32>, batch: &Batch) -> Result<()> {
-        let kv = backend.config();
+    pub(crate) fn begin_step(
+        &mut self,
+        kv: &KvCacheConfig,
+        query_heads: usize,
+        batch: &Batch,
+    ) -> Result<()> {
         if kv.num_layers() != self.cfg.n_layers()
             || kv.num_kv_heads() != self.cfg.n_kv_heads()
             || kv.head_dim() != self.cfg.head_dim()
-            || backend.query_heads() != self.cfg.n_heads()
+            || query_heads != self.cfg.n_heads()
         {
             return Err(Error::Unsupported(format!(
                 "the backend's cache ({} layers, {} KV heads of {}, {} query heads) is not this \
@@ -128,7 +149,7 @@ impl PagedLlama {
                 kv.num_layers(),
                 kv.num_kv_heads(),
                 kv.head_dim(),
-                backend.query_heads(),
+                query_heads,
                 self.cfg.n_layers(),
                 self.cfg.n_kv_heads(),
                 self.cfg.head_dim(),
@@ -163,7 +184,9 @@ impl PagedLlama {
         })
     }
 
-    fn project(&mut self, layer: usize) -> Result<()> {
+    /// The layer's q, k, v as `[tokens, heads * head_dim]` f32 tensors on the model's device,
+    /// contiguous in pagedkv's `[tokens, heads, head_dim]` order.
+    pub(crate) fn project(&self, layer: usize) -> Result<(Tensor, Tensor, Tensor)> {
         let (Some(x), Some(rows)) = (&self.hidden, &self.rope_rows) else {
             return Err(Error::BadInput(format!(
                 "qkv of layer {layer} before layer 0 of the step"
@@ -174,35 +197,61 @@ impl PagedLlama {
         let q = Rope::apply(&w.wq.forward(&h)?, self.cfg.n_heads(), rows)?;
         let k = Rope::apply(&w.wk.forward(&h)?, self.cfg.n_kv_heads(), rows)?;
         let v = w.wv.forward(&h)?;
+        let tokens = x.dim(0)?;
+        Ok((
+            q.reshape((tokens, ()))?.contiguous()?,
+            k.reshape((tokens, ()))?.contiguous()?,
+            v.contiguous()?,
+        ))
+    }
+
+    fn project_host(&mut self, layer: usize) -> Result<()> {
+        let (q, k, v) = self.project(layer)?;
         self.q = q.flatten_all()?.to_vec1()?;
         self.k = k.flatten_all()?.to_vec1()?;
         self.v = v.flatten_all()?.to_vec1()?;
         Ok(())
     }
 
-    fn finish_layer(&mut self, layer: usize, out: &[f32]) -> Result<()> {
+    /// The step's `[tokens, dim]` (tokens and model width) while a step runs.
+    pub(crate) fn step_shape(&self, layer: usize) -> Result<(usize, usize)> {
         let Some(x) = &self.hidden else {
             return Err(Error::BadInput(format!(
                 "attention output of layer {layer} before its qkv"
             )));
         };
-        let (tokens, dim) = x.dims2()?;
+        Ok(x.dims2()?)
+    }
+
+    fn finish_layer_host(&mut self, layer: usize, out: &[f32]) -> Result<()> {
+        let (tokens, dim) = self.step_shape(layer)?;
         if out.len() != tokens * dim {
             return Err(Error::BadInput(format!(
                 "attention output of {} values for {tokens} tokens of width {dim}",
                 out.len()
             )));
         }
-        let w = self.layer(layer)?;
         let attn = Tensor::from_slice(out, (tokens, dim), &self.device)?;
-        let x = (w.wo.forward(&attn)? + x)?;
+        self.finish_layer(layer, &attn)
+    }
+
+    /// The rest of layer `layer` after attention: `attn` is its output, `[tokens, dim]` f32 on
+    /// the model's device.
+    pub(crate) fn finish_layer(&mut self, layer: usize, attn: &Tensor) -> Result<()> {
+        let Some(x) = &self.hidden else {
+            return Err(Error::BadInput(format!(
+                "attention output of layer {layer} before its qkv"
+            )));
+        };
+        let w = self.layer(layer)?;
+        let x = (w.wo.forward(attn)? + x)?;
         let h = candle_nn::ops::rms_norm(&x, &w.ffn_norm, self.cfg.params.norm_eps)?;
         let gated = (candle_nn::ops::silu(&w.gate.forward(&h)?)? * w.up.forward(&h)?)?;
         self.hidden = Some((w.down.forward(&gated)? + x)?);
         Ok(())
     }
 
-    fn sample_rows(&mut self, batch: &Batch, out: &mut Vec<u32>) -> Result<()> {
+    pub(crate) fn sample_rows(&mut self, batch: &Batch, out: &mut Vec<u32>) -> Result<()> {
         // The step's hidden state is used once: a later step starts from its own embeddings.
         let hidden = self.hidden.take();
         self.rope_rows = None;
@@ -263,10 +312,10 @@ impl StepModel<HostBackend<f32>> for PagedLlama {
         batch: &Batch,
     ) -> Result<LayerQkv<'_, [f32]>, EngineError> {
         if layer == 0 {
-            self.begin_step(backend, batch)
+            self.begin_step(backend.config(), backend.query_heads(), batch)
                 .map_err(Error::into_engine)?;
         }
-        self.project(layer).map_err(Error::into_engine)?;
+        self.project_host(layer).map_err(Error::into_engine)?;
         Ok(LayerQkv {
             query: &self.q,
             key: &self.k,
@@ -275,7 +324,8 @@ impl StepModel<HostBackend<f32>> for PagedLlama {
     }
 
     fn attended(&mut self, layer: usize, _batch: &Batch, out: &[f32]) -> Result<(), EngineError> {
-        self.finish_layer(layer, out).map_err(Error::into_engine)
+        self.finish_layer_host(layer, out)
+            .map_err(Error::into_engine)
     }
 
     fn sample(&mut self, batch: &Batch, out: &mut Vec<u32>) -> Result<(), EngineError> {

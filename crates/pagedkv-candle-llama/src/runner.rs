@@ -5,7 +5,9 @@ use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
 use crate::model::PagedLlama;
 use pagedkv::budget::BudgetConfig;
-use pagedkv::engine::{Engine, EngineConfig, HostBackend, RecomputePolicy, SharedArena, StepModel};
+use pagedkv::engine::{
+    Engine, EngineConfig, HostBackend, KvBackend, RecomputePolicy, SharedArena, StepModel,
+};
 use pagedkv::kv::page_bytes_for;
 use pagedkv::sched::{PreemptionMode, SeqId, SeqRequest};
 use std::collections::BTreeMap;
@@ -53,7 +55,17 @@ pub fn build_engine(cfg: &LlamaConfig, setup: &EngineSetup) -> Result<Engine<Hos
     let page_bytes = page_bytes_for(&[shape], setup.tokens_per_page)?;
     let budget = BudgetConfig::new(1, setup.max_batched_tokens, setup.pages);
     let shared = SharedArena::host(budget, page_bytes)?;
-    let engine_cfg = EngineConfig {
+    Ok(Engine::host(
+        &shared,
+        engine_config(setup),
+        &shape,
+        cfg.n_heads(),
+    )?)
+}
+
+/// The engine configuration of `setup` (one model, no prefix cache).
+pub(crate) fn engine_config(setup: &EngineSetup) -> EngineConfig {
+    EngineConfig {
         weight: 1,
         max_running: setup.max_running,
         max_batched_tokens: setup.max_batched_tokens,
@@ -63,8 +75,7 @@ pub fn build_engine(cfg: &LlamaConfig, setup: &EngineSetup) -> Result<Engine<Hos
         swap_blocks: setup.swap_blocks,
         recompute: RecomputePolicy::SERVER,
         prefix_cache: false,
-    };
-    Ok(Engine::host(&shared, engine_cfg, &shape, cfg.n_heads())?)
+    }
 }
 
 /// What [`generate`] produced.
@@ -95,8 +106,8 @@ impl Generation {
 /// Every request is checked ([`PagedLlama::check_request`]) before any is queued; if the
 /// engine then refuses one (a duplicate id, a prompt longer than its context), the requests
 /// before it stay queued.
-pub fn generate<M: StepModel<HostBackend<f32>> + AsRef<PagedLlama> + ?Sized>(
-    engine: &mut Engine<HostBackend<f32>>,
+pub fn generate<B: KvBackend, M: StepModel<B> + AsRef<PagedLlama> + ?Sized>(
+    engine: &mut Engine<B>,
     model: &mut M,
     requests: impl IntoIterator<Item = SeqRequest>,
     max_steps: u64,

@@ -67,13 +67,18 @@ pub(crate) struct Weights {
 }
 
 impl Weights {
-    pub(crate) fn load(g: &Gguf<'_>, cfg: &LlamaConfig, mode: MatMulMode) -> Result<Self> {
+    pub(crate) fn load(
+        g: &Gguf<'_>,
+        cfg: &LlamaConfig,
+        mode: MatMulMode,
+        dev: &Device,
+    ) -> Result<Self> {
         let (dim, vocab) = (cfg.dim(), cfg.vocab_size);
         let kv_dim = cfg.n_kv_heads() * cfg.head_dim();
         let embd = g.require_tensor("token_embd.weight")?;
-        let embedding = dequantize(embd, &[dim, vocab])?;
+        let embedding = dequantize(embd, &[dim, vocab], dev)?;
         let output_info = g.tensor("output.weight").unwrap_or(embd);
-        let output = linear(output_info, dim, vocab, mode)?;
+        let output = linear(output_info, dim, vocab, mode, dev)?;
         let mut layers = Vec::with_capacity(cfg.n_layers());
         for l in 0..cfg.n_layers() {
             let t = |name: &str| g.require_tensor(&format!("blk.{l}.{name}.weight"));
@@ -86,21 +91,21 @@ impl Weights {
                 }
             };
             layers.push(LayerWeights {
-                attn_norm: dequantize(t("attn_norm")?, &[dim])?,
-                wq: linear(t("attn_q")?, dim, dim, mode)?,
-                wk: linear(t("attn_k")?, dim, kv_dim, mode)?,
-                wv: linear(t("attn_v")?, dim, kv_dim, mode)?,
-                wo: linear(t("attn_output")?, dim, dim, mode)?,
-                ffn_norm: dequantize(t("ffn_norm")?, &[dim])?,
-                gate: linear(t("ffn_gate")?, dim, ffn, mode)?,
-                up: linear(t("ffn_up")?, dim, ffn, mode)?,
-                down: linear(t("ffn_down")?, ffn, dim, mode)?,
+                attn_norm: dequantize(t("attn_norm")?, &[dim], dev)?,
+                wq: linear(t("attn_q")?, dim, dim, mode, dev)?,
+                wk: linear(t("attn_k")?, dim, kv_dim, mode, dev)?,
+                wv: linear(t("attn_v")?, dim, kv_dim, mode, dev)?,
+                wo: linear(t("attn_output")?, dim, dim, mode, dev)?,
+                ffn_norm: dequantize(t("ffn_norm")?, &[dim], dev)?,
+                gate: linear(t("ffn_gate")?, dim, ffn, mode, dev)?,
+                up: linear(t("ffn_up")?, dim, ffn, mode, dev)?,
+                down: linear(t("ffn_down")?, ffn, dim, mode, dev)?,
             });
         }
         Ok(Self {
             embedding,
             layers,
-            final_norm: dequantize(g.require_tensor("output_norm.weight")?, &[dim])?,
+            final_norm: dequantize(g.require_tensor("output_norm.weight")?, &[dim], dev)?,
             output,
         })
     }
@@ -120,31 +125,43 @@ fn check_shape(t: &TensorInfo<'_>, want: &[usize]) -> Result<()> {
 
 /// pagedkv's dequantization of `t` (ggml shape `ne`, innermost first) into an f32 tensor of
 /// the reversed (row-major) shape.
-fn dequantize(t: &TensorInfo<'_>, ne: &[usize]) -> Result<Tensor> {
+fn dequantize(t: &TensorInfo<'_>, ne: &[usize], dev: &Device) -> Result<Tensor> {
     check_shape(t, ne)?;
     let mut out = vec![0f32; ne.iter().product()];
     dequantize_into(t.ty(), t.data(), &mut out)?;
     let dims: Vec<usize> = ne.iter().rev().copied().collect();
-    Ok(Tensor::from_vec(out, dims, &Device::Cpu)?)
+    Ok(Tensor::from_vec(out, dims, dev)?)
 }
 
 /// A projection from `n_in` to `n_out` (ggml shape `[n_in, n_out]`), by candle's `QMatMul`
 /// rules (see the module docs).
-fn linear(t: &TensorInfo<'_>, n_in: usize, n_out: usize, mode: MatMulMode) -> Result<Linear> {
+fn linear(
+    t: &TensorInfo<'_>,
+    n_in: usize,
+    n_out: usize,
+    mode: MatMulMode,
+    dev: &Device,
+) -> Result<Linear> {
     check_shape(t, &[n_in, n_out])?;
     let quantized = match (t.ty(), mode) {
         (GgmlType::F32 | GgmlType::F16 | GgmlType::BF16, _) | (_, MatMulMode::Dequantized) => None,
         (ty, MatMulMode::Quantized) => candle_dtype(ty),
     };
     let inner = match quantized {
-        Some(dtype) => QMatMul::from_arc(Arc::new(qtensor(t, dtype, n_out, n_in)?))?,
-        None => QMatMul::Tensor(dequantize(t, &[n_in, n_out])?),
+        Some(dtype) => QMatMul::from_arc(Arc::new(qtensor(t, dtype, n_out, n_in, dev)?))?,
+        None => QMatMul::Tensor(dequantize(t, &[n_in, n_out], dev)?),
     };
     Ok(Linear { inner })
 }
 
 /// The file's blocks of `t` as a candle quantized tensor `[n_out, n_in]`.
-fn qtensor(t: &TensorInfo<'_>, dtype: GgmlDType, n_out: usize, n_in: usize) -> Result<QTensor> {
+fn qtensor(
+    t: &TensorInfo<'_>,
+    dtype: GgmlDType,
+    n_out: usize,
+    n_in: usize,
+    dev: &Device,
+) -> Result<QTensor> {
     let data = t.data();
     // candle reinterprets the bytes as its block structs and asserts (panics) on a length or
     // alignment mismatch: check the length here, and copy into 8-byte-aligned memory (a
@@ -160,7 +177,7 @@ fn qtensor(t: &TensorInfo<'_>, dtype: GgmlDType, n_out: usize, n_in: usize) -> R
     let mut aligned = vec![0u64; data.len().div_ceil(8)];
     let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut aligned)[..data.len()];
     bytes.copy_from_slice(data);
-    let storage = QStorage::from_data(Cow::Borrowed(bytes), &Device::Cpu, dtype)?;
+    let storage = QStorage::from_data(Cow::Borrowed(bytes), dev, dtype)?;
     Ok(QTensor::new(storage, (n_out, n_in))?)
 }
 

@@ -4,7 +4,7 @@
 
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
-use pagedkv::engine::{HostBackend, LayerQkv, StepModel};
+use pagedkv::engine::{Engine, KvBackend, LayerQkv, StepModel};
 use pagedkv::error::EngineError;
 use pagedkv::gguf::Gguf;
 use pagedkv::sched::{Batch, PreemptionMode, Priority, SeqId, SeqRequest, StopRules};
@@ -126,13 +126,16 @@ impl AsRef<PagedLlama> for Observed {
     }
 }
 
-impl StepModel<HostBackend<f32>> for Observed {
+impl<B: KvBackend> StepModel<B> for Observed
+where
+    PagedLlama: StepModel<B>,
+{
     fn qkv(
         &mut self,
-        backend: &HostBackend<f32>,
+        backend: &B,
         layer: usize,
         batch: &Batch,
-    ) -> Result<LayerQkv<'_, [f32]>, EngineError> {
+    ) -> Result<LayerQkv<'_, B::Buf>, EngineError> {
         if layer == 0 {
             let prefill = batch.is_prefill.iter().filter(|&&p| p).count();
             if prefill > 0 && prefill < batch.num_seqs() {
@@ -156,15 +159,15 @@ impl StepModel<HostBackend<f32>> for Observed {
             });
         }
         let batch = self.shifted.as_ref().unwrap_or(batch);
-        self.model.qkv(backend, layer, batch)
+        <PagedLlama as StepModel<B>>::qkv(&mut self.model, backend, layer, batch)
     }
 
-    fn attended(&mut self, layer: usize, batch: &Batch, out: &[f32]) -> Result<(), EngineError> {
-        self.model.attended(layer, batch, out)
+    fn attended(&mut self, layer: usize, batch: &Batch, out: &B::Buf) -> Result<(), EngineError> {
+        <PagedLlama as StepModel<B>>::attended(&mut self.model, layer, batch, out)
     }
 
     fn sample(&mut self, batch: &Batch, out: &mut Vec<u32>) -> Result<(), EngineError> {
-        self.model.sample(batch, out)
+        <PagedLlama as StepModel<B>>::sample(&mut self.model, batch, out)
     }
 }
 
@@ -243,10 +246,33 @@ pub fn run_and_compare(
     shift_decode_positions: bool,
 ) -> Compared {
     let g = Gguf::parse(bytes).unwrap();
-    let mut model = PagedLlama::from_gguf(&g, mode).unwrap();
+    let model = PagedLlama::from_gguf(&g, mode).unwrap();
+    let mut engine = build_engine(model.config(), &setup).unwrap();
+    compare_on(
+        &mut engine,
+        model,
+        setup,
+        oracle,
+        tol,
+        shift_decode_positions,
+    )
+}
+
+/// [`run_and_compare`] on any engine (the CPU one, or the CUDA one of the `cuda` feature),
+/// with the model already loaded on the engine's device.
+pub fn compare_on<B: KvBackend>(
+    engine: &mut Engine<B>,
+    mut model: PagedLlama,
+    setup: EngineSetup,
+    oracle: &mut ModelWeights,
+    tol: Tolerance,
+    shift_decode_positions: bool,
+) -> Compared
+where
+    PagedLlama: StepModel<B>,
+{
     model.record_logits(true);
     let vocab = model.config().vocab_size;
-    let mut engine = build_engine(model.config(), &setup).unwrap();
     let prompts = prompts(&PROMPT_LENS, vocab, 7);
     let requests: Vec<SeqRequest> = prompts
         .iter()
@@ -271,7 +297,7 @@ pub fn run_and_compare(
         shift_decode_positions,
         shifted: None,
     };
-    let gen = generate(&mut engine, &mut observed, requests, 10_000).unwrap();
+    let gen = generate(engine, &mut observed, requests, 10_000).unwrap();
     let stats = engine.batcher().stats();
     let preempted = stats.preempted_recompute + stats.preempted_swap;
     assert!(

@@ -9,7 +9,7 @@
 //! - [`run_batch`]: runs a [`Batch`](crate::sched::Batch) in its documented order on a
 //!   [`KvBackend`] ([`HostBackend`] on the CPU kernels; `DeviceBackend` on CUDA through
 //!   cudarc; `RawBackend` on CUDA through raw pointers, the caller's stream and the caller's
-//!   [`RawDevice`]-supplied memory, for clients on another cudarc), with the caller's
+//!   `RawDevice`-supplied memory, for clients on another cudarc), with the caller's
 //!   [`StepModel`] supplying projections and sampling.
 //!
 //! Nothing in this module waits for another thread: an engine's step is its own work plus

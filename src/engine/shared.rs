@@ -56,7 +56,7 @@ impl SharedArena {
 
     /// The pool and coordinator of an arena whose bytes the caller allocates: `budget.total_blocks`
     /// pages of `page_bytes` in memory of the caller's own (device memory from a client's driver
-    /// binding, for [`Engine::raw`](super::Engine::raw) backends). The arena holds no memory of
+    /// binding, for `Engine::raw` backends). The arena holds no memory of
     /// its own; [`host_arena`](Self::host_arena) is `None`.
     ///
     /// # Errors

@@ -24,23 +24,11 @@ use pagedkv::error::{CudaError, KvError};
 use pagedkv::kv::{KvCacheConfig, KvDtype};
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
-use std::io::Write;
 use std::sync::Arc;
 
-/// The GPU, or `None` after printing a SKIP line when there is none; panics instead when
-/// `PAGEDKV_REQUIRE_GPU=1`.
-fn gpu(test: &str) -> Option<Gpu> {
-    match Gpu::open(0) {
-        Ok(g) => Some(g),
-        Err(e) => {
-            if std::env::var("PAGEDKV_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("{test}: PAGEDKV_REQUIRE_GPU=1 but no usable GPU: {e}");
-            }
-            let _ = writeln!(std::io::stderr(), "SKIP {test}: no GPU ({e})");
-            None
-        }
-    }
-}
+#[path = "support/gpu.rs"]
+mod gpu_support;
+use gpu_support::gpu;
 
 trait Elem: Tol + cudarc::driver::DeviceRepr + bytemuck_free::Bits {}
 impl<T: Tol + cudarc::driver::DeviceRepr + bytemuck_free::Bits> Elem for T {}

@@ -15,7 +15,7 @@ use half::bf16;
 use kernel_grid::*;
 use pagedkv::attn::cpu;
 use pagedkv::cuda::{
-    DecodeMode, DecodeStep, DecodeWorkspace, DeviceAttnParams, DeviceKvCache, DeviceSeqs, Gpu,
+    DecodeMode, DecodeStep, DecodeWorkspace, DeviceAttnParams, DeviceKvCache, DeviceSeqs,
 };
 use pagedkv::cuda_raw::Rows;
 use pagedkv::error::{AttnError, CudaError, RawError};
@@ -23,23 +23,10 @@ use pagedkv::kv::{HostKvCache, KvCacheConfig, KvElem, PagedSeqs};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
-use std::io::Write;
 
-/// The GPU, or `None` after printing a SKIP line (uncaptured) when there is none; panics
-/// instead when `PAGEDKV_REQUIRE_GPU=1`.
-fn gpu(test: &str) -> Option<Gpu> {
-    match Gpu::open(0) {
-        Ok(g) => Some(g),
-        Err(e) => {
-            if std::env::var("PAGEDKV_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("{test}: PAGEDKV_REQUIRE_GPU=1 but no usable GPU: {e}");
-            }
-            // Written to the raw stderr handle: the test harness does not capture it.
-            let _ = writeln!(std::io::stderr(), "SKIP {test}: no GPU ({e})");
-            None
-        }
-    }
-}
+#[path = "support/gpu.rs"]
+mod gpu_support;
+use gpu_support::gpu;
 
 /// One step's live sequences: contexts, block tables (rows of `mbps`, each sequence its own
 /// shuffled blocks) and the slot of each sequence's new (last) token.

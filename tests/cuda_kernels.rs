@@ -24,21 +24,9 @@ use std::io::Write;
 
 // ---- harness -----------------------------------------------------------------------------
 
-/// The GPU, or `None` after printing a SKIP line (uncaptured) when there is none; panics
-/// instead when `PAGEDKV_REQUIRE_GPU=1`.
-fn gpu(test: &str) -> Option<Gpu> {
-    match Gpu::open(0) {
-        Ok(g) => Some(g),
-        Err(e) => {
-            if std::env::var("PAGEDKV_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("{test}: PAGEDKV_REQUIRE_GPU=1 but no usable GPU: {e}");
-            }
-            // Written to the raw stderr handle: the test harness does not capture it.
-            let _ = writeln!(std::io::stderr(), "SKIP {test}: no GPU ({e})");
-            None
-        }
-    }
-}
+#[path = "support/gpu.rs"]
+mod gpu_support;
+use gpu_support::gpu;
 
 #[path = "support/kernel_grid.rs"]
 mod kernel_grid;

@@ -22,20 +22,10 @@ use pagedkv::engine::{
 use pagedkv::error::EngineError;
 use pagedkv::kv::page_bytes_for;
 use pagedkv::sched::{Batch, PreemptionMode};
-use std::io::Write;
 
-fn gpu(test: &str) -> Option<Gpu> {
-    match Gpu::open(0) {
-        Ok(g) => Some(g),
-        Err(e) => {
-            if std::env::var("PAGEDKV_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("{test}: PAGEDKV_REQUIRE_GPU=1 but no usable GPU: {e}");
-            }
-            let _ = writeln!(std::io::stderr(), "SKIP {test}: no GPU ({e})");
-            None
-        }
-    }
-}
+#[path = "support/gpu.rs"]
+mod gpu_support;
+use gpu_support::gpu;
 
 /// Device memory freed (after the stream is idle) on drop.
 struct DeviceAlloc {

@@ -21,23 +21,11 @@ use pagedkv::gguf::upload::{
 use pagedkv::gguf::{dequantize_into_bf16, dequantize_into_f16, GgmlType, Gguf, GgufWriter};
 use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
-use std::io::Write;
 use std::path::Path;
 
-/// The GPU, or `None` after printing a SKIP line (uncaptured) when there is none; panics
-/// instead when `PAGEDKV_REQUIRE_GPU=1`.
-fn gpu(test: &str) -> Option<Gpu> {
-    match Gpu::open(0) {
-        Ok(g) => Some(g),
-        Err(e) => {
-            if std::env::var("PAGEDKV_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("{test}: PAGEDKV_REQUIRE_GPU=1 but no usable GPU: {e}");
-            }
-            let _ = writeln!(std::io::stderr(), "SKIP {test}: no GPU ({e})");
-            None
-        }
-    }
-}
+#[path = "support/gpu.rs"]
+mod gpu_support;
+use gpu_support::gpu;
 
 fn fixture() -> Vec<u8> {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/all_types.gguf");

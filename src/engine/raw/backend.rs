@@ -1,152 +1,15 @@
-//! The device backend over raw pointers and the caller's stream (feature `cuda` or `cuda-emu`):
-//! the step executor on pagedkv's CUDA kernels through [`crate::cuda_raw`], with no cudarc type
-//! in its API. The caller supplies device memory and host-to-device copies through
-//! [`RawDevice`] (on its own driver binding: candle's cudarc 0.19, pagedkv's
-//! [`Gpu`](crate::cuda::Gpu), the CPU emulation) and the model's projections as
-//! [`DeviceRows`] views of its own buffers (a fused QKV output in place), so a client such as
-//! a candle model drives the engine on its own stream: launches queue behind the model's
-//! matmuls with no synchronisation between them.
-//!
-//! Per step the backend stages the batch's metadata (slot mapping, query starts, context
-//! lengths, block tables) in host memory, checks it with the CPU kernels' rules, and copies it
-//! with **one** copy into one device block allocated once and grown only when a batch
-//! outgrows it; [`end`](KvBackend::end) waits for the stream, so the staging buffer is free
-//! again for the next step and an error surfaces in the step that caused it. Decode uses a
-//! [`DecodePlan`] fixed for the capacities (its workspace allocated with it).
+//! [`RawBackend`]: the step executor's backend over raw pointers (see the parent module).
 
-use super::exec::KvBackend;
-use super::host::check_heads;
+use super::buffers::{free_buffers, Buffers};
+use super::{DeviceRows, RawCaps, RawDevice};
 use crate::cuda_raw::{
-    self, AttnParamsRaw, CacheView, CuStream, DecodeMode, DecodePlan, DevPtr, Rows, SeqTables,
-    Workspace,
+    self, AttnParamsRaw, CacheView, DecodeMode, DecodePlan, DevPtr, Rows, SeqTables,
 };
-use crate::error::{AttnError, EngineError, RawError};
+use crate::engine::exec::KvBackend;
+use crate::engine::host::check_heads;
+use crate::error::{AttnError, EngineError};
 use crate::kv::{KvArena, KvCacheConfig, PagedSeqs};
 use crate::sched::Batch;
-
-/// Device memory and copies for a [`RawBackend`], on one stream of one device context.
-///
-/// # Safety
-/// An implementation guarantees: [`alloc`](Self::alloc) returns the address of at least
-/// `bytes` bytes of device memory, 16-byte aligned, in the context that
-/// [`stream`](Self::stream) belongs to, valid until passed to [`free`](Self::free);
-/// [`copy_to_device`](Self::copy_to_device) queues the copy on that stream (or performs it
-/// before returning); [`synchronize`](Self::synchronize) returns only once all work queued on
-/// the stream has completed; the context is current on the calling thread whenever the
-/// backend launches (a method may bind it; the backend calls one before each group of
-/// launches).
-pub unsafe trait RawDevice {
-    /// The stream every launch and copy of the backend goes to.
-    fn stream(&self) -> CuStream;
-    /// Streaming multiprocessors of the device (sizes the decode plan).
-    fn sm_count(&self) -> usize;
-    /// Makes the device's context current on this thread.
-    ///
-    /// # Errors
-    /// The driver's refusal, as [`EngineError`].
-    fn bind(&self) -> Result<(), EngineError>;
-    /// Allocates `bytes` (> 0) of device memory; see the trait's contract.
-    ///
-    /// # Errors
-    /// Out of memory or a driver failure, as [`EngineError`].
-    fn alloc(&self, bytes: usize) -> Result<DevPtr, EngineError>;
-    /// Frees an allocation of [`alloc`](Self::alloc).
-    ///
-    /// # Safety
-    /// `ptr` came from this device's `alloc`, is freed once, and no queued work still uses it.
-    unsafe fn free(&self, ptr: DevPtr);
-    /// Queues a copy of `src` to `dst` on the stream.
-    ///
-    /// # Safety
-    /// `dst` is device memory of at least `src.len()` bytes from `alloc`; the bytes of `src`
-    /// stay allocated and unmodified until the next [`synchronize`](Self::synchronize)
-    /// returns.
-    ///
-    /// # Errors
-    /// The driver's refusal, as [`EngineError`].
-    unsafe fn copy_to_device(&self, dst: DevPtr, src: &[u8]) -> Result<(), EngineError>;
-    /// Waits for all work queued on the stream and reports its errors.
-    ///
-    /// # Errors
-    /// A failed copy or kernel, as [`EngineError`].
-    fn synchronize(&self) -> Result<(), EngineError>;
-}
-
-/// A step's token rows on the device: `tokens` rows of `[heads][head_dim]` elements at `rows`
-/// (its stride lets a fused projection be passed in place). What the model gives the backend
-/// for queries, keys and values, and what the backend returns as attention output.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DeviceRows {
-    /// Address and token stride (elements).
-    pub rows: Rows,
-    /// Rows (the step's tokens).
-    pub tokens: usize,
-}
-
-/// How many sequences, tokens, block-table entries and copy pairs a [`RawBackend`]'s device
-/// buffers hold before a batch makes it grow them (growing waits for the stream).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RawCaps {
-    /// Sequences of one step (the engine's `max_running`).
-    pub max_seqs: usize,
-    /// Tokens of one step (the engine's `max_batched_tokens`).
-    pub max_tokens: usize,
-    /// Block-table entries per sequence (`ceil(max_context / block_size)`); also the decode
-    /// plan's context capacity.
-    pub max_blocks_per_seq: usize,
-    /// Copy-on-write pairs of one step.
-    pub max_copies: usize,
-}
-
-/// Byte offsets of the metadata arrays in the device block (and the host staging buffer).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct MetaLayout {
-    /// `[max_tokens]` i64 at 0.
-    slots: usize,
-    /// `[max_seqs + 1]` i32.
-    query_start: usize,
-    /// `[max_seqs]` i32.
-    ctx: usize,
-    /// `[max_seqs * max_blocks_per_seq]` i32 (a step uses its own row width).
-    tables: usize,
-    /// `[max_copies][2]` i32.
-    copies: usize,
-    total: usize,
-}
-
-impl MetaLayout {
-    fn new(c: &RawCaps) -> Option<Self> {
-        let up = |x: usize| x.checked_add(15).map(|v| v & !15);
-        let query_start = up(c.max_tokens.checked_mul(8)?)?;
-        let ctx = up(query_start.checked_add(c.max_seqs.checked_add(1)?.checked_mul(4)?)?)?;
-        let tables = up(ctx.checked_add(c.max_seqs.checked_mul(4)?)?)?;
-        let table_bytes = c
-            .max_seqs
-            .checked_mul(c.max_blocks_per_seq)?
-            .checked_mul(4)?;
-        let copies = up(tables.checked_add(table_bytes)?)?;
-        let total = up(copies.checked_add(c.max_copies.checked_mul(8)?)?)?.max(16);
-        Some(Self {
-            slots: 0,
-            query_start,
-            ctx,
-            tables,
-            copies,
-            total,
-        })
-    }
-}
-
-/// Device allocations of one capacity: metadata, attention output, decode workspace.
-#[derive(Debug)]
-struct Buffers {
-    caps: RawCaps,
-    layout: MetaLayout,
-    meta: DevPtr,
-    out: DevPtr,
-    plan: DecodePlan,
-    workspace: Workspace,
-}
 
 /// The step executor's backend on pagedkv's CUDA kernels over raw pointers: device memory and
 /// copies from a [`RawDevice`], the model's projections as [`DeviceRows`], every launch on the
@@ -154,7 +17,7 @@ struct Buffers {
 /// stream.
 ///
 /// Several engines' backends may work on one arena at once under the same page-ownership
-/// rule as [`HostBackend`](super::HostBackend) (see [`RawBackend::new`]).
+/// rule as [`HostBackend`](crate::engine::HostBackend) (see [`RawBackend::new`]).
 #[derive(Debug)]
 pub struct RawBackend<D: RawDevice> {
     dev: D,
@@ -199,7 +62,7 @@ impl<D: RawDevice> RawBackend<D> {
     /// `config.page_bytes()` bytes, alive as long as the backend; every batch run on the
     /// backend is the current batch of a batcher for this engine whose blocks come from the
     /// pool that hands out the arena's pages, run before that batcher's next schedule or
-    /// commit (as for [`HostBackend::new`](super::HostBackend::new)); and `dev` keeps its
+    /// commit (as for [`HostBackend::new`](crate::engine::HostBackend::new)); and `dev` keeps its
     /// trait's contract.
     pub unsafe fn new(
         dev: D,
@@ -222,7 +85,7 @@ impl<D: RawDevice> RawBackend<D> {
         };
         let params = AttnParamsRaw::new(query_heads, config.head_dim());
         let mode = DecodeMode::Auto;
-        let bufs = Self::allocate(&dev, &cache, query_heads, mode, caps)?;
+        let bufs = Buffers::allocate(&dev, &cache, query_heads, mode, caps)?;
         // Swap pages of the arena's page size (on the 16-byte grid; a block fills its start).
         let swap = KvArena::new(swap_blocks.max(1), config.page_bytes())?;
         Ok(Self {
@@ -258,67 +121,6 @@ impl<D: RawDevice> RawBackend<D> {
         &self.bufs.plan
     }
 
-    fn allocate(
-        dev: &D,
-        cache: &CacheView,
-        heads: usize,
-        mode: DecodeMode,
-        caps: RawCaps,
-    ) -> Result<Buffers, EngineError> {
-        let cfg = &cache.config;
-        let context = caps
-            .max_blocks_per_seq
-            .checked_mul(cfg.block_size())
-            .ok_or_else(|| over("max_blocks_per_seq", caps.max_blocks_per_seq))?;
-        let plan = DecodePlan::new(
-            mode,
-            caps.max_seqs,
-            heads,
-            cfg.num_kv_heads(),
-            cfg.head_dim(),
-            context,
-            dev.sm_count().max(1),
-        )?;
-        let layout = MetaLayout::new(&caps).ok_or_else(|| over("metadata bytes", caps.max_seqs))?;
-        let out_bytes = caps
-            .max_tokens
-            .checked_mul(heads * cfg.head_dim() * cfg.dtype().size_bytes())
-            .ok_or_else(|| over("max_tokens", caps.max_tokens))?;
-        dev.bind()?;
-        let meta = dev.alloc(layout.total)?;
-        let rest = (|| {
-            let out = dev.alloc(out_bytes)?;
-            let workspace = match plan.workspace_bytes() {
-                0 => Workspace::NONE,
-                bytes => match dev.alloc(bytes) {
-                    Ok(ptr) => Workspace { ptr, bytes },
-                    Err(e) => {
-                        // SAFETY: just allocated, never used.
-                        unsafe { dev.free(out) };
-                        return Err(e);
-                    }
-                },
-            };
-            Ok((out, workspace))
-        })();
-        let (out, workspace) = match rest {
-            Ok(r) => r,
-            Err(e) => {
-                // SAFETY: just allocated, never used.
-                unsafe { dev.free(meta) };
-                return Err(e);
-            }
-        };
-        Ok(Buffers {
-            caps,
-            layout,
-            meta,
-            out,
-            plan,
-            workspace,
-        })
-    }
-
     /// Grows the device buffers to hold `need` (each capacity at least doubled), after waiting
     /// for the stream (queued work may still use the old ones). On error the old buffers stay.
     fn reserve(&mut self, need: RawCaps) -> Result<(), EngineError> {
@@ -344,7 +146,7 @@ impl<D: RawDevice> RawBackend<D> {
             max_copies: grow(have.max_copies, need.max_copies),
         };
         self.dev.synchronize()?;
-        let bufs = Self::allocate(&self.dev, &self.cache, self.heads, self.mode, caps)?;
+        let bufs = Buffers::allocate(&self.dev, &self.cache, self.heads, self.mode, caps)?;
         let old = std::mem::replace(&mut self.bufs, bufs);
         // SAFETY: the stream is idle (synchronised above), so nothing uses the old buffers;
         // each came from this device's alloc and is freed once, here.
@@ -445,21 +247,6 @@ impl<D: RawDevice> RawBackend<D> {
     }
 }
 
-/// Frees a capacity's buffers.
-///
-/// # Safety
-/// They came from `dev`, are freed once, and no queued work uses them.
-unsafe fn free_buffers<D: RawDevice>(dev: &D, b: &Buffers) {
-    // SAFETY: the caller's contract.
-    unsafe {
-        dev.free(b.meta);
-        dev.free(b.out);
-        if b.workspace.bytes > 0 {
-            dev.free(b.workspace.ptr);
-        }
-    }
-}
-
 impl<D: RawDevice> Drop for RawBackend<D> {
     fn drop(&mut self) {
         // Queued work may still use the buffers: wait (an error cannot be reported from drop;
@@ -469,10 +256,6 @@ impl<D: RawDevice> Drop for RawBackend<D> {
             unsafe { free_buffers(&self.dev, &self.bufs) };
         }
     }
-}
-
-fn over(what: &'static str, value: usize) -> EngineError {
-    EngineError::Raw(RawError::Unsupported { what, value })
 }
 
 fn put(bytes: &mut [u8], at: usize, v: &[u8]) {
@@ -723,64 +506,4 @@ fn check_query_starts(qsl: &[i32], seqs: usize, tokens: usize) -> Result<(), Att
         });
     }
     Ok(())
-}
-
-impl RawCaps {
-    /// Capacities for an engine of `cfg` with `block_size` tokens per page on a pool of
-    /// `pages`: its most sequences and tokens of a step, its longest context, a copy per
-    /// sequence.
-    pub fn for_engine(cfg: &super::EngineConfig, block_size: usize, pages: u32) -> Self {
-        let blocks = (cfg.max_context as usize).div_ceil(block_size.max(1));
-        Self {
-            max_seqs: cfg.max_running.max(1) as usize,
-            max_tokens: cfg.max_batched_tokens.max(1) as usize,
-            max_blocks_per_seq: blocks.clamp(1, pages.max(1) as usize),
-            max_copies: cfg.max_running.max(1) as usize,
-        }
-    }
-}
-
-impl<D: RawDevice> super::Engine<RawBackend<D>> {
-    /// An engine whose cache is a view of `shared`'s arena, at `arena_base` in `dev`'s device
-    /// memory, with `shape`'s geometry (its tokens per page), on the CUDA kernels through raw
-    /// pointers and `dev`'s stream, for a model of `query_heads` heads; device buffers sized by
-    /// [`RawCaps::for_engine`].
-    ///
-    /// # Errors
-    /// As [`RawBackend::new`] and [`Engine::new`](super::Engine::new).
-    ///
-    /// # Safety
-    /// `arena_base` is the device memory of `shared`'s arena: `shared.pool().total()` pages of
-    /// `shared.page_bytes()` bytes in `dev`'s context, alive as long as the engine, and every
-    /// other user of those pages keeps the page-ownership rule of [`RawBackend::new`] (every
-    /// engine built on `shared` does); `dev` keeps [`RawDevice`]'s contract.
-    pub unsafe fn raw(
-        shared: &crate::sync::Arc<super::SharedArena>,
-        dev: D,
-        arena_base: DevPtr,
-        cfg: super::EngineConfig,
-        shape: &crate::kv::ModelKvShape,
-        query_heads: usize,
-    ) -> Result<Self, EngineError> {
-        let (pages, page_bytes) = (shared.pool().total(), shared.page_bytes());
-        let tokens = shape.tokens_per_page(page_bytes)?;
-        let config = shape
-            .config(tokens, pages as usize)?
-            .with_page_stride(page_bytes)?;
-        let caps = RawCaps::for_engine(&cfg, tokens, pages);
-        // SAFETY: the caller's contract covers the arena, the page-ownership rule and `dev`;
-        // the engine runs only its own batcher's current batch on the backend, before the
-        // batcher's next schedule or commit, from `shared`'s pool.
-        let backend = unsafe {
-            RawBackend::new(
-                dev,
-                arena_base,
-                &config,
-                query_heads,
-                caps,
-                cfg.swap_blocks as usize,
-            )?
-        };
-        Self::new(shared, cfg, backend)
-    }
 }

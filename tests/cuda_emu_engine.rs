@@ -142,34 +142,43 @@ fn raw_backend_matches_host_backend_with_swap() {
     );
 }
 
+/// A raw backend over the emulated device on `shared`'s host arena (the "device" memory under
+/// the emulation), with the workload's geometry.
+fn emu_backend(
+    shared: &SharedArena,
+    heads: usize,
+    caps: RawCaps,
+) -> Result<RawBackend<EmuDevice>, EngineError> {
+    let arena = shared.host_arena().expect("a host arena");
+    let config = shape()
+        .config(TOKENS_PER_PAGE, PAGES as usize)?
+        .with_page_stride(shared.page_bytes())?;
+    // SAFETY: under the emulation "device" memory is host memory: the arena holds the pool's
+    // pages (alive as long as `shared`, which every caller keeps past the backend), and each
+    // test's engine is the arena's only user.
+    unsafe {
+        RawBackend::new(
+            EmuDevice::new(8),
+            arena.base_ptr() as usize as u64,
+            &config,
+            heads,
+            caps,
+            4,
+        )
+    }
+}
+
 #[test]
 fn raw_backend_grows_its_buffers_for_a_larger_batch() {
     let shared = shared();
-    let arena = shared.host_arena().unwrap().clone();
     let cfg = engine_config(PreemptionMode::Recompute);
-    let config = shape()
-        .config(TOKENS_PER_PAGE, PAGES as usize)
-        .unwrap()
-        .with_page_stride(shared.page_bytes())
-        .unwrap();
     let small = RawCaps {
         max_seqs: 1,
         max_tokens: 1,
         max_blocks_per_seq: 1,
         max_copies: 0,
     };
-    // SAFETY: as in run_raw.
-    let backend = unsafe {
-        RawBackend::new(
-            EmuDevice::new(8),
-            arena.base_ptr() as usize as u64,
-            &config,
-            HEADS,
-            small,
-            4,
-        )
-    }
-    .unwrap();
+    let backend = emu_backend(&shared, HEADS, small).unwrap();
     let mut engine = Engine::new(&shared, cfg, backend).unwrap();
     let mut model = RawModel::default();
     let (raw_out, _) = drive(&mut engine, &mut model);
@@ -191,42 +200,17 @@ fn external_arena_refuses_bad_sizes() {
 fn raw_backend_refuses_bad_rows_and_bad_capacities() {
     let shared = shared();
     let arena = shared.host_arena().unwrap().clone();
-    let config = shape()
-        .config(TOKENS_PER_PAGE, PAGES as usize)
-        .unwrap()
-        .with_page_stride(shared.page_bytes())
-        .unwrap();
     let zero = RawCaps {
         max_seqs: 0,
         max_tokens: 1,
         max_blocks_per_seq: 1,
         max_copies: 0,
     };
-    // SAFETY: as in run_raw (nothing launches: construction fails).
-    let err = unsafe {
-        RawBackend::new(
-            EmuDevice::new(8),
-            arena.base_ptr() as usize as u64,
-            &config,
-            HEADS,
-            zero,
-            4,
-        )
-    }
-    .unwrap_err();
+    let err = emu_backend(&shared, HEADS, zero).unwrap_err();
     assert!(matches!(err, EngineError::InvalidConfig(_)), "{err}");
-    // SAFETY: as in run_raw (3 query heads do not divide 2 KV heads: refused first).
-    let err = unsafe {
-        RawBackend::new(
-            EmuDevice::new(8),
-            arena.base_ptr() as usize as u64,
-            &config,
-            3,
-            RawCaps::for_engine(&engine_config(PreemptionMode::Swap), TOKENS_PER_PAGE, PAGES),
-            4,
-        )
-    }
-    .unwrap_err();
+    // 3 query heads do not divide 2 KV heads: refused first.
+    let caps = RawCaps::for_engine(&engine_config(PreemptionMode::Swap), TOKENS_PER_PAGE, PAGES);
+    let err = emu_backend(&shared, 3, caps).unwrap_err();
     assert!(matches!(err, EngineError::InvalidConfig(_)), "{err}");
 
     // A model that hands the backend the wrong number of rows is refused with a typed error,

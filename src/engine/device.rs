@@ -16,8 +16,11 @@ use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 /// CUDA kernels over a [`DeviceKvCache`] view of a [`DeviceArena`], element type `T`.
 ///
 /// The step's metadata (block tables, context lengths, slots) is uploaded at
-/// [`begin`](KvBackend::begin); [`end`](KvBackend::end) synchronises the engine's stream so
-/// that an error surfaces in the step that caused it. The same page-ownership rule as
+/// [`begin`](KvBackend::begin) into buffers allocated for that step;
+/// [`end`](KvBackend::end) synchronises the engine's stream so that an error surfaces in the
+/// step that caused it. [`RawBackend`](super::RawBackend) over this crate's
+/// [`Gpu`](crate::cuda::Gpu) (`Engine::raw`) runs the same kernels with metadata buffers
+/// allocated once and one copy per step, on any caller's stream. The same page-ownership rule as
 /// [`HostBackend`](super::HostBackend) keeps engines on one arena apart; on the device a
 /// breach is a wrong result, not undefined behaviour in Rust, so construction is safe.
 #[derive(Debug)]

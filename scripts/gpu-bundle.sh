@@ -26,7 +26,9 @@ cargo build --release -p pagedkv-candle-llama --features candle-cuda --test cuda
 eval "$(scripts/cuda-link-stubs.sh)"
 # The CPU candle tests and examples would carry candle's CUDA kernels too: leave them out.
 # (The emulation's tests run in CI; the device runs the real thing.)
-export BUNDLE=${BUNDLE:-'^bin-|^test-cuda_(?!emu)|^test-gpu|^test-gguf_upload$'}
+# example-generate: the candle client's tokens/s and per-step latency on the GPU
+# (`generate --write-tiny F`, then `generate F --cuda --kv bf16 --seqs 1|32`).
+export BUNDLE=${BUNDLE:-'^bin-|^test-cuda_(?!emu)|^test-gpu|^test-gguf_upload$|^example-generate$'}
 "$root/../shared/gpu/bundle.sh" -p pagedkv -p pagedkv-sim -p pagedkv-candle-llama \
   --features pagedkv-candle-llama/candle-cuda
 # Every binary holds the kernels' fatbin (about 12 MB at sm_90) and the candle test candle's

@@ -162,13 +162,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!();
     }
     println!(
-        "{} sequences, {} tokens generated ({} scheduled) in {} steps, {:.2?}: {:.1} tokens/s",
+        "{} sequences, {} tokens generated ({} scheduled) in {} steps, {:.2?}: {:.1} tokens/s, \
+         {:.2?} per step on {}",
         gen.outputs.len(),
         gen.generated,
         gen.scheduled,
         gen.steps,
         gen.elapsed,
-        gen.tokens_per_second()
+        gen.tokens_per_second(),
+        gen.elapsed / u32::try_from(gen.steps.max(1)).unwrap_or(u32::MAX),
+        if args.cuda { "CUDA" } else { "the CPU" }
     );
     Ok(())
 }

@@ -258,3 +258,75 @@ fn raw_backend_refuses_bad_rows_and_bad_capacities() {
     let err = engine.step(&mut ShortRows::default()).unwrap_err();
     assert!(err.to_string().contains("key"), "{err}");
 }
+
+/// A batch the backend must refuse before anything reaches the device is refused with a typed
+/// error naming the problem, and the backend serves the next good batch as if nothing happened.
+#[test]
+fn raw_backend_refuses_malformed_batches_and_stays_usable() {
+    use pagedkv::engine::KvBackend;
+    let shared = shared();
+    let caps = RawCaps::for_engine(&engine_config(PreemptionMode::Swap), TOKENS_PER_PAGE, PAGES);
+    let mut backend = emu_backend(&shared, HEADS, caps).unwrap();
+    // Two sequences: a 3-token prefill chunk (context 3) and one decode token (context 18).
+    let good = Batch {
+        seq_ids: vec![1, 2],
+        input_tokens: vec![4, 5, 6, 7],
+        positions: vec![0, 1, 2, 17],
+        query_start_loc: vec![0, 3, 4],
+        context_lens: vec![3, 18],
+        slot_mapping: vec![0, 1, 2, 16 * 3 + 1],
+        block_tables: vec![0, -1, 2, 3],
+        max_blocks_per_seq: 2,
+        ..Batch::default()
+    };
+    backend.begin(&good).unwrap();
+    backend.end().unwrap();
+    let bad = |f: &dyn Fn(&mut Batch)| {
+        let mut b = good.clone();
+        f(&mut b);
+        b
+    };
+    let cases: Vec<(&str, Batch)> = vec![
+        (
+            "a block outside the pool",
+            bad(&|b| b.block_tables[2] = PAGES as i32),
+        ),
+        (
+            "a slot outside the cache",
+            bad(&|b| b.slot_mapping[1] = 1 << 40),
+        ),
+        ("a context past its row", bad(&|b| b.context_lens[1] = 33)),
+        (
+            "query starts out of order",
+            bad(&|b| b.query_start_loc = vec![0, 5, 4]),
+        ),
+        (
+            "query starts short",
+            bad(&|b| b.query_start_loc = vec![0, 3]),
+        ),
+        (
+            "a slot per token",
+            bad(&|b| {
+                b.slot_mapping.pop();
+            }),
+        ),
+    ];
+    for (what, batch) in &cases {
+        let err = backend.begin(batch).unwrap_err();
+        assert!(
+            matches!(err, EngineError::Attn(_)),
+            "{what}: expected a kernel-contract error, got {err}"
+        );
+        // Attention without a successful begin is refused, not run on stale metadata.
+        let rows = DeviceRows {
+            rows: Rows::dense(16, HEADS, HEAD_DIM),
+            tokens: batch.num_tokens(),
+        };
+        assert!(
+            backend.decode(0, &rows, batch).is_err(),
+            "{what}: decode ran"
+        );
+    }
+    backend.begin(&good).unwrap();
+    backend.end().unwrap();
+}

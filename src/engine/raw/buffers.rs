@@ -137,3 +137,50 @@ pub(super) unsafe fn free_buffers<D: RawDevice>(dev: &D, b: &Buffers) {
 pub(super) fn over(what: &'static str, value: usize) -> EngineError {
     EngineError::Raw(RawError::Unsupported { what, value })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every region starts on the 16-byte grid, holds its capacity, and ends at or before the
+    /// next region; sizes that overflow are refused, not wrapped.
+    #[test]
+    fn metadata_regions_are_aligned_disjoint_and_large_enough() {
+        for max_seqs in [1, 2, 3, 7, 64, 257] {
+            for max_tokens in [1, 5, 96, 8191] {
+                for max_blocks_per_seq in [1, 3, 24, 1000] {
+                    for max_copies in [0, 1, 9] {
+                        let c = RawCaps {
+                            max_seqs,
+                            max_tokens,
+                            max_blocks_per_seq,
+                            max_copies,
+                        };
+                        let l = MetaLayout::new(&c).unwrap();
+                        let regions = [
+                            (l.slots, 8 * max_tokens),
+                            (l.query_start, 4 * (max_seqs + 1)),
+                            (l.ctx, 4 * max_seqs),
+                            (l.tables, 4 * max_seqs * max_blocks_per_seq),
+                            (l.copies, 8 * max_copies),
+                        ];
+                        for w in regions.windows(2) {
+                            let ((start, len), (next, _)) = (w[0], w[1]);
+                            assert_eq!(start % 16, 0, "{c:?}");
+                            assert!(start + len <= next, "{c:?}: regions overlap");
+                        }
+                        let (last, len) = regions[4];
+                        assert!(last % 16 == 0 && last + len <= l.total && l.total % 16 == 0);
+                    }
+                }
+            }
+        }
+        let huge = RawCaps {
+            max_seqs: usize::MAX / 2,
+            max_tokens: 1,
+            max_blocks_per_seq: 4,
+            max_copies: 0,
+        };
+        assert_eq!(MetaLayout::new(&huge), None);
+    }
+}

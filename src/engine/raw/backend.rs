@@ -29,7 +29,8 @@ pub struct RawBackend<D: RawDevice> {
     /// Host staging of the metadata block (`bufs.layout.total` bytes); free again once `end`
     /// (or a growth) synchronised the stream.
     staging: Vec<u8>,
-    /// Host swap space: `swap_blocks` pages of one block each.
+    /// Host swap space: `swap_blocks` pages of the arena's page size, a block at the start of
+    /// each.
     swap: KvArena,
     /// `[src, dst]` pairs of the current swap, reused.
     swap_pairs: Vec<[i64; 2]>,
@@ -85,9 +86,10 @@ impl<D: RawDevice> RawBackend<D> {
         };
         let params = AttnParamsRaw::new(query_heads, config.head_dim());
         let mode = DecodeMode::Auto;
-        let bufs = Buffers::allocate(&dev, &cache, query_heads, mode, caps)?;
         // Swap pages of the arena's page size (on the 16-byte grid; a block fills its start).
+        // Made before the device buffers, which only `Drop` frees once `Self` exists.
         let swap = KvArena::new(swap_blocks.max(1), config.page_bytes())?;
+        let bufs = Buffers::allocate(&dev, &cache, query_heads, mode, caps)?;
         Ok(Self {
             staging: vec![0; bufs.layout.total],
             dev,

@@ -305,6 +305,13 @@ fn raw_backend_refuses_malformed_batches_and_stays_usable() {
             bad(&|b| b.query_start_loc = vec![0, 3]),
         ),
         (
+            "a context per row",
+            bad(&|b| {
+                b.context_lens.push(1);
+                b.block_tables.extend([4, 5]);
+            }),
+        ),
+        (
             "a slot per token",
             bad(&|b| {
                 b.slot_mapping.pop();

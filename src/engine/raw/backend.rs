@@ -332,6 +332,14 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
             max_blocks_per_seq: mbps,
             context_lens: &batch.context_lens,
         };
+        if batch.context_lens.len() != seqs {
+            return Err(AttnError::LengthMismatch {
+                what: "context_lens",
+                expected: seqs,
+                found: batch.context_lens.len(),
+            }
+            .into());
+        }
         crate::kv::check_seqs(&cfg, &paged)?;
         check_query_starts(&batch.query_start_loc, seqs, tokens)?;
         if batch.slot_mapping.len() != tokens {

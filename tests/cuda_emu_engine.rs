@@ -17,7 +17,7 @@ use pagedkv::cuda_emu::{EmuBuf, EmuDevice};
 use pagedkv::cuda_raw::Rows;
 use pagedkv::engine::{DeviceRows, Engine, LayerQkv, RawBackend, RawCaps, SharedArena, StepModel};
 use pagedkv::error::EngineError;
-use pagedkv::kv::page_bytes_for;
+use pagedkv::kv::{page_bytes_for, KvDtype, ModelKvShape};
 use pagedkv::sched::{Batch, PreemptionMode};
 
 /// The same model with its projections in one fused emulated "device" buffer per layer:
@@ -32,16 +32,17 @@ struct RawModel {
 impl StepModel<RawBackend<EmuDevice>> for RawModel {
     fn qkv(
         &mut self,
-        _backend: &RawBackend<EmuDevice>,
+        backend: &RawBackend<EmuDevice>,
         layer: usize,
         batch: &Batch,
     ) -> Result<LayerQkv<'_, DeviceRows>, EngineError> {
-        let fused = fused_qkv(batch, layer);
+        let h = heads_of(backend);
+        let fused = fused_qkv(batch, layer, h);
         let tokens = batch.num_tokens();
         let buf = EmuBuf::from_slice(&fused).expect("guarded allocation");
         let base = buf.ptr() as usize as u64;
         let view = |part| DeviceRows {
-            rows: Rows::fused(base, &FUSED_PARTS, part, HEAD_DIM, 4).expect("in range"),
+            rows: Rows::fused(base, &fused_parts(h), part, h.d, 4).expect("in range"),
             tokens,
         };
         self.views = Some([view(0), view(1), view(2)]);
@@ -56,7 +57,6 @@ impl StepModel<RawBackend<EmuDevice>> for RawModel {
         batch: &Batch,
         out: &DeviceRows,
     ) -> Result<(), EngineError> {
-        assert_eq!(out.rows.token_stride, HEADS * HEAD_DIM);
         let len = out.tokens * out.rows.token_stride;
         // SAFETY: under the emulation a device pointer is a host pointer; the backend's output
         // buffer holds at least `tokens` dense rows of f32 (its capacity), written by the
@@ -336,4 +336,89 @@ fn raw_backend_refuses_malformed_batches_and_stays_usable() {
     }
     backend.begin(&good).unwrap();
     backend.end().unwrap();
+}
+
+/// Steps two engines in lockstep (A, then B, each step) until both are done; their
+/// generations, sorted by request.
+fn drive_pair<B: pagedkv::engine::KvBackend, M: StepModel<B>>(
+    a: (&mut Engine<B>, &mut M),
+    b: (&mut Engine<B>, &mut M),
+) -> [Vec<(u64, Vec<u32>)>; 2] {
+    let mut engines = [a, b];
+    for (engine, _) in engines.iter_mut() {
+        for r in requests() {
+            engine.add(r).unwrap();
+        }
+    }
+    let mut outputs = [Vec::new(), Vec::new()];
+    let mut steps = 0;
+    while engines.iter().any(|(e, _)| e.has_work()) {
+        steps += 1;
+        assert!(steps < 4_000, "the workload did not finish");
+        for ((engine, model), out) in engines.iter_mut().zip(outputs.iter_mut()) {
+            engine.step(&mut **model).unwrap();
+            out.extend(engine.finished().iter().map(|f| (f.id, f.output.clone())));
+        }
+    }
+    for out in &mut outputs {
+        out.sort();
+    }
+    outputs
+}
+
+/// Two models of different geometry on one arena, each through its own raw backend (model A:
+/// GQA 4/2, d64, two layers, 16 tokens per page; model B: MQA 2/1, d128, one layer, 32 tokens
+/// per page), against the same pair on host backends over a host arena: every step's batch,
+/// attention output and generated token of each model match, and the two models' block tables
+/// name common pages (pages freed by one were written and read by the other).
+#[test]
+fn two_models_share_one_arena_through_raw_backends() {
+    let a = shape();
+    let b = ModelKvShape {
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 128,
+        dtype: KvDtype::F32,
+    };
+    let (heads_a, heads_b) = (HEADS_DEFAULT.q, 2);
+    let page_bytes = page_bytes_for(&[a, b], TOKENS_PER_PAGE).unwrap();
+    let budget = BudgetConfig::new(2, 96, PAGES);
+    let cfg = || engine_config(PreemptionMode::Recompute);
+
+    let host = SharedArena::host(budget, page_bytes).unwrap();
+    let mut host_a = Engine::host(&host, cfg(), &a, heads_a).unwrap();
+    let mut host_b = Engine::host(&host, cfg(), &b, heads_b).unwrap();
+    assert_ne!(host_a.tokens_per_page(), host_b.tokens_per_page());
+    let (mut ma, mut mb) = (HostModel::default(), HostModel::default());
+    let host_out = drive_pair((&mut host_a, &mut ma), (&mut host_b, &mut mb));
+    let host_logs = [ma.into_log(), mb.into_log()];
+
+    let raw = SharedArena::external(budget, page_bytes).unwrap();
+    let arena = EmuBuf::zeroed(PAGES as usize * page_bytes).expect("guarded allocation");
+    let base = arena.ptr() as usize as u64;
+    // SAFETY: `arena` holds the pool's pages (alive until after both engines are dropped
+    // below); the two engines are its only users and share it through `raw`'s pool.
+    let (mut raw_a, mut raw_b) = unsafe {
+        (
+            Engine::raw(&raw, EmuDevice::new(8), base, cfg(), &a, heads_a).unwrap(),
+            Engine::raw(&raw, EmuDevice::new(8), base, cfg(), &b, heads_b).unwrap(),
+        )
+    };
+    let (mut ra, mut rb) = (RawModel::default(), RawModel::default());
+    let raw_out = drive_pair((&mut raw_a, &mut ra), (&mut raw_b, &mut rb));
+    drop((raw_a, raw_b));
+    drop(arena);
+
+    for (m, (h, r)) in host_logs.iter().zip([&ra.log, &rb.log]).enumerate() {
+        compare_logs(h, r);
+        assert_eq!(host_out[m], raw_out[m], "model {m}: generated tokens");
+        assert_eq!(host_out[m].len(), 7, "model {m}: every sequence finished");
+    }
+    let shared_pages = host_logs[0].pages.intersection(&host_logs[1].pages).count();
+    assert!(shared_pages > 0, "the two models never used a common page");
+    println!(
+        "two models: {} and {} steps, {shared_pages} pages used by both",
+        host_logs[0].batches.len(),
+        host_logs[1].batches.len()
+    );
 }

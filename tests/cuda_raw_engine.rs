@@ -68,7 +68,7 @@ struct GpuModel {
 
 impl GpuModel {
     fn new(gpu: &Gpu, max_tokens: usize) -> Self {
-        let row = FUSED_PARTS.iter().sum::<usize>() * HEAD_DIM;
+        let row = fused_parts(HEADS_DEFAULT).iter().sum::<usize>() * HEAD_DIM;
         Self {
             log: Log::default(),
             gpu: gpu.clone(),
@@ -90,7 +90,7 @@ impl StepModel<RawBackend<Gpu>> for GpuModel {
         if layer == 0 {
             self.staging.clear();
         }
-        self.staging.push(fused_qkv(batch, layer));
+        self.staging.push(fused_qkv(batch, layer, HEADS_DEFAULT));
         let host = self.staging.last().expect("just pushed");
         // SAFETY: the buffer holds max_tokens fused rows (a step has at most that many
         // tokens); `host` stays in `staging`, unmodified, until the next step's layer 0, after
@@ -98,7 +98,14 @@ impl StepModel<RawBackend<Gpu>> for GpuModel {
         unsafe { RawDevice::copy_to_device(&self.gpu, self.fused.ptr, bytemuck_f32(host)) }?;
         let tokens = batch.num_tokens();
         let view = |part| DeviceRows {
-            rows: Rows::fused(self.fused.ptr, &FUSED_PARTS, part, HEAD_DIM, 4).expect("in range"),
+            rows: Rows::fused(
+                self.fused.ptr,
+                &fused_parts(HEADS_DEFAULT),
+                part,
+                HEAD_DIM,
+                4,
+            )
+            .expect("in range"),
             tokens,
         };
         self.views = Some([view(0), view(1), view(2)]);

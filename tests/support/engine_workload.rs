@@ -4,6 +4,8 @@
 //! preempt, run on the CPU backend as the reference; a model whose projections depend on
 //! token, position and layer and whose sampled token depends on the attention output, so a
 //! wrong cache byte changes what is generated; the comparison of two runs.
+// Each test crate that includes this file uses part of it.
+#![allow(dead_code)]
 
 use pagedkv::budget::BudgetConfig;
 use pagedkv::engine::{
@@ -28,9 +30,33 @@ pub fn shape() -> ModelKvShape {
     }
 }
 
-/// The projections of `layer` for the batch's tokens: q `[tokens, HEADS, D]`, k and v
-/// `[tokens, KV_HEADS, D]`, smooth functions of token id, position and layer.
-pub fn project(batch: &Batch, layer: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+/// A model's attention shape: query heads, KV heads, head dim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heads {
+    pub q: usize,
+    pub kv: usize,
+    pub d: usize,
+}
+
+/// The workload's default model.
+pub const HEADS_DEFAULT: Heads = Heads {
+    q: HEADS,
+    kv: KV_HEADS,
+    d: HEAD_DIM,
+};
+
+/// The heads of the model a backend serves.
+pub fn heads_of<B: KvBackend>(backend: &B) -> Heads {
+    Heads {
+        q: backend.query_heads(),
+        kv: backend.config().num_kv_heads(),
+        d: backend.config().head_dim(),
+    }
+}
+
+/// The projections of `layer` for the batch's tokens: q `[tokens, h.q, h.d]`, k and v
+/// `[tokens, h.kv, h.d]`, smooth functions of token id, position and layer.
+pub fn project(batch: &Batch, layer: usize, h: Heads) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let val = |tok: u32, pos: i32, part: usize, i: usize| {
         let x = (tok as f32) * 0.37 + (pos as f32) * 0.11 + (layer as f32) * 0.53;
         ((x + (part * 97 + i) as f32 * 0.071).sin() * 0.9) + 0.05
@@ -39,9 +65,9 @@ pub fn project(batch: &Batch, layer: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let mut k = Vec::new();
     let mut v = Vec::new();
     for (&tok, &pos) in batch.input_tokens.iter().zip(&batch.positions) {
-        q.extend((0..HEADS * HEAD_DIM).map(|i| val(tok, pos, 0, i)));
-        k.extend((0..KV_HEADS * HEAD_DIM).map(|i| val(tok, pos, 1, i)));
-        v.extend((0..KV_HEADS * HEAD_DIM).map(|i| val(tok, pos, 2, i)));
+        q.extend((0..h.q * h.d).map(|i| val(tok, pos, 0, i)));
+        k.extend((0..h.kv * h.d).map(|i| val(tok, pos, 1, i)));
+        v.extend((0..h.kv * h.d).map(|i| val(tok, pos, 2, i)));
     }
     (q, k, v)
 }
@@ -66,6 +92,10 @@ pub struct Log {
     pub batches: Vec<StepRows>,
     pub outputs: Vec<Vec<f32>>,
     last_out: Vec<f32>,
+    /// Elements per token of the last output (query heads x head dim).
+    row: usize,
+    /// Every page a block table of a step named.
+    pub pages: std::collections::BTreeSet<i32>,
 }
 
 impl Log {
@@ -77,13 +107,16 @@ impl Log {
                 batch.positions.clone(),
                 batch.query_start_loc.clone(),
             ));
+            self.pages
+                .extend(batch.block_tables.iter().copied().filter(|&p| p >= 0));
         }
         self.outputs.push(out.to_vec());
         self.last_out = out.to_vec();
+        self.row = out.len() / batch.num_tokens().max(1);
     }
 
     pub fn sample(&self, batch: &Batch, out: &mut Vec<u32>) {
-        let row = HEADS * HEAD_DIM;
+        let row = self.row;
         for &t in &batch.logits_indices {
             let t = t as usize;
             out.push(sample_token(&self.last_out[t * row..(t + 1) * row]));
@@ -99,14 +132,21 @@ pub struct HostModel {
     v: Vec<f32>,
 }
 
+impl HostModel {
+    /// What the model recorded.
+    pub fn into_log(self) -> Log {
+        self.log
+    }
+}
+
 impl StepModel<HostBackend<f32>> for HostModel {
     fn qkv(
         &mut self,
-        _backend: &HostBackend<f32>,
+        backend: &HostBackend<f32>,
         layer: usize,
         batch: &Batch,
     ) -> Result<LayerQkv<'_, [f32]>, EngineError> {
-        (self.q, self.k, self.v) = project(batch, layer);
+        (self.q, self.k, self.v) = project(batch, layer, heads_of(backend));
         Ok(LayerQkv {
             query: &self.q,
             key: &self.k,
@@ -209,12 +249,19 @@ pub fn drive<B: KvBackend, M: StepModel<B>>(
 }
 
 pub fn compare(host: &Run, raw: &Run) {
-    assert_eq!(host.log.batches.len(), raw.log.batches.len(), "step counts");
-    for (i, (h, r)) in host.log.batches.iter().zip(&raw.log.batches).enumerate() {
+    compare_logs(&host.log, &raw.log);
+    assert_eq!(host.outputs, raw.outputs, "generated tokens");
+    assert_eq!(host.outputs.len(), 7, "every sequence finished");
+}
+
+/// Same batches step by step, every attention output within float tolerance.
+pub fn compare_logs(host: &Log, raw: &Log) {
+    assert_eq!(host.batches.len(), raw.batches.len(), "step counts");
+    for (i, (h, r)) in host.batches.iter().zip(&raw.batches).enumerate() {
         assert_eq!(h, r, "step {i}: the batches differ");
     }
-    assert_eq!(host.log.outputs.len(), raw.log.outputs.len());
-    for (i, (h, r)) in host.log.outputs.iter().zip(&raw.log.outputs).enumerate() {
+    assert_eq!(host.outputs.len(), raw.outputs.len());
+    for (i, (h, r)) in host.outputs.iter().zip(&raw.outputs).enumerate() {
         assert_eq!(h.len(), r.len(), "output {i}: lengths");
         for (j, (&a, &b)) in h.iter().zip(r).enumerate() {
             assert!(
@@ -223,8 +270,6 @@ pub fn compare(host: &Run, raw: &Run) {
             );
         }
     }
-    assert_eq!(host.outputs, raw.outputs, "generated tokens");
-    assert_eq!(host.outputs.len(), 7, "every sequence finished");
 }
 
 /// Rows that run a sequence from a position it had already passed (a resume by recompute
@@ -247,9 +292,9 @@ pub fn recomputed_rows(log: &Log) -> usize {
 
 /// The projections of `layer` fused per token, `[tokens][q heads | k heads | v heads]`, as a
 /// fused QKV matmul would leave them.
-pub fn fused_qkv(batch: &Batch, layer: usize) -> Vec<f32> {
-    let (q, k, v) = project(batch, layer);
-    let (qd, kd) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
+pub fn fused_qkv(batch: &Batch, layer: usize, h: Heads) -> Vec<f32> {
+    let (q, k, v) = project(batch, layer, h);
+    let (qd, kd) = (h.q * h.d, h.kv * h.d);
     let mut fused = Vec::with_capacity(q.len() + k.len() + v.len());
     for t in 0..batch.num_tokens() {
         fused.extend_from_slice(&q[t * qd..(t + 1) * qd]);
@@ -260,4 +305,6 @@ pub fn fused_qkv(batch: &Batch, layer: usize) -> Vec<f32> {
 }
 
 /// Heads of the fused row's parts (q, k, v).
-pub const FUSED_PARTS: [usize; 3] = [HEADS, KV_HEADS, KV_HEADS];
+pub fn fused_parts(h: Heads) -> [usize; 3] {
+    [h.q, h.kv, h.kv]
+}

@@ -5,8 +5,9 @@
 use super::AttnWorkspace;
 use crate::error::AttnError;
 use crate::kv::{
-    check_block_mapping, check_len, check_params, copy_runs_within, AttnParams, KvCacheConfig,
-    KvCacheViewMut, KvElem, KvPart, LayerKv, LayerKvMut, PagedSeqs,
+    check_block_mapping, check_len, check_params, check_query_starts, check_slots,
+    copy_runs_within, AttnParams, KvCacheConfig, KvCacheViewMut, KvElem, KvPart, LayerKv,
+    LayerKvMut, PagedSeqs,
 };
 
 /// One unit of parallel work: query tokens `tok0..tok0+tq` of one sequence (decode: `tq == 1`),
@@ -58,16 +59,7 @@ pub fn reshape_and_cache<T: KvElem>(
     let n = slot_mapping.len();
     check_len("key", n * row, key.len())?;
     check_len("value", n * row, value.len())?;
-    let num_slots = cfg.num_blocks() * cfg.block_size();
-    for (token, &slot) in slot_mapping.iter().enumerate() {
-        if slot != -1 && !(0..num_slots as i64).contains(&slot) {
-            return Err(AttnError::SlotOutOfRange {
-                token,
-                slot,
-                num_slots,
-            });
-        }
-    }
+    check_slots(&cfg, slot_mapping)?;
     let layer = kv.layer();
     for (i, &slot) in slot_mapping.iter().enumerate() {
         if slot < 0 {
@@ -175,25 +167,7 @@ pub fn paged_attention_prefill<T: KvElem>(
     let cfg = *kv.config();
     let group = check_params(&cfg, seqs, params)?;
     let num_seqs = seqs.num_seqs();
-    check_len("query_start_loc", num_seqs + 1, query_start_loc.len())?;
-    if query_start_loc[0] != 0 {
-        return Err(AttnError::QueryStartLoc { seq: 0 });
-    }
-    for s in 0..num_seqs {
-        let (a, b) = (query_start_loc[s], query_start_loc[s + 1]);
-        if b < a {
-            return Err(AttnError::QueryStartLoc { seq: s });
-        }
-        let (q_len, context_len) = ((b - a) as usize, seqs.context_lens[s] as usize);
-        if q_len > context_len {
-            return Err(AttnError::QueryLongerThanContext {
-                seq: s,
-                q_len,
-                context_len,
-            });
-        }
-    }
-    let num_tokens = query_start_loc[num_seqs] as usize;
+    let num_tokens = check_query_starts(query_start_loc, seqs)?;
     let hd = params.num_heads * cfg.head_dim();
     check_len("query", num_tokens * hd, query.len())?;
     check_len("out", num_tokens * hd, out.len())?;

@@ -328,17 +328,7 @@ impl DecodeStep {
             }
             .into());
         }
-        let num_slots = self.config.num_blocks() * self.config.block_size();
-        for (token, &slot) in slot_mapping.iter().enumerate() {
-            if slot != -1 && !(0..num_slots as i64).contains(&slot) {
-                return Err(AttnError::SlotOutOfRange {
-                    token,
-                    slot,
-                    num_slots,
-                }
-                .into());
-            }
-        }
+        crate::kv::check_slots(&self.config, slot_mapping)?;
         self.staged.synchronize()?;
         let (l, mbps_in, mbps) = (
             self.layout,

@@ -149,3 +149,48 @@ pub(crate) fn check_seqs(cfg: &KvCacheConfig, seqs: &PagedSeqs<'_>) -> Result<us
     }
     Ok(max_ctx)
 }
+
+/// Validates a slot mapping against the cache: every slot is `-1` (no write) or in
+/// `0..num_blocks * block_size`. The CPU kernel's check, which the CUDA paths run before a
+/// launch too.
+pub(crate) fn check_slots(cfg: &KvCacheConfig, slot_mapping: &[i64]) -> Result<(), AttnError> {
+    let num_slots = cfg.num_blocks() * cfg.block_size();
+    for (token, &slot) in slot_mapping.iter().enumerate() {
+        if slot != -1 && !(0..num_slots as i64).contains(&slot) {
+            return Err(AttnError::SlotOutOfRange {
+                token,
+                slot,
+                num_slots,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Validates `query_start_loc` for `seqs` (prefill's contract): `num_seqs + 1` entries from 0,
+/// non-decreasing, no row longer than its context; returns the number of tokens.
+pub(crate) fn check_query_starts(
+    query_start_loc: &[i32],
+    seqs: &PagedSeqs<'_>,
+) -> Result<usize, AttnError> {
+    let num_seqs = seqs.num_seqs();
+    check_len("query_start_loc", num_seqs + 1, query_start_loc.len())?;
+    if query_start_loc[0] != 0 {
+        return Err(AttnError::QueryStartLoc { seq: 0 });
+    }
+    for s in 0..num_seqs {
+        let (a, b) = (query_start_loc[s], query_start_loc[s + 1]);
+        if b < a {
+            return Err(AttnError::QueryStartLoc { seq: s });
+        }
+        let (q_len, context_len) = ((b - a) as usize, seqs.context_lens[s] as usize);
+        if q_len > context_len {
+            return Err(AttnError::QueryLongerThanContext {
+                seq: s,
+                q_len,
+                context_len,
+            });
+        }
+    }
+    Ok(query_start_loc[num_seqs] as usize)
+}

@@ -14,8 +14,9 @@ use crate::error::{Error, Result};
 use crate::model::PagedLlama;
 use crate::runner::{engine_config, EngineSetup};
 use candle_core::cuda_backend::cudarc::driver::{
-    result, sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    result, sys, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
 };
+use candle_core::cuda_backend::CudaDType;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
 use pagedkv::budget::BudgetConfig;
@@ -254,52 +255,37 @@ fn tensor_from_rows(
             rows.rows.token_stride
         )));
     }
-    let bytes = n * dtype.size_in_bytes();
-    let stream = &dev.stream;
-    fn copy<T: candle_core::cuda_backend::CudaDType>(
-        mut dst: CudaSlice<T>,
+    /// `n` elements of `T` copied from `src` into a new allocation, queued on candle's stream.
+    fn copied<T: CudaDType + DeviceRepr>(
+        dev: &CandleCuda,
         src: DevPtr,
-        bytes: usize,
-        stream: &CudaStream,
-    ) -> Result<CudaSlice<T>> {
+        n: usize,
+    ) -> Result<CudaStorage> {
+        // SAFETY: uninitialised device memory of n elements, written in full by the copy
+        // queued below on the same stream before any later work there reads it.
+        let mut dst = unsafe { dev.device.alloc::<T>(n) }?;
         {
-            let (ptr, _guard) = dst.device_ptr_mut(stream);
-            // SAFETY: `dst` holds `bytes` bytes (n elements) on this stream's context; `src` is
-            // the backend's output buffer of at least as many bytes, written by the attention
-            // launch queued earlier on the same stream, so the copy runs after it.
-            unsafe { result::memcpy_dtod_async(ptr, src, bytes, stream.cu_stream()) }
-                .map_err(driver)?;
+            let (ptr, _guard) = dst.device_ptr_mut(&dev.stream);
+            // SAFETY: `dst` holds n elements on this stream's context; `src` is the backend's
+            // output buffer of at least as many, written by the attention launch queued
+            // earlier on the same stream, so the copy runs after it.
+            unsafe {
+                result::memcpy_dtod_async(
+                    ptr,
+                    src,
+                    n * std::mem::size_of::<T>(),
+                    dev.stream.cu_stream(),
+                )
+            }
+            .map_err(driver)?;
         }
-        Ok(dst)
+        Ok(CudaStorage::wrap_cuda_slice(dst, dev.device.clone()))
     }
+    let src = rows.rows.ptr;
     let storage = match dtype {
-        DType::F32 => CudaStorage::wrap_cuda_slice(
-            copy(
-                dev.device.alloc_zeros::<f32>(n)?,
-                rows.rows.ptr,
-                bytes,
-                stream,
-            )?,
-            dev.device.clone(),
-        ),
-        DType::F16 => CudaStorage::wrap_cuda_slice(
-            copy(
-                dev.device.alloc_zeros::<half::f16>(n)?,
-                rows.rows.ptr,
-                bytes,
-                stream,
-            )?,
-            dev.device.clone(),
-        ),
-        DType::BF16 => CudaStorage::wrap_cuda_slice(
-            copy(
-                dev.device.alloc_zeros::<half::bf16>(n)?,
-                rows.rows.ptr,
-                bytes,
-                stream,
-            )?,
-            dev.device.clone(),
-        ),
+        DType::F32 => copied::<f32>(dev, src, n)?,
+        DType::F16 => copied::<half::f16>(dev, src, n)?,
+        DType::BF16 => copied::<half::bf16>(dev, src, n)?,
         other => return Err(Error::Unsupported(format!("attention output of {other:?}"))),
     };
     Ok(Tensor::from_storage(

@@ -8,7 +8,9 @@ use crate::cuda_raw::{
 use crate::engine::exec::KvBackend;
 use crate::engine::host::check_heads;
 use crate::error::{AttnError, EngineError};
-use crate::kv::{KvArena, KvCacheConfig, PagedSeqs};
+use crate::kv::{
+    check_len, check_query_starts, check_seqs, check_slots, KvArena, KvCacheConfig, PagedSeqs,
+};
 use crate::sched::Batch;
 
 /// The step executor's backend on pagedkv's CUDA kernels over raw pointers: device memory and
@@ -209,9 +211,17 @@ impl<D: RawDevice> RawBackend<D> {
         Ok(())
     }
 
-    fn step(&self) -> Result<StepShape, EngineError> {
-        self.step
-            .ok_or_else(|| EngineError::InvalidConfig("attention before begin".into()))
+    /// The current step, after checking that each view holds its tokens, with the device's
+    /// context bound for the launch that follows.
+    fn launch_step(&self, views: &[(&'static str, &DeviceRows)]) -> Result<StepShape, EngineError> {
+        let step = self
+            .step
+            .ok_or_else(|| EngineError::InvalidConfig("attention before begin".into()))?;
+        for &(what, rows) in views {
+            self.check_rows(what, rows, &step)?;
+        }
+        self.dev.bind()?;
+        Ok(step)
     }
 
     fn check_rows(
@@ -332,35 +342,16 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
             max_blocks_per_seq: mbps,
             context_lens: &batch.context_lens,
         };
-        if batch.context_lens.len() != seqs {
-            return Err(AttnError::LengthMismatch {
-                what: "context_lens",
-                expected: seqs,
-                found: batch.context_lens.len(),
-            }
-            .into());
-        }
-        crate::kv::check_seqs(&cfg, &paged)?;
-        check_query_starts(&batch.query_start_loc, seqs, tokens)?;
-        if batch.slot_mapping.len() != tokens {
-            return Err(AttnError::LengthMismatch {
-                what: "slot_mapping",
-                expected: tokens,
-                found: batch.slot_mapping.len(),
-            }
-            .into());
-        }
-        let num_slots = cfg.num_blocks() * cfg.block_size();
-        for (token, &slot) in batch.slot_mapping.iter().enumerate() {
-            if slot != -1 && !(0..num_slots as i64).contains(&slot) {
-                return Err(AttnError::SlotOutOfRange {
-                    token,
-                    slot,
-                    num_slots,
-                }
-                .into());
-            }
-        }
+        // The CPU kernels' checks, so both backends refuse the same batches.
+        check_len("context_lens", seqs, batch.context_lens.len())?;
+        check_seqs(&cfg, &paged)?;
+        check_len(
+            "input_tokens",
+            check_query_starts(&batch.query_start_loc, &paged)?,
+            tokens,
+        )?;
+        check_len("slot_mapping", tokens, batch.slot_mapping.len())?;
+        check_slots(&cfg, &batch.slot_mapping)?;
         self.reserve(RawCaps {
             max_seqs: seqs,
             max_tokens: tokens,
@@ -415,10 +406,7 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
         value: &DeviceRows,
         _batch: &Batch,
     ) -> Result<(), EngineError> {
-        let step = self.step()?;
-        self.check_rows("key", key, &step)?;
-        self.check_rows("value", value, &step)?;
-        self.dev.bind()?;
+        let step = self.launch_step(&[("key", key), ("value", value)])?;
         // SAFETY: key/value are the model's rows of this step's tokens in device memory of this
         // context, alive until the model's next call (the executor calls `attended` after the
         // attention that follows, and `end` waits for the stream before the step is over); the
@@ -444,10 +432,7 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
         query: &DeviceRows,
         _batch: &Batch,
     ) -> Result<&DeviceRows, EngineError> {
-        let step = self.step()?;
-        self.check_rows("query", query, &step)?;
-        let out = self.out;
-        self.dev.bind()?;
+        let step = self.launch_step(&[("query", query)])?;
         // SAFETY: the query rows as in reshape_and_cache; the output, metadata and workspace
         // are this backend's device buffers sized for the capacities (reserve) and the plan;
         // the block tables name pages this engine's sequences hold (`new`'s contract).
@@ -456,7 +441,7 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
                 &self.cache,
                 layer,
                 query.rows,
-                out.rows,
+                self.out.rows,
                 &self.seq_tables(&step),
                 &self.params,
                 &self.bufs.plan,
@@ -473,17 +458,14 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
         query: &DeviceRows,
         _batch: &Batch,
     ) -> Result<&DeviceRows, EngineError> {
-        let step = self.step()?;
-        self.check_rows("query", query, &step)?;
-        let out = self.out;
-        self.dev.bind()?;
+        let step = self.launch_step(&[("query", query)])?;
         // SAFETY: as in decode; query_start_loc is the step's uploaded, checked metadata.
         unsafe {
             cuda_raw::paged_attention_prefill(
                 &self.cache,
                 layer,
                 query.rows,
-                out.rows,
+                self.out.rows,
                 &self.seq_tables(&step),
                 self.bufs.meta + self.bufs.layout.query_start as u64,
                 step.max_query_len,
@@ -498,22 +480,4 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
         self.step = None;
         self.dev.synchronize()
     }
-}
-
-/// Checks `query_start_loc`: `seqs + 1` non-decreasing entries from 0 to `tokens`.
-fn check_query_starts(qsl: &[i32], seqs: usize, tokens: usize) -> Result<(), AttnError> {
-    if qsl.len() != seqs + 1 {
-        return Err(AttnError::LengthMismatch {
-            what: "query_start_loc",
-            expected: seqs + 1,
-            found: qsl.len(),
-        });
-    }
-    let monotone = qsl.windows(2).all(|w| w[0] <= w[1]);
-    if qsl[0] != 0 || !monotone || qsl[seqs] as usize != tokens || qsl[seqs] < 0 {
-        return Err(AttnError::BadParam {
-            what: "query_start_loc must rise from 0 to the number of tokens",
-        });
-    }
-    Ok(())
 }

@@ -1,23 +1,22 @@
-// attention.cuh: the paged attention kernel templates (decode, split-K reduce, prefill).
+// attention.cuh: the paged attention kernel templates (decode arguments and contract, prefill).
 // Instantiated per element type T and head dim D by the launchers in paged_attention.cu.
 //
-// Decode: the argument block and the split-K reduce kernel live here; the kernel bodies are
-//   decode_v2.cuh (partitions, CUDA-core body, cross-warp merge) and decode_mma.cuh (the
-//   tensor-core body for f16 / bf16 GQA). grid (num_kv_heads * head_chunks, num_seqs,
-//   num_splits): one block reads the K and V of one KV head of one sequence over one partition
-//   of its context, once, for up to 8 query heads of the group. With one split the output is
-//   normalized and written directly; with several, each split writes its unnormalized
-//   accumulator, max and sum to the workspace and decode_reduce_kernel merges them (log-sum-exp
-//   rescaling).
+// Decode: the argument block lives here; the kernel bodies are decode_v2.cuh (partitions,
+//   CUDA-core body, cross-warp merge, split merge) and decode_mma.cuh (the tensor-core body for
+//   f16 / bf16 GQA). grid (num_kv_heads * head_chunks, num_seqs, num_splits): one block reads
+//   the K and V of one KV head of one sequence over one partition of its context, once, for up
+//   to 8 query heads of the group. With one split the output is normalized and written
+//   directly; with several, each split writes its unnormalized accumulator, max and sum to the
+//   workspace, and the last block of the group to finish merges them (log-sum-exp rescaling)
+//   in the same launch: one kernel per decode call whatever the split.
 //
 // THE DECODE CONTRACT (pkv_decode_plan in pagedkv.h; every decode kernel body obeys it, so a
 // plan made once serves every launch of a captured CUDA graph):
 //   * The host fixes, per plan: num_splits (grid z), the grid (num_kv_heads * head_chunks,
 //     num_seqs, num_splits) with head_chunks = ceil(group / GT) and blockIdx.x = kh *
 //     head_chunks + chunk, the dynamic shared memory (fixed per kernel instance: the bodies
-//     keep nothing per token in shared memory), the workspace layout and the reduce grid
-//     (num_heads, num_seqs). Nothing of it depends on device memory or on per-step host
-//     values.
+//     keep nothing per token in shared memory) and the workspace layout. Nothing of it depends
+//     on device memory or on per-step host values.
 //   * The device derives each sequence's partitions (decode_seq_ctx, decode_part_len below):
 //       ctx  = clamp(context_lens[s], 0, ctx_clamp)     ctx_clamp = min(max_context_capacity,
 //                                                        max_blocks_per_seq * block_size)
@@ -34,11 +33,20 @@
 //     (empty, or masked whole) writes tmp_max = -inf and tmp_sum = 0 and may leave tmp_out
 //     unwritten. Every (row, z) of every launched sequence is written each launch, so stale
 //     partials of an earlier replay are never read.
-//   * Workspace (f32, rows = num_seqs_capacity * num_heads): tmp_out [rows][num_splits][D] at
-//     byte 0, tmp_max [rows][num_splits] at the next 256-byte boundary, tmp_sum [rows]
-//     [num_splits] at the one after (decode_workspace_layout in paged_attention.cu).
-//   * decode_reduce_kernel merges all num_splits partials of a row, skipping tmp_max == -inf
-//     (so it never reads an unwritten tmp_out), and writes zeros when the total weight is 0.
+//   * Workspace (rows = num_seqs_capacity * num_heads, groups = num_seqs_capacity *
+//     num_kv_heads * head_chunks): arrival counters u32 [groups] at byte 0 (plan
+//     counter_bytes), tmp_out f32 [rows][num_splits][D] at the next 256-byte boundary, tmp_max
+//     f32 [rows][num_splits] at the one after, tmp_sum likewise (decode_workspace_layout in
+//     paged_attention.cu). The counters must be zero before a launch; every launch leaves them
+//     zero (the caller zeroes them once, when the workspace is new or last served another
+//     plan).
+//   * Split merge (decode_finish_split): after a barrier, thread 0 fences (publishing the
+//     block's partials) and adds one to the group's counter (blockIdx.x of sequence s); the
+//     block that brings it to num_splits is the last of the group: it resets the counter,
+//     fences, and merges all num_splits partials of each of its rows in split order
+//     (a result independent of which block finished last), skipping tmp_max == -inf (so it
+//     never reads an unwritten tmp_out) and writing zeros when the total weight is 0. Partials
+//     are read through L2 (__ldcg): another SM wrote them in this launch.
 //   * The split policy lives in one place, decode_plan (paged_attention.cu). Neither body
 //     keeps per-token logits (both are online softmax), so no partition length is too long
 //     and the plan has no floor on num_splits.
@@ -69,6 +77,7 @@ struct DecodeArgs {
   float *tmp_out;                // device [rows][num_splits][D] f32 (split; see the contract)
   float *tmp_max;                // device [rows][num_splits] f32 (split)
   float *tmp_sum;                // device [rows][num_splits] f32 (split)
+  unsigned *counters;            // device [num_seqs_capacity][gridDim.x] u32 (split), zero
   Strides st;                    // st.block: the page stride
   int64_t layer_offset;          // layer * st.layer
   int64_t q_stride;              // elements between sequences' query rows (16-byte multiple)
@@ -95,46 +104,6 @@ __device__ __forceinline__ int decode_seq_ctx(const int32_t *context_lens, int s
 __host__ __device__ __forceinline__ int decode_part_len(int ctx, int num_splits) {
   const int per = ceil_div(ctx > 0 ? ctx : 1, num_splits);
   return ceil_div(per, PKV_DECODE_PART_ALIGN) * PKV_DECODE_PART_ALIGN;
-}
-
-// Merges the splits of the decode kernels: out = sum_s acc_s * e^(m_s - M) / sum_s l_s *
-// e^(m_s - M) over every split whose m_s is finite (the contract: an empty partition has
-// m_s = -inf and an unwritten acc_s). grid (num_heads, num_seqs), 128 threads; dynamic smem:
-// num_splits floats (the weights).
-template <typename T>
-__global__ void __launch_bounds__(128) decode_reduce_kernel(
-    void *out,                     // device, row (s, h) at s * out_stride + h * head_dim, T
-    int64_t out_stride,            // elements between sequences' out rows
-    const float *tmp_out,          // device [rows][num_splits][head_dim]
-    const float *tmp_max,          // device [rows][num_splits]
-    const float *tmp_sum,          // device [rows][num_splits]
-    int num_heads, int head_dim, int num_splits) {
-  extern __shared__ float w[];  // [num_splits]
-  __shared__ float s_total;
-  const int h = blockIdx.x, seq = blockIdx.y;
-  const int64_t row = (int64_t)seq * num_heads + h;
-  const float *m = tmp_max + row * num_splits;
-  const float *l = tmp_sum + row * num_splits;
-  if (threadIdx.x == 0) {
-    float gm = -INFINITY;
-    for (int s = 0; s < num_splits; ++s) gm = fmaxf(gm, m[s]);
-    float total = 0.f;
-    for (int s = 0; s < num_splits; ++s) {
-      const float ws = (m[s] == -INFINITY) ? 0.f : expf(m[s] - gm);
-      w[s] = ws;
-      total += l[s] * ws;
-    }
-    s_total = total;
-  }
-  __syncthreads();
-  const float total = s_total;
-  T *o = reinterpret_cast<T *>(out) + (int64_t)seq * out_stride + (int64_t)h * head_dim;
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float v = 0.f;
-    for (int s = 0; s < num_splits; ++s)
-      if (w[s] != 0.f) v = fmaf(tmp_out[(row * num_splits + s) * head_dim + d], w[s], v);
-    o[d] = Elem<T>::from_f32(total > 0.f ? v / total : 0.f);
-  }
 }
 
 // ---------------------------------------------------------------------------------------------

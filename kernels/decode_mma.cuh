@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
   const DecodeBlock b = DecodeBlock::of<D>(a, GT);
   if (b.begin >= b.end) {
     decode_store_empty<T, D>(a, b);
+    if (a.num_splits > 1) decode_finish_split<T, D>(a, b);
     return;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -272,6 +273,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
   if constexpr (P::VS1) put(MT - 1, 64 * VS4 + 32 * P::VS2 + 2 * g);
   __syncthreads();
   decode_merge_and_store<T, D, GT>(a, b, sm);
+  if (a.num_splits > 1) decode_finish_split<T, D>(a, b);
 }
 
 }  // namespace pkv

@@ -10,7 +10,8 @@
 // loads in flight while it computes. Nothing in shared memory grows with the context: at the end
 // the warps' states are merged through DEC_WARPS x GT x (D + 2) floats (log-sum-exp rescaling).
 // With one split the block writes the normalized output; with several it writes its unnormalized
-// accumulator, max and sum to the workspace, which decode_reduce_kernel (attention.cuh) merges.
+// accumulator, max and sum to the workspace, and the group's last block to finish merges the
+// splits (decode_finish_split, the contract in attention.cuh).
 //
 // Partitions follow the decode contract (attention.cuh): derived on the device from each
 // sequence's own context and the plan's num_splits, in multiples of PKV_DECODE_PART_ALIGN
@@ -61,8 +62,8 @@ struct DecodeBlock {
   }
 };
 
-// The outputs of a block with nothing to attend: an empty split (max -inf, sum 0: the reduce
-// gives it no weight) or, unsplit, a zero row (an empty or padding sequence).
+// The outputs of a block with nothing to attend: an empty split (max -inf, sum 0: the split
+// merge gives it no weight) or, unsplit, a zero row (an empty or padding sequence).
 template <typename T, int D>
 __device__ void decode_store_empty(const DecodeArgs &a, const DecodeBlock &b) {
   if (a.num_splits > 1) {
@@ -117,6 +118,69 @@ __device__ void decode_merge_and_store(const DecodeArgs &a, const DecodeBlock &b
     } else {
       reinterpret_cast<T *>(a.out)[b.o0 + g * D + d] = Elem<T>::from_f32(l > 0.f ? o / l : 0.f);
     }
+  }
+}
+
+// With several splits, once this block's threads have written its partials to the workspace:
+// counts the block in, and if it is the last of its (sequence, head chunk) group,
+// merges the group's num_splits partials into the normalized output of its ng heads (the
+// contract's split merge, attention.cuh). Called by every thread of the block.
+template <typename T, int D>
+__device__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b) {
+  __shared__ int s_last;
+  __shared__ float s_max[8], s_total[8];  // per served head (ng <= 8)
+  // The arrival publishes the block's partials (the pattern of a grid-wide barrier): the
+  // barrier orders every thread's writes before thread 0's fence, whose cumulativity orders
+  // them before the atomic on the device; the last block's thread 0 fences after its atomic
+  // and the second barrier hands that order to the threads that read.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned *c = a.counters + (int64_t)b.seq * gridDim.x + blockIdx.x;
+    __threadfence();
+    const unsigned before = atomicAdd(c, 1u);
+    s_last = before + 1 == (unsigned)a.num_splits;
+    if (s_last) {
+      // Every block of the group has arrived: nothing adds to it again in this launch, and
+      // the next launch (stream-ordered after this one) finds it zero.
+      atomicExch(c, 0u);
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  if (!s_last) return;
+
+  const int S = a.num_splits;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int g = warp; g < b.ng; g += DEC_WARPS) {  // the head's max and total weight
+    const float *mx = a.tmp_max + (b.row0 + g) * S, *sm = a.tmp_sum + (b.row0 + g) * S;
+    float m = -INFINITY;
+    for (int z = lane; z < S; z += 32) m = fmaxf(m, __ldcg(mx + z));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float l = 0.f;
+    for (int z = lane; z < S; z += 32) {
+      const float mz = __ldcg(mx + z);
+      if (mz != -INFINITY) l = fmaf(__ldcg(sm + z), __expf(mz - m), l);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    if (lane == 0) {
+      s_max[g] = m;
+      s_total[g] = l;
+    }
+  }
+  __syncthreads();
+  T *out = reinterpret_cast<T *>(a.out) + b.o0;  // the ng heads' rows are contiguous
+  for (int i = threadIdx.x; i < b.ng * D; i += DEC_THREADS) {
+    const int g = i / D, d = i % D;
+    const int64_t row = b.row0 + g;
+    const float m = s_max[g], total = s_total[g];
+    float v = 0.f;
+    for (int z = 0; z < S; ++z) {  // split order: the same sum whichever block merges
+      const float mz = __ldcg(a.tmp_max + row * S + z);
+      if (mz != -INFINITY) v = fmaf(__ldcg(a.tmp_out + (row * S + z) * D + d), __expf(mz - m), v);
+    }
+    out[i] = Elem<T>::from_f32(total > 0.f ? v / total : 0.f);
   }
 }
 
@@ -199,6 +263,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
   const DecodeBlock b = DecodeBlock::of<D>(a, GT);
   if (b.begin >= b.end) {
     decode_store_empty<T, D>(a, b);
+    if (a.num_splits > 1) decode_finish_split<T, D>(a, b);
     return;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -364,6 +429,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
   }
   __syncthreads();
   decode_merge_and_store<T, D, GT>(a, b, smem);
+  if (a.num_splits > 1) decode_finish_split<T, D>(a, b);
 }
 
 }  // namespace pkv

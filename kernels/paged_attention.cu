@@ -21,21 +21,24 @@ inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 
 
 inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The decode workspace (the contract in attention.cuh): tmp_out, tmp_max, tmp_sum of `rows`
-// rows x `splits` splits, each section on a 256-byte boundary.
+// The decode workspace (the contract in attention.cuh): the arrival counters of `groups`
+// (sequence, head chunk) groups at byte 0, then tmp_out, tmp_max, tmp_sum of `rows` rows x
+// `splits` splits, each section on a 256-byte boundary.
 struct WorkspaceLayout {
-  size_t out_off, max_off, sum_off, total;
+  size_t counter_bytes, out_off, max_off, sum_off, total;
 };
 inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 // False when the sizes overflow 64 bits.
-inline bool decode_workspace_layout(int64_t rows, int head_dim, int splits, WorkspaceLayout *w) {
+inline bool decode_workspace_layout(int64_t rows, int64_t groups, int head_dim, int splits,
+                                    WorkspaceLayout *w) {
   int64_t n = 0, out_bytes = 0;
   if (!mul_i64(rows, splits, &n) || !mul_i64(n, (int64_t)head_dim * (int64_t)sizeof(float),
                                                &out_bytes))
     return false;
-  if (out_bytes > (INT64_MAX >> 2)) return false;  // the sums below stay far from overflow
-  w->out_off = 0;
-  w->max_off = align_up((size_t)out_bytes, 256);
+  if (out_bytes > (INT64_MAX >> 2) || groups > (INT64_MAX >> 4)) return false;  // sums stay small
+  w->counter_bytes = (size_t)groups * sizeof(unsigned);
+  w->out_off = align_up(w->counter_bytes, 256);
+  w->max_off = w->out_off + align_up((size_t)out_bytes, 256);
   w->sum_off = w->max_off + align_up((size_t)n * sizeof(float), 256);
   w->total = w->sum_off + align_up((size_t)n * sizeof(float), 256);
   return true;
@@ -108,12 +111,15 @@ int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_k
       return PKV_ERR_INVALID_ARG;
   }
   if (splits > PKV_DECODE_MAX_SPLITS) return PKV_ERR_INVALID_ARG;
-  uint64_t ws = 0;
+  uint64_t ws = 0, counters = 0;
   if (splits > 1) {
     WorkspaceLayout w;
-    if (!decode_workspace_layout((int64_t)num_seqs * num_heads, head_dim, (int)splits, &w))
+    if (!decode_workspace_layout((int64_t)num_seqs * num_heads,
+                                 (int64_t)num_seqs * num_kv_heads * ceil_div(group, gt), head_dim,
+                                 (int)splits, &w))
       return PKV_ERR_INVALID_ARG;
     ws = w.total;
+    counters = w.counter_bytes;
   }
   plan->mode = mode;
   plan->num_seqs_capacity = num_seqs;
@@ -123,6 +129,7 @@ int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_k
   plan->max_context_capacity = cap;
   plan->num_splits = (int32_t)splits;
   plan->workspace_bytes = ws;
+  plan->counter_bytes = counters;
   return PKV_OK;
 }
 
@@ -133,25 +140,13 @@ int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_k
 // waste 15 of its 16 rows.
 constexpr int DECODE_MMA_MIN_GROUP = 2;
 
-// The reduce kernel after a split launch (nothing to do unsplit).
-template <typename T>
-int launch_decode_reduce(const DecodeArgs &a, int num_seqs, int head_dim, cudaStream_t stream) {
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess || a.num_splits == 1) return status_of(e);
-  const dim3 rgrid(a.num_heads, num_seqs);
-  decode_reduce_kernel<T><<<rgrid, 128, a.num_splits * sizeof(float), stream>>>(
-      a.out, a.out_stride, a.tmp_out, a.tmp_max, a.tmp_sum, a.num_heads, head_dim,
-      a.num_splits);
-  return status_of(cudaGetLastError());
-}
-
 template <typename T, int D, int GT>
 int launch_decode(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t stream) {
   constexpr size_t smem = SimtDecode<T, D, GT>::smem_bytes();
   static_assert(smem <= 48 * 1024, "the merge buffer fits without the opt-in");
   const dim3 grid(num_kv_heads * a.head_chunks, num_seqs, a.num_splits);
   decode_simt_kernel<T, D, GT><<<grid, DEC_THREADS, smem, stream>>>(a);
-  return launch_decode_reduce<T>(a, num_seqs, D, stream);
+  return status_of(cudaGetLastError());
 }
 
 template <typename T, int D>
@@ -160,7 +155,7 @@ int launch_decode_mma(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t
   static_assert(smem <= 48 * 1024, "queries and merge buffer fit without the opt-in");
   const dim3 grid(num_kv_heads * a.head_chunks, num_seqs, a.num_splits);
   decode_mma_kernel<T, D><<<grid, DEC_THREADS, smem, stream>>>(a);
-  return launch_decode_reduce<T>(a, num_seqs, D, stream);
+  return status_of(cudaGetLastError());
 }
 
 template <typename T, int D>
@@ -253,11 +248,14 @@ extern "C" int pkv_paged_attention_decode(void *out, int64_t out_token_stride, c
     // Sized for the plan's capacity (not num_seqs): the layout's row stride is fixed per plan.
     WorkspaceLayout w;
     if (!decode_workspace_layout((int64_t)plan->num_seqs_capacity * params->num_heads,
+                                 (int64_t)plan->num_seqs_capacity * hkv * a.head_chunks,
                                  geom->head_dim, a.num_splits, &w))
       return PKV_ERR_PLAN;
+    if (plan->counter_bytes != w.counter_bytes) return PKV_ERR_PLAN;  // the caller zeroes those
     if (workspace == nullptr || workspace_bytes < w.total || !aligned16(workspace))
       return PKV_ERR_WORKSPACE;
     char *ws = static_cast<char *>(workspace);
+    a.counters = reinterpret_cast<unsigned *>(ws);
     a.tmp_out = reinterpret_cast<float *>(ws + w.out_off);
     a.tmp_max = reinterpret_cast<float *>(ws + w.max_off);
     a.tmp_sum = reinterpret_cast<float *>(ws + w.sum_off);

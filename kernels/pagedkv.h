@@ -92,11 +92,11 @@ extern "C" {
  *  SM PKV_DECODE_CTAS_PER_SM of them, else enough splits to reach that many (partitions no
  *  shorter than PKV_DECODE_MIN_PART tokens). */
 #define PKV_DECODE_AUTO 0
-/** Force one split (one pass per sequence and KV head, no reduce kernel), whatever the context
- *  capacity: the kernels keep nothing per token in shared memory. */
+/** Force one split (one pass per sequence and KV head, no split merge, no workspace), whatever
+ *  the context capacity: the kernels keep nothing per token in shared memory. */
 #define PKV_DECODE_SINGLE 1
-/** Force split-K plus the reduce kernel: max(2, ceil(max_context_capacity /
- *  PKV_DECODE_PARTITION)) splits. */
+/** Force split-K: max(2, ceil(max_context_capacity / PKV_DECODE_PARTITION)) splits, merged by
+ *  the last block of each (sequence, head chunk) group in the same launch. */
 #define PKV_DECODE_SPLIT 2
 /** Tokens per partition of PKV_DECODE_SPLIT at the context capacity. */
 #define PKV_DECODE_PARTITION 512
@@ -106,7 +106,7 @@ extern "C" {
 #define PKV_DECODE_MIN_PART 32
 /** PKV_DECODE_AUTO's target: thread blocks per SM over all splits. */
 #define PKV_DECODE_CTAS_PER_SM 2
-/** Most splits of a plan (grid z; the reduce kernel keeps one f32 per split in shared memory). */
+/** Most splits of a plan (grid z). */
 #define PKV_DECODE_MAX_SPLITS 4096
 
 /** The geometry of one model's view of a paged KV arena (mirrors kv::KvCacheConfig). */
@@ -146,10 +146,10 @@ typedef struct pkv_attn_params {
  *
  * What the plan fixes and what the kernels derive on the device (the contract every decode
  * kernel body obeys; kernels/attention.cuh describes it in full):
- * - grid (num_kv_heads * head_chunks, num_seqs, num_splits) for the partial kernel and
- *   (num_heads, num_seqs) for the reduce kernel (run only when num_splits > 1); num_seqs is the
- *   launch's (<= num_seqs_capacity), so a graph captured with num_seqs = capacity replays the
- *   same grid.
+ * - one kernel, grid (num_kv_heads * head_chunks, num_seqs, num_splits) (with several splits,
+ *   the last block of each (sequence, head chunk) to finish merges its group's splits); num_seqs
+ *   is the launch's (<= num_seqs_capacity), so a graph captured with num_seqs = capacity
+ *   replays the same grid.
  * - sequence s's partitions come from context_lens[s] on the device: with ctx = context_lens[s]
  *   (clamped to [0, min(max_context_capacity, max_blocks_per_seq * block_size)]),
  *   part = round_up(ceil(max(ctx, 1) / num_splits), PKV_DECODE_PART_ALIGN) and split z covers
@@ -172,6 +172,10 @@ typedef struct pkv_decode_plan {
   int32_t num_splits;
   /** Device workspace a launch needs, bytes (0 when num_splits == 1). */
   uint64_t workspace_bytes;
+  /** The workspace's first counter_bytes (0 when num_splits == 1) are the split merge's
+   *  arrival counters: zero them (cudaMemsetAsync) before the first launch with this plan, and
+   *  again whenever the workspace last served another plan; every launch leaves them zero. */
+  uint64_t counter_bytes;
 } pkv_decode_plan;
 
 /**
@@ -225,8 +229,9 @@ int pkv_decode_plan_init(pkv_decode_plan *plan, int32_t mode, int32_t num_seqs_c
  *               PKV_ERR_PLAN)
  * params        host
  * workspace     device scratch of workspace_bytes >= plan->workspace_bytes, 16-byte aligned
- *               (may be NULL when that is 0; else PKV_ERR_WORKSPACE); contents need no
- *               initialization and are left undefined
+ *               (may be NULL when that is 0; else PKV_ERR_WORKSPACE). Its first
+ *               plan->counter_bytes must be zero (see pkv_decode_plan) and are left zero; the
+ *               rest needs no initialization and is left undefined
  */
 int pkv_paged_attention_decode(void *out, int64_t out_token_stride, const void *query,
                                int64_t query_token_stride, const void *cache,

@@ -11,9 +11,12 @@
 //! checks on a GPU are tests/cuda_kernels.rs.
 #![cfg(all(feature = "cuda-emu", not(feature = "cuda")))]
 
+#[path = "support/emu_bufs.rs"]
+mod emu_bufs;
 #[path = "support/kernel_grid.rs"]
 mod kernel_grid;
 
+use emu_bufs::*;
 use half::{bf16, f16};
 use kernel_grid::*;
 use pagedkv::attn::cpu;
@@ -29,47 +32,6 @@ trait Elem: Tol + EmuElem {}
 impl<T: Tol + EmuElem> Elem for T {}
 
 const OK: i32 = ffi::PKV_OK as i32;
-
-fn buf<T: EmuElem>(data: &[T]) -> EmuBuf {
-    EmuBuf::from_slice(data).expect("guarded allocation")
-}
-
-/// A buffer of `n` elements of T, every byte 0xFF (NaN in all three float types).
-fn poisoned<T: EmuElem>(n: usize) -> EmuBuf {
-    let mut b = EmuBuf::zeroed(n * std::mem::size_of::<T>()).expect("guarded allocation");
-    b.as_mut_slice::<u8>().fill(0xff);
-    b
-}
-
-fn null() -> *mut c_void {
-    std::ptr::null_mut()
-}
-
-fn geometry(cfg: &KvCacheConfig) -> ffi::pkv_cache_geometry {
-    ffi::pkv_cache_geometry {
-        num_blocks: cfg.num_blocks() as i32,
-        num_layers: cfg.num_layers() as i32,
-        block_size: cfg.block_size() as i32,
-        num_kv_heads: cfg.num_kv_heads() as i32,
-        head_dim: cfg.head_dim() as i32,
-        dtype: match cfg.dtype() {
-            KvDtype::F32 => ffi::PKV_DTYPE_F32,
-            KvDtype::F16 => ffi::PKV_DTYPE_F16,
-            KvDtype::Bf16 => ffi::PKV_DTYPE_BF16,
-        } as i32,
-        block_stride: cfg.block_stride() as i64,
-    }
-}
-
-fn expect_ok(what: &str, status: i32) {
-    assert_eq!(
-        status,
-        OK,
-        "{what}: launcher status {status} ({}); last fault: {:?}",
-        cuda_emu::status_string(status),
-        cuda_emu::last_fault()
-    );
-}
 
 /// One attention problem uploaded to guarded "device" buffers.
 struct AttnCase {
@@ -159,7 +121,7 @@ impl AttnCase {
         let row = (self.nh * d) as i64;
         let out = poisoned::<T>(self.rows * d);
         let ws_bytes = plan.workspace_bytes as usize;
-        let ws = (ws_bytes > 0).then(|| poisoned::<u8>(ws_bytes));
+        let ws = (ws_bytes > 0).then(|| decode_workspace(ws_bytes, plan.counter_bytes as usize));
         // SAFETY: every pointer is a live guarded buffer of the shape pagedkv.h documents
         // (cache: the whole cache; query/out: [num_seqs][nh][d], dense rows; tables:
         // [num_seqs][mbps]; ctx: [num_seqs]; workspace: the plan's bytes); the emulated launch
@@ -319,7 +281,7 @@ fn decode_grid_bf16() {
     decode_grid::<bf16>(3);
 }
 
-/// Split-K over many partitions (boundaries 511/512/513), the reduce kernel, windows starting
+/// Split-K over many partitions (boundaries 511/512/513), the in-launch split merge, windows starting
 /// mid-partition, and odd GQA ratios (2, 3, 6, 16: padded and chunked head groups).
 #[test]
 fn decode_long_contexts_and_odd_groups() {
@@ -506,8 +468,9 @@ fn decode_strided_views_match_the_oracle() {
         for mode in MODES {
             let plan = case.plan(mode).expect("plan");
             let out = poisoned::<T>(ctx.len() * os);
-            let ws =
-                (plan.workspace_bytes > 0).then(|| poisoned::<u8>(plan.workspace_bytes as usize));
+            let ws = (plan.workspace_bytes > 0).then(|| {
+                decode_workspace(plan.workspace_bytes as usize, plan.counter_bytes as usize)
+            });
             // SAFETY: fq holds ctx.len() rows of qs elements (the q heads first), out
             // ctx.len() rows of os; the rest as AttnCase::decode_with; synchronous launch.
             let s = unsafe {
@@ -671,14 +634,18 @@ fn auto_mode_picks_split_by_device_size() {
     let want = cpu_decode(&b, &host, layer, &query, &params);
     let mut case = AttnCase::new(&b, &host, &query, &params);
     // 2 seqs x 2 KV heads = 4 thread blocks per split: PKV_DECODE_CTAS_PER_SM (2) per SM
-    // without splitting only on a 1-SM device; on 132 SMs the plan splits (2 launches).
-    for (sms, launches) in [(132, 2), (1, 1)] {
+    // without splitting only on a 1-SM device; on 132 SMs the plan splits. Either way one
+    // kernel runs (the splits merge in the same launch).
+    for (sms, split) in [(132, true), (1, false)] {
         cuda_emu::set_sm_count(sms);
+        let splits = case.plan(ffi::PKV_DECODE_AUTO).expect("plan").num_splits as u64;
+        assert_eq!(splits > 1, split, "{sms} SMs: {splits} splits");
         let _ = cuda_emu::take_stats();
         let (s, got) = case.decode::<f16>(layer, ffi::PKV_DECODE_AUTO);
         expect_ok("auto", s);
         let st = cuda_emu::take_stats();
-        assert_eq!(st.launches, launches, "{sms} SMs: kernels launched");
+        assert_eq!(st.launches, 1, "{sms} SMs: kernels launched");
+        assert_eq!(st.blocks, 4 * splits, "{sms} SMs: thread blocks");
         assert_close(&format!("auto decode on {sms} SMs"), &got, &want, d);
     }
     cuda_emu::set_sm_count(132);
@@ -1076,6 +1043,7 @@ fn page_stride_and_block_size_are_validated() {
         max_context_capacity: 16,
         num_splits: 1,
         workspace_bytes: 0,
+        counter_bytes: 0,
     };
     let launch_all = |g: &ffi::pkv_cache_geometry| -> [i32; 4] {
         // SAFETY: the geometry is invalid, so each launcher returns before any launch or any

@@ -16,60 +16,20 @@
 //! The same scenario on a GPU, through `cuda::DeviceArena`, is tests/cuda_arena.rs.
 #![cfg(all(feature = "cuda-emu", not(feature = "cuda")))]
 
+#[path = "support/emu_bufs.rs"]
+mod emu_bufs;
 #[path = "support/kernel_grid.rs"]
 mod kernel_grid;
 
+use emu_bufs::*;
 use half::{bf16, f16};
 use kernel_grid::*;
-use pagedkv::cuda_emu::{self, ffi, EmuBuf, EmuElem};
-use pagedkv::kv::{KvCacheConfig, KvDtype};
+use pagedkv::cuda_emu::{ffi, EmuBuf, EmuElem};
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
-use std::ffi::c_void;
 
 trait Elem: Tol + EmuElem {}
 impl<T: Tol + EmuElem> Elem for T {}
-
-fn buf<T: EmuElem>(data: &[T]) -> EmuBuf {
-    EmuBuf::from_slice(data).expect("guarded allocation")
-}
-
-fn null() -> *mut c_void {
-    std::ptr::null_mut()
-}
-
-fn geometry(cfg: &KvCacheConfig) -> ffi::pkv_cache_geometry {
-    ffi::pkv_cache_geometry {
-        num_blocks: cfg.num_blocks() as i32,
-        num_layers: cfg.num_layers() as i32,
-        block_size: cfg.block_size() as i32,
-        num_kv_heads: cfg.num_kv_heads() as i32,
-        head_dim: cfg.head_dim() as i32,
-        dtype: match cfg.dtype() {
-            KvDtype::F32 => ffi::PKV_DTYPE_F32,
-            KvDtype::F16 => ffi::PKV_DTYPE_F16,
-            KvDtype::Bf16 => ffi::PKV_DTYPE_BF16,
-        } as i32,
-        block_stride: cfg.block_stride() as i64,
-    }
-}
-
-fn expect_ok(what: &str, status: i32) {
-    assert_eq!(
-        status,
-        ffi::PKV_OK as i32,
-        "{what}: launcher status {status} ({}); last fault: {:?}",
-        cuda_emu::status_string(status),
-        cuda_emu::last_fault()
-    );
-}
-
-/// A buffer of `n` elements of T, every byte 0xFF.
-fn poisoned<T: EmuElem>(n: usize) -> EmuBuf {
-    let mut b = EmuBuf::zeroed(n * std::mem::size_of::<T>()).expect("guarded allocation");
-    b.as_mut_slice::<u8>().fill(0xFF);
-    b
-}
 
 /// Frees pages the way a test build does: every byte of the page becomes 0xFF.
 fn poison_pages(arena: &mut EmuBuf, pages: &[u32]) {
@@ -150,7 +110,14 @@ fn run_model<T: Elem>(arena: &mut EmuBuf, w: &HandOff<T>) -> Outputs<T> {
         .map(|p| p.workspace_bytes as usize)
         .max()
         .unwrap_or(0);
-    let ws = poisoned::<u8>(ws_bytes.max(1));
+    // One workspace for both plans: the single pass leaves it alone, the split one leaves its
+    // counters zero.
+    let counters = plans
+        .iter()
+        .map(|p| p.counter_bytes as usize)
+        .max()
+        .unwrap_or(0);
+    let ws = decode_workspace(ws_bytes, counters);
     let mut outs = Vec::new();
     for layer in 0..cfg.num_layers() {
         let decode = |plan: &ffi::pkv_decode_plan| {

@@ -9,38 +9,21 @@
 //! bf16 prefill does take this kernel (its shared-memory footprint is the launch's), f32 not.
 #![cfg(all(feature = "cuda-emu", not(feature = "cuda")))]
 
+#[path = "support/emu_bufs.rs"]
+mod emu_bufs;
 #[path = "support/kernel_grid.rs"]
 mod kernel_grid;
 
+use emu_bufs::*;
 use half::{bf16, f16};
 use kernel_grid::*;
 use pagedkv::cuda_emu::{self, ffi, EmuBuf, EmuElem};
-use pagedkv::kv::{AttnParams, KvCacheConfig, KvDtype};
+use pagedkv::kv::{AttnParams, KvDtype};
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
 trait Elem: Tol + EmuElem {}
 impl<T: Tol + EmuElem> Elem for T {}
-
-fn buf<T: EmuElem>(data: &[T]) -> EmuBuf {
-    EmuBuf::from_slice(data).expect("guarded allocation")
-}
-
-fn geometry(cfg: &KvCacheConfig) -> ffi::pkv_cache_geometry {
-    ffi::pkv_cache_geometry {
-        num_blocks: cfg.num_blocks() as i32,
-        num_layers: cfg.num_layers() as i32,
-        block_size: cfg.block_size() as i32,
-        num_kv_heads: cfg.num_kv_heads() as i32,
-        head_dim: cfg.head_dim() as i32,
-        dtype: match cfg.dtype() {
-            KvDtype::F32 => ffi::PKV_DTYPE_F32,
-            KvDtype::F16 => ffi::PKV_DTYPE_F16,
-            KvDtype::Bf16 => ffi::PKV_DTYPE_BF16,
-        } as i32,
-        block_stride: cfg.block_stride() as i64,
-    }
-}
 
 /// Runs the prefill launcher on guarded copies of the inputs: the query rows (dense in `query`,
 /// `[tokens][heads * d]`) placed `qs` elements apart with NaN between them (a fused-QKV-shaped

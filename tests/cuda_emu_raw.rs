@@ -12,9 +12,12 @@
 //! - every host check refuses bad input with its typed error before anything launches.
 #![cfg(all(feature = "cuda-emu", not(feature = "cuda")))]
 
+#[path = "support/emu_bufs.rs"]
+mod emu_bufs;
 #[path = "support/kernel_grid.rs"]
 mod kernel_grid;
 
+use emu_bufs::*;
 use half::{bf16, f16};
 use kernel_grid::*;
 use pagedkv::cuda_emu::{self, EmuBuf, EmuElem};
@@ -29,17 +32,6 @@ use rand::SeedableRng;
 
 trait Elem: Tol + EmuElem {}
 impl<T: Tol + EmuElem> Elem for T {}
-
-fn buf<T: EmuElem>(data: &[T]) -> EmuBuf {
-    EmuBuf::from_slice(data).expect("guarded allocation")
-}
-
-/// `n` elements of T, every byte 0xFF (NaN in all three float types).
-fn poisoned<T: EmuElem>(n: usize) -> EmuBuf {
-    let mut b = EmuBuf::zeroed(n * std::mem::size_of::<T>()).expect("guarded allocation");
-    b.as_mut_slice::<u8>().fill(0xff);
-    b
-}
 
 fn ptr(b: &EmuBuf) -> u64 {
     b.ptr() as u64
@@ -114,7 +106,7 @@ fn eager_decode<T: Elem>(
         .expect("eager plan");
     let (q, out) = (buf(query), poisoned::<T>(n * nh * d));
     let (tables, ctx) = (buf(&b.tables), buf(&b.ctx));
-    let ws = poisoned::<u8>(plan.workspace_bytes().max(1));
+    let ws = decode_workspace(plan.workspace_bytes(), plan.counter_bytes());
     let seqs = SeqTables {
         block_tables: ptr(&tables),
         max_blocks_per_seq: b.mbps,
@@ -193,8 +185,9 @@ fn check_fixed_plan<T: Elem>(
     let mut ctx = poisoned::<i32>(cap_seqs);
     let mut query = poisoned::<T>(cap_seqs * nh * d);
     let mut out = poisoned::<T>(cap_seqs * nh * d);
-    // Poisoned once, never again: a partial left by an earlier step must never be read.
-    let ws = poisoned::<u8>(plan.workspace_bytes().max(1));
+    // Prepared once, never again: a partial left by an earlier step must never be read, and
+    // every step must leave the split merge's counters zero for the next.
+    let ws = decode_workspace(plan.workspace_bytes(), plan.counter_bytes());
     let seqs = SeqTables {
         block_tables: ptr(&tables),
         max_blocks_per_seq: mbps,
@@ -243,6 +236,12 @@ fn check_fixed_plan<T: Elem>(
         }
         .unwrap_or_else(|e| panic!("{what}: {e}"));
         let st = cuda_emu::take_stats();
+        assert!(
+            ws.as_slice::<u8>()[..plan.counter_bytes()]
+                .iter()
+                .all(|&c| c == 0),
+            "{what}: the launch left a split merge counter non-zero"
+        );
         match grid {
             None => grid = Some((st.launches, st.blocks)),
             Some(g) => assert_eq!(
@@ -297,9 +296,9 @@ fn fixed_plan_replays_over_changed_metadata() {
     );
     check_fixed_plan::<f16>(&mut rng, 64, 1, 8, 30, alibi_window, DecodeMode::Auto, 132);
     check_fixed_plan::<f32>(&mut rng, 256, 8, 32, 12, capped, DecodeMode::Auto, 132);
-    // Auto on a 4-SM device: the batch fills it, one split (no reduce kernel).
+    // Auto on a 4-SM device: the batch fills it, one split (no split merge).
     check_fixed_plan::<bf16>(&mut rng, 96, 6, 16, 20, alibi_window, DecodeMode::Auto, 4);
-    // Forced modes: split-K with the reduce kernel, and a single pass.
+    // Forced modes: split-K with the split merge, and a single pass.
     check_fixed_plan::<f16>(&mut rng, 112, 3, 64, 20, capped, DecodeMode::SplitK, 132);
     check_fixed_plan::<bf16>(
         &mut rng,
@@ -360,7 +359,7 @@ fn check_fused<T: Elem>(rng: &mut SmallRng, d: usize, group: usize, bs: usize) {
 
     // Decode: the first 3 tokens' q as the 3 sequences' queries.
     let plan = DecodePlan::new(DecodeMode::SplitK, 3, nh, hkv, d, b.mbps * bs, 132).expect("plan");
-    let ws = poisoned::<u8>(plan.workspace_bytes().max(1));
+    let ws = decode_workspace(plan.workspace_bytes(), plan.counter_bytes());
     let wsr = Workspace {
         ptr: ptr(&ws),
         bytes: ws.len(),

@@ -170,7 +170,7 @@ fn decode_grid_bf16() {
     decode_grid::<bf16>(3);
 }
 
-/// Long contexts: split-K over many partitions (boundaries 511/512/513), the reduce kernel,
+/// Long contexts: split-K over many partitions (boundaries 511/512/513), the in-launch split merge,
 /// windows that start mid-partition, and odd GQA ratios (2, 6, 16: padded and chunked head
 /// groups).
 #[test]

@@ -28,8 +28,9 @@
 // - Errors are sticky per OS thread and read through cudaGetLastError(), as launch errors are.
 //
 // Not modelled: timing, memory coalescing, the L1/L2 hierarchy, real concurrency between
-// blocks (a kernel whose blocks communicate would deadlock here), streams (everything is
-// synchronous), atomics (no kernel uses them).
+// blocks (a kernel whose blocks wait for each other would deadlock here), streams (everything is
+// synchronous), concurrent atomics (blocks run one at a time: the decode split merge's arrival
+// counter is exercised in every block order, not under contention).
 #pragma once
 
 #include <math.h>
@@ -246,10 +247,32 @@ template <typename T> inline T __ldcs(const T *p) {
   if (sizeof(T) == 16) emu::check_align16(p, "__ldcs of a 16-byte vector");
   return *p;
 }
+template <typename T> inline T __ldcg(const T *p) {
+  if (sizeof(T) == 16) emu::check_align16(p, "__ldcg of a 16-byte vector");
+  return *p;
+}
 template <typename T> inline void __stcs(T *p, const T &v) {
   if (sizeof(T) == 16) emu::check_align16(p, "__stcs of a 16-byte vector");
   *p = v;
 }
+
+// ---- atomics and fences ---------------------------------------------------------------------
+// Blocks run one at a time and a block's fibers switch only at barriers, so a read-modify-write
+// is atomic as written, and every write is visible to the next block: a fence has nothing to
+// order. What the emulation does check is the protocol's logic under every block order (the
+// launch's schedule policy decides which block of a group arrives last).
+
+inline unsigned atomicAdd(unsigned *p, unsigned v) {
+  const unsigned old = *p;
+  *p = old + v;
+  return old;
+}
+inline unsigned atomicExch(unsigned *p, unsigned v) {
+  const unsigned old = *p;
+  *p = v;
+  return old;
+}
+inline void __threadfence() {}
 
 // ---- math ------------------------------------------------------------------------------------
 

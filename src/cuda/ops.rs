@@ -233,10 +233,14 @@ impl DeviceAttnParams {
     }
 }
 
-/// Device scratch of split-K decode; grows to the largest batch seen, never shrinks.
+/// Device scratch of split-K decode; grows to the largest batch seen, never shrinks. It keeps
+/// the split merge's counters valid across plans: the kernels leave a plan's counters zero,
+/// and a plan with more of them than the last one zeroes the difference first.
 #[derive(Debug, Default)]
 pub struct DecodeWorkspace {
     buf: Option<CudaSlice<u8>>,
+    /// Leading bytes known to be zero (the last plan's counters, or all of a new buffer).
+    zeroed: usize,
 }
 
 impl DecodeWorkspace {
@@ -248,14 +252,26 @@ impl DecodeWorkspace {
     pub fn capacity_bytes(&self) -> usize {
         self.buf.as_ref().map_or(0, |b| b.len())
     }
-    /// Grows to at least `bytes` (never shrinks; the contents are scratch).
+    /// Grows to at least `plan`'s bytes (never shrinks) and zeroes its counters unless they
+    /// are known to be zero. Call it right before a launch with `plan`, on `gpu`'s stream.
     ///
     /// # Errors
-    /// [`CudaError::Driver`] if the allocation fails (the old buffer is kept).
-    pub fn reserve(&mut self, gpu: &Gpu, bytes: usize) -> Result<(), CudaError> {
+    /// [`CudaError::Driver`] if the allocation or the zeroing fails (the old buffer is kept).
+    pub fn prepare(&mut self, gpu: &Gpu, plan: &cuda_raw::DecodePlan) -> Result<(), CudaError> {
+        let (bytes, counters) = (plan.workspace_bytes(), plan.counter_bytes());
         if bytes > self.capacity_bytes() {
             self.buf = Some(gpu.alloc_zeros::<u8>(bytes)?);
+            self.zeroed = bytes;
         }
+        if counters == 0 {
+            return Ok(()); // one split: the launch does not touch the workspace
+        }
+        if let (Some(buf), true) = (self.buf.as_mut(), counters > self.zeroed) {
+            gpu.bind()?;
+            gpu.stream().memset_zeros(&mut buf.slice_mut(..counters))?;
+        }
+        // After the launch only its counters are known to be zero (the partials follow them).
+        self.zeroed = counters;
         Ok(())
     }
     /// The raw workspace and the guard that records its use on `stream` when dropped.
@@ -652,7 +668,7 @@ impl DeviceKvCache {
             seqs.max_context_len.max(1),
             gpu.info().sm_count.max(1) as usize,
         )?;
-        ws.reserve(gpu, plan.workspace_bytes())?;
+        ws.prepare(gpu, &plan)?;
         gpu.bind()?;
         let stream = gpu.stream();
         let (q, _gq) = query.raw(stream);

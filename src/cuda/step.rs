@@ -219,6 +219,8 @@ impl DecodeStep {
             })?;
         let mut staging = Pinned::new(gpu, layout.total)?;
         let meta = gpu.alloc_zeros::<u8>(layout.total)?;
+        // Zeroed once: the split merge's counters at its head start at zero, and every launch
+        // with this (fixed) plan leaves them so.
         let workspace = match plan.workspace_bytes() {
             0 => None,
             n => Some(gpu.alloc_zeros::<u8>(n)?),

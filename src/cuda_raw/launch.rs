@@ -84,6 +84,10 @@ fn plan_fits(
 /// - `workspace` holds `workspace.bytes` bytes no other work uses meanwhile;
 /// - `stream` is a stream of the current context (or null).
 ///
+/// For a correct result (not for memory safety: the merge reads only the workspace), the
+/// workspace's first [`DecodePlan::counter_bytes`] are zero: zeroed when it is new or last
+/// served another plan; every launch leaves them zero.
+///
 /// # Errors
 /// Before any launch: [`RawError::Unsupported`] (head dim, block size, sizes beyond `i32`),
 /// [`RawError::Kv`] (layer), [`RawError::Attn`] (heads, scale, soft-cap), view errors

@@ -170,7 +170,9 @@ impl AttnParamsRaw {
 /// Device scratch of split-K decode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Workspace {
-    /// Device, 16-byte aligned; 0 when `bytes` is 0.
+    /// Device, 16-byte aligned; 0 when `bytes` is 0. Its first
+    /// [`DecodePlan::counter_bytes`] must be zero before a launch (zero them when the buffer is
+    /// new or last served another plan; each launch leaves them zero).
     pub ptr: DevPtr,
     /// Bytes at `ptr`: at least [`DecodePlan::workspace_bytes`].
     pub bytes: usize,

@@ -20,11 +20,11 @@ pub enum DecodeMode {
     /// tokens at capacity) (the default).
     #[default]
     Auto,
-    /// One split per (sequence, KV head), no reduce kernel, whatever the context capacity (the
-    /// kernels keep nothing per token in shared memory).
+    /// One split per (sequence, KV head), no split merge and no workspace, whatever the context
+    /// capacity (the kernels keep nothing per token in shared memory).
     SinglePass,
     /// At least two splits, partitions of at most `PKV_DECODE_PARTITION` (512) tokens at
-    /// capacity, and the reduce kernel.
+    /// capacity, merged in the same launch by the last block of each (sequence, head chunk).
     SplitK,
 }
 
@@ -105,13 +105,20 @@ impl DecodePlan {
     pub fn max_context_capacity(&self) -> usize {
         self.raw.max_context_capacity as usize
     }
-    /// Splits per sequence (grid z); 1 means no reduce kernel.
+    /// Splits per sequence (grid z); 1 means no split merge and no workspace.
     pub fn num_splits(&self) -> usize {
         self.raw.num_splits as usize
     }
     /// Device workspace bytes a launch needs (0 with one split).
     pub fn workspace_bytes(&self) -> usize {
         self.raw.workspace_bytes as usize
+    }
+    /// The workspace's leading bytes that hold the split merge's arrival counters (0 with one
+    /// split). They must be zero before the first launch with this plan, and again after the
+    /// workspace served another plan; every launch leaves them zero, so a workspace kept with
+    /// its plan (a captured graph's) is zeroed once, when allocated.
+    pub fn counter_bytes(&self) -> usize {
+        self.raw.counter_bytes as usize
     }
     /// The mode it was made with.
     pub fn mode(&self) -> DecodeMode {

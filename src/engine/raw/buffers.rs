@@ -89,10 +89,14 @@ impl Buffers {
             let out = dev.alloc(out_bytes)?;
             let workspace = match plan.workspace_bytes() {
                 0 => Workspace::NONE,
-                bytes => match dev.alloc(bytes) {
+                bytes => match dev
+                    .alloc(bytes)
+                    .and_then(|ptr| zero_counters(dev, ptr, &plan).map(|()| ptr))
+                {
                     Ok(ptr) => Workspace { ptr, bytes },
                     Err(e) => {
-                        // SAFETY: just allocated, never used.
+                        // SAFETY: just allocated; nothing queued uses it (zero_counters waits
+                        // for its copy, and frees the workspace itself when that fails).
                         unsafe { dev.free(out) };
                         return Err(e);
                     }
@@ -117,6 +121,23 @@ impl Buffers {
             workspace,
         })
     }
+}
+
+/// Zeroes the split merge's counters at the head of a new workspace (the plan's contract: each
+/// launch leaves them zero, so once per allocation). On failure the workspace is freed.
+fn zero_counters<D: RawDevice>(dev: &D, ws: DevPtr, plan: &DecodePlan) -> Result<(), EngineError> {
+    let zeros = vec![0u8; plan.counter_bytes()];
+    if zeros.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: `ws` holds workspace_bytes >= counter_bytes bytes from `dev.alloc`; `zeros` lives
+    // until the synchronize below has returned.
+    let done = unsafe { dev.copy_to_device(ws, &zeros) }.and_then(|()| dev.synchronize());
+    if done.is_err() {
+        // SAFETY: allocated by the caller just now; the copy failed or was waited for.
+        unsafe { dev.free(ws) };
+    }
+    done
 }
 
 /// Frees a capacity's buffers.

@@ -6,8 +6,8 @@ use crate::kv::KvCacheConfig;
 use crate::sched::Batch;
 
 /// A KV cache the step executor can drive: the CPU cache over the host arena
-/// ([`HostBackend`](super::HostBackend)) or the CUDA cache over the device arena
-/// (`DeviceBackend`, feature `cuda`).
+/// ([`HostBackend`](super::HostBackend)) or the CUDA kernels over a device arena
+/// (`RawBackend`, features `cuda` / `cuda-emu`).
 ///
 /// The executor calls, per step: [`swap_out`](Self::swap_out), [`swap_in`](Self::swap_in),
 /// [`copy_blocks`](Self::copy_blocks) (each only when the batch has such work), then

@@ -7,9 +7,9 @@
 //!   after commit) and per-step results ([`StepResults`](crate::sched::StepResults)) a server
 //!   streams from.
 //! - [`run_batch`]: runs a [`Batch`](crate::sched::Batch) in its documented order on a
-//!   [`KvBackend`] ([`HostBackend`] on the CPU kernels; `DeviceBackend` on CUDA through
-//!   cudarc; `RawBackend` on CUDA through raw pointers, the caller's stream and the caller's
-//!   `RawDevice`-supplied memory, for clients on another cudarc), with the caller's
+//!   [`KvBackend`] ([`HostBackend`] on the CPU kernels; `RawBackend` on the CUDA kernels
+//!   through raw pointers and a `RawDevice`'s stream and memory: pagedkv's own `Gpu`
+//!   (`Engine::cuda`) or a client's driver binding (`Engine::raw`)), with the caller's
 //!   [`StepModel`] supplying projections and sampling.
 //!
 //! Nothing in this module waits for another thread: an engine's step is its own work plus
@@ -24,8 +24,6 @@ mod host;
 mod raw;
 mod shared;
 
-#[cfg(feature = "cuda")]
-pub use device::DeviceBackend;
 pub use driver::{Engine, EngineConfig, RecomputePolicy, StepReport};
 pub use exec::{kv_bytes_read, run_batch, KvBackend, LayerQkv, StepModel, StepStats};
 pub use host::HostBackend;

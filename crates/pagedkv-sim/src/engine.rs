@@ -161,9 +161,9 @@ fn on_device<T>(
     rng: SmallRng,
 ) -> Result<Box<dyn Driven>, SimError>
 where
-    T: KvElem + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
+    T: KvElem + cudarc::driver::DeviceRepr,
 {
-    let engine = Engine::<pagedkv::engine::DeviceBackend<T>>::cuda(
+    let engine = Engine::<pagedkv::engine::RawBackend<pagedkv::cuda::Gpu>>::cuda(
         shared,
         gpu,
         cfg,

@@ -1,7 +1,8 @@
 //! The simulated model: random projections stand in for the model's layers, so every byte of
 //! KV traffic is real while no weights exist, and sampling draws tokens at random. It plugs
 //! into the library's step executor ([`pagedkv::engine::StepModel`]) on the CPU backend, and
-//! (feature `cuda`) on the device backend, where each layer's projections are uploaded.
+//! (feature `cuda`) on the device backend, where the pool is uploaded once and each layer's
+//! projections are views into it.
 
 use crate::error::SimError;
 use pagedkv::engine::{HostBackend, KvBackend, LayerQkv, StepModel};
@@ -22,7 +23,7 @@ pub(crate) struct NoiseModel<T> {
     noise: Vec<T>,
     rng: SmallRng,
     #[cfg(feature = "cuda")]
-    device: Option<device::Uploads<T>>,
+    device: Option<device::DeviceNoise<T>>,
 }
 
 impl<T: KvElem> NoiseModel<T> {
@@ -40,6 +41,11 @@ impl<T: KvElem> NoiseModel<T> {
 
     /// The start of a random window of `len` elements of the pool.
     fn window(&mut self, len: usize) -> Result<usize, EngineError> {
+        self.window_at(len, 1)
+    }
+
+    /// The start, a multiple of `align` elements, of a random window of `len` elements.
+    fn window_at(&mut self, len: usize, align: usize) -> Result<usize, EngineError> {
         if len > self.noise.len() {
             return Err(EngineError::Model(
                 SimError::InvalidConfig(format!(
@@ -49,7 +55,7 @@ impl<T: KvElem> NoiseModel<T> {
                 .to_string(),
             ));
         }
-        Ok(self.rng.gen_range(0..=self.noise.len() - len))
+        Ok(self.rng.gen_range(0..=(self.noise.len() - len) / align) * align)
     }
 
     /// The (query, key/value) lengths of one layer's projections of `batch`.
@@ -102,52 +108,73 @@ impl<T: KvElem> StepModel<HostBackend<T>> for NoiseModel<T> {
 #[cfg(feature = "cuda")]
 mod device {
     use super::NoiseModel;
-    use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
-    use pagedkv::engine::{DeviceBackend, LayerQkv, StepModel};
+    use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
+    use pagedkv::cuda::Gpu;
+    use pagedkv::cuda_raw::Rows;
+    use pagedkv::engine::{DeviceRows, KvBackend, LayerQkv, RawBackend, StepModel};
     use pagedkv::error::EngineError;
     use pagedkv::kv::KvElem;
     use pagedkv::sched::Batch;
 
-    /// One layer's projections, uploaded to the engine's stream.
+    /// The random pool on the device (uploaded once, on the engine's stream: a step costs no
+    /// allocation or copy of projections) and the step's views into it.
     #[derive(Debug)]
-    pub(crate) struct Uploads<T> {
-        query: CudaSlice<T>,
-        key: CudaSlice<T>,
-        value: CudaSlice<T>,
+    pub(crate) struct DeviceNoise<T> {
+        /// Owns the memory `base` points at.
+        _pool: CudaSlice<T>,
+        base: u64,
+        views: Option<[DeviceRows; 3]>,
     }
 
-    impl<T: KvElem + DeviceRepr + ValidAsZeroBits> StepModel<DeviceBackend<T>> for NoiseModel<T> {
+    impl<T: KvElem + DeviceRepr> StepModel<RawBackend<Gpu>> for NoiseModel<T> {
         fn qkv(
             &mut self,
-            backend: &DeviceBackend<T>,
+            backend: &RawBackend<Gpu>,
             _layer: usize,
             batch: &Batch,
-        ) -> Result<LayerQkv<'_, CudaSlice<T>>, EngineError> {
+        ) -> Result<LayerQkv<'_, DeviceRows>, EngineError> {
             let (q_len, kv_len) = Self::lens(backend, batch);
+            // Views start on the 16-byte grid the kernels require.
+            let es = std::mem::size_of::<T>();
+            let align = 16 / es;
             let (k, v, q) = (
-                self.window(kv_len)?,
-                self.window(kv_len)?,
-                self.window(q_len)?,
+                self.window_at(kv_len, align)?,
+                self.window_at(kv_len, align)?,
+                self.window_at(q_len, align)?,
             );
-            let gpu = backend.gpu();
-            let up = Uploads {
-                query: gpu.upload(&self.noise[q..q + q_len])?,
-                key: gpu.upload(&self.noise[k..k + kv_len])?,
-                value: gpu.upload(&self.noise[v..v + kv_len])?,
+            if self.device.is_none() {
+                let gpu = backend.device();
+                let pool = gpu.upload(&self.noise)?;
+                // The address is taken once: the pool is read only, and only by launches on
+                // the stream that uploaded it.
+                let base = pool.device_ptr(gpu.stream()).0;
+                self.device = Some(DeviceNoise {
+                    _pool: pool,
+                    base,
+                    views: None,
+                });
+            }
+            let cfg = backend.config();
+            let (d, tokens) = (cfg.head_dim(), batch.num_tokens());
+            let dev = self.device.as_mut().expect("set above");
+            let view = |at: usize, heads: usize| DeviceRows {
+                rows: Rows::dense(dev.base + (at * es) as u64, heads, d),
+                tokens,
             };
-            let up = self.device.insert(up);
-            Ok(LayerQkv {
-                query: &up.query,
-                key: &up.key,
-                value: &up.value,
-            })
+            let views = [
+                view(q, backend.query_heads()),
+                view(k, cfg.num_kv_heads()),
+                view(v, cfg.num_kv_heads()),
+            ];
+            let [query, key, value] = dev.views.insert(views);
+            Ok(LayerQkv { query, key, value })
         }
 
         fn attended(
             &mut self,
             _layer: usize,
             _batch: &Batch,
-            _out: &CudaSlice<T>,
+            _out: &DeviceRows,
         ) -> Result<(), EngineError> {
             Ok(())
         }

@@ -84,6 +84,7 @@ struct DecodeArgs {
   int64_t out_stride;            // elements between sequences' out rows (16-byte multiple)
   int32_t num_blocks;
   int32_t block_size;
+  int32_t block_shift;           // log2(block_size): block sizes are powers of two
   int32_t max_blocks_per_seq;
   int32_t ctx_clamp;             // min(plan max_context_capacity, max_blocks_per_seq * block_size)
   int32_t num_heads;

@@ -61,6 +61,49 @@ __device__ __forceinline__ uint4 ld_vec(const void *p) {
   return __ldg(reinterpret_cast<const uint4 *>(p));
 }
 
+// Streaming loads of 16, 8 or 4 bytes under a predicate, without a branch: when `ok` is false
+// nothing is read (no memory traffic, no divergence around the load) and `r` is left as it was
+// (ld_cs_if) or zeroed (the _or_zero forms). `p` must be a valid, aligned address either way
+// (the decode bodies pass a real row of the cache for a masked token).
+#ifdef PKV_CUDA_EMU
+__device__ __forceinline__ void ld_cs_if(const void *p, bool ok, uint4 &r) {
+  if (ok) r = __ldcs(reinterpret_cast<const uint4 *>(p));
+}
+__device__ __forceinline__ void ld_cs_if(const void *p, bool ok, uint2 &r) {
+  if (ok) r = __ldcs(reinterpret_cast<const uint2 *>(p));
+}
+__device__ __forceinline__ void ld_cs_if(const void *p, bool ok, uint32_t &r) {
+  if (ok) r = __ldcs(reinterpret_cast<const uint32_t *>(p));
+}
+#else
+__device__ __forceinline__ void ld_cs_if(const void *p, bool ok, uint4 &r) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %4, 0;\n"
+      " @p ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%5];\n}\n"
+      : "+r"(r.x), "+r"(r.y), "+r"(r.z), "+r"(r.w)
+      : "r"((int)ok), "l"(p));
+}
+__device__ __forceinline__ void ld_cs_if(const void *p, bool ok, uint2 &r) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n"
+      " @p ld.global.cs.v2.u32 {%0, %1}, [%3];\n}\n"
+      : "+r"(r.x), "+r"(r.y)
+      : "r"((int)ok), "l"(p));
+}
+__device__ __forceinline__ void ld_cs_if(const void *p, bool ok, uint32_t &r) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n"
+      " @p ld.global.cs.u32 %0, [%2];\n}\n"
+      : "+r"(r)
+      : "r"((int)ok), "l"(p));
+}
+#endif
+template <typename V> __device__ __forceinline__ V ld_cs_or_zero(const void *p, bool ok) {
+  V r{};
+  ld_cs_if(p, ok, r);
+  return r;
+}
+
 // ---- reductions ------------------------------------------------------------------------------
 
 // Sum over groups of WIDTH consecutive lanes (WIDTH a power of two <= 32); every lane of a

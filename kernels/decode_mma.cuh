@@ -105,36 +105,30 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
   const int32_t *btab = a.block_tables + (int64_t)b.seq * a.max_blocks_per_seq;
 
   using Tile = DecodeTile<TILE>;
-  auto row = [&](const Tile &x, int i) -> int64_t { return x.template row<D>(a, b, i); };
+  // K of tokens g (n-tile 0) and 8 + g (n-tile 1), and V of tokens 2q + (j & 1) + 8 (j >> 1):
+  // a masked token's loads are predicated off (no traffic) and give zeros (fresh registers:
+  // keeping the old values instead would keep them live across the tile, ~25-80 registers).
   auto load_k = [&](const Tile &x, MmaK<T, D> &k) {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      const int64_t o = row(x, 8 * nt + g);
+      const T *p = cache + x.at(a, nt, g);
+      const bool ok = x.ok(b, nt, g);
 #pragma unroll
-      for (int G = 0; G < KG; ++G)
-        k.full[nt][G] = o >= 0 ? __ldcs(reinterpret_cast<const uint4 *>(cache + o + 32 * G + 8 * q))
-                               : make_uint4(0, 0, 0, 0);
-      if constexpr (P::KTAIL)
-        k.tail[nt] = o >= 0 ? __ldcs(reinterpret_cast<const uint2 *>(cache + o + 32 * KG + 4 * q))
-                            : make_uint2(0, 0);
+      for (int G = 0; G < KG; ++G) k.full[nt][G] = ld_cs_or_zero<uint4>(p + 32 * G + 8 * q, ok);
+      if constexpr (P::KTAIL) k.tail[nt] = ld_cs_or_zero<uint2>(p + 32 * KG + 4 * q, ok);
     }
   };
   auto load_v = [&](const Tile &x, MmaV<T, D> &v) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int64_t o0 = row(x, 2 * q + (j & 1) + 8 * (j >> 1));
-      const T *p = cache + (o0 >= 0 ? o0 : 0) + a.st.kv;
+      const int h = j >> 1, r = 2 * q + (j & 1);
+      const T *p = cache + x.at(a, h, r) + a.st.kv;
+      const bool ok = x.ok(b, h, r);
 #pragma unroll
-      for (int s = 0; s < VS4; ++s)
-        v.s4[s][j] = o0 >= 0 ? __ldcs(reinterpret_cast<const uint4 *>(p + 64 * s + 8 * g))
-                             : make_uint4(0, 0, 0, 0);
-      if constexpr (P::VS2)
-        v.s2[j] = o0 >= 0 ? __ldcs(reinterpret_cast<const uint2 *>(p + 64 * VS4 + 4 * g))
-                          : make_uint2(0, 0);
+      for (int s = 0; s < VS4; ++s) v.s4[s][j] = ld_cs_or_zero<uint4>(p + 64 * s + 8 * g, ok);
+      if constexpr (P::VS2) v.s2[j] = ld_cs_or_zero<uint2>(p + 64 * VS4 + 4 * g, ok);
       if constexpr (P::VS1)
-        v.s1[j] = o0 >= 0 ? __ldcs(reinterpret_cast<const uint32_t *>(p + 64 * VS4 + 32 * P::VS2 +
-                                                                       2 * g))
-                          : 0u;
+        v.s1[j] = ld_cs_or_zero<uint32_t>(p + 64 * VS4 + 32 * P::VS2 + 2 * g, ok);
     }
   };
   // S[head g][tokens 2q, 2q+1 of each half]: s[nt][0..1] (s[nt][2..3]: the zero rows).
@@ -196,18 +190,18 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
   const int first = b.begin / TILE, last = (b.end - 1) / TILE;
   MmaK<T, D> kr;
   MmaV<T, D> vr;
-  Tile cur = Tile::of(a, b, btab, first + warp);
-  if (P::PIPE && first + warp <= last) {
+  Tile cur = Tile::template of<D>(a, b, btab, first + warp);
+  if (P::PIPE) {  // a tile past `last` has every token masked: its loads are predicated off
     load_k(cur, kr);
     load_v(cur, vr);
   }
   for (int t = first + warp; t <= last; t += DEC_WARPS) {
-    const Tile nxt = Tile::of(a, b, btab, t + DEC_WARPS);  // table reads in flight
+    const Tile nxt = Tile::template of<D>(a, b, btab, t + DEC_WARPS);  // table reads in flight
     if (!P::PIPE) load_k(cur, kr);
     float s[2][4];
     scores(kr, s);
     if (P::PIPE) {
-      if (t + DEC_WARPS <= last) load_k(nxt, kr);
+      load_k(nxt, kr);  // past `last`: predicated off
     } else {
       load_v(cur, vr);
     }
@@ -216,10 +210,10 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
     float x[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int i = 2 * q + (j & 1) + 8 * (j >> 1);
-      x[j] = row(cur, i) >= 0 ? attn_logit(s[j >> 1][j & 1], a.scale, a.softcap, slope, cur.base + i,
-                                           b.qpos, a.window)
-                              : -INFINITY;
+      const int h = j >> 1, r = 2 * q + (j & 1);
+      x[j] = cur.ok(b, h, r) ? attn_logit(s[h][j & 1], a.scale, a.softcap, slope,
+                                          cur.base + 8 * h + r, b.qpos, a.window)
+                             : -INFINITY;
     }
     float mt = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
     mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
@@ -243,7 +237,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
     }
     const uint32_t bp[2] = {pack_f32x2<T>(p[0], p[1]), pack_f32x2<T>(p[2], p[3])};
     pv(vr, bp, o);
-    if (P::PIPE && t + DEC_WARPS <= last) load_v(nxt, vr);
+    if (P::PIPE) load_v(nxt, vr);
     cur = nxt;
   }
 

@@ -189,32 +189,46 @@ __device__ __forceinline__ bool decode_block_ok(const DecodeArgs &a, int blk) {
 }
 
 // A warp's tile: TILE (<= 16) consecutive tokens from a TILE-aligned `base`. Blocks hold a power
-// of two >= 8 tokens, so tokens base .. base + 7 lie in one block (`lo`) and base + 8 ..
-// base + 15 in one (`hi`): two table entries per tile, looked up one tile ahead, instead of
-// one 64-bit offset per token held in registers. -1: no token of that half is read.
+// of two >= 8 tokens, so the tokens of each 8-token half of a tile (the whole tile when TILE <=
+// 8) lie in one block: a tile reads two table entries, looked up one tile ahead, and keeps
+// per half the element offset of its first token's K row. Token (h, r) of the tile (base + 8h
+// + r) then sits at off[h] + r * st.token: one multiply-add per token, no division (the block
+// size is a shift and a mask). A half whose block id is invalid, or that lies wholly outside
+// [begin, end), points at block 0 instead, so every offset is a row inside the cache: a masked
+// token's load is predicated off (ld_cs_if), never sent to a wild address.
 template <int TILE> struct DecodeTile {
   static_assert(TILE >= 1 && TILE <= 16 && (TILE & (TILE - 1)) == 0, "1..16 tokens, 2^k");
-  int base, lo, hi;
+  static constexpr int HALVES = TILE > 8 ? 2 : 1;
+  int base;
+  bool valid[HALVES];    // the half's block id names a page of the cache
+  int64_t off[HALVES];   // K row of token base + 8h, KV head b.kh, this layer (V: + st.kv)
 
   // Tile `index` of block b's partition; reads the table only for halves it will read.
+  template <int D>
   __device__ static DecodeTile of(const DecodeArgs &a, const DecodeBlock &b, const int32_t *btab,
                                   int index) {
-    DecodeTile x{index * TILE, -1, -1};
-    const int lo_end = x.base + (TILE < 8 ? TILE : 8);
-    if (x.base < b.end && lo_end > b.begin) x.lo = btab[x.base / a.block_size];
-    if (TILE > 8 && x.base + 8 < b.end && x.base + 16 > b.begin)
-      x.hi = btab[(x.base + 8) / a.block_size];
+    DecodeTile x;
+    x.base = index * TILE;
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+      const int t0 = x.base + 8 * h, n = TILE < 8 ? TILE : 8;
+      const int blk = (t0 < b.end && t0 + n > b.begin) ? btab[t0 >> a.block_shift] : -1;
+      x.valid[h] = decode_block_ok(a, blk);
+      x.off[h] = (int64_t)(x.valid[h] ? blk : 0) * a.st.block +
+                 (int64_t)(t0 & (a.block_size - 1)) * a.st.token + a.layer_offset +
+                 (int64_t)b.kh * D;
+    }
     return x;
   }
 
-  // Element offset (in the cache) of the K row of token base + i of KV head b.kh (V is st.kv
-  // further), or -1 when the token is masked: outside [begin, end) or in an invalid block.
-  template <int D>
-  __device__ int64_t row(const DecodeArgs &a, const DecodeBlock &b, int i) const {
-    const int t = base + i, blk = i < 8 ? lo : hi;
-    if (t < b.begin || t >= b.end || !decode_block_ok(a, blk)) return -1;
-    return (int64_t)blk * a.st.block + (int64_t)(t % a.block_size) * a.st.token +
-           a.layer_offset + (int64_t)b.kh * D;
+  // Token r (< 8, < TILE) of half h (0 when TILE <= 8): its K row's element offset, always
+  // inside the cache, and whether it is attended (in [begin, end) and in a valid block).
+  __device__ int64_t at(const DecodeArgs &a, int h, int r) const {
+    return (h == 0 ? off[0] : off[HALVES - 1]) + (int64_t)r * a.st.token;
+  }
+  __device__ bool ok(const DecodeBlock &b, int h, int r) const {
+    const int t = base + 8 * h + r;
+    return (h == 0 ? valid[0] : valid[HALVES - 1]) && t >= b.begin && t < b.end;
   }
 };
 
@@ -293,17 +307,23 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
   const T *cache = reinterpret_cast<const T *>(a.cache);
   const int32_t *btab = a.block_tables + (int64_t)b.seq * a.max_blocks_per_seq;
   using Tile = DecodeTile<TILE>;
+  // Slot tg's token of step u: half (u * TPW) >> 3, index r in it (TPW divides 8, so a step's
+  // TPW tokens share a half).
+  static_assert(8 % TPW == 0, "a step's tokens share a tile half");
+  auto half_of = [](int u) { return (u * TPW) >> 3; };
+  auto idx_of = [&](int u) { return ((u * TPW) & 7) + tg; };
   // This lane's chunks of the K (plus = 0) or V (plus = st.kv) rows of its slot's tokens of
-  // tile x (zero for masked tokens: never read, never weighted).
+  // tile x, predicated: zero for masked tokens and chunks past the row (not read, never
+  // weighted; a chunk past the row meets a zero query).
   auto load = [&](const Tile &x, int64_t plus, uint4 (&r)[U][NV]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t o = x.template row<D>(a, b, u * TPW + tg);
+      const T *p = cache + x.at(a, half_of(u), idx_of(u)) + plus;
+      const bool ok = x.ok(b, half_of(u), idx_of(u));
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const int c = li + k * TPT;
-        r[u][k] = (o >= 0 && c < L::CHUNKS) ? ld_stream(cache + o + plus + c * VEC)
-                                            : make_uint4(0, 0, 0, 0);
+        r[u][k] = ld_cs_or_zero<uint4>(p + (c < L::CHUNKS ? c : 0) * VEC, ok && c < L::CHUNKS);
       }
     }
   };
@@ -321,11 +341,11 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
 
   const int first = b.begin / TILE, last = (b.end - 1) / TILE;
   uint4 kr[U][NV], vr[U][NV];
-  Tile cur = Tile::of(a, b, btab, first + warp);  // past `last`: every token masked
+  Tile cur = Tile::template of<D>(a, b, btab, first + warp);  // past `last`: all masked
   load(cur, 0, kr);
   load(cur, a.st.kv, vr);
   for (int tile = first + warp; tile <= last; tile += DEC_WARPS) {
-    const Tile nxt = Tile::of(a, b, btab, tile + DEC_WARPS);  // table reads in flight
+    const Tile nxt = Tile::template of<D>(a, b, btab, tile + DEC_WARPS);  // table reads ahead
 
     // Logits of this tile (every lane of a token's group ends with the same values).
     float s[U][GT];
@@ -344,7 +364,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
           for (int e = 0; e < VEC; ++e) dot[g] = fmaf(q[g][k][e], kf[e], dot[g]);
       }
       const int i = u * TPW + tg;
-      const bool ok = cur.template row<D>(a, b, i) >= 0;
+      const bool ok = cur.ok(b, half_of(u), idx_of(u));
 #pragma unroll
       for (int g = 0; g < GT; ++g) {
         dot[g] = group_sum<TPT>(dot[g]);

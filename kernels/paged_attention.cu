@@ -232,6 +232,8 @@ extern "C" int pkv_paged_attention_decode(void *out, int64_t out_token_stride, c
   a.out_stride = out_token_stride;
   a.num_blocks = geom->num_blocks;
   a.block_size = geom->block_size;
+  a.block_shift = 0;
+  while ((1 << a.block_shift) < a.block_size) ++a.block_shift;  // a power of two (checked)
   a.max_blocks_per_seq = max_blocks_per_seq;
   const int32_t table_tokens = table_tokens_i32(max_blocks_per_seq, geom->block_size);
   a.ctx_clamp = plan->max_context_capacity < table_tokens ? plan->max_context_capacity

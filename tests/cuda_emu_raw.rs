@@ -89,21 +89,22 @@ fn step_batch(rng: &mut SmallRng, cfg: KvCacheConfig, ctx: &[usize]) -> Batch {
     }
 }
 
-/// The eager decode of a live batch: a plan made for exactly this batch (the AUTO policy on
-/// the emulated 132 SMs), fresh buffers.
+/// The eager decode of a live batch: a plan of `mode` made for exactly this batch (on the
+/// emulated 132 SMs), fresh buffers.
 fn eager_decode<T: Elem>(
     cache: &CacheView,
     layer: usize,
     b: &Batch,
     query: &[T],
     params: &AttnParamsRaw,
+    mode: DecodeMode,
 ) -> Vec<T> {
     let cfg = cache.config;
     let (nh, d) = (params.num_heads, cfg.head_dim());
     let n = b.ctx.len();
     let max_ctx = b.ctx.iter().copied().max().unwrap_or(0).max(1) as usize;
-    let plan = DecodePlan::new(DecodeMode::Auto, n, nh, cfg.num_kv_heads(), d, max_ctx, 132)
-        .expect("eager plan");
+    let plan =
+        DecodePlan::new(mode, n, nh, cfg.num_kv_heads(), d, max_ctx, 132).expect("eager plan");
     let (q, out) = (buf(query), poisoned::<T>(n * nh * d));
     let (tables, ctx) = (buf(&b.tables), buf(&b.ctx));
     let ws = decode_workspace(plan.workspace_bytes(), plan.counter_bytes());
@@ -256,7 +257,7 @@ fn check_fixed_plan<T: Elem>(
         let live_q = &q_all[..n * row];
         let want = cpu_decode(&b, &host, layer, live_q, &params);
         assert_close(&format!("{what} vs oracle"), &got[..n * row], &want, d);
-        let eager = eager_decode(&cache, layer, &b, live_q, &raw);
+        let eager = eager_decode(&cache, layer, &b, live_q, &raw, DecodeMode::Auto);
         assert_close(&format!("{what} vs eager"), &got[..n * row], &eager, d);
         for (i, x) in got[n * row..].iter().enumerate() {
             assert!(
@@ -884,4 +885,53 @@ fn raw_launches_refuse_bad_input_before_launch() {
         ),
         "{r:?}"
     );
+}
+
+/// A block id outside the cache masks its tokens (pkv_paged_attention_decode's contract): with
+/// blocks 1 and 3 of sequence 0 invalid (-1, and one past the cache), the output is the
+/// oracle's over the remaining blocks alone (no ALiBi or window, so positions do not matter),
+/// for the tensor-core body (bf16 GQA), the CUDA-core one (bf16 MHA, f32 GQA), and every split
+/// mode (masked tokens at partition edges, partitions masked whole).
+#[test]
+fn invalid_block_ids_mask_their_tokens() {
+    fn check<T: Elem>(rng: &mut SmallRng, group: usize, bs: usize) {
+        let (hkv, d, layer) = (2, 64, 0);
+        let nh = hkv * group;
+        let cfg = KvCacheConfig::new(1, hkv, d, bs, 12, T::DTYPE).expect("config");
+        let host = random_cache::<T>(rng, cfg);
+        let dev_cache = buf(host.as_bytes());
+        let cache = CacheView {
+            base: ptr(&dev_cache),
+            config: cfg,
+        };
+        let params = attn_params(nh, d, Features::PLAIN, &[]);
+        let raw = raw_params(&params, None);
+        let query = random_vec::<T>(rng, 2 * nh * d);
+        let past = cfg.num_blocks() as i32;
+        // Sequence 0: blocks 3, -1, 7, past (its last 5 tokens short); sequence 1: 5, 2.
+        let with_invalid = Batch {
+            cfg,
+            tables: vec![3, -1, 7, past, 5, 2, -9, -9],
+            mbps: 4,
+            ctx: vec![(4 * bs - 5) as i32, (bs + 4) as i32],
+        };
+        let valid_only = Batch {
+            cfg,
+            tables: vec![3, 7, 5, 2],
+            mbps: 2,
+            ctx: vec![(2 * bs) as i32, (bs + 4) as i32],
+        };
+        let want = cpu_decode(&valid_only, &host, layer, &query, &params);
+        for mode in [DecodeMode::SinglePass, DecodeMode::SplitK, DecodeMode::Auto] {
+            let got = eager_decode(&cache, layer, &with_invalid, &query, &raw, mode);
+            let what = format!("{} group {group} bs {bs} {mode:?}", T::DTYPE);
+            assert_close(&what, &got, &want, d);
+        }
+    }
+    let mut rng = SmallRng::seed_from_u64(47);
+    for bs in [8, 16, 32] {
+        check::<bf16>(&mut rng, 4, bs);
+        check::<bf16>(&mut rng, 1, bs);
+        check::<f32>(&mut rng, 4, bs);
+    }
 }

@@ -5,7 +5,8 @@
 //   CUDA-core body, cross-warp merge, split merge) and decode_mma.cuh (the tensor-core body for
 //   f16 / bf16 GQA). grid (num_kv_heads * head_chunks, num_seqs, num_splits): one block reads
 //   the K and V of one KV head of one sequence over one partition of its context, once, for up
-//   to 8 query heads of the group. With one split the output is normalized and written
+//   to 8 query heads of the group (16 in the tensor-core body for groups past 8 up to head dim
+//   128). With one split the output is normalized and written
 //   directly; with several, each split writes its unnormalized accumulator, max and sum to the
 //   workspace, and the last block of the group to finish merges them (log-sum-exp rescaling)
 //   in the same launch: one kernel per decode call whatever the split.

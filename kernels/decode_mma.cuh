@@ -9,7 +9,7 @@
 // One warp, one tile of 16 consecutive tokens (16-aligned), lane l with g = l / 4, q = l % 4:
 //
 // S = Q K^T, m16n8k16 per 8 tokens (n) x 16 dims (k): A = the query heads as rows (head g in
-//   row g, rows 8..15 zero), B = K^T, the 8 tokens' K rows as columns. The k (dimension) order
+//   row g; rows 8..15 hold heads 8..15 when a block serves 16, else zero), B = K^T, the 8 tokens' K rows as columns. The k (dimension) order
 //   inside the mma is free as long as A and B use the same one; it is chosen so that each lane
 //   reads 16 contiguous bytes of its token's K row per 32 dims: dims 32G + 8q .. 32G + 8q + 7
 //   feed k-steps 2G (words 0, 1) and 2G + 1 (words 2, 3) as b[0], b[1]; Q (staged in shared
@@ -27,8 +27,11 @@
 //   The accumulator fragment holds O[heads 2q, 2q+1][those dims]: D/4 f32 per lane, no padding
 //   (8 heads = the mma's n), rescaled by the max of heads 2q, 2q+1 (two indexed shuffles).
 //
-// Heads: 8 per block (groups of 2..8 in one block, larger groups in ceil(group / 8) blocks);
-// rows past the group are zero queries whose results are never stored.
+// Heads: GT = 8 per block (groups of 2..8 in one block), or 16 for larger groups up to head dim
+// 128 (ceil(group / 16) blocks, each K/V byte read half as often as with 8): the A rows 8..15
+// that are zero otherwise carry heads 8..15 into S at no extra mma, and P V runs once per
+// 8-head half (a second accumulator). Rows past the group are zero queries whose results are
+// never stored.
 // Pipelining: for D <= 128 the next tile's K is issued right after S and its V right after PV,
 // so each lane keeps a tile's worth of loads (256 bytes) in flight through the compute; at
 // D = 256 that would need ~230 registers, so a tile issues its K, computes S, issues its V, and
@@ -40,8 +43,10 @@
 
 namespace pkv {
 
-template <typename T, int D> struct MmaDecode {
-  static constexpr int GT = 8;                // heads per block: the mma's n
+template <typename T, int D, int GT_ = 8> struct MmaDecode {
+  static constexpr int GT = GT_;              // heads per block: 8 (the mma's n) or 16
+  static constexpr int NH = GT / 8;           // 8-head halves: rows g and g + 8 of S
+  static_assert(GT == 8 || (GT == 16 && D <= 128), "16 heads fit shared memory up to d128");
   static constexpr int TILE = 16;             // tokens per warp tile: the PV mma's k
   static constexpr int KG = D / 32;           // 32-dim K groups: one 16-byte read per lane
   static constexpr bool KTAIL = D % 32 != 0;  // a last 16-dim k-step: one 8-byte read
@@ -71,11 +76,11 @@ template <typename T, int D> struct MmaV {
   uint32_t s1[4];
 };
 
-template <typename T, int D>
+template <typename T, int D, int GT_>
 __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArgs a) {
-  using P = MmaDecode<T, D>;
+  using P = MmaDecode<T, D, GT_>;
   using Mg = DecodeMerge<P::GT, D>;
-  constexpr int GT = P::GT, TILE = P::TILE, KG = P::KG, VS4 = P::VS4, MT = P::MT;
+  constexpr int GT = P::GT, NH = P::NH, TILE = P::TILE, KG = P::KG, VS4 = P::VS4, MT = P::MT;
   constexpr int VEC = Elem<T>::VEC;
   extern __shared__ float smem[];
   T *sq = reinterpret_cast<T *>(smem);                           // [GT][D]
@@ -99,8 +104,13 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
   }
   __syncthreads();
 
-  const float slope =
-      (a.alibi_slopes != nullptr && g < b.ng) ? a.alibi_slopes[b.kh * a.group + b.g0 + g] : 0.f;
+  float slope[NH];  // heads g and g + 8
+#pragma unroll
+  for (int hh = 0; hh < NH; ++hh) {
+    const int h = g + 8 * hh;
+    slope[hh] = (a.alibi_slopes != nullptr && h < b.ng)
+                    ? a.alibi_slopes[b.kh * a.group + b.g0 + h] : 0.f;
+  }
   const T *cache = reinterpret_cast<const T *>(a.cache);
   const int32_t *btab = a.block_tables + (int64_t)b.seq * a.max_blocks_per_seq;
 
@@ -131,7 +141,8 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
         v.s1[j] = ld_cs_or_zero<uint32_t>(p + 64 * VS4 + 32 * P::VS2 + 2 * g, ok);
     }
   };
-  // S[head g][tokens 2q, 2q+1 of each half]: s[nt][0..1] (s[nt][2..3]: the zero rows).
+  // S[head g][tokens 2q, 2q+1 of each half]: s[nt][0..1]; s[nt][2..3]: head g + 8 (16 heads)
+  // or the zero rows.
   auto scores = [&](const MmaK<T, D> &k, float (&s)[2][4]) {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -140,7 +151,9 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
 #pragma unroll
     for (int G = 0; G < KG; ++G) {
       const uint4 qv = *reinterpret_cast<const uint4 *>(sq + g * D + 32 * G + 8 * q);
-      const uint32_t a0[4] = {qv.x, 0u, qv.y, 0u}, a1[4] = {qv.z, 0u, qv.w, 0u};
+      const uint4 qh = NH == 2 ? *reinterpret_cast<const uint4 *>(sq + (g + 8) * D + 32 * G + 8 * q)
+                               : make_uint4(0, 0, 0, 0);
+      const uint32_t a0[4] = {qv.x, qh.x, qv.y, qh.y}, a1[4] = {qv.z, qh.z, qv.w, qh.w};
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const uint32_t b0[2] = {k.full[nt][G].x, k.full[nt][G].y};
@@ -151,7 +164,9 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
     }
     if constexpr (P::KTAIL) {
       const uint2 qt = *reinterpret_cast<const uint2 *>(sq + g * D + 32 * KG + 4 * q);
-      const uint32_t at[4] = {qt.x, 0u, qt.y, 0u};
+      const uint2 qu = NH == 2 ? *reinterpret_cast<const uint2 *>(sq + (g + 8) * D + 32 * KG + 4 * q)
+                               : make_uint2(0, 0);
+      const uint32_t at[4] = {qt.x, qu.x, qt.y, qu.y};
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const uint32_t bt[2] = {k.tail[nt].x, k.tail[nt].y};
@@ -180,12 +195,18 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
     if constexpr (P::VS1) step(MT - 1, v.s1[0], v.s1[1], v.s1[2], v.s1[3]);
   };
 
-  float m = -INFINITY, l = 0.f;  // head g's running max; this lane's share of its sum
-  float o[MT][4];
+  // Per 8-head half hh (heads g + 8 hh): the running max, this lane's share of the sum, and the
+  // accumulator columns (heads 8 hh + 2q, 8 hh + 2q + 1).
+  float m[NH], l[NH], o[NH][MT][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int hh = 0; hh < NH; ++hh) {
+    m[hh] = -INFINITY;
+    l[hh] = 0.f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o[mt][e] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[hh][mt][e] = 0.f;
+  }
 
   const int first = b.begin / TILE, last = (b.end - 1) / TILE;
   MmaK<T, D> kr;
@@ -206,65 +227,73 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
       load_v(cur, vr);
     }
 
-    // Online softmax for head g over this tile: lane q holds tokens 2q, 2q+1, 8+2q, 9+2q.
-    float x[4];
+    // Online softmax for heads g (+ 8) over this tile: lane q holds tokens 2q, 2q+1, 8+2q, 9+2q.
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int h = j >> 1, r = 2 * q + (j & 1);
-      x[j] = cur.ok(b, h, r) ? attn_logit(s[h][j & 1], a.scale, a.softcap, slope,
-                                          cur.base + 8 * h + r, b.qpos, a.window)
-                             : -INFINITY;
+    for (int hh = 0; hh < NH; ++hh) {
+      float x[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int h = j >> 1, r = 2 * q + (j & 1);
+        x[j] = cur.ok(b, h, r) ? attn_logit(s[h][2 * hh + (j & 1)], a.scale, a.softcap,
+                                            slope[hh], cur.base + 8 * h + r, b.qpos, a.window)
+                               : -INFINITY;
+      }
+      float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      mx = fmaxf(mx, m[hh]);
+      const float alpha = m[hh] == -INFINITY ? 0.f : __expf(m[hh] - mx);
+      m[hh] = mx;
+      float p[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) p[j] = safe_exp(x[j], mx);
+      l[hh] = l[hh] * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
+      // The accumulator columns are heads 8 hh + 2q and + 1: their alphas live in lane groups
+      // 2q, 2q + 1.
+      const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * q);
+      const float al1 = __shfl_sync(0xffffffffu, alpha, 8 * q + 4);
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        o[hh][i][0] *= al0;
+        o[hh][i][1] *= al1;
+        o[hh][i][2] *= al0;
+        o[hh][i][3] *= al1;
+      }
+      const uint32_t bp[2] = {pack_f32x2<T>(p[0], p[1]), pack_f32x2<T>(p[2], p[3])};
+      pv(vr, bp, o[hh]);
     }
-    float mt = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
-    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
-    mt = fmaxf(mt, m);
-    const float alpha = m == -INFINITY ? 0.f : __expf(m - mt);
-    m = mt;
-    float p[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) p[j] = safe_exp(x[j], mt);
-    l = l * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
-    // The accumulator columns are heads 2q and 2q + 1: their alphas live in groups 2q, 2q + 1.
-    const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * q);
-    const float al1 = __shfl_sync(0xffffffffu, alpha, 8 * q + 4);
-#pragma unroll
-    for (int i = 0; i < MT; ++i) {
-      o[i][0] *= al0;
-      o[i][1] *= al1;
-      o[i][2] *= al0;
-      o[i][3] *= al1;
-    }
-    const uint32_t bp[2] = {pack_f32x2<T>(p[0], p[1]), pack_f32x2<T>(p[2], p[3])};
-    pv(vr, bp, o);
     if (P::PIPE) load_v(nxt, vr);
     cur = nxt;
   }
 
-  // This warp's state into shared memory: head g's max and sum (summed over the group's lanes),
-  // and the accumulator columns 2q, 2q + 1 at this lane's dims.
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  if (q == 0) {
-    Mg::max_of(sm, warp)[g] = m;
-    Mg::sum_of(sm, warp)[g] = l;
-  }
-  float *o0 = Mg::acc_of(sm, warp, 2 * q), *o1 = Mg::acc_of(sm, warp, 2 * q + 1);
-  auto put = [&](int mt, int dim) {  // rows g, g + 8 of m-tile mt are dims dim, dim + 1
-    o0[dim] = o[mt][0];
-    o1[dim] = o[mt][1];
-    o0[dim + 1] = o[mt][2];
-    o1[dim + 1] = o[mt][3];
-  };
+  // This warp's state into shared memory: heads g (+ 8)'s max and sum (summed over the group's
+  // lanes), and the accumulator columns 8 hh + 2q, 8 hh + 2q + 1 at this lane's dims.
 #pragma unroll
-  for (int s = 0; s < VS4; ++s)
+  for (int hh = 0; hh < NH; ++hh) {
+    float lt = l[hh];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    if (q == 0) {
+      Mg::max_of(sm, warp)[g + 8 * hh] = m[hh];
+      Mg::sum_of(sm, warp)[g + 8 * hh] = lt;
+    }
+    float *o0 = Mg::acc_of(sm, warp, 8 * hh + 2 * q), *o1 = Mg::acc_of(sm, warp, 8 * hh + 2 * q + 1);
+    auto put = [&](int mt, int dim) {  // rows g, g + 8 of m-tile mt are dims dim, dim + 1
+      o0[dim] = o[hh][mt][0];
+      o1[dim] = o[hh][mt][1];
+      o0[dim + 1] = o[hh][mt][2];
+      o1[dim + 1] = o[hh][mt][3];
+    };
 #pragma unroll
-    for (int i = 0; i < 4; ++i) put(4 * s + i, 64 * s + 8 * g + 2 * i);
-  if constexpr (P::VS2) {
-    put(4 * VS4 + 0, 64 * VS4 + 4 * g);
-    put(4 * VS4 + 1, 64 * VS4 + 4 * g + 2);
+    for (int s = 0; s < VS4; ++s)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) put(4 * s + i, 64 * s + 8 * g + 2 * i);
+    if constexpr (P::VS2) {
+      put(4 * VS4 + 0, 64 * VS4 + 4 * g);
+      put(4 * VS4 + 1, 64 * VS4 + 4 * g + 2);
+    }
+    if constexpr (P::VS1) put(MT - 1, 64 * VS4 + 32 * P::VS2 + 2 * g);
   }
-  if constexpr (P::VS1) put(MT - 1, 64 * VS4 + 32 * P::VS2 + 2 * g);
   __syncthreads();
   decode_merge_and_store<T, D, GT>(a, b, sm);
   if (a.num_splits > 1) decode_finish_split<T, D>(a, b);

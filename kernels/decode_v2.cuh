@@ -128,7 +128,7 @@ __device__ void decode_merge_and_store(const DecodeArgs &a, const DecodeBlock &b
 template <typename T, int D>
 __device__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b) {
   __shared__ int s_last;
-  __shared__ float s_max[8], s_total[8];  // per served head (ng <= 8)
+  __shared__ float s_max[16], s_total[16];  // per served head (ng <= 16)
   // The arrival publishes the block's partials (the pattern of a grid-wide barrier): the
   // barrier orders every thread's writes before thread 0's fence, whose cumulativity orders
   // them before the atomic on the device; the last block's thread 0 fences after its atomic

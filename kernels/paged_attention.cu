@@ -13,8 +13,10 @@
 namespace pkv {
 namespace {
 
-// Query heads one decode thread block serves: 1 (MHA), 4 (GQA ratio 2..4) or 8 (5..8, and
-// groups of 8 for larger ratios, read once per 8 query heads).
+// Query heads one decode thread block of the CUDA-core body serves: 1 (MHA), 4 (GQA ratio
+// 2..4) or 8 (5..8, and groups of 8 for larger ratios). The plan sizes the split merge's
+// counters and estimates its thread blocks with it, whatever the body: the tensor-core body
+// serves 8 (the same chunk count) or, past 8 up to head dim 128, 16 (fewer chunks).
 inline int decode_gt(int group) { return group == 1 ? 1 : (group <= 4 ? 4 : 8); }
 
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -144,17 +146,19 @@ template <typename T, int D, int GT>
 int launch_decode(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t stream) {
   constexpr size_t smem = SimtDecode<T, D, GT>::smem_bytes();
   static_assert(smem <= 48 * 1024, "the merge buffer fits without the opt-in");
+  a.head_chunks = ceil_div(a.group, GT);
   const dim3 grid(num_kv_heads * a.head_chunks, num_seqs, a.num_splits);
   decode_simt_kernel<T, D, GT><<<grid, DEC_THREADS, smem, stream>>>(a);
   return status_of(cudaGetLastError());
 }
 
-template <typename T, int D>
+template <typename T, int D, int GT>
 int launch_decode_mma(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t stream) {
-  constexpr size_t smem = MmaDecode<T, D>::smem_bytes();
+  constexpr size_t smem = MmaDecode<T, D, GT>::smem_bytes();
   static_assert(smem <= 48 * 1024, "queries and merge buffer fit without the opt-in");
+  a.head_chunks = ceil_div(a.group, GT);
   const dim3 grid(num_kv_heads * a.head_chunks, num_seqs, a.num_splits);
-  decode_mma_kernel<T, D><<<grid, DEC_THREADS, smem, stream>>>(a);
+  decode_mma_kernel<T, D, GT><<<grid, DEC_THREADS, smem, stream>>>(a);
   return status_of(cudaGetLastError());
 }
 
@@ -163,7 +167,10 @@ int dispatch_decode_gt(int gt, DecodeArgs a, int hkv, int ns, cudaStream_t s) {
   if constexpr (!std::is_same<T, float>::value) {
     // f16 / bf16: tensor cores for GQA, the one-head CUDA-core body for MHA (no other
     // instance is built).
-    if (a.group >= DECODE_MMA_MIN_GROUP) return launch_decode_mma<T, D>(a, hkv, ns, s);
+    if constexpr (D <= 128) {
+      if (a.group > 8) return launch_decode_mma<T, D, 16>(a, hkv, ns, s);
+    }
+    if (a.group >= DECODE_MMA_MIN_GROUP) return launch_decode_mma<T, D, 8>(a, hkv, ns, s);
     return launch_decode<T, D, 1>(a, hkv, ns, s);
   } else {
     switch (gt) {
@@ -214,8 +221,7 @@ extern "C" int pkv_paged_attention_decode(void *out, int64_t out_token_stride, c
     return PKV_ERR_PLAN;
   const int hkv = geom->num_kv_heads;
   const int group = params->num_heads / hkv;
-  // Heads per block of the CUDA-core body (1, 4 or 8); the tensor-core body serves 8, which
-  // gives the same head_chunks = ceil(group / gt) for every group.
+  // The plan's head chunks (decode_gt); each launch_decode* sets the chunks of its own body.
   const int gt = decode_gt(group);
   if (num_seqs == 0) return PKV_OK;
 
@@ -240,7 +246,6 @@ extern "C" int pkv_paged_attention_decode(void *out, int64_t out_token_stride, c
                                                           : table_tokens;
   a.num_heads = params->num_heads;
   a.group = group;
-  a.head_chunks = ceil_div(group, gt);
   a.num_splits = plan->num_splits;
   a.scale = params->scale;
   a.softcap = params->softcap;
@@ -248,9 +253,11 @@ extern "C" int pkv_paged_attention_decode(void *out, int64_t out_token_stride, c
 
   if (a.num_splits > 1) {
     // Sized for the plan's capacity (not num_seqs): the layout's row stride is fixed per plan.
+    // Counters for ceil(group / decode_gt(group)) head chunks, as the plan sized them: the
+    // most any body launches (the 16-head tensor-core body launches fewer).
     WorkspaceLayout w;
     if (!decode_workspace_layout((int64_t)plan->num_seqs_capacity * params->num_heads,
-                                 (int64_t)plan->num_seqs_capacity * hkv * a.head_chunks,
+                                 (int64_t)plan->num_seqs_capacity * hkv * ceil_div(group, gt),
                                  geom->head_dim, a.num_splits, &w))
       return PKV_ERR_PLAN;
     if (plan->counter_bytes != w.counter_bytes) return PKV_ERR_PLAN;  // the caller zeroes those

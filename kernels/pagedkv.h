@@ -199,7 +199,8 @@ int pkv_decode_plan_init(pkv_decode_plan *plan, int32_t mode, int32_t num_seqs_c
  * Decode attention: one new query token per sequence, attending to its whole context
  * (context_lens[s] tokens, the new one included, already written to the cache by
  * pkv_reshape_and_cache), partitioned as `plan` says. GQA-aware: one thread block serves the
- * query heads of one KV head (up to 8 of them), so each K/V byte is read once per KV head.
+ * query heads of one KV head (up to 8 of them; up to 16 for f16 / bf16 with head_dim <= 128),
+ * so each K/V byte is read once per KV head (once per 8 or 16 query heads of larger groups).
  * The grid, the shared memory and the workspace used depend on `plan` and `num_seqs` only,
  * never on the contents of device memory: the launch can be captured in a CUDA graph and
  * replayed after context_lens / block_tables / query change in place.

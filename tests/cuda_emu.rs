@@ -373,7 +373,9 @@ fn decode_benchmark_shapes() {
 fn decode_every_group_size() {
     let mut rng = SmallRng::seed_from_u64(16);
     let ctx = [1, 16, 17, 600, 1100, 0];
-    for (i, group) in (1..=8).chain([12, 16]).enumerate() {
+    // 12 and 16: one 16-head tensor-core block (up to d128); 24 and 40: several, the last
+    // padded.
+    for (i, group) in (1..=8).chain([12, 16, 24, 40]).enumerate() {
         let d = HEAD_DIMS[i % HEAD_DIMS.len()];
         let bs = BLOCK_SIZES[(i + 2) % BLOCK_SIZES.len()];
         let page = PAGES[i % PAGES.len()];
@@ -395,8 +397,8 @@ fn decode_every_group_size() {
 fn decode_results_do_not_depend_on_thread_order() {
     let mut rng = SmallRng::seed_from_u64(17);
     let ctx = [700, 33, 1, 1300];
-    // bf16 g6 d112: tensor cores with a padded group and 8- and 4-byte tails; f32 g8 d64 and
-    // f16 g1 d256: the CUDA-core body.
+    // bf16 g6 d112: tensor cores with a padded group and 8- and 4-byte tails; bf16 g12 d64:
+    // 16-head tensor-core blocks; f32 g8 d64 and f16 g1 d256: the CUDA-core body.
     fn run<T: Elem>(rng: &mut SmallRng, d: usize, group: usize, bs: usize, ctx: &[usize]) {
         let (layers, layer, hkv) = (2, 1, 2);
         let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, Page::Pad(1), ctx);
@@ -437,6 +439,7 @@ fn decode_results_do_not_depend_on_thread_order() {
         cuda_emu::set_schedule(Schedule::Forward);
     }
     run::<bf16>(&mut rng, 112, 6, 8, &ctx);
+    run::<bf16>(&mut rng, 64, 12, 16, &ctx); // 16-head tensor-core blocks
     run::<f32>(&mut rng, 64, 8, 32, &ctx);
     run::<f16>(&mut rng, 256, 1, 16, &ctx);
 }

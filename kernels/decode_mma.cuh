@@ -9,12 +9,13 @@
 // One warp, one tile of 16 consecutive tokens (16-aligned), lane l with g = l / 4, q = l % 4:
 //
 // S = Q K^T, m16n8k16 per 8 tokens (n) x 16 dims (k): A = the query heads as rows (head g in
-//   row g; rows 8..15 hold heads 8..15 when a block serves 16, else zero), B = K^T, the 8 tokens' K rows as columns. The k (dimension) order
-//   inside the mma is free as long as A and B use the same one; it is chosen so that each lane
-//   reads 16 contiguous bytes of its token's K row per 32 dims: dims 32G + 8q .. 32G + 8q + 7
-//   feed k-steps 2G (words 0, 1) and 2G + 1 (words 2, 3) as b[0], b[1]; Q (staged in shared
-//   memory, [8][D]) is read the same way into a[0], a[2]. A 16-dim tail (D = 80, 112) uses
-//   8 bytes at 32G + 4q. Lane (g, q) ends with S[head g][tokens 2q, 2q+1] of each 8-token half.
+//   row g; rows 8..15 hold heads 8..15 when a block serves 16, else zero), B = K^T, the 8
+//   tokens' K rows as columns. The k (dimension) order inside the mma is free as long as A and
+//   B use the same one; it is chosen so that each lane reads 16 contiguous bytes of its token's
+//   K row per 32 dims: dims 32G + 8q .. 32G + 8q + 7 feed k-steps 2G (words 0, 1) and 2G + 1
+//   (words 2, 3) as b[0], b[1]; Q takes the same order in a[0], a[2] (rows g) and a[1], a[3]
+//   (rows g + 8), staged once per block in shared memory as ready-made A quads. A 16-dim tail
+//   (D = 80, 112) uses 8 bytes at 32G + 4q. Lane (g, q) ends with S[head g][tokens 2q, 2q+1] of each 8-token half.
 //
 // Online softmax per head g over the lanes q of group g (two shuffles), then
 // O^T = V^T P^T, m16n8k16 per 16 dims (m) x 8 heads (n) x the 16 tokens (k): B = P^T, whose
@@ -56,7 +57,11 @@ template <typename T, int D, int GT_ = 8> struct MmaDecode {
   static constexpr int MT = D / 16;           // m-tiles of O^T
   static constexpr bool PIPE = D <= 128;      // prefetch the next tile (see the top)
   static_assert(D % 16 == 0 && MT == 4 * VS4 + 2 * VS2 + VS1, "head dim must be 16-dim steps");
-  static constexpr size_t q_bytes() { return (size_t)GT * D * sizeof(T); }  // 16-byte multiple
+  // The queries, staged as the S mma's A fragments: NQ quads per lane (two per 32-dim group,
+  // one for a 16-dim tail), each the 4 registers of one k-step, so one 16-byte shared load
+  // feeds an mma with no register shuffling (the zero rows included).
+  static constexpr int NQ = 2 * KG + (KTAIL ? 1 : 0);
+  static constexpr size_t q_bytes() { return (size_t)NQ * 32 * sizeof(uint4); }
   static constexpr size_t smem_bytes() {
     return q_bytes() + DecodeMerge<GT, D>::FLOATS * sizeof(float);
   }
@@ -81,9 +86,8 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
   using P = MmaDecode<T, D, GT_>;
   using Mg = DecodeMerge<P::GT, D>;
   constexpr int GT = P::GT, NH = P::NH, TILE = P::TILE, KG = P::KG, VS4 = P::VS4, MT = P::MT;
-  constexpr int VEC = Elem<T>::VEC;
   extern __shared__ float smem[];
-  T *sq = reinterpret_cast<T *>(smem);                           // [GT][D]
+  uint4 *qa = reinterpret_cast<uint4 *>(smem);                   // [NQ][32 lanes]
   float *sm = smem + P::q_bytes() / sizeof(float);               // DecodeMerge
 
   const DecodeBlock b = DecodeBlock::of<D>(a, GT);
@@ -95,12 +99,22 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;
 
-  // The served heads' queries into shared memory (zero rows past ng).
-  for (int i = threadIdx.x; i < GT * (D / VEC); i += DEC_THREADS) {
-    const int h = i / (D / VEC), c = i % (D / VEC);
-    const uint4 v = h < b.ng ? ld_vec(reinterpret_cast<const T *>(a.query) + b.q0 + h * D + c * VEC)
-                             : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4 *>(sq + h * D + c * VEC) = v;
+  // The served heads' queries into shared memory as A fragments (see MmaDecode::NQ): quad
+  // (k, lane (g, q)) = words w, w + 1 (2 dims each) of rows g and g + 8 in the mma's register
+  // order {row g w, row g+8 w, row g w+1, row g+8 w+1}, with w = 16 G + 4q + 2 half for k-step
+  // 2G + half, and w = 16 KG + 2q for the tail; rows past ng (and rows 8..15 of an 8-head
+  // block) are zero.
+  {
+    const uint32_t *qw = reinterpret_cast<const uint32_t *>(reinterpret_cast<const T *>(a.query) +
+                                                            b.q0);
+    constexpr int ROW_WORDS = D / 2;
+    for (int i = threadIdx.x; i < P::NQ * 32; i += DEC_THREADS) {
+      const int k = i / 32, l = i % 32, gg = l / 4, qq = l % 4;
+      const int w = k < 2 * KG ? 16 * (k / 2) + 4 * qq + 2 * (k % 2) : 16 * KG + 2 * qq;
+      const bool lo = gg < b.ng, hi = NH == 2 && gg + 8 < b.ng;
+      const uint32_t *r0 = qw + gg * ROW_WORDS + w, *r1 = qw + (gg + 8) * ROW_WORDS + w;
+      qa[i] = make_uint4(lo ? r0[0] : 0u, hi ? r1[0] : 0u, lo ? r0[1] : 0u, hi ? r1[1] : 0u);
+    }
   }
   __syncthreads();
 
@@ -150,10 +164,8 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
       for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
 #pragma unroll
     for (int G = 0; G < KG; ++G) {
-      const uint4 qv = *reinterpret_cast<const uint4 *>(sq + g * D + 32 * G + 8 * q);
-      const uint4 qh = NH == 2 ? *reinterpret_cast<const uint4 *>(sq + (g + 8) * D + 32 * G + 8 * q)
-                               : make_uint4(0, 0, 0, 0);
-      const uint32_t a0[4] = {qv.x, qh.x, qv.y, qh.y}, a1[4] = {qv.z, qh.z, qv.w, qh.w};
+      const uint4 f0 = qa[(2 * G) * 32 + lane], f1 = qa[(2 * G + 1) * 32 + lane];
+      const uint32_t a0[4] = {f0.x, f0.y, f0.z, f0.w}, a1[4] = {f1.x, f1.y, f1.z, f1.w};
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const uint32_t b0[2] = {k.full[nt][G].x, k.full[nt][G].y};
@@ -163,10 +175,8 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
       }
     }
     if constexpr (P::KTAIL) {
-      const uint2 qt = *reinterpret_cast<const uint2 *>(sq + g * D + 32 * KG + 4 * q);
-      const uint2 qu = NH == 2 ? *reinterpret_cast<const uint2 *>(sq + (g + 8) * D + 32 * KG + 4 * q)
-                               : make_uint2(0, 0);
-      const uint32_t at[4] = {qt.x, qu.x, qt.y, qu.y};
+      const uint4 ft = qa[(2 * KG) * 32 + lane];
+      const uint32_t at[4] = {ft.x, ft.y, ft.z, ft.w};
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const uint32_t bt[2] = {k.tail[nt].x, k.tail[nt].y};

@@ -258,16 +258,21 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
 #pragma unroll
       for (int j = 0; j < 4; ++j) p[j] = safe_exp(x[j], mx);
       l[hh] = l[hh] * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
-      // The accumulator columns are heads 8 hh + 2q and + 1: their alphas live in lane groups
-      // 2q, 2q + 1.
-      const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * q);
-      const float al1 = __shfl_sync(0xffffffffu, alpha, 8 * q + 4);
+      // Rescale only when some head's max grew in this tile (alpha < 1 somewhere in the warp):
+      // once the max settles, most tiles skip it, and x * 1 = x, so the result is the same
+      // bit for bit. (16-head blocks rescale always: the vote's extra live range made ptxas
+      // spill the d64 instance.) The accumulator columns are heads 8 hh + 2q and + 1: their
+      // alphas live in lane groups 2q, 2q + 1.
+      if (NH == 2 || __any_sync(0xffffffffu, alpha != 1.f)) {
+        const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * q);
+        const float al1 = __shfl_sync(0xffffffffu, alpha, 8 * q + 4);
 #pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        o[hh][i][0] *= al0;
-        o[hh][i][1] *= al1;
-        o[hh][i][2] *= al0;
-        o[hh][i][3] *= al1;
+        for (int i = 0; i < MT; ++i) {
+          o[hh][i][0] *= al0;
+          o[hh][i][1] *= al1;
+          o[hh][i][2] *= al0;
+          o[hh][i][3] *= al1;
+        }
       }
       const uint32_t bp[2] = {pack_f32x2<T>(p[0], p[1]), pack_f32x2<T>(p[2], p[3])};
       pv(vr, bp, o[hh]);

@@ -174,6 +174,8 @@ void syncthreads();
 void syncwarp(unsigned mask);
 uint64_t shfl_xor_bits(unsigned mask, uint64_t bits, int lane_mask, int width);
 uint64_t shfl_idx_bits(unsigned mask, uint64_t bits, int src_lane, int width);
+// Whether `pred` holds in any lane of the calling warp (a warp barrier, as a shuffle).
+bool vote_any(unsigned mask, bool pred);
 // The calling thread's lane in its warp (its linear index in the block % 32).
 int lane_id();
 // Most 32-bit words one lane posts to warp_gather (an mma posts 6, an ldmatrix 2).
@@ -236,6 +238,8 @@ template <typename T> inline T __shfl_sync(unsigned mask, T v, int src_lane, int
   memcpy(&r, &bits, sizeof(T));
   return r;
 }
+
+inline int __any_sync(unsigned mask, int pred) { return emu::vote_any(mask, pred != 0) ? 1 : 0; }
 
 // ---- loads and stores with cache hints (the hints mean nothing here) -----------------------
 

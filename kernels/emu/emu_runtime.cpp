@@ -502,6 +502,23 @@ uint64_t shfl_idx_bits(unsigned mask, uint64_t bits, int src_lane, int width) {
                  [&](int lane) { return (lane / width) * width + (src_lane & (width - 1)); });
 }
 
+bool vote_any(unsigned mask, bool pred) {
+  Runner *r = require_runner("__any_sync");
+  if (mask != 0xffffffffu) fault(cudaErrorLaunchFailure, "__any_sync with a partial mask", nullptr);
+  Fiber *f = r->cur;
+  const int w = f->warp;
+  r->slots[w][f->lane] = pred ? 1 : 0;
+  arrive(r->warp_bars[w], State::WaitWarp);  // every lane has published its predicate
+  bool any = false;
+  for (int l = 0; l < 32; ++l) {
+    const int tid = w * 32 + l;
+    if (tid < (int)r->fibers.size() && r->fibers[tid].state != State::Done && r->slots[w][l] != 0)
+      any = true;
+  }
+  arrive(r->warp_bars[w], State::WaitWarp);  // every lane has read before slots are reused
+  return any;
+}
+
 int lane_id() { return require_runner("the lane id")->cur->lane; }
 
 void warp_gather(const void *mine, size_t bytes, void *all) {

@@ -227,6 +227,23 @@ fn indexed_shuffles_read_the_source_lane_of_each_segment() {
     }
 }
 
+#[test]
+fn any_sync_votes_per_warp() {
+    let out = zeroed(96 * 4);
+    // SAFETY: out holds one int per thread of the 96-thread block.
+    let s = unsafe { emu_ffi::pkv_emu_selftest_vote(out.ptr() as *mut i32) };
+    assert_eq!(s, 0, "{:?}", cuda_emu::last_fault());
+    let v = out.as_slice::<i32>();
+    assert!(
+        v[..64].iter().all(|&x| x == 1),
+        "warps 0 and 1 have a yes vote"
+    );
+    assert!(
+        v[64..95].iter().all(|&x| x == 0),
+        "warp 2 has none (lane 31 returned)"
+    );
+}
+
 /// Rounds to the mma's input type, as pack_f32x2 does (round to nearest even).
 fn round_to(dtype: u32, x: f32) -> f32 {
     if dtype == pagedkv::cuda_emu::ffi::PKV_DTYPE_F16 {

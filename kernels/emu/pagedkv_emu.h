@@ -93,6 +93,7 @@ int pkv_emu_selftest_write(int *p, int n);
 /** 64 threads: out[t] = (the lane (t * 7 + 3) % 32 of t's segment of `width` lanes) * 10,
  *  through __shfl_sync. */
 int pkv_emu_selftest_shuffle_idx(int *out, int width);
+int pkv_emu_selftest_vote(int *out);
 /** `warps` warps each run mma_m16n8k16 (kernels/mma.cuh) for dtype PKV_DTYPE_F16 or _BF16 on
  *  their own operands: a [warps][16][16] (A row-major), b [warps][16][8] (B[k][n]), c and d
  *  [warps][16][8], all f32 (a and b rounded to dtype). d = c + A B, accumulated in place `reps`

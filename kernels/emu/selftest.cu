@@ -87,6 +87,14 @@ __global__ void shuffle_idx_kernel(int *out, int width) {
   out[t] = __shfl_sync(0xffffffffu, t * 10, (t * 7 + 3) % 32, width);
 }
 
+// Warp w votes on "lane == w * 5 % 32" (warp 2: no lane votes yes; its lane 31 has returned).
+__global__ void vote_kernel(int *out) {
+  const int t = threadIdx.x, w = t / 32, lane = t % 32;
+  if (w == 2 && lane == 31) return;
+  const bool yes = w != 2 && lane == (w * 5) % 32;
+  out[t] = __any_sync(0xffffffffu, yes);
+}
+
 // One m16n8k16 per warp on its own matrices: a [16][16], b [16][8] (B[k][n]), c and d [16][8],
 // f32 values rounded to T when packed. The fragments are built with MmaFrag's layout (the
 // kernels' helpers), the emulation reads them with the ISA's own formulas: a disagreement shows.
@@ -142,6 +150,11 @@ template <int N, bool TRANS> __global__ void ldmatrix_kernel(const uint16_t *m, 
 }
 
 }  // namespace
+
+extern "C" int pkv_emu_selftest_vote(int *out) {
+  vote_kernel<<<1, 96>>>(out);
+  return (int)cudaGetLastError();
+}
 
 extern "C" int pkv_emu_selftest_shuffle_idx(int *out, int width) {
   shuffle_idx_kernel<<<1, 64>>>(out, width);

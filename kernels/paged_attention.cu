@@ -101,8 +101,11 @@ int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_k
         if (sm_count <= 0) sm_count = 1;
       }
       // Thread blocks of one split; enough splits to give every SM PKV_DECODE_CTAS_PER_SM of
-      // them, no partition (at capacity) shorter than PKV_DECODE_MIN_PART tokens.
-      const int64_t ctas = (int64_t)num_seqs * num_kv_heads * ceil_div(group, gt);
+      // them, no partition (at capacity) shorter than PKV_DECODE_MIN_PART tokens. Groups past
+      // 8 count the 16-head tensor-core blocks of f16 / bf16 (up to d128); f32, whose body
+      // serves 8, then gets up to twice the splits it needs (shorter partitions, no idle SM).
+      const int est_gt = (group > 8 && head_dim <= 128) ? 16 : gt;
+      const int64_t ctas = (int64_t)num_seqs * num_kv_heads * ceil_div(group, est_gt);
       const int64_t target = (int64_t)PKV_DECODE_CTAS_PER_SM * sm_count;
       const int64_t want = ctas >= target ? 1 : ceil_div64(target, ctas);
       const int64_t by_len = ceil_div64(cap, PKV_DECODE_MIN_PART);

@@ -90,7 +90,9 @@ extern "C" {
 /** Choose the number of splits from the batch capacity and the SM count (the default): one
  *  split when num_seqs_capacity * num_kv_heads * head_chunks thread blocks already give every
  *  SM PKV_DECODE_CTAS_PER_SM of them, else enough splits to reach that many (partitions no
- *  shorter than PKV_DECODE_MIN_PART tokens). */
+ *  shorter than PKV_DECODE_MIN_PART tokens). head_chunks: ceil(group / 16) for groups past 8
+ *  at head_dim <= 128 (the 16-head tensor-core blocks), else ceil(group / 8), and 1 for
+ *  groups up to 4. */
 #define PKV_DECODE_AUTO 0
 /** Force one split (one pass per sequence and KV head, no split merge, no workspace), whatever
  *  the context capacity: the kernels keep nothing per token in shared memory. */

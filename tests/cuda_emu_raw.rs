@@ -532,6 +532,8 @@ fn decode_plan_policy() {
     assert_eq!(auto(1, 32, 8, 4096, 132).num_splits(), 33);
     // ... but no partition below 32 tokens: 512 / 32 = 16.
     assert_eq!(auto(1, 32, 8, 512, 132).num_splits(), 16);
+    // 32:2 (group 16): one 16-head tensor-core block per KV head, 264 / 2 = 132 splits.
+    assert_eq!(auto(1, 32, 2, 8192, 132).num_splits(), 132);
     assert_eq!(auto(1, 32, 8, 20, 132).num_splits(), 1);
     // More SMs never mean fewer splits; a larger batch never more.
     let mut last = 0;

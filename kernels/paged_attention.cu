@@ -19,6 +19,13 @@ namespace {
 // serves 8 (the same chunk count) or, past 8 up to head dim 128, 16 (fewer chunks).
 inline int decode_gt(int group) { return group == 1 ? 1 : (group <= 4 ? 4 : 8); }
 
+// Query heads one tensor-core decode block serves: 16 for groups past 8 up to head dim 128
+// (MmaDecode's shared memory fits 16 heads there), else 8. The dispatch and the plan's
+// thread-block estimate both follow it.
+inline int decode_mma_gt(int group, int head_dim) {
+  return group > 8 && head_dim <= 128 ? 16 : 8;
+}
+
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -104,7 +111,7 @@ int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_k
       // them, no partition (at capacity) shorter than PKV_DECODE_MIN_PART tokens. Groups past
       // 8 count the 16-head tensor-core blocks of f16 / bf16 (up to d128); f32, whose body
       // serves 8, then gets up to twice the splits it needs (shorter partitions, no idle SM).
-      const int est_gt = (group > 8 && head_dim <= 128) ? 16 : gt;
+      const int est_gt = group > 8 ? decode_mma_gt(group, head_dim) : gt;
       const int64_t ctas = (int64_t)num_seqs * num_kv_heads * ceil_div(group, est_gt);
       const int64_t target = (int64_t)PKV_DECODE_CTAS_PER_SM * sm_count;
       const int64_t want = ctas >= target ? 1 : ceil_div64(target, ctas);
@@ -170,8 +177,8 @@ int dispatch_decode_gt(int gt, DecodeArgs a, int hkv, int ns, cudaStream_t s) {
   if constexpr (!std::is_same<T, float>::value) {
     // f16 / bf16: tensor cores for GQA, the one-head CUDA-core body for MHA (no other
     // instance is built).
-    if constexpr (D <= 128) {
-      if (a.group > 8) return launch_decode_mma<T, D, 16>(a, hkv, ns, s);
+    if constexpr (D <= 128) {  // the only dims with a 16-head instance
+      if (decode_mma_gt(a.group, D) == 16) return launch_decode_mma<T, D, 16>(a, hkv, ns, s);
     }
     if (a.group >= DECODE_MMA_MIN_GROUP) return launch_decode_mma<T, D, 8>(a, hkv, ns, s);
     return launch_decode<T, D, 1>(a, hkv, ns, s);

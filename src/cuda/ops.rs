@@ -67,34 +67,12 @@ impl DeviceSeqs {
     ) -> Result<Self, CudaError> {
         let max_context_len = validate_seqs(cfg, seqs)?;
         let n = seqs.num_seqs();
-        if query_start_loc.len() != n + 1 {
-            return Err(AttnError::LengthMismatch {
-                what: "query_start_loc",
-                expected: n + 1,
-                found: query_start_loc.len(),
-            }
-            .into());
-        }
-        if query_start_loc[0] != 0 {
-            return Err(AttnError::QueryStartLoc { seq: 0 }.into());
-        }
-        let mut max_q = 0usize;
-        for s in 0..n {
-            let (a, b) = (query_start_loc[s], query_start_loc[s + 1]);
-            if b < a {
-                return Err(AttnError::QueryStartLoc { seq: s }.into());
-            }
-            let (q_len, context_len) = ((b - a) as usize, seqs.context_lens[s] as usize);
-            if q_len > context_len {
-                return Err(AttnError::QueryLongerThanContext {
-                    seq: s,
-                    q_len,
-                    context_len,
-                }
-                .into());
-            }
-            max_q = max_q.max(q_len);
-        }
+        let num_tokens = crate::kv::check_query_starts(query_start_loc, seqs)?;
+        let max_q = query_start_loc
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0);
         Ok(Self {
             block_tables: upload_nonempty(gpu, seqs.block_tables)?,
             context_lens: upload_nonempty(gpu, seqs.context_lens)?,
@@ -103,7 +81,7 @@ impl DeviceSeqs {
             max_blocks_per_seq: seqs.max_blocks_per_seq,
             max_context_len,
             max_query_len: max_q,
-            num_tokens: query_start_loc[n] as usize,
+            num_tokens,
         })
     }
 

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Everything a GPU session measures, in one device call under one deadline, most important
+# first, each stage's log under $OUT as soon as it ends (a call cut short still returns what
+# finished). Device time is scarce (15 minutes a session, machine start included), so each stage
+# runs under the smaller of its own cap and the time left; stages past the deadline are skipped
+# and say so in $OUT/timeline.log.
+#
+# Here:    scripts/gpu-bundle.sh
+# Device:  run with carry [".gpu"]:  bash scripts/gpu-session.sh        (DEADLINE_S, default 500)
+#
+# Stages: the CUDA tests (every .gpu/bin/test-*, PAGEDKV_REQUIRE_GPU=1), `pagedkv bench gpu`
+# (issue 15's grid beside torch SDPA), ncu on three attention points, the GGUF upload bench on a
+# synthetic 2.45 GB llama, the candle client's tokens/s (tiny model, then the synthetic one),
+# the decode modes at batch 1, compute-sanitizer on the decode tests.
+set -u
+OUT=${OUT:-$PWD/.gpu/out}; mkdir -p "$OUT"
+t0=$(date +%s)
+deadline=$((t0 + ${DEADLINE_S:-500}))
+note() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/timeline.log"; }
+# stage NAME CAP_S CMD...: runs CMD under min(CAP_S, time left), output to $OUT/NAME.log.
+stage() {
+  local name=$1 cap=$2; shift 2
+  local left=$((deadline - $(date +%s)))
+  if [ "$left" -lt 15 ]; then note "skip $name (deadline)"; return 0; fi
+  [ "$cap" -lt "$left" ] || cap=$left
+  note "start $name (cap ${cap}s)"
+  timeout -k 5 "$cap" "$@" >"$OUT/$name.log" 2>&1
+  note "end $name rc=$?"
+}
+bin=.gpu/bin
+[ -f .gpu/unpack.sh ] && bash .gpu/unpack.sh
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export PAGEDKV_REQUIRE_GPU=1 RUST_BACKTRACE=1
+# Tests that find files through CARGO_MANIFEST_DIR see this checkout at the path it had there.
+m=$(cat .gpu/manifest_dir); [ -e "$m" ] || { mkdir -p "$(dirname "$m")"; ln -sfn "$PWD" "$m"; }
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+  nvcc --version | tail -2
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())'
+  ncu --version | tail -1; nproc; } >"$OUT/machine.txt" 2>&1
+note "machine: $(head -2 "$OUT/machine.txt" | tail -1)"
+
+for t in "$bin"/test-*; do stage "$(basename "$t")" 120 "$t"; done
+stage bench-gpu 240 "$bin/bin-pagedkv" bench gpu
+small='--prefill none --no-cache-ops --peer none --no-check'
+ncu_args=(--clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats
+  --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section LaunchStats)
+stage ncu-decode 90 ncu "${ncu_args[@]}" -k regex:decode -c 12 \
+  "$bin/bin-pagedkv" bench gpu --decode 32:8/64x4096,32:8/1x4096,32:32/64x4096 $small \
+  --launches 1 --reps 1 --iters 1 --warmup 1
+stage ncu-prefill 60 ncu "${ncu_args[@]}" -k regex:prefill -c 8 \
+  "$bin/bin-pagedkv" bench gpu --decode none --prefill 32:8/2048+4096,32:32/2048+4096 \
+  --no-cache-ops --peer none --no-check --launches 1 --reps 1 --iters 1 --warmup 1
+synth=/tmp/pagedkv-synth.gguf
+stage gguf-synth 60 "$bin/bin-pagedkv" gguf synth "$synth" --layers 8 --kv-heads 8
+stage gguf-upload 90 "$bin/bin-pagedkv" gguf upload-bench "$synth" --iters 3
+if [ -x "$bin/example-generate" ]; then
+  tiny=/tmp/pagedkv-tiny.gguf
+  "$bin/example-generate" --write-tiny "$tiny" >"$OUT/generate-write.log" 2>&1
+  for s in 1 32; do
+    stage "generate-tiny-s$s" 40 "$bin/example-generate" "$tiny" --cuda --kv bf16 --seqs "$s" --max-new 128
+    stage "generate-synth-s$s" 60 "$bin/example-generate" "$synth" --cuda --kv bf16 --seqs "$s" --max-new 64
+  done
+fi
+for mode in single split; do
+  stage "bench-decode-$mode" 45 "$bin/bin-pagedkv" bench gpu --mode "$mode" \
+    --decode 32:8/1x512,32:8/1x4096,32:8/1x32768,32:8/8x4096,32:32/1x4096 $small
+done
+stage memcheck-decode 90 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  "$bin/test-cuda_kernels" decode
+stage racecheck-decode 90 compute-sanitizer --tool racecheck --error-exitcode 9 \
+  "$bin/test-cuda_kernels" decode_grid_bf16
+note done
+grep -h -E "^test result|FAILED|panicked" "$OUT"/test-*.log | tail -40

@@ -30,7 +30,8 @@ use std::time::Instant;
 struct Args {
     /// The GGUF file to run.
     path: Option<PathBuf>,
-    /// Write a tiny random llama (mixed Q4_K/Q8_0/Q4_0/F16/F32 tensors) to this path and exit.
+    /// Write a tiny random llama (mixed Q4_K/Q8_0/Q4_0/F16/F32 tensors, heads of 64) to this
+    /// path and exit.
     #[arg(long)]
     write_tiny: Option<PathBuf>,
     /// Prompt token ids, comma-separated (default: the file's BOS id, or 1).
@@ -61,7 +62,7 @@ struct Args {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     if let Some(out) = &args.write_tiny {
-        let bytes = TinyLlama::mixed().write(0x5eed)?;
+        let bytes = TinyLlama::mixed().with_head_dim(64).write(0x5eed)?;
         std::fs::write(out, &bytes)?;
         println!("wrote {} ({} bytes)", out.display(), bytes.len());
         return Ok(());

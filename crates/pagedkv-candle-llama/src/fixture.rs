@@ -88,6 +88,27 @@ impl TinyLlama {
         }
     }
 
+    /// The same width with heads of `head_dim` and the same query-to-KV group. pagedkv's CUDA
+    /// kernels build head dims 64 and up (32 is refused with a typed error), so the CUDA tests
+    /// and `generate --write-tiny` use `with_head_dim(64)`.
+    ///
+    /// # Panics
+    /// If `head_dim` does not divide the width or the group does not fit the new head count.
+    pub fn with_head_dim(self, head_dim: usize) -> Self {
+        assert!(
+            head_dim > 0 && self.dim % head_dim == 0,
+            "head_dim divides the width"
+        );
+        let heads = self.dim / head_dim;
+        let group = self.heads / self.kv_heads;
+        assert!(heads % group == 0, "the group divides the new head count");
+        Self {
+            heads,
+            kv_heads: heads / group,
+            ..self
+        }
+    }
+
     /// The file's bytes for weights drawn from `seed`.
     pub fn write(&self, seed: u64) -> Result<Vec<u8>> {
         let mut rng = SplitMix64(seed);

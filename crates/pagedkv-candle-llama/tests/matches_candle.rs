@@ -71,6 +71,24 @@ fn quantized_matches_candle_with_swap_preemption() {
     check(TinyLlama::mixed(), 4, PreemptionMode::Swap, Q_TOL);
 }
 
+/// Heads of 64 (the CUDA tests' fixtures, `TinyLlama::with_head_dim`): the same comparison on
+/// the CPU, so a failure of the CUDA test is the GPU's, not the fixture's.
+#[test]
+fn head_dim_64_matches_candle() {
+    check(
+        TinyLlama::f32().with_head_dim(64),
+        1,
+        PreemptionMode::Recompute,
+        F32_TOL,
+    );
+    check(
+        TinyLlama::mixed().with_head_dim(64),
+        3,
+        PreemptionMode::Recompute,
+        Q_TOL,
+    );
+}
+
 /// The comparison is not vacuous: rotating decode rows one position too far (a stale RoPE
 /// position, the cache left right) is caught.
 #[test]

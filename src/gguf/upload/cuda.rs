@@ -271,10 +271,7 @@ fn launch_dequant(
     to: DequantTo,
 ) -> Result<(), CudaError> {
     if !device_can_dequantize(ty) {
-        return Err(CudaError::Unsupported {
-            what: "device dequantization of ggml type id",
-            value: ty.id() as usize,
-        });
+        return Err(unsupported_type(ty));
     }
     if src_bytes.end > src.len() || dst_bytes.end > dst.len() {
         return Err(CudaError::Unsupported {
@@ -379,8 +376,20 @@ pub fn dequantize_on_device_into(
     )
 }
 
-/// Elements in `bytes` of `ty`, or the refusal of bytes that are not whole blocks.
+/// The refusal of a type the device dequantizer does not convert.
+fn unsupported_type(ty: GgmlType) -> CudaError {
+    CudaError::Unsupported {
+        what: "device dequantization of ggml type id",
+        value: ty.id() as usize,
+    }
+}
+
+/// Elements in `bytes` of `ty`, or the refusal of a type the device cannot dequantize (first:
+/// no byte count makes it work) or of bytes that are not whole blocks.
 fn whole_blocks(ty: GgmlType, bytes: usize) -> Result<usize, CudaError> {
+    if !device_can_dequantize(ty) {
+        return Err(unsupported_type(ty));
+    }
     let ts = ty.type_size() as usize;
     if bytes % ts != 0 {
         return Err(CudaError::Unsupported {

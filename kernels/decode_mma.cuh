@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
   const DecodeBlock b = DecodeBlock::of<D>(a, GT);
   if (b.begin >= b.end) {
     decode_store_empty<T, D>(a, b);
-    if (a.num_splits > 1) decode_finish_split<T, D>(a, b);
+    if (a.num_splits > 1) decode_finish_split<T, D>(a, b, smem, (int)(P::smem_bytes() / sizeof(float)));
     return;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
   }
   __syncthreads();
   decode_merge_and_store<T, D, GT>(a, b, sm);
-  if (a.num_splits > 1) decode_finish_split<T, D>(a, b);
+  if (a.num_splits > 1) decode_finish_split<T, D>(a, b, smem, (int)(P::smem_bytes() / sizeof(float)));
 }
 
 }  // namespace pkv

@@ -121,12 +121,32 @@ __device__ void decode_merge_and_store(const DecodeArgs &a, const DecodeBlock &b
   }
 }
 
+// acc += x * w per component, w == 0 (an empty split) adding nothing even where x is not a
+// number (its row was never written).
+__device__ __forceinline__ void decode_add_weighted(float4 &acc, const float4 &x, float w) {
+  if (w != 0.f) {
+    acc.x = fmaf(x.x, w, acc.x);
+    acc.y = fmaf(x.y, w, acc.y);
+    acc.z = fmaf(x.z, w, acc.z);
+    acc.w = fmaf(x.w, w, acc.w);
+  }
+}
+
 // With several splits, once this block's threads have written its partials to the workspace:
 // counts the block in, and if it is the last of its (sequence, head chunk) group,
 // merges the group's num_splits partials into the normalized output of its ng heads (the
-// contract's split merge, attention.cuh). Called by every thread of the block.
+// contract's split merge, attention.cuh). Called by every thread of the block; `scratch` is
+// `scratch_floats` (>= 16) floats of shared memory the block no longer needs.
+//
+// The merge is the tail of a split launch (only after every split of the group has arrived can
+// it start), so it keeps many loads in flight: each (head, split) weight e^(m_z - M) is
+// computed once into `scratch` (in chunks of splits when ng x num_splits does not fit), and
+// each thread then sums whole 16-byte pieces of the partial rows through L2 (__ldcg), four
+// splits per step with their loads issued together. Every output is still summed in split
+// order with the same weights, so the result does not depend on which block merges.
 template <typename T, int D>
-__device__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b) {
+__device__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b, float *scratch,
+                                    int scratch_floats) {
   __shared__ int s_last;
   __shared__ float s_max[16], s_total[16];  // per served head (ng <= 16)
   // The arrival publishes the block's partials (the pattern of a grid-wide barrier): the
@@ -169,18 +189,54 @@ __device__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b) {
       s_total[g] = l;
     }
   }
-  __syncthreads();
-  T *out = reinterpret_cast<T *>(a.out) + b.o0;  // the ng heads' rows are contiguous
-  for (int i = threadIdx.x; i < b.ng * D; i += DEC_THREADS) {
-    const int g = i / D, d = i % D;
-    const int64_t row = b.row0 + g;
-    const float m = s_max[g], total = s_total[g];
-    float v = 0.f;
-    for (int z = 0; z < S; ++z) {  // split order: the same sum whichever block merges
-      const float mz = __ldcg(a.tmp_max + row * S + z);
-      if (mz != -INFINITY) v = fmaf(__ldcg(a.tmp_out + (row * S + z) * D + d), __expf(mz - m), v);
+  // Each thread owns up to ITEMS 16-byte pieces of the ng x D outputs (ng <= 16).
+  constexpr int PIECES = D / 4, ITEMS = (16 * PIECES + DEC_THREADS - 1) / DEC_THREADS;
+  const int pieces = b.ng * PIECES;
+  float4 v[ITEMS];
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int zc = scratch_floats / b.ng;  // splits per chunk, >= 1
+  for (int z0 = 0; z0 < S; z0 += zc) {
+    const int zn = min(zc, S - z0);
+    __syncthreads();  // s_max / s_total written; the last chunk's weights read
+    for (int i = threadIdx.x; i < b.ng * zn; i += DEC_THREADS) {
+      const int g = i / zn, z = z0 + i % zn;
+      const float mz = __ldcg(a.tmp_max + (b.row0 + g) * S + z);
+      // 0 for an empty split, whose partial row was never written: skipped below.
+      scratch[i] = mz == -INFINITY ? 0.f : __expf(mz - s_max[g]);
     }
-    out[i] = Elem<T>::from_f32(total > 0.f ? v / total : 0.f);
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int p = threadIdx.x + k * DEC_THREADS;
+      if (p >= pieces) break;
+      const int g = p / PIECES, d = (p % PIECES) * 4;
+      const float *w = scratch + g * zn;
+      const float4 *src = reinterpret_cast<const float4 *>(a.tmp_out + ((b.row0 + g) * S + z0) * D + d);
+      float4 acc = v[k];
+      int z = 0;
+      for (; z + 4 <= zn; z += 4) {  // four splits' loads in flight at once
+        float4 x[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) x[u] = __ldcg(src + (int64_t)(z + u) * PIECES);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) decode_add_weighted(acc, x[u], w[z + u]);
+      }
+      for (; z < zn; ++z) decode_add_weighted(acc, __ldcg(src + (int64_t)z * PIECES), w[z]);
+      v[k] = acc;
+    }
+  }
+  T *out = reinterpret_cast<T *>(a.out) + b.o0;  // the ng heads' rows are contiguous
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    const int p = threadIdx.x + k * DEC_THREADS;
+    if (p >= pieces) break;
+    const int g = p / PIECES, d = (p % PIECES) * 4;
+    const float total = s_total[g];
+    const float r[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      out[g * D + d + e] = Elem<T>::from_f32(total > 0.f ? r[e] / total : 0.f);
   }
 }
 
@@ -277,7 +333,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
   const DecodeBlock b = DecodeBlock::of<D>(a, GT);
   if (b.begin >= b.end) {
     decode_store_empty<T, D>(a, b);
-    if (a.num_splits > 1) decode_finish_split<T, D>(a, b);
+    if (a.num_splits > 1) decode_finish_split<T, D>(a, b, smem, (int)(P::smem_bytes() / sizeof(float)));
     return;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -449,7 +505,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
   }
   __syncthreads();
   decode_merge_and_store<T, D, GT>(a, b, smem);
-  if (a.num_splits > 1) decode_finish_split<T, D>(a, b);
+  if (a.num_splits > 1) decode_finish_split<T, D>(a, b, smem, (int)(P::smem_bytes() / sizeof(float)));
 }
 
 }  // namespace pkv

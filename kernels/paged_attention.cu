@@ -81,7 +81,8 @@ int common_attn_checks(const void *out, int64_t out_stride, const void *query, i
   return PKV_OK;
 }
 
-// pkv_decode_plan_init without the output write (also the launcher's plan check).
+// pkv_decode_plan_init without the output write; with PKV_DECODE_FIXED, `sm_count` is the
+// caller's number of splits (pkv_decode_plan_init_splits).
 int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads,
                 int32_t head_dim, int32_t cap, int32_t sm_count, pkv_decode_plan *plan) {
   if (num_seqs <= 0 || num_seqs > 65535 || num_heads <= 0 || num_kv_heads <= 0 || cap <= 0 ||
@@ -93,6 +94,10 @@ int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_k
   int64_t splits = 1;  // any partition length fits the kernels (nothing per token in smem)
   switch (mode) {
     case PKV_DECODE_SINGLE:
+      break;
+    case PKV_DECODE_FIXED:
+      if (sm_count < 1) return PKV_ERR_INVALID_ARG;  // > PKV_DECODE_MAX_SPLITS: below
+      splits = sm_count;
       break;
     case PKV_DECODE_SPLIT: {
       const int64_t by_len = ceil_div64(cap, PKV_DECODE_PARTITION);
@@ -204,6 +209,18 @@ extern "C" int pkv_decode_plan_init(pkv_decode_plan *plan, int32_t mode,
   pkv_decode_plan p{};
   const int st = decode_plan(mode, num_seqs_capacity, num_heads, num_kv_heads, head_dim,
                              max_context_capacity, sm_count, &p);
+  if (st == PKV_OK) *plan = p;
+  return st;
+}
+
+extern "C" int pkv_decode_plan_init_splits(pkv_decode_plan *plan, int32_t num_splits,
+                                           int32_t num_seqs_capacity, int32_t num_heads,
+                                           int32_t num_kv_heads, int32_t head_dim,
+                                           int32_t max_context_capacity) {
+  if (plan == nullptr) return PKV_ERR_NULL_POINTER;
+  pkv_decode_plan p{};
+  const int st = decode_plan(PKV_DECODE_FIXED, num_seqs_capacity, num_heads, num_kv_heads,
+                             head_dim, max_context_capacity, num_splits, &p);
   if (st == PKV_OK) *plan = p;
   return st;
 }

@@ -100,6 +100,9 @@ extern "C" {
 /** Force split-K: max(2, ceil(max_context_capacity / PKV_DECODE_PARTITION)) splits, merged by
  *  the last block of each (sequence, head chunk) group in the same launch. */
 #define PKV_DECODE_SPLIT 2
+/** Exactly the caller's number of splits (pkv_decode_plan_init_splits): for a caller that
+ *  tunes the partitioning itself, or measures it. */
+#define PKV_DECODE_FIXED 3
 /** Tokens per partition of PKV_DECODE_SPLIT at the context capacity. */
 #define PKV_DECODE_PARTITION 512
 /** Partition lengths are multiples of this many tokens (see pkv_decode_plan). */
@@ -196,6 +199,16 @@ typedef struct pkv_decode_plan {
 int pkv_decode_plan_init(pkv_decode_plan *plan, int32_t mode, int32_t num_seqs_capacity,
                          int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
                          int32_t max_context_capacity, int32_t sm_count);
+
+/**
+ * As pkv_decode_plan_init, with exactly `num_splits` splits (mode PKV_DECODE_FIXED): host only,
+ * no device query. Returns PKV_ERR_INVALID_ARG for num_splits outside 1 ..=
+ * PKV_DECODE_MAX_SPLITS and for what pkv_decode_plan_init refuses.
+ */
+int pkv_decode_plan_init_splits(pkv_decode_plan *plan, int32_t num_splits,
+                                int32_t num_seqs_capacity, int32_t num_heads,
+                                int32_t num_kv_heads, int32_t head_dim,
+                                int32_t max_context_capacity);
 
 /**
  * Decode attention: one new query token per sequence, attending to its whole context

@@ -1,32 +1,24 @@
 #!/usr/bin/env bash
 # Everything a GPU session measures, in one device call under one deadline, most important
-# first, each stage's log under $OUT as soon as it ends (a call cut short still returns what
-# finished). Device time is scarce (15 minutes a session, machine start included), so each stage
+# first, every stage's log packed into $OUT/logs.tar.gz as soon as it ends (a call cut short
+# still returns what finished). Device time is scarce (15 minutes a session, machine start included), so each stage
 # runs under the smaller of its own cap and the time left; stages past the deadline are skipped
 # and say so in $OUT/timeline.log.
 #
 # Here:    scripts/gpu-bundle.sh
 # Device:  run with carry [".gpu"]:  bash scripts/gpu-session.sh        (DEADLINE_S, default 500)
+#          then $OUT/logs.tar.gz holds every stage's log and timeline.log.
 #
 # Stages: the CUDA tests (every .gpu/bin/test-*, PAGEDKV_REQUIRE_GPU=1), `pagedkv bench gpu`
 # (issue 15's grid beside torch SDPA), ncu on three attention points, the GGUF upload bench on a
 # synthetic 2.45 GB llama, the candle client's tokens/s (tiny model, then the synthetic one),
 # the decode modes at batch 1, compute-sanitizer on the decode tests.
 set -u
-OUT=${OUT:-$PWD/.gpu/out}; mkdir -p "$OUT"
-t0=$(date +%s)
-deadline=$((t0 + ${DEADLINE_S:-500}))
-note() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/timeline.log"; }
-# stage NAME CAP_S CMD...: runs CMD under min(CAP_S, time left), output to $OUT/NAME.log.
-stage() {
-  local name=$1 cap=$2; shift 2
-  local left=$((deadline - $(date +%s)))
-  if [ "$left" -lt 15 ]; then note "skip $name (deadline)"; return 0; fi
-  [ "$cap" -lt "$left" ] || cap=$left
-  note "start $name (cap ${cap}s)"
-  timeout -k 5 "$cap" "$@" >"$OUT/$name.log" 2>&1
-  note "end $name rc=$?"
-}
+final=${OUT:-$PWD/.gpu/out}; mkdir -p "$final"
+# The device call returns only a few files: logs are written outside $OUT and packed.
+export PACK_TO=$final/logs.tar.gz
+OUT=/tmp/pagedkv-gpu-session; rm -rf "$OUT"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu-stage.sh"
 bin=.gpu/bin
 [ -f .gpu/unpack.sh ] && bash .gpu/unpack.sh
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -71,3 +63,4 @@ stage racecheck-decode 90 compute-sanitizer --tool racecheck --error-exitcode 9 
   "$bin/test-cuda_kernels" decode_grid_bf16
 note done
 grep -h -E "^test result|FAILED|panicked" "$OUT"/test-*.log | tail -40
+pack "$PACK_TO"

@@ -654,6 +654,40 @@ fn auto_mode_picks_split_by_device_size() {
     cuda_emu::set_sm_count(132);
 }
 
+/// The split merge weights splits through shared memory in chunks when a group's heads x
+/// splits do not fit the block's (264 floats for d64 MHA, ~4.7 K for the 16-head body): a
+/// many-SM device and a long context give hundreds of splits, past one chunk for both bodies.
+#[test]
+fn split_merge_in_chunks_matches_the_oracle() {
+    let mut rng = SmallRng::seed_from_u64(29);
+    let (d, bs, hkv, layer) = (64, 16, 1, 0);
+    let ctx = [11_000];
+    for group in [1, 16] {
+        let b = make_batch(&mut rng, 1, hkv, d, bs, KvDtype::Bf16, Page::Dense, &ctx);
+        let host = random_cache::<bf16>(&mut rng, b.cfg);
+        let nh = hkv * group;
+        // ALiBi slopes that make the splits' weights span e^-5 .. 1 over the context: a chunk
+        // given another chunk's weights is far off (with plain random logits every split's
+        // max is about the same, and such a mix-up would pass).
+        let sl: Vec<f32> = (0..nh).map(|h| 4e-4 * (1.0 + h as f32 / 16.0)).collect();
+        let alibi = Features {
+            alibi: true,
+            ..Features::PLAIN
+        };
+        let params = attn_params(nh, d, alibi, &sl);
+        let query = random_vec::<bf16>(&mut rng, ctx.len() * nh * d);
+        let want = cpu_decode(&b, &host, layer, &query, &params);
+        let mut case = AttnCase::new(&b, &host, &query, &params);
+        cuda_emu::set_sm_count(4000);
+        let splits = case.plan(ffi::PKV_DECODE_AUTO).expect("plan").num_splits;
+        assert!(splits > 300, "group {group}: {splits} splits, not past one chunk");
+        let (s, got) = case.decode::<bf16>(layer, ffi::PKV_DECODE_AUTO);
+        cuda_emu::set_sm_count(132);
+        expect_ok("chunked merge", s);
+        assert_close(&format!("group {group}, {splits} splits"), &got, &want, d);
+    }
+}
+
 // ---- cache writes and block moves --------------------------------------------------------------
 
 fn check_reshape<T: Elem>(rng: &mut SmallRng, d: usize, bs: usize, padded: bool, page: Page) {

@@ -301,6 +301,7 @@ fn fixed_plan_replays_over_changed_metadata() {
     check_fixed_plan::<bf16>(&mut rng, 96, 6, 16, 20, alibi_window, DecodeMode::Auto, 4);
     // Forced modes: split-K with the split merge, and a single pass.
     check_fixed_plan::<f16>(&mut rng, 112, 3, 64, 20, capped, DecodeMode::SplitK, 132);
+    check_fixed_plan::<bf16>(&mut rng, 128, 8, 16, 12, capped, DecodeMode::Splits(5), 132);
     check_fixed_plan::<bf16>(
         &mut rng,
         80,
@@ -563,8 +564,14 @@ fn decode_plan_policy() {
         assert_eq!((single.num_splits(), single.workspace_bytes()), (1, 0));
         assert_eq!(single.mode(), DecodeMode::SinglePass);
     }
+    // Exactly the caller's splits, whatever the device; 1 is a single pass.
+    for n in [1u32, 3, 7, 4096] {
+        let fixed = plan(DecodeMode::Splits(n), 8, 32, 8, 128, 100, 132).expect("fixed");
+        assert_eq!((fixed.num_splits(), fixed.mode()), (n as usize, DecodeMode::Splits(n)));
+        assert_eq!(fixed.workspace_bytes() == 0, n == 1);
+    }
     // Refusals: zero sizes; heads that do not divide; an unsupported head dim; more than 65535
-    // sequences.
+    // sequences; no splits or too many.
     let invalid = |r: Result<DecodePlan, RawError>, what: &str| match r {
         Err(RawError::Launch { status, .. }) => assert!(
             status == cuda_raw::ffi::PKV_ERR_INVALID_ARG as i32
@@ -578,6 +585,8 @@ fn decode_plan_policy() {
     invalid(plan(DecodeMode::Auto, 8, 30, 8, 128, 100, 132), "heads");
     invalid(plan(DecodeMode::Auto, 8, 32, 8, 72, 100, 132), "head dim");
     invalid(plan(DecodeMode::Auto, 65536, 32, 8, 128, 100, 132), "seqs");
+    invalid(plan(DecodeMode::Splits(0), 8, 32, 8, 128, 100, 132), "no splits");
+    invalid(plan(DecodeMode::Splits(4097), 8, 32, 8, 128, 100, 132), "splits");
     // sm_count 0: the (emulated) device's own count, 132 by default.
     assert_eq!(
         plan(DecodeMode::Auto, 1, 32, 8, 128, 4096, 0)

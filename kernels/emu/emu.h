@@ -70,6 +70,7 @@ struct dim3 {
   constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1)
       : x(vx), y(vy), z(vz) {}
 };
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) {
   return uint4{x, y, z, w};
 }

@@ -26,6 +26,10 @@ pub enum DecodeMode {
     /// At least two splits, partitions of at most `PKV_DECODE_PARTITION` (512) tokens at
     /// capacity, merged in the same launch by the last block of each (sequence, head chunk).
     SplitK,
+    /// Exactly this many splits (1 ..= `PKV_DECODE_MAX_SPLITS`; 1 behaves as
+    /// [`DecodeMode::SinglePass`]): for a caller that tunes the partitioning of its own batch
+    /// shapes, and for measuring the policy (`pagedkv bench gpu --mode splits:N`).
+    Splits(u32),
 }
 
 impl DecodeMode {
@@ -34,6 +38,7 @@ impl DecodeMode {
             DecodeMode::Auto => ffi::PKV_DECODE_AUTO,
             DecodeMode::SinglePass => ffi::PKV_DECODE_SINGLE,
             DecodeMode::SplitK => ffi::PKV_DECODE_SPLIT,
+            DecodeMode::Splits(_) => ffi::PKV_DECODE_FIXED,
         }) as i32
     }
 }
@@ -55,7 +60,8 @@ impl DecodePlan {
     /// [`RawError::Unsupported`] for a size beyond the C ABI; [`RawError::Launch`] with
     /// `PKV_ERR_INVALID_ARG` for a zero size, heads that do not divide, a capacity above 65535
     /// sequences, or one needing more than `PKV_DECODE_MAX_SPLITS` splits;
-    /// `PKV_ERR_HEAD_DIM` for a head dim without a kernel; a CUDA status if the SM query fails.
+    /// `PKV_ERR_HEAD_DIM` for a head dim without a kernel; a CUDA status if the SM query fails;
+    /// `PKV_ERR_INVALID_ARG` for [`DecodeMode::Splits`] of 0 or past `PKV_DECODE_MAX_SPLITS`.
     pub fn new(
         mode: DecodeMode,
         num_seqs_capacity: usize,
@@ -66,6 +72,23 @@ impl DecodePlan {
         sm_count: usize,
     ) -> Result<Self, RawError> {
         let mut raw = ffi::pkv_decode_plan::default();
+        if let DecodeMode::Splits(n) = mode {
+            // SAFETY: `raw` is a valid local the call writes (on success only); every other
+            // argument is an integer; the call is host arithmetic only.
+            let status = unsafe {
+                ffi::pkv_decode_plan_init_splits(
+                    &mut raw,
+                    i32::try_from(n).unwrap_or(i32::MAX),
+                    i32_of("num_seqs_capacity", num_seqs_capacity)?,
+                    i32_of("num_heads", num_heads)?,
+                    i32_of("num_kv_heads", num_kv_heads)?,
+                    i32_of("head_dim", head_dim)?,
+                    i32_of("max_context_capacity", max_context_capacity)?,
+                )
+            };
+            check_status("pkv_decode_plan_init_splits", status, None)?;
+            return Ok(Self { raw });
+        }
         // SAFETY: `raw` is a valid local the call writes (on success only); every other
         // argument is an integer. With sm_count 0 and Auto, the call queries the current
         // device through the runtime, which has no precondition (an error is a status).
@@ -125,6 +148,7 @@ impl DecodePlan {
         match self.raw.mode as u32 {
             ffi::PKV_DECODE_SINGLE => DecodeMode::SinglePass,
             ffi::PKV_DECODE_SPLIT => DecodeMode::SplitK,
+            ffi::PKV_DECODE_FIXED => DecodeMode::Splits(self.raw.num_splits as u32),
             _ => DecodeMode::Auto,
         }
     }

@@ -58,7 +58,7 @@ pub struct GpuArgs {
     /// Block size (tokens per block).
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// Decode partitioning: auto, single or split.
+    /// Decode partitioning: auto, single, split, or splits:N (exactly N splits).
     #[arg(long, default_value = "auto")]
     mode: String,
     /// Launches per graph and back-to-back timing (at least; a whole number of rotations).
@@ -113,7 +113,14 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
         "auto" => DecodeMode::Auto,
         "single" => DecodeMode::SinglePass,
         "split" => DecodeMode::SplitK,
-        m => return Err(format!("--mode {m}: expected auto, single or split").into()),
+        m => match m.strip_prefix("splits:").and_then(|n| n.parse::<u32>().ok()) {
+            Some(n) if n > 0 => DecodeMode::Splits(n),
+            _ => {
+                return Err(
+                    format!("--mode {m}: expected auto, single, split or splits:N (N >= 1)").into(),
+                )
+            }
+        },
     };
     let decode: Vec<DecodePoint> = grid(&a.decode, default_decode_grid)?;
     let prefill: Vec<PrefillPoint> = grid(&a.prefill, default_prefill_grid)?;

@@ -1,0 +1,22 @@
+# Sourced by the scripts/gpu-*.sh device scripts: a deadline and a logged, capped stage runner.
+# Expects OUT (a folder) and DEADLINE_S (seconds from sourcing, default 500); with PACK_TO (a
+# path under the call's own $OUT) every stage re-packs the logs there, so a call cut short by
+# its time limit still returns what finished.
+t0=$(date +%s)
+deadline=$((t0 + ${DEADLINE_S:-500}))
+mkdir -p "$OUT"
+note() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/timeline.log"; }
+# stage NAME CAP_S CMD...: runs CMD under min(CAP_S, time left), output to $OUT/NAME.log; a
+# stage with under 15 s left is skipped (and says so).
+stage() {
+  local name=$1 cap=$2; shift 2
+  local left=$((deadline - $(date +%s)))
+  if [ "$left" -lt 15 ]; then note "skip $name (deadline)"; return 0; fi
+  [ "$cap" -lt "$left" ] || cap=$left
+  note "start $name (cap ${cap}s)"
+  timeout -k 5 "$cap" "$@" >"$OUT/$name.log" 2>&1
+  note "end $name rc=$?"
+  if [ -n "${PACK_TO:-}" ]; then pack "$PACK_TO" >/dev/null; fi
+}
+# The device call returns at most a few files: everything under $OUT in one archive.
+pack() { tar czf "$1" -C "$OUT" . && note "packed $(du -h "$1" | cut -f1)"; }

@@ -65,6 +65,7 @@ template <typename T, int D, int GT_ = 8> struct MmaDecode {
   static constexpr size_t smem_bytes() {
     return q_bytes() + DecodeMerge<GT, D>::FLOATS * sizeof(float);
   }
+  static constexpr int SMEM_FLOATS = (int)(smem_bytes() / sizeof(float));  // the merge's scratch
 };
 
 // One tile's K operands of this lane: tokens g (n-tile 0) and 8 + g (n-tile 1).
@@ -93,7 +94,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
   const DecodeBlock b = DecodeBlock::of<D>(a, GT);
   if (b.begin >= b.end) {
     decode_store_empty<T, D>(a, b);
-    if (a.num_splits > 1) decode_finish_split<T, D>(a, b, smem, (int)(P::smem_bytes() / sizeof(float)));
+    if (a.num_splits > 1) decode_finish_split<T, D, GT>(a, b, smem, P::SMEM_FLOATS);
     return;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -311,7 +312,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
   }
   __syncthreads();
   decode_merge_and_store<T, D, GT>(a, b, sm);
-  if (a.num_splits > 1) decode_finish_split<T, D>(a, b, smem, (int)(P::smem_bytes() / sizeof(float)));
+  if (a.num_splits > 1) decode_finish_split<T, D, GT>(a, b, smem, P::SMEM_FLOATS);
 }
 
 }  // namespace pkv

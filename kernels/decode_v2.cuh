@@ -144,9 +144,41 @@ __device__ __forceinline__ void decode_add_weighted(float4 &acc, const float4 &x
 // each thread then sums whole 16-byte pieces of the partial rows through L2 (__ldcg), four
 // splits per step with their loads issued together. Every output is still summed in split
 // order with the same weights, so the result does not depend on which block merges.
-template <typename T, int D>
-__device__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b, float *scratch,
-                                    int scratch_floats) {
+//
+// The merge itself (decode_split_merge) is not inlined: a kernel reaches it from two places (an
+// empty split and the main path) and it is bound by L2 latency, not by the call; it takes
+// scalars, not the kernel's DecodeArgs (whose address would put them in local memory).
+struct SplitMergeArgs {
+  unsigned *counter;  // the group's arrival counter
+  const float *tmp_out, *tmp_max, *tmp_sum;
+  void *out;          // the group's first output row (T)
+  int64_t row0;       // workspace row of the group's first head
+  int num_splits, ng;
+};
+
+template <typename T, int D, int GT>
+__device__ __noinline__ void decode_split_merge(const SplitMergeArgs a, float *scratch,
+                                                int scratch_floats);
+
+template <typename T, int D, int GT>
+__device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b,
+                                                    float *scratch, int scratch_floats) {
+  SplitMergeArgs m;
+  m.counter = a.counters + (int64_t)b.seq * gridDim.x + blockIdx.x;
+  m.tmp_out = a.tmp_out;
+  m.tmp_max = a.tmp_max;
+  m.tmp_sum = a.tmp_sum;
+  m.out = reinterpret_cast<T *>(a.out) + b.o0;
+  m.row0 = b.row0;
+  m.num_splits = a.num_splits;
+  m.ng = b.ng;
+  decode_split_merge<T, D, GT>(m, scratch, scratch_floats);
+}
+
+template <typename T, int D, int GT>
+__device__ __noinline__ void decode_split_merge(const SplitMergeArgs a, float *scratch,
+                                                int scratch_floats) {
+  static_assert(GT >= 1 && GT <= 16, "s_max and s_total hold 16 heads");
   __shared__ int s_last;
   __shared__ float s_max[16], s_total[16];  // per served head (ng <= 16)
   // The arrival publishes the block's partials (the pattern of a grid-wide barrier): the
@@ -155,7 +187,7 @@ __device__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b, f
   // and the second barrier hands that order to the threads that read.
   __syncthreads();
   if (threadIdx.x == 0) {
-    unsigned *c = a.counters + (int64_t)b.seq * gridDim.x + blockIdx.x;
+    unsigned *c = a.counter;
     __threadfence();
     const unsigned before = atomicAdd(c, 1u);
     s_last = before + 1 == (unsigned)a.num_splits;
@@ -171,8 +203,8 @@ __device__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b, f
 
   const int S = a.num_splits;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int g = warp; g < b.ng; g += DEC_WARPS) {  // the head's max and total weight
-    const float *mx = a.tmp_max + (b.row0 + g) * S, *sm = a.tmp_sum + (b.row0 + g) * S;
+  for (int g = warp; g < a.ng; g += DEC_WARPS) {  // the head's max and total weight
+    const float *mx = a.tmp_max + (a.row0 + g) * S, *sm = a.tmp_sum + (a.row0 + g) * S;
     float m = -INFINITY;
     for (int z = lane; z < S; z += 32) m = fmaxf(m, __ldcg(mx + z));
 #pragma unroll
@@ -189,19 +221,19 @@ __device__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b, f
       s_total[g] = l;
     }
   }
-  // Each thread owns up to ITEMS 16-byte pieces of the ng x D outputs (ng <= 16).
-  constexpr int PIECES = D / 4, ITEMS = (16 * PIECES + DEC_THREADS - 1) / DEC_THREADS;
-  const int pieces = b.ng * PIECES;
+  // Each thread owns up to ITEMS 16-byte pieces of the ng x D outputs (ng <= GT).
+  constexpr int PIECES = D / 4, ITEMS = (GT * PIECES + DEC_THREADS - 1) / DEC_THREADS;
+  const int pieces = a.ng * PIECES;
   float4 v[ITEMS];
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-  const int zc = scratch_floats / b.ng;  // splits per chunk, >= 1
+  const int zc = scratch_floats / a.ng;  // splits per chunk, >= 1
   for (int z0 = 0; z0 < S; z0 += zc) {
     const int zn = min(zc, S - z0);
     __syncthreads();  // s_max / s_total written; the last chunk's weights read
-    for (int i = threadIdx.x; i < b.ng * zn; i += DEC_THREADS) {
+    for (int i = threadIdx.x; i < a.ng * zn; i += DEC_THREADS) {
       const int g = i / zn, z = z0 + i % zn;
-      const float mz = __ldcg(a.tmp_max + (b.row0 + g) * S + z);
+      const float mz = __ldcg(a.tmp_max + (a.row0 + g) * S + z);
       // 0 for an empty split, whose partial row was never written: skipped below.
       scratch[i] = mz == -INFINITY ? 0.f : __expf(mz - s_max[g]);
     }
@@ -212,9 +244,11 @@ __device__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b, f
       if (p >= pieces) break;
       const int g = p / PIECES, d = (p % PIECES) * 4;
       const float *w = scratch + g * zn;
-      const float4 *src = reinterpret_cast<const float4 *>(a.tmp_out + ((b.row0 + g) * S + z0) * D + d);
+      const float4 *src =
+          reinterpret_cast<const float4 *>(a.tmp_out + ((a.row0 + g) * S + z0) * D + d);
       float4 acc = v[k];
       int z = 0;
+#pragma unroll 1
       for (; z + 4 <= zn; z += 4) {  // four splits' loads in flight at once
         float4 x[4];
 #pragma unroll
@@ -222,11 +256,12 @@ __device__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b, f
 #pragma unroll
         for (int u = 0; u < 4; ++u) decode_add_weighted(acc, x[u], w[z + u]);
       }
+#pragma unroll 1
       for (; z < zn; ++z) decode_add_weighted(acc, __ldcg(src + (int64_t)z * PIECES), w[z]);
       v[k] = acc;
     }
   }
-  T *out = reinterpret_cast<T *>(a.out) + b.o0;  // the ng heads' rows are contiguous
+  T *out = reinterpret_cast<T *>(a.out);  // the ng heads' rows are contiguous
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
     const int p = threadIdx.x + k * DEC_THREADS;
@@ -319,6 +354,7 @@ template <typename T, int D, int GT> struct SimtDecode {
   static constexpr int U = (GT == 8 && L::NV == 2) ? 1 : L::UNROLL;
   static constexpr int TILE = L::TOK_PER_WARP * U;
   static constexpr size_t smem_bytes() { return DecodeMerge<GT, D>::FLOATS * sizeof(float); }
+  static constexpr int SMEM_FLOATS = (int)(smem_bytes() / sizeof(float));  // the merge's scratch
 };
 
 template <typename T, int D, int GT>
@@ -333,7 +369,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
   const DecodeBlock b = DecodeBlock::of<D>(a, GT);
   if (b.begin >= b.end) {
     decode_store_empty<T, D>(a, b);
-    if (a.num_splits > 1) decode_finish_split<T, D>(a, b, smem, (int)(P::smem_bytes() / sizeof(float)));
+    if (a.num_splits > 1) decode_finish_split<T, D, GT>(a, b, smem, P::SMEM_FLOATS);
     return;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -505,7 +541,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
   }
   __syncthreads();
   decode_merge_and_store<T, D, GT>(a, b, smem);
-  if (a.num_splits > 1) decode_finish_split<T, D>(a, b, smem, (int)(P::smem_bytes() / sizeof(float)));
+  if (a.num_splits > 1) decode_finish_split<T, D, GT>(a, b, smem, P::SMEM_FLOATS);
 }
 
 }  // namespace pkv

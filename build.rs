@@ -1,7 +1,7 @@
 //! Build script. Without feature `cuda` or `cuda-emu` it does nothing.
 //!
-//! - `cuda` (build/cuda.rs): compiles kernels/*.cu with nvcc into `pagedkv_kernels` and runs
-//!   bindgen over kernels/pagedkv.h.
+//! - `cuda` (build/cuda.rs): compiles kernels/*.cu with nvcc into `pagedkv_kernels_<stem>`
+//!   libraries and runs bindgen over kernels/pagedkv.h.
 //! - `cuda-emu` (build/emu.rs): compiles the same sources as C++ for the CPU emulation in
 //!   kernels/emu/ (after two mechanical rewrites), into `pagedkv_kernels_emu`, and runs bindgen
 //!   over pagedkv.h and kernels/emu/pagedkv_emu.h. With both features, `cuda` wins: the

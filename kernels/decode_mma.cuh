@@ -82,21 +82,15 @@ template <typename T, int D> struct MmaV {
   uint32_t s1[4];
 };
 
+// A block with tokens to attend: its partition, then the merge of its warps (the body).
 template <typename T, int D, int GT_>
-__global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArgs a) {
+__device__ __forceinline__ void decode_mma_attend(const DecodeArgs &a, const DecodeBlock &b,
+                                                  float *smem) {
   using P = MmaDecode<T, D, GT_>;
   using Mg = DecodeMerge<P::GT, D>;
   constexpr int GT = P::GT, NH = P::NH, TILE = P::TILE, KG = P::KG, VS4 = P::VS4, MT = P::MT;
-  extern __shared__ float smem[];
   uint4 *qa = reinterpret_cast<uint4 *>(smem);                   // [NQ][32 lanes]
   float *sm = smem + P::q_bytes() / sizeof(float);               // DecodeMerge
-
-  const DecodeBlock b = DecodeBlock::of<D>(a, GT);
-  if (b.begin >= b.end) {
-    decode_store_empty<T, D>(a, b);
-    if (a.num_splits > 1) decode_finish_split<T, D, GT>(a, b, smem, P::SMEM_FLOATS);
-    return;
-  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;
 
@@ -312,7 +306,20 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
   }
   __syncthreads();
   decode_merge_and_store<T, D, GT>(a, b, sm);
-  if (a.num_splits > 1) decode_finish_split<T, D, GT>(a, b, smem, P::SMEM_FLOATS);
+}
+
+template <typename T, int D, int GT_>
+__global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArgs a) {
+  using P = MmaDecode<T, D, GT_>;
+  extern __shared__ float smem[];
+  const DecodeBlock b = DecodeBlock::of<D>(a, P::GT);
+  if (b.begin < b.end)
+    decode_mma_attend<T, D, GT_>(a, b, smem);
+  else
+    decode_store_empty<T, D>(a, b);
+  // One call site: the merge is inlined once per instance, after the body's registers are
+  // free (it adds nothing to the body's register count).
+  if (a.num_splits > 1) decode_finish_split<T, D, P::GT>(a, b, smem, P::SMEM_FLOATS);
 }
 
 }  // namespace pkv

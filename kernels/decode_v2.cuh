@@ -136,7 +136,8 @@ __device__ __forceinline__ void decode_add_weighted(float4 &acc, const float4 &x
 // counts the block in, and if it is the last of its (sequence, head chunk) group,
 // merges the group's num_splits partials into the normalized output of its ng heads (the
 // contract's split merge, attention.cuh). Called by every thread of the block; `scratch` is
-// `scratch_floats` (>= 16) floats of shared memory the block no longer needs.
+// `scratch_floats` (>= ng x (D + 1)) floats of 16-byte aligned shared memory the block no
+// longer needs.
 //
 // The merge is the tail of a split launch (only after every split of the group has arrived can
 // it start), so it keeps many loads in flight: each (head, split) weight e^(m_z - M) is
@@ -145,9 +146,8 @@ __device__ __forceinline__ void decode_add_weighted(float4 &acc, const float4 &x
 // splits per step with their loads issued together. Every output is still summed in split
 // order with the same weights, so the result does not depend on which block merges.
 //
-// The merge itself (decode_split_merge) is not inlined: a kernel reaches it from two places (an
-// empty split and the main path) and it is bound by L2 latency, not by the call; it takes
-// scalars, not the kernel's DecodeArgs (whose address would put them in local memory).
+// Each kernel calls it from one place, after its body (decode_*_attend) or an empty split's
+// store, so the inlined merge runs when the body's registers are free.
 struct SplitMergeArgs {
   unsigned *counter;  // the group's arrival counter
   const float *tmp_out, *tmp_max, *tmp_sum;
@@ -157,8 +157,8 @@ struct SplitMergeArgs {
 };
 
 template <typename T, int D, int GT>
-__device__ __noinline__ void decode_split_merge(const SplitMergeArgs a, float *scratch,
-                                                int scratch_floats);
+__device__ __forceinline__ void decode_split_merge(const SplitMergeArgs a, float *scratch,
+                                                   int scratch_floats);
 
 template <typename T, int D, int GT>
 __device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b,
@@ -176,8 +176,8 @@ __device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const D
 }
 
 template <typename T, int D, int GT>
-__device__ __noinline__ void decode_split_merge(const SplitMergeArgs a, float *scratch,
-                                                int scratch_floats) {
+__device__ __forceinline__ void decode_split_merge(const SplitMergeArgs a, float *scratch,
+                                                   int scratch_floats) {
   static_assert(GT >= 1 && GT <= 16, "s_max and s_total hold 16 heads");
   __shared__ int s_last;
   __shared__ float s_max[16], s_total[16];  // per served head (ng <= 16)
@@ -201,18 +201,23 @@ __device__ __noinline__ void decode_split_merge(const SplitMergeArgs a, float *s
   __syncthreads();
   if (!s_last) return;
 
+  // Every step below is a round of L2 reads whose latency, not their bytes, sets the time:
+  // each thread issues all of a round's loads before it uses any.
   const int S = a.num_splits;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int g = warp; g < a.ng; g += DEC_WARPS) {  // the head's max and total weight
     const float *mx = a.tmp_max + (a.row0 + g) * S, *sm = a.tmp_sum + (a.row0 + g) * S;
     float m = -INFINITY;
+#pragma unroll 1
     for (int z = lane; z < S; z += 32) m = fmaxf(m, __ldcg(mx + z));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     float l = 0.f;
+#pragma unroll 1
     for (int z = lane; z < S; z += 32) {
-      const float mz = __ldcg(mx + z);
-      if (mz != -INFINITY) l = fmaf(__ldcg(sm + z), __expf(mz - m), l);
+      // An empty split's sum is 0 (written): both loads need no condition.
+      const float mz = __ldcg(mx + z), lz = __ldcg(sm + z);
+      if (mz != -INFINITY) l = fmaf(lz, __expf(mz - m), l);
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
@@ -221,54 +226,55 @@ __device__ __noinline__ void decode_split_merge(const SplitMergeArgs a, float *s
       s_total[g] = l;
     }
   }
-  // Each thread owns up to ITEMS 16-byte pieces of the ng x D outputs (ng <= GT).
-  constexpr int PIECES = D / 4, ITEMS = (GT * PIECES + DEC_THREADS - 1) / DEC_THREADS;
+  // The ng x D outputs in 16-byte pieces, thread t owning pieces t, t + DEC_THREADS, ...;
+  // their f32 sums live in `scratch` (a thread only touches its own), the (head, split)
+  // weights of the current chunk after them. A piece sums ZU splits per step, their loads
+  // issued together (ZU small for the one-head body, whose registers are few).
+  constexpr int PIECES = D / 4, ZU = GT == 1 ? 2 : 8;
   const int pieces = a.ng * PIECES;
-  float4 v[ITEMS];
-#pragma unroll
-  for (int k = 0; k < ITEMS; ++k) v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-  const int zc = scratch_floats / a.ng;  // splits per chunk, >= 1
+  float4 *acc = reinterpret_cast<float4 *>(scratch);  // [pieces]; scratch is 16-byte aligned
+  float *wts = scratch + a.ng * D;
+  for (int p = threadIdx.x; p < pieces; p += DEC_THREADS) acc[p] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const float4 *rows = reinterpret_cast<const float4 *>(a.tmp_out + a.row0 * S * D);
+  const int zc = (scratch_floats - a.ng * D) / a.ng;  // splits per chunk, >= 1
   for (int z0 = 0; z0 < S; z0 += zc) {
     const int zn = min(zc, S - z0);
     __syncthreads();  // s_max / s_total written; the last chunk's weights read
+#pragma unroll 1
     for (int i = threadIdx.x; i < a.ng * zn; i += DEC_THREADS) {
       const int g = i / zn, z = z0 + i % zn;
       const float mz = __ldcg(a.tmp_max + (a.row0 + g) * S + z);
       // 0 for an empty split, whose partial row was never written: skipped below.
-      scratch[i] = mz == -INFINITY ? 0.f : __expf(mz - s_max[g]);
+      wts[i] = mz == -INFINITY ? 0.f : __expf(mz - s_max[g]);
     }
     __syncthreads();
-#pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-      const int p = threadIdx.x + k * DEC_THREADS;
-      if (p >= pieces) break;
-      const int g = p / PIECES, d = (p % PIECES) * 4;
-      const float *w = scratch + g * zn;
-      const float4 *src =
-          reinterpret_cast<const float4 *>(a.tmp_out + ((a.row0 + g) * S + z0) * D + d);
-      float4 acc = v[k];
+#pragma unroll 1
+    for (int p = threadIdx.x; p < pieces; p += DEC_THREADS) {
+      const int g = p / PIECES;
+      const float4 *src = rows + (int64_t)g * S * PIECES + p % PIECES + (int64_t)z0 * PIECES;
+      const float *w = wts + g * zn;
+      float4 v = acc[p];
       int z = 0;
 #pragma unroll 1
-      for (; z + 4 <= zn; z += 4) {  // four splits' loads in flight at once
-        float4 x[4];
+      for (; z + ZU <= zn; z += ZU) {
+        float4 x[ZU];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) x[u] = __ldcg(src + (int64_t)(z + u) * PIECES);
+        for (int u = 0; u < ZU; ++u) x[u] = __ldcg(src + (int64_t)(z + u) * PIECES);
 #pragma unroll
-        for (int u = 0; u < 4; ++u) decode_add_weighted(acc, x[u], w[z + u]);
+        for (int u = 0; u < ZU; ++u) decode_add_weighted(v, x[u], w[z + u]);
       }
 #pragma unroll 1
-      for (; z < zn; ++z) decode_add_weighted(acc, __ldcg(src + (int64_t)z * PIECES), w[z]);
-      v[k] = acc;
+      for (; z < zn; ++z) decode_add_weighted(v, __ldcg(src + (int64_t)z * PIECES), w[z]);
+      acc[p] = v;
     }
   }
   T *out = reinterpret_cast<T *>(a.out);  // the ng heads' rows are contiguous
-#pragma unroll
-  for (int k = 0; k < ITEMS; ++k) {
-    const int p = threadIdx.x + k * DEC_THREADS;
-    if (p >= pieces) break;
+#pragma unroll 1
+  for (int p = threadIdx.x; p < pieces; p += DEC_THREADS) {
     const int g = p / PIECES, d = (p % PIECES) * 4;
     const float total = s_total[g];
-    const float r[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+    const float4 v = acc[p];
+    const float r[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       out[g * D + d + e] = Elem<T>::from_f32(total > 0.f ? r[e] / total : 0.f);
@@ -357,21 +363,15 @@ template <typename T, int D, int GT> struct SimtDecode {
   static constexpr int SMEM_FLOATS = (int)(smem_bytes() / sizeof(float));  // the merge's scratch
 };
 
+// A block with tokens to attend: its partition, then the merge of its warps (the body).
 template <typename T, int D, int GT>
-__global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeArgs a) {
+__device__ __forceinline__ void decode_simt_attend(const DecodeArgs &a, const DecodeBlock &b,
+                                                   float *smem) {
   using P = SimtDecode<T, D, GT>;
   using L = typename P::L;
   using Mg = DecodeMerge<GT, D>;
   constexpr int VEC = L::VEC, NV = L::NV, TPT = L::T_PER_TOK, TPW = L::TOK_PER_WARP;
   constexpr int U = P::U, TILE = P::TILE;
-  extern __shared__ float smem[];
-
-  const DecodeBlock b = DecodeBlock::of<D>(a, GT);
-  if (b.begin >= b.end) {
-    decode_store_empty<T, D>(a, b);
-    if (a.num_splits > 1) decode_finish_split<T, D, GT>(a, b, smem, P::SMEM_FLOATS);
-    return;
-  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int tg = lane / TPT;  // token slot of this lane inside its warp
   const int li = lane % TPT;  // lane inside the token's lane group
@@ -541,6 +541,18 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
   }
   __syncthreads();
   decode_merge_and_store<T, D, GT>(a, b, smem);
+}
+
+template <typename T, int D, int GT>
+__global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeArgs a) {
+  using P = SimtDecode<T, D, GT>;
+  extern __shared__ float smem[];
+  const DecodeBlock b = DecodeBlock::of<D>(a, GT);
+  if (b.begin < b.end)
+    decode_simt_attend<T, D, GT>(a, b, smem);
+  else
+    decode_store_empty<T, D>(a, b);
+  // One call site: the merge is inlined once per instance (see decode_mma_kernel).
   if (a.num_splits > 1) decode_finish_split<T, D, GT>(a, b, smem, P::SMEM_FLOATS);
 }
 

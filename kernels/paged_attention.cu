@@ -30,6 +30,36 @@ inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 
 
 inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Thread blocks of the tensor-core decode body resident per SM (its registers as ptxas
+// allocates them for sm_90, 16-bit caches, at head dims 64 / 80 / 96 / 112 / 128 / 256: 8-head
+// 89 / 100 / 122 / 128 / 152 / 166, 16-head 138 / 145 / 180 / 188 / 207). Only the Auto
+// policy's wave rule uses it; scripts/kernel-resources.sh prints the figures it rests on.
+inline int decode_mma_resident(int gt, int head_dim) {
+  if (gt == 16) return head_dim <= 80 ? 3 : 2;
+  if (head_dim <= 80) return 5;
+  if (head_dim <= 112) return 4;
+  return 3;
+}
+
+// The Auto policy's wave rule: with more thread blocks than one wave of resident ones, the
+// split count among want .. want + 3 with the fewest waves per split (a partial last wave
+// leaves SMs idle while the launch finishes), moving off `want` only for a 10% gain (more
+// splits cost the merge). H200, bf16 d128 GQA 32:8, 64 x 4096 / 64 x 32768: 1 split 322 /
+// 2479 us, 3 splits 280 / 2008 us (BENCHMARKS.md).
+inline int64_t decode_wave_splits(int64_t ctas, int64_t want, int64_t slots, int64_t by_len) {
+  if (ctas * want <= slots) return want;  // one wave
+  int64_t best = want;
+  double best_cost = (double)ceil_div64(ctas * want, slots) / (double)want;
+  for (int64_t s = want + 1; s <= want + 3 && s <= by_len; ++s) {
+    const double cost = (double)ceil_div64(ctas * s, slots) / (double)s;
+    if (cost < 0.9 * best_cost) {
+      best = s;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
 // The decode workspace (the contract in attention.cuh): the arrival counters of `groups`
 // (sequence, head chunk) groups at byte 0, then tmp_out, tmp_max, tmp_sum of `rows` rows x
 // `splits` splits, each section on a 256-byte boundary.
@@ -113,15 +143,24 @@ int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_k
         if (sm_count <= 0) sm_count = 1;
       }
       // Thread blocks of one split; enough splits to give every SM PKV_DECODE_CTAS_PER_SM of
-      // them, no partition (at capacity) shorter than PKV_DECODE_MIN_PART tokens. Groups past
-      // 8 count the 16-head tensor-core blocks of f16 / bf16 (up to d128); f32, whose body
-      // serves 8, then gets up to twice the splits it needs (shorter partitions, no idle SM).
+      // them (PKV_DECODE_CTAS_PER_SM_MHA for one head per KV head), no partition (at
+      // capacity) shorter than PKV_DECODE_MIN_PART tokens; then, for the tensor-core body,
+      // the wave rule (decode_wave_splits). Groups past 8 count the 16-head tensor-core
+      // blocks of f16 / bf16 (up to d128); f32, whose body serves 8, then gets up to twice
+      // the splits it needs (shorter partitions, no idle SM).
       const int est_gt = group > 8 ? decode_mma_gt(group, head_dim) : gt;
       const int64_t ctas = (int64_t)num_seqs * num_kv_heads * ceil_div(group, est_gt);
-      const int64_t target = (int64_t)PKV_DECODE_CTAS_PER_SM * sm_count;
-      const int64_t want = ctas >= target ? 1 : ceil_div64(target, ctas);
+      const int per_sm = group == 1 ? PKV_DECODE_CTAS_PER_SM_MHA : PKV_DECODE_CTAS_PER_SM;
+      const int64_t target = (int64_t)per_sm * sm_count;
       const int64_t by_len = ceil_div64(cap, PKV_DECODE_MIN_PART);
-      splits = want < by_len ? want : by_len;
+      int64_t want = ctas >= target ? 1 : ceil_div64(target, ctas);
+      want = want < by_len ? want : by_len;
+      if (group > 1) {
+        const int64_t slots =
+            (int64_t)decode_mma_resident(decode_mma_gt(group, head_dim), head_dim) * sm_count;
+        want = decode_wave_splits(ctas, want, slots, by_len);
+      }
+      splits = want;
       break;
     }
     default:

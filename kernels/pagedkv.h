@@ -89,8 +89,10 @@ extern "C" {
 /* ---- decode partitioning (pkv_decode_plan_init's `mode`) ---- */
 /** Choose the number of splits from the batch capacity and the SM count (the default): one
  *  split when num_seqs_capacity * num_kv_heads * head_chunks thread blocks already give every
- *  SM PKV_DECODE_CTAS_PER_SM of them, else enough splits to reach that many (partitions no
- *  shorter than PKV_DECODE_MIN_PART tokens). head_chunks: ceil(group / 16) for groups past 8
+ *  SM PKV_DECODE_CTAS_PER_SM of them (PKV_DECODE_CTAS_PER_SM_MHA for MHA), else enough splits
+ *  to reach that many (partitions no shorter than PKV_DECODE_MIN_PART tokens); for groups of 2
+ *  and more, when that is more than one wave of resident thread blocks, up to 3 more splits
+ *  where they leave a fuller last wave. head_chunks: ceil(group / 16) for groups past 8
  *  at head_dim <= 128 (the 16-head tensor-core blocks), else ceil(group / 8), and 1 for
  *  groups up to 4. */
 #define PKV_DECODE_AUTO 0
@@ -109,8 +111,10 @@ extern "C" {
 #define PKV_DECODE_PART_ALIGN 16
 /** PKV_DECODE_AUTO splits no further than partitions of this many tokens at capacity. */
 #define PKV_DECODE_MIN_PART 32
-/** PKV_DECODE_AUTO's target: thread blocks per SM over all splits. */
+/** PKV_DECODE_AUTO's target: thread blocks per SM over all splits (groups of 2 and more). */
 #define PKV_DECODE_CTAS_PER_SM 2
+/** The same for one query head per KV head (MHA), whose blocks are lighter. */
+#define PKV_DECODE_CTAS_PER_SM_MHA 4
 /** Most splits of a plan (grid z). */
 #define PKV_DECODE_MAX_SPLITS 4096
 

@@ -680,7 +680,10 @@ fn split_merge_in_chunks_matches_the_oracle() {
         let mut case = AttnCase::new(&b, &host, &query, &params);
         cuda_emu::set_sm_count(4000);
         let splits = case.plan(ffi::PKV_DECODE_AUTO).expect("plan").num_splits;
-        assert!(splits > 300, "group {group}: {splits} splits, not past one chunk");
+        assert!(
+            splits > 300,
+            "group {group}: {splits} splits, not past one chunk"
+        );
         let (s, got) = case.decode::<bf16>(layer, ffi::PKV_DECODE_AUTO);
         cuda_emu::set_sm_count(132);
         expect_ok("chunked merge", s);

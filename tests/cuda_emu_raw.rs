@@ -524,11 +524,19 @@ fn decode_plan_policy() {
     let auto = |seqs, nh, nkv, cap, sms| {
         plan(DecodeMode::Auto, seqs, nh, nkv, 128, cap, sms).expect("auto plan")
     };
-    // 64 seqs x 8 KV heads = 512 blocks >= 2 per SM of 132: no split.
-    assert_eq!(auto(64, 32, 8, 2048, 132).num_splits(), 1);
-    assert_eq!(auto(64, 32, 8, 2048, 132).workspace_bytes(), 0);
-    // ... at any context capacity (no body limits a partition's length).
-    assert_eq!(auto(64, 32, 8, 4096, 132).num_splits(), 1);
+    // 64 seqs x 8 KV heads = 512 blocks >= 2 per SM of 132, but 1.3 waves of the 396 that
+    // are resident (3 per SM at d128): the wave rule takes 3 splits (3.9 waves).
+    assert_eq!(auto(64, 32, 8, 2048, 132).num_splits(), 3);
+    assert_eq!(auto(64, 32, 8, 4096, 132).num_splits(), 3);
+    // 48 seqs: 384 blocks, one wave: no split, no workspace.
+    assert_eq!(auto(48, 32, 8, 4096, 132).num_splits(), 1);
+    assert_eq!(auto(48, 32, 8, 4096, 132).workspace_bytes(), 0);
+    // 32 seqs: 256 blocks, 2 splits to reach 2 per SM would be 1.3 waves: 3 (1.9 waves).
+    assert_eq!(auto(32, 32, 8, 4096, 132).num_splits(), 3);
+    // MHA: 4 blocks per SM (528), no wave rule: 8 seqs x 32 heads = 256 -> 3 splits; 64 seqs
+    // fill it unsplit.
+    assert_eq!(auto(8, 32, 32, 4096, 132).num_splits(), 3);
+    assert_eq!(auto(64, 32, 32, 4096, 132).num_splits(), 1);
     // Batch 1, 8 KV heads: 264 / 8 = 33 splits (partitions of 128 tokens at 4096).
     assert_eq!(auto(1, 32, 8, 4096, 132).num_splits(), 33);
     // ... but no partition below 32 tokens: 512 / 32 = 16.
@@ -536,10 +544,10 @@ fn decode_plan_policy() {
     // 32:2 (group 16): one 16-head tensor-core block per KV head, 264 / 2 = 132 splits.
     assert_eq!(auto(1, 32, 2, 8192, 132).num_splits(), 132);
     assert_eq!(auto(1, 32, 8, 20, 132).num_splits(), 1);
-    // More SMs never mean fewer splits; a larger batch never more.
+    // For MHA (no wave rule) more SMs never mean fewer splits; a larger batch never more.
     let mut last = 0;
     for sms in [1, 8, 32, 108, 132, 264] {
-        let s = auto(4, 32, 8, 32768, sms).num_splits();
+        let s = auto(4, 32, 32, 32768, sms).num_splits();
         assert!(s >= last, "{sms} SMs: {s} splits after {last}");
         last = s;
     }
@@ -549,8 +557,9 @@ fn decode_plan_policy() {
         assert!(s <= last, "{seqs} seqs: {s} splits after {last}");
         last = s;
     }
-    // A batch that fills the device alone is one split whatever its context capacity: no
-    // kernel body limits a partition's length.
+    // A batch that fills the device alone for many waves is one split whatever its context
+    // capacity (no kernel body limits a partition's length): 4096 blocks are 10.3 waves, and
+    // no split count up to 4 saves 10% of them.
     let big = auto(512, 64, 8, 20000, 132);
     assert_eq!((big.num_splits(), big.workspace_bytes()), (1, 0));
     // Forced modes.
@@ -567,7 +576,10 @@ fn decode_plan_policy() {
     // Exactly the caller's splits, whatever the device; 1 is a single pass.
     for n in [1u32, 3, 7, 4096] {
         let fixed = plan(DecodeMode::Splits(n), 8, 32, 8, 128, 100, 132).expect("fixed");
-        assert_eq!((fixed.num_splits(), fixed.mode()), (n as usize, DecodeMode::Splits(n)));
+        assert_eq!(
+            (fixed.num_splits(), fixed.mode()),
+            (n as usize, DecodeMode::Splits(n))
+        );
         assert_eq!(fixed.workspace_bytes() == 0, n == 1);
     }
     // Refusals: zero sizes; heads that do not divide; an unsupported head dim; more than 65535
@@ -585,8 +597,14 @@ fn decode_plan_policy() {
     invalid(plan(DecodeMode::Auto, 8, 30, 8, 128, 100, 132), "heads");
     invalid(plan(DecodeMode::Auto, 8, 32, 8, 72, 100, 132), "head dim");
     invalid(plan(DecodeMode::Auto, 65536, 32, 8, 128, 100, 132), "seqs");
-    invalid(plan(DecodeMode::Splits(0), 8, 32, 8, 128, 100, 132), "no splits");
-    invalid(plan(DecodeMode::Splits(4097), 8, 32, 8, 128, 100, 132), "splits");
+    invalid(
+        plan(DecodeMode::Splits(0), 8, 32, 8, 128, 100, 132),
+        "no splits",
+    );
+    invalid(
+        plan(DecodeMode::Splits(4097), 8, 32, 8, 128, 100, 132),
+        "splits",
+    );
     // sm_count 0: the (emulated) device's own count, 132 by default.
     assert_eq!(
         plan(DecodeMode::Auto, 1, 32, 8, 128, 4096, 0)

@@ -44,7 +44,6 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 // Block-scope thread_local is static storage per OS thread: one instance per running block.
 #define __shared__ thread_local

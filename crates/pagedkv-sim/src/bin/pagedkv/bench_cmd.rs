@@ -113,12 +113,16 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
         "auto" => DecodeMode::Auto,
         "single" => DecodeMode::SinglePass,
         "split" => DecodeMode::SplitK,
-        m => match m.strip_prefix("splits:").and_then(|n| n.parse::<u32>().ok()) {
+        m => match m
+            .strip_prefix("splits:")
+            .and_then(|n| n.parse::<u32>().ok())
+        {
             Some(n) if n > 0 => DecodeMode::Splits(n),
             _ => {
-                return Err(
-                    format!("--mode {m}: expected auto, single, split or splits:N (N >= 1)").into(),
+                return Err(format!(
+                    "--mode {m}: expected auto, single, split or splits:N (N >= 1)"
                 )
+                .into())
             }
         },
     };

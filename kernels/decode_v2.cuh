@@ -208,12 +208,12 @@ __device__ __forceinline__ void decode_split_merge(const SplitMergeArgs a, float
   for (int g = warp; g < a.ng; g += DEC_WARPS) {  // the head's max and total weight
     const float *mx = a.tmp_max + (a.row0 + g) * S, *sm = a.tmp_sum + (a.row0 + g) * S;
     float m = -INFINITY;
-#pragma unroll 1
+#pragma unroll 2
     for (int z = lane; z < S; z += 32) m = fmaxf(m, __ldcg(mx + z));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     float l = 0.f;
-#pragma unroll 1
+#pragma unroll 2
     for (int z = lane; z < S; z += 32) {
       // An empty split's sum is 0 (written): both loads need no condition.
       const float mz = __ldcg(mx + z), lz = __ldcg(sm + z);
@@ -228,9 +228,10 @@ __device__ __forceinline__ void decode_split_merge(const SplitMergeArgs a, float
   }
   // The ng x D outputs in 16-byte pieces, thread t owning pieces t, t + DEC_THREADS, ...;
   // their f32 sums live in `scratch` (a thread only touches its own), the (head, split)
-  // weights of the current chunk after them. A piece sums ZU splits per step, their loads
-  // issued together (ZU small for the one-head body, whose registers are few).
-  constexpr int PIECES = D / 4, ZU = GT == 1 ? 2 : 8;
+  // weights of the current chunk after them. A thread sums PP pieces over ZU splits per step,
+  // their loads issued together (one piece, two splits for the one-head body, whose
+  // registers are few: no body's register count grows for the merge).
+  constexpr int PIECES = D / 4, ZU = GT == 1 ? 2 : 8, PP = 1;
   const int pieces = a.ng * PIECES;
   float4 *acc = reinterpret_cast<float4 *>(scratch);  // [pieces]; scratch is 16-byte aligned
   float *wts = scratch + a.ng * D;
@@ -240,7 +241,7 @@ __device__ __forceinline__ void decode_split_merge(const SplitMergeArgs a, float
   for (int z0 = 0; z0 < S; z0 += zc) {
     const int zn = min(zc, S - z0);
     __syncthreads();  // s_max / s_total written; the last chunk's weights read
-#pragma unroll 1
+#pragma unroll 4
     for (int i = threadIdx.x; i < a.ng * zn; i += DEC_THREADS) {
       const int g = i / zn, z = z0 + i % zn;
       const float mz = __ldcg(a.tmp_max + (a.row0 + g) * S + z);
@@ -249,23 +250,43 @@ __device__ __forceinline__ void decode_split_merge(const SplitMergeArgs a, float
     }
     __syncthreads();
 #pragma unroll 1
-    for (int p = threadIdx.x; p < pieces; p += DEC_THREADS) {
-      const int g = p / PIECES;
-      const float4 *src = rows + (int64_t)g * S * PIECES + p % PIECES + (int64_t)z0 * PIECES;
-      const float *w = wts + g * zn;
-      float4 v = acc[p];
+    for (int p0 = threadIdx.x; p0 < pieces; p0 += PP * DEC_THREADS) {
+      // PP pieces at once (their loads together): p0, p0 + DEC_THREADS, ...
+      const float4 *src[PP];
+      const float *w[PP];
+      float4 v[PP];
+      bool on[PP];
+#pragma unroll
+      for (int k = 0; k < PP; ++k) {
+        const int p = p0 + k * DEC_THREADS, g = p / PIECES;
+        on[k] = p < pieces;
+        src[k] = rows + (int64_t)g * S * PIECES + p % PIECES + (int64_t)z0 * PIECES;
+        w[k] = wts + g * zn;
+        v[k] = on[k] ? acc[p] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
       int z = 0;
 #pragma unroll 1
       for (; z + ZU <= zn; z += ZU) {
-        float4 x[ZU];
+        float4 x[PP][ZU];
 #pragma unroll
-        for (int u = 0; u < ZU; ++u) x[u] = __ldcg(src + (int64_t)(z + u) * PIECES);
+        for (int k = 0; k < PP; ++k)
 #pragma unroll
-        for (int u = 0; u < ZU; ++u) decode_add_weighted(v, x[u], w[z + u]);
+          for (int u = 0; u < ZU; ++u)
+            if (on[k]) x[k][u] = __ldcg(src[k] + (int64_t)(z + u) * PIECES);
+#pragma unroll
+        for (int k = 0; k < PP; ++k)
+#pragma unroll
+          for (int u = 0; u < ZU; ++u)
+            if (on[k]) decode_add_weighted(v[k], x[k][u], w[k][z + u]);
       }
 #pragma unroll 1
-      for (; z < zn; ++z) decode_add_weighted(v, __ldcg(src + (int64_t)z * PIECES), w[z]);
-      acc[p] = v;
+      for (; z < zn; ++z)
+#pragma unroll
+        for (int k = 0; k < PP; ++k)
+          if (on[k]) decode_add_weighted(v[k], __ldcg(src[k] + (int64_t)z * PIECES), w[k][z]);
+#pragma unroll
+      for (int k = 0; k < PP; ++k)
+        if (on[k]) acc[p0 + k * DEC_THREADS] = v[k];
     }
   }
   T *out = reinterpret_cast<T *>(a.out);  // the ng heads' rows are contiguous

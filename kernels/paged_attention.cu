@@ -30,11 +30,13 @@ inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 
 
 inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Thread blocks of the tensor-core decode body resident per SM (its registers as ptxas
-// allocates them for sm_90, 16-bit caches, at head dims 64 / 80 / 96 / 112 / 128 / 256: 8-head
-// 89 / 100 / 122 / 128 / 152 / 166, 16-head 138 / 145 / 180 / 188 / 207). Only the Auto
-// policy's wave rule uses it; scripts/kernel-resources.sh prints the figures it rests on.
-inline int decode_mma_resident(int gt, int head_dim) {
+// Thread blocks of a decode body resident per SM (its registers as ptxas allocates them for
+// sm_90, 16-bit caches, at head dims 64 / 80 / 96 / 112 / 128 / 256: tensor-core 8-head 90 /
+// 100 / 122 / 128 / 133 / 168, 16-head 136 / 145 / 180 / 188 / 207; the one-head CUDA-core
+// body 80 / 72 / 72 / 72 / 72 / 76). Only the Auto policy's wave rule uses it;
+// scripts/kernel-resources.sh prints the figures it rests on.
+inline int decode_resident(int gt, int head_dim) {
+  if (gt == 1) return head_dim <= 64 || head_dim > 128 ? 6 : 7;
   if (gt == 16) return head_dim <= 80 ? 3 : 2;
   if (head_dim <= 80) return 5;
   if (head_dim <= 112) return 4;
@@ -44,8 +46,9 @@ inline int decode_mma_resident(int gt, int head_dim) {
 // The Auto policy's wave rule: with more thread blocks than one wave of resident ones, the
 // split count among want .. want + 3 with the fewest waves per split (a partial last wave
 // leaves SMs idle while the launch finishes), moving off `want` only for a 10% gain (more
-// splits cost the merge). H200, bf16 d128 GQA 32:8, 64 x 4096 / 64 x 32768: 1 split 322 /
-// 2479 us, 3 splits 280 / 2008 us (BENCHMARKS.md).
+// splits cost the merge). H200, bf16 d128, 64 x 4096 / 64 x 32768: GQA 32:8 1 split 323 /
+// 2488 us, 3 splits 277 / 2009 us; MHA 1 split 1099 / 8760 us, 2 splits 986 / 7806 us
+// (BENCHMARKS.md).
 inline int64_t decode_wave_splits(int64_t ctas, int64_t want, int64_t slots, int64_t by_len) {
   if (ctas * want <= slots) return want;  // one wave
   int64_t best = want;
@@ -144,8 +147,8 @@ int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_k
       }
       // Thread blocks of one split; enough splits to give every SM PKV_DECODE_CTAS_PER_SM of
       // them (PKV_DECODE_CTAS_PER_SM_MHA for one head per KV head), no partition (at
-      // capacity) shorter than PKV_DECODE_MIN_PART tokens; then, for the tensor-core body,
-      // the wave rule (decode_wave_splits). Groups past 8 count the 16-head tensor-core
+      // capacity) shorter than PKV_DECODE_MIN_PART tokens; then the wave rule
+      // (decode_wave_splits). Groups past 8 count the 16-head tensor-core
       // blocks of f16 / bf16 (up to d128); f32, whose body serves 8, then gets up to twice
       // the splits it needs (shorter partitions, no idle SM).
       const int est_gt = group > 8 ? decode_mma_gt(group, head_dim) : gt;
@@ -155,12 +158,9 @@ int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_k
       const int64_t by_len = ceil_div64(cap, PKV_DECODE_MIN_PART);
       int64_t want = ctas >= target ? 1 : ceil_div64(target, ctas);
       want = want < by_len ? want : by_len;
-      if (group > 1) {
-        const int64_t slots =
-            (int64_t)decode_mma_resident(decode_mma_gt(group, head_dim), head_dim) * sm_count;
-        want = decode_wave_splits(ctas, want, slots, by_len);
-      }
-      splits = want;
+      const int body_gt = group == 1 ? 1 : decode_mma_gt(group, head_dim);
+      const int64_t slots = (int64_t)decode_resident(body_gt, head_dim) * sm_count;
+      splits = decode_wave_splits(ctas, want, slots, by_len);
       break;
     }
     default:

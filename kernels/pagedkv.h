@@ -90,9 +90,9 @@ extern "C" {
 /** Choose the number of splits from the batch capacity and the SM count (the default): one
  *  split when num_seqs_capacity * num_kv_heads * head_chunks thread blocks already give every
  *  SM PKV_DECODE_CTAS_PER_SM of them (PKV_DECODE_CTAS_PER_SM_MHA for MHA), else enough splits
- *  to reach that many (partitions no shorter than PKV_DECODE_MIN_PART tokens); for groups of 2
- *  and more, when that is more than one wave of resident thread blocks, up to 3 more splits
- *  where they leave a fuller last wave. head_chunks: ceil(group / 16) for groups past 8
+ *  to reach that many (partitions no shorter than PKV_DECODE_MIN_PART tokens); then, when
+ *  that is more than one wave of resident thread blocks, up to 3 more splits where they leave
+ *  a fuller last wave. head_chunks: ceil(group / 16) for groups past 8
  *  at head_dim <= 128 (the 16-head tensor-core blocks), else ceil(group / 8), and 1 for
  *  groups up to 4. */
 #define PKV_DECODE_AUTO 0

@@ -533,10 +533,12 @@ fn decode_plan_policy() {
     assert_eq!(auto(48, 32, 8, 4096, 132).workspace_bytes(), 0);
     // 32 seqs: 256 blocks, 2 splits to reach 2 per SM would be 1.3 waves: 3 (1.9 waves).
     assert_eq!(auto(32, 32, 8, 4096, 132).num_splits(), 3);
-    // MHA: 4 blocks per SM (528), no wave rule: 8 seqs x 32 heads = 256 -> 3 splits; 64 seqs
-    // fill it unsplit.
+    // MHA aims at 4 blocks per SM (528): 8 seqs x 32 heads = 256 -> 3 splits, one wave of the
+    // 924 resident (7 per SM); 64 seqs are 2048 blocks unsplit, 2.2 waves: 2 splits (4.4).
     assert_eq!(auto(8, 32, 32, 4096, 132).num_splits(), 3);
-    assert_eq!(auto(64, 32, 32, 4096, 132).num_splits(), 1);
+    assert_eq!(auto(64, 32, 32, 4096, 132).num_splits(), 2);
+    // 128 seqs: 4096 blocks, 4.4 waves; no split count up to 4 saves 10%.
+    assert_eq!(auto(128, 32, 32, 4096, 132).num_splits(), 1);
     // Batch 1, 8 KV heads: 264 / 8 = 33 splits (partitions of 128 tokens at 4096).
     assert_eq!(auto(1, 32, 8, 4096, 132).num_splits(), 33);
     // ... but no partition below 32 tokens: 512 / 32 = 16.
@@ -544,10 +546,11 @@ fn decode_plan_policy() {
     // 32:2 (group 16): one 16-head tensor-core block per KV head, 264 / 2 = 132 splits.
     assert_eq!(auto(1, 32, 2, 8192, 132).num_splits(), 132);
     assert_eq!(auto(1, 32, 8, 20, 132).num_splits(), 1);
-    // For MHA (no wave rule) more SMs never mean fewer splits; a larger batch never more.
+    // One sequence of MHA stays within one wave: more SMs never mean fewer splits (with the
+    // wave rule that holds only there); a larger batch never more.
     let mut last = 0;
     for sms in [1, 8, 32, 108, 132, 264] {
-        let s = auto(4, 32, 32, 32768, sms).num_splits();
+        let s = auto(1, 32, 32, 32768, sms).num_splits();
         assert!(s >= last, "{sms} SMs: {s} splits after {last}");
         last = s;
     }

@@ -172,6 +172,8 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kerne
   const int wrows = min(16, nrows - warp * 16);
   const int w_first = ctx - qlen + (rbase + warp * 16) / a.group;
   const int w_last = ctx - qlen + (rbase + warp * 16 + max(wrows, 1) - 1) / a.group;
+  // No soft-cap and no ALiBi: interior tiles take the scale-only path (below).
+  const bool plain = !(a.softcap > 0.f) && a.alibi_slopes == nullptr;
 
   const T *cache = reinterpret_cast<const T *>(a.cache);
   const int32_t *btab = a.block_tables + (int64_t)seq * a.max_blocks_per_seq;
@@ -269,18 +271,32 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kerne
     }
 
     // ---- the logit transform and mask (attn_logit's order), in log2 units ----
+    // An interior tile (every key valid, before every row of the warp and inside every row's
+    // window) with no soft-cap and no ALiBi needs only the scale: the same two products the
+    // general path computes, without its per-element flag load, position arithmetic and
+    // compares. Padding rows (past nrows) are never stored, so they need no mask here.
+    const bool interior =
+        plain && kt + C::BC - 1 <= w_first && (a.window <= 0 || w_last - kt < a.window) &&
+        __all_sync(0xffffffffu, kv_ok[lane % C::BC] != 0 && kv_ok[(lane + 32) % C::BC] != 0);
+    if (interior) {
 #pragma unroll
-    for (int t = 0; t < C::NT_S; ++t)
+      for (int t = 0; t < C::NT_S; ++t)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int h = e / 2, jj = t * 8 + qd * 2 + (e % 2), key = kt + jj;
-        float x = s[t][e] * a.scale;
-        if (a.softcap > 0.f) x = a.softcap * tanhf(x / a.softcap);
-        x += slope[h] * (float)(key - qpos[h]);
-        const bool visible = kv_ok[jj] != 0 && key <= qpos[h] &&
-                             !(a.window > 0 && qpos[h] - key >= a.window);
-        s[t][e] = visible ? x * LOG2E : -INFINITY;
-      }
+        for (int e = 0; e < 4; ++e) s[t][e] = (s[t][e] * a.scale) * LOG2E;
+    } else {
+#pragma unroll
+      for (int t = 0; t < C::NT_S; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = e / 2, jj = t * 8 + qd * 2 + (e % 2), key = kt + jj;
+          float x = s[t][e] * a.scale;
+          if (a.softcap > 0.f) x = a.softcap * tanhf(x / a.softcap);
+          x += slope[h] * (float)(key - qpos[h]);
+          const bool visible = kv_ok[jj] != 0 && key <= qpos[h] &&
+                               !(a.window > 0 && qpos[h] - key >= a.window);
+          s[t][e] = visible ? x * LOG2E : -INFINITY;
+        }
+    }
 
     // ---- online softmax per row; P overwrites S ----
 #pragma unroll

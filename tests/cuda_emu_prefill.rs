@@ -314,3 +314,55 @@ fn f16_and_bf16_take_the_tensor_core_kernel() {
         }
     }
 }
+
+/// Block ids that name no page (-1, one past the cache) among a chunk's cached blocks mask
+/// their keys: the output equals the oracle's over the valid blocks alone. The invalid blocks
+/// lie in a key tile wholly before every query row, the case that takes the scale-only path
+/// for interior tiles when its keys are valid (the check that they are is what this catches).
+#[test]
+fn invalid_block_ids_mask_their_keys() {
+    fn run<T: Elem>(rng: &mut SmallRng, group: usize) {
+        let (hkv, d, bs, layer) = (2, 64, 16, 0);
+        let nh = hkv * group;
+        let cfg = pagedkv::kv::KvCacheConfig::new(1, hkv, d, bs, 12, T::DTYPE).expect("config");
+        let host = random_cache::<T>(rng, cfg);
+        let past = cfg.num_blocks() as i32;
+        // Blocks 3, -1, 7, past, 5, 2 (91 tokens), a 20-token chunk at positions 71..90: the
+        // invalid blocks hold tokens 16..31 and 48..63, all before the chunk.
+        let with_invalid = Batch {
+            cfg,
+            tables: vec![3, -1, 7, past, 5, 2],
+            mbps: 6,
+            ctx: vec![91],
+        };
+        let valid_only = Batch {
+            cfg,
+            tables: vec![3, 7, 5, 2],
+            mbps: 4,
+            ctx: vec![59],
+        };
+        let qsl = [0, 20];
+        let query = random_vec::<T>(rng, 20 * nh * d);
+        let params = attn_params(nh, d, Features::PLAIN, &[]);
+        let want = cpu_prefill(&valid_only, &host, layer, &query, &qsl, &params);
+        let row = nh * d;
+        let (s, got) = launch(
+            &with_invalid,
+            host.as_bytes(),
+            layer,
+            &query,
+            (row, row),
+            &qsl,
+            &params,
+        );
+        let what = format!("prefill {} g{group} with invalid block ids", T::DTYPE);
+        assert_eq!(s, ffi::PKV_OK as i32, "{what}: status {s}");
+        assert_close(&what, &got, &want, d);
+    }
+    let mut rng = SmallRng::seed_from_u64(53);
+    for group in [1, 4] {
+        run::<bf16>(&mut rng, group);
+        run::<f16>(&mut rng, group);
+        run::<f32>(&mut rng, group);
+    }
+}

@@ -228,19 +228,24 @@ fn indexed_shuffles_read_the_source_lane_of_each_segment() {
 }
 
 #[test]
-fn any_sync_votes_per_warp() {
+fn any_and_all_sync_vote_per_warp() {
     let out = zeroed(96 * 4);
     // SAFETY: out holds one int per thread of the 96-thread block.
     let s = unsafe { emu_ffi::pkv_emu_selftest_vote(out.ptr() as *mut i32) };
     assert_eq!(s, 0, "{:?}", cuda_emu::last_fault());
+    // Each thread holds any | all << 1 of its warp.
     let v = out.as_slice::<i32>();
     assert!(
-        v[..64].iter().all(|&x| x == 1),
-        "warps 0 and 1 have a yes vote"
+        v[..32].iter().all(|&x| x == 3),
+        "warp 0: a yes vote, and every lane all-yes"
     );
     assert!(
-        v[64..95].iter().all(|&x| x == 0),
-        "warp 2 has none (lane 31 returned)"
+        v[32..64].iter().all(|&x| x == 1),
+        "warp 1: a yes vote, lane 7 all-no"
+    );
+    assert!(
+        v[64..95].iter().all(|&x| x == 2),
+        "warp 2: no yes vote, every lane left all-yes (lane 31 returned)"
     );
 }
 

@@ -241,6 +241,8 @@ template <typename T> inline T __shfl_sync(unsigned mask, T v, int src_lane, int
 }
 
 inline int __any_sync(unsigned mask, int pred) { return emu::vote_any(mask, pred != 0) ? 1 : 0; }
+// All lanes vote yes exactly when none votes no.
+inline int __all_sync(unsigned mask, int pred) { return emu::vote_any(mask, pred == 0) ? 0 : 1; }
 
 // ---- loads and stores with cache hints (the hints mean nothing here) -----------------------
 

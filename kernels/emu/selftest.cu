@@ -87,12 +87,14 @@ __global__ void shuffle_idx_kernel(int *out, int width) {
   out[t] = __shfl_sync(0xffffffffu, t * 10, (t * 7 + 3) % 32, width);
 }
 
-// Warp w votes on "lane == w * 5 % 32" (warp 2: no lane votes yes; its lane 31 has returned).
+// Warp w votes any on "lane == w * 5 % 32" (warp 2: no lane votes yes; its lane 31 has
+// returned) and all on "not (warp 1, lane 7)"; out = any | all << 1.
 __global__ void vote_kernel(int *out) {
   const int t = threadIdx.x, w = t / 32, lane = t % 32;
   if (w == 2 && lane == 31) return;
   const bool yes = w != 2 && lane == (w * 5) % 32;
-  out[t] = __any_sync(0xffffffffu, yes);
+  const bool all = !(w == 1 && lane == 7);
+  out[t] = __any_sync(0xffffffffu, yes) | (__all_sync(0xffffffffu, all) << 1);
 }
 
 // One m16n8k16 per warp on its own matrices: a [16][16], b [16][8] (B[k][n]), c and d [16][8],

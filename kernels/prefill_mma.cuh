@@ -299,6 +299,7 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kerne
     }
 
     // ---- online softmax per row; P overwrites S ----
+    float alphas[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = -INFINITY;
@@ -320,11 +321,18 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kerne
           sum += s[t][e];
         }
       l[h] = l[h] * alpha + sum;
+      alphas[h] = alpha;
+    }
+    // The O rescale, skipped when no row of the warp raised its max in this tile (alpha is 1
+    // for every row, and x * 1 = x: bit-identical), which on a long context is most tiles.
+    if (__any_sync(0xffffffffu, alphas[0] != 1.f || alphas[1] != 1.f)) {
 #pragma unroll
-      for (int n = 0; n < C::NT_O; ++n) {
-        o[n][2 * h] *= alpha;
-        o[n][2 * h + 1] *= alpha;
-      }
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int n = 0; n < C::NT_O; ++n) {
+          o[n][2 * h] *= alphas[h];
+          o[n][2 * h + 1] *= alphas[h];
+        }
     }
 
     // ---- O += P V ----

@@ -142,42 +142,15 @@ __device__ __forceinline__ void decode_add_weighted(float4 &acc, const float4 &x
 // The merge is the tail of a split launch (only after every split of the group has arrived can
 // it start), so it keeps many loads in flight: each (head, split) weight e^(m_z - M) is
 // computed once into `scratch` (in chunks of splits when ng x num_splits does not fit), and
-// each thread then sums whole 16-byte pieces of the partial rows through L2 (__ldcg), four
+// each thread then sums whole 16-byte pieces of the partial rows through L2 (__ldcg), several
 // splits per step with their loads issued together. Every output is still summed in split
 // order with the same weights, so the result does not depend on which block merges.
 //
 // Each kernel calls it from one place, after its body (decode_*_attend) or an empty split's
 // store, so the inlined merge runs when the body's registers are free.
-struct SplitMergeArgs {
-  unsigned *counter;  // the group's arrival counter
-  const float *tmp_out, *tmp_max, *tmp_sum;
-  void *out;          // the group's first output row (T)
-  int64_t row0;       // workspace row of the group's first head
-  int num_splits, ng;
-};
-
-template <typename T, int D, int GT>
-__device__ __forceinline__ void decode_split_merge(const SplitMergeArgs a, float *scratch,
-                                                   int scratch_floats);
-
 template <typename T, int D, int GT>
 __device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b,
                                                     float *scratch, int scratch_floats) {
-  SplitMergeArgs m;
-  m.counter = a.counters + (int64_t)b.seq * gridDim.x + blockIdx.x;
-  m.tmp_out = a.tmp_out;
-  m.tmp_max = a.tmp_max;
-  m.tmp_sum = a.tmp_sum;
-  m.out = reinterpret_cast<T *>(a.out) + b.o0;
-  m.row0 = b.row0;
-  m.num_splits = a.num_splits;
-  m.ng = b.ng;
-  decode_split_merge<T, D, GT>(m, scratch, scratch_floats);
-}
-
-template <typename T, int D, int GT>
-__device__ __forceinline__ void decode_split_merge(const SplitMergeArgs a, float *scratch,
-                                                   int scratch_floats) {
   static_assert(GT >= 1 && GT <= 16, "s_max and s_total hold 16 heads");
   __shared__ int s_last;
   __shared__ float s_max[16], s_total[16];  // per served head (ng <= 16)
@@ -187,7 +160,7 @@ __device__ __forceinline__ void decode_split_merge(const SplitMergeArgs a, float
   // and the second barrier hands that order to the threads that read.
   __syncthreads();
   if (threadIdx.x == 0) {
-    unsigned *c = a.counter;
+    unsigned *c = a.counters + (int64_t)b.seq * gridDim.x + blockIdx.x;
     __threadfence();
     const unsigned before = atomicAdd(c, 1u);
     s_last = before + 1 == (unsigned)a.num_splits;
@@ -205,8 +178,8 @@ __device__ __forceinline__ void decode_split_merge(const SplitMergeArgs a, float
   // each thread issues all of a round's loads before it uses any.
   const int S = a.num_splits;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int g = warp; g < a.ng; g += DEC_WARPS) {  // the head's max and total weight
-    const float *mx = a.tmp_max + (a.row0 + g) * S, *sm = a.tmp_sum + (a.row0 + g) * S;
+  for (int g = warp; g < b.ng; g += DEC_WARPS) {  // the head's max and total weight
+    const float *mx = a.tmp_max + (b.row0 + g) * S, *sm = a.tmp_sum + (b.row0 + g) * S;
     float m = -INFINITY;
 #pragma unroll 2
     for (int z = lane; z < S; z += 32) m = fmaxf(m, __ldcg(mx + z));
@@ -228,68 +201,49 @@ __device__ __forceinline__ void decode_split_merge(const SplitMergeArgs a, float
   }
   // The ng x D outputs in 16-byte pieces, thread t owning pieces t, t + DEC_THREADS, ...;
   // their f32 sums live in `scratch` (a thread only touches its own), the (head, split)
-  // weights of the current chunk after them. A thread sums PP pieces over ZU splits per step,
-  // their loads issued together (one piece, two splits for the one-head body, whose
-  // registers are few: no body's register count grows for the merge).
-  constexpr int PIECES = D / 4, ZU = GT == 1 ? 2 : 8, PP = 1;
-  const int pieces = a.ng * PIECES;
+  // weights of the current chunk after them. A piece sums ZU splits per step, their loads
+  // issued together (two for the one-head body, whose registers are few: no body's register
+  // count grows for the merge).
+  constexpr int PIECES = D / 4, ZU = GT == 1 ? 2 : 8;
+  const int pieces = b.ng * PIECES;
   float4 *acc = reinterpret_cast<float4 *>(scratch);  // [pieces]; scratch is 16-byte aligned
-  float *wts = scratch + a.ng * D;
-  for (int p = threadIdx.x; p < pieces; p += DEC_THREADS) acc[p] = make_float4(0.f, 0.f, 0.f, 0.f);
-  const float4 *rows = reinterpret_cast<const float4 *>(a.tmp_out + a.row0 * S * D);
-  const int zc = (scratch_floats - a.ng * D) / a.ng;  // splits per chunk, >= 1
+  float *wts = scratch + b.ng * D;
+  for (int p = threadIdx.x; p < pieces; p += DEC_THREADS)
+    acc[p] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const float4 *rows = reinterpret_cast<const float4 *>(a.tmp_out + b.row0 * S * D);
+  const int zc = (scratch_floats - b.ng * D) / b.ng;  // splits per chunk, >= 1
   for (int z0 = 0; z0 < S; z0 += zc) {
     const int zn = min(zc, S - z0);
     __syncthreads();  // s_max / s_total written; the last chunk's weights read
 #pragma unroll 4
-    for (int i = threadIdx.x; i < a.ng * zn; i += DEC_THREADS) {
+    for (int i = threadIdx.x; i < b.ng * zn; i += DEC_THREADS) {
       const int g = i / zn, z = z0 + i % zn;
-      const float mz = __ldcg(a.tmp_max + (a.row0 + g) * S + z);
+      const float mz = __ldcg(a.tmp_max + (b.row0 + g) * S + z);
       // 0 for an empty split, whose partial row was never written: skipped below.
       wts[i] = mz == -INFINITY ? 0.f : __expf(mz - s_max[g]);
     }
     __syncthreads();
 #pragma unroll 1
-    for (int p0 = threadIdx.x; p0 < pieces; p0 += PP * DEC_THREADS) {
-      // PP pieces at once (their loads together): p0, p0 + DEC_THREADS, ...
-      const float4 *src[PP];
-      const float *w[PP];
-      float4 v[PP];
-      bool on[PP];
-#pragma unroll
-      for (int k = 0; k < PP; ++k) {
-        const int p = p0 + k * DEC_THREADS, g = p / PIECES;
-        on[k] = p < pieces;
-        src[k] = rows + (int64_t)g * S * PIECES + p % PIECES + (int64_t)z0 * PIECES;
-        w[k] = wts + g * zn;
-        v[k] = on[k] ? acc[p] : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
+    for (int p = threadIdx.x; p < pieces; p += DEC_THREADS) {
+      const int g = p / PIECES;
+      const float4 *src = rows + (int64_t)g * S * PIECES + p % PIECES + (int64_t)z0 * PIECES;
+      const float *w = wts + g * zn;
+      float4 v = acc[p];
       int z = 0;
 #pragma unroll 1
       for (; z + ZU <= zn; z += ZU) {
-        float4 x[PP][ZU];
+        float4 x[ZU];
 #pragma unroll
-        for (int k = 0; k < PP; ++k)
+        for (int u = 0; u < ZU; ++u) x[u] = __ldcg(src + (int64_t)(z + u) * PIECES);
 #pragma unroll
-          for (int u = 0; u < ZU; ++u)
-            if (on[k]) x[k][u] = __ldcg(src[k] + (int64_t)(z + u) * PIECES);
-#pragma unroll
-        for (int k = 0; k < PP; ++k)
-#pragma unroll
-          for (int u = 0; u < ZU; ++u)
-            if (on[k]) decode_add_weighted(v[k], x[k][u], w[k][z + u]);
+        for (int u = 0; u < ZU; ++u) decode_add_weighted(v, x[u], w[z + u]);
       }
 #pragma unroll 1
-      for (; z < zn; ++z)
-#pragma unroll
-        for (int k = 0; k < PP; ++k)
-          if (on[k]) decode_add_weighted(v[k], __ldcg(src[k] + (int64_t)z * PIECES), w[k][z]);
-#pragma unroll
-      for (int k = 0; k < PP; ++k)
-        if (on[k]) acc[p0 + k * DEC_THREADS] = v[k];
+      for (; z < zn; ++z) decode_add_weighted(v, __ldcg(src + (int64_t)z * PIECES), w[z]);
+      acc[p] = v;
     }
   }
-  T *out = reinterpret_cast<T *>(a.out);  // the ng heads' rows are contiguous
+  T *out = reinterpret_cast<T *>(a.out) + b.o0;  // the ng heads' rows are contiguous
 #pragma unroll 1
   for (int p = threadIdx.x; p < pieces; p += DEC_THREADS) {
     const int g = p / PIECES, d = (p % PIECES) * 4;

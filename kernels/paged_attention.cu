@@ -31,9 +31,9 @@ inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 
 inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Thread blocks of a decode body resident per SM (its registers as ptxas allocates them for
-// sm_90, 16-bit caches, at head dims 64 / 80 / 96 / 112 / 128 / 256: tensor-core 8-head 90 /
-// 100 / 122 / 128 / 133 / 168, 16-head 136 / 145 / 180 / 188 / 207; the one-head CUDA-core
-// body 80 / 72 / 72 / 72 / 72 / 76). Only the Auto policy's wave rule uses it;
+// sm_90, 16-bit caches, at head dims 64 / 80 / 96 / 112 / 128 / 256: tensor-core 8-head 89 /
+// 100 / 122 / 128 / 152 / 166, 16-head 138 / 145 / 180 / 188 / 207; the one-head CUDA-core
+// body 80 / 72 / 72 / 72 / 72 / 77). Only the Auto policy's wave rule uses it;
 // scripts/kernel-resources.sh prints the figures it rests on.
 inline int decode_resident(int gt, int head_dim) {
   if (gt == 1) return head_dim <= 64 || head_dim > 128 ? 6 : 7;

@@ -19,12 +19,7 @@ final=${OUT:-$PWD/.gpu/out}; mkdir -p "$final"
 export PACK_TO=$final/logs.tar.gz
 OUT=/tmp/pagedkv-gpu-session; rm -rf "$OUT"
 source "$(dirname "${BASH_SOURCE[0]}")/gpu-stage.sh"
-bin=.gpu/bin
-[ -f .gpu/unpack.sh ] && bash .gpu/unpack.sh
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export PAGEDKV_REQUIRE_GPU=1 RUST_BACKTRACE=1
-# Tests that find files through CARGO_MANIFEST_DIR see this checkout at the path it had there.
-m=$(cat .gpu/manifest_dir); [ -e "$m" ] || { mkdir -p "$(dirname "$m")"; ln -sfn "$PWD" "$m"; }
+device_setup
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
   nvcc --version | tail -2
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())'

@@ -12,11 +12,7 @@ export PACK_TO=$final/logs.tar.gz
 OUT=/tmp/pagedkv-split-sweep; rm -rf "$OUT"
 DEADLINE_S=${DEADLINE_S:-420}
 source "$(dirname "${BASH_SOURCE[0]}")/gpu-stage.sh"
-bin=.gpu/bin
-[ -f .gpu/unpack.sh ] && bash .gpu/unpack.sh
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export PAGEDKV_REQUIRE_GPU=1 RUST_BACKTRACE=1
-m=$(cat .gpu/manifest_dir); [ -e "$m" ] || { mkdir -p "$(dirname "$m")"; ln -sfn "$PWD" "$m"; }
+device_setup
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/machine.txt" 2>&1
 note "machine: $(tail -1 "$OUT/machine.txt")"
 

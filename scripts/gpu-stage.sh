@@ -1,4 +1,5 @@
-# Sourced by the scripts/gpu-*.sh device scripts: a deadline and a logged, capped stage runner.
+# Sourced by the scripts/gpu-*.sh device scripts: a deadline, a logged and capped stage runner,
+# log packing, and the device setup the bundle needs (device_setup).
 # Expects OUT (a folder) and DEADLINE_S (seconds from sourcing, default 500); with PACK_TO (a
 # path under the call's own $OUT) every stage re-packs the logs there, so a call cut short by
 # its time limit still returns what finished.
@@ -20,3 +21,14 @@ stage() {
 }
 # The device call returns at most a few files: everything under $OUT in one archive.
 pack() { tar czf "$1" -C "$OUT" . && note "packed $(du -h "$1" | cut -f1)"; }
+# Unpacks scripts/gpu-bundle.sh's compressed binaries, puts the CUDA libraries in reach, makes
+# GPU tests fail instead of skipping, and shows the checkout at the path the tests were built
+# at (they find files through CARGO_MANIFEST_DIR).
+device_setup() {
+  bin=.gpu/bin
+  [ -f .gpu/unpack.sh ] && bash .gpu/unpack.sh
+  export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+  export PAGEDKV_REQUIRE_GPU=1 RUST_BACKTRACE=1
+  local m; m=$(cat .gpu/manifest_dir)
+  [ -e "$m" ] || { mkdir -p "$(dirname "$m")"; ln -sfn "$PWD" "$m"; }
+}

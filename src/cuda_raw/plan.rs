@@ -72,39 +72,41 @@ impl DecodePlan {
         sm_count: usize,
     ) -> Result<Self, RawError> {
         let mut raw = ffi::pkv_decode_plan::default();
-        if let DecodeMode::Splits(n) = mode {
+        let seqs = i32_of("num_seqs_capacity", num_seqs_capacity)?;
+        let heads = i32_of("num_heads", num_heads)?;
+        let kv_heads = i32_of("num_kv_heads", num_kv_heads)?;
+        let dim = i32_of("head_dim", head_dim)?;
+        let cap = i32_of("max_context_capacity", max_context_capacity)?;
+        let (call, status) = match mode {
             // SAFETY: `raw` is a valid local the call writes (on success only); every other
             // argument is an integer; the call is host arithmetic only.
-            let status = unsafe {
+            DecodeMode::Splits(n) => ("pkv_decode_plan_init_splits", unsafe {
                 ffi::pkv_decode_plan_init_splits(
                     &mut raw,
                     i32::try_from(n).unwrap_or(i32::MAX),
-                    i32_of("num_seqs_capacity", num_seqs_capacity)?,
-                    i32_of("num_heads", num_heads)?,
-                    i32_of("num_kv_heads", num_kv_heads)?,
-                    i32_of("head_dim", head_dim)?,
-                    i32_of("max_context_capacity", max_context_capacity)?,
+                    seqs,
+                    heads,
+                    kv_heads,
+                    dim,
+                    cap,
                 )
-            };
-            check_status("pkv_decode_plan_init_splits", status, None)?;
-            return Ok(Self { raw });
-        }
-        // SAFETY: `raw` is a valid local the call writes (on success only); every other
-        // argument is an integer. With sm_count 0 and Auto, the call queries the current
-        // device through the runtime, which has no precondition (an error is a status).
-        let status = unsafe {
-            ffi::pkv_decode_plan_init(
-                &mut raw,
-                mode.abi(),
-                i32_of("num_seqs_capacity", num_seqs_capacity)?,
-                i32_of("num_heads", num_heads)?,
-                i32_of("num_kv_heads", num_kv_heads)?,
-                i32_of("head_dim", head_dim)?,
-                i32_of("max_context_capacity", max_context_capacity)?,
-                i32::try_from(sm_count).unwrap_or(i32::MAX),
-            )
+            }),
+            // SAFETY: as above. With sm_count 0 and Auto, the call queries the current device
+            // through the runtime, which has no precondition (an error is a status).
+            _ => ("pkv_decode_plan_init", unsafe {
+                ffi::pkv_decode_plan_init(
+                    &mut raw,
+                    mode.abi(),
+                    seqs,
+                    heads,
+                    kv_heads,
+                    dim,
+                    cap,
+                    i32::try_from(sm_count).unwrap_or(i32::MAX),
+                )
+            }),
         };
-        check_status("pkv_decode_plan_init", status, None)?;
+        check_status(call, status, None)?;
         Ok(Self { raw })
     }
 

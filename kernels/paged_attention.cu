@@ -4,6 +4,7 @@
 // the template instance for (dtype, head_dim, group size), launches on the caller's stream and
 // returns the launch status; none synchronizes. The decode split policy lives in decode_plan
 // (the only place that chooses num_splits; the kernels derive partitions on the device).
+#include <cstdlib>
 #include <type_traits>
 
 #include "attention.cuh"
@@ -359,19 +360,33 @@ int launch_prefill(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs, c
   return status_of(cudaGetLastError());
 }
 
-// f16 / bf16: the tensor-core kernel, 64 rows per thread block.
-template <typename T, int D>
-int launch_prefill_mma(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs,
-                       cudaStream_t s) {
+// f16 / bf16: the tensor-core kernel, 64 rows per thread block, registers for MB blocks per SM.
+template <typename T, int D, int MB>
+int launch_prefill_mma_mb(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs,
+                          cudaStream_t s) {
   constexpr size_t smem = pfmma::Cfg<D>::smem_bytes;
   if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(pfmma::prefill_mma_kernel<T, D>,
+    cudaError_t e = cudaFuncSetAttribute(pfmma::prefill_mma_kernel<T, D, MB>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return status_of(e);
   }
   const dim3 grid(hkv, row_tiles, num_seqs);
-  pfmma::prefill_mma_kernel<T, D><<<grid, pfmma::THREADS, smem, s>>>(a);
+  pfmma::prefill_mma_kernel<T, D, MB><<<grid, pfmma::THREADS, smem, s>>>(a);
   return status_of(cudaGetLastError());
+}
+
+template <typename T, int D>
+int launch_prefill_mma(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs,
+                       cudaStream_t s) {
+  // A measurement knob (bench only): PKV_PREFILL_MIN_BLOCKS=2 runs the d112 / d128 kernels
+  // with registers for 2 blocks per SM instead of 3, to compare both in one GPU run.
+  static const bool two = [] {
+    const char *v = getenv("PKV_PREFILL_MIN_BLOCKS");
+    return v != nullptr && v[0] == '2';
+  }();
+  if constexpr (D == 112 || D == 128)
+    if (two) return launch_prefill_mma_mb<T, D, 2>(a, hkv, row_tiles, num_seqs, s);
+  return launch_prefill_mma_mb<T, D, pfmma::Cfg<D>::MIN_BLOCKS>(a, hkv, row_tiles, num_seqs, s);
 }
 }  // namespace
 }  // namespace pkv

@@ -50,10 +50,14 @@ template <int D> struct Cfg {
   static constexpr int NT_S = BC / 8;             // n8 tiles of S per warp
   static constexpr int NT_O = D / 8;              // n8 tiles of O per warp
   static constexpr bool Q_REGS = D <= 128;
-  // Thread blocks per SM the register allocation must allow. 3 (<= 168 registers per thread)
-  // up to head dim 96, where ptxas fits it without spilling and 3 blocks' stages fit an
-  // H100's 228 KiB of shared memory; at 112 and 128 it spills (sm_90: 8 to 104 bytes), so 2.
+  // Thread blocks per SM the register allocation must allow: 3 (<= 168 registers per thread)
+  // up to head dim 128 where 3 blocks' stages fit the shared memory (sm_90: 227 KiB; d128
+  // spills 28 bytes outside the key loop), else 2. sm_80 fits 3 blocks' stages only up to d96.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   static constexpr int MIN_BLOCKS = D <= 96 ? 3 : 2;
+#else
+  static constexpr int MIN_BLOCKS = D <= 128 ? 3 : 2;
+#endif
   static constexpr int STAGE = 2 * BC * LD;       // elements of one stage (K then V)
   static constexpr int Q_ELEMS = Q_REGS ? 0 : ROWS * LD;
   // T is 2 bytes: the stages, Q (head dim 256), then 2 * BC int flags.
@@ -127,8 +131,10 @@ __device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *cach
   }
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kernel(const PrefillArgs a) {
+// MB: the blocks per SM the registers are allocated for (Cfg<D>::MIN_BLOCKS; the launcher can
+// pick 2 for a measured comparison, PKV_PREFILL_MIN_BLOCKS).
+template <typename T, int D, int MB = Cfg<D>::MIN_BLOCKS>
+__global__ void __launch_bounds__(THREADS, MB) prefill_mma_kernel(const PrefillArgs a) {
   using C = Cfg<D>;
   extern __shared__ uint4 pf_smem[];
   T *smem = reinterpret_cast<T *>(pf_smem);
@@ -172,8 +178,11 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kerne
   const int wrows = min(16, nrows - warp * 16);
   const int w_first = ctx - qlen + (rbase + warp * 16) / a.group;
   const int w_last = ctx - qlen + (rbase + warp * 16 + max(wrows, 1) - 1) / a.group;
-  // No soft-cap and no ALiBi: interior tiles take the scale-only path (below).
-  const bool plain = !(a.softcap > 0.f) && a.alibi_slopes == nullptr;
+  // No soft-cap, no ALiBi and a positive finite scale: interior tiles keep the raw dot
+  // products and fold the scale into the exponent (below).
+  const bool plain = !(a.softcap > 0.f) && a.alibi_slopes == nullptr && a.scale > 0.f &&
+                     a.scale < INFINITY;
+  const float scale_log2 = a.scale * LOG2E;
 
   const T *cache = reinterpret_cast<const T *>(a.cache);
   const int32_t *btab = a.block_tables + (int64_t)seq * a.max_blocks_per_seq;
@@ -272,17 +281,16 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kerne
 
     // ---- the logit transform and mask (attn_logit's order), in log2 units ----
     // An interior tile (every key valid, before every row of the warp and inside every row's
-    // window) with no soft-cap and no ALiBi needs only the scale: the same two products the
-    // general path computes, without its per-element flag load, position arithmetic and
-    // compares. Padding rows (past nrows) are never stored, so they need no mask here.
+    // window) with no soft-cap and no ALiBi needs only the scale, which the exponent below
+    // applies (mul): one FFMA per logit instead of the general path's per-element flag load,
+    // position arithmetic, compares and two products. Padding rows (past nrows) are never
+    // stored, so they need no mask here.
     const bool interior =
         plain && kt + C::BC - 1 <= w_first && (a.window <= 0 || w_last - kt < a.window) &&
         __all_sync(0xffffffffu, kv_ok[lane % C::BC] != 0 && kv_ok[(lane + 32) % C::BC] != 0);
+    float mul = 1.f;  // s * mul is the logit in log2 units
     if (interior) {
-#pragma unroll
-      for (int t = 0; t < C::NT_S; ++t)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[t][e] = (s[t][e] * a.scale) * LOG2E;
+      mul = scale_log2;
     } else {
 #pragma unroll
       for (int t = 0; t < C::NT_S; ++t)
@@ -299,28 +307,34 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kerne
     }
 
     // ---- online softmax per row; P overwrites S ----
+    // Maxima and sums in 4 independent partials: chains of 4 dependent operations instead of
+    // 16 (a warp has few peers to hide latency behind).
     float alphas[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
+      float mp[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
-      for (int t = 0; t < C::NT_S; ++t) mx = fmaxf(mx, fmaxf(s[t][2 * h], s[t][2 * h + 1]));
+      for (int t = 0; t < C::NT_S; ++t)
+        mp[t % 4] = fmaxf(mp[t % 4], fmaxf(s[t][2 * h], s[t][2 * h + 1]));
+      float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
       // The 4 lanes of a quad hold the row's columns.
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[h], mx);
+      // mul > 0: the largest product is the product of the largest (and -inf stays -inf).
+      const float m_new = fmaxf(m[h], mx * mul);
       const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
       const float alpha = fast_exp2(m[h] - m_use);
       m[h] = m_new;
-      float sum = 0.f;
+      float sp[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int t = 0; t < C::NT_S; ++t)
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          s[t][e] = fast_exp2(s[t][e] - m_use);
-          sum += s[t][e];
+          // mul = 1 (general tiles): s - m_use exactly as a subtraction.
+          s[t][e] = fast_exp2(fmaf(s[t][e], mul, -m_use));
+          sp[t % 4] += s[t][e];
         }
-      l[h] = l[h] * alpha + sum;
+      l[h] = l[h] * alpha + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
       alphas[h] = alpha;
     }
     // The O rescale, skipped when no row of the warp raised its max in this tile (alpha is 1

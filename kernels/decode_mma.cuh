@@ -94,35 +94,8 @@ __device__ __forceinline__ void decode_mma_attend(const DecodeArgs &a, const Dec
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;
 
-  // The served heads' queries into shared memory as A fragments (see MmaDecode::NQ): quad
-  // (k, lane (g, q)) = words w, w + 1 (2 dims each) of rows g and g + 8 in the mma's register
-  // order {row g w, row g+8 w, row g w+1, row g+8 w+1}, with w = 16 G + 4q + 2 half for k-step
-  // 2G + half, and w = 16 KG + 2q for the tail; rows past ng (and rows 8..15 of an 8-head
-  // block) are zero.
-  {
-    const uint32_t *qw = reinterpret_cast<const uint32_t *>(reinterpret_cast<const T *>(a.query) +
-                                                            b.q0);
-    constexpr int ROW_WORDS = D / 2;
-    for (int i = threadIdx.x; i < P::NQ * 32; i += DEC_THREADS) {
-      const int k = i / 32, l = i % 32, gg = l / 4, qq = l % 4;
-      const int w = k < 2 * KG ? 16 * (k / 2) + 4 * qq + 2 * (k % 2) : 16 * KG + 2 * qq;
-      const bool lo = gg < b.ng, hi = NH == 2 && gg + 8 < b.ng;
-      const uint32_t *r0 = qw + gg * ROW_WORDS + w, *r1 = qw + (gg + 8) * ROW_WORDS + w;
-      qa[i] = make_uint4(lo ? r0[0] : 0u, hi ? r1[0] : 0u, lo ? r0[1] : 0u, hi ? r1[1] : 0u);
-    }
-  }
-  __syncthreads();
-
-  float slope[NH];  // heads g and g + 8
-#pragma unroll
-  for (int hh = 0; hh < NH; ++hh) {
-    const int h = g + 8 * hh;
-    slope[hh] = (a.alibi_slopes != nullptr && h < b.ng)
-                    ? a.alibi_slopes[b.kh * a.group + b.g0 + h] : 0.f;
-  }
   const T *cache = reinterpret_cast<const T *>(a.cache);
   const int32_t *btab = a.block_tables + (int64_t)b.seq * a.max_blocks_per_seq;
-
   using Tile = DecodeTile<TILE>;
   // K of tokens g (n-tile 0) and 8 + g (n-tile 1), and V of tokens 2q + (j & 1) + 8 (j >> 1):
   // a masked token's loads are predicated off (no traffic) and give zeros (fresh registers:
@@ -150,6 +123,44 @@ __device__ __forceinline__ void decode_mma_attend(const DecodeArgs &a, const Dec
         v.s1[j] = ld_cs_or_zero<uint32_t>(p + 64 * VS4 + 32 * P::VS2 + 2 * g, ok);
     }
   };
+  const int first = b.begin / TILE, last = (b.end - 1) / TILE;
+  MmaK<T, D> kr;
+  MmaV<T, D> vr;
+  // The first tile's table read and loads go out before the queries are staged, so their
+  // latencies overlap instead of adding up (a batch-1 block walks only a few tiles).
+  Tile cur = Tile::template of<D>(a, b, btab, first + warp);
+  if (P::PIPE) {  // a tile past `last` has every token masked: its loads are predicated off
+    load_k(cur, kr);
+    load_v(cur, vr);
+  }
+
+  // The served heads' queries into shared memory as A fragments (see MmaDecode::NQ): quad
+  // (k, lane (g, q)) = words w, w + 1 (2 dims each) of rows g and g + 8 in the mma's register
+  // order {row g w, row g+8 w, row g w+1, row g+8 w+1}, with w = 16 G + 4q + 2 half for k-step
+  // 2G + half, and w = 16 KG + 2q for the tail; rows past ng (and rows 8..15 of an 8-head
+  // block) are zero.
+  {
+    const uint32_t *qw = reinterpret_cast<const uint32_t *>(reinterpret_cast<const T *>(a.query) +
+                                                            b.q0);
+    constexpr int ROW_WORDS = D / 2;
+    for (int i = threadIdx.x; i < P::NQ * 32; i += DEC_THREADS) {
+      const int k = i / 32, l = i % 32, gg = l / 4, qq = l % 4;
+      const int w = k < 2 * KG ? 16 * (k / 2) + 4 * qq + 2 * (k % 2) : 16 * KG + 2 * qq;
+      const bool lo = gg < b.ng, hi = NH == 2 && gg + 8 < b.ng;
+      const uint32_t *r0 = qw + gg * ROW_WORDS + w, *r1 = qw + (gg + 8) * ROW_WORDS + w;
+      qa[i] = make_uint4(lo ? r0[0] : 0u, hi ? r1[0] : 0u, lo ? r0[1] : 0u, hi ? r1[1] : 0u);
+    }
+  }
+  __syncthreads();
+
+  float slope[NH];  // heads g and g + 8
+#pragma unroll
+  for (int hh = 0; hh < NH; ++hh) {
+    const int h = g + 8 * hh;
+    slope[hh] = (a.alibi_slopes != nullptr && h < b.ng)
+                    ? a.alibi_slopes[b.kh * a.group + b.g0 + h] : 0.f;
+  }
+
   // S[head g][tokens 2q, 2q+1 of each half]: s[nt][0..1]; s[nt][2..3]: head g + 8 (16 heads)
   // or the zero rows.
   auto scores = [&](const MmaK<T, D> &k, float (&s)[2][4]) {
@@ -213,21 +224,34 @@ __device__ __forceinline__ void decode_mma_attend(const DecodeArgs &a, const Dec
       for (int e = 0; e < 4; ++e) o[hh][mt][e] = 0.f;
   }
 
-  const int first = b.begin / TILE, last = (b.end - 1) / TILE;
-  MmaK<T, D> kr;
-  MmaV<T, D> vr;
-  Tile cur = Tile::template of<D>(a, b, btab, first + warp);
-  if (P::PIPE) {  // a tile past `last` has every token masked: its loads are predicated off
-    load_k(cur, kr);
-    load_v(cur, vr);
-  }
+  Tile nxt = Tile::template of<D>(a, b, btab, first + warp + DEC_WARPS);
+  // A warp's next tile is on its way to registers while it computes (PIPE), and the one after
+  // that to L2 (prefetch_tile): two tiles ahead without the registers of a second buffer.
+  // (Without PIPE, d256, a tile's loads are issued when it starts, as before: prefetching the
+  // next one there cost 70 registers, one block per SM.)
+  auto prefetch_tile = [&](const Tile &x) {
+    // Lane: K (lanes 0..15) or V (16..31) row of token lane % 8 of half (lane / 8) % 2; one
+    // prefetch per 128 bytes of the row.
+    const int h = (lane >> 3) & 1, r = lane & 7;
+    const T *p = cache + x.at(a, h, r) + (lane >= 16 ? a.st.kv : 0);
+    const bool ok = x.ok(b, h, r);
+    constexpr int LINE = 128 / (int)sizeof(T);
+#pragma unroll
+    for (int e = 0; e < D; e += LINE) prefetch_l2_if(p + e, ok);
+  };
   for (int t = first + warp; t <= last; t += DEC_WARPS) {
-    const Tile nxt = Tile::template of<D>(a, b, btab, t + DEC_WARPS);  // table reads in flight
+    // Table reads in flight: the tile after next (PIPE), or the next one.
+    Tile far = nxt;
+    if (P::PIPE)
+      far = Tile::template of<D>(a, b, btab, t + 2 * DEC_WARPS);
+    else
+      nxt = far = Tile::template of<D>(a, b, btab, t + DEC_WARPS);
     if (!P::PIPE) load_k(cur, kr);
     float s[2][4];
     scores(kr, s);
     if (P::PIPE) {
       load_k(nxt, kr);  // past `last`: predicated off
+      if (a.l2_prefetch) prefetch_tile(far);
     } else {
       load_v(cur, vr);
     }
@@ -274,6 +298,7 @@ __device__ __forceinline__ void decode_mma_attend(const DecodeArgs &a, const Dec
     }
     if (P::PIPE) load_v(nxt, vr);
     cur = nxt;
+    nxt = far;
   }
 
   // This warp's state into shared memory: heads g (+ 8)'s max and sum (summed over the group's

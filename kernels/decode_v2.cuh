@@ -178,51 +178,84 @@ __device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const D
   // each thread issues all of a round's loads before it uses any.
   const int S = a.num_splits;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  constexpr int PIECES = D / 4, ZU = GT == 1 ? 2 : 8;
+  const int pieces = b.ng * PIECES;
+  float4 *acc = reinterpret_cast<float4 *>(scratch);  // [pieces]; scratch is 16-byte aligned
+  float *wts = scratch + b.ng * D;
+  const int zc = (scratch_floats - b.ng * D) / b.ng;  // splits per chunk, >= 1
+  // Up to 64 splits in one chunk (batch 1: the common case), a lane keeps the maxima of its
+  // splits lane and lane + 32 and writes their weights itself: max, total and weights take one
+  // round of loads instead of three.
+  const bool fused = S <= 64 && S <= zc;
   for (int g = warp; g < b.ng; g += DEC_WARPS) {  // the head's max and total weight
     const float *mx = a.tmp_max + (b.row0 + g) * S, *sm = a.tmp_sum + (b.row0 + g) * S;
-    float m = -INFINITY;
-#pragma unroll 2
-    for (int z = lane; z < S; z += 32) m = fmaxf(m, __ldcg(mx + z));
+    // This lane's splits as a running (max, sum relative to it), combined across lanes after;
+    // an empty split (max -inf, sum 0 written) adds nothing.
+    float m = -INFINITY, l = 0.f, mk[2] = {-INFINITY, -INFINITY};
+    auto add = [&](float mz, float lz) {
+      if (mz == -INFINITY) return;
+      if (mz > m) {
+        l = (m == -INFINITY ? 0.f : l * __expf(m - mz)) + lz;
+        m = mz;
+      } else {
+        l = fmaf(lz, __expf(mz - m), l);
+      }
+    };
+    if (fused) {
+      float lk[2] = {0.f, 0.f};
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float l = 0.f;
+      for (int k = 0; k < 2; ++k)
+        if (lane + 32 * k < S) {
+          mk[k] = __ldcg(mx + lane + 32 * k);
+          lk[k] = __ldcg(sm + lane + 32 * k);
+        }
+#pragma unroll
+      for (int k = 0; k < 2; ++k) add(mk[k], lk[k]);
+    } else {
 #pragma unroll 2
-    for (int z = lane; z < S; z += 32) {
-      // An empty split's sum is 0 (written): both loads need no condition.
-      const float mz = __ldcg(mx + z), lz = __ldcg(sm + z);
-      if (mz != -INFINITY) l = fmaf(lz, __expf(mz - m), l);
+      for (int z = lane; z < S; z += 32) add(__ldcg(mx + z), __ldcg(sm + z));
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    for (int o = 16; o > 0; o >>= 1) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m, o);
+      const float lo = __shfl_xor_sync(0xffffffffu, l, o);
+      const float mn = fmaxf(m, mo);
+      if (mn != -INFINITY)
+        l = (m == -INFINITY ? 0.f : l * __expf(m - mn)) + (mo == -INFINITY ? 0.f : lo * __expf(mo - mn));
+      m = mn;
+    }
     if (lane == 0) {
       s_max[g] = m;
       s_total[g] = l;
+    }
+    if (fused) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k)
+        if (lane + 32 * k < S)  // 0 for an empty split, whose partial row was never written
+          wts[g * S + lane + 32 * k] = mk[k] == -INFINITY ? 0.f : __expf(mk[k] - m);
     }
   }
   // The ng x D outputs in 16-byte pieces, thread t owning pieces t, t + DEC_THREADS, ...;
   // their f32 sums live in `scratch` (a thread only touches its own), the (head, split)
   // weights of the current chunk after them. A piece sums ZU splits per step, their loads
-  // issued together (two for the one-head body, whose registers are few: no body's register
-  // count grows for the merge).
-  constexpr int PIECES = D / 4, ZU = GT == 1 ? 2 : 8;
-  const int pieces = b.ng * PIECES;
-  float4 *acc = reinterpret_cast<float4 *>(scratch);  // [pieces]; scratch is 16-byte aligned
-  float *wts = scratch + b.ng * D;
+  // issued together, the last step's surplus predicated off (two for the one-head body,
+  // whose registers are few: no body's register count grows for the merge).
   for (int p = threadIdx.x; p < pieces; p += DEC_THREADS)
     acc[p] = make_float4(0.f, 0.f, 0.f, 0.f);
   const float4 *rows = reinterpret_cast<const float4 *>(a.tmp_out + b.row0 * S * D);
-  const int zc = (scratch_floats - b.ng * D) / b.ng;  // splits per chunk, >= 1
   for (int z0 = 0; z0 < S; z0 += zc) {
     const int zn = min(zc, S - z0);
-    __syncthreads();  // s_max / s_total written; the last chunk's weights read
+    __syncthreads();  // s_max / s_total (and fused weights) written; the last chunk's read
+    if (!fused) {
 #pragma unroll 4
-    for (int i = threadIdx.x; i < b.ng * zn; i += DEC_THREADS) {
-      const int g = i / zn, z = z0 + i % zn;
-      const float mz = __ldcg(a.tmp_max + (b.row0 + g) * S + z);
-      // 0 for an empty split, whose partial row was never written: skipped below.
-      wts[i] = mz == -INFINITY ? 0.f : __expf(mz - s_max[g]);
+      for (int i = threadIdx.x; i < b.ng * zn; i += DEC_THREADS) {
+        const int g = i / zn, z = z0 + i % zn;
+        const float mz = __ldcg(a.tmp_max + (b.row0 + g) * S + z);
+        // 0 for an empty split, whose partial row was never written: skipped below.
+        wts[i] = mz == -INFINITY ? 0.f : __expf(mz - s_max[g]);
+      }
+      __syncthreads();
     }
-    __syncthreads();
 #pragma unroll 1
     for (int p = threadIdx.x; p < pieces; p += DEC_THREADS) {
       const int g = p / PIECES;

@@ -32,14 +32,14 @@ inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 
 inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Thread blocks of a decode body resident per SM (its registers as ptxas allocates them for
-// sm_90, 16-bit caches, at head dims 64 / 80 / 96 / 112 / 128 / 256: tensor-core 8-head 89 /
-// 100 / 122 / 128 / 152 / 166, 16-head 138 / 145 / 180 / 188 / 207; the one-head CUDA-core
-// body 80 / 72 / 72 / 72 / 72 / 77). Only the Auto policy's wave rule uses it;
+// sm_90, 16-bit caches, at head dims 64 / 80 / 96 / 112 / 128 / 256: tensor-core 8-head 96 /
+// 116 / 128 / 128 / 164 / 166, 16-head 133 / 154 / 173 / 190 / 224; the one-head CUDA-core
+// body 80 / 72 / 72 / 72 / 72 / 72). Only the Auto policy's wave rule uses it;
 // scripts/kernel-resources.sh prints the figures it rests on.
 inline int decode_resident(int gt, int head_dim) {
   if (gt == 1) return head_dim <= 64 || head_dim > 128 ? 6 : 7;
   if (gt == 16) return head_dim <= 80 ? 3 : 2;
-  if (head_dim <= 80) return 5;
+  if (head_dim <= 64) return 5;
   if (head_dim <= 112) return 4;
   return 3;
 }
@@ -292,7 +292,9 @@ extern "C" int pkv_paged_attention_decode(void *out, int64_t out_token_stride, c
   const int gt = decode_gt(group);
   if (num_seqs == 0) return PKV_OK;
 
+  static const bool no_prefetch = getenv("PKV_DECODE_NO_PREFETCH") != nullptr;
   DecodeArgs a{};
+  a.l2_prefetch = no_prefetch ? 0 : 1;
   a.out = out;
   a.query = query;
   a.cache = cache;

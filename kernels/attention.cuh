@@ -95,8 +95,6 @@ struct DecodeArgs {
   float scale;
   float softcap;
   int32_t window;
-  int32_t l2_prefetch;           // tensor-core body: the tile after next to L2 (1 unless
-                                 // PKV_DECODE_NO_PREFETCH is set: a measurement knob)
 };
 
 // The contract's per-sequence context: context_lens[s] clamped to [0, ctx_clamp].

@@ -98,19 +98,6 @@ __device__ __forceinline__ void ld_cs_if(const void *p, bool ok, uint32_t &r) {
       : "r"((int)ok), "l"(p));
 }
 #endif
-// Asks L2 for the 128-byte line holding `p` when `ok`: no register and no wait, so a warp can
-// have a later tile on its way to L2 while it still computes on the current one. `p` must be a
-// valid address when `ok`; the emulation reads one byte of it (so a bad address fails a test).
-__device__ __forceinline__ void prefetch_l2_if(const void *p, bool ok) {
-#ifdef PKV_CUDA_EMU
-  if (ok) (void)*static_cast<const volatile unsigned char *>(p);
-#else
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p prefetch.global.L2 [%1];\n}\n" ::"r"((int)ok),
-      "l"(p));
-#endif
-}
-
 template <typename V> __device__ __forceinline__ V ld_cs_or_zero(const void *p, bool ok) {
   V r{};
   ld_cs_if(p, ok, r);

@@ -224,34 +224,13 @@ __device__ __forceinline__ void decode_mma_attend(const DecodeArgs &a, const Dec
       for (int e = 0; e < 4; ++e) o[hh][mt][e] = 0.f;
   }
 
-  Tile nxt = Tile::template of<D>(a, b, btab, first + warp + DEC_WARPS);
-  // A warp's next tile is on its way to registers while it computes (PIPE), and the one after
-  // that to L2 (prefetch_tile): two tiles ahead without the registers of a second buffer.
-  // (Without PIPE, d256, a tile's loads are issued when it starts, as before: prefetching the
-  // next one there cost 70 registers, one block per SM.)
-  auto prefetch_tile = [&](const Tile &x) {
-    // Lane: K (lanes 0..15) or V (16..31) row of token lane % 8 of half (lane / 8) % 2; one
-    // prefetch per 128 bytes of the row.
-    const int h = (lane >> 3) & 1, r = lane & 7;
-    const T *p = cache + x.at(a, h, r) + (lane >= 16 ? a.st.kv : 0);
-    const bool ok = x.ok(b, h, r);
-    constexpr int LINE = 128 / (int)sizeof(T);
-#pragma unroll
-    for (int e = 0; e < D; e += LINE) prefetch_l2_if(p + e, ok);
-  };
   for (int t = first + warp; t <= last; t += DEC_WARPS) {
-    // Table reads in flight: the tile after next (PIPE), or the next one.
-    Tile far = nxt;
-    if (P::PIPE)
-      far = Tile::template of<D>(a, b, btab, t + 2 * DEC_WARPS);
-    else
-      nxt = far = Tile::template of<D>(a, b, btab, t + DEC_WARPS);
+    const Tile nxt = Tile::template of<D>(a, b, btab, t + DEC_WARPS);  // table reads in flight
     if (!P::PIPE) load_k(cur, kr);
     float s[2][4];
     scores(kr, s);
     if (P::PIPE) {
       load_k(nxt, kr);  // past `last`: predicated off
-      if (a.l2_prefetch) prefetch_tile(far);
     } else {
       load_v(cur, vr);
     }
@@ -298,7 +277,6 @@ __device__ __forceinline__ void decode_mma_attend(const DecodeArgs &a, const Dec
     }
     if (P::PIPE) load_v(nxt, vr);
     cur = nxt;
-    nxt = far;
   }
 
   // This warp's state into shared memory: heads g (+ 8)'s max and sum (summed over the group's

@@ -292,9 +292,7 @@ extern "C" int pkv_paged_attention_decode(void *out, int64_t out_token_stride, c
   const int gt = decode_gt(group);
   if (num_seqs == 0) return PKV_OK;
 
-  static const bool no_prefetch = getenv("PKV_DECODE_NO_PREFETCH") != nullptr;
   DecodeArgs a{};
-  a.l2_prefetch = no_prefetch ? 0 : 1;
   a.out = out;
   a.query = query;
   a.cache = cache;
@@ -377,17 +375,34 @@ int launch_prefill_mma_mb(const PrefillArgs &a, int hkv, int row_tiles, int num_
   return status_of(cudaGetLastError());
 }
 
+// Registers for 3 blocks per SM pay off once the grid is more than one wave of 2-block SMs
+// (H200, bf16 d128, 32:8: 2048-token chunks, 1024 blocks, 200.0 -> 180.8 us over 0 cached
+// tokens, 5574 -> 5160 over 32768); a grid that fits one such wave keeps 2 and the registers
+// that spare it spills (512-token chunks, 256 blocks: 30.3 -> 28.1 us). BENCHMARKS.md.
+// PKV_PREFILL_MIN_BLOCKS=2 or 3 forces either (a measurement knob).
 template <typename T, int D>
 int launch_prefill_mma(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs,
                        cudaStream_t s) {
-  // A measurement knob (bench only): PKV_PREFILL_MIN_BLOCKS=2 runs the d112 / d128 kernels
-  // with registers for 2 blocks per SM instead of 3, to compare both in one GPU run.
-  static const bool two = [] {
-    const char *v = getenv("PKV_PREFILL_MIN_BLOCKS");
-    return v != nullptr && v[0] == '2';
-  }();
-  if constexpr (D == 112 || D == 128)
-    if (two) return launch_prefill_mma_mb<T, D, 2>(a, hkv, row_tiles, num_seqs, s);
+  if constexpr (D == 112 || D == 128) {
+    static const int forced = [] {
+      const char *v = getenv("PKV_PREFILL_MIN_BLOCKS");
+      return v != nullptr && (v[0] == '2' || v[0] == '3') ? v[0] - '0' : 0;
+    }();
+    bool three = forced == 3;
+    if (forced == 0) {
+      // Only where 3 blocks' shared memory fits an SM (sm_90: 228 KiB; not sm_80's 164).
+      int dev = 0, sms = 0, smem_sm = 0;
+      if (cudaGetDevice(&dev) == cudaSuccess &&
+          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
+          cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) ==
+              cudaSuccess)
+        three = (int64_t)hkv * row_tiles * num_seqs > 2 * (int64_t)sms &&
+                (int64_t)smem_sm >= 3 * ((int64_t)pfmma::Cfg<D>::smem_bytes + 1024);
+      else
+        (void)cudaGetLastError();  // not sticky in the runtime; the launch reports real errors
+    }
+    if (three) return launch_prefill_mma_mb<T, D, 3>(a, hkv, row_tiles, num_seqs, s);
+  }
   return launch_prefill_mma_mb<T, D, pfmma::Cfg<D>::MIN_BLOCKS>(a, hkv, row_tiles, num_seqs, s);
 }
 }  // namespace

@@ -50,14 +50,11 @@ template <int D> struct Cfg {
   static constexpr int NT_S = BC / 8;             // n8 tiles of S per warp
   static constexpr int NT_O = D / 8;              // n8 tiles of O per warp
   static constexpr bool Q_REGS = D <= 128;
-  // Thread blocks per SM the register allocation must allow: 3 (<= 168 registers per thread)
-  // up to head dim 128 where 3 blocks' stages fit the shared memory (sm_90: 227 KiB; d128
-  // spills 28 bytes outside the key loop), else 2. sm_80 fits 3 blocks' stages only up to d96.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  // Thread blocks per SM the register allocation allows by default: 3 (<= 168 registers per
+  // thread) up to head dim 96, where ptxas fits that without spilling; 2 above. At 112 and 128
+  // the launcher also has a 3-block instance (spilling 4-40 bytes) for grids of more than one
+  // wave (launch_prefill_mma, paged_attention.cu).
   static constexpr int MIN_BLOCKS = D <= 96 ? 3 : 2;
-#else
-  static constexpr int MIN_BLOCKS = D <= 128 ? 3 : 2;
-#endif
   static constexpr int STAGE = 2 * BC * LD;       // elements of one stage (K then V)
   static constexpr int Q_ELEMS = Q_REGS ? 0 : ROWS * LD;
   // T is 2 bytes: the stages, Q (head dim 256), then 2 * BC int flags.
@@ -105,34 +102,44 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // Queues the copy of keys kt .. kt + BC - 1 (K into sk, V into sv, rows of LD) and writes their
 // validity: a key past `klast` or in a block whose id is out of range is zero-filled (V must be
 // finite: it is multiplied by p = 0) and flagged invalid (masked).
+// TPK threads per key, each with one table read and one row address for its PER chunks (16
+// bytes each, TPK * 16 contiguous bytes per key and copy across the warp: whole 32-byte
+// sectors), so the per-chunk index arithmetic of a flat chunk loop (~60% of this function's
+// instructions at d128) is done once per key.
 template <typename T, int D>
 __device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *cache,
                                              const int32_t *btab, int bs_shift,
                                              int64_t head_off, int kt, int klast, T *sk, T *sv,
                                              int *kvalid) {
   using C = Cfg<D>;
-  for (int i = threadIdx.x; i < C::BC * C::CH; i += THREADS) {
-    const int j = i / C::CH, c = i % C::CH;
-    const int t = kt + j;
-    const int b = t <= klast ? btab[t >> bs_shift] : -1;
-    const bool ok = b >= 0 && b < a.num_blocks;
-    T *dk = sk + j * C::LD + c * 8;
-    T *dv = sv + j * C::LD + c * 8;
-    if (ok) {
-      const T *p = cache + (int64_t)b * a.st.block +
-                   (int64_t)(t & (a.block_size - 1)) * a.st.token + head_off + c * 8;
-      cp_async16(dk, p);
-      cp_async16(dv, p + a.st.kv);
-    } else {
-      *reinterpret_cast<uint4 *>(dk) = make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4 *>(dv) = make_uint4(0, 0, 0, 0);
+  constexpr int TPK = THREADS / C::BC, PER = C::CH / TPK;
+  static_assert(THREADS % C::BC == 0 && C::CH % TPK == 0, "whole chunks per thread");
+  const int j = threadIdx.x / TPK, h = threadIdx.x % TPK;
+  const int t = kt + j;
+  const int b = t <= klast ? btab[t >> bs_shift] : -1;
+  const bool ok = b >= 0 && b < a.num_blocks;
+  T *dk = sk + j * C::LD + h * 8;
+  T *dv = sv + j * C::LD + h * 8;
+  if (ok) {
+    const T *p = cache + (int64_t)b * a.st.block +
+                 (int64_t)(t & (a.block_size - 1)) * a.st.token + head_off + h * 8;
+#pragma unroll
+    for (int s = 0; s < PER; ++s) {
+      cp_async16(dk + s * TPK * 8, p + s * TPK * 8);
+      cp_async16(dv + s * TPK * 8, p + a.st.kv + s * TPK * 8);
     }
-    if (c == 0) kvalid[j] = ok ? 1 : 0;
+  } else {
+#pragma unroll
+    for (int s = 0; s < PER; ++s) {
+      *reinterpret_cast<uint4 *>(dk + s * TPK * 8) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4 *>(dv + s * TPK * 8) = make_uint4(0, 0, 0, 0);
+    }
   }
+  if (h == 0) kvalid[j] = ok ? 1 : 0;
 }
 
-// MB: the blocks per SM the registers are allocated for (Cfg<D>::MIN_BLOCKS; the launcher can
-// pick 2 for a measured comparison, PKV_PREFILL_MIN_BLOCKS).
+// MB: the blocks per SM the registers are allocated for (Cfg<D>::MIN_BLOCKS, or 3 at head dims
+// 112 and 128 where the launcher picks it).
 template <typename T, int D, int MB = Cfg<D>::MIN_BLOCKS>
 __global__ void __launch_bounds__(THREADS, MB) prefill_mma_kernel(const PrefillArgs a) {
   using C = Cfg<D>;

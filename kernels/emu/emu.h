@@ -97,6 +97,7 @@ enum cudaMemcpyKind {
 };
 enum cudaDeviceAttr {
   cudaDevAttrMultiProcessorCount = 16,
+  cudaDevAttrMaxSharedMemoryPerMultiprocessor = 81,
   cudaDevAttrComputeCapabilityMajor = 75,
   cudaDevAttrComputeCapabilityMinor = 76,
 };

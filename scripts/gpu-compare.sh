@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The kernels' measurement knobs side by side, in one device call: the kernel tests, the full
+# `bench gpu` grid beside torch SDPA (the build's defaults), then the same grids with each knob
+# flipped (no SDPA: its figures are the first stage's), ncu on one prefill and one batch-1
+# decode point, and compute-sanitizer memcheck on the decode and prefill tests. Logs packed into
+# $OUT/logs.tar.gz after every stage.
+#
+# Knobs (read once per process by the launchers, kernels/paged_attention.cu):
+#   PKV_PREFILL_MIN_BLOCKS=2|3   prefill d112 / d128 with registers for 2 or 3 blocks per SM
+#                                (default: 3 when the grid is more than one wave of 2-block SMs)
+#
+# Here:    scripts/gpu-bundle.sh
+# Device:  run with carry [".gpu"]:  bash scripts/gpu-compare.sh    (DEADLINE_S, default 300)
+set -u
+final=${OUT:-$PWD/.gpu/out}; mkdir -p "$final"
+export PACK_TO=$final/logs.tar.gz
+OUT=/tmp/pagedkv-compare; rm -rf "$OUT"
+DEADLINE_S=${DEADLINE_S:-300}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu-stage.sh"
+device_setup
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/machine.txt" 2>&1
+note "machine: $(tail -1 "$OUT/machine.txt")"
+
+stage test-cuda_kernels 90 "$bin/test-cuda_kernels"
+stage bench-gpu 150 "$bin/bin-pagedkv" bench gpu --no-cache-ops
+only='--no-cache-ops --peer none --no-check'
+for mb in 2 3; do
+  stage "bench-prefill-${mb}blocks" 90 env PKV_PREFILL_MIN_BLOCKS=$mb "$bin/bin-pagedkv" bench gpu \
+    --decode none $only
+done
+ncu_args=(--clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats
+  --section ComputeWorkloadAnalysis --section LaunchStats)
+stage ncu-prefill 60 ncu "${ncu_args[@]}" -k regex:prefill -c 2 \
+  "$bin/bin-pagedkv" bench gpu --decode none --prefill 32:8/2048+4096,32:8/2048+0 $only \
+  --launches 1 --reps 1 --iters 1 --warmup 1
+stage ncu-decode 60 ncu "${ncu_args[@]}" -k regex:decode -c 2 \
+  "$bin/bin-pagedkv" bench gpu --prefill none --decode 32:8/1x4096,32:8/1x32768 $only \
+  --launches 1 --reps 1 --iters 1 --warmup 1
+stage memcheck-kernels 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  "$bin/test-cuda_kernels"
+note done
+grep -h -E "^test result|FAILED|panicked|ERROR SUMMARY" "$OUT"/test-*.log "$OUT"/memcheck-*.log | tail -20
+pack "$PACK_TO"

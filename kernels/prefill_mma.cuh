@@ -28,7 +28,7 @@
 // of an ldmatrix fall in 8 different 4-bank groups at every supported head dim):
 //   stage s (s = 0, 1): K [BC][LD], V [BC][LD];  then Q [64][LD] (head dim 256 only; below, Q
 //   is staged in stage 1 before its first use and lives in registers after);  then the key
-//   validity flags [2][BC] int.
+//   validity flags [2][BC] int and the K row addresses [2][BC] (key_rows).
 #pragma once
 
 #include "attention.cuh"
@@ -57,12 +57,15 @@ template <int D> struct Cfg {
   static constexpr int MIN_BLOCKS = D <= 96 ? 3 : 2;
   static constexpr int STAGE = 2 * BC * LD;       // elements of one stage (K then V)
   static constexpr int Q_ELEMS = Q_REGS ? 0 : ROWS * LD;
-  // T is 2 bytes: the stages, Q (head dim 256), then 2 * BC int flags.
-  static constexpr size_t smem_bytes =
-      2 * ((size_t)2 * STAGE + (size_t)Q_ELEMS) + 2 * BC * sizeof(int);
+  // T is 2 bytes: the stages, Q (head dim 256), then 2 * BC int flags and 2 * BC K row
+  // addresses.
+  static constexpr size_t smem_bytes = 2 * ((size_t)2 * STAGE + (size_t)Q_ELEMS) +
+                                       2 * BC * sizeof(int) + 2 * BC * sizeof(void *);
+  static constexpr int COPIES = BC * CH / THREADS;  // 16-byte chunks per thread and tensor
   static_assert(D % 16 == 0 && NT_S % 2 == 0 && NT_O % 2 == 0, "whole mma tiles, in pairs");
   static_assert(!Q_REGS || ROWS <= 2 * BC, "Q is staged in stage 1 before the first tile");
   static_assert((LD * 2) % 16 == 0, "ldmatrix and 16-byte copies need 16-byte aligned rows");
+  static_assert(BC <= THREADS && (BC * CH) % THREADS == 0, "whole copy rounds");
 };
 
 // 16 bytes global -> shared, asynchronous on the GPU (completion: commit + wait below); a plain
@@ -99,43 +102,60 @@ __device__ __forceinline__ float fast_exp2(float x) {
 #endif
 }
 
-// Queues the copy of keys kt .. kt + BC - 1 (K into sk, V into sv, rows of LD) and writes their
-// validity: a key past `klast` or in a block whose id is out of range is zero-filled (V must be
-// finite: it is multiplied by p = 0) and flagged invalid (masked).
-// TPK threads per key, each with one table read and one row address for its PER chunks (16
-// bytes each, TPK * 16 contiguous bytes per key and copy across the warp: whole 32-byte
-// sectors), so the per-chunk index arithmetic of a flat chunk loop (~60% of this function's
-// instructions at d128) is done once per key.
+// The K row addresses (this layer and KV head; nullptr for a key past `klast` or in a block
+// whose id is out of range) of keys kt .. kt + BC - 1 into krow, one key per thread: the table
+// read and 64-bit address arithmetic once per key, not per 16-byte chunk (that was most of the
+// copy's instructions at d128). Computed a tile ahead of its copy.
 template <typename T, int D>
-__device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *cache,
-                                             const int32_t *btab, int bs_shift,
-                                             int64_t head_off, int kt, int klast, T *sk, T *sv,
-                                             int *kvalid) {
+__device__ __forceinline__ void key_rows(const PrefillArgs &a, const T *cache,
+                                         const int32_t *btab, int bs_shift, int64_t head_off,
+                                         int kt, int klast, const T **krow) {
+  if (threadIdx.x < Cfg<D>::BC) {
+    const int t = kt + (int)threadIdx.x;
+    const int b = t <= klast ? btab[t >> bs_shift] : -1;
+    krow[threadIdx.x] = b >= 0 && b < a.num_blocks
+                            ? cache + (int64_t)b * a.st.block +
+                                  (int64_t)(t & (a.block_size - 1)) * a.st.token + head_off
+                            : nullptr;
+  }
+}
+
+// Queues the copy of the keys whose K rows krow holds (K into sk, V into sv, rows of LD) and
+// writes their validity: an invalid key (nullptr) is zero-filled (V must be finite: it is
+// multiplied by p = 0) and flagged invalid (masked). Lanes take consecutive 16-byte chunks of a
+// row (a warp: whole rows per copy round); a thread keeps one chunk column where THREADS is a
+// multiple of the row's chunks, so a round costs a shared load, the two copies and their
+// addresses.
+template <typename T, int D>
+__device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *const *krow, T *sk,
+                                             T *sv, int *kvalid) {
   using C = Cfg<D>;
-  constexpr int TPK = THREADS / C::BC, PER = C::CH / TPK;
-  static_assert(THREADS % C::BC == 0 && C::CH % TPK == 0, "whole chunks per thread");
-  const int j = threadIdx.x / TPK, h = threadIdx.x % TPK;
-  const int t = kt + j;
-  const int b = t <= klast ? btab[t >> bs_shift] : -1;
-  const bool ok = b >= 0 && b < a.num_blocks;
-  T *dk = sk + j * C::LD + h * 8;
-  T *dv = sv + j * C::LD + h * 8;
-  if (ok) {
-    const T *p = cache + (int64_t)b * a.st.block +
-                 (int64_t)(t & (a.block_size - 1)) * a.st.token + head_off + h * 8;
-#pragma unroll
-    for (int s = 0; s < PER; ++s) {
-      cp_async16(dk + s * TPK * 8, p + s * TPK * 8);
-      cp_async16(dv + s * TPK * 8, p + a.st.kv + s * TPK * 8);
+  const int64_t kv = a.st.kv;
+  auto copy = [&](int j, int c) {
+    const T *p = krow[j];
+    T *dk = sk + j * C::LD + c * 8;
+    T *dv = sv + j * C::LD + c * 8;
+    if (p != nullptr) {
+      cp_async16(dk, p + c * 8);
+      cp_async16(dv, p + kv + c * 8);
+    } else {
+      *reinterpret_cast<uint4 *>(dk) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4 *>(dv) = make_uint4(0, 0, 0, 0);
     }
+    if (c == 0) kvalid[j] = p != nullptr ? 1 : 0;
+  };
+  if constexpr (THREADS % C::CH == 0) {
+    constexpr int KEYS = THREADS / C::CH;  // keys per round
+    const int j0 = (int)threadIdx.x / C::CH, c = (int)threadIdx.x % C::CH;
+#pragma unroll
+    for (int k = 0; k < C::COPIES; ++k) copy(j0 + k * KEYS, c);
   } else {
 #pragma unroll
-    for (int s = 0; s < PER; ++s) {
-      *reinterpret_cast<uint4 *>(dk + s * TPK * 8) = make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4 *>(dv + s * TPK * 8) = make_uint4(0, 0, 0, 0);
+    for (int k = 0; k < C::COPIES; ++k) {
+      const unsigned i = threadIdx.x + (unsigned)(k * THREADS);
+      copy((int)(i / (unsigned)C::CH), (int)(i % (unsigned)C::CH));
     }
   }
-  if (h == 0) kvalid[j] = ok ? 1 : 0;
 }
 
 // MB: the blocks per SM the registers are allocated for (Cfg<D>::MIN_BLOCKS, or 3 at head dims
@@ -147,6 +167,7 @@ __global__ void __launch_bounds__(THREADS, MB) prefill_mma_kernel(const PrefillA
   T *smem = reinterpret_cast<T *>(pf_smem);
   T *sq = C::Q_REGS ? smem + C::STAGE : smem + 2 * C::STAGE;
   int *kvalid = reinterpret_cast<int *>(smem + 2 * C::STAGE + C::Q_ELEMS);  // [2][BC]
+  const T **krow = reinterpret_cast<const T **>(kvalid + 2 * C::BC);        // [2][BC]
 
   const int kh = blockIdx.x, seq = blockIdx.z;
   const int tile = (int)gridDim.y - 1 - (int)blockIdx.y;
@@ -198,7 +219,13 @@ __global__ void __launch_bounds__(THREADS, MB) prefill_mma_kernel(const PrefillA
   int bs_shift = 0;
   while ((1 << bs_shift) < a.block_size) ++bs_shift;
 
-  // ---- prologue: Q rows (zero past nrows) and key tile 0 ----
+  // ---- prologue: the key offsets of tiles 0 and 1, Q rows (zero past nrows), key tile 0 ----
+  // Tile n's row addresses live in krow[n % 2], written one loop iteration before its copy is
+  // queued (below), so the barrier at the top of each iteration orders every write before its
+  // reads and every read of tile n before the write of tile n + 2.
+  key_rows<T, D>(a, cache, btab, bs_shift, head_off, kbegin, klast, krow);
+  key_rows<T, D>(a, cache, btab, bs_shift, head_off, kbegin + C::BC, klast, krow + C::BC);
+  __syncthreads();
   const T *qg = reinterpret_cast<const T *>(a.query);
   for (int i = threadIdx.x; i < ROWS * C::CH; i += THREADS) {
     const int r = i / C::CH, c = i % C::CH;
@@ -212,9 +239,7 @@ __global__ void __launch_bounds__(THREADS, MB) prefill_mma_kernel(const PrefillA
       *reinterpret_cast<uint4 *>(dst) = make_uint4(0, 0, 0, 0);
     }
   }
-  if (ntiles > 0)
-    load_kv_tile<T, D>(a, cache, btab, bs_shift, head_off, kbegin, klast, smem,
-                       smem + C::BC * C::LD, kvalid);
+  if (ntiles > 0) load_kv_tile<T, D>(a, krow, smem, smem + C::BC * C::LD, kvalid);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -245,10 +270,13 @@ __global__ void __launch_bounds__(THREADS, MB) prefill_mma_kernel(const PrefillA
     __syncthreads();
     if (j + 1 < ntiles) {
       T *nk = smem + (st ^ 1) * C::STAGE;
-      load_kv_tile<T, D>(a, cache, btab, bs_shift, head_off, kbegin + (j + 1) * C::BC, klast,
-                         nk, nk + C::BC * C::LD, kvalid + (st ^ 1) * C::BC);
+      load_kv_tile<T, D>(a, krow + (st ^ 1) * C::BC, nk, nk + C::BC * C::LD,
+                         kvalid + (st ^ 1) * C::BC);
     }
     cp_async_commit();
+    if (j + 2 < ntiles)  // into tile j's slot: its copy was queued before this barrier
+      key_rows<T, D>(a, cache, btab, bs_shift, head_off, kbegin + (j + 2) * C::BC, klast,
+                     krow + st * C::BC);
     const T *sk = smem + st * C::STAGE;
     const T *sv = sk + C::BC * C::LD;
     const int *kv_ok = kvalid + st * C::BC;

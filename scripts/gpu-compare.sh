@@ -28,6 +28,14 @@ for mb in 2 3; do
   stage "bench-prefill-${mb}blocks" 90 env PKV_PREFILL_MIN_BLOCKS=$mb "$bin/bin-pagedkv" bench gpu \
     --decode none $only
 done
+# Split counts around the Auto plan's where the tensor-core body could fill a third block per
+# SM (the merge's cost changed): batch 1 long, batch 2-8 medium.
+pts=32:8/1x32768,32:8/1x16384,32:8/2x16384,32:8/4x8192,32:8/8x4096
+for n in 5 6 8 12 16 24 33 40 44 48 49; do
+  stage "sweep-splits-$n" 30 "$bin/bin-pagedkv" bench gpu --mode "splits:$n" --prefill none \
+    --decode $pts $only
+done
+stage sweep-auto 30 "$bin/bin-pagedkv" bench gpu --prefill none --decode $pts $only
 ncu_args=(--clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats
   --section ComputeWorkloadAnalysis --section LaunchStats)
 stage ncu-prefill 60 ncu "${ncu_args[@]}" -k regex:prefill -c 2 \

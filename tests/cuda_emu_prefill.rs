@@ -259,7 +259,7 @@ fn strided_query_and_out_views() {
 fn mma_smem(d: usize) -> u64 {
     let bc = if d <= 128 { 64 } else { 32 };
     let q = if d <= 128 { 0 } else { 64 * (d + 8) };
-    (2 * (4 * bc * (d + 8) + q) + 2 * bc * 4) as u64
+    (2 * (4 * bc * (d + 8) + q) + 2 * bc * 4 + 2 * bc * 8) as u64
 }
 
 /// f16 and bf16 prefill launch the tensor-core kernel (one launch with its shared-memory

@@ -4,7 +4,6 @@
 // the template instance for (dtype, head_dim, group size), launches on the caller's stream and
 // returns the launch status; none synchronizes. The decode split policy lives in decode_plan
 // (the only place that chooses num_splits; the kernels derive partitions on the device).
-#include <cstdlib>
 #include <type_traits>
 
 #include "attention.cuh"
@@ -32,14 +31,14 @@ inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 
 inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Thread blocks of a decode body resident per SM (its registers as ptxas allocates them for
-// sm_90, 16-bit caches, at head dims 64 / 80 / 96 / 112 / 128 / 256: tensor-core 8-head 96 /
-// 116 / 128 / 128 / 164 / 166, 16-head 133 / 154 / 173 / 190 / 224; the one-head CUDA-core
-// body 80 / 72 / 72 / 72 / 72 / 72). Only the Auto policy's wave rule uses it;
+// sm_90, 16-bit caches, at head dims 64 / 80 / 96 / 112 / 128 / 256: tensor-core 8-head 88 /
+// 99 / 122 / 127 / 152 / 166, 16-head 140 / 145 / 180 / 188 / 209; the one-head CUDA-core
+// body 80 / 72 / 72 / 72 / 72 / 77). The Auto policy's fill and wave rules use it;
 // scripts/kernel-resources.sh prints the figures it rests on.
 inline int decode_resident(int gt, int head_dim) {
   if (gt == 1) return head_dim <= 64 || head_dim > 128 ? 6 : 7;
   if (gt == 16) return head_dim <= 80 ? 3 : 2;
-  if (head_dim <= 64) return 5;
+  if (head_dim <= 80) return 5;
   if (head_dim <= 112) return 4;
   return 3;
 }
@@ -161,6 +160,16 @@ int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_k
       want = want < by_len ? want : by_len;
       const int body_gt = group == 1 ? 1 : decode_mma_gt(group, head_dim);
       const int64_t slots = (int64_t)decode_resident(body_gt, head_dim) * sm_count;
+      // GQA with long partitions fills every resident slot in one wave (floor(slots / ctas)
+      // splits) while each partition keeps PKV_DECODE_FILL_PART tokens. H200, bf16 d128, 32:8,
+      // graph us, 2 -> 3 blocks per SM: 1 x 32768 47.3 -> 43.6 (33 -> 49 splits), 2 x 16384
+      // 47.2 -> 42.5 (24), 4 x 8192 46.1 -> 42.6 (12), 8 x 4096 43.9 -> 42.9 (6); but 1 x 4096
+      // at 49 splits (84 tokens) 16.2 against 14.8 at 33 (BENCHMARKS.md). MHA's body got slower
+      // with more splits at batch 1 (1 x 32768: 134 us at 16, 176 at 33): not for it.
+      if (group > 1 && ctas < slots) {
+        const int64_t fill = slots / ctas;
+        if (fill > want && fill <= by_len && cap / fill >= PKV_DECODE_FILL_PART) want = fill;
+      }
       splits = decode_wave_splits(ctas, want, slots, by_len);
       break;
     }
@@ -360,50 +369,19 @@ int launch_prefill(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs, c
   return status_of(cudaGetLastError());
 }
 
-// f16 / bf16: the tensor-core kernel, 64 rows per thread block, registers for MB blocks per SM.
-template <typename T, int D, int MB>
-int launch_prefill_mma_mb(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs,
-                          cudaStream_t s) {
+// f16 / bf16: the tensor-core kernel, 64 rows per thread block.
+template <typename T, int D>
+int launch_prefill_mma(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs,
+                       cudaStream_t s) {
   constexpr size_t smem = pfmma::Cfg<D>::smem_bytes;
   if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(pfmma::prefill_mma_kernel<T, D, MB>,
+    cudaError_t e = cudaFuncSetAttribute(pfmma::prefill_mma_kernel<T, D>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return status_of(e);
   }
   const dim3 grid(hkv, row_tiles, num_seqs);
-  pfmma::prefill_mma_kernel<T, D, MB><<<grid, pfmma::THREADS, smem, s>>>(a);
+  pfmma::prefill_mma_kernel<T, D><<<grid, pfmma::THREADS, smem, s>>>(a);
   return status_of(cudaGetLastError());
-}
-
-// Registers for 3 blocks per SM pay off once the grid is more than one wave of 2-block SMs
-// (H200, bf16 d128, 32:8: 2048-token chunks, 1024 blocks, 200.0 -> 180.8 us over 0 cached
-// tokens, 5574 -> 5160 over 32768); a grid that fits one such wave keeps 2 and the registers
-// that spare it spills (512-token chunks, 256 blocks: 30.3 -> 28.1 us). BENCHMARKS.md.
-// PKV_PREFILL_MIN_BLOCKS=2 or 3 forces either (a measurement knob).
-template <typename T, int D>
-int launch_prefill_mma(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs,
-                       cudaStream_t s) {
-  if constexpr (D == 112 || D == 128) {
-    static const int forced = [] {
-      const char *v = getenv("PKV_PREFILL_MIN_BLOCKS");
-      return v != nullptr && (v[0] == '2' || v[0] == '3') ? v[0] - '0' : 0;
-    }();
-    bool three = forced == 3;
-    if (forced == 0) {
-      // Only where 3 blocks' shared memory fits an SM (sm_90: 228 KiB; not sm_80's 164).
-      int dev = 0, sms = 0, smem_sm = 0;
-      if (cudaGetDevice(&dev) == cudaSuccess &&
-          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
-          cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) ==
-              cudaSuccess)
-        three = (int64_t)hkv * row_tiles * num_seqs > 2 * (int64_t)sms &&
-                (int64_t)smem_sm >= 3 * ((int64_t)pfmma::Cfg<D>::smem_bytes + 1024);
-      else
-        (void)cudaGetLastError();  // not sticky in the runtime; the launch reports real errors
-    }
-    if (three) return launch_prefill_mma_mb<T, D, 3>(a, hkv, row_tiles, num_seqs, s);
-  }
-  return launch_prefill_mma_mb<T, D, pfmma::Cfg<D>::MIN_BLOCKS>(a, hkv, row_tiles, num_seqs, s);
 }
 }  // namespace
 }  // namespace pkv

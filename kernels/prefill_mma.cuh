@@ -50,10 +50,9 @@ template <int D> struct Cfg {
   static constexpr int NT_S = BC / 8;             // n8 tiles of S per warp
   static constexpr int NT_O = D / 8;              // n8 tiles of O per warp
   static constexpr bool Q_REGS = D <= 128;
-  // Thread blocks per SM the register allocation allows by default: 3 (<= 168 registers per
-  // thread) up to head dim 96, where ptxas fits that without spilling; 2 above. At 112 and 128
-  // the launcher also has a 3-block instance (spilling 4-40 bytes) for grids of more than one
-  // wave (launch_prefill_mma, paged_attention.cu).
+  // Thread blocks per SM the register allocation must allow: 3 (<= 168 registers per thread)
+  // up to head dim 96; 2 above, where 3 spill (d128: 48 bytes) and, measured on an H200
+  // (bf16 d128), ran 1-3% slower than 2 at every point but 2048 + 0 (BENCHMARKS.md).
   static constexpr int MIN_BLOCKS = D <= 96 ? 3 : 2;
   static constexpr int STAGE = 2 * BC * LD;       // elements of one stage (K then V)
   static constexpr int Q_ELEMS = Q_REGS ? 0 : ROWS * LD;
@@ -158,10 +157,8 @@ __device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *cons
   }
 }
 
-// MB: the blocks per SM the registers are allocated for (Cfg<D>::MIN_BLOCKS, or 3 at head dims
-// 112 and 128 where the launcher picks it).
-template <typename T, int D, int MB = Cfg<D>::MIN_BLOCKS>
-__global__ void __launch_bounds__(THREADS, MB) prefill_mma_kernel(const PrefillArgs a) {
+template <typename T, int D>
+__global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kernel(const PrefillArgs a) {
   using C = Cfg<D>;
   extern __shared__ uint4 pf_smem[];
   T *smem = reinterpret_cast<T *>(pf_smem);

@@ -1,13 +1,9 @@
 #!/usr/bin/env bash
-# The kernels' measurement knobs side by side, in one device call: the kernel tests, the full
-# `bench gpu` grid beside torch SDPA (the build's defaults), then the same grids with each knob
-# flipped (no SDPA: its figures are the first stage's), ncu on one prefill and one batch-1
-# decode point, and compute-sanitizer memcheck on the decode and prefill tests. Logs packed into
-# $OUT/logs.tar.gz after every stage.
-#
-# Knobs (read once per process by the launchers, kernels/paged_attention.cu):
-#   PKV_PREFILL_MIN_BLOCKS=2|3   prefill d112 / d128 with registers for 2 or 3 blocks per SM
-#                                (default: 3 when the grid is more than one wave of 2-block SMs)
+# A kernel change measured in one short device call (~60 s on an H200): the kernel tests,
+# the full `bench gpu` grid beside torch SDPA, the decode split counts around the Auto plan's
+# (`--mode splits:N`) at batch 1-8, ncu on two prefill and two batch-1 decode points, and
+# compute-sanitizer memcheck on the kernel tests. Logs packed into $OUT/logs.tar.gz after every
+# stage. (scripts/gpu-session.sh is the whole session: upload, client, sanitizers.)
 #
 # Here:    scripts/gpu-bundle.sh
 # Device:  run with carry [".gpu"]:  bash scripts/gpu-compare.sh    (DEADLINE_S, default 300)
@@ -24,10 +20,6 @@ note "machine: $(tail -1 "$OUT/machine.txt")"
 stage test-cuda_kernels 90 "$bin/test-cuda_kernels"
 stage bench-gpu 150 "$bin/bin-pagedkv" bench gpu --no-cache-ops
 only='--no-cache-ops --peer none --no-check'
-for mb in 2 3; do
-  stage "bench-prefill-${mb}blocks" 90 env PKV_PREFILL_MIN_BLOCKS=$mb "$bin/bin-pagedkv" bench gpu \
-    --decode none $only
-done
 # Split counts around the Auto plan's where the tensor-core body could fill a third block per
 # SM (the merge's cost changed): batch 1 long, batch 2-8 medium.
 pts=32:8/1x32768,32:8/1x16384,32:8/2x16384,32:8/4x8192,32:8/8x4096

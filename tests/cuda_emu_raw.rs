@@ -543,6 +543,16 @@ fn decode_plan_policy() {
     assert_eq!(auto(1, 32, 8, 4096, 132).num_splits(), 33);
     // ... but no partition below 32 tokens: 512 / 32 = 16.
     assert_eq!(auto(1, 32, 8, 512, 132).num_splits(), 16);
+    // Long partitions fill all 396 resident slots in one wave: floor(396 / ctas) splits while
+    // they keep 256 tokens (at 4096, 49 splits would be 84: the 33 above stay).
+    for (seqs, cap, splits) in [(1, 32768, 49), (1, 16384, 49), (2, 16384, 24), (4, 8192, 12)] {
+        assert_eq!(auto(seqs, 32, 8, cap, 132).num_splits(), splits, "{seqs} x {cap}");
+    }
+    assert_eq!(auto(8, 32, 8, 4096, 132).num_splits(), 6);
+    // 8 x 1024: 6 splits would be partitions of 170 tokens: the 5 that reach 2 per SM.
+    assert_eq!(auto(8, 32, 8, 1024, 132).num_splits(), 5);
+    // MHA keeps its 4 per SM: 1 x 32768 is 32 blocks, 17 splits (not 924 / 32 = 28).
+    assert_eq!(auto(1, 32, 32, 32768, 132).num_splits(), 17);
     // 32:2 (group 16): one 16-head tensor-core block per KV head, 264 / 2 = 132 splits.
     assert_eq!(auto(1, 32, 2, 8192, 132).num_splits(), 132);
     assert_eq!(auto(1, 32, 8, 20, 132).num_splits(), 1);

@@ -97,7 +97,6 @@ enum cudaMemcpyKind {
 };
 enum cudaDeviceAttr {
   cudaDevAttrMultiProcessorCount = 16,
-  cudaDevAttrMaxSharedMemoryPerMultiprocessor = 81,
   cudaDevAttrComputeCapabilityMajor = 75,
   cudaDevAttrComputeCapabilityMinor = 76,
 };

@@ -670,7 +670,6 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev) {
   if (value == nullptr || dev != 0) return cudaErrorInvalidValue;
   switch (attr) {
     case cudaDevAttrMultiProcessorCount: *value = emu::tl_sm_count; return cudaSuccess;
-    case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = 228 * 1024; return cudaSuccess;  // sm_90
     case cudaDevAttrComputeCapabilityMajor: *value = 9; return cudaSuccess;
     case cudaDevAttrComputeCapabilityMinor: *value = 0; return cudaSuccess;
   }

@@ -90,7 +90,8 @@ extern "C" {
 /** Choose the number of splits from the batch capacity and the SM count (the default): one
  *  split when num_seqs_capacity * num_kv_heads * head_chunks thread blocks already give every
  *  SM PKV_DECODE_CTAS_PER_SM of them (PKV_DECODE_CTAS_PER_SM_MHA for MHA), else enough splits
- *  to reach that many (partitions no shorter than PKV_DECODE_MIN_PART tokens); for groups of
+ *  to reach that many (partitions no shorter than PKV_DECODE_MIN_PART tokens, _MHA for MHA);
+ *  for groups of
  *  2 and more, as many splits as fill every SM's resident thread blocks in one wave where the
  *  partitions stay at least PKV_DECODE_FILL_PART tokens; then, when that is more than one
  *  wave of resident thread blocks, up to 3 more splits where they leave a fuller last wave.
@@ -113,6 +114,8 @@ extern "C" {
 #define PKV_DECODE_PART_ALIGN 16
 /** PKV_DECODE_AUTO splits no further than partitions of this many tokens at capacity. */
 #define PKV_DECODE_MIN_PART 32
+/** The same for one query head per KV head (MHA). */
+#define PKV_DECODE_MIN_PART_MHA 64
 /** PKV_DECODE_AUTO fills every resident block slot (groups of 2 and more) only while the
  *  partitions at capacity are at least this many tokens. */
 #define PKV_DECODE_FILL_PART 256

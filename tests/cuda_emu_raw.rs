@@ -551,6 +551,8 @@ fn decode_plan_policy() {
     assert_eq!(auto(8, 32, 8, 4096, 132).num_splits(), 6);
     // 8 x 1024: 6 splits would be partitions of 170 tokens: the 5 that reach 2 per SM.
     assert_eq!(auto(8, 32, 8, 1024, 132).num_splits(), 5);
+    // MHA's partitions keep 64 tokens: 1 x 512 is 8 splits (not the 16 of 32 tokens).
+    assert_eq!(auto(1, 32, 32, 512, 132).num_splits(), 8);
     // MHA keeps its 4 per SM: 1 x 32768 is 32 blocks, 17 splits (not 924 / 32 = 28).
     assert_eq!(auto(1, 32, 32, 32768, 132).num_splits(), 17);
     // 32:2 (group 16): one 16-head tensor-core block per KV head, 264 / 2 = 132 splits.

@@ -545,8 +545,17 @@ fn decode_plan_policy() {
     assert_eq!(auto(1, 32, 8, 512, 132).num_splits(), 16);
     // Long partitions fill all 396 resident slots in one wave: floor(396 / ctas) splits while
     // they keep 256 tokens (at 4096, 49 splits would be 84: the 33 above stay).
-    for (seqs, cap, splits) in [(1, 32768, 49), (1, 16384, 49), (2, 16384, 24), (4, 8192, 12)] {
-        assert_eq!(auto(seqs, 32, 8, cap, 132).num_splits(), splits, "{seqs} x {cap}");
+    for (seqs, cap, splits) in [
+        (1, 32768, 49),
+        (1, 16384, 49),
+        (2, 16384, 24),
+        (4, 8192, 12),
+    ] {
+        assert_eq!(
+            auto(seqs, 32, 8, cap, 132).num_splits(),
+            splits,
+            "{seqs} x {cap}"
+        );
     }
     assert_eq!(auto(8, 32, 8, 4096, 132).num_splits(), 6);
     // 8 x 1024: 6 splits would be partitions of 170 tokens: the 5 that reach 2 per SM.

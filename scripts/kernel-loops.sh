@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prints the static instruction count of each decode kernel instance and of its main (tile)
-# loop, from the SASS of kernels/paged_attention.cu for one architecture (default sm_90): a
+# Prints the static instruction count of each decode (default) or prefill (REGEX prefill_mma)
+# kernel instance and of its main (tile) loop, from the SASS of kernels/paged_attention.cu for one architecture (default sm_90): a
 # measure of the work per tile that needs no GPU (scripts/sass_loops.py says what it counts).
 # Needs nvcc (eval the output of scripts/install-cuda-toolchain.sh first); installs pinned
 # cuobjdump and nvdisasm wheels from PyPI beside the toolchain on first use.

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Static instruction counts of the decode kernels' main loops, from `cuobjdump -sass` output.
+"""Static instruction counts of the attention kernels' main loops, from `cuobjdump -sass`.
 
-Usage: sass_loops.py SASS [REGEX]   (REGEX filters the mangled kernel names, default: decode)
+Usage: sass_loops.py SASS [REGEX]   (REGEX filters the mangled kernel names, default: decode;
+                                    `prefill_mma` for the tensor-core prefill)
 
 For each kernel: its instruction count, and the size of its main loop: the smallest loop
-(a backward branch's span) that holds the tile's loads (>= 8 LDG) and its arithmetic (an HMMA,
-or >= 40 FFMA). Static counts: every instruction of the loop body once, including paths a given
+(a backward branch's span) that holds the tile's loads (>= 8 LDG, or LDGSTS: prefill's
+cp.async copies) and its arithmetic (an HMMA, or >= 40 FFMA). Static counts: every instruction of the loop body once, including paths a given
 launch skips (the soft-cap's tanh, say); what one iteration executes is at most that.
 """
 import collections
@@ -37,7 +38,7 @@ def main_loop(ins):
         start = int(target.group(1), 16)
         body = [o for a, o, _ in ins if start <= a <= addr]
         kinds = collections.Counter(o.split(".")[0] for o in body)
-        if kinds["LDG"] >= 8 and (kinds["HMMA"] > 0 or kinds["FFMA"] >= 40):
+        if kinds["LDG"] + kinds["LDGSTS"] >= 8 and (kinds["HMMA"] > 0 or kinds["FFMA"] >= 40):
             if best is None or len(body) < len(best[0]):
                 best = (body, kinds)
     return best
@@ -59,8 +60,8 @@ def main():
             continue
         loop = main_loop(ins)
         size = len(loop[0]) if loop else 0
-        kinds = ("LDG", "HMMA", "FFMA", "IMAD", "MUFU", "SHFL")
-        mix = " ".join(f"{k}:{loop[1][k]}" for k in kinds) if loop else ""
+        kinds = ("LDG", "LDGSTS", "LDSM", "HMMA", "FFMA", "IMAD", "MUFU", "SHFL")
+        mix = " ".join(f"{k}:{loop[1][k]}" for k in kinds if loop[1][k]) if loop else ""
         print(f"{demangle(fn):44s} {len(ins):6d} {size:5d}  {mix}")
 
 

@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kerne
   int bs_shift = 0;
   while ((1 << bs_shift) < a.block_size) ++bs_shift;
 
-  // ---- prologue: the key offsets of tiles 0 and 1, Q rows (zero past nrows), key tile 0 ----
+  // ---- prologue: key row addresses of tiles 0 and 1, Q rows (zero past nrows), key tile 0 ----
   // Tile n's row addresses live in krow[n % 2], written one loop iteration before its copy is
   // queued (below), so the barrier at the top of each iteration orders every write before its
   // reads and every read of tile n before the write of tile n + 2.

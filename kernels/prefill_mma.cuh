@@ -52,7 +52,7 @@ template <int D> struct Cfg {
   static constexpr bool Q_REGS = D <= 128;
   // Thread blocks per SM the register allocation must allow: 3 (<= 168 registers per thread)
   // up to head dim 96; 2 above, where 3 spill (d128: 48 bytes) and, measured on an H200
-  // (bf16 d128), ran 1-3% slower than 2 at every point but 2048 + 0 (BENCHMARKS.md).
+  // (bf16 d128), ran 1-4% slower than 2 at every point but 2048 + 0 (BENCHMARKS.md).
   static constexpr int MIN_BLOCKS = D <= 96 ? 3 : 2;
   static constexpr int STAGE = 2 * BC * LD;       // elements of one stage (K then V)
   static constexpr int Q_ELEMS = Q_REGS ? 0 : ROWS * LD;

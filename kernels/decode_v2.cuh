@@ -121,6 +121,18 @@ __device__ void decode_merge_and_store(const DecodeArgs &a, const DecodeBlock &b
   }
 }
 
+// (m, l) += (mo, lo): running (max, sum relative to that max) pairs of the split merge's
+// log-sum-exp; a pair with max -inf (nothing attended) adds nothing.
+__device__ __forceinline__ void lse_add(float &m, float &l, float mo, float lo) {
+  if (mo == -INFINITY) return;
+  if (mo > m) {
+    l = (m == -INFINITY ? 0.f : l * __expf(m - mo)) + lo;
+    m = mo;
+  } else {
+    l = fmaf(lo, __expf(mo - m), l);
+  }
+}
+
 // acc += x * w per component, w == 0 (an empty split) adding nothing even where x is not a
 // number (its row was never written).
 __device__ __forceinline__ void decode_add_weighted(float4 &acc, const float4 &x, float w) {
@@ -192,15 +204,6 @@ __device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const D
     // This lane's splits as a running (max, sum relative to it), combined across lanes after;
     // an empty split (max -inf, sum 0 written) adds nothing.
     float m = -INFINITY, l = 0.f, mk[2] = {-INFINITY, -INFINITY};
-    auto add = [&](float mz, float lz) {
-      if (mz == -INFINITY) return;
-      if (mz > m) {
-        l = (m == -INFINITY ? 0.f : l * __expf(m - mz)) + lz;
-        m = mz;
-      } else {
-        l = fmaf(lz, __expf(mz - m), l);
-      }
-    };
     if (fused) {
       float lk[2] = {0.f, 0.f};
 #pragma unroll
@@ -210,19 +213,16 @@ __device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const D
           lk[k] = __ldcg(sm + lane + 32 * k);
         }
 #pragma unroll
-      for (int k = 0; k < 2; ++k) add(mk[k], lk[k]);
+      for (int k = 0; k < 2; ++k) lse_add(m, l, mk[k], lk[k]);
     } else {
 #pragma unroll 2
-      for (int z = lane; z < S; z += 32) add(__ldcg(mx + z), __ldcg(sm + z));
+      for (int z = lane; z < S; z += 32) lse_add(m, l, __ldcg(mx + z), __ldcg(sm + z));
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       const float mo = __shfl_xor_sync(0xffffffffu, m, o);
       const float lo = __shfl_xor_sync(0xffffffffu, l, o);
-      const float mn = fmaxf(m, mo);
-      if (mn != -INFINITY)
-        l = (m == -INFINITY ? 0.f : l * __expf(m - mn)) + (mo == -INFINITY ? 0.f : lo * __expf(mo - mn));
-      m = mn;
+      lse_add(m, l, mo, lo);  // every lane ends with the same max; lane 0's sum is stored
     }
     if (lane == 0) {
       s_max[g] = m;

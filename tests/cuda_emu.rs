@@ -21,6 +21,7 @@ use half::{bf16, f16};
 use kernel_grid::*;
 use pagedkv::attn::cpu;
 use pagedkv::cuda_emu::{self, ffi, EmuBuf, EmuElem, Schedule};
+use pagedkv::cuda_raw::{DecodeMode, DecodePlan};
 use pagedkv::kv::AttnParams;
 use pagedkv::kv::{HostKvCache, KvCacheConfig, KvDtype, SwapSpace};
 use rand::rngs::SmallRng;
@@ -679,17 +680,11 @@ fn split_merge_in_chunks_matches_the_oracle() {
         let query = random_vec::<bf16>(&mut rng, ctx.len() * nh * d);
         let want = cpu_decode(&b, &host, layer, &query, &params);
         let case = AttnCase::new(&b, &host, &query, &params);
-        let mut plan = ffi::pkv_decode_plan::default();
-        // SAFETY: `plan` is a valid local the call writes; no device query.
-        let s = unsafe {
-            ffi::pkv_decode_plan_init_splits(
-                &mut plan, 375, 1, nh as i32, hkv as i32, d as i32, 11_000,
-            )
-        };
-        expect_ok("fixed plan", s);
-        let splits = plan.num_splits;
+        let plan =
+            DecodePlan::new(DecodeMode::Splits(375), 1, nh, hkv, d, 11_000, 0).expect("fixed plan");
+        let splits = plan.num_splits();
         assert_eq!(splits, 375, "group {group}");
-        let (s, got) = case.decode_with::<bf16>(layer, &plan);
+        let (s, got) = case.decode_with::<bf16>(layer, plan.as_ffi());
         expect_ok("chunked merge", s);
         assert_close(&format!("group {group}, {splits} splits"), &got, &want, d);
     }

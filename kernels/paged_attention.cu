@@ -372,19 +372,29 @@ int launch_prefill(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs, c
   return status_of(cudaGetLastError());
 }
 
-// f16 / bf16: the tensor-core kernel, 64 rows per thread block.
-template <typename T, int D>
+// f16 / bf16: the tensor-core kernel, MT m16 tiles per warp (Cfg<D, MT>::ROWS rows per thread
+// block).
+template <typename T, int D, int MT>
 int launch_prefill_mma(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs,
                        cudaStream_t s) {
-  constexpr size_t smem = pfmma::Cfg<D>::smem_bytes;
+  constexpr size_t smem = pfmma::Cfg<D, MT>::smem_bytes;
   if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(pfmma::prefill_mma_kernel<T, D>,
+    cudaError_t e = cudaFuncSetAttribute(pfmma::prefill_mma_kernel<T, D, MT>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return status_of(e);
   }
   const dim3 grid(hkv, row_tiles, num_seqs);
-  pfmma::prefill_mma_kernel<T, D><<<grid, pfmma::THREADS, smem, s>>>(a);
+  pfmma::prefill_mma_kernel<T, D, MT><<<grid, pfmma::THREADS, smem, s>>>(a);
   return status_of(cudaGetLastError());
+}
+
+template <typename T, int D>
+int launch_prefill_mma_rows(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs, int mt,
+                            cudaStream_t s) {
+  if constexpr (D <= 128) {
+    if (mt == 2) return launch_prefill_mma<T, D, 2>(a, hkv, row_tiles, num_seqs, s);
+  }
+  return launch_prefill_mma<T, D, 1>(a, hkv, row_tiles, num_seqs, s);
 }
 }  // namespace
 }  // namespace pkv
@@ -399,16 +409,35 @@ extern "C" int pkv_paged_attention_prefill(void *out, int64_t out_token_stride,
                                            const int32_t *query_start_loc, int32_t num_seqs,
                                            int32_t max_query_len, const pkv_attn_params *params,
                                            void *stream) {
+  return pkv_paged_attention_prefill_tiled(out, out_token_stride, query, query_token_stride,
+                                           cache, geom, layer, block_tables, max_blocks_per_seq,
+                                           context_lens, query_start_loc, num_seqs,
+                                           max_query_len, params, PKV_PREFILL_WARP_ROWS_AUTO,
+                                           stream);
+}
+
+extern "C" int pkv_paged_attention_prefill_tiled(
+    void *out, int64_t out_token_stride, const void *query, int64_t query_token_stride,
+    const void *cache, const pkv_cache_geometry *geom, int32_t layer,
+    const int32_t *block_tables, int32_t max_blocks_per_seq, const int32_t *context_lens,
+    const int32_t *query_start_loc, int32_t num_seqs, int32_t max_query_len,
+    const pkv_attn_params *params, int32_t warp_rows, void *stream) {
   const int chk = common_attn_checks(out, out_token_stride, query, query_token_stride, cache,
                                      geom, layer, block_tables, max_blocks_per_seq, context_lens,
                                      params);
   if (chk != PKV_OK) return chk;
   if (query_start_loc == nullptr) return PKV_ERR_NULL_POINTER;
   if (num_seqs < 0 || num_seqs > 65535 || max_query_len < 0) return PKV_ERR_INVALID_ARG;
+  if (warp_rows != PKV_PREFILL_WARP_ROWS_AUTO && warp_rows != 16 && warp_rows != 32)
+    return PKV_ERR_INVALID_ARG;
   if (num_seqs == 0 || max_query_len == 0) return PKV_OK;
   const int group = params->num_heads / geom->num_kv_heads;
   const bool mma = geom->dtype == PKV_DTYPE_F16 || geom->dtype == PKV_DTYPE_BF16;
-  const int rows_per_tile = mma ? pfmma::ROWS : PF_ROWS;
+  // Auto keeps one m16 tile per warp: the tiling every GPU measurement so far ran (32 rows per
+  // warp is unmeasured; BENCHMARKS.md).
+  const int mt = mma && warp_rows == 32 && geom->head_dim <= 128 ? 2 : 1;
+  const int rows_per_tile = mma ? (mt == 2 ? pfmma::Cfg<64, 2>::ROWS : pfmma::Cfg<64, 1>::ROWS)
+                                : PF_ROWS;
   const int64_t row_tiles = ((int64_t)max_query_len * group + rows_per_tile - 1) / rows_per_tile;
   if (row_tiles > 65535) return PKV_ERR_INVALID_ARG;
 
@@ -442,12 +471,13 @@ extern "C" int pkv_paged_attention_prefill(void *out, int64_t out_token_stride,
                             { return launch_prefill<float, D>(a, hkv, tiles, num_seqs, s); });
       break;
     case PKV_DTYPE_F16:
-      PKV_DISPATCH_HEAD_DIM(geom->head_dim,
-                            { return launch_prefill_mma<__half, D>(a, hkv, tiles, num_seqs, s); });
+      PKV_DISPATCH_HEAD_DIM(geom->head_dim, {
+        return launch_prefill_mma_rows<__half, D>(a, hkv, tiles, num_seqs, mt, s);
+      });
       break;
     case PKV_DTYPE_BF16:
       PKV_DISPATCH_HEAD_DIM(geom->head_dim, {
-        return launch_prefill_mma<__nv_bfloat16, D>(a, hkv, tiles, num_seqs, s);
+        return launch_prefill_mma_rows<__nv_bfloat16, D>(a, hkv, tiles, num_seqs, mt, s);
       });
       break;
     default:

@@ -301,6 +301,28 @@ int pkv_paged_attention_prefill(void *out, int64_t out_token_stride, const void 
                                 int32_t num_seqs, int32_t max_query_len,
                                 const pkv_attn_params *params, void *stream);
 
+/** Rows per warp of the f16 / bf16 prefill kernel (pkv_paged_attention_prefill_tiled): AUTO is
+ *  the library's choice (today 16, the tiling measured on a GPU), 16 one m16 tile per warp
+ *  (64 rows per thread block), 32 two (128 rows per thread block: each K / V fragment loaded
+ *  from shared memory feeds two tensor-core instructions). 32 applies up to head dim 128; f32
+ *  and head dim 256 have one tiling and run it whatever is asked. */
+#define PKV_PREFILL_WARP_ROWS_AUTO 0
+
+/**
+ * pkv_paged_attention_prefill with the f16 / bf16 kernel's rows per warp chosen:
+ * warp_rows = PKV_PREFILL_WARP_ROWS_AUTO, 16 or 32 (else PKV_ERR_INVALID_ARG). Results agree up
+ * to f32 rounding: where the key tiles start (under a sliding window) and which tiles take the
+ * scale-only path depend on the rows a thread block holds.
+ */
+int pkv_paged_attention_prefill_tiled(void *out, int64_t out_token_stride, const void *query,
+                                      int64_t query_token_stride, const void *cache,
+                                      const pkv_cache_geometry *geom, int32_t layer,
+                                      const int32_t *block_tables, int32_t max_blocks_per_seq,
+                                      const int32_t *context_lens,
+                                      const int32_t *query_start_loc, int32_t num_seqs,
+                                      int32_t max_query_len, const pkv_attn_params *params,
+                                      int32_t warp_rows, void *stream);
+
 /**
  * Writes the K and V of `num_tokens` new tokens into their cache slots. Slot -1 is padding and
  * skipped; slots must be < num_blocks * block_size and distinct (the kernel does not check:

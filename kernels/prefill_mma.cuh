@@ -39,21 +39,29 @@ namespace pfmma {
 
 constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
-constexpr int ROWS = 16 * WARPS;  // rows per thread block: one m16 tile per warp
 constexpr float LOG2E = 1.4426950408889634f;
 
-template <int D> struct Cfg {
+// MT: m16 tiles per warp (1 or 2). With 2, every K / V fragment a warp loads from shared memory
+// feeds two mma instead of one (ldmatrix bytes per mma: 256 -> 160 at d128, Q re-read per tile),
+// for twice the accumulator registers; head dims up to 128 only (d256 would need 256 for O).
+template <int D, int MT> struct Cfg {
+  static_assert(MT == 1 || (MT == 2 && D <= 128), "two m-tiles per warp up to head dim 128");
+  static constexpr int ROWS = 16 * WARPS * MT;     // rows per thread block
+  static constexpr int WROWS = 16 * MT;            // rows per warp
   static constexpr int BC = D <= 128 ? 64 : 32;  // keys per tile
   static constexpr int LD = D + 8;                // shared row stride, elements
   static constexpr int CH = D / 8;                // 16-byte chunks per row
   static constexpr int KSTEPS = D / 16;           // k16 steps of Q K^T
   static constexpr int NT_S = BC / 8;             // n8 tiles of S per warp
   static constexpr int NT_O = D / 8;              // n8 tiles of O per warp
-  static constexpr bool Q_REGS = D <= 128;
-  // Thread blocks per SM the register allocation must allow: 3 (<= 168 registers per thread)
-  // up to head dim 96; 2 above, where 3 spill (d128: 48 bytes) and, measured on an H200
-  // (bf16 d128), ran 1-4% slower than 2 at every point but 2048 + 0 (BENCHMARKS.md).
-  static constexpr int MIN_BLOCKS = D <= 96 ? 3 : 2;
+  // Q fragments stay in registers while they take at most 32 (else re-read from shared
+  // memory per tile: 64 more registers would not fit beside O and S at MT = 2, d128).
+  static constexpr bool Q_REGS = D * MT <= 128;
+  // Thread blocks per SM the register allocation must allow. MT = 1: 3 (<= 168 registers per
+  // thread) up to head dim 96; 2 above, where 3 spill (d128: 48 bytes) and, measured on an H200
+  // (bf16 d128), ran 1-4% slower than 2 at every point but 2048 + 0 (BENCHMARKS.md). MT = 2: 2
+  // (<= 255 registers: O alone is 128 at d128).
+  static constexpr int MIN_BLOCKS = MT == 1 && D <= 96 ? 3 : 2;
   static constexpr int STAGE = 2 * BC * LD;       // elements of one stage (K then V)
   static constexpr int Q_ELEMS = Q_REGS ? 0 : ROWS * LD;
   // T is 2 bytes: the stages, Q (head dim 256), then 2 * BC int flags and 2 * BC K row
@@ -109,7 +117,7 @@ template <typename T, int D>
 __device__ __forceinline__ void key_rows(const PrefillArgs &a, const T *cache,
                                          const int32_t *btab, int bs_shift, int64_t head_off,
                                          int kt, int klast, const T **krow) {
-  if (threadIdx.x < Cfg<D>::BC) {
+  if (threadIdx.x < Cfg<D, 1>::BC) {
     const int t = kt + (int)threadIdx.x;
     const int b = t <= klast ? btab[t >> bs_shift] : -1;
     krow[threadIdx.x] = b >= 0 && b < a.num_blocks
@@ -128,7 +136,7 @@ __device__ __forceinline__ void key_rows(const PrefillArgs &a, const T *cache,
 template <typename T, int D>
 __device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *const *krow, T *sk,
                                              T *sv, int *kvalid) {
-  using C = Cfg<D>;
+  using C = Cfg<D, 1>;  // the copy does not depend on the rows per warp
   const int64_t kv = a.st.kv;
   auto copy = [&](int j, int c) {
     const T *p = krow[j];
@@ -157,9 +165,11 @@ __device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *cons
   }
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kernel(const PrefillArgs a) {
-  using C = Cfg<D>;
+template <typename T, int D, int MT>
+__global__ void __launch_bounds__(THREADS, Cfg<D, MT>::MIN_BLOCKS)
+    prefill_mma_kernel(const PrefillArgs a) {
+  using C = Cfg<D, MT>;
+  constexpr int ROWS = C::ROWS, WROWS = C::WROWS;
   extern __shared__ uint4 pf_smem[];
   T *smem = reinterpret_cast<T *>(pf_smem);
   T *sq = C::Q_REGS ? smem + C::STAGE : smem + 2 * C::STAGE;
@@ -183,26 +193,29 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kerne
   const int klast = min(last_pos, ctx - 1);
   const int ntiles = klast >= kbegin ? ceil_div(klast - kbegin + 1, C::BC) : 0;
 
-  // The two rows of this lane's accumulator fragments: g and g + 8 of the warp's 16.
+  // The rows of this lane's accumulator fragments: g and g + 8 of each of the warp's m-tiles
+  // (index [mt][h]: row warp * WROWS + 16 mt + g + 8 h of the block's).
   const int g = lane / 4, qd = lane % 4;
-  int qpos[2];
-  float slope[2];
+  int qpos[MT][2];
+  float slope[MT][2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = warp * 16 + g + 8 * h;
-    const int row = rbase + r;
-    qpos[h] = r < nrows ? ctx - qlen + row / a.group : -1;  // -1: a padding row, all masked
-    slope[h] = (r < nrows && a.alibi_slopes != nullptr)
-                   ? a.alibi_slopes[kh * a.group + row % a.group]
-                   : 0.f;
-  }
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp * WROWS + mt * 16 + g + 8 * h;
+      const int row = rbase + r;
+      qpos[mt][h] = r < nrows ? ctx - qlen + row / a.group : -1;  // -1: a padding row, all masked
+      slope[mt][h] = (r < nrows && a.alibi_slopes != nullptr)
+                         ? a.alibi_slopes[kh * a.group + row % a.group]
+                         : 0.f;
+    }
 
   // This warp's rows as a range of positions (warp-uniform): a key tile wholly after its last
   // row, or wholly before its first row's window, is skipped by the warp (a warp of padding
   // rows skips all), which leaves its m, l and O as the all-masked tile would.
-  const int wrows = min(16, nrows - warp * 16);
-  const int w_first = ctx - qlen + (rbase + warp * 16) / a.group;
-  const int w_last = ctx - qlen + (rbase + warp * 16 + max(wrows, 1) - 1) / a.group;
+  const int wrows = min(WROWS, nrows - warp * WROWS);
+  const int w_first = ctx - qlen + (rbase + warp * WROWS) / a.group;
+  const int w_last = ctx - qlen + (rbase + warp * WROWS + max(wrows, 1) - 1) / a.group;
   // No soft-cap, no ALiBi and a positive finite scale: interior tiles keep the raw dot
   // products and fold the scale into the exponent (below).
   const bool plain = !(a.softcap > 0.f) && a.alibi_slopes == nullptr && a.scale > 0.f &&
@@ -241,23 +254,34 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kerne
   cp_async_wait<0>();
   __syncthreads();
 
-  // ldmatrix row addresses: lanes 8j .. 8j + 7 name rows 0..7 of matrix j.
+  // ldmatrix row addresses: lanes 8j .. 8j + 7 name rows 0..7 of matrix j. A fragments of
+  // m-tile mt: matrices (rows 0-7 | 8-15) x (cols +0 | +8) of the warp's rows 16 mt ...
   const int lrow = lane % 8, lmat = lane / 8;
-  uint32_t qf[C::Q_REGS ? C::KSTEPS : 1][4];
+  const T *qa = sq + (warp * WROWS + (lmat % 2) * 8 + lrow) * C::LD + (lmat / 2) * 8;
+  uint32_t qf[C::Q_REGS ? MT : 1][C::Q_REGS ? C::KSTEPS : 1][4];
   if constexpr (C::Q_REGS) {
-    // A fragments of the warp's 16 rows: matrices (rows 0-7 | 8-15) x (cols +0 | +8).
 #pragma unroll
-    for (int ks = 0; ks < C::KSTEPS; ++ks)
-      ldmatrix<4, false>(qf[ks], sq + (warp * 16 + (lmat % 2) * 8 + lrow) * C::LD + ks * 16 +
-                                     (lmat / 2) * 8);
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int ks = 0; ks < C::KSTEPS; ++ks)
+        ldmatrix<4, false>(qf[mt][ks], qa + mt * 16 * C::LD + ks * 16);
   }
 
-  float o[C::NT_O][4];
+  float o[MT][C::NT_O][4];
 #pragma unroll
-  for (int n = 0; n < C::NT_O; ++n)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    for (int n = 0; n < C::NT_O; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][n][e] = 0.f;
+  float m[MT][2], l[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      m[mt][h] = -INFINITY;
+      l[mt][h] = 0.f;
+    }
 
   for (int j = 0; j < ntiles; ++j) {
     const int st = j & 1;
@@ -283,31 +307,38 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kerne
       continue;  // nothing of this tile is visible to the warp's rows
 
     // ---- S = Q K^T ----
-    float s[C::NT_S][4];
+    float s[MT][C::NT_S][4];
 #pragma unroll
-    for (int t = 0; t < C::NT_S; ++t)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[t][e] = 0.f;
+      for (int t = 0; t < C::NT_S; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][t][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < C::KSTEPS; ++ks) {
-      uint32_t af[4];
-      if constexpr (C::Q_REGS) {
+      uint32_t af[MT][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) af[e] = qf[ks][e];
-      } else {
-        ldmatrix<4, false>(af, sq + (warp * 16 + (lmat % 2) * 8 + lrow) * C::LD + ks * 16 +
-                                   (lmat / 2) * 8);
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (C::Q_REGS) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) af[mt][e] = qf[mt][ks][e];
+        } else {
+          ldmatrix<4, false>(af[mt], qa + mt * 16 * C::LD + ks * 16);
+        }
       }
 #pragma unroll
       for (int t = 0; t < C::NT_S; t += 2) {
         // B fragments of key tiles t, t + 1: matrices (keys +0 | +8) x (dims +0 | +8), K rows
-        // being B's columns (no transpose).
+        // being B's columns (no transpose); one load for every m-tile.
         uint32_t kb[4];
         ldmatrix<4, false>(kb, sk + (t * 8 + (lmat / 2) * 8 + lrow) * C::LD + ks * 16 +
                                    (lmat % 2) * 8);
         const uint32_t b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
-        mma_m16n8k16<T>(s[t], af, b0, s[t]);
-        mma_m16n8k16<T>(s[t + 1], af, b1, s[t + 1]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_m16n8k16<T>(s[mt][t], af[mt], b0, s[mt][t]);
+          mma_m16n8k16<T>(s[mt][t + 1], af[mt], b1, s[mt][t + 1]);
+        }
       }
     }
 
@@ -325,80 +356,100 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kerne
       mul = scale_log2;
     } else {
 #pragma unroll
-      for (int t = 0; t < C::NT_S; ++t)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int h = e / 2, jj = t * 8 + qd * 2 + (e % 2), key = kt + jj;
-          float x = s[t][e] * a.scale;
-          if (a.softcap > 0.f) x = a.softcap * tanhf(x / a.softcap);
-          x += slope[h] * (float)(key - qpos[h]);
-          const bool visible = kv_ok[jj] != 0 && key <= qpos[h] &&
-                               !(a.window > 0 && qpos[h] - key >= a.window);
-          s[t][e] = visible ? x * LOG2E : -INFINITY;
-        }
+        for (int t = 0; t < C::NT_S; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int h = e / 2, jj = t * 8 + qd * 2 + (e % 2), key = kt + jj;
+            const int qp = qpos[mt][h];
+            float x = s[mt][t][e] * a.scale;
+            if (a.softcap > 0.f) x = a.softcap * tanhf(x / a.softcap);
+            x += slope[mt][h] * (float)(key - qp);
+            const bool visible =
+                kv_ok[jj] != 0 && key <= qp && !(a.window > 0 && qp - key >= a.window);
+            s[mt][t][e] = visible ? x * LOG2E : -INFINITY;
+          }
     }
 
-    // ---- online softmax per row; P overwrites S ----
+    // ---- online softmax per row; P rounded to T and packed as it is made ----
     // Maxima and sums in 4 independent partials: chains of 4 dependent operations instead of
-    // 16 (a warp has few peers to hide latency behind).
-    float alphas[2];
+    // 16 (a warp has few peers to hide latency behind). p[mt][t][h] holds the pair of S
+    // accumulators (2h, 2h + 1) of tile t: half the registers of the f32 values, which at two
+    // m-tiles per warp is what keeps S and O within 255 registers without spilling.
+    float alphas[MT][2];
+    uint32_t p[MT][C::NT_S][2];
+    bool grew = false;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mp[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int t = 0; t < C::NT_S; ++t)
-        mp[t % 4] = fmaxf(mp[t % 4], fmaxf(s[t][2 * h], s[t][2 * h + 1]));
-      float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
-      // The 4 lanes of a quad hold the row's columns.
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // mul > 0: the largest product is the product of the largest (and -inf stays -inf).
-      const float m_new = fmaxf(m[h], mx * mul);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
-      const float alpha = fast_exp2(m[h] - m_use);
-      m[h] = m_new;
-      float sp[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int h = 0; h < 2; ++h) {
+        float mp[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
-      for (int t = 0; t < C::NT_S; ++t)
+        for (int t = 0; t < C::NT_S; ++t)
+          mp[t % 4] = fmaxf(mp[t % 4], fmaxf(s[mt][t][2 * h], s[mt][t][2 * h + 1]));
+        float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
+        // The 4 lanes of a quad hold the row's columns.
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // mul > 0: the largest product is the product of the largest (and -inf stays -inf).
+        const float m_new = fmaxf(m[mt][h], mx * mul);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
+        const float alpha = fast_exp2(m[mt][h] - m_use);
+        m[mt][h] = m_new;
+        float sp[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+        for (int t = 0; t < C::NT_S; ++t) {
           // mul = 1 (general tiles): s - m_use exactly as a subtraction.
-          s[t][e] = fast_exp2(fmaf(s[t][e], mul, -m_use));
-          sp[t % 4] += s[t][e];
+          const float p0 = fast_exp2(fmaf(s[mt][t][2 * h], mul, -m_use));
+          const float p1 = fast_exp2(fmaf(s[mt][t][2 * h + 1], mul, -m_use));
+          sp[t % 4] += p0;
+          sp[t % 4] += p1;
+          p[mt][t][h] = pack_f32x2<T>(p0, p1);
         }
-      l[h] = l[h] * alpha + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
-      alphas[h] = alpha;
-    }
+        l[mt][h] = l[mt][h] * alpha + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
+        alphas[mt][h] = alpha;
+        grew = grew || alpha != 1.f;
+      }
     // The O rescale, skipped when no row of the warp raised its max in this tile (alpha is 1
     // for every row, and x * 1 = x: bit-identical), which on a long context is most tiles.
-    if (__any_sync(0xffffffffu, alphas[0] != 1.f || alphas[1] != 1.f)) {
+    if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int n = 0; n < C::NT_O; ++n) {
-          o[n][2 * h] *= alphas[h];
-          o[n][2 * h + 1] *= alphas[h];
-        }
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int n = 0; n < C::NT_O; ++n) {
+            o[mt][n][2 * h] *= alphas[mt][h];
+            o[mt][n][2 * h + 1] *= alphas[mt][h];
+          }
     }
 
     // ---- O += P V ----
 #pragma unroll
     for (int kk = 0; kk < C::BC / 16; ++kk) {
       // The accumulators of S tiles 2kk, 2kk + 1 are the A fragment of keys 16kk .. 16kk + 15.
-      const uint32_t pa[4] = {
-          pack_f32x2<T>(s[2 * kk][0], s[2 * kk][1]), pack_f32x2<T>(s[2 * kk][2], s[2 * kk][3]),
-          pack_f32x2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-          pack_f32x2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      uint32_t pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        pa[mt][0] = p[mt][2 * kk][0];
+        pa[mt][1] = p[mt][2 * kk][1];
+        pa[mt][2] = p[mt][2 * kk + 1][0];
+        pa[mt][3] = p[mt][2 * kk + 1][1];
+      }
 #pragma unroll
       for (int n = 0; n < C::NT_O; n += 2) {
         // B fragments of dim tiles n, n + 1: matrices (keys +0 | +8) x (dims +0 | +8) of V,
-        // transposed (V rows are B's rows).
+        // transposed (V rows are B's rows); one load for every m-tile.
         uint32_t vb[4];
         ldmatrix<4, true>(vb, sv + (kk * 16 + (lmat % 2) * 8 + lrow) * C::LD + n * 8 +
                                   (lmat / 2) * 8);
         const uint32_t b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
-        mma_m16n8k16<T>(o[n], pa, b0, o[n]);
-        mma_m16n8k16<T>(o[n + 1], pa, b1, o[n + 1]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_m16n8k16<T>(o[mt][n], pa[mt], b0, o[mt][n]);
+          mma_m16n8k16<T>(o[mt][n + 1], pa[mt], b1, o[mt][n + 1]);
+        }
       }
     }
   }
@@ -406,23 +457,25 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS) prefill_mma_kerne
   // ---- epilogue: the row sums over the quad, then O / l ----
   T *og = reinterpret_cast<T *>(a.out);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float sum = l[h];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int r = warp * 16 + g + 8 * h;
-    if (r >= nrows) continue;
-    const int row = rbase + r;
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;  // no visible key: zeros, as the oracle
-    // Rows start on the 16-byte grid (the launcher checks out and out_stride), so each lane's
-    // two adjacent elements are one aligned 4-byte store.
-    T *op = og + (int64_t)(q0 + row / a.group) * a.out_stride +
-            (int64_t)(kh * a.group + row % a.group) * D + qd * 2;
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int n = 0; n < C::NT_O; ++n)
-      *reinterpret_cast<uint32_t *>(op + n * 8) =
-          pack_f32x2<T>(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
-  }
+    for (int h = 0; h < 2; ++h) {
+      float sum = l[mt][h];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int r = warp * WROWS + mt * 16 + g + 8 * h;
+      if (r >= nrows) continue;
+      const int row = rbase + r;
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;  // no visible key: zeros, as the oracle
+      // Rows start on the 16-byte grid (the launcher checks out and out_stride), so each lane's
+      // two adjacent elements are one aligned 4-byte store.
+      T *op = og + (int64_t)(q0 + row / a.group) * a.out_stride +
+              (int64_t)(kh * a.group + row % a.group) * D + qd * 2;
+#pragma unroll
+      for (int n = 0; n < C::NT_O; ++n)
+        *reinterpret_cast<uint32_t *>(op + n * 8) =
+            pack_f32x2<T>(o[mt][n][2 * h] * inv, o[mt][n][2 * h + 1] * inv);
+    }
 }
 
 }  // namespace pfmma

@@ -25,11 +25,14 @@ use rand::SeedableRng;
 trait Elem: Tol + EmuElem {}
 impl<T: Tol + EmuElem> Elem for T {}
 
-/// Runs the prefill launcher on guarded copies of the inputs: the query rows (dense in `query`,
-/// `[tokens][heads * d]`) placed `qs` elements apart with NaN between them (a fused-QKV-shaped
-/// view when `qs` is larger than a row), the output rows `os` elements apart in a buffer
-/// poisoned with NaN. Returns the status and the output rows, dense; panics if anything
-/// between the output rows was written.
+/// The tensor-core kernel's two tilings (query rows per warp), each run by every check.
+const WARP_ROWS: [i32; 2] = [16, 32];
+
+/// Runs the prefill launcher (the tiled entry, `warp_rows` rows per warp) on guarded copies of
+/// the inputs: the query rows (dense in `query`, `[tokens][heads * d]`) placed `qs` elements
+/// apart with NaN between them (a fused-QKV-shaped view when `qs` is larger than a row), the
+/// output rows `os` elements apart in a buffer poisoned with NaN. Returns the status and the
+/// output rows, dense; panics if anything between the output rows was written.
 #[allow(clippy::too_many_arguments)]
 fn launch<T: Elem>(
     b: &Batch,
@@ -39,6 +42,7 @@ fn launch<T: Elem>(
     (qs, os): (usize, usize),
     qsl: &[i32],
     params: &AttnParams<'_>,
+    warp_rows: i32,
 ) -> (i32, Vec<T>) {
     let slopes = params.alibi_slopes.map(buf::<f32>);
     let raw = ffi::pkv_attn_params {
@@ -72,7 +76,7 @@ fn launch<T: Elem>(
     // [num_seqs][mbps]; ctx: [num_seqs]; query_start_loc: [num_seqs + 1] with every query
     // length <= max_q); the emulated launch is synchronous, so the buffers outlive every access.
     let s = unsafe {
-        ffi::pkv_paged_attention_prefill(
+        ffi::pkv_paged_attention_prefill_tiled(
             out.ptr(),
             os as i64,
             q.ptr(),
@@ -87,6 +91,7 @@ fn launch<T: Elem>(
             b.ctx.len() as i32,
             max_q,
             &raw,
+            warp_rows,
             std::ptr::null_mut(),
         )
     };
@@ -144,25 +149,39 @@ fn check_strided<T: Elem>(
     let params = attn_params(nh, d, f, &sl);
     let want = cpu_prefill(&b, &host, layer, &query, &qsl, &params);
     let strides = strides.unwrap_or((nh * d, nh * d));
-    let (s, got) = launch(&b, host.as_bytes(), layer, &query, strides, &qsl, &params);
-    let what = format!(
-        "prefill {} d{d} g{group} bs{bs} {page:?} {f:?} q/ctx {seqs_q_ctx:?} strides {strides:?}",
-        T::DTYPE
-    );
-    assert_eq!(
-        s,
-        ffi::PKV_OK as i32,
-        "{what}: status {s} ({}), fault {:?}",
-        cuda_emu::status_string(s),
-        cuda_emu::last_fault()
-    );
-    assert_close(&what, &got, &want, d);
+    for warp_rows in WARP_ROWS {
+        let (s, got) = launch(
+            &b,
+            host.as_bytes(),
+            layer,
+            &query,
+            strides,
+            &qsl,
+            &params,
+            warp_rows,
+        );
+        let what = format!(
+            "prefill {} d{d} g{group} bs{bs} {page:?} {f:?} q/ctx {seqs_q_ctx:?} strides \
+             {strides:?} warp rows {warp_rows}",
+            T::DTYPE
+        );
+        assert_eq!(
+            s,
+            ffi::PKV_OK as i32,
+            "{what}: status {s} ({}), fault {:?}",
+            cuda_emu::status_string(s),
+            cuda_emu::last_fault()
+        );
+        assert_close(&what, &got, &want, d);
+    }
 }
 
-/// Several row tiles and key tiles per sequence, at every head dim, for GQA ratios 1, 3 (a
-/// token's heads straddle row tiles), 4 and 8; a chunk after cached tokens whose diagonal
-/// falls inside a key tile; a single-token chunk at position 64 or 128, the first key of a
-/// tile (which that row's warp must not skip); a chunk of exactly one row tile. Block sizes, pages and the logit features cycle with the cells.
+/// Several row tiles and key tiles per sequence, at every head dim and both tilings, for GQA
+/// ratios 1, 3 (a token's heads straddle row tiles), 4 and 8; a chunk after cached tokens whose
+/// diagonal falls inside a key tile; a single-token chunk at position 64 or 128, the first key
+/// of a tile (which that row's warp must not skip); a chunk of exactly one row tile (64 rows
+/// at ratio 4, 128 at 8); MHA's 140 rows end in a tile whose only rows are warp 0's first
+/// m-tile. Block sizes, pages and the logit features cycle with the cells.
 fn tiles_grid<T: Elem>(seed: u64) {
     let mut rng = SmallRng::seed_from_u64(seed);
     let mut variant = 0;
@@ -172,7 +191,7 @@ fn tiles_grid<T: Elem>(seed: u64) {
             let page = PAGES[(variant / 2) % PAGES.len()];
             let f = features(variant, bs);
             let seqs: &[(usize, usize)] = match group {
-                1 => &[(70, 70), (21, 150), (1, 129), (64, 64)],
+                1 => &[(140, 140), (21, 150), (1, 129), (64, 64)],
                 3 => &[(30, 30), (25, 140), (1, 65)],
                 _ => &[(20, 20), (17, 131), (1, 129), (16, 80)],
             };
@@ -228,6 +247,10 @@ fn windows_softcap_alibi() {
         ..Features::PLAIN
     };
     check::<f16>(&mut rng, 256, 1, 16, Page::Dense, &[(40, 78)], f);
+    // Its twin at 32 rows per warp (head dim 128: tiles of 64 keys from 0): a chunk of 70 at
+    // position 38, window 40: warp 2's first row is 102, whose window starts at key 63, the
+    // last of tile 0.
+    check::<bf16>(&mut rng, 128, 1, 16, Page::Dense, &[(70, 108)], f);
 }
 
 /// Query rows read from a fused-QKV-shaped view (token stride: the query heads, the K and V
@@ -250,68 +273,94 @@ fn strided_query_and_out_views() {
     }
 }
 
-/// Bytes of dynamic shared memory the tensor-core kernel asks for at head dim `d` (its
-/// layout: two stages of K and V rows of d + 8 elements, 64 or 32 keys each; Q's 64 rows at
-/// d = 256; two key-flag arrays).
-fn mma_smem(d: usize) -> u64 {
+/// Bytes of dynamic shared memory the tensor-core kernel asks for at head dim `d` with `mt` m16
+/// tiles per warp (its layout: two stages of K and V rows of d + 8 elements, 64 or 32 keys
+/// each; Q's 64 mt rows where its fragments would take more than 32 registers per lane; two
+/// key-flag arrays and two key-row-address arrays).
+fn mma_smem(d: usize, mt: usize) -> u64 {
     let bc = if d <= 128 { 64 } else { 32 };
-    let q = if d <= 128 { 0 } else { 64 * (d + 8) };
+    let q = if d * mt <= 128 { 0 } else { 64 * mt * (d + 8) };
     (2 * (4 * bc * (d + 8) + q) + 2 * bc * 4 + 2 * bc * 8) as u64
 }
 
 /// f16 and bf16 prefill launch the tensor-core kernel (one launch with its shared-memory
-/// footprint), f32 the CUDA-core one (another footprint): a dispatch that fell back would pass
-/// every accuracy test above unnoticed.
+/// footprint and its rows per thread block: 64 at 16 rows per warp, 128 at 32), f32 the
+/// CUDA-core one (another footprint), whatever the tiling asked; 32 rows per warp applies up
+/// to head dim 128 and Auto is 16. A dispatch that fell back would pass every accuracy test
+/// above unnoticed.
 #[test]
-fn f16_and_bf16_take_the_tensor_core_kernel() {
+fn each_tiling_takes_its_kernel() {
     let mut rng = SmallRng::seed_from_u64(34);
+    // 40 tokens of 2 heads over 1 KV head: 80 rows, 2 thread blocks of 64 or 1 of 128.
+    let (tokens, nh) = (40usize, 2usize);
     for d in HEAD_DIMS {
         for dtype in [KvDtype::F16, KvDtype::Bf16, KvDtype::F32] {
-            let b = make_batch(&mut rng, 1, 1, d, 16, dtype, Page::Dense, &[5]);
-            let bytes = vec![0u8; b.cfg.total_bytes()];
-            let params = AttnParams::new(2, d);
-            let qsl = [0, 5];
-            let _ = cuda_emu::take_stats();
-            let dense = (2 * d, 2 * d);
-            let s = match dtype {
-                KvDtype::F16 => {
-                    launch(
-                        &b,
-                        &bytes,
-                        0,
-                        &vec![f16::ZERO; 10 * d],
-                        dense,
-                        &qsl,
-                        &params,
-                    )
-                    .0
+            for warp_rows in [ffi::PKV_PREFILL_WARP_ROWS_AUTO as i32, 16, 32] {
+                let b = make_batch(&mut rng, 1, 1, d, 16, dtype, Page::Dense, &[tokens]);
+                let bytes = vec![0u8; b.cfg.total_bytes()];
+                let params = AttnParams::new(nh, d);
+                let qsl = [0, tokens as i32];
+                let dense = (nh * d, nh * d);
+                let n = tokens * nh * d;
+                let _ = cuda_emu::take_stats();
+                let s = match dtype {
+                    KvDtype::F16 => {
+                        let q = vec![f16::ZERO; n];
+                        launch(&b, &bytes, 0, &q, dense, &qsl, &params, warp_rows).0
+                    }
+                    KvDtype::Bf16 => {
+                        let q = vec![bf16::ZERO; n];
+                        launch(&b, &bytes, 0, &q, dense, &qsl, &params, warp_rows).0
+                    }
+                    KvDtype::F32 => {
+                        let q = vec![0f32; n];
+                        launch(&b, &bytes, 0, &q, dense, &qsl, &params, warp_rows).0
+                    }
+                };
+                let what = format!("{dtype} d{d} warp rows {warp_rows}");
+                assert_eq!(s, ffi::PKV_OK as i32, "{what}");
+                let st = cuda_emu::take_stats();
+                assert_eq!(st.launches, 1, "{what}");
+                if dtype == KvDtype::F32 {
+                    for mt in [1, 2] {
+                        assert_ne!(st.max_dynamic_smem, mma_smem(d, mt), "{what}");
+                    }
+                    continue;
                 }
-                KvDtype::Bf16 => {
-                    launch(
-                        &b,
-                        &bytes,
-                        0,
-                        &vec![bf16::ZERO; 10 * d],
-                        dense,
-                        &qsl,
-                        &params,
-                    )
-                    .0
-                }
-                KvDtype::F32 => launch(&b, &bytes, 0, &vec![0f32; 10 * d], dense, &qsl, &params).0,
-            };
-            assert_eq!(s, ffi::PKV_OK as i32, "{dtype} d{d}");
-            let st = cuda_emu::take_stats();
-            assert_eq!(st.launches, 1, "{dtype} d{d}");
-            let mma = st.max_dynamic_smem == mma_smem(d);
-            assert_eq!(
-                mma,
-                dtype != KvDtype::F32,
-                "{dtype} d{d}: dynamic shared memory {} (the tensor-core kernel's: {})",
-                st.max_dynamic_smem,
-                mma_smem(d)
-            );
+                let mt = if warp_rows == 32 && d <= 128 { 2 } else { 1 };
+                assert_eq!(
+                    (st.max_dynamic_smem, st.blocks),
+                    (mma_smem(d, mt), (tokens * nh).div_ceil(64 * mt) as u64),
+                    "{what}: (dynamic shared memory, thread blocks) of {mt} m-tiles per warp"
+                );
+            }
         }
+    }
+}
+
+/// A tiling other than Auto, 16 or 32 rows per warp is refused before anything is launched,
+/// for every dtype (f32 ignores a valid choice, not an invalid one).
+#[test]
+fn unknown_tilings_are_refused() {
+    let mut rng = SmallRng::seed_from_u64(36);
+    let b = make_batch(&mut rng, 1, 1, 64, 16, KvDtype::Bf16, Page::Dense, &[8]);
+    let host = random_cache::<bf16>(&mut rng, b.cfg);
+    let query = random_vec::<bf16>(&mut rng, 8 * 2 * 64);
+    let params = AttnParams::new(2, 64);
+    for warp_rows in [-1, 1, 8, 15, 17, 48, 64, i32::MAX] {
+        let _ = cuda_emu::take_stats();
+        let (s, _) = launch(
+            &b,
+            host.as_bytes(),
+            0,
+            &query,
+            (128, 128),
+            &[0, 8],
+            &params,
+            warp_rows,
+        );
+        assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32, "warp rows {warp_rows}");
+        assert_eq!(cuda_emu::take_stats().launches, 0, "warp rows {warp_rows}");
     }
 }
 
@@ -346,18 +395,24 @@ fn invalid_block_ids_mask_their_keys() {
         let params = attn_params(nh, d, Features::PLAIN, &[]);
         let want = cpu_prefill(&valid_only, &host, layer, &query, &qsl, &params);
         let row = nh * d;
-        let (s, got) = launch(
-            &with_invalid,
-            host.as_bytes(),
-            layer,
-            &query,
-            (row, row),
-            &qsl,
-            &params,
-        );
-        let what = format!("prefill {} g{group} with invalid block ids", T::DTYPE);
-        assert_eq!(s, ffi::PKV_OK as i32, "{what}: status {s}");
-        assert_close(&what, &got, &want, d);
+        for warp_rows in WARP_ROWS {
+            let (s, got) = launch(
+                &with_invalid,
+                host.as_bytes(),
+                layer,
+                &query,
+                (row, row),
+                &qsl,
+                &params,
+                warp_rows,
+            );
+            let what = format!(
+                "prefill {} g{group} with invalid block ids, warp rows {warp_rows}",
+                T::DTYPE
+            );
+            assert_eq!(s, ffi::PKV_OK as i32, "{what}: status {s}");
+            assert_close(&what, &got, &want, d);
+        }
     }
     let mut rng = SmallRng::seed_from_u64(53);
     for group in [1, 4] {

@@ -22,7 +22,8 @@ use half::{bf16, f16};
 use kernel_grid::*;
 use pagedkv::cuda_emu::{self, EmuBuf, EmuElem};
 use pagedkv::cuda_raw::{
-    self, AttnParamsRaw, CacheView, DecodeMode, DecodePlan, RawError, Rows, SeqTables, Workspace,
+    self, AttnParamsRaw, CacheView, DecodeMode, DecodePlan, PrefillTiling, RawError, Rows,
+    SeqTables, Workspace,
 };
 use pagedkv::error::{AttnError, KvError};
 use pagedkv::kv::{AttnParams, KvCacheConfig, KvDtype};
@@ -49,6 +50,7 @@ fn raw_params(p: &AttnParams<'_>, slopes: Option<&EmuBuf>) -> AttnParamsRaw {
         softcap: p.softcap,
         sliding_window: p.sliding_window,
         alibi_slopes: slopes.map_or(0, ptr),
+        prefill_tiling: PrefillTiling::Auto,
     }
 }
 

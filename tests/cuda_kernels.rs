@@ -12,7 +12,7 @@ use half::{bf16, f16};
 use pagedkv::attn::cpu;
 use pagedkv::cuda::{
     self, ffi, DecodeMode, DecodeWorkspace, DeviceAttnParams, DeviceKvCache, DeviceSeqs, Gpu,
-    PinnedSwapSpace, TokenRows, TokenRowsMut,
+    PinnedSwapSpace, PrefillTiling, TokenRows, TokenRowsMut,
 };
 use pagedkv::error::CudaError;
 use pagedkv::kv::{AttnParams, PagedSeqs};
@@ -109,23 +109,32 @@ fn check_prefill<T: Elem>(
     let mut dev = DeviceKvCache::new(g, b.cfg).expect("device cache");
     dev.upload_from(g, &host).expect("upload");
     let dseqs = DeviceSeqs::upload_prefill(g, &b.cfg, &seqs, &qsl).expect("seqs");
-    let dparams = DeviceAttnParams::upload(g, &b.cfg, &params).expect("params");
+    let mut dparams = DeviceAttnParams::upload(g, &b.cfg, &params).expect("params");
     let dq = g.upload(&query).expect("q");
     if query.is_empty() {
         return;
     }
-    let mut out = g
-        .upload(&vec![T::from_f32(f32::NAN); query.len()])
-        .expect("out");
-    dev.paged_attention_prefill(g, layer, &dq, &dseqs, &dparams, &mut out)
-        .expect("prefill");
-    g.synchronize().expect("sync");
-    let got = g.download(&out).expect("download");
-    let what = format!(
-        "prefill {} d{d} g{group} bs{bs} {page:?} {f:?} q/ctx {seqs_q_ctx:?}",
-        T::DTYPE
-    );
-    assert_close(&what, &got, &want, d);
+    // f32 has one prefill kernel, whatever the tiling.
+    let tilings: &[PrefillTiling] = if T::DTYPE == KvDtype::F32 {
+        &[PrefillTiling::Auto]
+    } else {
+        &[PrefillTiling::WarpRows16, PrefillTiling::WarpRows32]
+    };
+    for &tiling in tilings {
+        dparams.prefill_tiling = tiling;
+        let mut out = g
+            .upload(&vec![T::from_f32(f32::NAN); query.len()])
+            .expect("out");
+        dev.paged_attention_prefill(g, layer, &dq, &dseqs, &dparams, &mut out)
+            .expect("prefill");
+        g.synchronize().expect("sync");
+        let got = g.download(&out).expect("download");
+        let what = format!(
+            "prefill {} d{d} g{group} bs{bs} {page:?} {f:?} q/ctx {seqs_q_ctx:?} {tiling:?}",
+            T::DTYPE
+        );
+        assert_close(&what, &got, &want, d);
+    }
 }
 
 const ALL_MODES: [DecodeMode; 3] = [DecodeMode::Auto, DecodeMode::SinglePass, DecodeMode::SplitK];
@@ -821,6 +830,30 @@ fn ffi_argument_errors_need_no_gpu() {
         )
     };
     assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32);
+    for warp_rows in [-1, 8, 64] {
+        // SAFETY: an unknown tiling: refused before any CUDA call or dereference.
+        let s = unsafe {
+            ffi::pkv_paged_attention_prefill_tiled(
+                p,
+                512,
+                p,
+                512,
+                p,
+                &g,
+                0,
+                p as *const i32,
+                1,
+                p as *const i32,
+                p as *const i32,
+                1,
+                1,
+                &params,
+                warp_rows,
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32, "warp rows {warp_rows}");
+    }
     // Split-K and no workspace: refused (a forced plan, so no device query).
     let (s, plan) = plan_of(ffi::PKV_DECODE_SPLIT, 1, 3000);
     assert_eq!(s, 0);

@@ -46,7 +46,7 @@ mod raw_device;
 mod step;
 
 pub use crate::cuda_raw::ffi;
-pub use crate::cuda_raw::{DecodeMode, DecodePlan};
+pub use crate::cuda_raw::{DecodeMode, DecodePlan, PrefillTiling};
 pub use crate::error::CudaError;
 pub use arena::{DeviceArena, POISON_BYTE};
 pub use cache::{DeviceKvCache, PinnedSwapSpace, SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS};

@@ -6,7 +6,9 @@
 
 use super::cache::{same_device, DeviceKvCache};
 use super::device::Gpu;
-use crate::cuda_raw::{self, AttnParamsRaw, DecodeMode, DecodePlan, DevPtr, Rows, SeqTables};
+use crate::cuda_raw::{
+    self, AttnParamsRaw, DecodeMode, DecodePlan, DevPtr, PrefillTiling, Rows, SeqTables,
+};
 use crate::error::{AttnError, CudaError, KvError};
 use crate::kv::{check_len, KvCacheConfig, KvElem};
 use crate::kv::{AttnParams, PagedSeqs};
@@ -134,6 +136,8 @@ pub struct DeviceAttnParams {
     alibi_slopes: Option<CudaSlice<f32>>,
     /// Decode partitioning.
     pub mode: DecodeMode,
+    /// Query rows per warp of the f16 / bf16 prefill kernel.
+    pub prefill_tiling: PrefillTiling,
 }
 
 impl DeviceAttnParams {
@@ -202,6 +206,7 @@ impl DeviceAttnParams {
             sliding_window: params.sliding_window,
             alibi_slopes,
             mode: DecodeMode::Auto,
+            prefill_tiling: PrefillTiling::Auto,
         })
     }
 
@@ -477,6 +482,7 @@ impl DeviceAttnParams {
             softcap: self.softcap,
             sliding_window: self.sliding_window,
             alibi_slopes,
+            prefill_tiling: self.prefill_tiling,
         };
         (raw, guard)
     }

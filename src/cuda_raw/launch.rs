@@ -203,7 +203,7 @@ pub unsafe fn paged_attention_prefill(
     // SAFETY: the caller vouches for every pointer's memory and for query_start_loc's values
     // (this function's contract); the host checks above make the launcher's checks pass.
     let status = unsafe {
-        ffi::pkv_paged_attention_prefill(
+        ffi::pkv_paged_attention_prefill_tiled(
             dev(out.ptr),
             os,
             dev(query.ptr),
@@ -218,11 +218,12 @@ pub unsafe fn paged_attention_prefill(
             n,
             max_q,
             &p,
+            params.prefill_tiling.abi(),
             stream,
         )
     };
     check_status(
-        "pkv_paged_attention_prefill",
+        "pkv_paged_attention_prefill_tiled",
         status,
         Some(PageArgs::of(&cache.config)),
     )

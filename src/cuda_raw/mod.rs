@@ -45,6 +45,7 @@ mod check;
 pub mod ffi;
 mod launch;
 mod plan;
+mod tiling;
 
 pub use crate::error::RawError;
 #[cfg(feature = "cuda")]
@@ -54,6 +55,7 @@ pub use launch::{
     copy_blocks, paged_attention_decode, paged_attention_prefill, reshape_and_cache, swap_blocks,
 };
 pub use plan::{DecodeMode, DecodePlan};
+pub use tiling::PrefillTiling;
 
 use crate::kv::KvCacheConfig;
 use std::ffi::c_void;
@@ -151,6 +153,8 @@ pub struct AttnParamsRaw {
     pub sliding_window: usize,
     /// Device `[num_heads]` f32 slopes, or 0 for no ALiBi.
     pub alibi_slopes: DevPtr,
+    /// Query rows per warp of the f16 / bf16 prefill kernel (decode ignores it).
+    pub prefill_tiling: PrefillTiling,
 }
 
 impl AttnParamsRaw {
@@ -163,6 +167,7 @@ impl AttnParamsRaw {
             softcap: 0.0,
             sliding_window: 0,
             alibi_slopes: 0,
+            prefill_tiling: PrefillTiling::Auto,
         }
     }
 }

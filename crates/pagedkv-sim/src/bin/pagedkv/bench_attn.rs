@@ -9,6 +9,7 @@ use half::bf16;
 use pagedkv::attn::{cpu, AttnWorkspace};
 use pagedkv::cuda::{
     DecodeMode, DecodeWorkspace, DeviceAttnParams, DeviceKvCache, DeviceSeqs, Gpu, PinnedSwapSpace,
+    PrefillTiling,
 };
 use pagedkv::kv::{AttnParams, HostKvCache, KvCacheConfig, KvDtype, PagedSeqs};
 use pagedkv_sim::gpu_bench::{
@@ -35,6 +36,8 @@ pub struct Bench<'g> {
     pub shape: Shape,
     pub block_size: usize,
     pub mode: DecodeMode,
+    /// Query rows per warp of the prefill points.
+    pub prefill_tiling: PrefillTiling,
     /// The device's L2 cache, bytes.
     pub l2_bytes: u64,
     /// Device bytes the copies of one point may take.
@@ -81,6 +84,7 @@ impl<'g> Bench<'g> {
             shape,
             block_size,
             mode,
+            prefill_tiling: PrefillTiling::Auto,
             l2_bytes,
             budget,
             min_launches,
@@ -233,7 +237,8 @@ impl<'g> Bench<'g> {
         };
         let dseqs = DeviceSeqs::upload_prefill(self.gpu, &cfg, &seqs, &qsl)?;
         let attn = AttnParams::new(nh, d);
-        let params = DeviceAttnParams::upload(self.gpu, &cfg, &attn)?;
+        let mut params = DeviceAttnParams::upload(self.gpu, &cfg, &attn)?;
+        params.prefill_tiling = self.prefill_tiling;
         let q_host = self.random_vec(p.chunk * nh * d);
         let mut copies = self.copies(&cfg, &q_host, n)?;
         let gpu = self.gpu;

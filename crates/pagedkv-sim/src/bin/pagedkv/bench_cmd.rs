@@ -14,7 +14,7 @@ use crate::bench_timing::{BoxErr, Clock};
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
-use pagedkv::cuda::{DecodeMode, DeviceKvCache, Gpu, PinnedSwapSpace};
+use pagedkv::cuda::{DecodeMode, DeviceKvCache, Gpu, PinnedSwapSpace, PrefillTiling};
 use pagedkv::kv::{KvCacheConfig, KvDtype};
 use pagedkv_sim::gpu_bench::{
     decode_header, decode_row, default_decode_grid, default_prefill_grid, median, parse_points,
@@ -61,6 +61,10 @@ pub struct GpuArgs {
     /// Decode partitioning: auto, single, split, or splits:N (exactly N splits).
     #[arg(long, default_value = "auto")]
     mode: String,
+    /// Prefill query rows per warp, a list of auto, 16 and 32: the prefill grid runs once per
+    /// entry (beside the one peer run), for A/B comparisons in one process.
+    #[arg(long, default_value = "auto")]
+    prefill_tiling: String,
     /// Launches per graph and back-to-back timing (at least; a whole number of rotations).
     #[arg(long, default_value_t = 20)]
     launches: usize,
@@ -126,6 +130,16 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
             }
         },
     };
+    let tilings = a
+        .prefill_tiling
+        .split(',')
+        .map(|t| match t.trim() {
+            "auto" => Ok(PrefillTiling::Auto),
+            "16" => Ok(PrefillTiling::WarpRows16),
+            "32" => Ok(PrefillTiling::WarpRows32),
+            t => Err(format!("--prefill-tiling {t}: expected auto, 16 or 32")),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let decode: Vec<DecodePoint> = grid(&a.decode, default_decode_grid)?;
     let prefill: Vec<PrefillPoint> = grid(&a.prefill, default_prefill_grid)?;
 
@@ -245,17 +259,18 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
             note_check(format!("decode {p}"), &m);
         }
     }
-    if !prefill.is_empty() {
+    for &tiling in tilings.iter().filter(|_| !prefill.is_empty()) {
         println!();
         println!(
-            "prefill bf16 d{} bs{}, one sequence, causal; TFLOP/s of the causal region at the graph time",
+            "prefill bf16 d{} bs{} tiling {tiling:?}, one sequence, causal; TFLOP/s of the causal region at the graph time",
             a.head_dim, a.block_size
         );
         println!("{}", prefill_header());
+        bench.prefill_tiling = tiling;
         for p in &prefill {
             let m = bench.prefill(p)?;
             println!("{}", prefill_row(p, shape, &m.outcome, pr.prefill.get(p)));
-            note_check(format!("prefill {p}"), &m);
+            note_check(format!("prefill {p} {tiling:?}"), &m);
         }
     }
     for n in &pr.notes {

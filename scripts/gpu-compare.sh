@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A kernel change measured in one short device call (~60 s on an H200): the kernel tests,
-# the full `bench gpu` grid beside torch SDPA, the decode split counts around the Auto plan's
-# (`--mode splits:N`) at batch 1-8, ncu on two prefill and two batch-1 decode points, and
+# the full `bench gpu` grid beside torch SDPA (prefill at both tilings, 16 and 32 query rows
+# per warp), the decode split counts around the Auto plan's (`--mode splits:N`) at batch 1-8,
+# ncu on two prefill points (both tilings) and two batch-1 decode points, and
 # compute-sanitizer memcheck on the kernel tests. Logs packed into $OUT/logs.tar.gz after every
 # stage. (scripts/gpu-session.sh is the whole session: upload, client, sanitizers.)
 #
@@ -18,21 +19,23 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/mach
 note "machine: $(tail -1 "$OUT/machine.txt")"
 
 stage test-cuda_kernels 90 "$bin/test-cuda_kernels"
-stage bench-gpu 150 "$bin/bin-pagedkv" bench gpu --no-cache-ops
+stage bench-gpu 180 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill-tiling 16,32
 only='--no-cache-ops --peer none --no-check'
 # Split counts around the Auto plan's where the tensor-core body could fill a third block per
 # SM (the merge's cost changed): batch 1 long, batch 2-8 medium.
 pts=32:8/1x32768,32:8/1x16384,32:8/2x16384,32:8/4x8192,32:8/8x4096
-for n in 5 6 8 12 16 24 33 40 44 48 49; do
+for n in 8 16 24 33 49; do
   stage "sweep-splits-$n" 30 "$bin/bin-pagedkv" bench gpu --mode "splits:$n" --prefill none \
     --decode $pts $only
 done
 stage sweep-auto 30 "$bin/bin-pagedkv" bench gpu --prefill none --decode $pts $only
 ncu_args=(--clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats
   --section ComputeWorkloadAnalysis --section LaunchStats)
-stage ncu-prefill 60 ncu "${ncu_args[@]}" -k regex:prefill -c 2 \
-  "$bin/bin-pagedkv" bench gpu --decode none --prefill 32:8/2048+4096,32:8/2048+0 $only \
-  --launches 1 --reps 1 --iters 1 --warmup 1
+for tiling in 16 32; do
+  stage "ncu-prefill-$tiling" 60 ncu "${ncu_args[@]}" -k regex:prefill -c 2 \
+    "$bin/bin-pagedkv" bench gpu --decode none --prefill 32:8/2048+4096,32:8/2048+0 $only \
+    --prefill-tiling $tiling --launches 1 --reps 1 --iters 1 --warmup 1
+done
 stage ncu-decode 60 ncu "${ncu_args[@]}" -k regex:decode -c 2 \
   "$bin/bin-pagedkv" bench gpu --prefill none --decode 32:8/1x4096,32:8/1x32768 $only \
   --launches 1 --reps 1 --iters 1 --warmup 1

@@ -328,6 +328,181 @@ fn prefill_long_chunks() {
     }
 }
 
+/// Block ids that name no page (-1, one past the cache) mask their tokens on the GPU as on the
+/// emulation (tests/cuda_emu_raw.rs, tests/cuda_emu_prefill.rs): through the raw launches,
+/// which take tables the safe API would refuse, the outputs equal the oracle's over the valid
+/// blocks alone. Decode: the tensor-core body (bf16 GQA), the CUDA-core ones (bf16 MHA, f32
+/// GQA), every split mode. Prefill: the invalid blocks lie wholly before the chunk (the case
+/// the scale-only interior path must not take), both tilings, every dtype.
+#[test]
+fn invalid_block_ids_mask_their_keys() {
+    let Some(g) = gpu("invalid_block_ids_mask_their_keys") else {
+        return;
+    };
+    let mut rng = SmallRng::seed_from_u64(48);
+    for bs in [8, 16, 32] {
+        invalid_ids_decode::<bf16>(&g, &mut rng, 4, bs);
+        invalid_ids_decode::<bf16>(&g, &mut rng, 1, bs);
+        invalid_ids_decode::<f32>(&g, &mut rng, 4, bs);
+    }
+    for group in [1, 4] {
+        invalid_ids_prefill::<bf16>(&g, &mut rng, group);
+        invalid_ids_prefill::<f16>(&g, &mut rng, group);
+        invalid_ids_prefill::<f32>(&g, &mut rng, group);
+    }
+}
+
+/// The device address of a buffer (the guard records its use on the stream when dropped).
+fn dptr<T>(g: &Gpu, s: &cudarc::driver::CudaSlice<T>) -> u64 {
+    use cudarc::driver::DevicePtr;
+    s.device_ptr(g.stream()).0
+}
+
+fn invalid_ids_decode<T: Elem + cudarc::driver::ValidAsZeroBits>(
+    g: &Gpu,
+    rng: &mut SmallRng,
+    group: usize,
+    bs: usize,
+) {
+    let (hkv, d, layer) = (2, 64, 0);
+    let nh = hkv * group;
+    let cfg = KvCacheConfig::new(1, hkv, d, bs, 12, T::DTYPE).expect("config");
+    let host = random_cache::<T>(rng, cfg);
+    let mut dev = DeviceKvCache::new(g, cfg).expect("device cache");
+    dev.upload_from(g, &host).expect("upload");
+    let params = attn_params(nh, d, Features::PLAIN, &[]);
+    let query = random_vec::<T>(rng, 2 * nh * d);
+    let past = cfg.num_blocks() as i32;
+    // Sequence 0: blocks 3, -1, 7, past (its last 5 tokens short); sequence 1: 5, 2.
+    let with_invalid = Batch {
+        cfg,
+        tables: vec![3, -1, 7, past, 5, 2, -9, -9],
+        mbps: 4,
+        ctx: vec![(4 * bs - 5) as i32, (bs + 4) as i32],
+    };
+    let valid_only = Batch {
+        cfg,
+        tables: vec![3, 7, 5, 2],
+        mbps: 2,
+        ctx: vec![(2 * bs) as i32, (bs + 4) as i32],
+    };
+    let want = cpu_decode(&valid_only, &host, layer, &query, &params);
+    let (dq, dt, dc) = (
+        g.upload(&query).expect("q"),
+        g.upload(&with_invalid.tables).expect("tables"),
+        g.upload(&with_invalid.ctx).expect("ctx"),
+    );
+    for mode in [DecodeMode::SinglePass, DecodeMode::SplitK, DecodeMode::Auto] {
+        let plan = cuda::DecodePlan::new(mode, 2, nh, hkv, d, 4 * bs, 0).expect("plan");
+        // Zeroed: the split merge's counters start at zero.
+        let ws = g
+            .alloc_zeros::<u8>(plan.workspace_bytes().max(16))
+            .expect("workspace");
+        let out = g
+            .upload(&vec![T::from_f32(f32::NAN); query.len()])
+            .expect("out");
+        let seqs = pagedkv::cuda_raw::SeqTables {
+            block_tables: dptr(g, &dt),
+            max_blocks_per_seq: 4,
+            context_lens: dptr(g, &dc),
+            num_seqs: 2,
+        };
+        let raw = pagedkv::cuda_raw::AttnParamsRaw::new(nh, d);
+        // SAFETY: every pointer is a live device buffer of this Gpu of the shape the contract
+        // asks (cache: the whole cache; query / out: 2 dense rows of nh * d, distinct; tables
+        // [2][4], ctx [2]; a zeroed workspace of the plan's size), and the stream is
+        // synchronized before any of them is dropped or read back.
+        unsafe {
+            pagedkv::cuda_raw::paged_attention_decode(
+                &dev.raw_view(),
+                layer,
+                pagedkv::cuda_raw::Rows::dense(dptr(g, &dq), nh, d),
+                pagedkv::cuda_raw::Rows::dense(dptr(g, &out), nh, d),
+                &seqs,
+                &raw,
+                &plan,
+                pagedkv::cuda_raw::Workspace {
+                    ptr: dptr(g, &ws),
+                    bytes: plan.workspace_bytes().max(16),
+                },
+                g.raw_stream(),
+            )
+        }
+        .expect("decode");
+        g.synchronize().expect("sync");
+        let got = g.download(&out).expect("download");
+        let what = format!("decode {} group {group} bs {bs} {mode:?}", T::DTYPE);
+        assert_close(&what, &got, &want, d);
+    }
+}
+
+fn invalid_ids_prefill<T: Elem>(g: &Gpu, rng: &mut SmallRng, group: usize) {
+    let (hkv, d, bs, layer) = (2, 64, 16, 0);
+    let nh = hkv * group;
+    let cfg = KvCacheConfig::new(1, hkv, d, bs, 12, T::DTYPE).expect("config");
+    let host = random_cache::<T>(rng, cfg);
+    let mut dev = DeviceKvCache::new(g, cfg).expect("device cache");
+    dev.upload_from(g, &host).expect("upload");
+    let past = cfg.num_blocks() as i32;
+    // Blocks 3, -1, 7, past, 5, 2 (91 tokens), a 20-token chunk at positions 71..90: the
+    // invalid blocks hold tokens 16..31 and 48..63, all before the chunk.
+    let tables = vec![3, -1, 7, past, 5, 2];
+    let valid_only = Batch {
+        cfg,
+        tables: vec![3, 7, 5, 2],
+        mbps: 4,
+        ctx: vec![59],
+    };
+    let qsl = [0i32, 20];
+    let query = random_vec::<T>(rng, 20 * nh * d);
+    let params = attn_params(nh, d, Features::PLAIN, &[]);
+    let want = cpu_prefill(&valid_only, &host, layer, &query, &qsl, &params);
+    let (dq, dt, dc, dqsl) = (
+        g.upload(&query).expect("q"),
+        g.upload(&tables).expect("tables"),
+        g.upload(&[91i32]).expect("ctx"),
+        g.upload(&qsl).expect("qsl"),
+    );
+    for tiling in [PrefillTiling::WarpRows16, PrefillTiling::WarpRows32] {
+        let out = g
+            .upload(&vec![T::from_f32(f32::NAN); query.len()])
+            .expect("out");
+        let seqs = pagedkv::cuda_raw::SeqTables {
+            block_tables: dptr(g, &dt),
+            max_blocks_per_seq: tables.len(),
+            context_lens: dptr(g, &dc),
+            num_seqs: 1,
+        };
+        let raw = pagedkv::cuda_raw::AttnParamsRaw {
+            prefill_tiling: tiling,
+            ..pagedkv::cuda_raw::AttnParamsRaw::new(nh, d)
+        };
+        // SAFETY: as in invalid_ids_decode; query_start_loc holds [0, 20] (20 rows of query
+        // and out, q_len 20 <= the context 91).
+        unsafe {
+            pagedkv::cuda_raw::paged_attention_prefill(
+                &dev.raw_view(),
+                layer,
+                pagedkv::cuda_raw::Rows::dense(dptr(g, &dq), nh, d),
+                pagedkv::cuda_raw::Rows::dense(dptr(g, &out), nh, d),
+                &seqs,
+                dptr(g, &dqsl),
+                20,
+                &raw,
+                g.raw_stream(),
+            )
+        }
+        .expect("prefill");
+        g.synchronize().expect("sync");
+        let got = g.download(&out).expect("download");
+        let what = format!(
+            "prefill {} g{group} with invalid block ids, {tiling:?}",
+            T::DTYPE
+        );
+        assert_close(&what, &got, &want, d);
+    }
+}
+
 // ---- cache writes and block moves ----------------------------------------------------------
 
 fn check_reshape<T: Elem>(g: &Gpu, rng: &mut SmallRng, d: usize, bs: usize, page: Page) {

@@ -10,6 +10,10 @@ pub const KERNELS: &[&str] = &[
     "kernels/probe.cu",
     "kernels/dequant.cu",
 ];
+/// Units built only for sm_90a (Hopper's arch-specific instructions) by the `cuda` build, when
+/// sm_90 is among its targets, and always by the emulation; either build then defines
+/// `PKV_HAVE_WGMMA` for every unit.
+pub const SM90A_KERNELS: &[&str] = &["kernels/prefill_wgmma.cu"];
 /// Every header those units include; a change to any of them rebuilds the kernels.
 pub const HEADERS: &[&str] = &[
     "kernels/pagedkv.h",
@@ -19,6 +23,8 @@ pub const HEADERS: &[&str] = &[
     "kernels/decode_v2.cuh",
     "kernels/decode_mma.cuh",
     "kernels/prefill_mma.cuh",
+    "kernels/wgmma.cuh",
+    "kernels/prefill_wgmma.cuh",
 ];
 
 /// Stops the build with a message.
@@ -33,7 +39,7 @@ macro_rules! fail {
 
 /// Checks the listing and registers every kernel file as a rebuild trigger.
 pub fn track_kernel_sources() {
-    for f in KERNELS.iter().chain(HEADERS) {
+    for f in KERNELS.iter().chain(SM90A_KERNELS).chain(HEADERS) {
         if !Path::new(f).is_file() {
             fail!("{f} is listed in build/common.rs but does not exist");
         }
@@ -60,8 +66,13 @@ fn check_listing() {
             "kernels/{}",
             p.file_name().unwrap_or_default().to_string_lossy()
         );
-        if !KERNELS.contains(&rel.as_str()) && !HEADERS.contains(&rel.as_str()) {
-            fail!("{rel} exists but is not listed in build/common.rs KERNELS/HEADERS");
+        if ![KERNELS, SM90A_KERNELS, HEADERS]
+            .iter()
+            .any(|list| list.contains(&rel.as_str()))
+        {
+            fail!(
+                "{rel} exists but is not listed in build/common.rs KERNELS/SM90A_KERNELS/HEADERS"
+            );
         }
     }
 }

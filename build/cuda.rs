@@ -5,14 +5,15 @@
 //! 2. compiles every kernel source listed in [`KERNELS`] with nvcc through the `cc` crate into
 //!    one static library per source (`pagedkv_kernels_<stem>`, whole-unit device code: no
 //!    relocatable device code), with SASS for sm_80 and sm_90 and PTX for
-//!    compute_90 (so newer GPUs JIT it), linked against the static CUDA runtime;
+//!    compute_90 (so newer GPUs JIT it), linked against the static CUDA runtime; with sm_90
+//!    among the targets, the [`SM90A_KERNELS`] too, with SASS for sm_90a alone;
 //! 3. runs bindgen over `kernels/pagedkv.h`, the C ABI of every launcher, into
 //!    `$OUT_DIR/pagedkv_ffi.rs`, which `src/cuda_raw/ffi.rs` includes.
 //!
 //! `PAGEDKV_CUDA_ARCHS` (e.g. `80` or `80,90`) narrows the SASS targets for quick local
 //! iteration; CI and release builds leave it unset.
 
-use crate::common::{bindings, track_kernel_sources, KERNELS};
+use crate::common::{bindings, track_kernel_sources, KERNELS, SM90A_KERNELS};
 use std::env;
 use std::path::{Path, PathBuf};
 
@@ -66,6 +67,17 @@ pub fn build() {
         .flag("--threads=0")
         .flag("--expt-relaxed-constexpr")
         .warnings(false);
+    // sm_90 among the targets: the sm_90a units too (their own SASS only, no PTX), and every
+    // unit knows they are there.
+    let sm90a = archs.iter().any(|a| a == "90");
+    let mut sm90a_build = build.clone();
+    if sm90a {
+        build.define("PKV_HAVE_WGMMA", "1");
+        sm90a_build
+            .define("PKV_HAVE_WGMMA", "1")
+            .flag("-gencode")
+            .flag("arch=compute_90a,code=sm_90a");
+    }
     for a in &archs {
         build
             .flag("-gencode")
@@ -78,12 +90,17 @@ pub fn build() {
     // code (--device-c, then a device link), where nvcc keeps calls to the units' own
     // non-inlined device functions as ABI calls: the decode kernels took 127 registers instead
     // of 80 (sm_90) that way. No unit calls device code of another, so none needs it.
-    for k in KERNELS {
+    let sm90a_units: &[&str] = if sm90a { SM90A_KERNELS } else { &[] };
+    for (k, b) in KERNELS
+        .iter()
+        .map(|k| (k, &build))
+        .chain(sm90a_units.iter().map(|k| (k, &sm90a_build)))
+    {
         let stem = Path::new(k)
             .file_stem()
             .and_then(|s| s.to_str())
             .unwrap_or("kernels");
-        if let Err(e) = build
+        if let Err(e) = b
             .clone()
             .file(k)
             .try_compile(&format!("pagedkv_kernels_{stem}"))

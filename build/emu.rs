@@ -16,7 +16,7 @@
 //! The rewriter only accepts the shapes it knows and fails the build on anything else, so a new
 //! construct in a kernel cannot be silently mistranslated.
 
-use crate::common::{bindings, out_dir, track_kernel_sources, HEADERS, KERNELS};
+use crate::common::{bindings, out_dir, track_kernel_sources, HEADERS, KERNELS, SM90A_KERNELS};
 use std::path::Path;
 
 /// The emulation's own sources and headers.
@@ -44,7 +44,7 @@ pub fn build() {
         fail!("cannot create {}: {e}", dir.display());
     }
     let mut units = Vec::new();
-    for f in KERNELS.iter().chain(HEADERS) {
+    for f in KERNELS.iter().chain(SM90A_KERNELS).chain(HEADERS) {
         let src = match std::fs::read_to_string(f) {
             Ok(s) => s,
             Err(e) => fail!("cannot read {f}: {e}"),
@@ -93,6 +93,7 @@ pub fn build() {
         .include("kernels/emu")
         .include(&dir)
         .define("PKV_CUDA_EMU", "1")
+        .define("PKV_HAVE_WGMMA", "1")
         // The kernels read 16-byte vectors of half/bf16 elements through casts, as CUDA allows.
         .flag("-fno-strict-aliasing")
         .flag_if_supported("-Wno-unknown-pragmas")

@@ -357,7 +357,33 @@ extern "C" int pkv_paged_attention_decode(void *out, int64_t out_token_stride, c
 }
 
 namespace pkv {
+#ifdef PKV_HAVE_WGMMA
+// kernels/prefill_wgmma.cu (the sm_90a unit).
+int launch_prefill_wgmma(const PrefillArgs &a, int dtype, int head_dim, int hkv, int row_tiles,
+                         int num_seqs, cudaStream_t s);
+#endif
 namespace {
+// Whether PKV_PREFILL_TILING_WGMMA runs the wgmma kernel: the build has it (a target of sm_90
+// adds the sm_90a unit), the head dim has an instance, and the current device is compute
+// capability 9.0 exactly (sm_90a code runs nowhere else). The emulation runs it everywhere.
+bool wgmma_prefill_available(int head_dim) {
+#ifndef PKV_HAVE_WGMMA
+  (void)head_dim;
+  return false;
+#else
+  if (head_dim != 64 && head_dim != 128) return false;
+#ifdef PKV_CUDA_EMU
+  return true;
+#else
+  int dev = 0, major = 0, minor = 0;
+  return cudaGetDevice(&dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
+         major == 9 && minor == 0;
+#endif
+#endif
+}
+
 template <typename T, int D>
 int launch_prefill(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs, cudaStream_t s) {
   constexpr size_t smem = prefill_smem_bytes<D>();
@@ -412,7 +438,7 @@ extern "C" int pkv_paged_attention_prefill(void *out, int64_t out_token_stride,
   return pkv_paged_attention_prefill_tiled(out, out_token_stride, query, query_token_stride,
                                            cache, geom, layer, block_tables, max_blocks_per_seq,
                                            context_lens, query_start_loc, num_seqs,
-                                           max_query_len, params, PKV_PREFILL_WARP_ROWS_AUTO,
+                                           max_query_len, params, PKV_PREFILL_TILING_AUTO,
                                            stream);
 }
 
@@ -421,23 +447,27 @@ extern "C" int pkv_paged_attention_prefill_tiled(
     const void *cache, const pkv_cache_geometry *geom, int32_t layer,
     const int32_t *block_tables, int32_t max_blocks_per_seq, const int32_t *context_lens,
     const int32_t *query_start_loc, int32_t num_seqs, int32_t max_query_len,
-    const pkv_attn_params *params, int32_t warp_rows, void *stream) {
+    const pkv_attn_params *params, int32_t tiling, void *stream) {
   const int chk = common_attn_checks(out, out_token_stride, query, query_token_stride, cache,
                                      geom, layer, block_tables, max_blocks_per_seq, context_lens,
                                      params);
   if (chk != PKV_OK) return chk;
   if (query_start_loc == nullptr) return PKV_ERR_NULL_POINTER;
   if (num_seqs < 0 || num_seqs > 65535 || max_query_len < 0) return PKV_ERR_INVALID_ARG;
-  if (warp_rows != PKV_PREFILL_WARP_ROWS_AUTO && warp_rows != 16 && warp_rows != 32)
+  if (tiling != PKV_PREFILL_TILING_AUTO && tiling != PKV_PREFILL_TILING_WARP16 &&
+      tiling != PKV_PREFILL_TILING_WARP32 && tiling != PKV_PREFILL_TILING_WGMMA)
     return PKV_ERR_INVALID_ARG;
   if (num_seqs == 0 || max_query_len == 0) return PKV_OK;
   const int group = params->num_heads / geom->num_kv_heads;
   const bool mma = geom->dtype == PKV_DTYPE_F16 || geom->dtype == PKV_DTYPE_BF16;
   // Auto keeps one m16 tile per warp: the tiling every GPU measurement so far ran (32 rows per
-  // warp is unmeasured; BENCHMARKS.md).
-  const int mt = mma && warp_rows == 32 && geom->head_dim <= 128 ? 2 : 1;
+  // warp and wgmma are unmeasured; BENCHMARKS.md).
+  const bool wgmma =
+      mma && tiling == PKV_PREFILL_TILING_WGMMA && wgmma_prefill_available(geom->head_dim);
+  const int mt = mma && tiling == PKV_PREFILL_TILING_WARP32 && geom->head_dim <= 128 ? 2 : 1;
   const int rows_per_tile = mma ? (mt == 2 ? pfmma::Cfg<64, 2>::ROWS : pfmma::Cfg<64, 1>::ROWS)
                                 : PF_ROWS;
+  static_assert(pfmma::Cfg<64, 1>::ROWS == 64, "the wgmma kernel's rows per block too");
   const int64_t row_tiles = ((int64_t)max_query_len * group + rows_per_tile - 1) / rows_per_tile;
   if (row_tiles > 65535) return PKV_ERR_INVALID_ARG;
 
@@ -465,6 +495,11 @@ extern "C" int pkv_paged_attention_prefill_tiled(
 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int hkv = geom->num_kv_heads, tiles = (int)row_tiles;
+#ifdef PKV_HAVE_WGMMA
+  if (wgmma) return launch_prefill_wgmma(a, geom->dtype, geom->head_dim, hkv, tiles, num_seqs, s);
+#else
+  (void)wgmma;
+#endif
   switch (geom->dtype) {
     case PKV_DTYPE_F32:
       PKV_DISPATCH_HEAD_DIM(geom->head_dim,

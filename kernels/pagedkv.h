@@ -301,18 +301,26 @@ int pkv_paged_attention_prefill(void *out, int64_t out_token_stride, const void 
                                 int32_t num_seqs, int32_t max_query_len,
                                 const pkv_attn_params *params, void *stream);
 
-/** Rows per warp of the f16 / bf16 prefill kernel (pkv_paged_attention_prefill_tiled): AUTO is
- *  the library's choice (today 16, the tiling measured on a GPU), 16 one m16 tile per warp
- *  (64 rows per thread block), 32 two (128 rows per thread block: each K / V fragment loaded
- *  from shared memory feeds two tensor-core instructions). 32 applies up to head dim 128; f32
- *  and head dim 256 have one tiling and run it whatever is asked. */
-#define PKV_PREFILL_WARP_ROWS_AUTO 0
+/* ---- prefill tilings (pkv_paged_attention_prefill_tiled's `tiling`) of the f16 / bf16
+ * kernel; f32 has one kernel and runs it whatever is asked ---- */
+/** The library's choice: today PKV_PREFILL_TILING_WARP16, the tiling measured on a GPU. */
+#define PKV_PREFILL_TILING_AUTO 0
+/** One m16 tile per warp (mma.sync), 64 rows per thread block; every head dim. */
+#define PKV_PREFILL_TILING_WARP16 16
+/** Two m16 tiles per warp (mma.sync), 128 rows per thread block: each K / V fragment loaded
+ *  from shared memory feeds two tensor-core instructions. Head dims up to 128; 256 runs
+ *  PKV_PREFILL_TILING_WARP16. */
+#define PKV_PREFILL_TILING_WARP32 32
+/** Hopper's warpgroup instruction (wgmma, reading K and V straight from shared memory), 64 rows
+ *  per thread block: on a device of compute capability 9.0 in a build with sm_90 among its
+ *  targets, at head dims 64 and 128; anywhere else PKV_PREFILL_TILING_WARP16. */
+#define PKV_PREFILL_TILING_WGMMA 64
 
 /**
- * pkv_paged_attention_prefill with the f16 / bf16 kernel's rows per warp chosen:
- * warp_rows = PKV_PREFILL_WARP_ROWS_AUTO, 16 or 32 (else PKV_ERR_INVALID_ARG). Results agree up
- * to f32 rounding: where the key tiles start (under a sliding window) and which tiles take the
- * scale-only path depend on the rows a thread block holds.
+ * pkv_paged_attention_prefill with the f16 / bf16 kernel's tiling chosen: `tiling` is one of
+ * PKV_PREFILL_TILING_* (else PKV_ERR_INVALID_ARG). Results agree up to f32 rounding: where the
+ * key tiles start (under a sliding window) and which tiles take the scale-only path depend on
+ * the rows a thread block holds, and the instructions' summation order on the tiling.
  */
 int pkv_paged_attention_prefill_tiled(void *out, int64_t out_token_stride, const void *query,
                                       int64_t query_token_stride, const void *cache,
@@ -321,7 +329,7 @@ int pkv_paged_attention_prefill_tiled(void *out, int64_t out_token_stride, const
                                       const int32_t *context_lens,
                                       const int32_t *query_start_loc, int32_t num_seqs,
                                       int32_t max_query_len, const pkv_attn_params *params,
-                                      int32_t warp_rows, void *stream);
+                                      int32_t tiling, void *stream);
 
 /**
  * Writes the K and V of `num_tokens` new tokens into their cache slots. Slot -1 is padding and

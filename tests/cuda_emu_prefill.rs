@@ -25,10 +25,15 @@ use rand::SeedableRng;
 trait Elem: Tol + EmuElem {}
 impl<T: Tol + EmuElem> Elem for T {}
 
-/// The tensor-core kernel's two tilings (query rows per warp), each run by every check.
-const WARP_ROWS: [i32; 2] = [16, 32];
+/// The tensor-core kernels' tilings (16 and 32 query rows per warp, wgmma), each run by every
+/// check.
+const TILINGS: [u32; 3] = [
+    ffi::PKV_PREFILL_TILING_WARP16,
+    ffi::PKV_PREFILL_TILING_WARP32,
+    ffi::PKV_PREFILL_TILING_WGMMA,
+];
 
-/// Runs the prefill launcher (the tiled entry, `warp_rows` rows per warp) on guarded copies of
+/// Runs the prefill launcher (the tiled entry, with `tiling`) on guarded copies of
 /// the inputs: the query rows (dense in `query`, `[tokens][heads * d]`) placed `qs` elements
 /// apart with NaN between them (a fused-QKV-shaped view when `qs` is larger than a row), the
 /// output rows `os` elements apart in a buffer poisoned with NaN. Returns the status and the
@@ -42,7 +47,7 @@ fn launch<T: Elem>(
     (qs, os): (usize, usize),
     qsl: &[i32],
     params: &AttnParams<'_>,
-    warp_rows: i32,
+    tiling: i32,
 ) -> (i32, Vec<T>) {
     let slopes = params.alibi_slopes.map(buf::<f32>);
     let raw = ffi::pkv_attn_params {
@@ -91,7 +96,7 @@ fn launch<T: Elem>(
             b.ctx.len() as i32,
             max_q,
             &raw,
-            warp_rows,
+            tiling,
             std::ptr::null_mut(),
         )
     };
@@ -149,7 +154,7 @@ fn check_strided<T: Elem>(
     let params = attn_params(nh, d, f, &sl);
     let want = cpu_prefill(&b, &host, layer, &query, &qsl, &params);
     let strides = strides.unwrap_or((nh * d, nh * d));
-    for warp_rows in WARP_ROWS {
+    for tiling in TILINGS {
         let (s, got) = launch(
             &b,
             host.as_bytes(),
@@ -158,11 +163,11 @@ fn check_strided<T: Elem>(
             strides,
             &qsl,
             &params,
-            warp_rows,
+            tiling as i32,
         );
         let what = format!(
             "prefill {} d{d} g{group} bs{bs} {page:?} {f:?} q/ctx {seqs_q_ctx:?} strides \
-             {strides:?} warp rows {warp_rows}",
+             {strides:?} tiling {tiling}",
             T::DTYPE
         );
         assert_eq!(
@@ -273,7 +278,7 @@ fn strided_query_and_out_views() {
     }
 }
 
-/// Bytes of dynamic shared memory the tensor-core kernel asks for at head dim `d` with `mt` m16
+/// Bytes of dynamic shared memory the mma.sync kernel asks for at head dim `d` with `mt` m16
 /// tiles per warp (its layout: two stages of K and V rows of d + 8 elements, 64 or 32 keys
 /// each; Q's 64 mt rows where its fragments would take more than 32 registers per lane; two
 /// key-flag arrays and two key-row-address arrays).
@@ -283,11 +288,18 @@ fn mma_smem(d: usize, mt: usize) -> u64 {
     (2 * (4 * bc * (d + 8) + q) + 2 * bc * 4 + 2 * bc * 8) as u64
 }
 
-/// f16 and bf16 prefill launch the tensor-core kernel (one launch with its shared-memory
-/// footprint and its rows per thread block: 64 at 16 rows per warp, 128 at 32), f32 the
-/// CUDA-core one (another footprint), whatever the tiling asked; 32 rows per warp applies up
-/// to head dim 128 and Auto is 16. A dispatch that fell back would pass every accuracy test
-/// above unnoticed.
+/// The same for the wgmma kernel (head dims 64 and 128): two stages of K and V in the
+/// core-matrix layout (64 keys of d elements, no padding), the flags and row addresses.
+fn wgmma_smem(d: usize) -> u64 {
+    (2 * 2 * 2 * 64 * d + 2 * 64 * 4 + 2 * 64 * 8) as u64
+}
+
+/// f16 and bf16 prefill launch the tiling's tensor-core kernel (one launch with its
+/// shared-memory footprint and its rows per thread block: 64 at 16 rows per warp and with
+/// wgmma, 128 at 32), f32 the CUDA-core one (another footprint), whatever the tiling asked; 32
+/// rows per warp applies up to head dim 128, wgmma at 64 and 128 (the emulation runs it on any
+/// "device"), 16 elsewhere, and Auto is 16. A dispatch that fell back would pass every
+/// accuracy test above unnoticed.
 #[test]
 fn each_tiling_takes_its_kernel() {
     let mut rng = SmallRng::seed_from_u64(34);
@@ -295,51 +307,55 @@ fn each_tiling_takes_its_kernel() {
     let (tokens, nh) = (40usize, 2usize);
     for d in HEAD_DIMS {
         for dtype in [KvDtype::F16, KvDtype::Bf16, KvDtype::F32] {
-            for warp_rows in [ffi::PKV_PREFILL_WARP_ROWS_AUTO as i32, 16, 32] {
+            for tiling in [ffi::PKV_PREFILL_TILING_AUTO, 16, 32, 64] {
                 let b = make_batch(&mut rng, 1, 1, d, 16, dtype, Page::Dense, &[tokens]);
                 let bytes = vec![0u8; b.cfg.total_bytes()];
                 let params = AttnParams::new(nh, d);
                 let qsl = [0, tokens as i32];
                 let dense = (nh * d, nh * d);
                 let n = tokens * nh * d;
+                let t = tiling as i32;
                 let _ = cuda_emu::take_stats();
                 let s = match dtype {
                     KvDtype::F16 => {
                         let q = vec![f16::ZERO; n];
-                        launch(&b, &bytes, 0, &q, dense, &qsl, &params, warp_rows).0
+                        launch(&b, &bytes, 0, &q, dense, &qsl, &params, t).0
                     }
                     KvDtype::Bf16 => {
                         let q = vec![bf16::ZERO; n];
-                        launch(&b, &bytes, 0, &q, dense, &qsl, &params, warp_rows).0
+                        launch(&b, &bytes, 0, &q, dense, &qsl, &params, t).0
                     }
                     KvDtype::F32 => {
                         let q = vec![0f32; n];
-                        launch(&b, &bytes, 0, &q, dense, &qsl, &params, warp_rows).0
+                        launch(&b, &bytes, 0, &q, dense, &qsl, &params, t).0
                     }
                 };
-                let what = format!("{dtype} d{d} warp rows {warp_rows}");
+                let what = format!("{dtype} d{d} tiling {tiling}");
                 assert_eq!(s, ffi::PKV_OK as i32, "{what}");
                 let st = cuda_emu::take_stats();
                 assert_eq!(st.launches, 1, "{what}");
+                let tensor_core = [mma_smem(d, 1), mma_smem(d, 2), wgmma_smem(d)];
                 if dtype == KvDtype::F32 {
-                    for mt in [1, 2] {
-                        assert_ne!(st.max_dynamic_smem, mma_smem(d, mt), "{what}");
-                    }
+                    assert!(!tensor_core.contains(&st.max_dynamic_smem), "{what}");
                     continue;
                 }
-                let mt = if warp_rows == 32 && d <= 128 { 2 } else { 1 };
+                let (smem, rows) = match tiling {
+                    ffi::PKV_PREFILL_TILING_WARP32 if d <= 128 => (mma_smem(d, 2), 128),
+                    ffi::PKV_PREFILL_TILING_WGMMA if d == 64 || d == 128 => (wgmma_smem(d), 64),
+                    _ => (mma_smem(d, 1), 64),
+                };
                 assert_eq!(
                     (st.max_dynamic_smem, st.blocks),
-                    (mma_smem(d, mt), (tokens * nh).div_ceil(64 * mt) as u64),
-                    "{what}: (dynamic shared memory, thread blocks) of {mt} m-tiles per warp"
+                    (smem, (tokens * nh).div_ceil(rows) as u64),
+                    "{what}: (dynamic shared memory, thread blocks)"
                 );
             }
         }
     }
 }
 
-/// A tiling other than Auto, 16 or 32 rows per warp is refused before anything is launched,
-/// for every dtype (f32 ignores a valid choice, not an invalid one).
+/// A tiling other than the four of pkv_paged_attention_prefill_tiled is refused before
+/// anything is launched (f32 ignores a valid choice, not an invalid one).
 #[test]
 fn unknown_tilings_are_refused() {
     let mut rng = SmallRng::seed_from_u64(36);
@@ -347,7 +363,7 @@ fn unknown_tilings_are_refused() {
     let host = random_cache::<bf16>(&mut rng, b.cfg);
     let query = random_vec::<bf16>(&mut rng, 8 * 2 * 64);
     let params = AttnParams::new(2, 64);
-    for warp_rows in [-1, 1, 8, 15, 17, 48, 64, i32::MAX] {
+    for tiling in [-1, 1, 8, 15, 17, 48, 65, 128, i32::MAX] {
         let _ = cuda_emu::take_stats();
         let (s, _) = launch(
             &b,
@@ -357,10 +373,10 @@ fn unknown_tilings_are_refused() {
             (128, 128),
             &[0, 8],
             &params,
-            warp_rows,
+            tiling,
         );
-        assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32, "warp rows {warp_rows}");
-        assert_eq!(cuda_emu::take_stats().launches, 0, "warp rows {warp_rows}");
+        assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32, "tiling {tiling}");
+        assert_eq!(cuda_emu::take_stats().launches, 0, "tiling {tiling}");
     }
 }
 
@@ -395,7 +411,7 @@ fn invalid_block_ids_mask_their_keys() {
         let params = attn_params(nh, d, Features::PLAIN, &[]);
         let want = cpu_prefill(&valid_only, &host, layer, &query, &qsl, &params);
         let row = nh * d;
-        for warp_rows in WARP_ROWS {
+        for tiling in TILINGS {
             let (s, got) = launch(
                 &with_invalid,
                 host.as_bytes(),
@@ -404,10 +420,10 @@ fn invalid_block_ids_mask_their_keys() {
                 (row, row),
                 &qsl,
                 &params,
-                warp_rows,
+                tiling as i32,
             );
             let what = format!(
-                "prefill {} g{group} with invalid block ids, warp rows {warp_rows}",
+                "prefill {} g{group} with invalid block ids, tiling {tiling}",
                 T::DTYPE
             );
             assert_eq!(s, ffi::PKV_OK as i32, "{what}: status {s}");

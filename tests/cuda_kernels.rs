@@ -118,7 +118,11 @@ fn check_prefill<T: Elem>(
     let tilings: &[PrefillTiling] = if T::DTYPE == KvDtype::F32 {
         &[PrefillTiling::Auto]
     } else {
-        &[PrefillTiling::WarpRows16, PrefillTiling::WarpRows32]
+        &[
+            PrefillTiling::WarpRows16,
+            PrefillTiling::WarpRows32,
+            PrefillTiling::Wgmma,
+        ]
     };
     for &tiling in tilings {
         dparams.prefill_tiling = tiling;
@@ -463,7 +467,11 @@ fn invalid_ids_prefill<T: Elem>(g: &Gpu, rng: &mut SmallRng, group: usize) {
         g.upload(&[91i32]).expect("ctx"),
         g.upload(&qsl).expect("qsl"),
     );
-    for tiling in [PrefillTiling::WarpRows16, PrefillTiling::WarpRows32] {
+    for tiling in [
+        PrefillTiling::WarpRows16,
+        PrefillTiling::WarpRows32,
+        PrefillTiling::Wgmma,
+    ] {
         let out = g
             .upload(&vec![T::from_f32(f32::NAN); query.len()])
             .expect("out");
@@ -1005,7 +1013,7 @@ fn ffi_argument_errors_need_no_gpu() {
         )
     };
     assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32);
-    for warp_rows in [-1, 8, 64] {
+    for tiling in [-1, 8, 65] {
         // SAFETY: an unknown tiling: refused before any CUDA call or dereference.
         let s = unsafe {
             ffi::pkv_paged_attention_prefill_tiled(
@@ -1023,11 +1031,11 @@ fn ffi_argument_errors_need_no_gpu() {
                 1,
                 1,
                 &params,
-                warp_rows,
+                tiling,
                 std::ptr::null_mut(),
             )
         };
-        assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32, "warp rows {warp_rows}");
+        assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32, "tiling {tiling}");
     }
     // Split-K and no workspace: refused (a forced plan, so no device query).
     let (s, plan) = plan_of(ffi::PKV_DECODE_SPLIT, 1, 3000);

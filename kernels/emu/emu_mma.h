@@ -87,4 +87,63 @@ template <int N, bool TRANS> inline void ldmatrix(uint32_t (&r)[N], const void *
   }
 }
 
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}.{f16,bf16} with A from registers and B
+// from shared memory through a no-swizzle matrix descriptor, run at once (the fence, commit and
+// wait of the protocol are no-ops here). Warp w of the warpgroup owns rows 16 w .. 16 w + 15 of
+// A and D, so each warp computes its rows alone: its lanes post their A registers (the
+// mma.m16n8k16 A layout), B is read through the descriptor, D is the m16n8 C layout per 8
+// columns. The descriptor's start address is relative to `base` (the block's dynamic shared
+// memory) here; its layout rules are written from the PTX ISA ("Shared Memory Matrix Layout",
+// "Matrix Descriptor"): core matrices of 8 rows x 16 bytes; K-major (trans_b false): element
+// (k, n) at (k/8) LBO + (n/8) SBO + (n%8) 16 + (k%8) 2; MN-major: (n/8) LBO + (k/8) SBO +
+// (k%8) 16 + (n%8) 2.
+template <int N>
+inline void wgmma_m64nNk16(MmaElem t, float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc,
+                           const void *base, bool trans_b) {
+  static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma n is a multiple of 8 up to 256");
+  if ((desc >> 62) != 0 || ((desc >> 49) & 0x7) != 0)
+    fault(cudaErrorInvalidValue, "wgmma: only no-swizzle descriptors with base offset 0", nullptr);
+  const char *start = static_cast<const char *>(base) + ((desc & 0x3FFF) << 4);
+  const size_t lbo = ((desc >> 16) & 0x3FFF) << 4, sbo = ((desc >> 32) & 0x3FFF) << 4;
+  check_align16(start, "wgmma B start address");
+  struct Post {
+    uint32_t a[4];
+  };
+  Post mine{{a[0], a[1], a[2], a[3]}};
+  Post all[32];
+  warp_gather(&mine, sizeof mine, all);
+  float A[16][16];
+  for (int laneid = 0; laneid < 32; ++laneid) {
+    const int groupID = laneid >> 2, threadID_in_group = laneid % 4;
+    for (int i = 0; i < 8; ++i) {
+      const int row = (i < 2 || (4 <= i && i < 6)) ? groupID : groupID + 8;
+      const int col = i < 4 ? threadID_in_group * 2 + (i & 0x1)
+                            : threadID_in_group * 2 + (i & 0x1) + 8;
+      A[row][col] = mma_elem_f32(all[laneid].a[i / 2], i % 2, t);
+    }
+  }
+  auto b_at = [&](int k, int n) {
+    const size_t off = trans_b ? (size_t)(n / 8) * lbo + (size_t)(k / 8) * sbo +
+                                     (size_t)(k % 8) * 16 + (size_t)(n % 8) * 2
+                               : (size_t)(k / 8) * lbo + (size_t)(n / 8) * sbo +
+                                     (size_t)(n % 8) * 16 + (size_t)(k % 8) * 2;
+    uint16_t bits;
+    memcpy(&bits, start + off, 2);
+    return mma_elem_f32(bits, 0, t);
+  };
+  const int laneid = lane_id();
+  const int groupID = laneid >> 2, threadID_in_group = laneid % 4;
+  for (int i = 0; i < N / 8; ++i) {
+    float Bc[16][2];
+    for (int k = 0; k < 16; ++k)
+      for (int c = 0; c < 2; ++c) Bc[k][c] = b_at(k, 8 * i + threadID_in_group * 2 + c);
+    for (int e = 0; e < 4; ++e) {
+      const int row = e < 2 ? groupID : groupID + 8;
+      float acc = d[4 * i + e];
+      for (int k = 0; k < 16; ++k) acc = fmaf(A[row][k], Bc[k][e & 0x1], acc);
+      d[4 * i + e] = acc;
+    }
+  }
+}
+
 }  // namespace emu

@@ -136,7 +136,7 @@ pub struct DeviceAttnParams {
     alibi_slopes: Option<CudaSlice<f32>>,
     /// Decode partitioning.
     pub mode: DecodeMode,
-    /// Query rows per warp of the f16 / bf16 prefill kernel.
+    /// The f16 / bf16 prefill kernel's tiling.
     pub prefill_tiling: PrefillTiling,
 }
 

@@ -153,7 +153,7 @@ pub struct AttnParamsRaw {
     pub sliding_window: usize,
     /// Device `[num_heads]` f32 slopes, or 0 for no ALiBi.
     pub alibi_slopes: DevPtr,
-    /// Query rows per warp of the f16 / bf16 prefill kernel (decode ignores it).
+    /// The f16 / bf16 prefill kernel's tiling (decode ignores it).
     pub prefill_tiling: PrefillTiling,
 }
 

@@ -36,7 +36,7 @@ pub struct Bench<'g> {
     pub shape: Shape,
     pub block_size: usize,
     pub mode: DecodeMode,
-    /// Query rows per warp of the prefill points.
+    /// The prefill points' tiling.
     pub prefill_tiling: PrefillTiling,
     /// The device's L2 cache, bytes.
     pub l2_bytes: u64,

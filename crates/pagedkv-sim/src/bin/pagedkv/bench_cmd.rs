@@ -61,8 +61,8 @@ pub struct GpuArgs {
     /// Decode partitioning: auto, single, split, or splits:N (exactly N splits).
     #[arg(long, default_value = "auto")]
     mode: String,
-    /// Prefill query rows per warp, a list of auto, 16 and 32: the prefill grid runs once per
-    /// entry (beside the one peer run), for A/B comparisons in one process.
+    /// Prefill tilings, a list of auto, 16, 32 (query rows per warp) and wgmma: the prefill grid
+    /// runs once per entry (beside the one peer run), for A/B comparisons in one process.
     #[arg(long, default_value = "auto")]
     prefill_tiling: String,
     /// Launches per graph and back-to-back timing (at least; a whole number of rotations).
@@ -137,7 +137,10 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
             "auto" => Ok(PrefillTiling::Auto),
             "16" => Ok(PrefillTiling::WarpRows16),
             "32" => Ok(PrefillTiling::WarpRows32),
-            t => Err(format!("--prefill-tiling {t}: expected auto, 16 or 32")),
+            "wgmma" => Ok(PrefillTiling::Wgmma),
+            t => Err(format!(
+                "--prefill-tiling {t}: expected auto, 16, 32 or wgmma"
+            )),
         })
         .collect::<Result<Vec<_>, _>>()?;
     let decode: Vec<DecodePoint> = grid(&a.decode, default_decode_grid)?;

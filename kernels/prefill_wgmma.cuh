@@ -1,0 +1,318 @@
+// prefill_wgmma.cuh: prefill attention on Hopper's warpgroup tensor-core instruction (wgmma,
+// sm_90a) for f16 / bf16 caches at head dims 64 and 128. Same arguments (PrefillArgs) and
+// semantics as prefill_mma.cuh (pagedkv.h, the CPU oracle src/attn/cpu.rs), same rows per
+// thread block (64: one warpgroup, warp w rows 16w .. 16w + 15), same key tiles (64 keys,
+// double-buffered cp.async copies with the K row addresses a tile ahead), same logit transform
+// and online softmax. What changes is how the products read K and V: wgmma takes B straight from
+// shared memory through a descriptor, so the ldmatrix loads that bound prefill_mma's tensor pipe
+// (ncu: warps waiting on shared-memory loads, tensor pipe 37%) are gone:
+//   S = Q K^T   per k16 step of the head dim, one m64n64k16 (A: the warp's Q fragments in
+//               registers, B: the tile's K rows, K-major)
+//   O += P V    per 16 keys, one m64nDk16 (A: P packed from the S accumulators, B: the tile's V
+//               rows, MN-major)
+// Both read the tile in the no-swizzle core-matrix layout of wgmma.cuh: K [64 keys][D] and V
+// likewise, stored as (8-key octet, 16-byte chunk of dims) core matrices of 8 rows x 16 bytes,
+// chunk-major inside an octet, so 16-byte piece i of the tile sits at byte 16 i and a warp's
+// copies write 512 contiguous bytes. The instruction is warpgroup-wide: every warp takes part in
+// every tile of its block (no per-warp skip of tiles its rows cannot see; the mask zeroes them).
+//
+// Shared memory (T elements): stage s (s = 0, 1): K [BC * D], V [BC * D] (the core-matrix
+// layout); Q is staged in stage 1 in rows of D + 8 (ldmatrix, before its first use); then the
+// key validity flags [2][BC] int and the K row addresses [2][BC].
+#pragma once
+
+#include "prefill_mma.cuh"
+#include "wgmma.cuh"
+
+namespace pkv {
+namespace pfwg {
+
+using pfmma::cp_async16;
+using pfmma::cp_async_commit;
+using pfmma::cp_async_wait;
+using pfmma::fast_exp2;
+using pfmma::LOG2E;
+using pfmma::THREADS;
+
+template <int D> struct Cfg {
+  static_assert(D == 64 || D == 128, "wgmma widths: n = 64 (S) and n = D (O)");
+  static constexpr int ROWS = 64;                 // one m64 tile: the warpgroup's rows
+  static constexpr int BC = 64;                   // keys per tile (the S wgmma's n)
+  static constexpr int CH = D / 8;                // 16-byte chunks per row
+  static constexpr int LDQ = D + 8;               // Q staging row stride (ldmatrix)
+  static constexpr int KSTEPS = D / 16;           // k16 steps of Q K^T
+  static constexpr int NT_S = BC / 8;             // n8 tiles of S
+  static constexpr int NT_O = D / 8;              // n8 tiles of O
+  static constexpr int STAGE = 2 * BC * D;        // elements of one stage (K then V)
+  static constexpr uint32_t OCTET_BYTES = 16 * D; // one 8-key row of core matrices
+  static constexpr size_t smem_bytes =
+      2 * (size_t)2 * STAGE + 2 * BC * sizeof(int) + 2 * BC * sizeof(void *);
+  static constexpr int COPIES = BC * CH / THREADS;  // 16-byte pieces per thread and tensor
+  static_assert(ROWS * LDQ <= STAGE, "Q is staged in stage 1 before the first tile");
+  static_assert((BC * CH) % THREADS == 0 && BC <= THREADS, "whole copy rounds");
+};
+
+// Queues the copy of the keys whose K rows krow holds into the core-matrix layout (K into sk, V
+// into sv) and writes their validity; an invalid key (nullptr) is zero-filled and flagged.
+// Piece i (= thread + k THREADS) is key 8 (i / 8CH) + i % 8, chunk (i / 8) % CH: eight
+// consecutive threads read eight keys' same 16 bytes and write 128 contiguous shared bytes.
+template <typename T, int D>
+__device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *const *krow, T *sk,
+                                             T *sv, int *kvalid) {
+  using C = Cfg<D>;
+  const int64_t kv = a.st.kv;
+#pragma unroll
+  for (int k = 0; k < C::COPIES; ++k) {
+    const int i = (int)threadIdx.x + k * THREADS;
+    const int j = 8 * (i / (8 * C::CH)) + i % 8, c = (i / 8) % C::CH;
+    const T *p = krow[j];
+    T *dk = sk + 8 * i, *dv = sv + 8 * i;
+    if (p != nullptr) {
+      cp_async16(dk, p + c * 8);
+      cp_async16(dv, p + kv + c * 8);
+    } else {
+      *reinterpret_cast<uint4 *>(dk) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4 *>(dv) = make_uint4(0, 0, 0, 0);
+    }
+    if (c == 0) kvalid[j] = p != nullptr ? 1 : 0;
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(THREADS, 2) prefill_wgmma_kernel(const PrefillArgs a) {
+  using C = Cfg<D>;
+  constexpr int ROWS = C::ROWS;
+  extern __shared__ uint4 pw_smem[];
+  T *smem = reinterpret_cast<T *>(pw_smem);
+  T *sq = smem + C::STAGE;                                            // stage 1, before tile 1
+  int *kvalid = reinterpret_cast<int *>(smem + 2 * C::STAGE);         // [2][BC]
+  const T **krow = reinterpret_cast<const T **>(kvalid + 2 * C::BC);  // [2][BC]
+
+  const int kh = blockIdx.x, seq = blockIdx.z;
+  const int tile = (int)gridDim.y - 1 - (int)blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int q0 = a.query_start_loc[seq];
+  const int qlen = a.query_start_loc[seq + 1] - q0;
+  const int ctx = min(a.context_lens[seq], a.table_tokens);
+  const int rows_total = qlen * a.group;
+  const int rbase = tile * ROWS;
+  if (qlen <= 0 || rbase >= rows_total) return;  // the whole block, before any barrier
+  const int nrows = min(ROWS, rows_total - rbase);
+  const int first_pos = ctx - qlen + rbase / a.group;
+  const int last_pos = ctx - qlen + (rbase + nrows - 1) / a.group;
+  const int kbegin = a.window > 0 ? max(0, first_pos - a.window + 1) : 0;
+  const int klast = min(last_pos, ctx - 1);
+  const int ntiles = klast >= kbegin ? ceil_div(klast - kbegin + 1, C::BC) : 0;
+
+  const int g = lane / 4, qd = lane % 4;
+  int qpos[2];
+  float slope[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = warp * 16 + g + 8 * h;
+    const int row = rbase + r;
+    qpos[h] = r < nrows ? ctx - qlen + row / a.group : -1;  // -1: a padding row, all masked
+    slope[h] = (r < nrows && a.alibi_slopes != nullptr)
+                   ? a.alibi_slopes[kh * a.group + row % a.group]
+                   : 0.f;
+  }
+  // This warp's rows as positions, for the interior test (a warp of padding rows has none:
+  // w_first -1, so no tile is interior to it and the mask covers it).
+  const int wrows = min(16, nrows - warp * 16);
+  const int w_first = wrows > 0 ? ctx - qlen + (rbase + warp * 16) / a.group : -1;
+  const int w_last = ctx - qlen + (rbase + warp * 16 + max(wrows, 1) - 1) / a.group;
+  const bool plain = !(a.softcap > 0.f) && a.alibi_slopes == nullptr && a.scale > 0.f &&
+                     a.scale < INFINITY;
+  const float scale_log2 = a.scale * LOG2E;
+
+  const T *cache = reinterpret_cast<const T *>(a.cache);
+  const int32_t *btab = a.block_tables + (int64_t)seq * a.max_blocks_per_seq;
+  const int64_t head_off = a.layer_offset + (int64_t)kh * D;
+  int bs_shift = 0;
+  while ((1 << bs_shift) < a.block_size) ++bs_shift;
+
+  // ---- prologue, as prefill_mma's: row addresses of tiles 0 and 1, Q, key tile 0 ----
+  pfmma::key_rows<T, D>(a, cache, btab, bs_shift, head_off, kbegin, klast, krow);
+  pfmma::key_rows<T, D>(a, cache, btab, bs_shift, head_off, kbegin + C::BC, klast,
+                        krow + C::BC);
+  __syncthreads();
+  const T *qg = reinterpret_cast<const T *>(a.query);
+  for (int i = threadIdx.x; i < ROWS * C::CH; i += THREADS) {
+    const int r = i / C::CH, c = i % C::CH;
+    T *dst = sq + r * C::LDQ + c * 8;
+    if (r < nrows) {
+      const int row = rbase + r;
+      const T *src = qg + (int64_t)(q0 + row / a.group) * a.q_stride +
+                     (int64_t)(kh * a.group + row % a.group) * D + c * 8;
+      cp_async16(dst, src);
+    } else {
+      *reinterpret_cast<uint4 *>(dst) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  if (ntiles > 0) load_kv_tile<T, D>(a, krow, smem, smem + C::BC * D, kvalid);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  const int lrow = lane % 8, lmat = lane / 8;
+  uint32_t qf[C::KSTEPS][4];
+#pragma unroll
+  for (int ks = 0; ks < C::KSTEPS; ++ks)
+    ldmatrix<4, false>(qf[ks], sq + (warp * 16 + (lmat % 2) * 8 + lrow) * C::LDQ + ks * 16 +
+                                   (lmat / 2) * 8);
+
+  float o[C::NT_O][4];
+#pragma unroll
+  for (int n = 0; n < C::NT_O; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float(&of)[D / 2] = reinterpret_cast<float(&)[D / 2]>(o);
+
+  for (int j = 0; j < ntiles; ++j) {
+    const int st = j & 1;
+    cp_async_wait<0>();
+    // Tile j's generic-proxy writes (cp.async, zero fills) visible to wgmma's async proxy,
+    // then to every warp; every warp is done with tile j - 1 (its wgmma waited for).
+    fence_proxy_async_shared();
+    __syncthreads();
+    if (j + 1 < ntiles) {
+      T *nk = smem + (st ^ 1) * C::STAGE;
+      load_kv_tile<T, D>(a, krow + (st ^ 1) * C::BC, nk, nk + C::BC * D,
+                         kvalid + (st ^ 1) * C::BC);
+    }
+    cp_async_commit();
+    if (j + 2 < ntiles)
+      pfmma::key_rows<T, D>(a, cache, btab, bs_shift, head_off, kbegin + (j + 2) * C::BC,
+                            klast, krow + st * C::BC);
+    const T *sk = smem + st * C::STAGE;
+    const T *sv = sk + C::BC * D;
+    const int *kv_ok = kvalid + st * C::BC;
+    const int kt = kbegin + j * C::BC;
+
+    // ---- S = Q K^T: k-step ks reads chunks 2ks, 2ks + 1 of every key (core matrices 128
+    // bytes apart along k, octets OCTET_BYTES apart along n) ----
+    float s[C::NT_S][4];
+#pragma unroll
+    for (int t = 0; t < C::NT_S; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[t][e] = 0.f;
+    float(&sf)[C::BC / 2] = reinterpret_cast<float(&)[C::BC / 2]>(s);
+    // The accumulators' writes happen before the fence (the pins order them), as the
+    // protocol asks of registers a wgmma reads.
+#pragma unroll
+    for (int i = 0; i < C::BC / 2; ++i) wgmma_pin(sf[i]);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < C::KSTEPS; ++ks)
+      wgmma_rs<T, C::BC, 0>(sf, qf[ks], smem_desc(sk + ks * 16 * 8, smem, 128, C::OCTET_BYTES),
+                            smem);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < C::BC / 2; ++i) wgmma_pin(sf[i]);
+
+    // ---- the logit transform and mask, in log2 units (prefill_mma's) ----
+    const bool interior =
+        plain && kt + C::BC - 1 <= w_first && (a.window <= 0 || w_last - kt < a.window) &&
+        __all_sync(0xffffffffu, kv_ok[lane] != 0 && kv_ok[lane + 32] != 0);
+    float mul = 1.f;
+    if (interior) {
+      mul = scale_log2;
+    } else {
+#pragma unroll
+      for (int t = 0; t < C::NT_S; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = e / 2, jj = t * 8 + qd * 2 + (e % 2), key = kt + jj;
+          float x = s[t][e] * a.scale;
+          if (a.softcap > 0.f) x = a.softcap * tanhf(x / a.softcap);
+          x += slope[h] * (float)(key - qpos[h]);
+          const bool visible = kv_ok[jj] != 0 && key <= qpos[h] &&
+                               !(a.window > 0 && qpos[h] - key >= a.window);
+          s[t][e] = visible ? x * LOG2E : -INFINITY;
+        }
+    }
+
+    // ---- online softmax per row; P rounded to T and packed as it is made ----
+    float alphas[2];
+    uint32_t p[C::NT_S][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mp[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+      for (int t = 0; t < C::NT_S; ++t)
+        mp[t % 4] = fmaxf(mp[t % 4], fmaxf(s[t][2 * h], s[t][2 * h + 1]));
+      float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[h], mx * mul);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = fast_exp2(m[h] - m_use);
+      m[h] = m_new;
+      float sp[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int t = 0; t < C::NT_S; ++t) {
+        const float p0 = fast_exp2(fmaf(s[t][2 * h], mul, -m_use));
+        const float p1 = fast_exp2(fmaf(s[t][2 * h + 1], mul, -m_use));
+        sp[t % 4] += p0;
+        sp[t % 4] += p1;
+        p[t][h] = pack_f32x2<T>(p0, p1);
+      }
+      l[h] = l[h] * alpha + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
+      alphas[h] = alpha;
+    }
+    if (__any_sync(0xffffffffu, alphas[0] != 1.f || alphas[1] != 1.f)) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int n = 0; n < C::NT_O; ++n) {
+          o[n][2 * h] *= alphas[h];
+          o[n][2 * h + 1] *= alphas[h];
+        }
+    }
+
+    // ---- O += P V: k-step kk reads key octets 2kk, 2kk + 1 (OCTET_BYTES apart along k),
+    // every chunk of dims (128 bytes apart along n) ----
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) wgmma_pin(of[i]);
+#pragma unroll
+    for (int t = 0; t < C::NT_S; ++t) {
+      wgmma_pin(p[t][0]);
+      wgmma_pin(p[t][1]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < C::BC / 16; ++kk) {
+      const uint32_t pa[4] = {p[2 * kk][0], p[2 * kk][1], p[2 * kk + 1][0], p[2 * kk + 1][1]};
+      wgmma_rs<T, D, 1>(of, pa, smem_desc(sv + kk * 2 * 8 * D, smem, 128, C::OCTET_BYTES),
+                        smem);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) wgmma_pin(of[i]);
+  }
+
+  // ---- epilogue: the row sums over the quad, then O / l ----
+  T *og = reinterpret_cast<T *>(a.out);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = l[h];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int r = warp * 16 + g + 8 * h;
+    if (r >= nrows) continue;
+    const int row = rbase + r;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    T *op = og + (int64_t)(q0 + row / a.group) * a.out_stride +
+            (int64_t)(kh * a.group + row % a.group) * D + qd * 2;
+#pragma unroll
+    for (int n = 0; n < C::NT_O; ++n)
+      *reinterpret_cast<uint32_t *>(op + n * 8) =
+          pack_f32x2<T>(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+  }
+}
+
+}  // namespace pfwg
+}  // namespace pkv

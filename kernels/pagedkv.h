@@ -313,7 +313,7 @@ int pkv_paged_attention_prefill(void *out, int64_t out_token_stride, const void 
 #define PKV_PREFILL_TILING_WARP32 32
 /** Hopper's warpgroup instruction (wgmma, reading K and V straight from shared memory), 64 rows
  *  per thread block: on a device of compute capability 9.0 in a build with sm_90 among its
- *  targets, at head dims 64 and 128; anywhere else PKV_PREFILL_TILING_WARP16. */
+ *  targets, at head dims up to 128; anywhere else PKV_PREFILL_TILING_WARP16. */
 #define PKV_PREFILL_TILING_WGMMA 64
 
 /**

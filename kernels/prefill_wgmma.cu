@@ -18,16 +18,19 @@ int launch(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs, cudaStrea
 }
 }  // namespace
 
-// dtype f16 / bf16, head_dim 64 or 128 (the caller's checks); row_tiles of 64 rows.
+// dtype f16 / bf16, head_dim up to 128 (the caller's checks); row_tiles of 64 rows.
 int launch_prefill_wgmma(const PrefillArgs &a, int dtype, int head_dim, int hkv, int row_tiles,
                          int num_seqs, cudaStream_t s) {
-  const bool bf16 = dtype == PKV_DTYPE_BF16;
-  if (head_dim == 64)
-    return bf16 ? launch<__nv_bfloat16, 64>(a, hkv, row_tiles, num_seqs, s)
-                : launch<__half, 64>(a, hkv, row_tiles, num_seqs, s);
-  if (head_dim == 128)
-    return bf16 ? launch<__nv_bfloat16, 128>(a, hkv, row_tiles, num_seqs, s)
-                : launch<__half, 128>(a, hkv, row_tiles, num_seqs, s);
+  if (head_dim > 128) return PKV_ERR_HEAD_DIM;
+  if (dtype == PKV_DTYPE_BF16) {
+    PKV_DISPATCH_HEAD_DIM(head_dim, {
+      if constexpr (D <= 128) return launch<__nv_bfloat16, D>(a, hkv, row_tiles, num_seqs, s);
+    });
+  } else {
+    PKV_DISPATCH_HEAD_DIM(head_dim, {
+      if constexpr (D <= 128) return launch<__half, D>(a, hkv, row_tiles, num_seqs, s);
+    });
+  }
   return PKV_ERR_HEAD_DIM;
 }
 }  // namespace pkv

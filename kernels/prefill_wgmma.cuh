@@ -1,5 +1,5 @@
 // prefill_wgmma.cuh: prefill attention on Hopper's warpgroup tensor-core instruction (wgmma,
-// sm_90a) for f16 / bf16 caches at head dims 64 and 128. Same arguments (PrefillArgs) and
+// sm_90a) for f16 / bf16 caches at head dims up to 128. Same arguments (PrefillArgs) and
 // semantics as prefill_mma.cuh (pagedkv.h, the CPU oracle src/attn/cpu.rs), same rows per
 // thread block (64: one warpgroup, warp w rows 16w .. 16w + 15), same key tiles (64 keys,
 // double-buffered cp.async copies with the K row addresses a tile ahead), same logit transform
@@ -35,7 +35,7 @@ using pfmma::LOG2E;
 using pfmma::THREADS;
 
 template <int D> struct Cfg {
-  static_assert(D == 64 || D == 128, "wgmma widths: n = 64 (S) and n = D (O)");
+  static_assert(D % 16 == 0 && D >= 64 && D <= 128, "wgmma widths: n = 64 (S) and n = D (O)");
   static constexpr int ROWS = 64;                 // one m64 tile: the warpgroup's rows
   static constexpr int BC = 64;                   // keys per tile (the S wgmma's n)
   static constexpr int CH = D / 8;                // 16-byte chunks per row
@@ -45,6 +45,9 @@ template <int D> struct Cfg {
   static constexpr int NT_O = D / 8;              // n8 tiles of O
   static constexpr int STAGE = 2 * BC * D;        // elements of one stage (K then V)
   static constexpr uint32_t OCTET_BYTES = 16 * D; // one 8-key row of core matrices
+  // Thread blocks per SM the registers must allow: 3 (<= 168 per thread) up to head dim 96,
+  // where the body takes 132-165 without spilling; 2 above (d128: 197; 3 would spill 92 bytes).
+  static constexpr int MIN_BLOCKS = D <= 96 ? 3 : 2;
   static constexpr size_t smem_bytes =
       2 * (size_t)2 * STAGE + 2 * BC * sizeof(int) + 2 * BC * sizeof(void *);
   static constexpr int COPIES = BC * CH / THREADS;  // 16-byte pieces per thread and tensor
@@ -79,7 +82,8 @@ __device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *cons
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(THREADS, 2) prefill_wgmma_kernel(const PrefillArgs a) {
+__global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS)
+    prefill_wgmma_kernel(const PrefillArgs a) {
   using C = Cfg<D>;
   constexpr int ROWS = C::ROWS;
   extern __shared__ uint4 pw_smem[];

@@ -288,7 +288,7 @@ fn mma_smem(d: usize, mt: usize) -> u64 {
     (2 * (4 * bc * (d + 8) + q) + 2 * bc * 4 + 2 * bc * 8) as u64
 }
 
-/// The same for the wgmma kernel (head dims 64 and 128): two stages of K and V in the
+/// The same for the wgmma kernel (head dims up to 128): two stages of K and V in the
 /// core-matrix layout (64 keys of d elements, no padding), the flags and row addresses.
 fn wgmma_smem(d: usize) -> u64 {
     (2 * 2 * 2 * 64 * d + 2 * 64 * 4 + 2 * 64 * 8) as u64
@@ -297,7 +297,7 @@ fn wgmma_smem(d: usize) -> u64 {
 /// f16 and bf16 prefill launch the tiling's tensor-core kernel (one launch with its
 /// shared-memory footprint and its rows per thread block: 64 at 16 rows per warp and with
 /// wgmma, 128 at 32), f32 the CUDA-core one (another footprint), whatever the tiling asked; 32
-/// rows per warp applies up to head dim 128, wgmma at 64 and 128 (the emulation runs it on any
+/// rows per warp and wgmma apply up to head dim 128 (the emulation runs wgmma on any
 /// "device"), 16 elsewhere, and Auto is 16. A dispatch that fell back would pass every
 /// accuracy test above unnoticed.
 #[test]
@@ -341,7 +341,7 @@ fn each_tiling_takes_its_kernel() {
                 }
                 let (smem, rows) = match tiling {
                     ffi::PKV_PREFILL_TILING_WARP32 if d <= 128 => (mma_smem(d, 2), 128),
-                    ffi::PKV_PREFILL_TILING_WGMMA if d == 64 || d == 128 => (wgmma_smem(d), 64),
+                    ffi::PKV_PREFILL_TILING_WGMMA if d <= 128 => (wgmma_smem(d), 64),
                     _ => (mma_smem(d, 1), 64),
                 };
                 assert_eq!(

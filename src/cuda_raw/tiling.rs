@@ -19,7 +19,7 @@ pub enum PrefillTiling {
     WarpRows32,
     /// Hopper's warpgroup instruction (wgmma), which reads K and V straight from shared
     /// memory, 64 rows per thread block: on a device of compute capability 9.0 with a build
-    /// for sm_90, at head dims 64 and 128.
+    /// for sm_90, at head dims up to 128.
     Wgmma,
 }
 

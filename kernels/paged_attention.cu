@@ -425,6 +425,15 @@ int launch_prefill_mma_rows(const PrefillArgs &a, int hkv, int row_tiles, int nu
 }  // namespace
 }  // namespace pkv
 
+#ifndef PKV_HAVE_WGMMA
+// A build without the sm_90a unit (no sm_90 target) has no wgmma kernel to probe.
+extern "C" int pkv_wgmma_layout_probe(int32_t *mismatches, void *stream) {
+  (void)mismatches;
+  (void)stream;
+  return status_of(cudaErrorNoKernelImageForDevice);
+}
+#endif
+
 extern "C" int pkv_paged_attention_prefill(void *out, int64_t out_token_stride,
                                            const void *query, int64_t query_token_stride,
                                            const void *cache, const pkv_cache_geometry *geom,

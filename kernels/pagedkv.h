@@ -332,6 +332,17 @@ int pkv_paged_attention_prefill_tiled(void *out, int64_t out_token_stride, const
                                       int32_t tiling, void *stream);
 
 /**
+ * Checks on the current device the shared-memory and fragment layouts the wgmma prefill kernel
+ * (PKV_PREFILL_TILING_WGMMA) is written for: one m64n64k16 per layout, B K-major and MN-major,
+ * each with the descriptor's two byte offsets as the kernel reads them and exchanged.
+ * Asynchronous on `stream`; writes 4 counts of wrong accumulator elements (of 4096) to
+ * device `mismatches`: [K-major, K-major exchanged, MN-major, MN-major exchanged]. The kernel's
+ * reading is right where [0] and [2] are 0 (and [1], [3] are not). A device other than compute
+ * capability 9.0, or a build without sm_90, has no image for it (cudaErrorNoKernelImageForDevice).
+ */
+int pkv_wgmma_layout_probe(int32_t *mismatches, void *stream);
+
+/**
  * Writes the K and V of `num_tokens` new tokens into their cache slots. Slot -1 is padding and
  * skipped; slots must be < num_blocks * block_size and distinct (the kernel does not check:
  * an out-of-range slot is skipped, not written).

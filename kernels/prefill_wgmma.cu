@@ -33,4 +33,81 @@ int launch_prefill_wgmma(const PrefillArgs &a, int dtype, int head_dim, int hkv,
   }
   return PKV_ERR_HEAD_DIM;
 }
+// ---- the layout probe (pkv_wgmma_layout_probe) ----
+namespace {
+__device__ __forceinline__ float probe_a(int r, int k) { return (float)((r * 5 + k) % 7 - 3); }
+__device__ __forceinline__ float probe_b(int k, int n) { return (float)((k * 7 + n * 3) % 9 - 4); }
+
+// One m64n64k16 over B stored K-major (core matrices 128 bytes apart along k, 256 along n) or
+// MN-major (128 along n, 1024 along k), with the descriptor's two offsets as wgmma.cuh reads
+// them (SWAP = 0) or exchanged (1); counts the accumulator elements that differ from the exact
+// product (small integers: exact in bf16 and in f32 sums).
+template <int TRANS_B, int SWAP>
+__device__ void probe_variant(const uint32_t (&a)[4], const void *b, const void *base,
+                              unsigned *mismatches) {
+  const uint32_t along_k = TRANS_B ? 1024 : 128, along_n = TRANS_B ? 128 : 256;
+  // wgmma.cuh: K-major lbo = along k, sbo = along n; MN-major lbo = along n, sbo = along k.
+  const uint32_t lbo = TRANS_B ? along_n : along_k, sbo = TRANS_B ? along_k : along_n;
+  float d[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    d[i] = 0.f;
+    wgmma_pin(d[i]);
+  }
+  wgmma_fence();
+  wgmma_rs<__nv_bfloat16, 64, TRANS_B>(d, a, smem_desc(b, base, SWAP ? sbo : lbo, SWAP ? lbo : sbo),
+                                       base);
+  wgmma_commit();
+  wgmma_wait<0>();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  unsigned bad = 0;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    wgmma_pin(d[i]);
+    const int row = 16 * warp + g + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * q + i % 2;
+    float want = 0.f;
+    for (int k = 0; k < 16; ++k) want += probe_a(row, k) * probe_b(k, col);
+    bad += d[i] != want ? 1u : 0u;
+  }
+  atomicAdd(&mismatches[2 * TRANS_B + SWAP], bad);
+}
+
+__global__ void __launch_bounds__(128) wgmma_probe_kernel(int32_t *mismatches) {
+  // B twice (K-major at 0, MN-major at 2 KB), in 16 KB: every variant's reads stay inside
+  // (MN-major with the offsets exchanged reaches 2 KB + 7.3 KB).
+  __shared__ uint4 probe_smem[16384 / 16];
+  __shared__ unsigned counts[4];
+  if (threadIdx.x < 4) counts[threadIdx.x] = 0;
+  __nv_bfloat16 *kmaj = reinterpret_cast<__nv_bfloat16 *>(probe_smem);
+  __nv_bfloat16 *mnmaj = kmaj + 16 * 64;
+  for (int e = threadIdx.x; e < 16 * 64; e += 128) {
+    const int k = e / 64, n = e % 64;
+    const __nv_bfloat16 v = __float2bfloat16_rn(probe_b(k, n));
+    kmaj[((k / 8) * 128 + (n / 8) * 256 + (n % 8) * 16 + (k % 8) * 2) / 2] = v;
+    mnmaj[((k / 8) * 1024 + (n / 8) * 128 + (k % 8) * 16 + (n % 8) * 2) / 2] = v;
+  }
+  fence_proxy_async_shared();
+  __syncthreads();
+  // This warp's rows of A in the m16n8k16 A fragment layout (mma.cuh).
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  uint32_t a[4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int row = 16 * warp + g + 8 * (r % 2), col = 2 * q + 8 * (r / 2);
+    a[r] = pack_f32x2<__nv_bfloat16>(probe_a(row, col), probe_a(row, col + 1));
+  }
+  probe_variant<0, 0>(a, kmaj, probe_smem, counts);
+  probe_variant<0, 1>(a, kmaj, probe_smem, counts);
+  probe_variant<1, 0>(a, mnmaj, probe_smem, counts);
+  probe_variant<1, 1>(a, mnmaj, probe_smem, counts);
+  __syncthreads();
+  if (threadIdx.x < 4) mismatches[threadIdx.x] = (int32_t)counts[threadIdx.x];
+}
+}  // namespace
 }  // namespace pkv
+
+extern "C" int pkv_wgmma_layout_probe(int32_t *mismatches, void *stream) {
+  if (mismatches == nullptr) return PKV_ERR_NULL_POINTER;
+  pkv::wgmma_probe_kernel<<<1, 128, 0, static_cast<cudaStream_t>(stream)>>>(mismatches);
+  return pkv::status_of(cudaGetLastError());
+}

@@ -380,6 +380,21 @@ fn unknown_tilings_are_refused() {
     }
 }
 
+/// The layout probe on the emulation: wgmma.cuh's reading of the descriptor (core matrices
+/// `lbo` apart along k for K-major B, along n for MN-major) is the emulation's, so its two
+/// variants are exact and the exchanged offsets are not (the probe can tell them apart). On a
+/// GPU (tests/cuda_kernels.rs) the same probe checks the hardware.
+#[test]
+fn wgmma_layout_probe_tells_the_layouts_apart() {
+    let counts = buf(&[-1i32; 4]);
+    // SAFETY: `counts` is a live guarded buffer of 4 i32; the emulated launch is synchronous.
+    let s = unsafe { ffi::pkv_wgmma_layout_probe(counts.ptr() as *mut i32, std::ptr::null_mut()) };
+    assert_eq!(s, ffi::PKV_OK as i32, "status {s}");
+    let c = counts.as_slice::<i32>();
+    assert_eq!((c[0], c[2]), (0, 0), "K-major / MN-major as read: {c:?}");
+    assert!(c[1] > 0 && c[3] > 0, "exchanged offsets must differ: {c:?}");
+}
+
 /// Block ids that name no page (-1, one past the cache) among a chunk's cached blocks mask
 /// their keys: the output equals the oracle's over the valid blocks alone. The invalid blocks
 /// lie in a key tile wholly before every query row, the case that takes the scale-only path

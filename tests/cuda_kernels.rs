@@ -511,6 +511,48 @@ fn invalid_ids_prefill<T: Elem>(g: &Gpu, rng: &mut SmallRng, group: usize) {
     }
 }
 
+/// The wgmma prefill kernel's layouts on the hardware (`pkv_wgmma_layout_probe`): one
+/// m64n64k16 per layout of B, with the descriptor's offsets as kernels/wgmma.cuh reads them and
+/// exchanged. On a device of compute capability 9.0 the kernel's reading must be exact; the
+/// counts say what to change if not ([1] == 0: K-major's offsets are the other way round; [3]
+/// == 0: MN-major's; all nonzero: the A or accumulator fragment layout). Other devices have no
+/// image for it.
+#[test]
+fn wgmma_layouts_match_the_hardware() {
+    let Some(g) = gpu("wgmma_layouts_match_the_hardware") else {
+        return;
+    };
+    let info = g.info();
+    let counts = g.alloc_zeros::<i32>(4).expect("counts");
+    // SAFETY: `counts` holds 4 i32 on this Gpu's device, alive until the synchronize below.
+    let s = unsafe {
+        ffi::pkv_wgmma_layout_probe(dptr(&g, &counts) as usize as *mut i32, g.raw_stream())
+    };
+    if (info.cc_major, info.cc_minor) != (9, 0) {
+        assert_ne!(
+            s,
+            ffi::PKV_OK as i32,
+            "sm_90a code ran on cc {}.{}",
+            info.cc_major,
+            info.cc_minor
+        );
+        println!(
+            "SKIP wgmma_layouts_match_the_hardware: compute capability {}.{}",
+            info.cc_major, info.cc_minor
+        );
+        return;
+    }
+    assert_eq!(s, ffi::PKV_OK as i32, "probe launch: status {s}");
+    g.synchronize().expect("sync");
+    let c = g.download(&counts).expect("download");
+    println!("wgmma layout probe (wrong elements of 4096): K-major {} / exchanged {}, MN-major {} / exchanged {}", c[0], c[1], c[2], c[3]);
+    assert_eq!(
+        (c[0], c[2]),
+        (0, 0),
+        "wgmma.cuh's descriptor reading is wrong: {c:?}"
+    );
+}
+
 // ---- cache writes and block moves ----------------------------------------------------------
 
 fn check_reshape<T: Elem>(g: &Gpu, rng: &mut SmallRng, d: usize, bs: usize, page: Page) {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prints each kernel instance's registers, stack and spills as ptxas reports them for one
-# architecture (default sm_90), for every .cu in kernels/. Needs nvcc (eval the output of
+# architecture (default sm_90; the sm_90a unit prefill_wgmma.cu at sm_90a), for every .cu in
+# kernels/. Needs nvcc (eval the output of
 # scripts/install-cuda-toolchain.sh first), no GPU. Usage: scripts/kernel-resources.sh [ARCH]
 set -euo pipefail
 arch=${1:-90}
@@ -9,7 +10,13 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 printf '%-56s %5s %6s %6s %6s\n' "kernel (sm_$arch)" regs stack spill-st spill-ld
 for cu in *.cu; do
-  nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode "arch=compute_$arch,code=sm_$arch" \
+  a=$arch
+  # The sm_90a unit (wgmma) compiles for sm_90a only: with ARCH 90, its arch-specific twin.
+  if [ "$cu" = prefill_wgmma.cu ]; then
+    [ "$arch" = 90 ] || continue
+    a=90a
+  fi
+  nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode "arch=compute_$a,code=sm_$a" \
     -Xptxas -v -c "$cu" -o "$tmp/k.o" 2>"$tmp/log" || { cat "$tmp/log" >&2; exit 1; }
   # ptxas prints, per entry: the name line, then "N bytes stack frame, S bytes spill stores",
   # then "Used R registers". Stack and spills are bytes per thread.

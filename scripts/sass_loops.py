@@ -6,7 +6,7 @@ Usage: sass_loops.py SASS [REGEX]   (REGEX filters the mangled kernel names, def
 
 For each kernel: its instruction count, and the size of its main loop: the smallest loop
 (a backward branch's span) that holds the tile's loads (>= 8 LDG, or LDGSTS: prefill's
-cp.async copies) and its arithmetic (an HMMA, or >= 40 FFMA). Static counts: every instruction of the loop body once, including paths a given
+cp.async copies) and its arithmetic (an HMMA or HGMMA, or >= 40 FFMA). Static counts: every instruction of the loop body once, including paths a given
 launch skips (the soft-cap's tanh, say); what one iteration executes is at most that.
 """
 import collections
@@ -38,7 +38,8 @@ def main_loop(ins):
         start = int(target.group(1), 16)
         body = [o for a, o, _ in ins if start <= a <= addr]
         kinds = collections.Counter(o.split(".")[0] for o in body)
-        if kinds["LDG"] + kinds["LDGSTS"] >= 8 and (kinds["HMMA"] > 0 or kinds["FFMA"] >= 40):
+        mma = kinds["HMMA"] + kinds["HGMMA"]
+        if kinds["LDG"] + kinds["LDGSTS"] >= 8 and (mma > 0 or kinds["FFMA"] >= 40):
             if best is None or len(body) < len(best[0]):
                 best = (body, kinds)
     return best
@@ -60,7 +61,7 @@ def main():
             continue
         loop = main_loop(ins)
         size = len(loop[0]) if loop else 0
-        kinds = ("LDG", "LDGSTS", "LDSM", "HMMA", "FFMA", "IMAD", "MUFU", "SHFL")
+        kinds = ("LDG", "LDGSTS", "LDSM", "HMMA", "HGMMA", "FFMA", "IMAD", "MUFU", "SHFL")
         mix = " ".join(f"{k}:{loop[1][k]}" for k in kinds if loop[1][k]) if loop else ""
         print(f"{demangle(fn):44s} {len(ins):6d} {size:5d}  {mix}")
 

@@ -2,9 +2,9 @@
 # A kernel change measured in one short device call (~60 s on an H200): the kernel tests,
 # the full `bench gpu` grid beside torch SDPA (prefill at every tiling: 16 and 32 query rows
 # per warp, wgmma), the decode split counts around the Auto plan's (`--mode splits:N`) at batch
-# 1-8, ncu on two prefill points (every tiling) and two batch-1 decode points, and
-# compute-sanitizer memcheck on the kernel tests. Logs packed into $OUT/logs.tar.gz after every
-# stage. (scripts/gpu-session.sh is the whole session: upload, client, sanitizers.)
+# 1-8, ncu on two prefill points (every tiling) and two batch-1 decode points,
+# compute-sanitizer memcheck on the kernel tests and racecheck on the bf16 prefill grid. Logs
+# packed into $OUT/logs.tar.gz after every stage. (scripts/gpu-session.sh is the whole session: upload, client, sanitizers.)
 #
 # Here:    scripts/gpu-bundle.sh
 # Device:  run with carry [".gpu"]:  bash scripts/gpu-compare.sh    (DEADLINE_S, default 300)
@@ -41,6 +41,10 @@ stage ncu-decode 60 ncu "${ncu_args[@]}" -k regex:decode -c 2 \
   --launches 1 --reps 1 --iters 1 --warmup 1
 stage memcheck-kernels 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
   "$bin/test-cuda_kernels"
+# The prefill tilings' shared-memory hand-offs (cp.async -> ldmatrix / wgmma) under racecheck.
+stage racecheck-prefill 90 compute-sanitizer --tool racecheck --error-exitcode 9 \
+  "$bin/test-cuda_kernels" prefill_grid_bf16
 note done
-grep -h -E "^test result|FAILED|panicked|ERROR SUMMARY" "$OUT"/test-*.log "$OUT"/memcheck-*.log | tail -20
+grep -h -E "^test result|FAILED|panicked|ERROR SUMMARY|wgmma layout" "$OUT"/test-*.log \
+  "$OUT"/memcheck-*.log "$OUT"/racecheck-*.log | tail -20
 pack "$PACK_TO"

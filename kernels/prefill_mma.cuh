@@ -23,6 +23,9 @@
 //   The row sums l are kept per lane and reduced over the 4 lanes of a row once, at the end.
 //   A warp skips the tiles none of its rows can see (past its last row under the causal mask,
 //   before its first row's window): the diagonal tiles cost only the warps that need them.
+//   The block setup, Q staging, logit transform, online softmax and epilogue are functions
+//   (PrefillBlock, stage_q, mask_tile, softmax_tile, rescale_tile, store_tile) that the wgmma
+//   kernel (prefill_wgmma.cuh) shares.
 //
 // Shared memory (T elements, rows padded by 8 elements = 16 bytes so that the 8 row addresses
 // of an ldmatrix fall in 8 different 4-bank groups at every supported head dim):
@@ -165,6 +168,180 @@ __device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *cons
   }
 }
 
+// ---- what the prefill kernels share (this file's and prefill_wgmma.cuh's) ----
+
+// One thread block's work: `rows` rows (query token, head) of one (sequence, KV head), keys in
+// tiles of `bc` from kbegin. Row tiles run last-first (blockIdx.y reversed): under the causal
+// mask the last rows see the most keys, so the longest blocks start first.
+struct PrefillBlock {
+  int kh, seq, q0, qlen, ctx, rbase, nrows, kbegin, klast, ntiles;
+  const int32_t *btab;  // this sequence's block table row
+  int64_t head_off;     // element offset of this layer's and KV head's K row in a page
+  int bs_shift;         // log2 of the block size (a power of two: the launcher's check)
+
+  // Query token i (0-based in this sequence) sits at position ctx - qlen + i; row r of the
+  // block is token (rbase + r) / group.
+  __device__ int pos(const PrefillArgs &a, int r) const {
+    return ctx - qlen + (rbase + r) / a.group;
+  }
+  // false: the block has no rows (it returns before any barrier).
+  template <int D>
+  __device__ bool init(const PrefillArgs &a, int rows, int bc) {
+    kh = blockIdx.x;
+    seq = blockIdx.z;
+    q0 = a.query_start_loc[seq];
+    qlen = a.query_start_loc[seq + 1] - q0;
+    ctx = min(a.context_lens[seq], a.table_tokens);
+    rbase = ((int)gridDim.y - 1 - (int)blockIdx.y) * rows;
+    const int rows_total = qlen * a.group;
+    if (qlen <= 0 || rbase >= rows_total) return false;
+    nrows = min(rows, rows_total - rbase);
+    kbegin = a.window > 0 ? max(0, pos(a, 0) - a.window + 1) : 0;
+    klast = min(pos(a, nrows - 1), ctx - 1);
+    ntiles = klast >= kbegin ? ceil_div(klast - kbegin + 1, bc) : 0;
+    btab = a.block_tables + (int64_t)seq * a.max_blocks_per_seq;
+    head_off = a.layer_offset + (int64_t)kh * D;
+    bs_shift = 0;
+    while ((1 << bs_shift) < a.block_size) ++bs_shift;
+    return true;
+  }
+  // Row r's position (-1: a padding row past nrows, which every key is masked for) and ALiBi
+  // slope.
+  __device__ void row(const PrefillArgs &a, int r, int &qpos, float &slope) const {
+    qpos = r < nrows ? pos(a, r) : -1;
+    slope = (r < nrows && a.alibi_slopes != nullptr)
+                ? a.alibi_slopes[kh * a.group + (rbase + r) % a.group]
+                : 0.f;
+  }
+};
+
+// No soft-cap, no ALiBi and a positive finite scale: interior tiles keep the raw dot products
+// and fold the scale into the exponent (softmax_tile's mul).
+__device__ __forceinline__ bool plain_logits(const PrefillArgs &a) {
+  return !(a.softcap > 0.f) && a.alibi_slopes == nullptr && a.scale > 0.f && a.scale < INFINITY;
+}
+
+// The block's query rows into sq (rows of ld elements; zeros past nrows), queued as cp.async.
+template <typename T, int D>
+__device__ __forceinline__ void stage_q(const PrefillArgs &a, const PrefillBlock &b, T *sq,
+                                        int ld, int rows) {
+  constexpr int CH = D / 8;
+  const T *qg = reinterpret_cast<const T *>(a.query);
+  for (int i = threadIdx.x; i < rows * CH; i += THREADS) {
+    const int r = i / CH, c = i % CH;
+    T *dst = sq + r * ld + c * 8;
+    if (r < b.nrows) {
+      const int row = b.rbase + r;
+      const T *src = qg + (int64_t)(b.q0 + row / a.group) * a.q_stride +
+                     (int64_t)(b.kh * a.group + row % a.group) * D + c * 8;
+      cp_async16(dst, src);
+    } else {
+      *reinterpret_cast<uint4 *>(dst) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// The logit transform and mask (attn_logit's order) of one m16 tile's S accumulators (NT n8
+// tiles of keys kt ..), in log2 units: rows g (h = 0) and g + 8 (h = 1) at positions qpos[h].
+template <int NT>
+__device__ __forceinline__ void mask_tile(const PrefillArgs &a, float (&s)[NT][4],
+                                          const int *kv_ok, int kt, int qd,
+                                          const int (&qpos)[2], const float (&slope)[2]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int h = e / 2, jj = t * 8 + qd * 2 + (e % 2), key = kt + jj;
+      float x = s[t][e] * a.scale;
+      if (a.softcap > 0.f) x = a.softcap * tanhf(x / a.softcap);
+      x += slope[h] * (float)(key - qpos[h]);
+      const bool visible =
+          kv_ok[jj] != 0 && key <= qpos[h] && !(a.window > 0 && qpos[h] - key >= a.window);
+      s[t][e] = visible ? x * LOG2E : -INFINITY;
+    }
+}
+
+// Online softmax of one m16 tile (s * mul is each logit in log2 units, mul > 0): the running
+// max m and this lane's share of the sum l per row, the rescale factors alpha of O, and P
+// rounded to T and packed as it is made (p[t][h]: the pair of S accumulators 2h, 2h + 1 of
+// tile t; half the registers of the f32 values). Maxima and sums run as 4 independent
+// partials (chains of 4 dependent operations instead of 16: a warp has few peers to hide
+// latency behind). Returns whether some row's max grew.
+template <typename T, int NT>
+__device__ __forceinline__ bool softmax_tile(const float (&s)[NT][4], float mul, float (&m)[2],
+                                             float (&l)[2], float (&alpha)[2],
+                                             uint32_t (&p)[NT][2]) {
+  bool grew = false;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mp[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+    for (int t = 0; t < NT; ++t) mp[t % 4] = fmaxf(mp[t % 4], fmaxf(s[t][2 * h], s[t][2 * h + 1]));
+    float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
+    // The 4 lanes of a quad hold the row's columns.
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    // mul > 0: the largest product is the product of the largest (and -inf stays -inf).
+    const float m_new = fmaxf(m[h], mx * mul);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
+    alpha[h] = fast_exp2(m[h] - m_use);
+    m[h] = m_new;
+    float sp[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      // mul = 1 (general tiles): s - m_use exactly as a subtraction.
+      const float p0 = fast_exp2(fmaf(s[t][2 * h], mul, -m_use));
+      const float p1 = fast_exp2(fmaf(s[t][2 * h + 1], mul, -m_use));
+      sp[t % 4] += p0;
+      sp[t % 4] += p1;
+      p[t][h] = pack_f32x2<T>(p0, p1);
+    }
+    l[h] = l[h] * alpha[h] + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
+    grew = grew || alpha[h] != 1.f;
+  }
+  return grew;
+}
+
+// O's rows g, g + 8 of one m16 tile times their alpha.
+template <int NO>
+__device__ __forceinline__ void rescale_tile(float (&o)[NO][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+      o[n][2 * h] *= alpha[h];
+      o[n][2 * h + 1] *= alpha[h];
+    }
+}
+
+// The epilogue of one m16 tile whose row g is the block's row r0 + g: the row sums over the
+// quad, then O / l (zeros for a row that saw no key, as the oracle) into `out`; rows past
+// nrows are not stored.
+template <typename T, int D>
+__device__ __forceinline__ void store_tile(const PrefillArgs &a, const PrefillBlock &b,
+                                           const float (&o)[D / 8][4], const float (&l)[2],
+                                           int r0, int g, int qd) {
+  T *og = reinterpret_cast<T *>(a.out);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = l[h];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int r = r0 + g + 8 * h;
+    if (r >= b.nrows) continue;
+    const int row = b.rbase + r;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    // Rows start on the 16-byte grid (the launcher checks out and out_stride), so each lane's
+    // two adjacent elements are one aligned 4-byte store.
+    T *op = og + (int64_t)(b.q0 + row / a.group) * a.out_stride +
+            (int64_t)(b.kh * a.group + row % a.group) * D + qd * 2;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<uint32_t *>(op + n * 8) =
+          pack_f32x2<T>(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+  }
+}
+
 template <typename T, int D, int MT>
 __global__ void __launch_bounds__(THREADS, Cfg<D, MT>::MIN_BLOCKS)
     prefill_mma_kernel(const PrefillArgs a) {
@@ -176,22 +353,9 @@ __global__ void __launch_bounds__(THREADS, Cfg<D, MT>::MIN_BLOCKS)
   int *kvalid = reinterpret_cast<int *>(smem + 2 * C::STAGE + C::Q_ELEMS);  // [2][BC]
   const T **krow = reinterpret_cast<const T **>(kvalid + 2 * C::BC);        // [2][BC]
 
-  const int kh = blockIdx.x, seq = blockIdx.z;
-  const int tile = (int)gridDim.y - 1 - (int)blockIdx.y;
+  PrefillBlock b;
+  if (!b.template init<D>(a, ROWS, C::BC)) return;  // the whole block, before any barrier
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int q0 = a.query_start_loc[seq];
-  const int qlen = a.query_start_loc[seq + 1] - q0;
-  const int ctx = min(a.context_lens[seq], a.table_tokens);
-  const int rows_total = qlen * a.group;
-  const int rbase = tile * ROWS;
-  if (qlen <= 0 || rbase >= rows_total) return;  // the whole block, before any barrier
-  const int nrows = min(ROWS, rows_total - rbase);
-  // Query token i (0-based in this sequence) sits at position ctx - qlen + i.
-  const int first_pos = ctx - qlen + rbase / a.group;
-  const int last_pos = ctx - qlen + (rbase + nrows - 1) / a.group;
-  const int kbegin = a.window > 0 ? max(0, first_pos - a.window + 1) : 0;
-  const int klast = min(last_pos, ctx - 1);
-  const int ntiles = klast >= kbegin ? ceil_div(klast - kbegin + 1, C::BC) : 0;
 
   // The rows of this lane's accumulator fragments: g and g + 8 of each of the warp's m-tiles
   // (index [mt][h]: row warp * WROWS + 16 mt + g + 8 h of the block's).
@@ -201,55 +365,29 @@ __global__ void __launch_bounds__(THREADS, Cfg<D, MT>::MIN_BLOCKS)
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = warp * WROWS + mt * 16 + g + 8 * h;
-      const int row = rbase + r;
-      qpos[mt][h] = r < nrows ? ctx - qlen + row / a.group : -1;  // -1: a padding row, all masked
-      slope[mt][h] = (r < nrows && a.alibi_slopes != nullptr)
-                         ? a.alibi_slopes[kh * a.group + row % a.group]
-                         : 0.f;
-    }
+    for (int h = 0; h < 2; ++h)
+      b.row(a, warp * WROWS + mt * 16 + g + 8 * h, qpos[mt][h], slope[mt][h]);
 
   // This warp's rows as a range of positions (warp-uniform): a key tile wholly after its last
   // row, or wholly before its first row's window, is skipped by the warp (a warp of padding
   // rows skips all), which leaves its m, l and O as the all-masked tile would.
-  const int wrows = min(WROWS, nrows - warp * WROWS);
-  const int w_first = ctx - qlen + (rbase + warp * WROWS) / a.group;
-  const int w_last = ctx - qlen + (rbase + warp * WROWS + max(wrows, 1) - 1) / a.group;
-  // No soft-cap, no ALiBi and a positive finite scale: interior tiles keep the raw dot
-  // products and fold the scale into the exponent (below).
-  const bool plain = !(a.softcap > 0.f) && a.alibi_slopes == nullptr && a.scale > 0.f &&
-                     a.scale < INFINITY;
+  const int wrows = min(WROWS, b.nrows - warp * WROWS);
+  const int w_first = b.pos(a, warp * WROWS);
+  const int w_last = b.pos(a, warp * WROWS + max(wrows, 1) - 1);
+  const bool plain = plain_logits(a);
   const float scale_log2 = a.scale * LOG2E;
-
   const T *cache = reinterpret_cast<const T *>(a.cache);
-  const int32_t *btab = a.block_tables + (int64_t)seq * a.max_blocks_per_seq;
-  const int64_t head_off = a.layer_offset + (int64_t)kh * D;
-  // block_size is a power of two (the launcher's check): shifts instead of divisions.
-  int bs_shift = 0;
-  while ((1 << bs_shift) < a.block_size) ++bs_shift;
 
   // ---- prologue: key row addresses of tiles 0 and 1, Q rows (zero past nrows), key tile 0 ----
   // Tile n's row addresses live in krow[n % 2], written one loop iteration before its copy is
   // queued (below), so the barrier at the top of each iteration orders every write before its
   // reads and every read of tile n before the write of tile n + 2.
-  key_rows<T, D>(a, cache, btab, bs_shift, head_off, kbegin, klast, krow);
-  key_rows<T, D>(a, cache, btab, bs_shift, head_off, kbegin + C::BC, klast, krow + C::BC);
+  key_rows<T, D>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin, b.klast, krow);
+  key_rows<T, D>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin + C::BC, b.klast,
+                 krow + C::BC);
   __syncthreads();
-  const T *qg = reinterpret_cast<const T *>(a.query);
-  for (int i = threadIdx.x; i < ROWS * C::CH; i += THREADS) {
-    const int r = i / C::CH, c = i % C::CH;
-    T *dst = sq + r * C::LD + c * 8;
-    if (r < nrows) {
-      const int row = rbase + r;
-      const T *src = qg + (int64_t)(q0 + row / a.group) * a.q_stride +
-                     (int64_t)(kh * a.group + row % a.group) * D + c * 8;
-      cp_async16(dst, src);
-    } else {
-      *reinterpret_cast<uint4 *>(dst) = make_uint4(0, 0, 0, 0);
-    }
-  }
-  if (ntiles > 0) load_kv_tile<T, D>(a, krow, smem, smem + C::BC * C::LD, kvalid);
+  stage_q<T, D>(a, b, sq, C::LD, ROWS);
+  if (b.ntiles > 0) load_kv_tile<T, D>(a, krow, smem, smem + C::BC * C::LD, kvalid);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -283,25 +421,25 @@ __global__ void __launch_bounds__(THREADS, Cfg<D, MT>::MIN_BLOCKS)
       l[mt][h] = 0.f;
     }
 
-  for (int j = 0; j < ntiles; ++j) {
+  for (int j = 0; j < b.ntiles; ++j) {
     const int st = j & 1;
     cp_async_wait<0>();  // tile j has landed (this thread's copies) ...
     // ... and everyone's: tile j is visible, and every warp is done with tile j - 1 (and, at
     // j = 0, with the Q staging), whose buffer the next copy overwrites.
     __syncthreads();
-    if (j + 1 < ntiles) {
+    if (j + 1 < b.ntiles) {
       T *nk = smem + (st ^ 1) * C::STAGE;
       load_kv_tile<T, D>(a, krow + (st ^ 1) * C::BC, nk, nk + C::BC * C::LD,
                          kvalid + (st ^ 1) * C::BC);
     }
     cp_async_commit();
-    if (j + 2 < ntiles)  // into tile j's slot: its copy was queued before this barrier
-      key_rows<T, D>(a, cache, btab, bs_shift, head_off, kbegin + (j + 2) * C::BC, klast,
-                     krow + st * C::BC);
+    if (j + 2 < b.ntiles)  // into tile j's slot: its copy was queued before this barrier
+      key_rows<T, D>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin + (j + 2) * C::BC,
+                     b.klast, krow + st * C::BC);
     const T *sk = smem + st * C::STAGE;
     const T *sv = sk + C::BC * C::LD;
     const int *kv_ok = kvalid + st * C::BC;
-    const int kt = kbegin + j * C::BC;
+    const int kt = b.kbegin + j * C::BC;
     if (wrows <= 0 || kt > w_last ||
         (a.window > 0 && kt + C::BC - 1 < w_first - a.window + 1))
       continue;  // nothing of this tile is visible to the warp's rows
@@ -342,12 +480,12 @@ __global__ void __launch_bounds__(THREADS, Cfg<D, MT>::MIN_BLOCKS)
       }
     }
 
-    // ---- the logit transform and mask (attn_logit's order), in log2 units ----
+    // ---- the logit transform and mask, in log2 units ----
     // An interior tile (every key valid, before every row of the warp and inside every row's
-    // window) with no soft-cap and no ALiBi needs only the scale, which the exponent below
-    // applies (mul): one FFMA per logit instead of the general path's per-element flag load,
-    // position arithmetic, compares and two products. Padding rows (past nrows) are never
-    // stored, so they need no mask here.
+    // window) with no soft-cap and no ALiBi needs only the scale, which the exponent applies
+    // (mul): one FFMA per logit instead of the general path's per-element flag load, position
+    // arithmetic, compares and two products. Padding rows (past nrows) are never stored, so
+    // they need no mask here.
     const bool interior =
         plain && kt + C::BC - 1 <= w_first && (a.window <= 0 || w_last - kt < a.window) &&
         __all_sync(0xffffffffu, kv_ok[lane % C::BC] != 0 && kv_ok[(lane + 32) % C::BC] != 0);
@@ -356,73 +494,21 @@ __global__ void __launch_bounds__(THREADS, Cfg<D, MT>::MIN_BLOCKS)
       mul = scale_log2;
     } else {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int t = 0; t < C::NT_S; ++t)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int h = e / 2, jj = t * 8 + qd * 2 + (e % 2), key = kt + jj;
-            const int qp = qpos[mt][h];
-            float x = s[mt][t][e] * a.scale;
-            if (a.softcap > 0.f) x = a.softcap * tanhf(x / a.softcap);
-            x += slope[mt][h] * (float)(key - qp);
-            const bool visible =
-                kv_ok[jj] != 0 && key <= qp && !(a.window > 0 && qp - key >= a.window);
-            s[mt][t][e] = visible ? x * LOG2E : -INFINITY;
-          }
+      for (int mt = 0; mt < MT; ++mt) mask_tile(a, s[mt], kv_ok, kt, qd, qpos[mt], slope[mt]);
     }
 
-    // ---- online softmax per row; P rounded to T and packed as it is made ----
-    // Maxima and sums in 4 independent partials: chains of 4 dependent operations instead of
-    // 16 (a warp has few peers to hide latency behind). p[mt][t][h] holds the pair of S
-    // accumulators (2h, 2h + 1) of tile t: half the registers of the f32 values, which at two
-    // m-tiles per warp is what keeps S and O within 255 registers without spilling.
+    // ---- online softmax per row; P rounded and packed as it is made ----
     float alphas[MT][2];
     uint32_t p[MT][C::NT_S][2];
     bool grew = false;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mp[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-#pragma unroll
-        for (int t = 0; t < C::NT_S; ++t)
-          mp[t % 4] = fmaxf(mp[t % 4], fmaxf(s[mt][t][2 * h], s[mt][t][2 * h + 1]));
-        float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
-        // The 4 lanes of a quad hold the row's columns.
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // mul > 0: the largest product is the product of the largest (and -inf stays -inf).
-        const float m_new = fmaxf(m[mt][h], mx * mul);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
-        const float alpha = fast_exp2(m[mt][h] - m_use);
-        m[mt][h] = m_new;
-        float sp[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int t = 0; t < C::NT_S; ++t) {
-          // mul = 1 (general tiles): s - m_use exactly as a subtraction.
-          const float p0 = fast_exp2(fmaf(s[mt][t][2 * h], mul, -m_use));
-          const float p1 = fast_exp2(fmaf(s[mt][t][2 * h + 1], mul, -m_use));
-          sp[t % 4] += p0;
-          sp[t % 4] += p1;
-          p[mt][t][h] = pack_f32x2<T>(p0, p1);
-        }
-        l[mt][h] = l[mt][h] * alpha + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
-        alphas[mt][h] = alpha;
-        grew = grew || alpha != 1.f;
-      }
+      grew = softmax_tile<T>(s[mt], mul, m[mt], l[mt], alphas[mt], p[mt]) || grew;
     // The O rescale, skipped when no row of the warp raised its max in this tile (alpha is 1
     // for every row, and x * 1 = x: bit-identical), which on a long context is most tiles.
     if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int n = 0; n < C::NT_O; ++n) {
-            o[mt][n][2 * h] *= alphas[mt][h];
-            o[mt][n][2 * h + 1] *= alphas[mt][h];
-          }
+      for (int mt = 0; mt < MT; ++mt) rescale_tile(o[mt], alphas[mt]);
     }
 
     // ---- O += P V ----
@@ -454,28 +540,10 @@ __global__ void __launch_bounds__(THREADS, Cfg<D, MT>::MIN_BLOCKS)
     }
   }
 
-  // ---- epilogue: the row sums over the quad, then O / l ----
-  T *og = reinterpret_cast<T *>(a.out);
+  // ---- epilogue ----
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float sum = l[mt][h];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int r = warp * WROWS + mt * 16 + g + 8 * h;
-      if (r >= nrows) continue;
-      const int row = rbase + r;
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;  // no visible key: zeros, as the oracle
-      // Rows start on the 16-byte grid (the launcher checks out and out_stride), so each lane's
-      // two adjacent elements are one aligned 4-byte store.
-      T *op = og + (int64_t)(q0 + row / a.group) * a.out_stride +
-              (int64_t)(kh * a.group + row % a.group) * D + qd * 2;
-#pragma unroll
-      for (int n = 0; n < C::NT_O; ++n)
-        *reinterpret_cast<uint32_t *>(op + n * 8) =
-            pack_f32x2<T>(o[mt][n][2 * h] * inv, o[mt][n][2 * h + 1] * inv);
-    }
+    store_tile<T, D>(a, b, o[mt], l[mt], warp * WROWS + mt * 16, g, qd);
 }
 
 }  // namespace pfmma

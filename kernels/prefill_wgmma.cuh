@@ -30,8 +30,14 @@ namespace pfwg {
 using pfmma::cp_async16;
 using pfmma::cp_async_commit;
 using pfmma::cp_async_wait;
-using pfmma::fast_exp2;
 using pfmma::LOG2E;
+using pfmma::mask_tile;
+using pfmma::plain_logits;
+using pfmma::PrefillBlock;
+using pfmma::rescale_tile;
+using pfmma::softmax_tile;
+using pfmma::stage_q;
+using pfmma::store_tile;
 using pfmma::THREADS;
 
 template <int D> struct Cfg {
@@ -85,75 +91,36 @@ template <typename T, int D>
 __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS)
     prefill_wgmma_kernel(const PrefillArgs a) {
   using C = Cfg<D>;
-  constexpr int ROWS = C::ROWS;
   extern __shared__ uint4 pw_smem[];
   T *smem = reinterpret_cast<T *>(pw_smem);
   T *sq = smem + C::STAGE;                                            // stage 1, before tile 1
   int *kvalid = reinterpret_cast<int *>(smem + 2 * C::STAGE);         // [2][BC]
   const T **krow = reinterpret_cast<const T **>(kvalid + 2 * C::BC);  // [2][BC]
 
-  const int kh = blockIdx.x, seq = blockIdx.z;
-  const int tile = (int)gridDim.y - 1 - (int)blockIdx.y;
+  PrefillBlock b;
+  if (!b.template init<D>(a, C::ROWS, C::BC)) return;  // the whole block, before any barrier
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int q0 = a.query_start_loc[seq];
-  const int qlen = a.query_start_loc[seq + 1] - q0;
-  const int ctx = min(a.context_lens[seq], a.table_tokens);
-  const int rows_total = qlen * a.group;
-  const int rbase = tile * ROWS;
-  if (qlen <= 0 || rbase >= rows_total) return;  // the whole block, before any barrier
-  const int nrows = min(ROWS, rows_total - rbase);
-  const int first_pos = ctx - qlen + rbase / a.group;
-  const int last_pos = ctx - qlen + (rbase + nrows - 1) / a.group;
-  const int kbegin = a.window > 0 ? max(0, first_pos - a.window + 1) : 0;
-  const int klast = min(last_pos, ctx - 1);
-  const int ntiles = klast >= kbegin ? ceil_div(klast - kbegin + 1, C::BC) : 0;
-
   const int g = lane / 4, qd = lane % 4;
   int qpos[2];
   float slope[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = warp * 16 + g + 8 * h;
-    const int row = rbase + r;
-    qpos[h] = r < nrows ? ctx - qlen + row / a.group : -1;  // -1: a padding row, all masked
-    slope[h] = (r < nrows && a.alibi_slopes != nullptr)
-                   ? a.alibi_slopes[kh * a.group + row % a.group]
-                   : 0.f;
-  }
+  for (int h = 0; h < 2; ++h) b.row(a, warp * 16 + g + 8 * h, qpos[h], slope[h]);
   // This warp's rows as positions, for the interior test (a warp of padding rows has none:
   // w_first -1, so no tile is interior to it and the mask covers it).
-  const int wrows = min(16, nrows - warp * 16);
-  const int w_first = wrows > 0 ? ctx - qlen + (rbase + warp * 16) / a.group : -1;
-  const int w_last = ctx - qlen + (rbase + warp * 16 + max(wrows, 1) - 1) / a.group;
-  const bool plain = !(a.softcap > 0.f) && a.alibi_slopes == nullptr && a.scale > 0.f &&
-                     a.scale < INFINITY;
+  const int wrows = min(16, b.nrows - warp * 16);
+  const int w_first = wrows > 0 ? b.pos(a, warp * 16) : -1;
+  const int w_last = b.pos(a, warp * 16 + max(wrows, 1) - 1);
+  const bool plain = plain_logits(a);
   const float scale_log2 = a.scale * LOG2E;
-
   const T *cache = reinterpret_cast<const T *>(a.cache);
-  const int32_t *btab = a.block_tables + (int64_t)seq * a.max_blocks_per_seq;
-  const int64_t head_off = a.layer_offset + (int64_t)kh * D;
-  int bs_shift = 0;
-  while ((1 << bs_shift) < a.block_size) ++bs_shift;
 
   // ---- prologue, as prefill_mma's: row addresses of tiles 0 and 1, Q, key tile 0 ----
-  pfmma::key_rows<T, D>(a, cache, btab, bs_shift, head_off, kbegin, klast, krow);
-  pfmma::key_rows<T, D>(a, cache, btab, bs_shift, head_off, kbegin + C::BC, klast,
+  pfmma::key_rows<T, D>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin, b.klast, krow);
+  pfmma::key_rows<T, D>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin + C::BC, b.klast,
                         krow + C::BC);
   __syncthreads();
-  const T *qg = reinterpret_cast<const T *>(a.query);
-  for (int i = threadIdx.x; i < ROWS * C::CH; i += THREADS) {
-    const int r = i / C::CH, c = i % C::CH;
-    T *dst = sq + r * C::LDQ + c * 8;
-    if (r < nrows) {
-      const int row = rbase + r;
-      const T *src = qg + (int64_t)(q0 + row / a.group) * a.q_stride +
-                     (int64_t)(kh * a.group + row % a.group) * D + c * 8;
-      cp_async16(dst, src);
-    } else {
-      *reinterpret_cast<uint4 *>(dst) = make_uint4(0, 0, 0, 0);
-    }
-  }
-  if (ntiles > 0) load_kv_tile<T, D>(a, krow, smem, smem + C::BC * D, kvalid);
+  stage_q<T, D>(a, b, sq, C::LDQ, C::ROWS);
+  if (b.ntiles > 0) load_kv_tile<T, D>(a, krow, smem, smem + C::BC * D, kvalid);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -173,26 +140,26 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   float(&of)[D / 2] = reinterpret_cast<float(&)[D / 2]>(o);
 
-  for (int j = 0; j < ntiles; ++j) {
+  for (int j = 0; j < b.ntiles; ++j) {
     const int st = j & 1;
     cp_async_wait<0>();
     // Tile j's generic-proxy writes (cp.async, zero fills) visible to wgmma's async proxy,
     // then to every warp; every warp is done with tile j - 1 (its wgmma waited for).
     fence_proxy_async_shared();
     __syncthreads();
-    if (j + 1 < ntiles) {
+    if (j + 1 < b.ntiles) {
       T *nk = smem + (st ^ 1) * C::STAGE;
       load_kv_tile<T, D>(a, krow + (st ^ 1) * C::BC, nk, nk + C::BC * D,
                          kvalid + (st ^ 1) * C::BC);
     }
     cp_async_commit();
-    if (j + 2 < ntiles)
-      pfmma::key_rows<T, D>(a, cache, btab, bs_shift, head_off, kbegin + (j + 2) * C::BC,
-                            klast, krow + st * C::BC);
+    if (j + 2 < b.ntiles)
+      pfmma::key_rows<T, D>(a, cache, b.btab, b.bs_shift, b.head_off,
+                            b.kbegin + (j + 2) * C::BC, b.klast, krow + st * C::BC);
     const T *sk = smem + st * C::STAGE;
     const T *sv = sk + C::BC * D;
     const int *kv_ok = kvalid + st * C::BC;
-    const int kt = kbegin + j * C::BC;
+    const int kt = b.kbegin + j * C::BC;
 
     // ---- S = Q K^T: k-step ks reads chunks 2ks, 2ks + 1 of every key (core matrices 128
     // bytes apart along k, octets OCTET_BYTES apart along n) ----
@@ -216,65 +183,19 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS)
 #pragma unroll
     for (int i = 0; i < C::BC / 2; ++i) wgmma_pin(sf[i]);
 
-    // ---- the logit transform and mask, in log2 units (prefill_mma's) ----
+    // ---- the logit transform and mask, the online softmax, the O rescale (prefill_mma's) ----
     const bool interior =
         plain && kt + C::BC - 1 <= w_first && (a.window <= 0 || w_last - kt < a.window) &&
         __all_sync(0xffffffffu, kv_ok[lane] != 0 && kv_ok[lane + 32] != 0);
     float mul = 1.f;
-    if (interior) {
+    if (interior)
       mul = scale_log2;
-    } else {
-#pragma unroll
-      for (int t = 0; t < C::NT_S; ++t)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int h = e / 2, jj = t * 8 + qd * 2 + (e % 2), key = kt + jj;
-          float x = s[t][e] * a.scale;
-          if (a.softcap > 0.f) x = a.softcap * tanhf(x / a.softcap);
-          x += slope[h] * (float)(key - qpos[h]);
-          const bool visible = kv_ok[jj] != 0 && key <= qpos[h] &&
-                               !(a.window > 0 && qpos[h] - key >= a.window);
-          s[t][e] = visible ? x * LOG2E : -INFINITY;
-        }
-    }
-
-    // ---- online softmax per row; P rounded to T and packed as it is made ----
+    else
+      mask_tile(a, s, kv_ok, kt, qd, qpos, slope);
     float alphas[2];
     uint32_t p[C::NT_S][2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mp[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-#pragma unroll
-      for (int t = 0; t < C::NT_S; ++t)
-        mp[t % 4] = fmaxf(mp[t % 4], fmaxf(s[t][2 * h], s[t][2 * h + 1]));
-      float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[h], mx * mul);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = fast_exp2(m[h] - m_use);
-      m[h] = m_new;
-      float sp[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int t = 0; t < C::NT_S; ++t) {
-        const float p0 = fast_exp2(fmaf(s[t][2 * h], mul, -m_use));
-        const float p1 = fast_exp2(fmaf(s[t][2 * h + 1], mul, -m_use));
-        sp[t % 4] += p0;
-        sp[t % 4] += p1;
-        p[t][h] = pack_f32x2<T>(p0, p1);
-      }
-      l[h] = l[h] * alpha + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
-      alphas[h] = alpha;
-    }
-    if (__any_sync(0xffffffffu, alphas[0] != 1.f || alphas[1] != 1.f)) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int n = 0; n < C::NT_O; ++n) {
-          o[n][2 * h] *= alphas[h];
-          o[n][2 * h + 1] *= alphas[h];
-        }
-    }
+    const bool grew = softmax_tile<T>(s, mul, m, l, alphas, p);
+    if (__any_sync(0xffffffffu, grew)) rescale_tile(o, alphas);
 
     // ---- O += P V: k-step kk reads key octets 2kk, 2kk + 1 (OCTET_BYTES apart along k),
     // every chunk of dims (128 bytes apart along n) ----
@@ -298,24 +219,7 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS)
     for (int i = 0; i < D / 2; ++i) wgmma_pin(of[i]);
   }
 
-  // ---- epilogue: the row sums over the quad, then O / l ----
-  T *og = reinterpret_cast<T *>(a.out);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float sum = l[h];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int r = warp * 16 + g + 8 * h;
-    if (r >= nrows) continue;
-    const int row = rbase + r;
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    T *op = og + (int64_t)(q0 + row / a.group) * a.out_stride +
-            (int64_t)(kh * a.group + row % a.group) * D + qd * 2;
-#pragma unroll
-    for (int n = 0; n < C::NT_O; ++n)
-      *reinterpret_cast<uint32_t *>(op + n * 8) =
-          pack_f32x2<T>(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
-  }
+  store_tile<T, D>(a, b, o, l, warp * 16, g, qd);
 }
 
 }  // namespace pfwg

@@ -406,21 +406,7 @@ fn invalid_block_ids_mask_their_keys() {
         let nh = hkv * group;
         let cfg = pagedkv::kv::KvCacheConfig::new(1, hkv, d, bs, 12, T::DTYPE).expect("config");
         let host = random_cache::<T>(rng, cfg);
-        let past = cfg.num_blocks() as i32;
-        // Blocks 3, -1, 7, past, 5, 2 (91 tokens), a 20-token chunk at positions 71..90: the
-        // invalid blocks hold tokens 16..31 and 48..63, all before the chunk.
-        let with_invalid = Batch {
-            cfg,
-            tables: vec![3, -1, 7, past, 5, 2],
-            mbps: 6,
-            ctx: vec![91],
-        };
-        let valid_only = Batch {
-            cfg,
-            tables: vec![3, 7, 5, 2],
-            mbps: 4,
-            ctx: vec![59],
-        };
+        let (with_invalid, valid_only) = prefill_with_invalid_ids(cfg);
         let qsl = [0, 20];
         let query = random_vec::<T>(rng, 20 * nh * d);
         let params = attn_params(nh, d, Features::PLAIN, &[]);

@@ -962,20 +962,7 @@ fn invalid_block_ids_mask_their_tokens() {
         let params = attn_params(nh, d, Features::PLAIN, &[]);
         let raw = raw_params(&params, None);
         let query = random_vec::<T>(rng, 2 * nh * d);
-        let past = cfg.num_blocks() as i32;
-        // Sequence 0: blocks 3, -1, 7, past (its last 5 tokens short); sequence 1: 5, 2.
-        let with_invalid = Batch {
-            cfg,
-            tables: vec![3, -1, 7, past, 5, 2, -9, -9],
-            mbps: 4,
-            ctx: vec![(4 * bs - 5) as i32, (bs + 4) as i32],
-        };
-        let valid_only = Batch {
-            cfg,
-            tables: vec![3, 7, 5, 2],
-            mbps: 2,
-            ctx: vec![(2 * bs) as i32, (bs + 4) as i32],
-        };
+        let (with_invalid, valid_only) = decode_with_invalid_ids(cfg);
         let want = cpu_decode(&valid_only, &host, layer, &query, &params);
         for mode in [DecodeMode::SinglePass, DecodeMode::SplitK, DecodeMode::Auto] {
             let got = eager_decode(&cache, layer, &with_invalid, &query, &raw, mode);

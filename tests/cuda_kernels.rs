@@ -376,20 +376,7 @@ fn invalid_ids_decode<T: Elem + cudarc::driver::ValidAsZeroBits>(
     dev.upload_from(g, &host).expect("upload");
     let params = attn_params(nh, d, Features::PLAIN, &[]);
     let query = random_vec::<T>(rng, 2 * nh * d);
-    let past = cfg.num_blocks() as i32;
-    // Sequence 0: blocks 3, -1, 7, past (its last 5 tokens short); sequence 1: 5, 2.
-    let with_invalid = Batch {
-        cfg,
-        tables: vec![3, -1, 7, past, 5, 2, -9, -9],
-        mbps: 4,
-        ctx: vec![(4 * bs - 5) as i32, (bs + 4) as i32],
-    };
-    let valid_only = Batch {
-        cfg,
-        tables: vec![3, 7, 5, 2],
-        mbps: 2,
-        ctx: vec![(2 * bs) as i32, (bs + 4) as i32],
-    };
+    let (with_invalid, valid_only) = decode_with_invalid_ids(cfg);
     let want = cpu_decode(&valid_only, &host, layer, &query, &params);
     let (dq, dt, dc) = (
         g.upload(&query).expect("q"),
@@ -447,24 +434,15 @@ fn invalid_ids_prefill<T: Elem>(g: &Gpu, rng: &mut SmallRng, group: usize) {
     let host = random_cache::<T>(rng, cfg);
     let mut dev = DeviceKvCache::new(g, cfg).expect("device cache");
     dev.upload_from(g, &host).expect("upload");
-    let past = cfg.num_blocks() as i32;
-    // Blocks 3, -1, 7, past, 5, 2 (91 tokens), a 20-token chunk at positions 71..90: the
-    // invalid blocks hold tokens 16..31 and 48..63, all before the chunk.
-    let tables = vec![3, -1, 7, past, 5, 2];
-    let valid_only = Batch {
-        cfg,
-        tables: vec![3, 7, 5, 2],
-        mbps: 4,
-        ctx: vec![59],
-    };
+    let (with_invalid, valid_only) = prefill_with_invalid_ids(cfg);
     let qsl = [0i32, 20];
     let query = random_vec::<T>(rng, 20 * nh * d);
     let params = attn_params(nh, d, Features::PLAIN, &[]);
     let want = cpu_prefill(&valid_only, &host, layer, &query, &qsl, &params);
     let (dq, dt, dc, dqsl) = (
         g.upload(&query).expect("q"),
-        g.upload(&tables).expect("tables"),
-        g.upload(&[91i32]).expect("ctx"),
+        g.upload(&with_invalid.tables).expect("tables"),
+        g.upload(&with_invalid.ctx).expect("ctx"),
         g.upload(&qsl).expect("qsl"),
     );
     for tiling in [
@@ -477,7 +455,7 @@ fn invalid_ids_prefill<T: Elem>(g: &Gpu, rng: &mut SmallRng, group: usize) {
             .expect("out");
         let seqs = pagedkv::cuda_raw::SeqTables {
             block_tables: dptr(g, &dt),
-            max_blocks_per_seq: tables.len(),
+            max_blocks_per_seq: with_invalid.mbps,
             context_lens: dptr(g, &dc),
             num_seqs: 1,
         };
@@ -1034,30 +1012,12 @@ fn ffi_argument_errors_need_no_gpu() {
     };
     assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32);
     params.num_heads = 4;
-    // SAFETY: layer 2 >= num_layers 2: refused before any CUDA call.
-    let s = unsafe {
-        ffi::pkv_paged_attention_prefill(
-            p,
-            512,
-            p,
-            512,
-            p,
-            &g,
-            2,
-            p as *const i32,
-            1,
-            p as *const i32,
-            p as *const i32,
-            1,
-            1,
-            &params,
-            std::ptr::null_mut(),
-        )
-    };
-    assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32);
-    for tiling in [-1, 8, 65] {
-        // SAFETY: an unknown tiling: refused before any CUDA call or dereference.
-        let s = unsafe {
+    // A prefill over `p` with layer `layer` and `tiling` (pkv_paged_attention_prefill is this
+    // with PKV_PREFILL_TILING_AUTO).
+    let prefill = |layer: i32, tiling: i32| {
+        // SAFETY: every call below has an invalid layer or tiling, which the launcher refuses
+        // before any CUDA call or any access through `p`.
+        unsafe {
             ffi::pkv_paged_attention_prefill_tiled(
                 p,
                 512,
@@ -1065,7 +1025,7 @@ fn ffi_argument_errors_need_no_gpu() {
                 512,
                 p,
                 &g,
-                0,
+                layer,
                 p as *const i32,
                 1,
                 p as *const i32,
@@ -1076,8 +1036,17 @@ fn ffi_argument_errors_need_no_gpu() {
                 tiling,
                 std::ptr::null_mut(),
             )
-        };
-        assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32, "tiling {tiling}");
+        }
+    };
+    // Layer 2 >= num_layers 2; then unknown tilings.
+    let auto = ffi::PKV_PREFILL_TILING_AUTO as i32;
+    assert_eq!(prefill(2, auto), ffi::PKV_ERR_INVALID_ARG as i32);
+    for tiling in [-1, 8, 65] {
+        assert_eq!(
+            prefill(0, tiling),
+            ffi::PKV_ERR_INVALID_ARG as i32,
+            "tiling {tiling}"
+        );
     }
     // Split-K and no workspace: refused (a forced plan, so no device query).
     let (s, plan) = plan_of(ffi::PKV_DECODE_SPLIT, 1, 3000);

@@ -26,6 +26,21 @@ inline float mma_elem_f32(uint32_t reg, int half, MmaElem t) {
   return t == MmaElem::F16 ? __half2float(__half{bits}) : __bfloat162float(__nv_bfloat16{bits});
 }
 
+// Element (row, col) of the 16 x 16 A operand from lane `laneid`'s 4 A registers (a0..a7, two
+// per .f16x2 register, low half first), for every lane: the m16n8k16 A fragment layout, which
+// wgmma's register A uses per warp too.
+inline void mma_a_from_lanes(MmaElem t, const uint32_t (*regs)[4], float (&A)[16][16]) {
+  for (int laneid = 0; laneid < 32; ++laneid) {
+    const int groupID = laneid >> 2, threadID_in_group = laneid % 4;
+    for (int i = 0; i < 8; ++i) {
+      const int row = (i < 2 || (4 <= i && i < 6)) ? groupID : groupID + 8;
+      const int col = i < 4 ? threadID_in_group * 2 + (i & 0x1)
+                            : threadID_in_group * 2 + (i & 0x1) + 8;
+      A[row][col] = mma_elem_f32(regs[laneid][i / 2], i % 2, t);
+    }
+  }
+}
+
 // D = A * B + C for the calling lane's fragments (all 32 lanes of the warp must call it).
 inline void mma_m16n8k16(MmaElem t, float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
                          const float (&c)[4]) {
@@ -36,15 +51,12 @@ inline void mma_m16n8k16(MmaElem t, float (&d)[4], const uint32_t (&a)[4], const
   Post all[32];
   warp_gather(&mine, sizeof mine, all);
   float A[16][16], B[16][8];
+  uint32_t a_regs[32][4];
+  for (int laneid = 0; laneid < 32; ++laneid)
+    for (int r = 0; r < 4; ++r) a_regs[laneid][r] = all[laneid].a[r];
+  mma_a_from_lanes(t, a_regs, A);
   for (int laneid = 0; laneid < 32; ++laneid) {
     const int groupID = laneid >> 2, threadID_in_group = laneid % 4;
-    // A: a0..a7, two per .f16x2 register, low half first.
-    for (int i = 0; i < 8; ++i) {
-      const int row = (i < 2 || (4 <= i && i < 6)) ? groupID : groupID + 8;
-      const int col = i < 4 ? threadID_in_group * 2 + (i & 0x1)
-                            : threadID_in_group * 2 + (i & 0x1) + 8;
-      A[row][col] = mma_elem_f32(all[laneid].a[i / 2], i % 2, t);
-    }
     // B: b0..b3.
     for (int i = 0; i < 4; ++i) {
       const int row = i < 2 ? threadID_in_group * 2 + (i & 0x1)
@@ -106,22 +118,10 @@ inline void wgmma_m64nNk16(MmaElem t, float (&d)[N / 2], const uint32_t (&a)[4],
   const char *start = static_cast<const char *>(base) + ((desc & 0x3FFF) << 4);
   const size_t lbo = ((desc >> 16) & 0x3FFF) << 4, sbo = ((desc >> 32) & 0x3FFF) << 4;
   check_align16(start, "wgmma B start address");
-  struct Post {
-    uint32_t a[4];
-  };
-  Post mine{{a[0], a[1], a[2], a[3]}};
-  Post all[32];
-  warp_gather(&mine, sizeof mine, all);
+  uint32_t all[32][4];
+  warp_gather(a, sizeof a, all);
   float A[16][16];
-  for (int laneid = 0; laneid < 32; ++laneid) {
-    const int groupID = laneid >> 2, threadID_in_group = laneid % 4;
-    for (int i = 0; i < 8; ++i) {
-      const int row = (i < 2 || (4 <= i && i < 6)) ? groupID : groupID + 8;
-      const int col = i < 4 ? threadID_in_group * 2 + (i & 0x1)
-                            : threadID_in_group * 2 + (i & 0x1) + 8;
-      A[row][col] = mma_elem_f32(all[laneid].a[i / 2], i % 2, t);
-    }
-  }
+  mma_a_from_lanes(t, all, A);
   auto b_at = [&](int k, int n) {
     const size_t off = trans_b ? (size_t)(n / 8) * lbo + (size_t)(k / 8) * sbo +
                                      (size_t)(k % 8) * 16 + (size_t)(n % 8) * 2

@@ -219,6 +219,48 @@ impl Batch {
     }
 }
 
+/// The invalid-block-id decode case (one layer's cache of 12 blocks of `bs`): sequence 0 has
+/// blocks 3, -1, 7, one past the cache (its last 5 tokens short), sequence 1 blocks 5, 2; and
+/// the same batch over its valid blocks alone, whose output the first must equal (no ALiBi or
+/// window, so positions do not matter).
+pub fn decode_with_invalid_ids(cfg: KvCacheConfig) -> (Batch, Batch) {
+    let (bs, past) = (cfg.block_size(), cfg.num_blocks() as i32);
+    let with_invalid = Batch {
+        cfg,
+        tables: vec![3, -1, 7, past, 5, 2, -9, -9],
+        mbps: 4,
+        ctx: vec![(4 * bs - 5) as i32, (bs + 4) as i32],
+    };
+    let valid_only = Batch {
+        cfg,
+        tables: vec![3, 7, 5, 2],
+        mbps: 2,
+        ctx: vec![(2 * bs) as i32, (bs + 4) as i32],
+    };
+    (with_invalid, valid_only)
+}
+
+/// The invalid-block-id prefill case (block size 16): blocks 3, -1, 7, one past the cache, 5, 2
+/// (91 tokens) under a 20-token chunk at positions 71..90 (query_start_loc [0, 20]), the
+/// invalid blocks holding tokens 16..31 and 48..63, all before the chunk; and the batch of the
+/// valid blocks alone (59 tokens).
+pub fn prefill_with_invalid_ids(cfg: KvCacheConfig) -> (Batch, Batch) {
+    let past = cfg.num_blocks() as i32;
+    let with_invalid = Batch {
+        cfg,
+        tables: vec![3, -1, 7, past, 5, 2],
+        mbps: 6,
+        ctx: vec![91],
+    };
+    let valid_only = Batch {
+        cfg,
+        tables: vec![3, 7, 5, 2],
+        mbps: 4,
+        ctx: vec![59],
+    };
+    (with_invalid, valid_only)
+}
+
 /// `query_start_loc` of prefill sequences given as (query tokens, context) pairs.
 pub fn query_start_loc(seqs_q_ctx: &[(usize, usize)]) -> Vec<i32> {
     let mut qsl = vec![0i32];

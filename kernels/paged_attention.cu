@@ -359,8 +359,8 @@ extern "C" int pkv_paged_attention_decode(void *out, int64_t out_token_stride, c
 namespace pkv {
 #ifdef PKV_HAVE_WGMMA
 // kernels/prefill_wgmma.cu (the sm_90a unit).
-int launch_prefill_wgmma(const PrefillArgs &a, int dtype, int head_dim, int hkv, int row_tiles,
-                         int num_seqs, cudaStream_t s);
+int launch_prefill_wgmma(const PrefillArgs &a, int dtype, int head_dim, int wg, int hkv,
+                         int row_tiles, int num_seqs, cudaStream_t s);
 #endif
 namespace {
 // Whether PKV_PREFILL_TILING_WGMMA runs the wgmma kernel: the build has it (a target of sm_90
@@ -464,19 +464,25 @@ extern "C" int pkv_paged_attention_prefill_tiled(
   if (query_start_loc == nullptr) return PKV_ERR_NULL_POINTER;
   if (num_seqs < 0 || num_seqs > 65535 || max_query_len < 0) return PKV_ERR_INVALID_ARG;
   if (tiling != PKV_PREFILL_TILING_AUTO && tiling != PKV_PREFILL_TILING_WARP16 &&
-      tiling != PKV_PREFILL_TILING_WARP32 && tiling != PKV_PREFILL_TILING_WGMMA)
+      tiling != PKV_PREFILL_TILING_WARP32 && tiling != PKV_PREFILL_TILING_WGMMA &&
+      tiling != PKV_PREFILL_TILING_WGMMA128)
     return PKV_ERR_INVALID_ARG;
   if (num_seqs == 0 || max_query_len == 0) return PKV_OK;
   const int group = params->num_heads / geom->num_kv_heads;
   const bool mma = geom->dtype == PKV_DTYPE_F16 || geom->dtype == PKV_DTYPE_BF16;
   // Auto keeps one m16 tile per warp: the tiling every GPU measurement so far ran (32 rows per
   // warp and wgmma are unmeasured; BENCHMARKS.md).
-  const bool wgmma =
-      mma && tiling == PKV_PREFILL_TILING_WGMMA && wgmma_prefill_available(geom->head_dim);
+  // wgmma: warpgroups per thread block (64 rows each), 0 for the mma.sync kernel.
+  const int wg = mma && (tiling == PKV_PREFILL_TILING_WGMMA ||
+                         tiling == PKV_PREFILL_TILING_WGMMA128) &&
+                         wgmma_prefill_available(geom->head_dim)
+                     ? (tiling == PKV_PREFILL_TILING_WGMMA128 ? 2 : 1)
+                     : 0;
   const int mt = mma && tiling == PKV_PREFILL_TILING_WARP32 && geom->head_dim <= 128 ? 2 : 1;
-  const int rows_per_tile = mma ? (mt == 2 ? pfmma::Cfg<64, 2>::ROWS : pfmma::Cfg<64, 1>::ROWS)
-                                : PF_ROWS;
-  static_assert(pfmma::Cfg<64, 1>::ROWS == 64, "the wgmma kernel's rows per block too");
+  const int rows_per_tile = !mma ? PF_ROWS
+                            : wg > 0 ? 64 * wg
+                            : mt == 2 ? pfmma::Cfg<64, 2>::ROWS
+                                      : pfmma::Cfg<64, 1>::ROWS;
   const int64_t row_tiles = ((int64_t)max_query_len * group + rows_per_tile - 1) / rows_per_tile;
   if (row_tiles > 65535) return PKV_ERR_INVALID_ARG;
 
@@ -505,9 +511,8 @@ extern "C" int pkv_paged_attention_prefill_tiled(
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int hkv = geom->num_kv_heads, tiles = (int)row_tiles;
 #ifdef PKV_HAVE_WGMMA
-  if (wgmma) return launch_prefill_wgmma(a, geom->dtype, geom->head_dim, hkv, tiles, num_seqs, s);
-#else
-  (void)wgmma;
+  if (wg > 0)
+    return launch_prefill_wgmma(a, geom->dtype, geom->head_dim, wg, hkv, tiles, num_seqs, s);
 #endif
   switch (geom->dtype) {
     case PKV_DTYPE_F32:

@@ -311,10 +311,14 @@ int pkv_paged_attention_prefill(void *out, int64_t out_token_stride, const void 
  *  from shared memory feeds two tensor-core instructions. Head dims up to 128; 256 runs
  *  PKV_PREFILL_TILING_WARP16. */
 #define PKV_PREFILL_TILING_WARP32 32
-/** Hopper's warpgroup instruction (wgmma, reading K and V straight from shared memory), 64 rows
- *  per thread block: on a device of compute capability 9.0 in a build with sm_90 among its
- *  targets, at head dims up to 128; anywhere else PKV_PREFILL_TILING_WARP16. */
+/** Hopper's warpgroup instruction (wgmma, reading K and V straight from shared memory), one
+ *  warpgroup of 64 rows per thread block: on a device of compute capability 9.0 in a build
+ *  with sm_90 among its targets, at head dims up to 128; anywhere else
+ *  PKV_PREFILL_TILING_WARP16. */
 #define PKV_PREFILL_TILING_WGMMA 64
+/** The same with two warpgroups (128 rows) per thread block sharing each K / V tile copied
+ *  from L2 (half the copies per query row). */
+#define PKV_PREFILL_TILING_WGMMA128 128
 
 /**
  * pkv_paged_attention_prefill with the f16 / bf16 kernel's tiling chosen: `tiling` is one of

@@ -221,13 +221,14 @@ __device__ __forceinline__ bool plain_logits(const PrefillArgs &a) {
   return !(a.softcap > 0.f) && a.alibi_slopes == nullptr && a.scale > 0.f && a.scale < INFINITY;
 }
 
-// The block's query rows into sq (rows of ld elements; zeros past nrows), queued as cp.async.
-template <typename T, int D>
+// The block's query rows into sq (rows of ld elements; zeros past nrows), queued as cp.async
+// by the block's NT threads.
+template <typename T, int D, int NT = THREADS>
 __device__ __forceinline__ void stage_q(const PrefillArgs &a, const PrefillBlock &b, T *sq,
                                         int ld, int rows) {
   constexpr int CH = D / 8;
   const T *qg = reinterpret_cast<const T *>(a.query);
-  for (int i = threadIdx.x; i < rows * CH; i += THREADS) {
+  for (int i = threadIdx.x; i < rows * CH; i += NT) {
     const int r = i / CH, c = i % CH;
     T *dst = sq + r * ld + c * 8;
     if (r < b.nrows) {

@@ -6,29 +6,39 @@
 
 namespace pkv {
 namespace {
-template <typename T, int D>
+template <typename T, int D, int WG>
 int launch(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs, cudaStream_t s) {
-  constexpr size_t smem = pfwg::Cfg<D>::smem_bytes;
-  cudaError_t e = cudaFuncSetAttribute(pfwg::prefill_wgmma_kernel<T, D>,
+  using C = pfwg::Cfg<D, WG>;
+  constexpr size_t smem = C::smem_bytes;
+  cudaError_t e = cudaFuncSetAttribute(pfwg::prefill_wgmma_kernel<T, D, WG>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return status_of(e);
   const dim3 grid(hkv, row_tiles, num_seqs);
-  pfwg::prefill_wgmma_kernel<T, D><<<grid, pfwg::THREADS, smem, s>>>(a);
+  pfwg::prefill_wgmma_kernel<T, D, WG><<<grid, C::NT, smem, s>>>(a);
   return status_of(cudaGetLastError());
+}
+
+template <typename T, int D>
+int launch_wg(const PrefillArgs &a, int wg, int hkv, int row_tiles, int num_seqs,
+              cudaStream_t s) {
+  return wg == 2 ? launch<T, D, 2>(a, hkv, row_tiles, num_seqs, s)
+                 : launch<T, D, 1>(a, hkv, row_tiles, num_seqs, s);
 }
 }  // namespace
 
-// dtype f16 / bf16, head_dim up to 128 (the caller's checks); row_tiles of 64 rows.
-int launch_prefill_wgmma(const PrefillArgs &a, int dtype, int head_dim, int hkv, int row_tiles,
-                         int num_seqs, cudaStream_t s) {
+// dtype f16 / bf16, head_dim up to 128 (the caller's checks); wg warpgroups per block (1 or
+// 2), row_tiles of 64 wg rows.
+int launch_prefill_wgmma(const PrefillArgs &a, int dtype, int head_dim, int wg, int hkv,
+                         int row_tiles, int num_seqs, cudaStream_t s) {
   if (head_dim > 128) return PKV_ERR_HEAD_DIM;
   if (dtype == PKV_DTYPE_BF16) {
     PKV_DISPATCH_HEAD_DIM(head_dim, {
-      if constexpr (D <= 128) return launch<__nv_bfloat16, D>(a, hkv, row_tiles, num_seqs, s);
+      if constexpr (D <= 128)
+        return launch_wg<__nv_bfloat16, D>(a, wg, hkv, row_tiles, num_seqs, s);
     });
   } else {
     PKV_DISPATCH_HEAD_DIM(head_dim, {
-      if constexpr (D <= 128) return launch<__half, D>(a, hkv, row_tiles, num_seqs, s);
+      if constexpr (D <= 128) return launch_wg<__half, D>(a, wg, hkv, row_tiles, num_seqs, s);
     });
   }
   return PKV_ERR_HEAD_DIM;

@@ -1,7 +1,8 @@
 // prefill_wgmma.cuh: prefill attention on Hopper's warpgroup tensor-core instruction (wgmma,
 // sm_90a) for f16 / bf16 caches at head dims up to 128. Same arguments (PrefillArgs) and
-// semantics as prefill_mma.cuh (pagedkv.h, the CPU oracle src/attn/cpu.rs), same rows per
-// thread block (64: one warpgroup, warp w rows 16w .. 16w + 15), same key tiles (64 keys,
+// semantics as prefill_mma.cuh (pagedkv.h, the CPU oracle src/attn/cpu.rs), 64 rows per
+// warpgroup (warp w rows 16w .. 16w + 15) and one or two warpgroups per thread block (64 or 128
+// rows sharing each K / V tile: Cfg's WG), the same key tiles (64 keys,
 // double-buffered cp.async copies with the K row addresses a tile ahead), same logit transform
 // and online softmax. What changes is how the products read K and V: wgmma takes B straight from
 // shared memory through a descriptor, so the ldmatrix loads that bound prefill_mma's tensor pipe
@@ -38,11 +39,14 @@ using pfmma::rescale_tile;
 using pfmma::softmax_tile;
 using pfmma::stage_q;
 using pfmma::store_tile;
-using pfmma::THREADS;
 
-template <int D> struct Cfg {
+// WG warpgroups per thread block (1 or 2), each its own 64 rows, all sharing the K / V tiles:
+// at 2, every tile copied from L2 serves 128 rows instead of 64.
+template <int D, int WG> struct Cfg {
   static_assert(D % 16 == 0 && D >= 64 && D <= 128, "wgmma widths: n = 64 (S) and n = D (O)");
-  static constexpr int ROWS = 64;                 // one m64 tile: the warpgroup's rows
+  static_assert(WG == 1 || WG == 2, "one or two warpgroups");
+  static constexpr int NT = 128 * WG;             // threads
+  static constexpr int ROWS = 64 * WG;            // one m64 tile per warpgroup
   static constexpr int BC = 64;                   // keys per tile (the S wgmma's n)
   static constexpr int CH = D / 8;                // 16-byte chunks per row
   static constexpr int LDQ = D + 8;               // Q staging row stride (ldmatrix)
@@ -51,28 +55,32 @@ template <int D> struct Cfg {
   static constexpr int NT_O = D / 8;              // n8 tiles of O
   static constexpr int STAGE = 2 * BC * D;        // elements of one stage (K then V)
   static constexpr uint32_t OCTET_BYTES = 16 * D; // one 8-key row of core matrices
-  // Thread blocks per SM the registers must allow: 3 (<= 168 per thread) up to head dim 96,
-  // where the body takes 132-165 without spilling; 2 above (d128: 197; 3 would spill 92 bytes).
-  static constexpr int MIN_BLOCKS = D <= 96 ? 3 : 2;
-  static constexpr size_t smem_bytes =
-      2 * (size_t)2 * STAGE + 2 * BC * sizeof(int) + 2 * BC * sizeof(void *);
-  static constexpr int COPIES = BC * CH / THREADS;  // 16-byte pieces per thread and tensor
-  static_assert(ROWS * LDQ <= STAGE, "Q is staged in stage 1 before the first tile");
-  static_assert((BC * CH) % THREADS == 0 && BC <= THREADS, "whole copy rounds");
+  // Thread blocks per SM the registers must allow. One warpgroup: 3 (<= 168 per thread) up to
+  // head dim 96, where the body takes 132-165 without spilling; 2 above (d128: 197; 3 would
+  // spill 92 bytes). Two: 1 (the same body, twice the threads).
+  static constexpr int MIN_BLOCKS = WG == 2 ? 1 : D <= 96 ? 3 : 2;
+  // Q is staged in stage 1 (before tile 1 is copied there) where it fits, else after the
+  // stages.
+  static constexpr int Q_ELEMS = ROWS * LDQ <= STAGE ? 0 : ROWS * LDQ;
+  static constexpr size_t smem_bytes = 2 * ((size_t)2 * STAGE + (size_t)Q_ELEMS) +
+                                       2 * BC * sizeof(int) + 2 * BC * sizeof(void *);
+  static constexpr int COPIES = (BC * CH + NT - 1) / NT;  // 16-byte pieces per thread, tensor
+  static_assert(BC <= NT, "one thread per key writes the row addresses");
 };
 
 // Queues the copy of the keys whose K rows krow holds into the core-matrix layout (K into sk, V
 // into sv) and writes their validity; an invalid key (nullptr) is zero-filled and flagged.
-// Piece i (= thread + k THREADS) is key 8 (i / 8CH) + i % 8, chunk (i / 8) % CH: eight
+// Piece i (= thread + k NT) is key 8 (i / 8CH) + i % 8, chunk (i / 8) % CH: eight
 // consecutive threads read eight keys' same 16 bytes and write 128 contiguous shared bytes.
-template <typename T, int D>
+template <typename T, int D, int WG>
 __device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *const *krow, T *sk,
                                              T *sv, int *kvalid) {
-  using C = Cfg<D>;
+  using C = Cfg<D, WG>;
   const int64_t kv = a.st.kv;
 #pragma unroll
   for (int k = 0; k < C::COPIES; ++k) {
-    const int i = (int)threadIdx.x + k * THREADS;
+    const int i = (int)threadIdx.x + k * C::NT;
+    if ((C::BC * C::CH) % C::NT != 0 && i >= C::BC * C::CH) break;
     const int j = 8 * (i / (8 * C::CH)) + i % 8, c = (i / 8) % C::CH;
     const T *p = krow[j];
     T *dk = sk + 8 * i, *dv = sv + 8 * i;
@@ -87,14 +95,14 @@ __device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *cons
   }
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS)
+template <typename T, int D, int WG>
+__global__ void __launch_bounds__(Cfg<D, WG>::NT, Cfg<D, WG>::MIN_BLOCKS)
     prefill_wgmma_kernel(const PrefillArgs a) {
-  using C = Cfg<D>;
+  using C = Cfg<D, WG>;
   extern __shared__ uint4 pw_smem[];
   T *smem = reinterpret_cast<T *>(pw_smem);
-  T *sq = smem + C::STAGE;                                            // stage 1, before tile 1
-  int *kvalid = reinterpret_cast<int *>(smem + 2 * C::STAGE);         // [2][BC]
+  T *sq = C::Q_ELEMS == 0 ? smem + C::STAGE : smem + 2 * C::STAGE;   // see Cfg::Q_ELEMS
+  int *kvalid = reinterpret_cast<int *>(smem + 2 * C::STAGE + C::Q_ELEMS);  // [2][BC]
   const T **krow = reinterpret_cast<const T **>(kvalid + 2 * C::BC);  // [2][BC]
 
   PrefillBlock b;
@@ -119,8 +127,8 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS)
   pfmma::key_rows<T, D>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin + C::BC, b.klast,
                         krow + C::BC);
   __syncthreads();
-  stage_q<T, D>(a, b, sq, C::LDQ, C::ROWS);
-  if (b.ntiles > 0) load_kv_tile<T, D>(a, krow, smem, smem + C::BC * D, kvalid);
+  stage_q<T, D, C::NT>(a, b, sq, C::LDQ, C::ROWS);
+  if (b.ntiles > 0) load_kv_tile<T, D, WG>(a, krow, smem, smem + C::BC * D, kvalid);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -149,8 +157,8 @@ __global__ void __launch_bounds__(THREADS, Cfg<D>::MIN_BLOCKS)
     __syncthreads();
     if (j + 1 < b.ntiles) {
       T *nk = smem + (st ^ 1) * C::STAGE;
-      load_kv_tile<T, D>(a, krow + (st ^ 1) * C::BC, nk, nk + C::BC * D,
-                         kvalid + (st ^ 1) * C::BC);
+      load_kv_tile<T, D, WG>(a, krow + (st ^ 1) * C::BC, nk, nk + C::BC * D,
+                             kvalid + (st ^ 1) * C::BC);
     }
     cp_async_commit();
     if (j + 2 < b.ntiles)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A kernel change measured in one short device call (~60 s on an H200): the kernel tests,
 # the full `bench gpu` grid beside torch SDPA (prefill at every tiling: 16 and 32 query rows
-# per warp, wgmma), the decode split counts around the Auto plan's (`--mode splits:N`) at batch
-# 1-8, ncu on two prefill points (every tiling) and two batch-1 decode points,
+# per warp, wgmma with 64 and 128 rows per block), the decode split counts around the Auto
+# plan's (`--mode splits:N`) at batch 1-8, ncu on two prefill points (every tiling) and two
+# batch-1 decode points,
 # compute-sanitizer memcheck on the kernel tests and racecheck on the bf16 prefill grid. Logs
 # packed into $OUT/logs.tar.gz after every stage. (scripts/gpu-session.sh is the whole session: upload, client, sanitizers.)
 #
@@ -19,7 +20,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/mach
 note "machine: $(tail -1 "$OUT/machine.txt")"
 
 stage test-cuda_kernels 90 "$bin/test-cuda_kernels"
-stage bench-gpu 200 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill-tiling 16,32,wgmma
+stage bench-gpu 200 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill-tiling 16,32,wgmma,wgmma128
 only='--no-cache-ops --peer none --no-check'
 # Split counts around the Auto plan's where the tensor-core body could fill a third block per
 # SM (the merge's cost changed): batch 1 long, batch 2-8 medium.
@@ -31,7 +32,7 @@ done
 stage sweep-auto 30 "$bin/bin-pagedkv" bench gpu --prefill none --decode $pts $only
 ncu_args=(--clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats
   --section ComputeWorkloadAnalysis --section LaunchStats)
-for tiling in 16 32 wgmma; do
+for tiling in 16 32 wgmma wgmma128; do
   stage "ncu-prefill-$tiling" 60 ncu "${ncu_args[@]}" -k regex:prefill -c 2 \
     "$bin/bin-pagedkv" bench gpu --decode none --prefill 32:8/2048+4096,32:8/2048+0 $only \
     --prefill-tiling $tiling --launches 1 --reps 1 --iters 1 --warmup 1

@@ -27,10 +27,11 @@ impl<T: Tol + EmuElem> Elem for T {}
 
 /// The tensor-core kernels' tilings (16 and 32 query rows per warp, wgmma), each run by every
 /// check.
-const TILINGS: [u32; 3] = [
+const TILINGS: [u32; 4] = [
     ffi::PKV_PREFILL_TILING_WARP16,
     ffi::PKV_PREFILL_TILING_WARP32,
     ffi::PKV_PREFILL_TILING_WGMMA,
+    ffi::PKV_PREFILL_TILING_WGMMA128,
 ];
 
 /// Runs the prefill launcher (the tiled entry, with `tiling`) on guarded copies of
@@ -288,10 +289,17 @@ fn mma_smem(d: usize, mt: usize) -> u64 {
     (2 * (4 * bc * (d + 8) + q) + 2 * bc * 4 + 2 * bc * 8) as u64
 }
 
-/// The same for the wgmma kernel (head dims up to 128): two stages of K and V in the
-/// core-matrix layout (64 keys of d elements, no padding), the flags and row addresses.
-fn wgmma_smem(d: usize) -> u64 {
-    (2 * 2 * 2 * 64 * d + 2 * 64 * 4 + 2 * 64 * 8) as u64
+/// The same for the wgmma kernel with `wg` warpgroups (head dims up to 128): two stages of K
+/// and V in the core-matrix layout (64 keys of d elements, no padding), Q's 64 wg rows of d + 8
+/// where they do not fit stage 1, the flags and row addresses.
+fn wgmma_smem(d: usize, wg: usize) -> u64 {
+    let stage = 2 * 64 * d;
+    let q = if 64 * wg * (d + 8) <= stage {
+        0
+    } else {
+        64 * wg * (d + 8)
+    };
+    (2 * (2 * stage + q) + 2 * 64 * 4 + 2 * 64 * 8) as u64
 }
 
 /// f16 and bf16 prefill launch the tiling's tensor-core kernel (one launch with its
@@ -307,7 +315,7 @@ fn each_tiling_takes_its_kernel() {
     let (tokens, nh) = (40usize, 2usize);
     for d in HEAD_DIMS {
         for dtype in [KvDtype::F16, KvDtype::Bf16, KvDtype::F32] {
-            for tiling in [ffi::PKV_PREFILL_TILING_AUTO, 16, 32, 64] {
+            for tiling in [ffi::PKV_PREFILL_TILING_AUTO, 16, 32, 64, 128] {
                 let b = make_batch(&mut rng, 1, 1, d, 16, dtype, Page::Dense, &[tokens]);
                 let bytes = vec![0u8; b.cfg.total_bytes()];
                 let params = AttnParams::new(nh, d);
@@ -334,14 +342,20 @@ fn each_tiling_takes_its_kernel() {
                 assert_eq!(s, ffi::PKV_OK as i32, "{what}");
                 let st = cuda_emu::take_stats();
                 assert_eq!(st.launches, 1, "{what}");
-                let tensor_core = [mma_smem(d, 1), mma_smem(d, 2), wgmma_smem(d)];
+                let tensor_core = [
+                    mma_smem(d, 1),
+                    mma_smem(d, 2),
+                    wgmma_smem(d, 1),
+                    wgmma_smem(d, 2),
+                ];
                 if dtype == KvDtype::F32 {
                     assert!(!tensor_core.contains(&st.max_dynamic_smem), "{what}");
                     continue;
                 }
                 let (smem, rows) = match tiling {
                     ffi::PKV_PREFILL_TILING_WARP32 if d <= 128 => (mma_smem(d, 2), 128),
-                    ffi::PKV_PREFILL_TILING_WGMMA if d <= 128 => (wgmma_smem(d), 64),
+                    ffi::PKV_PREFILL_TILING_WGMMA if d <= 128 => (wgmma_smem(d, 1), 64),
+                    ffi::PKV_PREFILL_TILING_WGMMA128 if d <= 128 => (wgmma_smem(d, 2), 128),
                     _ => (mma_smem(d, 1), 64),
                 };
                 assert_eq!(
@@ -363,7 +377,7 @@ fn unknown_tilings_are_refused() {
     let host = random_cache::<bf16>(&mut rng, b.cfg);
     let query = random_vec::<bf16>(&mut rng, 8 * 2 * 64);
     let params = AttnParams::new(2, 64);
-    for tiling in [-1, 1, 8, 15, 17, 48, 65, 128, i32::MAX] {
+    for tiling in [-1, 1, 8, 15, 17, 48, 65, 127, 256, i32::MAX] {
         let _ = cuda_emu::take_stats();
         let (s, _) = launch(
             &b,

@@ -122,6 +122,7 @@ fn check_prefill<T: Elem>(
             PrefillTiling::WarpRows16,
             PrefillTiling::WarpRows32,
             PrefillTiling::Wgmma,
+            PrefillTiling::Wgmma128,
         ]
     };
     for &tiling in tilings {
@@ -449,6 +450,7 @@ fn invalid_ids_prefill<T: Elem>(g: &Gpu, rng: &mut SmallRng, group: usize) {
         PrefillTiling::WarpRows16,
         PrefillTiling::WarpRows32,
         PrefillTiling::Wgmma,
+        PrefillTiling::Wgmma128,
     ] {
         let out = g
             .upload(&vec![T::from_f32(f32::NAN); query.len()])

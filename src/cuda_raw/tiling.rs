@@ -18,9 +18,12 @@ pub enum PrefillTiling {
     /// warp loads from shared memory feeds two tensor-core instructions (head dims up to 128).
     WarpRows32,
     /// Hopper's warpgroup instruction (wgmma), which reads K and V straight from shared
-    /// memory, 64 rows per thread block: on a device of compute capability 9.0 with a build
-    /// for sm_90, at head dims up to 128.
+    /// memory, one warpgroup of 64 rows per thread block: on a device of compute capability
+    /// 9.0 with a build for sm_90, at head dims up to 128.
     Wgmma,
+    /// [`PrefillTiling::Wgmma`] with two warpgroups (128 rows) per thread block sharing each
+    /// K / V tile: half the L2 -> shared memory copies per query row.
+    Wgmma128,
 }
 
 impl PrefillTiling {
@@ -30,6 +33,7 @@ impl PrefillTiling {
             PrefillTiling::WarpRows16 => ffi::PKV_PREFILL_TILING_WARP16,
             PrefillTiling::WarpRows32 => ffi::PKV_PREFILL_TILING_WARP32,
             PrefillTiling::Wgmma => ffi::PKV_PREFILL_TILING_WGMMA,
+            PrefillTiling::Wgmma128 => ffi::PKV_PREFILL_TILING_WGMMA128,
         }) as i32
     }
 }

@@ -61,7 +61,8 @@ pub struct GpuArgs {
     /// Decode partitioning: auto, single, split, or splits:N (exactly N splits).
     #[arg(long, default_value = "auto")]
     mode: String,
-    /// Prefill tilings, a list of auto, 16, 32 (query rows per warp) and wgmma: the prefill grid
+    /// Prefill tilings, a list of auto, 16, 32 (query rows per warp), wgmma and wgmma128 (64 or
+    /// 128 rows per thread block): the prefill grid
     /// runs once per entry (beside the one peer run), for A/B comparisons in one process.
     #[arg(long, default_value = "auto")]
     prefill_tiling: String,
@@ -138,8 +139,9 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
             "16" => Ok(PrefillTiling::WarpRows16),
             "32" => Ok(PrefillTiling::WarpRows32),
             "wgmma" => Ok(PrefillTiling::Wgmma),
+            "wgmma128" => Ok(PrefillTiling::Wgmma128),
             t => Err(format!(
-                "--prefill-tiling {t}: expected auto, 16, 32 or wgmma"
+                "--prefill-tiling {t}: expected auto, 16, 32, wgmma or wgmma128"
             )),
         })
         .collect::<Result<Vec<_>, _>>()?;

@@ -7,7 +7,8 @@
 # compute-sanitizer memcheck on the kernel tests and racecheck on the bf16 prefill grid. Logs
 # packed into $OUT/logs.tar.gz after every stage. (scripts/gpu-session.sh is the whole session: upload, client, sanitizers.)
 #
-# Here:    scripts/gpu-bundle.sh
+# Here:    BUNDLE='^bin-pagedkv$|^test-cuda_kernels$' scripts/gpu-bundle.sh   (the two binaries
+#           this script runs, ~11 MiB; the full bundle is 62 MiB of the 64 MiB carry)
 # Device:  run with carry [".gpu"]:  bash scripts/gpu-compare.sh    (DEADLINE_S, default 300)
 set -u
 final=${OUT:-$PWD/.gpu/out}; mkdir -p "$final"

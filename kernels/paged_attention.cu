@@ -43,6 +43,15 @@ inline int decode_resident(int gt, int head_dim) {
   return 3;
 }
 
+// The same for f32 caches, whose bodies are all CUDA-core ones of 1, 4 or 8 heads (sm_90,
+// head dims 64 / 80 / 96 / 112 / 128 / 256: one head 64 / 64 / 64 / 64 / 67 / 78 registers,
+// four 127 / 118 / 118 / 118 / 126 / 158, eight 192 / 167 / 167 / 167 / 191 / 214).
+inline int decode_resident_f32(int gt, int head_dim) {
+  if (gt == 1) return head_dim <= 112 ? 8 : head_dim <= 128 ? 7 : 6;
+  if (gt == 4) return head_dim <= 128 ? 4 : 3;
+  return head_dim == 64 || head_dim >= 128 ? 2 : 3;
+}
+
 // The Auto policy's wave rule: with more thread blocks than one wave of resident ones, the
 // split count among want .. want + 3 with the fewest waves per split (a partial last wave
 // leaves SMs idle while the launch finishes), moving off `want` only for a 10% gain (more
@@ -114,13 +123,17 @@ int common_attn_checks(const void *out, int64_t out_stride, const void *query, i
   return PKV_OK;
 }
 
-// pkv_decode_plan_init without the output write; with PKV_DECODE_FIXED, `sm_count` is the
-// caller's number of splits (pkv_decode_plan_init_splits).
-int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads,
-                int32_t head_dim, int32_t cap, int32_t sm_count, pkv_decode_plan *plan) {
+// pkv_decode_plan_init_dtype without the output write; with PKV_DECODE_FIXED, `sm_count` is
+// the caller's number of splits (pkv_decode_plan_init_splits).
+int decode_plan(int32_t mode, int32_t dtype, int32_t num_seqs, int32_t num_heads,
+                int32_t num_kv_heads, int32_t head_dim, int32_t cap, int32_t sm_count,
+                pkv_decode_plan *plan) {
   if (num_seqs <= 0 || num_seqs > 65535 || num_heads <= 0 || num_kv_heads <= 0 || cap <= 0 ||
       num_heads % num_kv_heads != 0)
     return PKV_ERR_INVALID_ARG;
+  if (dtype != PKV_DTYPE_F32 && dtype != PKV_DTYPE_F16 && dtype != PKV_DTYPE_BF16)
+    return PKV_ERR_DTYPE;
+  const bool f32 = dtype == PKV_DTYPE_F32;
   if (!supported_head_dim(head_dim)) return PKV_ERR_HEAD_DIM;
   const int group = num_heads / num_kv_heads;
   const int gt = decode_gt(group);
@@ -148,10 +161,9 @@ int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_k
       // Thread blocks of one split; enough splits to give every SM PKV_DECODE_CTAS_PER_SM of
       // them (PKV_DECODE_CTAS_PER_SM_MHA for one head per KV head), no partition (at
       // capacity) shorter than PKV_DECODE_MIN_PART tokens (_MHA); then the wave rule
-      // (decode_wave_splits). Groups past 8 count the 16-head tensor-core
-      // blocks of f16 / bf16 (up to d128); f32, whose body serves 8, then gets up to twice
-      // the splits it needs (shorter partitions, no idle SM).
-      const int est_gt = group > 8 ? decode_mma_gt(group, head_dim) : gt;
+      // (decode_wave_splits). Groups past 8 count the 16-head tensor-core blocks of f16 /
+      // bf16 (up to d128), f32 its 8-head CUDA-core ones.
+      const int est_gt = group > 8 && !f32 ? decode_mma_gt(group, head_dim) : gt;
       const int64_t ctas = (int64_t)num_seqs * num_kv_heads * ceil_div(group, est_gt);
       const int per_sm = group == 1 ? PKV_DECODE_CTAS_PER_SM_MHA : PKV_DECODE_CTAS_PER_SM;
       const int64_t target = (int64_t)per_sm * sm_count;
@@ -161,8 +173,10 @@ int decode_plan(int32_t mode, int32_t num_seqs, int32_t num_heads, int32_t num_k
           ceil_div64(cap, group == 1 ? PKV_DECODE_MIN_PART_MHA : PKV_DECODE_MIN_PART);
       int64_t want = ctas >= target ? 1 : ceil_div64(target, ctas);
       want = want < by_len ? want : by_len;
-      const int body_gt = group == 1 ? 1 : decode_mma_gt(group, head_dim);
-      const int64_t slots = (int64_t)decode_resident(body_gt, head_dim) * sm_count;
+      const int body_gt = group == 1 || f32 ? gt : decode_mma_gt(group, head_dim);
+      const int64_t slots =
+          (int64_t)(f32 ? decode_resident_f32(body_gt, head_dim) : decode_resident(body_gt, head_dim)) *
+          sm_count;
       // GQA with long partitions fills every resident slot in one wave (floor(slots / ctas)
       // splits) while each partition keeps PKV_DECODE_FILL_PART tokens. H200, bf16 d128, 32:8,
       // graph us, 2 -> 3 blocks per SM: 1 x 32768 47.3 -> 43.6 (33 -> 49 splits), 2 x 16384
@@ -253,16 +267,24 @@ int dispatch_decode_gt(int gt, DecodeArgs a, int hkv, int ns, cudaStream_t s) {
 
 using namespace pkv;
 
+extern "C" int pkv_decode_plan_init_dtype(pkv_decode_plan *plan, int32_t mode, int32_t dtype,
+                                          int32_t num_seqs_capacity, int32_t num_heads,
+                                          int32_t num_kv_heads, int32_t head_dim,
+                                          int32_t max_context_capacity, int32_t sm_count) {
+  if (plan == nullptr) return PKV_ERR_NULL_POINTER;
+  pkv_decode_plan p{};
+  const int st = decode_plan(mode, dtype, num_seqs_capacity, num_heads, num_kv_heads, head_dim,
+                             max_context_capacity, sm_count, &p);
+  if (st == PKV_OK) *plan = p;
+  return st;
+}
+
 extern "C" int pkv_decode_plan_init(pkv_decode_plan *plan, int32_t mode,
                                     int32_t num_seqs_capacity, int32_t num_heads,
                                     int32_t num_kv_heads, int32_t head_dim,
                                     int32_t max_context_capacity, int32_t sm_count) {
-  if (plan == nullptr) return PKV_ERR_NULL_POINTER;
-  pkv_decode_plan p{};
-  const int st = decode_plan(mode, num_seqs_capacity, num_heads, num_kv_heads, head_dim,
-                             max_context_capacity, sm_count, &p);
-  if (st == PKV_OK) *plan = p;
-  return st;
+  return pkv_decode_plan_init_dtype(plan, mode, PKV_DTYPE_BF16, num_seqs_capacity, num_heads,
+                                    num_kv_heads, head_dim, max_context_capacity, sm_count);
 }
 
 extern "C" int pkv_decode_plan_init_splits(pkv_decode_plan *plan, int32_t num_splits,
@@ -271,8 +293,8 @@ extern "C" int pkv_decode_plan_init_splits(pkv_decode_plan *plan, int32_t num_sp
                                            int32_t max_context_capacity) {
   if (plan == nullptr) return PKV_ERR_NULL_POINTER;
   pkv_decode_plan p{};
-  const int st = decode_plan(PKV_DECODE_FIXED, num_seqs_capacity, num_heads, num_kv_heads,
-                             head_dim, max_context_capacity, num_splits, &p);
+  const int st = decode_plan(PKV_DECODE_FIXED, PKV_DTYPE_BF16, num_seqs_capacity, num_heads,
+                             num_kv_heads, head_dim, max_context_capacity, num_splits, &p);
   if (st == PKV_OK) *plan = p;
   return st;
 }

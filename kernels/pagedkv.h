@@ -198,7 +198,8 @@ typedef struct pkv_decode_plan {
 /**
  * Makes a decode plan for launches of at most `num_seqs_capacity` sequences whose contexts are
  * at most `max_context_capacity` tokens, with `mode` (PKV_DECODE_*) and, for PKV_DECODE_AUTO,
- * the device's `sm_count` (<= 0: ask the device current on this thread). Host only: no launch,
+ * the device's `sm_count` (<= 0: ask the device current on this thread), for f16 / bf16 caches
+ * (pkv_decode_plan_init_dtype: any). Host only: no launch,
  * no allocation (the SM query excepted); cheap enough to call per launch (what an eager caller
  * does).
  *
@@ -211,6 +212,17 @@ typedef struct pkv_decode_plan {
 int pkv_decode_plan_init(pkv_decode_plan *plan, int32_t mode, int32_t num_seqs_capacity,
                          int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
                          int32_t max_context_capacity, int32_t sm_count);
+
+/**
+ * pkv_decode_plan_init for caches of `dtype` (PKV_DTYPE_*, else PKV_ERR_DTYPE): Auto sizes its
+ * splits by the resident thread blocks of the kernel body that dtype runs (f32 caches run
+ * CUDA-core bodies that fit fewer blocks per SM than the f16 / bf16 tensor-core ones
+ * pkv_decode_plan_init assumes). A plan made for one dtype is valid for a launch of another
+ * (only its speed may suffer).
+ */
+int pkv_decode_plan_init_dtype(pkv_decode_plan *plan, int32_t mode, int32_t dtype,
+                               int32_t num_seqs_capacity, int32_t num_heads, int32_t num_kv_heads,
+                               int32_t head_dim, int32_t max_context_capacity, int32_t sm_count);
 
 /**
  * As pkv_decode_plan_init, with exactly `num_splits` splits (mode PKV_DECODE_FIXED): host only,

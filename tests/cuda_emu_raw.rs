@@ -568,6 +568,24 @@ fn decode_plan_policy() {
     assert_eq!(auto(1, 32, 32, 32768, 132).num_splits(), 17);
     // 32:2 (group 16): one 16-head tensor-core block per KV head, 264 / 2 = 132 splits.
     assert_eq!(auto(1, 32, 2, 8192, 132).num_splits(), 132);
+    // f32 caches run CUDA-core bodies (d128): groups up to 4 the 4-head one, 4 blocks per SM
+    // (126 registers), so 32:8 at 1 x 32768 fills 528 slots with 66 splits (bf16: 49); the
+    // 8-head one fits 2 (191 registers): 64:8 fills 264 with 33, and 32:2 (two 8-head blocks
+    // per KV head, not one 16-head tensor-core block) 264 / 4 = 66 (bf16's rule: 132 splits
+    // of 4 blocks, two waves).
+    let auto_f32 = |seqs, nh, nkv, cap| {
+        DecodePlan::for_dtype(DecodeMode::Auto, KvDtype::F32, seqs, nh, nkv, 128, cap, 132)
+            .expect("f32 plan")
+            .num_splits()
+    };
+    assert_eq!(auto_f32(1, 32, 8, 32768), 66);
+    assert_eq!(auto_f32(1, 64, 8, 32768), 33);
+    assert_eq!(auto_f32(1, 32, 2, 32768), 66);
+    // Fixed and forced modes do not depend on the dtype.
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let p = DecodePlan::for_dtype(DecodeMode::Splits(7), dtype, 1, 32, 8, 128, 4096, 132);
+        assert_eq!(p.expect("fixed").num_splits(), 7);
+    }
     assert_eq!(auto(1, 32, 8, 20, 132).num_splits(), 1);
     // One sequence of MHA stays within one wave: more SMs never mean fewer splits (with the
     // wave rule that holds only there); a larger batch never more.

@@ -989,6 +989,23 @@ fn ffi_argument_errors_need_no_gpu() {
             unsafe { ffi::pkv_decode_plan_init(&mut plan, mode as i32, seqs, 4, 2, 128, ctx, 0) };
         (s, plan)
     };
+    // An unknown dtype: refused (before any device query).
+    let mut unused = ffi::pkv_decode_plan::default();
+    // SAFETY: `unused` is a valid local, written on success only.
+    let s = unsafe {
+        ffi::pkv_decode_plan_init_dtype(
+            &mut unused,
+            ffi::PKV_DECODE_AUTO as i32,
+            7,
+            1,
+            4,
+            2,
+            128,
+            16,
+            0,
+        )
+    };
+    assert_eq!(s, ffi::PKV_ERR_DTYPE as i32);
     let (s, plan) = plan_of(ffi::PKV_DECODE_SINGLE, 1, 16);
     assert_eq!(s, 0);
     // SAFETY: num_heads is invalid: the launcher returns before any CUDA call or dereference.

@@ -643,8 +643,9 @@ impl DeviceKvCache {
         if seqs.num_seqs == 0 {
             return Ok(());
         }
-        let plan = DecodePlan::new(
+        let plan = DecodePlan::for_dtype(
             params.mode,
+            cfg.dtype(),
             seqs.num_seqs,
             params.num_heads,
             cfg.num_kv_heads(),

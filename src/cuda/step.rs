@@ -203,8 +203,9 @@ impl DecodeStep {
                     what: "max_blocks_per_seq",
                     value: max_blocks_per_seq,
                 })?;
-        let plan = DecodePlan::new(
+        let plan = DecodePlan::for_dtype(
             mode,
+            config.dtype(),
             max_seqs,
             nh,
             nkv,

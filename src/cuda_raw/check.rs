@@ -22,6 +22,15 @@ pub(crate) fn i32_of(what: &'static str, v: usize) -> Result<i32, RawError> {
     i32::try_from(v).map_err(|_| RawError::Unsupported { what, value: v })
 }
 
+/// The C ABI's `PKV_DTYPE_*` of `dtype`.
+pub(super) fn dtype_abi(dtype: KvDtype) -> i32 {
+    (match dtype {
+        KvDtype::F32 => ffi::PKV_DTYPE_F32,
+        KvDtype::F16 => ffi::PKV_DTYPE_F16,
+        KvDtype::Bf16 => ffi::PKV_DTYPE_BF16,
+    }) as i32
+}
+
 /// The launchers' geometry of `config`, or why the CUDA kernels cannot take it.
 ///
 /// # Errors
@@ -46,11 +55,7 @@ pub fn geometry(config: &KvCacheConfig) -> Result<ffi::pkv_cache_geometry, RawEr
         block_size: i32_of("block_size", config.block_size())?,
         num_kv_heads: i32_of("num_kv_heads", config.num_kv_heads())?,
         head_dim: i32_of("head_dim", config.head_dim())?,
-        dtype: match config.dtype() {
-            KvDtype::F32 => ffi::PKV_DTYPE_F32 as i32,
-            KvDtype::F16 => ffi::PKV_DTYPE_F16 as i32,
-            KvDtype::Bf16 => ffi::PKV_DTYPE_BF16 as i32,
-        },
+        dtype: dtype_abi(config.dtype()),
         // The config's invariant bounds num_blocks * page bytes by isize::MAX: the stride
         // (elements, <= bytes) fits i64.
         block_stride: i64::try_from(config.block_stride()).map_err(|_| RawError::Unsupported {

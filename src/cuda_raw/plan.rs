@@ -8,9 +8,10 @@
 //! tables and queries change in place: nothing the capture baked in depends on them. The
 //! contract is described at the top of kernels/attention.cuh.
 
-use super::check::{check_status, i32_of};
+use super::check::{check_status, dtype_abi, i32_of};
 use super::ffi;
 use crate::error::RawError;
+use crate::kv::KvDtype;
 
 /// How decode attention partitions each sequence's context.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -56,7 +57,8 @@ impl DecodePlan {
     /// The plan of `mode` for launches of at most `num_seqs_capacity` sequences whose contexts
     /// are at most `max_context_capacity` tokens, `num_heads` query heads over `num_kv_heads`
     /// KV heads of `head_dim`, on a device of `sm_count` SMs (used by [`DecodeMode::Auto`]; 0
-    /// asks the device current on this thread).
+    /// asks the device current on this thread), for f16 / bf16 caches
+    /// ([`DecodePlan::for_dtype`]: any).
     ///
     /// # Errors
     /// [`RawError::Unsupported`] for a size beyond the C ABI; [`RawError::Launch`] with
@@ -66,6 +68,36 @@ impl DecodePlan {
     /// `PKV_ERR_INVALID_ARG` for [`DecodeMode::Splits`] of 0 or past `PKV_DECODE_MAX_SPLITS`.
     pub fn new(
         mode: DecodeMode,
+        num_seqs_capacity: usize,
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        max_context_capacity: usize,
+        sm_count: usize,
+    ) -> Result<Self, RawError> {
+        Self::for_dtype(
+            mode,
+            KvDtype::Bf16,
+            num_seqs_capacity,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            max_context_capacity,
+            sm_count,
+        )
+    }
+
+    /// [`DecodePlan::new`] for caches of `dtype`: [`DecodeMode::Auto`] sizes its splits by the
+    /// resident thread blocks of the kernel body that dtype runs (f32 runs CUDA-core bodies
+    /// that fit fewer blocks per SM than the f16 / bf16 tensor-core ones `new` assumes). A plan
+    /// made for one dtype is valid for launches of another; only their speed may suffer.
+    ///
+    /// # Errors
+    /// As [`DecodePlan::new`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn for_dtype(
+        mode: DecodeMode,
+        dtype: KvDtype,
         num_seqs_capacity: usize,
         num_heads: usize,
         num_kv_heads: usize,
@@ -95,10 +127,11 @@ impl DecodePlan {
             }),
             // SAFETY: as above. With sm_count 0 and Auto, the call queries the current device
             // through the runtime, which has no precondition (an error is a status).
-            _ => ("pkv_decode_plan_init", unsafe {
-                ffi::pkv_decode_plan_init(
+            _ => ("pkv_decode_plan_init_dtype", unsafe {
+                ffi::pkv_decode_plan_init_dtype(
                     &mut raw,
                     mode.abi(),
+                    dtype_abi(dtype),
                     seqs,
                     heads,
                     kv_heads,

@@ -69,8 +69,9 @@ impl Buffers {
             .max_blocks_per_seq
             .checked_mul(cfg.block_size())
             .ok_or_else(|| over("max_blocks_per_seq", caps.max_blocks_per_seq))?;
-        let plan = DecodePlan::new(
+        let plan = DecodePlan::for_dtype(
             mode,
+            cfg.dtype(),
             caps.max_seqs,
             heads,
             cfg.num_kv_heads(),

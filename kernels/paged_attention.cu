@@ -492,19 +492,19 @@ extern "C" int pkv_paged_attention_prefill_tiled(
   if (num_seqs == 0 || max_query_len == 0) return PKV_OK;
   const int group = params->num_heads / geom->num_kv_heads;
   const bool mma = geom->dtype == PKV_DTYPE_F16 || geom->dtype == PKV_DTYPE_BF16;
-  // Auto keeps one m16 tile per warp: the tiling every GPU measurement so far ran (32 rows per
-  // warp and wgmma are unmeasured; BENCHMARKS.md).
-  // wgmma: warpgroups per thread block (64 rows each), 0 for the mma.sync kernel.
-  const int wg = mma && (tiling == PKV_PREFILL_TILING_WGMMA ||
-                         tiling == PKV_PREFILL_TILING_WGMMA128) &&
-                         wgmma_prefill_available(geom->head_dim)
+  // The f16 / bf16 kernel the tiling selects: wg warpgroups of the wgmma one (0: none), else mt
+  // m16 tiles per warp of the mma.sync one; either way 64 rows per warpgroup or per m-tile of
+  // its 4 warps. Auto is one m16 tile per warp: the tiling every GPU measurement so far ran
+  // (the others are unmeasured; BENCHMARKS.md).
+  const bool wgmma_asked =
+      tiling == PKV_PREFILL_TILING_WGMMA || tiling == PKV_PREFILL_TILING_WGMMA128;
+  const int wg = mma && wgmma_asked && wgmma_prefill_available(geom->head_dim)
                      ? (tiling == PKV_PREFILL_TILING_WGMMA128 ? 2 : 1)
                      : 0;
   const int mt = mma && tiling == PKV_PREFILL_TILING_WARP32 && geom->head_dim <= 128 ? 2 : 1;
-  const int rows_per_tile = !mma ? PF_ROWS
-                            : wg > 0 ? 64 * wg
-                            : mt == 2 ? pfmma::Cfg<64, 2>::ROWS
-                                      : pfmma::Cfg<64, 1>::ROWS;
+  static_assert(pfmma::Cfg<64, 1>::ROWS == 64 && pfmma::Cfg<64, 2>::ROWS == 128,
+                "64 rows per m-tile of 4 warps");
+  const int rows_per_tile = mma ? 64 * (wg > 0 ? wg : mt) : PF_ROWS;
   const int64_t row_tiles = ((int64_t)max_query_len * group + rows_per_tile - 1) / rows_per_tile;
   if (row_tiles > 65535) return PKV_ERR_INVALID_ARG;
 

@@ -303,6 +303,28 @@ __device__ __forceinline__ bool softmax_tile(const float (&s)[NT][4], float mul,
   return grew;
 }
 
+// Whether key tile kt .. kt + BC - 1 is interior to a warp whose rows sit at positions w_first
+// .. w_last: every key valid, before every row and inside every row's window, so that with
+// plain logits the scale alone transforms it (mask_tile is not needed). Warp-uniform.
+template <int BC>
+__device__ __forceinline__ bool interior_tile(const PrefillArgs &a, bool plain, int kt,
+                                              int w_first, int w_last, const int *kv_ok) {
+  const int lane = threadIdx.x % 32;
+  return plain && kt + BC - 1 <= w_first && (a.window <= 0 || w_last - kt < a.window) &&
+         __all_sync(0xffffffffu, kv_ok[lane % BC] != 0 && kv_ok[(lane + 32) % BC] != 0);
+}
+
+// The A fragment of P V's k16 step kk (keys 16kk .. 16kk + 15): the packed P of S tiles 2kk and
+// 2kk + 1 (the accumulator layout of two n8 tiles is the A layout of one k16 step).
+template <int NT>
+__device__ __forceinline__ void p_fragment(const uint32_t (&p)[NT][2], int kk,
+                                           uint32_t (&pa)[4]) {
+  pa[0] = p[2 * kk][0];
+  pa[1] = p[2 * kk][1];
+  pa[2] = p[2 * kk + 1][0];
+  pa[3] = p[2 * kk + 1][1];
+}
+
 // O's rows g, g + 8 of one m16 tile times their alpha.
 template <int NO>
 __device__ __forceinline__ void rescale_tile(float (&o)[NO][4], const float (&alpha)[2]) {
@@ -487,9 +509,7 @@ __global__ void __launch_bounds__(THREADS, Cfg<D, MT>::MIN_BLOCKS)
     // (mul): one FFMA per logit instead of the general path's per-element flag load, position
     // arithmetic, compares and two products. Padding rows (past nrows) are never stored, so
     // they need no mask here.
-    const bool interior =
-        plain && kt + C::BC - 1 <= w_first && (a.window <= 0 || w_last - kt < a.window) &&
-        __all_sync(0xffffffffu, kv_ok[lane % C::BC] != 0 && kv_ok[(lane + 32) % C::BC] != 0);
+    const bool interior = interior_tile<C::BC>(a, plain, kt, w_first, w_last, kv_ok);
     float mul = 1.f;  // s * mul is the logit in log2 units
     if (interior) {
       mul = scale_log2;
@@ -515,15 +535,9 @@ __global__ void __launch_bounds__(THREADS, Cfg<D, MT>::MIN_BLOCKS)
     // ---- O += P V ----
 #pragma unroll
     for (int kk = 0; kk < C::BC / 16; ++kk) {
-      // The accumulators of S tiles 2kk, 2kk + 1 are the A fragment of keys 16kk .. 16kk + 15.
       uint32_t pa[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        pa[mt][0] = p[mt][2 * kk][0];
-        pa[mt][1] = p[mt][2 * kk][1];
-        pa[mt][2] = p[mt][2 * kk + 1][0];
-        pa[mt][3] = p[mt][2 * kk + 1][1];
-      }
+      for (int mt = 0; mt < MT; ++mt) p_fragment(p[mt], kk, pa[mt]);
 #pragma unroll
       for (int n = 0; n < C::NT_O; n += 2) {
         // B fragments of dim tiles n, n + 1: matrices (keys +0 | +8) x (dims +0 | +8) of V,

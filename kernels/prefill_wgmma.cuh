@@ -32,7 +32,9 @@ using pfmma::cp_async16;
 using pfmma::cp_async_commit;
 using pfmma::cp_async_wait;
 using pfmma::LOG2E;
+using pfmma::interior_tile;
 using pfmma::mask_tile;
+using pfmma::p_fragment;
 using pfmma::plain_logits;
 using pfmma::PrefillBlock;
 using pfmma::rescale_tile;
@@ -192,9 +194,7 @@ __global__ void __launch_bounds__(Cfg<D, WG>::NT, Cfg<D, WG>::MIN_BLOCKS)
     for (int i = 0; i < C::BC / 2; ++i) wgmma_pin(sf[i]);
 
     // ---- the logit transform and mask, the online softmax, the O rescale (prefill_mma's) ----
-    const bool interior =
-        plain && kt + C::BC - 1 <= w_first && (a.window <= 0 || w_last - kt < a.window) &&
-        __all_sync(0xffffffffu, kv_ok[lane] != 0 && kv_ok[lane + 32] != 0);
+    const bool interior = interior_tile<C::BC>(a, plain, kt, w_first, w_last, kv_ok);
     float mul = 1.f;
     if (interior)
       mul = scale_log2;
@@ -217,7 +217,8 @@ __global__ void __launch_bounds__(Cfg<D, WG>::NT, Cfg<D, WG>::MIN_BLOCKS)
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < C::BC / 16; ++kk) {
-      const uint32_t pa[4] = {p[2 * kk][0], p[2 * kk][1], p[2 * kk + 1][0], p[2 * kk + 1][1]};
+      uint32_t pa[4];
+      p_fragment(p, kk, pa);
       wgmma_rs<T, D, 1>(of, pa, smem_desc(sv + kk * 2 * 8 * D, smem, 128, C::OCTET_BYTES),
                         smem);
     }

@@ -62,8 +62,8 @@ pub struct GpuArgs {
     #[arg(long, default_value = "auto")]
     mode: String,
     /// Prefill tilings, a list of auto, 16, 32 (query rows per warp), wgmma and wgmma128 (64 or
-    /// 128 rows per thread block): the prefill grid
-    /// runs once per entry (beside the one peer run), for A/B comparisons in one process.
+    /// 128 rows per thread block): the prefill grid runs once per entry (beside the one peer
+    /// run), for A/B comparisons in one process.
     #[arg(long, default_value = "auto")]
     prefill_tiling: String,
     /// Launches per graph and back-to-back timing (at least; a whole number of rotations).

@@ -56,8 +56,8 @@ template <int TRANS_B, int SWAP>
 __device__ void probe_variant(const uint32_t (&a)[4], const void *b, const void *base,
                               unsigned *mismatches) {
   const uint32_t along_k = TRANS_B ? 1024 : 128, along_n = TRANS_B ? 128 : 256;
-  // wgmma.cuh: K-major lbo = along k, sbo = along n; MN-major lbo = along n, sbo = along k.
-  const uint32_t lbo = TRANS_B ? along_n : along_k, sbo = TRANS_B ? along_k : along_n;
+  // wgmma.cuh: lbo = along k, sbo = along n for both majors.
+  const uint32_t lbo = along_k, sbo = along_n;
   float d[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) {

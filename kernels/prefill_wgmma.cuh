@@ -205,8 +205,8 @@ __global__ void __launch_bounds__(Cfg<D, WG>::NT, Cfg<D, WG>::MIN_BLOCKS)
     const bool grew = softmax_tile<T>(s, mul, m, l, alphas, p);
     if (__any_sync(0xffffffffu, grew)) rescale_tile(o, alphas);
 
-    // ---- O += P V: k-step kk reads key octets 2kk, 2kk + 1 (OCTET_BYTES apart along k),
-    // every chunk of dims (128 bytes apart along n) ----
+    // ---- O += P V: k-step kk reads key octets 2kk, 2kk + 1 (OCTET_BYTES apart along k: the
+    // leading offset), every chunk of dims (128 bytes apart along n: the stride offset) ----
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) wgmma_pin(of[i]);
 #pragma unroll
@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(Cfg<D, WG>::NT, Cfg<D, WG>::MIN_BLOCKS)
     for (int kk = 0; kk < C::BC / 16; ++kk) {
       uint32_t pa[4];
       p_fragment(p, kk, pa);
-      wgmma_rs<T, D, 1>(of, pa, smem_desc(sv + kk * 2 * 8 * D, smem, 128, C::OCTET_BYTES),
+      wgmma_rs<T, D, 1>(of, pa, smem_desc(sv + kk * 2 * 8 * D, smem, C::OCTET_BYTES, 128),
                         smem);
     }
     wgmma_commit();

@@ -13,13 +13,17 @@
 //
 // Layouts (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"; no swizzle):
 // shared memory holds B as 8 x 8 core matrices, each 8 rows of 16 contiguous bytes (128 bytes).
-// K-major B (TRANS_B = 0; element (k, n) with k contiguous, as the keys' rows of K for Q K^T):
-// core matrices adjacent in k are `lbo` bytes apart, adjacent in n `sbo`; element (k, n) at
-// (k / 8) lbo + (n / 8) sbo + (n % 8) 16 + (k % 8) 2. MN-major B (TRANS_B = 1; n contiguous, as
-// V's rows for P V): adjacent in n `lbo`, adjacent in k `sbo`; element (k, n) at (n / 8) lbo +
-// (k / 8) sbo + (k % 8) 16 + (n % 8) 2. The accumulator: warp w of the warpgroup holds rows
-// 16 w .. 16 w + 15; for each 8 columns i, d[4 i + e] is row g + 8 (e / 2), column 8 i + 2 q +
-// (e % 2) (g = lane / 4, q = lane % 4), the mma.m16n8k16 C layout per n8 tile.
+// Without swizzle the leading offset `lbo` is the step between core matrices adjacent in k and
+// the stride offset `sbo` the step between those adjacent in n, for both majors (the ISA's
+// canonical layouts, K-major ((8,m),(T,2k)):((1T,SBO),(1,LBO)) and MN-major
+// ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO)), and its worked MN-major bf16 example, LBO 256 bytes
+// along k, SBO 128 along n). Only the inside of a core matrix differs. K-major B (TRANS_B = 0;
+// k contiguous, as the keys' rows of K for Q K^T): element (k, n) at (k / 8) lbo + (n / 8) sbo +
+// (n % 8) 16 + (k % 8) 2. MN-major B (TRANS_B = 1; n contiguous, as V's rows for P V): element
+// (k, n) at (k / 8) lbo + (n / 8) sbo + (k % 8) 16 + (n % 8) 2. The accumulator: warp w of the
+// warpgroup holds rows 16 w .. 16 w + 15; for each 8 columns i, d[4 i + e] is row g + 8 (e / 2),
+// column 8 i + 2 q + (e % 2) (g = lane / 4, q = lane % 4), the mma.m16n8k16 C layout per n8
+// tile.
 #pragma once
 
 #include "mma.cuh"

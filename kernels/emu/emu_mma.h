@@ -106,9 +106,10 @@ template <int N, bool TRANS> inline void ldmatrix(uint32_t (&r)[N], const void *
 // mma.m16n8k16 A layout), B is read through the descriptor, D is the m16n8 C layout per 8
 // columns. The descriptor's start address is relative to `base` (the block's dynamic shared
 // memory) here; its layout rules are written from the PTX ISA ("Shared Memory Matrix Layout",
-// "Matrix Descriptor"): core matrices of 8 rows x 16 bytes; K-major (trans_b false): element
-// (k, n) at (k/8) LBO + (n/8) SBO + (n%8) 16 + (k%8) 2; MN-major: (n/8) LBO + (k/8) SBO +
-// (k%8) 16 + (n%8) 2.
+// "Matrix Descriptor", "Canonical Layouts"): core matrices of 8 rows x 16 bytes, LBO the step
+// along k and SBO the step along n for both majors; K-major (trans_b false): element (k, n) at
+// (k/8) LBO + (n/8) SBO + (n%8) 16 + (k%8) 2; MN-major: (k/8) LBO + (n/8) SBO + (k%8) 16 +
+// (n%8) 2.
 template <int N>
 inline void wgmma_m64nNk16(MmaElem t, float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc,
                            const void *base, bool trans_b) {
@@ -123,10 +124,9 @@ inline void wgmma_m64nNk16(MmaElem t, float (&d)[N / 2], const uint32_t (&a)[4],
   float A[16][16];
   mma_a_from_lanes(t, all, A);
   auto b_at = [&](int k, int n) {
-    const size_t off = trans_b ? (size_t)(n / 8) * lbo + (size_t)(k / 8) * sbo +
-                                     (size_t)(k % 8) * 16 + (size_t)(n % 8) * 2
-                               : (size_t)(k / 8) * lbo + (size_t)(n / 8) * sbo +
-                                     (size_t)(n % 8) * 16 + (size_t)(k % 8) * 2;
+    const size_t core = (size_t)(k / 8) * lbo + (size_t)(n / 8) * sbo;
+    const size_t off = core + (trans_b ? (size_t)(k % 8) * 16 + (size_t)(n % 8) * 2
+                                       : (size_t)(n % 8) * 16 + (size_t)(k % 8) * 2);
     uint16_t bits;
     memcpy(&bits, start + off, 2);
     return mma_elem_f32(bits, 0, t);

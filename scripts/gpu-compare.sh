@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# A kernel change measured in one short device call (~60 s on an H200): the kernel tests,
-# the full `bench gpu` grid beside torch SDPA (prefill at every tiling: 16 and 32 query rows
-# per warp, wgmma with 64 and 128 rows per block), the decode split counts around the Auto
+# A kernel change measured in one short device call (~60 s on an H200): the wgmma layout
+# probe, the kernel tests, the full `bench gpu` grid beside torch SDPA (prefill at 16 and 32
+# query rows per warp; wgmma with 64 and 128 rows per block in a second process), the decode
+# split counts around the Auto
 # plan's (`--mode splits:N`) at batch 1-8, ncu on two prefill points (every tiling) and two
 # batch-1 decode points,
 # compute-sanitizer memcheck on the kernel tests and racecheck on the bf16 prefill grid. Logs
@@ -20,9 +21,19 @@ device_setup
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/machine.txt" 2>&1
 note "machine: $(tail -1 "$OUT/machine.txt")"
 
+# The wgmma descriptor probe alone first (its counts print even if a later kernel faults and
+# a sticky error takes the rest of the test process with it), then every kernel test; on a
+# failure once more one test at a time, so the first failing test is the one that says why.
+stage test-wgmma-probe 30 "$bin/test-cuda_kernels" wgmma_layouts_match_the_hardware --nocapture
 stage test-cuda_kernels 90 "$bin/test-cuda_kernels"
-stage bench-gpu 200 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill-tiling 16,32,wgmma,wgmma128
+grep -q "^test result: ok" "$OUT/test-cuda_kernels.log" ||
+  stage test-cuda_kernels-serial 120 "$bin/test-cuda_kernels" --test-threads 1
+# The warp tilings beside SDPA and the decode grid; the wgmma tilings in their own process (a
+# fault there cannot cost the others' rows; compare with the SDPA column above).
+stage bench-gpu 200 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill-tiling 16,32
 only='--no-cache-ops --peer none --no-check'
+stage bench-wgmma 120 "$bin/bin-pagedkv" bench gpu --no-cache-ops --peer none --decode none \
+  --prefill-tiling wgmma,wgmma128
 # Split counts around the Auto plan's where the tensor-core body could fill a third block per
 # SM (the merge's cost changed): batch 1 long, batch 2-8 medium.
 pts=32:8/1x32768,32:8/1x16384,32:8/2x16384,32:8/4x8192,32:8/8x4096

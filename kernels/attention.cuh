@@ -95,6 +95,7 @@ struct DecodeArgs {
   float scale;
   float softcap;
   int32_t window;
+  int32_t launch_flags;          // PKV_LAUNCH_* of the launch (host side; kernels ignore it)
 };
 
 // The contract's per-sequence context: context_lens[s] clamped to [0, ctx_clamp].
@@ -138,6 +139,7 @@ struct PrefillArgs {
   float scale;
   float softcap;
   int32_t window;
+  int32_t launch_flags;          // PKV_LAUNCH_* of the launch (host side; kernels ignore it)
 };
 
 // Shared memory of prefill_kernel in floats: Q [ROWS][D], K [KEYS][D+1] (padded: lanes read
@@ -149,6 +151,7 @@ template <int D> constexpr size_t prefill_smem_bytes() {
 
 template <typename T, int D>
 __global__ void __launch_bounds__(PF_THREADS) prefill_kernel(const PrefillArgs a) {
+  grid_dependency_entry();  // PKV_LAUNCH_PROGRAMMATIC: before any read
   constexpr int VEC = Elem<T>::VEC, CHUNKS = D / VEC;
   constexpr int DPL = (D + 31) / 32;  // dims per lane in the accumulator
   extern __shared__ float smem[];

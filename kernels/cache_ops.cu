@@ -20,6 +20,7 @@ __global__ void __launch_bounds__(RC_THREADS) reshape_and_cache_kernel(
     const int64_t *slot_mapping, // device [num_tokens]
     int64_t key_stride, int64_t value_stride, Strides st, int64_t layer_offset,
     int64_t num_slots, int block_size) {
+  grid_dependency_entry();  // lets a programmatic attention launch start early
   const int t = blockIdx.x;
   const int64_t slot = slot_mapping[t];
   if (slot < 0 || slot >= num_slots) return;  // -1: padding
@@ -56,6 +57,7 @@ __global__ void __launch_bounds__(CB_THREADS) copy_blocks_kernel(
     int64_t vecs,            // 16-byte vectors per block (<= page_vecs)
     int64_t page_vecs,       // 16-byte vectors per page (the page stride)
     int32_t num_blocks) {
+  grid_dependency_entry();  // lets a programmatic attention launch start early
   const int32_t src = pairs[2 * blockIdx.x], dst = pairs[2 * blockIdx.x + 1];
   if (src < 0 || src >= num_blocks || dst < 0 || dst >= num_blocks || src == dst) return;
   const uint4 *s = cache + (int64_t)src * page_vecs;

@@ -143,6 +143,52 @@ __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / 
 
 inline int status_of(cudaError_t e) { return e == cudaSuccess ? PKV_OK : (int)e; }
 
+// ---- programmatic dependent launch (PKV_LAUNCH_PROGRAMMATIC, pagedkv.h) ----------------------
+
+// First statement of every kernel: waits until the kernel before it on the stream has
+// completed and its writes are visible (returns at once after a plain launch, which already
+// ordered it), then lets the kernel after it launch early (its blocks then wait here in turn;
+// they are scheduled only once every block of this grid has started, so they take no slot this
+// grid still needs). sm_90 and later; nothing before (no such launches there) or emulated
+// (launches run one after another).
+__device__ __forceinline__ void grid_dependency_entry() {
+#if !defined(PKV_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Launches kernel k (grid, block, dynamic shared memory smem, stream s) with args; with
+// PKV_LAUNCH_PROGRAMMATIC in flags and a device of compute capability 9.0 or later, as a
+// programmatic dependent launch. Returns the launch's status.
+template <typename... P, typename... A>
+int launch_kernel(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, int flags,
+                  A... args) {
+#ifdef PKV_CUDA_EMU
+  (void)flags;
+  ::emu::launch((const void *)k, [=]() { k(args...); }, grid, block, smem, s);
+  return status_of(cudaGetLastError());
+#else
+  cudaLaunchAttribute attr[1];
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cfg.attrs = attr;
+  cfg.numAttrs = 0;
+  int dev = 0, major = 0;
+  if ((flags & PKV_LAUNCH_PROGRAMMATIC) != 0 && cudaGetDevice(&dev) == cudaSuccess &&
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+      major >= 9) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.numAttrs = 1;
+  }
+  return status_of(cudaLaunchKernelEx(&cfg, k, args...));
+#endif
+}
+
 inline bool supported_head_dim(int d) {
   return d == 64 || d == 80 || d == 96 || d == 112 || d == 128 || d == 256;
 }

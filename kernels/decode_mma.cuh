@@ -313,6 +313,7 @@ __device__ __forceinline__ void decode_mma_attend(const DecodeArgs &a, const Dec
 
 template <typename T, int D, int GT_>
 __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArgs a) {
+  grid_dependency_entry();  // PKV_LAUNCH_PROGRAMMATIC: before any read
   using P = MmaDecode<T, D, GT_>;
   extern __shared__ float smem[];
   const DecodeBlock b = DecodeBlock::of<D>(a, P::GT);

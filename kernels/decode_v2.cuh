@@ -553,6 +553,7 @@ __device__ __forceinline__ void decode_simt_attend(const DecodeArgs &a, const De
 
 template <typename T, int D, int GT>
 __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeArgs a) {
+  grid_dependency_entry();  // PKV_LAUNCH_PROGRAMMATIC: before any read
   using P = SimtDecode<T, D, GT>;
   extern __shared__ float smem[];
   const DecodeBlock b = DecodeBlock::of<D>(a, GT);

@@ -116,6 +116,7 @@ int common_attn_checks(const void *out, int64_t out_stride, const void *query, i
   if (max_blocks_per_seq <= 0) return PKV_ERR_INVALID_ARG;
   if (!(params->scale == params->scale) || !(params->softcap == params->softcap))
     return PKV_ERR_INVALID_ARG;  // NaN
+  if ((params->launch_flags & ~PKV_LAUNCH_PROGRAMMATIC) != 0) return PKV_ERR_INVALID_ARG;
   const int64_t row = (int64_t)params->num_heads * geom->head_dim;
   const int es = dtype_size(geom->dtype);
   if (!rows_ok(query, q_stride, row, es) || !rows_ok(out, out_stride, row, es))
@@ -229,8 +230,8 @@ int launch_decode(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t str
   static_assert(smem <= 48 * 1024, "the merge buffer fits without the opt-in");
   a.head_chunks = ceil_div(a.group, GT);
   const dim3 grid(num_kv_heads * a.head_chunks, num_seqs, a.num_splits);
-  decode_simt_kernel<T, D, GT><<<grid, DEC_THREADS, smem, stream>>>(a);
-  return status_of(cudaGetLastError());
+  return launch_kernel(decode_simt_kernel<T, D, GT>, grid, dim3(DEC_THREADS), smem, stream,
+                       a.launch_flags, a);
 }
 
 template <typename T, int D, int GT>
@@ -239,8 +240,8 @@ int launch_decode_mma(DecodeArgs a, int num_kv_heads, int num_seqs, cudaStream_t
   static_assert(smem <= 48 * 1024, "queries and merge buffer fit without the opt-in");
   a.head_chunks = ceil_div(a.group, GT);
   const dim3 grid(num_kv_heads * a.head_chunks, num_seqs, a.num_splits);
-  decode_mma_kernel<T, D, GT><<<grid, DEC_THREADS, smem, stream>>>(a);
-  return status_of(cudaGetLastError());
+  return launch_kernel(decode_mma_kernel<T, D, GT>, grid, dim3(DEC_THREADS), smem, stream,
+                       a.launch_flags, a);
 }
 
 template <typename T, int D>
@@ -351,6 +352,7 @@ extern "C" int pkv_paged_attention_decode(void *out, int64_t out_token_stride, c
   a.scale = params->scale;
   a.softcap = params->softcap;
   a.window = params->sliding_window;
+  a.launch_flags = params->launch_flags;
 
   if (a.num_splits > 1) {
     // Sized for the plan's capacity (not num_seqs): the layout's row stride is fixed per plan.
@@ -416,8 +418,7 @@ int launch_prefill(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs, c
     if (e != cudaSuccess) return status_of(e);
   }
   const dim3 grid(hkv, row_tiles, num_seqs);
-  prefill_kernel<T, D><<<grid, PF_THREADS, smem, s>>>(a);
-  return status_of(cudaGetLastError());
+  return launch_kernel(prefill_kernel<T, D>, grid, dim3(PF_THREADS), smem, s, a.launch_flags, a);
 }
 
 // f16 / bf16: the tensor-core kernel, MT m16 tiles per warp (Cfg<D, MT>::ROWS rows per thread
@@ -432,8 +433,8 @@ int launch_prefill_mma(const PrefillArgs &a, int hkv, int row_tiles, int num_seq
     if (e != cudaSuccess) return status_of(e);
   }
   const dim3 grid(hkv, row_tiles, num_seqs);
-  pfmma::prefill_mma_kernel<T, D, MT><<<grid, pfmma::THREADS, smem, s>>>(a);
-  return status_of(cudaGetLastError());
+  return launch_kernel(pfmma::prefill_mma_kernel<T, D, MT>, grid, dim3(pfmma::THREADS), smem, s,
+                       a.launch_flags, a);
 }
 
 template <typename T, int D>
@@ -529,6 +530,7 @@ extern "C" int pkv_paged_attention_prefill_tiled(
   a.scale = params->scale;
   a.softcap = params->softcap;
   a.window = params->sliding_window;
+  a.launch_flags = params->launch_flags;
 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int hkv = geom->num_kv_heads, tiles = (int)row_tiles;

@@ -153,7 +153,22 @@ typedef struct pkv_attn_params {
   int32_t sliding_window;
   /** device [num_heads] f32, or NULL for no ALiBi. */
   const float *alibi_slopes;
+  /** PKV_LAUNCH_* bits (0: a plain launch); other bits are refused (PKV_ERR_INVALID_ARG). */
+  int32_t launch_flags;
 } pkv_attn_params;
+
+/**
+ * Programmatic dependent launch (compute capability 9.0 and later; elsewhere the bit changes
+ * nothing): the attention launch may be scheduled while the kernel before it on the stream
+ * still runs, so its launch and block dispatch overlap that kernel's tail instead of following
+ * it. Every thread block waits at entry (griddepcontrol.wait) until that kernel has completed
+ * and its memory is visible, before any read: the results are those of a plain launch. Every
+ * pagedkv kernel lets its own dependents launch as soon as all its blocks have started
+ * (griddepcontrol.launch_dependents at entry), so reshape_and_cache followed by attention with
+ * this bit hides the attention launch behind the cache write. Works inside stream capture
+ * (the graph keeps a programmatic edge).
+ */
+#define PKV_LAUNCH_PROGRAMMATIC 1
 
 /**
  * A decode plan: the partitioning of every decode launch made with it, fixed for a batch

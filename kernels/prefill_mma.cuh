@@ -368,6 +368,7 @@ __device__ __forceinline__ void store_tile(const PrefillArgs &a, const PrefillBl
 template <typename T, int D, int MT>
 __global__ void __launch_bounds__(THREADS, Cfg<D, MT>::MIN_BLOCKS)
     prefill_mma_kernel(const PrefillArgs a) {
+  grid_dependency_entry();  // PKV_LAUNCH_PROGRAMMATIC: before any read
   using C = Cfg<D, MT>;
   constexpr int ROWS = C::ROWS, WROWS = C::WROWS;
   extern __shared__ uint4 pf_smem[];

@@ -14,8 +14,8 @@ int launch(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs, cudaStrea
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return status_of(e);
   const dim3 grid(hkv, row_tiles, num_seqs);
-  pfwg::prefill_wgmma_kernel<T, D, WG><<<grid, C::NT, smem, s>>>(a);
-  return status_of(cudaGetLastError());
+  return launch_kernel(pfwg::prefill_wgmma_kernel<T, D, WG>, grid, dim3(C::NT), smem, s,
+                       a.launch_flags, a);
 }
 
 template <typename T, int D>

@@ -100,6 +100,7 @@ __device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *cons
 template <typename T, int D, int WG>
 __global__ void __launch_bounds__(Cfg<D, WG>::NT, Cfg<D, WG>::MIN_BLOCKS)
     prefill_wgmma_kernel(const PrefillArgs a) {
+  grid_dependency_entry();  // PKV_LAUNCH_PROGRAMMATIC: before any read
   using C = Cfg<D, WG>;
   extern __shared__ uint4 pw_smem[];
   T *smem = reinterpret_cast<T *>(pw_smem);

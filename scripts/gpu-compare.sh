@@ -34,6 +34,10 @@ stage bench-gpu 200 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill-tiling
 only='--no-cache-ops --peer none --no-check'
 stage bench-wgmma 120 "$bin/bin-pagedkv" bench gpu --no-cache-ops --peer none --decode none \
   --prefill-tiling wgmma,wgmma128
+# The same decode grid and 16-row prefill as programmatic dependent launches (back to back,
+# each launch's dispatch over the previous one's tail): against bench-gpu's rows.
+stage bench-programmatic 150 "$bin/bin-pagedkv" bench gpu --no-cache-ops --peer none \
+  --programmatic --prefill-tiling 16
 # Split counts around the Auto plan's where the tensor-core body could fill a third block per
 # SM (the merge's cost changed): batch 1 long, batch 2-8 medium.
 pts=32:8/1x32768,32:8/1x16384,32:8/2x16384,32:8/4x8192,32:8/8x4096

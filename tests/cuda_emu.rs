@@ -63,6 +63,7 @@ impl AttnCase {
             alibi_slopes: slopes
                 .as_ref()
                 .map_or(std::ptr::null(), |s| s.ptr() as *const f32),
+            launch_flags: 0,
         };
         Self {
             cfg: b.cfg,
@@ -1216,4 +1217,82 @@ fn table_capacity_beyond_i32_does_not_wrap() {
     let (s, got) = pcase.prefill::<f32>(0, &qsl);
     expect_ok("prefill, huge table", s);
     assert_close("prefill, huge table", &got, &want, d);
+}
+
+/// Launch flags other than `PKV_LAUNCH_PROGRAMMATIC` are refused by both attention launchers
+/// (`PKV_ERR_INVALID_ARG`) before any pointer is touched; the flag itself passes validation
+/// (what the emulated launch then computes with it is checked in cuda_emu_raw's fixed-plan
+/// replay, which alternates it).
+#[test]
+fn unknown_launch_flags_are_refused() {
+    let cfg = KvCacheConfig::new(2, 2, 64, 16, 4, KvDtype::F16).expect("cfg");
+    let g = geometry(&cfg);
+    // Never dereferenced: every call below fails validation first.
+    let fake = EmuBuf::zeroed(64).expect("buf");
+    let p = fake.ptr();
+    let plan = ffi::pkv_decode_plan {
+        mode: ffi::PKV_DECODE_SINGLE as i32,
+        num_seqs_capacity: 1,
+        num_heads: 2,
+        num_kv_heads: 2,
+        head_dim: 64,
+        max_context_capacity: 16,
+        num_splits: 1,
+        workspace_bytes: 0,
+        counter_bytes: 0,
+    };
+    for flags in [2, 3, -1, i32::MIN] {
+        let params = ffi::pkv_attn_params {
+            num_heads: 2,
+            scale: 0.1,
+            launch_flags: flags,
+            ..Default::default()
+        };
+        // SAFETY: the flags are invalid, so each launcher returns before any launch or any
+        // access through `p`.
+        let got = unsafe {
+            [
+                ffi::pkv_paged_attention_decode(
+                    p,
+                    128,
+                    p,
+                    128,
+                    p,
+                    &g,
+                    0,
+                    p as *const i32,
+                    1,
+                    p as *const i32,
+                    1,
+                    &plan,
+                    &params,
+                    null(),
+                    0,
+                    null(),
+                ),
+                ffi::pkv_paged_attention_prefill(
+                    p,
+                    128,
+                    p,
+                    128,
+                    p,
+                    &g,
+                    0,
+                    p as *const i32,
+                    1,
+                    p as *const i32,
+                    p as *const i32,
+                    1,
+                    1,
+                    &params,
+                    null(),
+                ),
+            ]
+        };
+        assert_eq!(
+            got,
+            [ffi::PKV_ERR_INVALID_ARG as i32; 2],
+            "launch flags {flags:#x}"
+        );
+    }
 }

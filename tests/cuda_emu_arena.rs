@@ -77,6 +77,7 @@ fn run_model<T: Elem>(arena: &mut EmuBuf, w: &HandOff<T>) -> Outputs<T> {
         softcap: p.softcap,
         sliding_window: 0,
         alibi_slopes: std::ptr::null(),
+        launch_flags: 0,
     };
     let (tables, ctx) = (buf(&w.batch.tables), buf(&w.batch.ctx));
     let (dq, pq, qsl) = (buf(&w.decode_q), buf(&w.prefill_q), buf(&w.qsl));

@@ -59,6 +59,13 @@ fn launch<T: Elem>(
         alibi_slopes: slopes
             .as_ref()
             .map_or(std::ptr::null(), |s| s.ptr() as *const f32),
+        // The wgmma tilings as programmatic dependent launches, the others plain: the flag
+        // must pass validation and change nothing.
+        launch_flags: if tiling >= ffi::PKV_PREFILL_TILING_WGMMA as i32 {
+            ffi::PKV_LAUNCH_PROGRAMMATIC as i32
+        } else {
+            0
+        },
     };
     let row = params.num_heads * b.cfg.head_dim();
     let tokens = query.len() / row.max(1);

@@ -51,6 +51,7 @@ fn raw_params(p: &AttnParams<'_>, slopes: Option<&EmuBuf>) -> AttnParamsRaw {
         sliding_window: p.sliding_window,
         alibi_slopes: slopes.map_or(0, ptr),
         prefill_tiling: PrefillTiling::Auto,
+        programmatic_launch: false,
     }
 }
 
@@ -218,6 +219,12 @@ fn check_fixed_plan<T: Elem>(
         out.as_mut_slice::<u8>().fill(0xff);
 
         let _ = cuda_emu::take_stats();
+        // Every other step a programmatic dependent launch, as a captured step would make it
+        // after its cache write: the same results (the kernels wait for their predecessor).
+        let raw = AttnParamsRaw {
+            programmatic_launch: step % 2 == 1,
+            ..raw
+        };
         // SAFETY: every pointer is a live guarded buffer of the documented shape (query/out
         // cap_seqs dense rows, tables cap_seqs x mbps, ctx cap_seqs, the plan's workspace, the
         // slopes nh f32); emulated launches complete before returning.

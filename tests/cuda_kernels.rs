@@ -184,6 +184,85 @@ fn decode_grid_bf16() {
     decode_grid::<bf16>(3);
 }
 
+/// Programmatic dependent launches (`PKV_LAUNCH_PROGRAMMATIC`) queued back to back with no
+/// host synchronization: each step rewrites the last token of a sequence (reshape_and_cache,
+/// which lets its successor launch early), then decodes twice with the flag (the second
+/// decode's predecessor is the first, which shares its split merge's workspace and counters),
+/// then runs a programmatic prefill of the last tokens. Every output equals the oracle's over
+/// the cache as that step left it: a block that read before its predecessor finished would
+/// see the previous step's token (or a half-merged workspace). On devices before compute
+/// capability 9.0 the flag is a plain launch and this checks only that it is accepted.
+#[test]
+fn programmatic_launches_wait_for_their_predecessor() {
+    let Some(g) = gpu("programmatic_launches_wait_for_their_predecessor") else {
+        return;
+    };
+    let mut rng = SmallRng::seed_from_u64(21);
+    let (layer, hkv, group, d, bs, ctx, steps, chunk) = (0, 2, 4, 128, 16, 1500, 24, 40);
+    let nh = hkv * group;
+    let b = make_batch(&mut rng, 1, hkv, d, bs, KvDtype::Bf16, Page::Dense, &[ctx]);
+    let mut host = random_cache::<bf16>(&mut rng, b.cfg);
+    let params = attn_params(nh, d, Features::PLAIN, &[]);
+    let seqs = b.seqs();
+    let qsl = [0i32, chunk as i32];
+    let last = ctx - 1;
+    let slot = (b.tables[last / bs] as i64) * bs as i64 + (last % bs) as i64;
+
+    let mut dev = DeviceKvCache::new(&g, b.cfg).expect("device cache");
+    dev.upload_from(&g, &host).expect("upload");
+    let dseqs = DeviceSeqs::upload(&g, &b.cfg, &seqs).expect("seqs");
+    let dseqs_pf = DeviceSeqs::upload_prefill(&g, &b.cfg, &seqs, &qsl).expect("prefill seqs");
+    let mut dparams = DeviceAttnParams::upload(&g, &b.cfg, &params).expect("params");
+    dparams.programmatic_launch = true;
+    dparams.mode = DecodeMode::SplitK;
+    let query = random_vec::<bf16>(&mut rng, nh * d);
+    let pf_query = random_vec::<bf16>(&mut rng, chunk * nh * d);
+    let (dq, dpq) = (
+        g.upload(&query).expect("q"),
+        g.upload(&pf_query).expect("pq"),
+    );
+    let dslot = g.upload(&[slot]).expect("slot");
+    let mut ws = DecodeWorkspace::new();
+    let mut kv = Vec::new();
+    let mut dev_kv = Vec::new();
+    let mut outs = Vec::new();
+    for _ in 0..steps {
+        let (k, v) = (
+            random_vec::<bf16>(&mut rng, hkv * d),
+            random_vec::<bf16>(&mut rng, hkv * d),
+        );
+        dev_kv.push((g.upload(&k).expect("k"), g.upload(&v).expect("v")));
+        kv.push((k, v));
+        let nan = |n: usize| g.upload(&vec![bf16::NAN; n]).expect("out");
+        outs.push((nan(nh * d), nan(nh * d), nan(chunk * nh * d)));
+    }
+    // Queued with no synchronization between steps.
+    for ((dk, dv), (o1, o2, o3)) in dev_kv.iter().zip(outs.iter_mut()) {
+        dev.reshape_and_cache(&g, layer, dk, dv, &dslot)
+            .expect("reshape");
+        for o in [o1, o2] {
+            dev.paged_attention_decode(&g, layer, &dq, &dseqs, &dparams, &mut ws, o)
+                .expect("decode");
+        }
+        dev.paged_attention_prefill(&g, layer, &dpq, &dseqs_pf, &dparams, o3)
+            .expect("prefill");
+    }
+    g.synchronize().expect("sync");
+    for (step, ((k, v), (o1, o2, o3))) in kv.iter().zip(&outs).enumerate() {
+        let mut view = host.view_mut::<bf16>().expect("view");
+        cpu::reshape_and_cache(view.layer_mut(layer).expect("layer"), k, v, &[slot])
+            .expect("cpu reshape");
+        let want = cpu_decode(&b, &host, layer, &query, &params);
+        for (i, o) in [o1, o2].into_iter().enumerate() {
+            let got = g.download(o).expect("download");
+            assert_close(&format!("step {step} decode {i}"), &got, &want, d);
+        }
+        let want = cpu_prefill(&b, &host, layer, &pf_query, &qsl, &params);
+        let got = g.download(o3).expect("download");
+        assert_close(&format!("step {step} prefill"), &got, &want, d);
+    }
+}
+
 /// Long contexts: split-K over many partitions (boundaries 511/512/513), the in-launch split merge,
 /// windows that start mid-partition, and odd GQA ratios (2, 6, 16: padded and chunked head
 /// groups).

@@ -138,6 +138,8 @@ pub struct DeviceAttnParams {
     pub mode: DecodeMode,
     /// The f16 / bf16 prefill kernel's tiling.
     pub prefill_tiling: PrefillTiling,
+    /// Programmatic dependent launches ([`AttnParamsRaw::programmatic_launch`]).
+    pub programmatic_launch: bool,
 }
 
 impl DeviceAttnParams {
@@ -207,6 +209,7 @@ impl DeviceAttnParams {
             alibi_slopes,
             mode: DecodeMode::Auto,
             prefill_tiling: PrefillTiling::Auto,
+            programmatic_launch: false,
         })
     }
 
@@ -483,6 +486,7 @@ impl DeviceAttnParams {
             sliding_window: self.sliding_window,
             alibi_slopes,
             prefill_tiling: self.prefill_tiling,
+            programmatic_launch: self.programmatic_launch,
         };
         (raw, guard)
     }

@@ -166,6 +166,11 @@ pub(crate) fn attn_params(
         // A window beyond i32 is no window at all for contexts that fit i32.
         sliding_window: i32::try_from(p.sliding_window).unwrap_or(i32::MAX),
         alibi_slopes: p.alibi_slopes as usize as *const f32,
+        launch_flags: if p.programmatic_launch {
+            ffi::PKV_LAUNCH_PROGRAMMATIC as i32
+        } else {
+            0
+        },
     })
 }
 

@@ -155,6 +155,11 @@ pub struct AttnParamsRaw {
     pub alibi_slopes: DevPtr,
     /// The f16 / bf16 prefill kernel's tiling (decode ignores it).
     pub prefill_tiling: PrefillTiling,
+    /// Launch as a programmatic dependent launch (`PKV_LAUNCH_PROGRAMMATIC`, compute capability
+    /// 9.0 and later; elsewhere a plain launch): the launch and block dispatch overlap the tail
+    /// of the kernel before it on the stream (e.g. the layer's cache write), and every block
+    /// waits for that kernel's completion before reading anything, so results are unchanged.
+    pub programmatic_launch: bool,
 }
 
 impl AttnParamsRaw {
@@ -168,6 +173,7 @@ impl AttnParamsRaw {
             sliding_window: 0,
             alibi_slopes: 0,
             prefill_tiling: PrefillTiling::Auto,
+            programmatic_launch: false,
         }
     }
 }

@@ -38,6 +38,8 @@ pub struct Bench<'g> {
     pub mode: DecodeMode,
     /// The prefill points' tiling.
     pub prefill_tiling: PrefillTiling,
+    /// Every launch a programmatic dependent launch (`DeviceAttnParams::programmatic_launch`).
+    pub programmatic: bool,
     /// The device's L2 cache, bytes.
     pub l2_bytes: u64,
     /// Device bytes the copies of one point may take.
@@ -85,6 +87,7 @@ impl<'g> Bench<'g> {
             block_size,
             mode,
             prefill_tiling: PrefillTiling::Auto,
+            programmatic: false,
             l2_bytes,
             budget,
             min_launches,
@@ -196,6 +199,7 @@ impl<'g> Bench<'g> {
         let attn = AttnParams::new(nh, d);
         let mut params = DeviceAttnParams::upload(self.gpu, &cfg, &attn)?;
         params.mode = self.mode;
+        params.programmatic_launch = self.programmatic;
         let q_host = self.random_vec(p.batch * nh * d);
         let mut copies = self.copies(&cfg, &q_host, n)?;
         let gpu = self.gpu;
@@ -239,6 +243,7 @@ impl<'g> Bench<'g> {
         let attn = AttnParams::new(nh, d);
         let mut params = DeviceAttnParams::upload(self.gpu, &cfg, &attn)?;
         params.prefill_tiling = self.prefill_tiling;
+        params.programmatic_launch = self.programmatic;
         let q_host = self.random_vec(p.chunk * nh * d);
         let mut copies = self.copies(&cfg, &q_host, n)?;
         let gpu = self.gpu;

@@ -93,6 +93,10 @@ pub struct GpuArgs {
     /// Skip reshape_and_cache, copy_blocks and swap.
     #[arg(long)]
     no_cache_ops: bool,
+    /// Make every attention launch a programmatic dependent launch (compute capability 9.0+):
+    /// back to back, each launch's dispatch overlaps the previous one's tail.
+    #[arg(long)]
+    programmatic: bool,
 }
 
 /// Runs `pagedkv bench ...`.
@@ -235,6 +239,12 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
         (a.launches, a.reps, a.iters, a.warmup),
         !a.no_check,
     )?;
+    bench.programmatic = a.programmatic;
+    let launch = if a.programmatic {
+        ", programmatic launches"
+    } else {
+        ""
+    };
     let mut failed_checks = Vec::new();
     let mut note_check = |what: String, m: &Measured| match &m.check {
         Some(Ok(err)) => println!(
@@ -251,7 +261,7 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
     if !decode.is_empty() {
         println!();
         println!(
-            "decode bf16 d{} bs{} mode {mode:?}; times per call; GB/s of K/V + q + out bytes at the graph time",
+            "decode bf16 d{} bs{} mode {mode:?}{launch}; times per call; GB/s of K/V + q + out bytes at the graph time",
             a.head_dim, a.block_size
         );
         println!("{}", decode_header());
@@ -267,7 +277,7 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
     for &tiling in tilings.iter().filter(|_| !prefill.is_empty()) {
         println!();
         println!(
-            "prefill bf16 d{} bs{} tiling {tiling:?}, one sequence, causal; TFLOP/s of the causal region at the graph time",
+            "prefill bf16 d{} bs{} tiling {tiling:?}{launch}, one sequence, causal; TFLOP/s of the causal region at the graph time",
             a.head_dim, a.block_size
         );
         println!("{}", prefill_header());

@@ -46,6 +46,9 @@ if [ -x "$bin/example-generate" ]; then
   for s in 1 32; do
     stage "generate-tiny-s$s" 40 "$bin/example-generate" "$tiny" --cuda --kv bf16 --seqs "$s" --max-new 128
     stage "generate-synth-s$s" 60 "$bin/example-generate" "$synth" --cuda --kv bf16 --seqs "$s" --max-new 64
+    # Each layer's attention launch over its cache write's tail (programmatic launches).
+    stage "generate-synth-s$s-programmatic" 60 "$bin/example-generate" "$synth" --cuda --kv bf16 \
+      --seqs "$s" --max-new 64 --programmatic
   done
 fi
 for mode in single split; do

@@ -95,6 +95,10 @@ fn run_raw(preemption: PreemptionMode) -> Run {
         )
     }
     .unwrap();
+    // The swap run's attention as programmatic dependent launches: the same outputs.
+    let programmatic = matches!(preemption, PreemptionMode::Swap);
+    engine.set_programmatic_launch(programmatic);
+    assert_eq!(engine.backend().programmatic_launch(), programmatic);
     let mut model = RawModel::default();
     let (outputs, pages_moved) = drive(&mut engine, &mut model);
     let caps = engine.backend().caps();

@@ -165,6 +165,9 @@ fn run_gpu(gpu: &Gpu, preemption: PreemptionMode) -> Run {
     // until after the engine is dropped below; this engine is its only user.
     let mut engine =
         unsafe { Engine::raw(&shared, gpu.clone(), arena.ptr, cfg, &shape(), HEADS) }.unwrap();
+    // The swap run's attention as programmatic dependent launches, each over its layer's cache
+    // write (compute capability 9.0+): the same outputs as the host backend's.
+    engine.set_programmatic_launch(matches!(preemption, PreemptionMode::Swap));
     let (outputs, pages_moved) = drive(&mut engine, &mut model);
     drop(engine);
     drop(arena);

@@ -219,6 +219,13 @@ impl<B: KvBackend> Engine<B> {
         &self.backend
     }
 
+    /// The KV backend, mutable, for this module's backend-specific settings (not public: a
+    /// caller running batches on it directly would break the batcher's ownership of pages).
+    #[cfg(any(feature = "cuda", feature = "cuda-emu"))]
+    pub(super) fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
+    }
+
     /// The shared arena.
     pub fn shared(&self) -> &Arc<SharedArena> {
         &self.shared

@@ -57,6 +57,10 @@ struct Args {
     /// KV cache element type on CUDA: f32, f16 or bf16 (the CPU engine keeps f32).
     #[arg(long, default_value = "f32")]
     kv: String,
+    /// On CUDA, make the attention launches programmatic dependent launches (each layer's
+    /// attention launch overlaps its cache write; compute capability 9.0 and later).
+    #[arg(long)]
+    programmatic: bool,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -144,7 +148,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .collect();
     let gen = if args.cuda {
-        run_cuda(&cfg, &setup, &device, &args.kv, &mut model, requests)?
+        run_cuda(
+            &cfg,
+            &setup,
+            &device,
+            (&args.kv, args.programmatic),
+            &mut model,
+            requests,
+        )?
     } else {
         let mut engine = build_engine(&cfg, &setup)?;
         generate(&mut engine, &mut model, requests, u64::MAX)?
@@ -192,7 +203,7 @@ fn run_cuda(
     cfg: &pagedkv_candle_llama::LlamaConfig,
     setup: &EngineSetup,
     device: &candle_core::Device,
-    kv: &str,
+    (kv, programmatic): (&str, bool),
     model: &mut PagedLlama,
     requests: Vec<SeqRequest>,
 ) -> Result<pagedkv_candle_llama::Generation, Box<dyn std::error::Error>> {
@@ -204,6 +215,7 @@ fn run_cuda(
         other => return Err(format!("--kv {other}: f32, f16 or bf16").into()),
     };
     let mut engine = pagedkv_candle_llama::build_cuda_engine(cfg, setup, device, kv)?;
+    engine.set_programmatic_launch(programmatic);
     Ok(generate(&mut engine, model, requests, u64::MAX)?)
 }
 
@@ -212,7 +224,7 @@ fn run_cuda(
     _cfg: &pagedkv_candle_llama::LlamaConfig,
     _setup: &EngineSetup,
     _device: &candle_core::Device,
-    _kv: &str,
+    _kv: (&str, bool),
     _model: &mut PagedLlama,
     _requests: Vec<SeqRequest>,
 ) -> Result<pagedkv_candle_llama::Generation, Box<dyn std::error::Error>> {

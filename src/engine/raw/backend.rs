@@ -125,6 +125,19 @@ impl<D: RawDevice> RawBackend<D> {
         &self.bufs.plan
     }
 
+    /// Whether attention launches are programmatic dependent launches
+    /// ([`AttnParamsRaw::programmatic_launch`]); off by default.
+    pub fn programmatic_launch(&self) -> bool {
+        self.params.programmatic_launch
+    }
+
+    /// Makes every later attention launch a programmatic dependent launch (or not): on compute
+    /// capability 9.0 and later, a layer's attention launch then overlaps the tail of its cache
+    /// write; results are unchanged.
+    pub fn set_programmatic_launch(&mut self, on: bool) {
+        self.params.programmatic_launch = on;
+    }
+
     /// Grows the device buffers to hold `need` (each capacity at least doubled), after waiting
     /// for the stream (queued work may still use the old ones). On error the old buffers stay.
     fn reserve(&mut self, need: RawCaps) -> Result<(), EngineError> {

@@ -154,4 +154,10 @@ impl<D: RawDevice> super::Engine<RawBackend<D>> {
         };
         Self::new(shared, cfg, backend)
     }
+
+    /// Makes the backend's attention launches programmatic dependent launches (or not):
+    /// [`RawBackend::set_programmatic_launch`].
+    pub fn set_programmatic_launch(&mut self, on: bool) {
+        self.backend_mut().set_programmatic_launch(on);
+    }
 }

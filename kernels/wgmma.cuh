@@ -57,12 +57,16 @@ __device__ __forceinline__ void wgmma_fence() {
 __device__ __forceinline__ void wgmma_commit() {
 #ifndef PKV_CUDA_EMU
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#else
+  emu::wgmma_commit_group();
 #endif
 }
 // Waits until at most K committed wgmma groups are pending.
 template <int K> __device__ __forceinline__ void wgmma_wait() {
 #ifndef PKV_CUDA_EMU
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(K) : "memory");
+#else
+  emu::wgmma_wait_group(K);
 #endif
 }
 // Keeps the compiler from moving accesses of r across the wgmma protocol (an empty asm that

@@ -402,7 +402,7 @@ fn unknown_tilings_are_refused() {
 }
 
 /// The layout probe on the emulation: wgmma.cuh's reading of the descriptor (core matrices
-/// `lbo` apart along k for K-major B, along n for MN-major) is the emulation's, so its two
+/// `lbo` apart along k and `sbo` along n, K-major and MN-major B alike) is the emulation's, so its two
 /// variants are exact and the exchanged offsets are not (the probe can tell them apart). On a
 /// GPU (tests/cuda_kernels.rs) the same probe checks the hardware.
 #[test]

@@ -15,6 +15,8 @@
 // summed).
 #pragma once
 
+#include <vector>
+
 #include "emu.h"
 
 namespace emu {
@@ -99,50 +101,107 @@ template <int N, bool TRANS> inline void ldmatrix(uint32_t (&r)[N], const void *
   }
 }
 
-// wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}.{f16,bf16} with A from registers and B
-// from shared memory through a no-swizzle matrix descriptor, run at once (the fence, commit and
-// wait of the protocol are no-ops here). Warp w of the warpgroup owns rows 16 w .. 16 w + 15 of
-// A and D, so each warp computes its rows alone: its lanes post their A registers (the
-// mma.m16n8k16 A layout), B is read through the descriptor, D is the m16n8 C layout per 8
-// columns. The descriptor's start address is relative to `base` (the block's dynamic shared
-// memory) here; its layout rules are written from the PTX ISA ("Shared Memory Matrix Layout",
-// "Matrix Descriptor", "Canonical Layouts"): core matrices of 8 rows x 16 bytes, LBO the step
-// along k and SBO the step along n for both majors; K-major (trans_b false): element (k, n) at
-// (k/8) LBO + (n/8) SBO + (n%8) 16 + (k%8) 2; MN-major: (k/8) LBO + (n/8) SBO + (k%8) 16 +
-// (n%8) 2.
-template <int N>
-inline void wgmma_m64nNk16(MmaElem t, float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc,
-                           const void *base, bool trans_b) {
-  static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma n is a multiple of 8 up to 256");
-  if ((desc >> 62) != 0 || ((desc >> 49) & 0x7) != 0)
+// ---- wgmma (wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}.{f16,bf16}, A in registers) --
+// On the GPU a wgmma runs at some point between its issue and the wgmma.wait_group that covers
+// its commit group: until then its accumulators are undefined and its shared-memory B may be
+// read at any time. The emulation defers each product to that wait (a group's products in
+// issue order), so a kernel that reads or rescales the accumulators before the wait, or
+// overwrites B while a product is pending, gets a wrong result here instead of passing by
+// luck. A is copied at issue (PTX forbids changing its registers before the wait; ptxas keeps
+// that on the GPU). wgmma.fence has nothing to order here.
+struct WgmmaOp {
+  MmaElem t;
+  int n;           // N of m64nNk16
+  float *d;        // the issuing thread's N / 2 accumulators
+  uint32_t a[4];   // its A registers at issue
+  uint64_t desc;   // B's descriptor
+  const void *base;
+  bool trans_b;
+};
+struct WgmmaQueue {
+  std::vector<WgmmaOp> ops;    // issued and not yet run, in issue order
+  std::vector<size_t> groups;  // the end (in ops) of each committed group, oldest first
+};
+
+// The calling thread's queue; every block starts with empty ones (a block's fibers share the
+// OS thread, so the block's queues are one thread_local vector, as its __shared__ variables).
+inline WgmmaQueue &wgmma_queue() {
+  static thread_local uint64_t block = ~(uint64_t)0;
+  static thread_local std::vector<WgmmaQueue> queues;
+  const ThreadCoords &c = *tl_coords;
+  if (block != tl_block_serial) {
+    block = tl_block_serial;
+    queues.assign((size_t)c.block_dim.x * c.block_dim.y * c.block_dim.z, WgmmaQueue{});
+  }
+  return queues[c.thread.x +
+                (size_t)c.block_dim.x * (c.thread.y + (size_t)c.block_dim.y * c.thread.z)];
+}
+
+// Runs one issued product: warp w of the warpgroup owns rows 16 w .. 16 w + 15 of A and D, so
+// each warp computes its rows alone: its lanes post their A registers (the mma.m16n8k16 A
+// layout), B is read through the descriptor, D is the m16n8 C layout per 8 columns. The
+// descriptor's start address is relative to `base` (the block's dynamic shared memory) here;
+// its layout rules are written from the PTX ISA ("Shared Memory Matrix Layout", "Matrix
+// Descriptor", "Canonical Layouts"): core matrices of 8 rows x 16 bytes, LBO the step along k
+// and SBO the step along n for both majors; K-major (trans_b false): element (k, n) at (k/8) LBO
+// + (n/8) SBO + (n%8) 16 + (k%8) 2; MN-major: (k/8) LBO + (n/8) SBO + (k%8) 16 + (n%8) 2.
+// All 32 lanes of the warp run it together (warp_gather).
+inline void wgmma_run(const WgmmaOp &op) {
+  if ((op.desc >> 62) != 0 || ((op.desc >> 49) & 0x7) != 0)
     fault(cudaErrorInvalidValue, "wgmma: only no-swizzle descriptors with base offset 0", nullptr);
-  const char *start = static_cast<const char *>(base) + ((desc & 0x3FFF) << 4);
-  const size_t lbo = ((desc >> 16) & 0x3FFF) << 4, sbo = ((desc >> 32) & 0x3FFF) << 4;
+  const char *start = static_cast<const char *>(op.base) + ((op.desc & 0x3FFF) << 4);
+  const size_t lbo = ((op.desc >> 16) & 0x3FFF) << 4, sbo = ((op.desc >> 32) & 0x3FFF) << 4;
   check_align16(start, "wgmma B start address");
   uint32_t all[32][4];
-  warp_gather(a, sizeof a, all);
+  warp_gather(op.a, sizeof op.a, all);
   float A[16][16];
-  mma_a_from_lanes(t, all, A);
+  mma_a_from_lanes(op.t, all, A);
   auto b_at = [&](int k, int n) {
     const size_t core = (size_t)(k / 8) * lbo + (size_t)(n / 8) * sbo;
-    const size_t off = core + (trans_b ? (size_t)(k % 8) * 16 + (size_t)(n % 8) * 2
-                                       : (size_t)(n % 8) * 16 + (size_t)(k % 8) * 2);
+    const size_t off = core + (op.trans_b ? (size_t)(k % 8) * 16 + (size_t)(n % 8) * 2
+                                          : (size_t)(n % 8) * 16 + (size_t)(k % 8) * 2);
     uint16_t bits;
     memcpy(&bits, start + off, 2);
-    return mma_elem_f32(bits, 0, t);
+    return mma_elem_f32(bits, 0, op.t);
   };
   const int laneid = lane_id();
   const int groupID = laneid >> 2, threadID_in_group = laneid % 4;
-  for (int i = 0; i < N / 8; ++i) {
+  for (int i = 0; i < op.n / 8; ++i) {
     float Bc[16][2];
     for (int k = 0; k < 16; ++k)
       for (int c = 0; c < 2; ++c) Bc[k][c] = b_at(k, 8 * i + threadID_in_group * 2 + c);
     for (int e = 0; e < 4; ++e) {
       const int row = e < 2 ? groupID : groupID + 8;
-      float acc = d[4 * i + e];
+      float acc = op.d[4 * i + e];
       for (int k = 0; k < 16; ++k) acc = fmaf(A[row][k], Bc[k][e & 0x1], acc);
-      d[4 * i + e] = acc;
+      op.d[4 * i + e] = acc;
     }
+  }
+}
+
+// Issue: queued until a wait covers its commit group.
+template <int N>
+inline void wgmma_m64nNk16(MmaElem t, float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc,
+                           const void *base, bool trans_b) {
+  static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma n is a multiple of 8 up to 256");
+  wgmma_queue().ops.push_back(WgmmaOp{t, N, d, {a[0], a[1], a[2], a[3]}, desc, base, trans_b});
+}
+
+// wgmma.commit_group: the products issued since the last commit become one group.
+inline void wgmma_commit_group() {
+  WgmmaQueue &q = wgmma_queue();
+  q.groups.push_back(q.ops.size());
+}
+
+// wgmma.wait_group k: runs the oldest committed groups until at most k are pending.
+inline void wgmma_wait_group(int k) {
+  WgmmaQueue &q = wgmma_queue();
+  while ((int)q.groups.size() > k) {
+    const size_t end = q.groups.front();
+    for (size_t i = 0; i < end; ++i) wgmma_run(q.ops[i]);
+    q.ops.erase(q.ops.begin(), q.ops.begin() + (std::ptrdiff_t)end);
+    q.groups.erase(q.groups.begin());
+    for (size_t &g : q.groups) g -= end;
   }
 }
 

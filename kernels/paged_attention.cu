@@ -383,8 +383,8 @@ extern "C" int pkv_paged_attention_decode(void *out, int64_t out_token_stride, c
 namespace pkv {
 #ifdef PKV_HAVE_WGMMA
 // kernels/prefill_wgmma.cu (the sm_90a unit).
-int launch_prefill_wgmma(const PrefillArgs &a, int dtype, int head_dim, int wg, int hkv,
-                         int row_tiles, int num_seqs, cudaStream_t s);
+int launch_prefill_wgmma(const PrefillArgs &a, int dtype, int head_dim, int wg, bool ovl,
+                         int hkv, int row_tiles, int num_seqs, cudaStream_t s);
 #endif
 namespace {
 // Whether PKV_PREFILL_TILING_WGMMA runs the wgmma kernel: the build has it (a target of sm_90
@@ -488,7 +488,8 @@ extern "C" int pkv_paged_attention_prefill_tiled(
   if (num_seqs < 0 || num_seqs > 65535 || max_query_len < 0) return PKV_ERR_INVALID_ARG;
   if (tiling != PKV_PREFILL_TILING_AUTO && tiling != PKV_PREFILL_TILING_WARP16 &&
       tiling != PKV_PREFILL_TILING_WARP32 && tiling != PKV_PREFILL_TILING_WGMMA &&
-      tiling != PKV_PREFILL_TILING_WGMMA128)
+      tiling != PKV_PREFILL_TILING_WGMMA128 && tiling != PKV_PREFILL_TILING_WGMMA_OVERLAP &&
+      tiling != PKV_PREFILL_TILING_WGMMA128_OVERLAP)
     return PKV_ERR_INVALID_ARG;
   if (num_seqs == 0 || max_query_len == 0) return PKV_OK;
   const int group = params->num_heads / geom->num_kv_heads;
@@ -497,11 +498,14 @@ extern "C" int pkv_paged_attention_prefill_tiled(
   // m16 tiles per warp of the mma.sync one; either way 64 rows per warpgroup or per m-tile of
   // its 4 warps. Auto is one m16 tile per warp: the tiling every GPU measurement so far ran
   // (the others are unmeasured; BENCHMARKS.md).
+  const bool ovl = tiling == PKV_PREFILL_TILING_WGMMA_OVERLAP ||
+                   tiling == PKV_PREFILL_TILING_WGMMA128_OVERLAP;
   const bool wgmma_asked =
-      tiling == PKV_PREFILL_TILING_WGMMA || tiling == PKV_PREFILL_TILING_WGMMA128;
-  const int wg = mma && wgmma_asked && wgmma_prefill_available(geom->head_dim)
-                     ? (tiling == PKV_PREFILL_TILING_WGMMA128 ? 2 : 1)
-                     : 0;
+      ovl || tiling == PKV_PREFILL_TILING_WGMMA || tiling == PKV_PREFILL_TILING_WGMMA128;
+  const bool two_wg = tiling == PKV_PREFILL_TILING_WGMMA128 ||
+                      tiling == PKV_PREFILL_TILING_WGMMA128_OVERLAP;
+  const int wg =
+      mma && wgmma_asked && wgmma_prefill_available(geom->head_dim) ? (two_wg ? 2 : 1) : 0;
   const int mt = mma && tiling == PKV_PREFILL_TILING_WARP32 && geom->head_dim <= 128 ? 2 : 1;
   static_assert(pfmma::Cfg<64, 1>::ROWS == 64 && pfmma::Cfg<64, 2>::ROWS == 128,
                 "64 rows per m-tile of 4 warps");
@@ -536,7 +540,8 @@ extern "C" int pkv_paged_attention_prefill_tiled(
   const int hkv = geom->num_kv_heads, tiles = (int)row_tiles;
 #ifdef PKV_HAVE_WGMMA
   if (wg > 0)
-    return launch_prefill_wgmma(a, geom->dtype, geom->head_dim, wg, hkv, tiles, num_seqs, s);
+    return launch_prefill_wgmma(a, geom->dtype, geom->head_dim, wg, ovl, hkv, tiles, num_seqs,
+                                s);
 #endif
   switch (geom->dtype) {
     case PKV_DTYPE_F32:

@@ -346,6 +346,10 @@ int pkv_paged_attention_prefill(void *out, int64_t out_token_stride, const void 
 /** The same with two warpgroups (128 rows) per thread block sharing each K / V tile copied
  *  from L2 (half the copies per query row). */
 #define PKV_PREFILL_TILING_WGMMA128 128
+/** PKV_PREFILL_TILING_WGMMA and _WGMMA128 with the overlapped schedule: a tile's softmax runs
+ *  while the previous tile's P V is on the tensor cores (kernels/prefill_wgmma.cuh). */
+#define PKV_PREFILL_TILING_WGMMA_OVERLAP 65
+#define PKV_PREFILL_TILING_WGMMA128_OVERLAP 129
 
 /**
  * pkv_paged_attention_prefill with the f16 / bf16 kernel's tiling chosen: `tiling` is one of

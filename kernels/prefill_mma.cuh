@@ -263,15 +263,14 @@ __device__ __forceinline__ void mask_tile(const PrefillArgs &a, float (&s)[NT][4
 }
 
 // Online softmax of one m16 tile (s * mul is each logit in log2 units, mul > 0): the running
-// max m and this lane's share of the sum l per row, the rescale factors alpha of O, and P
-// rounded to T and packed as it is made (p[t][h]: the pair of S accumulators 2h, 2h + 1 of
-// tile t; half the registers of the f32 values). Maxima and sums run as 4 independent
-// partials (chains of 4 dependent operations instead of 16: a warp has few peers to hide
-// latency behind). Returns whether some row's max grew.
-template <typename T, int NT>
-__device__ __forceinline__ bool softmax_tile(const float (&s)[NT][4], float mul, float (&m)[2],
-                                             float (&l)[2], float (&alpha)[2],
-                                             uint32_t (&p)[NT][2]) {
+// max m and this lane's share of the sum l per row, the rescale factors alpha of O; each pair
+// of probabilities (S accumulators 2h, 2h + 1 of n8 tile t) goes to emit(t, h, p0, p1) as it is
+// made. Maxima and sums run as 4 independent partials (chains of 4 dependent operations
+// instead of 16: a warp has few peers to hide latency behind). Returns whether some row's max
+// grew. Row h reads only accumulators 2h, 2h + 1, so emit may overwrite those of rows done.
+template <int NT, typename Emit>
+__device__ __forceinline__ bool softmax_rows(const float (&s)[NT][4], float mul, float (&m)[2],
+                                             float (&l)[2], float (&alpha)[2], Emit emit) {
   bool grew = false;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -295,12 +294,42 @@ __device__ __forceinline__ bool softmax_tile(const float (&s)[NT][4], float mul,
       const float p1 = fast_exp2(fmaf(s[t][2 * h + 1], mul, -m_use));
       sp[t % 4] += p0;
       sp[t % 4] += p1;
-      p[t][h] = pack_f32x2<T>(p0, p1);
+      emit(t, h, p0, p1);
     }
     l[h] = l[h] * alpha[h] + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
     grew = grew || alpha[h] != 1.f;
   }
   return grew;
+}
+
+// softmax_rows with P rounded to T and packed as it is made (p[t][h]: the pair 2h, 2h + 1 of
+// tile t; half the registers of the f32 values).
+template <typename T, int NT>
+__device__ __forceinline__ bool softmax_tile(const float (&s)[NT][4], float mul, float (&m)[2],
+                                             float (&l)[2], float (&alpha)[2],
+                                             uint32_t (&p)[NT][2]) {
+  return softmax_rows(s, mul, m, l, alpha,
+                      [&](int t, int h, float p0, float p1) { p[t][h] = pack_f32x2<T>(p0, p1); });
+}
+
+// softmax_rows leaving P in f32 in place of the logits (pack_p rounds and packs it later).
+template <int NT>
+__device__ __forceinline__ bool softmax_tile_f32(float (&s)[NT][4], float mul, float (&m)[2],
+                                                 float (&l)[2], float (&alpha)[2]) {
+  return softmax_rows(s, mul, m, l, alpha, [&](int t, int h, float p0, float p1) {
+    s[t][2 * h] = p0;
+    s[t][2 * h + 1] = p1;
+  });
+}
+
+// softmax_tile_f32's P rounded to T and packed as softmax_tile packs it.
+template <typename T, int NT>
+__device__ __forceinline__ void pack_p(const float (&x)[NT][4], uint32_t (&p)[NT][2]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    p[t][0] = pack_f32x2<T>(x[t][0], x[t][1]);
+    p[t][1] = pack_f32x2<T>(x[t][2], x[t][3]);
+  }
 }
 
 // Whether key tile kt .. kt + BC - 1 is interior to a warp whose rows sit at positions w_first

@@ -6,39 +6,43 @@
 
 namespace pkv {
 namespace {
-template <typename T, int D, int WG>
+template <typename T, int D, int WG, bool OVL>
 int launch(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs, cudaStream_t s) {
-  using C = pfwg::Cfg<D, WG>;
+  using C = pfwg::Cfg<D, WG, OVL>;
   constexpr size_t smem = C::smem_bytes;
-  cudaError_t e = cudaFuncSetAttribute(pfwg::prefill_wgmma_kernel<T, D, WG>,
+  cudaError_t e = cudaFuncSetAttribute(pfwg::prefill_wgmma_kernel<T, D, WG, OVL>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return status_of(e);
   const dim3 grid(hkv, row_tiles, num_seqs);
-  return launch_kernel(pfwg::prefill_wgmma_kernel<T, D, WG>, grid, dim3(C::NT), smem, s,
+  return launch_kernel(pfwg::prefill_wgmma_kernel<T, D, WG, OVL>, grid, dim3(C::NT), smem, s,
                        a.launch_flags, a);
 }
 
 template <typename T, int D>
-int launch_wg(const PrefillArgs &a, int wg, int hkv, int row_tiles, int num_seqs,
+int launch_wg(const PrefillArgs &a, int wg, bool ovl, int hkv, int row_tiles, int num_seqs,
               cudaStream_t s) {
-  return wg == 2 ? launch<T, D, 2>(a, hkv, row_tiles, num_seqs, s)
-                 : launch<T, D, 1>(a, hkv, row_tiles, num_seqs, s);
+  if (ovl)
+    return wg == 2 ? launch<T, D, 2, true>(a, hkv, row_tiles, num_seqs, s)
+                   : launch<T, D, 1, true>(a, hkv, row_tiles, num_seqs, s);
+  return wg == 2 ? launch<T, D, 2, false>(a, hkv, row_tiles, num_seqs, s)
+                 : launch<T, D, 1, false>(a, hkv, row_tiles, num_seqs, s);
 }
 }  // namespace
 
 // dtype f16 / bf16, head_dim up to 128 (the caller's checks); wg warpgroups per block (1 or
-// 2), row_tiles of 64 wg rows.
-int launch_prefill_wgmma(const PrefillArgs &a, int dtype, int head_dim, int wg, int hkv,
-                         int row_tiles, int num_seqs, cudaStream_t s) {
+// 2), row_tiles of 64 wg rows; ovl: the overlapped schedule.
+int launch_prefill_wgmma(const PrefillArgs &a, int dtype, int head_dim, int wg, bool ovl,
+                         int hkv, int row_tiles, int num_seqs, cudaStream_t s) {
   if (head_dim > 128) return PKV_ERR_HEAD_DIM;
   if (dtype == PKV_DTYPE_BF16) {
     PKV_DISPATCH_HEAD_DIM(head_dim, {
       if constexpr (D <= 128)
-        return launch_wg<__nv_bfloat16, D>(a, wg, hkv, row_tiles, num_seqs, s);
+        return launch_wg<__nv_bfloat16, D>(a, wg, ovl, hkv, row_tiles, num_seqs, s);
     });
   } else {
     PKV_DISPATCH_HEAD_DIM(head_dim, {
-      if constexpr (D <= 128) return launch_wg<__half, D>(a, wg, hkv, row_tiles, num_seqs, s);
+      if constexpr (D <= 128)
+        return launch_wg<__half, D>(a, wg, ovl, hkv, row_tiles, num_seqs, s);
     });
   }
   return PKV_ERR_HEAD_DIM;

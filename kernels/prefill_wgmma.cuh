@@ -17,9 +17,19 @@
 // copies write 512 contiguous bytes. The instruction is warpgroup-wide: every warp takes part in
 // every tile of its block (no per-warp skip of tiles its rows cannot see; the mask zeroes them).
 //
+// Two schedules (Cfg's OVL):
+// - in order: per tile, S; wait; softmax; P V; wait. The tensor cores idle while a warpgroup
+//   runs its softmax unless another block's warpgroup fills them.
+// - overlapped: tile j issues S(j) and then P(j - 1) V(j - 1) and waits for S(j) only, so the
+//   softmax of tile j runs while P V of tile j - 1 is on the tensor cores; O is rescaled once
+//   that product is in (O = alpha_j (O + P(j-1) V(j-1)), the same sum). K and V of a tile are
+//   then copied one iteration apart (K(j + 1) and V(j) at the top of iteration j: the stage that
+//   V(j) overwrites was last read by P V of tile j - 2, waited for in iteration j - 1), with the
+//   same two stages, and the row addresses kept for three tiles.
+//
 // Shared memory (T elements): stage s (s = 0, 1): K [BC * D], V [BC * D] (the core-matrix
 // layout); Q is staged in stage 1 in rows of D + 8 (ldmatrix, before its first use); then the
-// key validity flags [2][BC] int and the K row addresses [2][BC].
+// key validity flags [2][BC] int and the K row addresses [KROWS][BC].
 #pragma once
 
 #include "prefill_mma.cuh"
@@ -38,13 +48,15 @@ using pfmma::p_fragment;
 using pfmma::plain_logits;
 using pfmma::PrefillBlock;
 using pfmma::rescale_tile;
+using pfmma::pack_p;
 using pfmma::softmax_tile;
+using pfmma::softmax_tile_f32;
 using pfmma::stage_q;
 using pfmma::store_tile;
 
 // WG warpgroups per thread block (1 or 2), each its own 64 rows, all sharing the K / V tiles:
-// at 2, every tile copied from L2 serves 128 rows instead of 64.
-template <int D, int WG> struct Cfg {
+// at 2, every tile copied from L2 serves 128 rows instead of 64. OVL: the overlapped schedule.
+template <int D, int WG, bool OVL = false> struct Cfg {
   static_assert(D % 16 == 0 && D >= 64 && D <= 128, "wgmma widths: n = 64 (S) and n = D (O)");
   static_assert(WG == 1 || WG == 2, "one or two warpgroups");
   static constexpr int NT = 128 * WG;             // threads
@@ -57,27 +69,30 @@ template <int D, int WG> struct Cfg {
   static constexpr int NT_O = D / 8;              // n8 tiles of O
   static constexpr int STAGE = 2 * BC * D;        // elements of one stage (K then V)
   static constexpr uint32_t OCTET_BYTES = 16 * D; // one 8-key row of core matrices
+  static constexpr int KROWS = OVL ? 3 : 2;       // tiles whose K row addresses are kept
   // Thread blocks per SM the registers must allow. One warpgroup: 3 (<= 168 per thread) up to
-  // head dim 96, where the body takes 132-165 without spilling; 2 above (d128: 197; 3 would
-  // spill 92 bytes). Two: 1 (the same body, twice the threads).
+  // head dim 96, where the body takes 129-161 in order and 144-168 overlapped without
+  // spilling; 2 above (d128: 195 / 201; 3 would spill). Two warpgroups: 1 (the same body,
+  // twice the threads).
   static constexpr int MIN_BLOCKS = WG == 2 ? 1 : D <= 96 ? 3 : 2;
   // Q is staged in stage 1 (before tile 1 is copied there) where it fits, else after the
   // stages.
   static constexpr int Q_ELEMS = ROWS * LDQ <= STAGE ? 0 : ROWS * LDQ;
   static constexpr size_t smem_bytes = 2 * ((size_t)2 * STAGE + (size_t)Q_ELEMS) +
-                                       2 * BC * sizeof(int) + 2 * BC * sizeof(void *);
+                                       2 * BC * sizeof(int) + KROWS * BC * sizeof(void *);
   static constexpr int COPIES = (BC * CH + NT - 1) / NT;  // 16-byte pieces per thread, tensor
   static_assert(BC <= NT, "one thread per key writes the row addresses");
 };
 
-// Queues the copy of the keys whose K rows krow holds into the core-matrix layout (K into sk, V
-// into sv) and writes their validity; an invalid key (nullptr) is zero-filled and flagged.
-// Piece i (= thread + k NT) is key 8 (i / 8CH) + i % 8, chunk (i / 8) % CH: eight
-// consecutive threads read eight keys' same 16 bytes and write 128 contiguous shared bytes.
-template <typename T, int D, int WG>
-__device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *const *krow, T *sk,
-                                             T *sv, int *kvalid) {
-  using C = Cfg<D, WG>;
+// Queues the copy of the keys whose K rows krow holds into the core-matrix layout: with K_, K
+// into sk and the keys' validity into kvalid; with V_, V into sv. An invalid key (nullptr) is
+// zero-filled (and flagged). Piece i (= thread + k NT) is key 8 (i / 8CH) + i % 8, chunk
+// (i / 8) % CH: eight consecutive threads read eight keys' same 16 bytes and write 128
+// contiguous shared bytes.
+template <typename T, int D, int WG, bool OVL, bool K_, bool V_>
+__device__ __forceinline__ void load_tile(const PrefillArgs &a, const T *const *krow, T *sk,
+                                          T *sv, int *kvalid) {
+  using C = Cfg<D, WG, OVL>;
   const int64_t kv = a.st.kv;
 #pragma unroll
   for (int k = 0; k < C::COPIES; ++k) {
@@ -85,28 +100,89 @@ __device__ __forceinline__ void load_kv_tile(const PrefillArgs &a, const T *cons
     if ((C::BC * C::CH) % C::NT != 0 && i >= C::BC * C::CH) break;
     const int j = 8 * (i / (8 * C::CH)) + i % 8, c = (i / 8) % C::CH;
     const T *p = krow[j];
-    T *dk = sk + 8 * i, *dv = sv + 8 * i;
     if (p != nullptr) {
-      cp_async16(dk, p + c * 8);
-      cp_async16(dv, p + kv + c * 8);
+      if (K_) cp_async16(sk + 8 * i, p + c * 8);
+      if (V_) cp_async16(sv + 8 * i, p + kv + c * 8);
     } else {
-      *reinterpret_cast<uint4 *>(dk) = make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4 *>(dv) = make_uint4(0, 0, 0, 0);
+      if (K_) *reinterpret_cast<uint4 *>(sk + 8 * i) = make_uint4(0, 0, 0, 0);
+      if (V_) *reinterpret_cast<uint4 *>(sv + 8 * i) = make_uint4(0, 0, 0, 0);
     }
-    if (c == 0) kvalid[j] = p != nullptr ? 1 : 0;
+    if (K_ && c == 0) kvalid[j] = p != nullptr ? 1 : 0;
   }
 }
 
-template <typename T, int D, int WG>
-__global__ void __launch_bounds__(Cfg<D, WG>::NT, Cfg<D, WG>::MIN_BLOCKS)
+// Accumulator (or P) registers a wgmma reads or writes: their writes happen before the fence
+// and their reads after the wait (the pins order them), as the protocol asks.
+template <int N> __device__ __forceinline__ void pin_all(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) wgmma_pin(r[i]);
+}
+template <int N> __device__ __forceinline__ void pin_all(uint32_t (&r)[N][2]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    wgmma_pin(r[i][0]);
+    wgmma_pin(r[i][1]);
+  }
+}
+
+// Issues S = Q K^T of the K tile at sk as one commit group (s zeroed first): k-step ks reads
+// chunks 2ks, 2ks + 1 of every key (core matrices 128 bytes apart along k: the leading
+// offset; octets OCTET_BYTES apart along n: the stride offset).
+template <typename T, typename C>
+__device__ __forceinline__ void issue_s(float (&s)[C::NT_S][4],
+                                        const uint32_t (&qf)[C::KSTEPS][4], const T *sk,
+                                        const T *smem) {
+#pragma unroll
+  for (int t = 0; t < C::NT_S; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[t][e] = 0.f;
+  float(&sf)[C::BC / 2] = reinterpret_cast<float(&)[C::BC / 2]>(s);
+  pin_all(sf);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < C::KSTEPS; ++ks)
+    wgmma_rs<T, C::BC, 0>(sf, qf[ks], smem_desc(sk + ks * 16 * 8, smem, 128, C::OCTET_BYTES),
+                          smem);
+  wgmma_commit();
+}
+
+// Issues O += P V of the V tile at sv as one commit group: k-step kk reads key octets 2kk,
+// 2kk + 1 (OCTET_BYTES apart along k: the leading offset), every chunk of dims (128 bytes
+// apart along n: the stride offset).
+template <typename T, typename C>
+__device__ __forceinline__ void issue_pv(float (&o)[C::NT_O][4], uint32_t (&p)[C::NT_S][2],
+                                         const T *sv, const T *smem) {
+  float(&of)[C::NT_O * 4] = reinterpret_cast<float(&)[C::NT_O * 4]>(o);
+  pin_all(of);
+  pin_all(p);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < C::BC / 16; ++kk) {
+    uint32_t pa[4];
+    p_fragment(p, kk, pa);
+    wgmma_rs<T, C::NT_O * 8, 1>(
+        of, pa, smem_desc(sv + kk * 2 * 8 * C::NT_O * 8, smem, C::OCTET_BYTES, 128), smem);
+  }
+  wgmma_commit();
+}
+
+template <typename C> __device__ __forceinline__ void settle_s(float (&s)[C::NT_S][4]) {
+  pin_all(reinterpret_cast<float(&)[C::BC / 2]>(s));
+}
+template <typename C> __device__ __forceinline__ void settle_o(float (&o)[C::NT_O][4]) {
+  pin_all(reinterpret_cast<float(&)[C::NT_O * 4]>(o));
+}
+
+template <typename T, int D, int WG, bool OVL>
+__global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOCKS)
     prefill_wgmma_kernel(const PrefillArgs a) {
   grid_dependency_entry();  // PKV_LAUNCH_PROGRAMMATIC: before any read
-  using C = Cfg<D, WG>;
+  using C = Cfg<D, WG, OVL>;
   extern __shared__ uint4 pw_smem[];
   T *smem = reinterpret_cast<T *>(pw_smem);
   T *sq = C::Q_ELEMS == 0 ? smem + C::STAGE : smem + 2 * C::STAGE;   // see Cfg::Q_ELEMS
   int *kvalid = reinterpret_cast<int *>(smem + 2 * C::STAGE + C::Q_ELEMS);  // [2][BC]
-  const T **krow = reinterpret_cast<const T **>(kvalid + 2 * C::BC);  // [2][BC]
+  const T **krow = reinterpret_cast<const T **>(kvalid + 2 * C::BC);  // [KROWS][BC]
 
   PrefillBlock b;
   if (!b.template init<D>(a, C::ROWS, C::BC)) return;  // the whole block, before any barrier
@@ -124,14 +200,20 @@ __global__ void __launch_bounds__(Cfg<D, WG>::NT, Cfg<D, WG>::MIN_BLOCKS)
   const bool plain = plain_logits(a);
   const float scale_log2 = a.scale * LOG2E;
   const T *cache = reinterpret_cast<const T *>(a.cache);
+  // Row addresses of tile t into slot t % KROWS.
+  auto rows_of = [&](int t) {
+    pfmma::key_rows<T, D>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin + t * C::BC,
+                          b.klast, krow + (t % C::KROWS) * C::BC);
+  };
 
-  // ---- prologue, as prefill_mma's: row addresses of tiles 0 and 1, Q, key tile 0 ----
-  pfmma::key_rows<T, D>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin, b.klast, krow);
-  pfmma::key_rows<T, D>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin + C::BC, b.klast,
-                        krow + C::BC);
+  // ---- prologue, as prefill_mma's: row addresses of tiles 0 and 1, Q, key tile 0 (K only
+  // when overlapped: V(j) follows K(j + 1)) ----
+  rows_of(0);
+  rows_of(1);
   __syncthreads();
   stage_q<T, D, C::NT>(a, b, sq, C::LDQ, C::ROWS);
-  if (b.ntiles > 0) load_kv_tile<T, D, WG>(a, krow, smem, smem + C::BC * D, kvalid);
+  if (b.ntiles > 0)
+    load_tile<T, D, WG, OVL, true, !OVL>(a, krow, smem, smem + C::BC * D, kvalid);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -149,84 +231,93 @@ __global__ void __launch_bounds__(Cfg<D, WG>::NT, Cfg<D, WG>::MIN_BLOCKS)
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  float(&of)[D / 2] = reinterpret_cast<float(&)[D / 2]>(o);
 
-  for (int j = 0; j < b.ntiles; ++j) {
+  // The top of tile j: its copies landed and published, the next copies queued (in order:
+  // K and V of tile j + 1; overlapped: K of tile j + 1 and V of tile j, whose stage's V last
+  // fed P V of tile j - 2, waited for in iteration j - 1), the row addresses of tile j + 2.
+  auto tile_top = [&](int j) {
     const int st = j & 1;
     cp_async_wait<0>();
     // Tile j's generic-proxy writes (cp.async, zero fills) visible to wgmma's async proxy,
-    // then to every warp; every warp is done with tile j - 1 (its wgmma waited for).
+    // then to every warp; every warp is done with the stages tile j's copies overwrite (their
+    // wgmma waited for).
     fence_proxy_async_shared();
     __syncthreads();
-    if (j + 1 < b.ntiles) {
-      T *nk = smem + (st ^ 1) * C::STAGE;
-      load_kv_tile<T, D, WG>(a, krow + (st ^ 1) * C::BC, nk, nk + C::BC * D,
-                             kvalid + (st ^ 1) * C::BC);
-    }
+    T *nk = smem + (st ^ 1) * C::STAGE;
+    const T *const *next_rows = krow + ((j + 1) % C::KROWS) * C::BC;
+    if (j + 1 < b.ntiles)
+      load_tile<T, D, WG, OVL, true, !OVL>(a, next_rows, nk, nk + C::BC * D,
+                                           kvalid + (st ^ 1) * C::BC);
+    if (OVL)
+      load_tile<T, D, WG, OVL, false, true>(a, krow + (j % C::KROWS) * C::BC, nullptr,
+                                            smem + st * C::STAGE + C::BC * D, nullptr);
     cp_async_commit();
-    if (j + 2 < b.ntiles)
-      pfmma::key_rows<T, D>(a, cache, b.btab, b.bs_shift, b.head_off,
-                            b.kbegin + (j + 2) * C::BC, b.klast, krow + st * C::BC);
-    const T *sk = smem + st * C::STAGE;
-    const T *sv = sk + C::BC * D;
-    const int *kv_ok = kvalid + st * C::BC;
+    if (j + 2 < b.ntiles) rows_of(j + 2);
+  };
+  // The logit transform and mask of tile j's S (prefill_mma's): the exponent's multiplier
+  // for the online softmax (the scale itself on interior tiles, which skip the mask).
+  auto tile_logits = [&](int j, float(&s)[C::NT_S][4]) {
+    const int *kv_ok = kvalid + (j & 1) * C::BC;
     const int kt = b.kbegin + j * C::BC;
+    if (interior_tile<C::BC>(a, plain, kt, w_first, w_last, kv_ok)) return scale_log2;
+    mask_tile(a, s, kv_ok, kt, qd, qpos, slope);
+    return 1.f;
+  };
+  auto k_of = [&](int j) { return smem + (j & 1) * C::STAGE; };
+  auto v_of = [&](int j) { return smem + (j & 1) * C::STAGE + C::BC * D; };
 
-    // ---- S = Q K^T: k-step ks reads chunks 2ks, 2ks + 1 of every key (core matrices 128
-    // bytes apart along k, octets OCTET_BYTES apart along n) ----
-    float s[C::NT_S][4];
-#pragma unroll
-    for (int t = 0; t < C::NT_S; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[t][e] = 0.f;
-    float(&sf)[C::BC / 2] = reinterpret_cast<float(&)[C::BC / 2]>(s);
-    // The accumulators' writes happen before the fence (the pins order them), as the
-    // protocol asks of registers a wgmma reads.
-#pragma unroll
-    for (int i = 0; i < C::BC / 2; ++i) wgmma_pin(sf[i]);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < C::KSTEPS; ++ks)
-      wgmma_rs<T, C::BC, 0>(sf, qf[ks], smem_desc(sk + ks * 16 * 8, smem, 128, C::OCTET_BYTES),
-                            smem);
-    wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < C::BC / 2; ++i) wgmma_pin(sf[i]);
-
-    // ---- the logit transform and mask, the online softmax, the O rescale (prefill_mma's) ----
-    const bool interior = interior_tile<C::BC>(a, plain, kt, w_first, w_last, kv_ok);
-    float mul = 1.f;
-    if (interior)
-      mul = scale_log2;
-    else
-      mask_tile(a, s, kv_ok, kt, qd, qpos, slope);
-    float alphas[2];
-    uint32_t p[C::NT_S][2];
-    const bool grew = softmax_tile<T>(s, mul, m, l, alphas, p);
-    if (__any_sync(0xffffffffu, grew)) rescale_tile(o, alphas);
-
-    // ---- O += P V: k-step kk reads key octets 2kk, 2kk + 1 (OCTET_BYTES apart along k: the
-    // leading offset), every chunk of dims (128 bytes apart along n: the stride offset) ----
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) wgmma_pin(of[i]);
-#pragma unroll
-    for (int t = 0; t < C::NT_S; ++t) {
-      wgmma_pin(p[t][0]);
-      wgmma_pin(p[t][1]);
+  uint32_t p[C::NT_S][2];
+  float alphas[2];
+  if constexpr (!OVL) {
+    for (int j = 0; j < b.ntiles; ++j) {
+      tile_top(j);
+      float s[C::NT_S][4];
+      issue_s<T, C>(s, qf, k_of(j), smem);
+      wgmma_wait<0>();
+      settle_s<C>(s);
+      const float mul = tile_logits(j, s);
+      if (__any_sync(0xffffffffu, softmax_tile<T>(s, mul, m, l, alphas, p)))
+        rescale_tile(o, alphas);
+      issue_pv<T, C>(o, p, v_of(j), smem);
+      wgmma_wait<0>();
+      settle_o<C>(o);
     }
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < C::BC / 16; ++kk) {
-      uint32_t pa[4];
-      p_fragment(p, kk, pa);
-      wgmma_rs<T, D, 1>(of, pa, smem_desc(sv + kk * 2 * 8 * D, smem, C::OCTET_BYTES, 128),
-                        smem);
+  } else if (b.ntiles > 0) {
+    // Tile 0 alone (no product to overlap yet; O is zero, nothing to rescale), then each
+    // tile's S beside the previous tile's P V.
+    tile_top(0);
+    {
+      float s[C::NT_S][4];
+      issue_s<T, C>(s, qf, k_of(0), smem);
+      wgmma_wait<0>();
+      settle_s<C>(s);
+      (void)softmax_tile<T>(s, tile_logits(0, s), m, l, alphas, p);
     }
-    wgmma_commit();
+    for (int j = 1; j < b.ntiles; ++j) {
+      tile_top(j);
+      float s[C::NT_S][4];
+      issue_s<T, C>(s, qf, k_of(j), smem);
+      issue_pv<T, C>(o, p, v_of(j - 1), smem);
+      wgmma_wait<1>();  // S of tile j
+      settle_s<C>(s);
+      // P stays in f32 (in s) until P V of tile j - 1, which reads p, is done: P packed before
+      // that wait gives the register allocator new values to place while the product may
+      // still read the old ones, and ptxas then serializes the pipeline (C7513: ptxas 13.0
+      // reported it for every overlapped instance until the packing moved here).
+      const bool grew =
+          __any_sync(0xffffffffu, softmax_tile_f32(s, tile_logits(j, s), m, l, alphas));
+      wgmma_wait<0>();  // P V of tile j - 1 is in O: now O may be rescaled and P replaced
+      settle_o<C>(o);
+      if (grew) rescale_tile(o, alphas);
+      pack_p<T>(s, p);
+    }
+    // P V of the last tile: its V copy (queued at the top of the last tile) landed.
+    cp_async_wait<0>();
+    fence_proxy_async_shared();
+    __syncthreads();
+    issue_pv<T, C>(o, p, v_of(b.ntiles - 1), smem);
     wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) wgmma_pin(of[i]);
+    settle_o<C>(o);
   }
 
   store_tile<T, D>(a, b, o, l, warp * 16, g, qd);

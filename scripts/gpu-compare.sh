@@ -33,7 +33,7 @@ grep -q "^test result: ok" "$OUT/test-cuda_kernels.log" ||
 stage bench-gpu 200 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill-tiling 16,32
 only='--no-cache-ops --peer none --no-check'
 stage bench-wgmma 120 "$bin/bin-pagedkv" bench gpu --no-cache-ops --peer none --decode none \
-  --prefill-tiling wgmma,wgmma128
+  --prefill-tiling wgmma,wgmma128,wgmma-ovl,wgmma128-ovl
 # The same decode grid and 16-row prefill as programmatic dependent launches (back to back,
 # each launch's dispatch over the previous one's tail): against bench-gpu's rows.
 stage bench-programmatic 150 "$bin/bin-pagedkv" bench gpu --no-cache-ops --peer none \
@@ -48,7 +48,7 @@ done
 stage sweep-auto 30 "$bin/bin-pagedkv" bench gpu --prefill none --decode $pts $only
 ncu_args=(--clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats
   --section ComputeWorkloadAnalysis --section LaunchStats)
-for tiling in 16 32 wgmma wgmma128; do
+for tiling in 16 32 wgmma wgmma128 wgmma-ovl; do
   stage "ncu-prefill-$tiling" 60 ncu "${ncu_args[@]}" -k regex:prefill -c 2 \
     "$bin/bin-pagedkv" bench gpu --decode none --prefill 32:8/2048+4096,32:8/2048+0 $only \
     --prefill-tiling $tiling --launches 1 --reps 1 --iters 1 --warmup 1

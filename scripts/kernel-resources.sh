@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prints each kernel instance's registers, stack and spills as ptxas reports them for one
 # architecture (default sm_90; the sm_90a unit prefill_wgmma.cu at sm_90a), for every .cu in
-# kernels/. Needs nvcc (eval the output of
-# scripts/install-cuda-toolchain.sh first), no GPU. Usage: scripts/kernel-resources.sh [ARCH]
+# kernels/, and on stderr ptxas's performance notes (e.g. a wgmma pipeline it serialized).
+# Needs nvcc (eval the output of scripts/install-cuda-toolchain.sh first), no GPU.
+# Usage: scripts/kernel-resources.sh [ARCH]
 set -euo pipefail
 arch=${1:-90}
 cd "$(dirname "${BASH_SOURCE[0]}")/../kernels"
@@ -18,6 +19,8 @@ for cu in *.cu; do
   fi
   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode "arch=compute_$a,code=sm_$a" \
     -Xptxas -v -c "$cu" -o "$tmp/k.o" 2>"$tmp/log" || { cat "$tmp/log" >&2; exit 1; }
+  # ptxas's performance notes (C75xx: wgmma pipelines it serialized), on stderr.
+  grep -h "Potential Performance Loss" "$tmp/log" | sed -E 's/^ptxas info *: */'"$cu"': /' >&2 || true
   # ptxas prints, per entry: the name line, then "N bytes stack frame, S bytes spill stores",
   # then "Used R registers". Stack and spills are bytes per thread.
   awk '/Compiling entry function/ { match($0, /'"'"'[^'"'"']+'"'"'/); name = substr($0, RSTART + 1, RLENGTH - 2) }

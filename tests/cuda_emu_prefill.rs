@@ -27,11 +27,13 @@ impl<T: Tol + EmuElem> Elem for T {}
 
 /// The tensor-core kernels' tilings (16 and 32 query rows per warp, wgmma), each run by every
 /// check.
-const TILINGS: [u32; 4] = [
+const TILINGS: [u32; 6] = [
     ffi::PKV_PREFILL_TILING_WARP16,
     ffi::PKV_PREFILL_TILING_WARP32,
     ffi::PKV_PREFILL_TILING_WGMMA,
     ffi::PKV_PREFILL_TILING_WGMMA128,
+    ffi::PKV_PREFILL_TILING_WGMMA_OVERLAP,
+    ffi::PKV_PREFILL_TILING_WGMMA128_OVERLAP,
 ];
 
 /// Runs the prefill launcher (the tiled entry, with `tiling`) on guarded copies of
@@ -298,15 +300,17 @@ fn mma_smem(d: usize, mt: usize) -> u64 {
 
 /// The same for the wgmma kernel with `wg` warpgroups (head dims up to 128): two stages of K
 /// and V in the core-matrix layout (64 keys of d elements, no padding), Q's 64 wg rows of d + 8
-/// where they do not fit stage 1, the flags and row addresses.
-fn wgmma_smem(d: usize, wg: usize) -> u64 {
+/// where they do not fit stage 1, the flags, and the row addresses of two tiles (three with the
+/// overlapped schedule).
+fn wgmma_smem(d: usize, wg: usize, overlap: bool) -> u64 {
     let stage = 2 * 64 * d;
     let q = if 64 * wg * (d + 8) <= stage {
         0
     } else {
         64 * wg * (d + 8)
     };
-    (2 * (2 * stage + q) + 2 * 64 * 4 + 2 * 64 * 8) as u64
+    let krows = if overlap { 3 } else { 2 };
+    (2 * (2 * stage + q) + 2 * 64 * 4 + krows * 64 * 8) as u64
 }
 
 /// f16 and bf16 prefill launch the tiling's tensor-core kernel (one launch with its
@@ -322,7 +326,7 @@ fn each_tiling_takes_its_kernel() {
     let (tokens, nh) = (40usize, 2usize);
     for d in HEAD_DIMS {
         for dtype in [KvDtype::F16, KvDtype::Bf16, KvDtype::F32] {
-            for tiling in [ffi::PKV_PREFILL_TILING_AUTO, 16, 32, 64, 128] {
+            for tiling in [ffi::PKV_PREFILL_TILING_AUTO, 16, 32, 64, 128, 65, 129] {
                 let b = make_batch(&mut rng, 1, 1, d, 16, dtype, Page::Dense, &[tokens]);
                 let bytes = vec![0u8; b.cfg.total_bytes()];
                 let params = AttnParams::new(nh, d);
@@ -352,8 +356,10 @@ fn each_tiling_takes_its_kernel() {
                 let tensor_core = [
                     mma_smem(d, 1),
                     mma_smem(d, 2),
-                    wgmma_smem(d, 1),
-                    wgmma_smem(d, 2),
+                    wgmma_smem(d, 1, false),
+                    wgmma_smem(d, 2, false),
+                    wgmma_smem(d, 1, true),
+                    wgmma_smem(d, 2, true),
                 ];
                 if dtype == KvDtype::F32 {
                     assert!(!tensor_core.contains(&st.max_dynamic_smem), "{what}");
@@ -361,8 +367,14 @@ fn each_tiling_takes_its_kernel() {
                 }
                 let (smem, rows) = match tiling {
                     ffi::PKV_PREFILL_TILING_WARP32 if d <= 128 => (mma_smem(d, 2), 128),
-                    ffi::PKV_PREFILL_TILING_WGMMA if d <= 128 => (wgmma_smem(d, 1), 64),
-                    ffi::PKV_PREFILL_TILING_WGMMA128 if d <= 128 => (wgmma_smem(d, 2), 128),
+                    ffi::PKV_PREFILL_TILING_WGMMA if d <= 128 => (wgmma_smem(d, 1, false), 64),
+                    ffi::PKV_PREFILL_TILING_WGMMA128 if d <= 128 => (wgmma_smem(d, 2, false), 128),
+                    ffi::PKV_PREFILL_TILING_WGMMA_OVERLAP if d <= 128 => {
+                        (wgmma_smem(d, 1, true), 64)
+                    }
+                    ffi::PKV_PREFILL_TILING_WGMMA128_OVERLAP if d <= 128 => {
+                        (wgmma_smem(d, 2, true), 128)
+                    }
                     _ => (mma_smem(d, 1), 64),
                 };
                 assert_eq!(
@@ -384,7 +396,7 @@ fn unknown_tilings_are_refused() {
     let host = random_cache::<bf16>(&mut rng, b.cfg);
     let query = random_vec::<bf16>(&mut rng, 8 * 2 * 64);
     let params = AttnParams::new(2, 64);
-    for tiling in [-1, 1, 8, 15, 17, 48, 65, 127, 256, i32::MAX] {
+    for tiling in [-1, 1, 8, 15, 17, 48, 66, 127, 130, 256, i32::MAX] {
         let _ = cuda_emu::take_stats();
         let (s, _) = launch(
             &b,

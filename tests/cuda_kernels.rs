@@ -123,6 +123,8 @@ fn check_prefill<T: Elem>(
             PrefillTiling::WarpRows32,
             PrefillTiling::Wgmma,
             PrefillTiling::Wgmma128,
+            PrefillTiling::WgmmaOverlap,
+            PrefillTiling::Wgmma128Overlap,
         ]
     };
     for &tiling in tilings {
@@ -530,6 +532,8 @@ fn invalid_ids_prefill<T: Elem>(g: &Gpu, rng: &mut SmallRng, group: usize) {
         PrefillTiling::WarpRows32,
         PrefillTiling::Wgmma,
         PrefillTiling::Wgmma128,
+        PrefillTiling::WgmmaOverlap,
+        PrefillTiling::Wgmma128Overlap,
     ] {
         let out = g
             .upload(&vec![T::from_f32(f32::NAN); query.len()])
@@ -1139,7 +1143,7 @@ fn ffi_argument_errors_need_no_gpu() {
     // Layer 2 >= num_layers 2; then unknown tilings.
     let auto = ffi::PKV_PREFILL_TILING_AUTO as i32;
     assert_eq!(prefill(2, auto), ffi::PKV_ERR_INVALID_ARG as i32);
-    for tiling in [-1, 8, 65] {
+    for tiling in [-1, 8, 66, 130] {
         assert_eq!(
             prefill(0, tiling),
             ffi::PKV_ERR_INVALID_ARG as i32,

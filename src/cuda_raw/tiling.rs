@@ -24,6 +24,11 @@ pub enum PrefillTiling {
     /// [`PrefillTiling::Wgmma`] with two warpgroups (128 rows) per thread block sharing each
     /// K / V tile: half the L2 -> shared memory copies per query row.
     Wgmma128,
+    /// [`PrefillTiling::Wgmma`] with the overlapped schedule: a tile's softmax runs while the
+    /// previous tile's P V is on the tensor cores.
+    WgmmaOverlap,
+    /// [`PrefillTiling::Wgmma128`] with the overlapped schedule.
+    Wgmma128Overlap,
 }
 
 impl PrefillTiling {
@@ -34,6 +39,8 @@ impl PrefillTiling {
             PrefillTiling::WarpRows32 => ffi::PKV_PREFILL_TILING_WARP32,
             PrefillTiling::Wgmma => ffi::PKV_PREFILL_TILING_WGMMA,
             PrefillTiling::Wgmma128 => ffi::PKV_PREFILL_TILING_WGMMA128,
+            PrefillTiling::WgmmaOverlap => ffi::PKV_PREFILL_TILING_WGMMA_OVERLAP,
+            PrefillTiling::Wgmma128Overlap => ffi::PKV_PREFILL_TILING_WGMMA128_OVERLAP,
         }) as i32
     }
 }

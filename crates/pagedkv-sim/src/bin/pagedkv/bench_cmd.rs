@@ -62,8 +62,9 @@ pub struct GpuArgs {
     #[arg(long, default_value = "auto")]
     mode: String,
     /// Prefill tilings, a list of auto, 16, 32 (query rows per warp), wgmma and wgmma128 (64 or
-    /// 128 rows per thread block): the prefill grid runs once per entry (beside the one peer
-    /// run), for A/B comparisons in one process.
+    /// 128 rows per thread block), wgmma-ovl and wgmma128-ovl (the overlapped schedule): the
+    /// prefill grid runs once per entry (beside the one peer run), for A/B comparisons in one
+    /// process.
     #[arg(long, default_value = "auto")]
     prefill_tiling: String,
     /// Launches per graph and back-to-back timing (at least; a whole number of rotations).
@@ -144,8 +145,11 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
             "32" => Ok(PrefillTiling::WarpRows32),
             "wgmma" => Ok(PrefillTiling::Wgmma),
             "wgmma128" => Ok(PrefillTiling::Wgmma128),
+            "wgmma-ovl" => Ok(PrefillTiling::WgmmaOverlap),
+            "wgmma128-ovl" => Ok(PrefillTiling::Wgmma128Overlap),
             t => Err(format!(
-                "--prefill-tiling {t}: expected auto, 16, 32, wgmma or wgmma128"
+                "--prefill-tiling {t}: expected auto, 16, 32, wgmma, wgmma128, wgmma-ovl or \
+                 wgmma128-ovl"
             )),
         })
         .collect::<Result<Vec<_>, _>>()?;

@@ -1074,57 +1074,15 @@ fn page_stride_and_block_size_are_validated() {
         scale: 0.1,
         ..Default::default()
     };
-    let plan = ffi::pkv_decode_plan {
-        mode: ffi::PKV_DECODE_SINGLE as i32,
-        num_seqs_capacity: 1,
-        num_heads: 2,
-        num_kv_heads: 2,
-        head_dim: 64,
-        max_context_capacity: 16,
-        num_splits: 1,
-        workspace_bytes: 0,
-        counter_bytes: 0,
-    };
+    let plan = single_split_plan();
     let launch_all = |g: &ffi::pkv_cache_geometry| -> [i32; 4] {
         // SAFETY: the geometry is invalid, so each launcher returns before any launch or any
         // access through `p`.
         unsafe {
+            let [decode, prefill] = refused_attention(p, g, &plan, &params);
             [
-                ffi::pkv_paged_attention_decode(
-                    p,
-                    128,
-                    p,
-                    128,
-                    p,
-                    g,
-                    0,
-                    p as *const i32,
-                    1,
-                    p as *const i32,
-                    1,
-                    &plan,
-                    &params,
-                    null(),
-                    0,
-                    null(),
-                ),
-                ffi::pkv_paged_attention_prefill(
-                    p,
-                    128,
-                    p,
-                    128,
-                    p,
-                    g,
-                    0,
-                    p as *const i32,
-                    1,
-                    p as *const i32,
-                    p as *const i32,
-                    1,
-                    1,
-                    &params,
-                    null(),
-                ),
+                decode,
+                prefill,
                 ffi::pkv_reshape_and_cache(p, g, 0, p, p, 128, 128, p as *const i64, 1, null()),
                 ffi::pkv_copy_blocks(p, g, p as *const i32, 1, null()),
             ]
@@ -1229,8 +1187,28 @@ fn unknown_launch_flags_are_refused() {
     let g = geometry(&cfg);
     // Never dereferenced: every call below fails validation first.
     let fake = EmuBuf::zeroed(64).expect("buf");
-    let p = fake.ptr();
-    let plan = ffi::pkv_decode_plan {
+    let plan = single_split_plan();
+    for flags in [2, 3, -1, i32::MIN] {
+        let params = ffi::pkv_attn_params {
+            num_heads: 2,
+            scale: 0.1,
+            launch_flags: flags,
+            ..Default::default()
+        };
+        // SAFETY: the flags are invalid, so each launcher returns before any launch or any
+        // access through the fake pointer.
+        let got = unsafe { refused_attention(fake.ptr(), &g, &plan, &params) };
+        assert_eq!(
+            got,
+            [ffi::PKV_ERR_INVALID_ARG as i32; 2],
+            "launch flags {flags:#x}"
+        );
+    }
+}
+
+/// A one-split plan for 2 heads of 2 KV heads at head dim 64, one sequence of up to 16 tokens.
+fn single_split_plan() -> ffi::pkv_decode_plan {
+    ffi::pkv_decode_plan {
         mode: ffi::PKV_DECODE_SINGLE as i32,
         num_seqs_capacity: 1,
         num_heads: 2,
@@ -1240,59 +1218,59 @@ fn unknown_launch_flags_are_refused() {
         num_splits: 1,
         workspace_bytes: 0,
         counter_bytes: 0,
-    };
-    for flags in [2, 3, -1, i32::MIN] {
-        let params = ffi::pkv_attn_params {
-            num_heads: 2,
-            scale: 0.1,
-            launch_flags: flags,
-            ..Default::default()
-        };
-        // SAFETY: the flags are invalid, so each launcher returns before any launch or any
-        // access through `p`.
-        let got = unsafe {
-            [
-                ffi::pkv_paged_attention_decode(
-                    p,
-                    128,
-                    p,
-                    128,
-                    p,
-                    &g,
-                    0,
-                    p as *const i32,
-                    1,
-                    p as *const i32,
-                    1,
-                    &plan,
-                    &params,
-                    null(),
-                    0,
-                    null(),
-                ),
-                ffi::pkv_paged_attention_prefill(
-                    p,
-                    128,
-                    p,
-                    128,
-                    p,
-                    &g,
-                    0,
-                    p as *const i32,
-                    1,
-                    p as *const i32,
-                    p as *const i32,
-                    1,
-                    1,
-                    &params,
-                    null(),
-                ),
-            ]
-        };
-        assert_eq!(
-            got,
-            [ffi::PKV_ERR_INVALID_ARG as i32; 2],
-            "launch flags {flags:#x}"
-        );
+    }
+}
+
+/// A decode and a prefill launch with `g`, `plan` and `params` and the pointer `p` for every
+/// buffer; their statuses.
+///
+/// # Safety
+/// Some argument must be invalid, so that both launchers return before any launch or any
+/// access through `p`.
+unsafe fn refused_attention(
+    p: *mut c_void,
+    g: &ffi::pkv_cache_geometry,
+    plan: &ffi::pkv_decode_plan,
+    params: &ffi::pkv_attn_params,
+) -> [i32; 2] {
+    // SAFETY: the caller's contract: both return before touching any pointer.
+    unsafe {
+        [
+            ffi::pkv_paged_attention_decode(
+                p,
+                128,
+                p,
+                128,
+                p,
+                g,
+                0,
+                p as *const i32,
+                1,
+                p as *const i32,
+                1,
+                plan,
+                params,
+                null(),
+                0,
+                null(),
+            ),
+            ffi::pkv_paged_attention_prefill(
+                p,
+                128,
+                p,
+                128,
+                p,
+                g,
+                0,
+                p as *const i32,
+                1,
+                p as *const i32,
+                p as *const i32,
+                1,
+                1,
+                params,
+                null(),
+            ),
+        ]
     }
 }

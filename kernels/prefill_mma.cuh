@@ -78,12 +78,23 @@ template <int D, int MT> struct Cfg {
   static_assert(BC <= THREADS && (BC * CH) % THREADS == 0, "whole copy rounds");
 };
 
-// 16 bytes global -> shared, asynchronous on the GPU (completion: commit + wait below); a plain
-// copy in the emulation, where every launch is synchronous anyway.
+// 16 bytes global -> shared, asynchronous on the GPU (completion: commit + wait below). The
+// emulation performs the copy at the cp.async.wait_group that covers its group (emu::AsyncGroups),
+// so a read of the stage before that wait (and the barrier after it) sees the old bytes.
+#ifdef PKV_CUDA_EMU
+struct CpAsync16 {
+  void *dst;
+  const void *src;
+};
+inline emu::AsyncGroups<CpAsync16> &cp_async_queue() {
+  return emu::per_thread<emu::AsyncGroups<CpAsync16>>();
+}
+#endif
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
 #ifdef PKV_CUDA_EMU
   emu::check_align16(smem, "cp.async shared destination");
-  *static_cast<uint4 *>(smem) = ld_vec(gmem);
+  emu::check_align16(gmem, "cp.async global source");
+  cp_async_queue().issue(CpAsync16{smem, gmem});
 #else
   const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
@@ -92,12 +103,16 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
 __device__ __forceinline__ void cp_async_commit() {
 #ifndef PKV_CUDA_EMU
   asm volatile("cp.async.commit_group;\n" ::: "memory");
+#else
+  cp_async_queue().commit();
 #endif
 }
 // Waits until at most N of this thread's committed groups are in flight.
 template <int N> __device__ __forceinline__ void cp_async_wait() {
 #ifndef PKV_CUDA_EMU
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#else
+  cp_async_queue().wait(N, [](const CpAsync16 &c) { *static_cast<uint4 *>(c.dst) = ld_vec(c.src); });
 #endif
 }
 

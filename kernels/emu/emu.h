@@ -39,6 +39,7 @@
 #include <string.h>
 
 #include <type_traits>
+#include <vector>
 
 #define __global__
 #define __device__
@@ -192,6 +193,44 @@ void warp_gather(const void *mine, size_t bytes, void *all);
 inline void check_align16(const void *p, const char *what) {
   if ((reinterpret_cast<uintptr_t>(p) & 15u) != 0) fault(cudaErrorMisalignedAddress, what, p);
 }
+
+// The calling emulated thread's T, value-initialized for every block: per-thread state of the
+// asynchronous instructions (a block's fibers share the OS thread, so one thread_local vector
+// per T holds the running block's instances, as for its __shared__ variables).
+template <typename T> inline T &per_thread() {
+  static thread_local uint64_t block = ~(uint64_t)0;
+  static thread_local std::vector<T> all;
+  const ThreadCoords &c = *tl_coords;
+  if (block != tl_block_serial) {
+    block = tl_block_serial;
+    all.assign((size_t)c.block_dim.x * c.block_dim.y * c.block_dim.z, T{});
+  }
+  return all[c.thread.x + (size_t)c.block_dim.x * (c.thread.y + (size_t)c.block_dim.y * c.thread.z)];
+}
+
+// One thread's operations of an asynchronous instruction family (cp.async, wgmma) in commit
+// groups: the GPU may perform an operation any time between its issue and the wait_group that
+// covers its group, so the emulation performs it at that wait (the latest moment). Reading a
+// result before its wait, or changing an operand the operation has yet to read, then gives a
+// wrong result here, as it may on the GPU, instead of passing because the emulation was eager.
+template <typename Op> struct AsyncGroups {
+  std::vector<Op> ops;         // issued and not yet performed, in issue order
+  std::vector<size_t> groups;  // the end (in ops) of each committed group, oldest first
+
+  void issue(const Op &op) { ops.push_back(op); }
+  void commit() { groups.push_back(ops.size()); }
+  // wait_group n: performs the oldest committed groups (run(op), in issue order) until at most
+  // n are pending. Uncommitted operations stay pending, as on the GPU.
+  template <typename Run> void wait(int n, Run run) {
+    while ((int)groups.size() > n) {
+      const size_t end = groups.front();
+      for (size_t i = 0; i < end; ++i) run(ops[i]);
+      ops.erase(ops.begin(), ops.begin() + (std::ptrdiff_t)end);
+      groups.erase(groups.begin());
+      for (size_t &g : groups) g -= end;
+    }
+  }
+};
 
 }  // namespace emu
 

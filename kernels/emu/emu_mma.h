@@ -15,8 +15,6 @@
 // summed).
 #pragma once
 
-#include <vector>
-
 #include "emu.h"
 
 namespace emu {
@@ -118,24 +116,8 @@ struct WgmmaOp {
   const void *base;
   bool trans_b;
 };
-struct WgmmaQueue {
-  std::vector<WgmmaOp> ops;    // issued and not yet run, in issue order
-  std::vector<size_t> groups;  // the end (in ops) of each committed group, oldest first
-};
-
-// The calling thread's queue; every block starts with empty ones (a block's fibers share the
-// OS thread, so the block's queues are one thread_local vector, as its __shared__ variables).
-inline WgmmaQueue &wgmma_queue() {
-  static thread_local uint64_t block = ~(uint64_t)0;
-  static thread_local std::vector<WgmmaQueue> queues;
-  const ThreadCoords &c = *tl_coords;
-  if (block != tl_block_serial) {
-    block = tl_block_serial;
-    queues.assign((size_t)c.block_dim.x * c.block_dim.y * c.block_dim.z, WgmmaQueue{});
-  }
-  return queues[c.thread.x +
-                (size_t)c.block_dim.x * (c.thread.y + (size_t)c.block_dim.y * c.thread.z)];
-}
+// The calling thread's wgmma queue.
+inline AsyncGroups<WgmmaOp> &wgmma_queue() { return per_thread<AsyncGroups<WgmmaOp>>(); }
 
 // Runs one issued product: warp w of the warpgroup owns rows 16 w .. 16 w + 15 of A and D, so
 // each warp computes its rows alone: its lanes post their A registers (the mma.m16n8k16 A
@@ -184,25 +166,13 @@ template <int N>
 inline void wgmma_m64nNk16(MmaElem t, float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc,
                            const void *base, bool trans_b) {
   static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma n is a multiple of 8 up to 256");
-  wgmma_queue().ops.push_back(WgmmaOp{t, N, d, {a[0], a[1], a[2], a[3]}, desc, base, trans_b});
+  wgmma_queue().issue(WgmmaOp{t, N, d, {a[0], a[1], a[2], a[3]}, desc, base, trans_b});
 }
 
 // wgmma.commit_group: the products issued since the last commit become one group.
-inline void wgmma_commit_group() {
-  WgmmaQueue &q = wgmma_queue();
-  q.groups.push_back(q.ops.size());
-}
+inline void wgmma_commit_group() { wgmma_queue().commit(); }
 
 // wgmma.wait_group k: runs the oldest committed groups until at most k are pending.
-inline void wgmma_wait_group(int k) {
-  WgmmaQueue &q = wgmma_queue();
-  while ((int)q.groups.size() > k) {
-    const size_t end = q.groups.front();
-    for (size_t i = 0; i < end; ++i) wgmma_run(q.ops[i]);
-    q.ops.erase(q.ops.begin(), q.ops.begin() + (std::ptrdiff_t)end);
-    q.groups.erase(q.groups.begin());
-    for (size_t &g : q.groups) g -= end;
-  }
-}
+inline void wgmma_wait_group(int k) { wgmma_queue().wait(k, wgmma_run); }
 
 }  // namespace emu

@@ -87,6 +87,24 @@ fn shuffle_from_a_returned_lane_is_reported() {
     assert!(msg.contains("returned"), "{msg}");
 }
 
+/// cp.async lands at the wait_group that covers its group, not at its issue: before any wait
+/// the destination still holds its old bytes, wait_group 1 lands the older group only, wait_group
+/// 0 the rest (the emulation's latest moment, so a kernel that reads a stage early fails).
+#[test]
+fn cp_async_lands_at_the_wait_that_covers_it() {
+    let words: Vec<u32> = (0..256u32).flat_map(|i| [100 + i, 0, 0, 0]).collect();
+    let src = EmuBuf::from_slice(&words).expect("alloc");
+    let out = zeroed(128 * 4 * 4);
+    // SAFETY: src holds 256 16-byte vectors, out 512 ints.
+    let s = unsafe { emu_ffi::pkv_emu_selftest_cp_async(src.ptr(), out.ptr() as *mut i32) };
+    assert_eq!(s, 0);
+    let got = out.as_slice::<i32>();
+    for t in 0..128 {
+        let want = [1, 100 + t as i32, 2, 228 + t as i32];
+        assert_eq!(got[4 * t..4 * t + 4], want, "thread {t}");
+    }
+}
+
 #[test]
 fn misaligned_vector_load_is_reported() {
     let src = EmuBuf::from_slice(&[0x0102_0304u32, 5, 6, 7, 8, 9, 10, 11]).expect("alloc");

@@ -94,6 +94,11 @@ int pkv_emu_selftest_write(int *p, int n);
  *  through __shfl_sync. */
 int pkv_emu_selftest_shuffle_idx(int *out, int width);
 int pkv_emu_selftest_vote(int *out);
+/** 128 threads; src: 256 16-byte vectors. Thread t queues two cp.async groups (src[t] into a
+ *  shared vector that held 1s, then src[128 + t] into one that held 2s) and records the first
+ *  word of its destinations: out[4t] before any wait, out[4t + 1] and out[4t + 2] after
+ *  cp.async.wait_group 1, out[4t + 3] after wait_group 0. */
+int pkv_emu_selftest_cp_async(const void *src, int *out);
 /** `warps` warps each run mma_m16n8k16 (kernels/mma.cuh) for dtype PKV_DTYPE_F16 or _BF16 on
  *  their own operands: a [warps][16][16] (A row-major), b [warps][16][8] (B[k][n]), c and d
  *  [warps][16][8], all f32 (a and b rounded to dtype). d = c + A B, accumulated in place `reps`

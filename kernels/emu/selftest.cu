@@ -6,6 +6,7 @@
 
 #include "mma.cuh"
 #include "pagedkv_emu.h"
+#include "prefill_mma.cuh"
 
 namespace {
 
@@ -151,7 +152,30 @@ template <int N, bool TRANS> __global__ void ldmatrix_kernel(const uint16_t *m, 
   for (int j = 0; j < N; ++j) out[l * N + j] = r[j];
 }
 
+// Two cp.async groups per thread, each copy observed before and after the waits that cover it.
+__global__ void cp_async_kernel(const uint4 *src, int *out) {
+  __shared__ uint4 first[128], second[128];
+  const int t = threadIdx.x;
+  first[t] = make_uint4(1, 1, 1, 1);
+  second[t] = make_uint4(2, 2, 2, 2);
+  pkv::pfmma::cp_async16(&first[t], &src[t]);
+  pkv::pfmma::cp_async_commit();
+  pkv::pfmma::cp_async16(&second[t], &src[128 + t]);
+  pkv::pfmma::cp_async_commit();
+  out[4 * t] = (int)first[t].x;
+  pkv::pfmma::cp_async_wait<1>();
+  out[4 * t + 1] = (int)first[t].x;
+  out[4 * t + 2] = (int)second[t].x;
+  pkv::pfmma::cp_async_wait<0>();
+  out[4 * t + 3] = (int)second[t].x;
+}
+
 }  // namespace
+
+extern "C" int pkv_emu_selftest_cp_async(const void *src, int *out) {
+  cp_async_kernel<<<1, 128>>>(static_cast<const uint4 *>(src), out);
+  return (int)cudaGetLastError();
+}
 
 extern "C" int pkv_emu_selftest_vote(int *out) {
   vote_kernel<<<1, 96>>>(out);

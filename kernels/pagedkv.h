@@ -162,10 +162,11 @@ typedef struct pkv_attn_params {
  * nothing): the attention launch may be scheduled while the kernel before it on the stream
  * still runs, so its launch and block dispatch overlap that kernel's tail instead of following
  * it. Every thread block waits at entry (griddepcontrol.wait) until that kernel has completed
- * and its memory is visible, before any read: the results are those of a plain launch. Every
- * pagedkv kernel lets its own dependents launch as soon as all its blocks have started
- * (griddepcontrol.launch_dependents at entry), so reshape_and_cache followed by attention with
- * this bit hides the attention launch behind the cache write. Works inside stream capture
+ * and its memory is visible, before any read: the results are those of a plain launch. The
+ * attention kernels and the cache ops (reshape_and_cache, copy_blocks) let their own dependents
+ * launch as soon as all their blocks have started (griddepcontrol.launch_dependents at entry),
+ * so reshape_and_cache followed by attention with this bit hides the attention launch behind
+ * the cache write. Works inside stream capture
  * (the graph keeps a programmatic edge).
  */
 #define PKV_LAUNCH_PROGRAMMATIC 1

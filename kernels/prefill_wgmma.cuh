@@ -71,7 +71,7 @@ template <int D, int WG, bool OVL = false> struct Cfg {
   static constexpr uint32_t OCTET_BYTES = 16 * D; // one 8-key row of core matrices
   static constexpr int KROWS = OVL ? 3 : 2;       // tiles whose K row addresses are kept
   // Thread blocks per SM the registers must allow. One warpgroup: 3 (<= 168 per thread) up to
-  // head dim 96, where the body takes 129-161 in order and 144-168 overlapped without
+  // head dim 96, where the body takes 129-161 in order and 142-167 overlapped without
   // spilling; 2 above (d128: 195 / 201; 3 would spill). Two warpgroups: 1 (the same body,
   // twice the threads).
   static constexpr int MIN_BLOCKS = WG == 2 ? 1 : D <= 96 ? 3 : 2;

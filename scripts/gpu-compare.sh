@@ -42,9 +42,10 @@ stage memcheck-kernels 120 compute-sanitizer --tool memcheck --error-exitcode 9 
 stage racecheck-prefill 90 compute-sanitizer --tool racecheck --error-exitcode 9 \
   "$bin/test-cuda_kernels" prefill_grid_bf16
 # The same decode grid and 16-row prefill as programmatic dependent launches (back to back,
-# each launch's dispatch over the previous one's tail): against bench-gpu's rows.
-stage bench-programmatic 150 "$bin/bin-pagedkv" bench gpu --no-cache-ops --peer none \
-  --programmatic --prefill-tiling 16
+# each launch's dispatch over the previous one's tail): against bench-gpu's rows; then each
+# decode point as a per-layer step (cache write + decode), plain against programmatic.
+stage bench-programmatic 200 "$bin/bin-pagedkv" bench gpu --no-cache-ops --peer none \
+  --programmatic --prefill-tiling 16 --step
 ncu_args=(--clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats
   --section ComputeWorkloadAnalysis --section LaunchStats)
 for tiling in 16 wgmma wgmma-ovl 32 wgmma128; do

@@ -222,6 +222,60 @@ impl<'g> Bench<'g> {
         })
     }
 
+    /// A decode step's attention half as an engine runs it per layer: reshape_and_cache of each
+    /// sequence's newest token, then decode, timed with plain launches and with programmatic
+    /// launches (the decode dispatched during the cache write), in that order.
+    pub fn decode_step(&mut self, p: &DecodePoint) -> Result<[Outcome; 2], BoxErr> {
+        let (nh, hkv, d) = (p.heads.query, p.heads.kv, self.shape.head_dim);
+        let per_seq = p.ctx.div_ceil(self.block_size);
+        let cfg = self.config(hkv, p.batch * per_seq)?;
+        let bytes = (cfg.total_bytes() + 2 * p.batch * nh * d * 2) as u64;
+        if bytes > self.budget || p.ctx == 0 {
+            return Ok([skipped(bytes).outcome, skipped(bytes).outcome]);
+        }
+        let n = rotation_copies(bytes, self.l2_bytes, self.budget);
+        let tables = self.tables(p.batch, per_seq);
+        let ctx_lens = vec![p.ctx as i32; p.batch];
+        let seqs = PagedSeqs {
+            block_tables: &tables,
+            max_blocks_per_seq: per_seq,
+            context_lens: &ctx_lens,
+        };
+        let dseqs = DeviceSeqs::upload(self.gpu, &cfg, &seqs)?;
+        let mut params = DeviceAttnParams::upload(self.gpu, &cfg, &AttnParams::new(nh, d))?;
+        params.mode = self.mode;
+        // The newest token of sequence s: its slot in its last block.
+        let (last, bs) = (p.ctx - 1, self.block_size);
+        let slots: Vec<i64> = (0..p.batch)
+            .map(|s| tables[s * per_seq + last / bs] as i64 * bs as i64 + (last % bs) as i64)
+            .collect();
+        let (k_host, v_host) = (
+            self.random_vec(p.batch * hkv * d),
+            self.random_vec(p.batch * hkv * d),
+        );
+        let (key, value, dslots) = (
+            self.gpu.upload(&k_host)?,
+            self.gpu.upload(&v_host)?,
+            self.gpu.upload(&slots)?,
+        );
+        let q_host = self.random_vec(p.batch * nh * d);
+        let mut copies = self.copies(&cfg, &q_host, n)?;
+        let gpu = self.gpu;
+        let plan = self.plan(n);
+        let mut out = Vec::with_capacity(2);
+        for programmatic in [false, true] {
+            params.programmatic_launch = programmatic;
+            let timing = time_point(&self.clock, &plan, &mut |i| {
+                let c = &mut copies[i % n];
+                c.cache.reshape_and_cache(gpu, 0, &key, &value, &dslots)?;
+                c.cache
+                    .paged_attention_decode(gpu, 0, &c.q, &dseqs, &params, &mut c.ws, &mut c.out)
+            })?;
+            out.push(Outcome::Timed(timing));
+        }
+        Ok([out.remove(0), out.remove(0)])
+    }
+
     pub fn prefill(&mut self, p: &PrefillPoint) -> Result<Measured, BoxErr> {
         let (nh, hkv, d) = (p.heads.query, p.heads.kv, self.shape.head_dim);
         let per_seq = p.context().div_ceil(self.block_size);

@@ -18,7 +18,7 @@ use pagedkv::cuda::{DecodeMode, DeviceKvCache, Gpu, PinnedSwapSpace, PrefillTili
 use pagedkv::kv::{KvCacheConfig, KvDtype};
 use pagedkv_sim::gpu_bench::{
     decode_header, decode_row, default_decode_grid, default_prefill_grid, median, parse_points,
-    prefill_header, prefill_row, DecodePoint, PeerResults, PrefillPoint, Shape,
+    prefill_header, prefill_row, DecodePoint, Outcome, PeerResults, PrefillPoint, Shape,
 };
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
@@ -98,6 +98,10 @@ pub struct GpuArgs {
     /// back to back, each launch's dispatch overlaps the previous one's tail.
     #[arg(long)]
     programmatic: bool,
+    /// Also time each decode point as an engine's per-layer step (reshape_and_cache of the
+    /// newest tokens, then decode), with plain and with programmatic launches.
+    #[arg(long)]
+    step: bool,
 }
 
 /// Runs `pagedkv bench ...`.
@@ -276,6 +280,33 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
                 decode_row(p, shape, &m.outcome, pr.decode.get(p), d2d)
             );
             note_check(format!("decode {p}"), &m);
+        }
+    }
+    if a.step && !decode.is_empty() {
+        println!();
+        println!(
+            "decode step: reshape_and_cache of each sequence's newest token, then decode (graph us per step)"
+        );
+        println!(
+            "{:>15} | {:>9} {:>9} | {:>13}",
+            "heads/BxCTX", "plain", "programm.", "programm./plain"
+        );
+        for p in &decode {
+            let [plain, prog] = bench.decode_step(p)?;
+            let us = |o: &Outcome| match o {
+                Outcome::Timed(t) => Some(t.graph_us),
+                _ => None,
+            };
+            match (us(&plain), us(&prog)) {
+                (Some(a), Some(b)) => {
+                    println!(
+                        "{:>15} | {a:>9.1} {b:>9.1} | {:>13.3}",
+                        p.to_string(),
+                        b / a
+                    )
+                }
+                _ => println!("{:>15} | skipped", p.to_string()),
+            }
         }
     }
     for &tiling in tilings.iter().filter(|_| !prefill.is_empty()) {

@@ -314,8 +314,9 @@ fn wgmma_smem(d: usize, wg: usize, overlap: bool) -> u64 {
 }
 
 /// f16 and bf16 prefill launch the tiling's tensor-core kernel (one launch with its
-/// shared-memory footprint and its rows per thread block: 64 at 16 rows per warp and with
-/// wgmma, 128 at 32), f32 the CUDA-core one (another footprint), whatever the tiling asked; 32
+/// shared-memory footprint and its rows per thread block: 64 at 16 rows per warp and with one
+/// warpgroup, 128 at 32 and with two; the overlapped wgmma schedule keeps one more tile's row
+/// addresses), f32 the CUDA-core one (another footprint), whatever the tiling asked; 32
 /// rows per warp and wgmma apply up to head dim 128 (the emulation runs wgmma on any
 /// "device"), 16 elsewhere, and Auto is 16. A dispatch that fell back would pass every
 /// accuracy test above unnoticed.
@@ -387,7 +388,7 @@ fn each_tiling_takes_its_kernel() {
     }
 }
 
-/// A tiling other than the four of pkv_paged_attention_prefill_tiled is refused before
+/// A tiling other than pkv_paged_attention_prefill_tiled's (PKV_PREFILL_TILING_*) is refused before
 /// anything is launched (f32 ignores a valid choice, not an invalid one).
 #[test]
 fn unknown_tilings_are_refused() {

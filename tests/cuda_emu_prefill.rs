@@ -388,8 +388,8 @@ fn each_tiling_takes_its_kernel() {
     }
 }
 
-/// A tiling other than pkv_paged_attention_prefill_tiled's (PKV_PREFILL_TILING_*) is refused before
-/// anything is launched (f32 ignores a valid choice, not an invalid one).
+/// A tiling other than pkv_paged_attention_prefill_tiled's (PKV_PREFILL_TILING_*) is refused
+/// before anything is launched (f32 ignores a valid choice, not an invalid one).
 #[test]
 fn unknown_tilings_are_refused() {
     let mut rng = SmallRng::seed_from_u64(36);
@@ -415,9 +415,9 @@ fn unknown_tilings_are_refused() {
 }
 
 /// The layout probe on the emulation: wgmma.cuh's reading of the descriptor (core matrices
-/// `lbo` apart along k and `sbo` along n, K-major and MN-major B alike) is the emulation's, so its two
-/// variants are exact and the exchanged offsets are not (the probe can tell them apart). On a
-/// GPU (tests/cuda_kernels.rs) the same probe checks the hardware.
+/// `lbo` apart along k and `sbo` along n, K-major and MN-major B alike) is the emulation's, so
+/// its two variants are exact and the exchanged offsets are not (the probe can tell them
+/// apart). On a GPU (tests/cuda_kernels.rs) the same probe checks the hardware.
 #[test]
 fn wgmma_layout_probe_tells_the_layouts_apart() {
     let counts = buf(&[-1i32; 4]);

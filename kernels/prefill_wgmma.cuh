@@ -89,10 +89,10 @@ template <int D, int WG, bool OVL = false> struct Cfg {
 // zero-filled (and flagged). Piece i (= thread + k NT) is key 8 (i / 8CH) + i % 8, chunk
 // (i / 8) % CH: eight consecutive threads read eight keys' same 16 bytes and write 128
 // contiguous shared bytes.
-template <typename T, int D, int WG, bool OVL, bool K_, bool V_>
+template <typename T, int D, int WG, bool K_, bool V_>
 __device__ __forceinline__ void load_tile(const PrefillArgs &a, const T *const *krow, T *sk,
                                           T *sv, int *kvalid) {
-  using C = Cfg<D, WG, OVL>;
+  using C = Cfg<D, WG>;  // the copy's shape does not depend on the schedule
   const int64_t kv = a.st.kv;
 #pragma unroll
   for (int k = 0; k < C::COPIES; ++k) {
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
   __syncthreads();
   stage_q<T, D, C::NT>(a, b, sq, C::LDQ, C::ROWS);
   if (b.ntiles > 0)
-    load_tile<T, D, WG, OVL, true, !OVL>(a, krow, smem, smem + C::BC * D, kvalid);
+    load_tile<T, D, WG, true, !OVL>(a, krow, smem, smem + C::BC * D, kvalid);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -246,11 +246,11 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
     T *nk = smem + (st ^ 1) * C::STAGE;
     const T *const *next_rows = krow + ((j + 1) % C::KROWS) * C::BC;
     if (j + 1 < b.ntiles)
-      load_tile<T, D, WG, OVL, true, !OVL>(a, next_rows, nk, nk + C::BC * D,
-                                           kvalid + (st ^ 1) * C::BC);
+      load_tile<T, D, WG, true, !OVL>(a, next_rows, nk, nk + C::BC * D,
+                                      kvalid + (st ^ 1) * C::BC);
     if (OVL)
-      load_tile<T, D, WG, OVL, false, true>(a, krow + (j % C::KROWS) * C::BC, nullptr,
-                                            smem + st * C::STAGE + C::BC * D, nullptr);
+      load_tile<T, D, WG, false, true>(a, krow + (j % C::KROWS) * C::BC, nullptr,
+                                       smem + st * C::STAGE + C::BC * D, nullptr);
     cp_async_commit();
     if (j + 2 < b.ntiles) rows_of(j + 2);
   };

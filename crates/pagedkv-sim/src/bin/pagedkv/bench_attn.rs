@@ -62,6 +62,28 @@ struct Copy {
     ws: DecodeWorkspace,
 }
 
+/// A decode point's inputs on the device (and the host values the oracle check needs).
+struct DecodeInputs {
+    cfg: KvCacheConfig,
+    per_seq: usize,
+    tables: Vec<i32>,
+    ctx_lens: Vec<i32>,
+    attn: AttnParams<'static>,
+    dseqs: DeviceSeqs,
+    params: DeviceAttnParams,
+    q_host: Vec<bf16>,
+    copies: Vec<Copy>,
+}
+
+/// The batch's paged-sequence view: table rows of `per_seq` entries, one context per row.
+fn paged<'a>(tables: &'a [i32], per_seq: usize, ctx_lens: &'a [i32]) -> PagedSeqs<'a> {
+    PagedSeqs {
+        block_tables: tables,
+        max_blocks_per_seq: per_seq,
+        context_lens: ctx_lens,
+    }
+}
+
 /// A point's result and, when it was checked, the largest error against the oracle.
 pub struct Measured {
     pub outcome: Outcome,
@@ -179,41 +201,63 @@ impl<'g> Bench<'g> {
             .collect()
     }
 
-    pub fn decode(&mut self, p: &DecodePoint) -> Result<Measured, BoxErr> {
+    /// A decode point's device inputs (`Err(bytes)`: over the budget, skipped).
+    fn decode_inputs(&mut self, p: &DecodePoint) -> Result<Result<DecodeInputs, u64>, BoxErr> {
         let (nh, hkv, d) = (p.heads.query, p.heads.kv, self.shape.head_dim);
         let per_seq = p.ctx.div_ceil(self.block_size);
         let cfg = self.config(hkv, p.batch * per_seq)?;
         let bytes = (cfg.total_bytes() + 2 * p.batch * nh * d * 2) as u64;
         if bytes > self.budget {
-            return Ok(skipped(bytes));
+            return Ok(Err(bytes));
         }
         let n = rotation_copies(bytes, self.l2_bytes, self.budget);
         let tables = self.tables(p.batch, per_seq);
         let ctx_lens = vec![p.ctx as i32; p.batch];
-        let seqs = PagedSeqs {
-            block_tables: &tables,
-            max_blocks_per_seq: per_seq,
-            context_lens: &ctx_lens,
-        };
-        let dseqs = DeviceSeqs::upload(self.gpu, &cfg, &seqs)?;
+        let dseqs = DeviceSeqs::upload(self.gpu, &cfg, &paged(&tables, per_seq, &ctx_lens))?;
         let attn = AttnParams::new(nh, d);
         let mut params = DeviceAttnParams::upload(self.gpu, &cfg, &attn)?;
         params.mode = self.mode;
         params.programmatic_launch = self.programmatic;
         let q_host = self.random_vec(p.batch * nh * d);
-        let mut copies = self.copies(&cfg, &q_host, n)?;
-        let gpu = self.gpu;
+        let copies = self.copies(&cfg, &q_host, n)?;
+        Ok(Ok(DecodeInputs {
+            cfg,
+            per_seq,
+            tables,
+            ctx_lens,
+            attn,
+            dseqs,
+            params,
+            q_host,
+            copies,
+        }))
+    }
+
+    pub fn decode(&mut self, p: &DecodePoint) -> Result<Measured, BoxErr> {
+        let mut x = match self.decode_inputs(p)? {
+            Ok(x) => x,
+            Err(bytes) => return Ok(skipped(bytes)),
+        };
+        let (gpu, n) = (self.gpu, x.copies.len());
         let timing = time_point(&self.clock, &self.plan(n), &mut |i| {
-            let c = &mut copies[i % n];
+            let c = &mut x.copies[i % n];
             c.cache
-                .paged_attention_decode(gpu, 0, &c.q, &dseqs, &params, &mut c.ws, &mut c.out)
+                .paged_attention_decode(gpu, 0, &c.q, &x.dseqs, &x.params, &mut c.ws, &mut c.out)
         })?;
         let check = (self.check
             && p.flops(self.shape) <= CHECK_MAX_FLOPS
-            && cfg.total_bytes() <= CHECK_MAX_CACHE)
+            && x.cfg.total_bytes() <= CHECK_MAX_CACHE)
             .then(|| {
-                check_against_oracle(gpu, &copies[0], &cfg, &q_host, |kv, q, out| {
-                    cpu::paged_attention_decode(&mut AttnWorkspace::new(), kv, q, &seqs, &attn, out)
+                let seqs = paged(&x.tables, x.per_seq, &x.ctx_lens);
+                check_against_oracle(gpu, &x.copies[0], &x.cfg, &x.q_host, |kv, q, out| {
+                    cpu::paged_attention_decode(
+                        &mut AttnWorkspace::new(),
+                        kv,
+                        q,
+                        &seqs,
+                        &x.attn,
+                        out,
+                    )
                 })
             });
         Ok(Measured {
@@ -226,28 +270,18 @@ impl<'g> Bench<'g> {
     /// sequence's newest token, then decode, timed with plain launches and with programmatic
     /// launches (the decode dispatched during the cache write), in that order.
     pub fn decode_step(&mut self, p: &DecodePoint) -> Result<[Outcome; 2], BoxErr> {
-        let (nh, hkv, d) = (p.heads.query, p.heads.kv, self.shape.head_dim);
-        let per_seq = p.ctx.div_ceil(self.block_size);
-        let cfg = self.config(hkv, p.batch * per_seq)?;
-        let bytes = (cfg.total_bytes() + 2 * p.batch * nh * d * 2) as u64;
-        if bytes > self.budget || p.ctx == 0 {
-            return Ok([skipped(bytes).outcome, skipped(bytes).outcome]);
+        if p.ctx == 0 {
+            return Ok([(); 2].map(|_| Outcome::Skipped("no newest token".into())));
         }
-        let n = rotation_copies(bytes, self.l2_bytes, self.budget);
-        let tables = self.tables(p.batch, per_seq);
-        let ctx_lens = vec![p.ctx as i32; p.batch];
-        let seqs = PagedSeqs {
-            block_tables: &tables,
-            max_blocks_per_seq: per_seq,
-            context_lens: &ctx_lens,
+        let mut x = match self.decode_inputs(p)? {
+            Ok(x) => x,
+            Err(bytes) => return Ok([(); 2].map(|_| skipped(bytes).outcome)),
         };
-        let dseqs = DeviceSeqs::upload(self.gpu, &cfg, &seqs)?;
-        let mut params = DeviceAttnParams::upload(self.gpu, &cfg, &AttnParams::new(nh, d))?;
-        params.mode = self.mode;
+        let (hkv, d) = (p.heads.kv, self.shape.head_dim);
         // The newest token of sequence s: its slot in its last block.
         let (last, bs) = (p.ctx - 1, self.block_size);
         let slots: Vec<i64> = (0..p.batch)
-            .map(|s| tables[s * per_seq + last / bs] as i64 * bs as i64 + (last % bs) as i64)
+            .map(|s| x.tables[s * x.per_seq + last / bs] as i64 * bs as i64 + (last % bs) as i64)
             .collect();
         let (k_host, v_host) = (
             self.random_vec(p.batch * hkv * d),
@@ -258,22 +292,20 @@ impl<'g> Bench<'g> {
             self.gpu.upload(&v_host)?,
             self.gpu.upload(&slots)?,
         );
-        let q_host = self.random_vec(p.batch * nh * d);
-        let mut copies = self.copies(&cfg, &q_host, n)?;
-        let gpu = self.gpu;
+        let (gpu, n) = (self.gpu, x.copies.len());
         let plan = self.plan(n);
-        let mut out = Vec::with_capacity(2);
-        for programmatic in [false, true] {
-            params.programmatic_launch = programmatic;
+        let mut time = |programmatic: bool| -> Result<Outcome, BoxErr> {
+            x.params.programmatic_launch = programmatic;
             let timing = time_point(&self.clock, &plan, &mut |i| {
-                let c = &mut copies[i % n];
+                let c = &mut x.copies[i % n];
                 c.cache.reshape_and_cache(gpu, 0, &key, &value, &dslots)?;
-                c.cache
-                    .paged_attention_decode(gpu, 0, &c.q, &dseqs, &params, &mut c.ws, &mut c.out)
+                c.cache.paged_attention_decode(
+                    gpu, 0, &c.q, &x.dseqs, &x.params, &mut c.ws, &mut c.out,
+                )
             })?;
-            out.push(Outcome::Timed(timing));
-        }
-        Ok([out.remove(0), out.remove(0)])
+            Ok(Outcome::Timed(timing))
+        };
+        Ok([time(false)?, time(true)?])
     }
 
     pub fn prefill(&mut self, p: &PrefillPoint) -> Result<Measured, BoxErr> {

@@ -445,8 +445,77 @@ int launch_prefill_mma_rows(const PrefillArgs &a, int hkv, int row_tiles, int nu
   }
   return launch_prefill_mma<T, D, 1>(a, hkv, row_tiles, num_seqs, s);
 }
+
+bool known_prefill_tiling(int32_t t) {
+  return t == PKV_PREFILL_TILING_AUTO || t == PKV_PREFILL_TILING_WARP16 ||
+         t == PKV_PREFILL_TILING_WARP32 || t == PKV_PREFILL_TILING_WGMMA ||
+         t == PKV_PREFILL_TILING_WGMMA128 || t == PKV_PREFILL_TILING_WGMMA_OVERLAP ||
+         t == PKV_PREFILL_TILING_WGMMA128_OVERLAP;
+}
+
+// The tiling a launch runs (pkv_prefill_tiling_choice's contract; arguments already checked:
+// a known tiling, a supported head dim, a cache dtype, positive heads, num_seqs and
+// max_query_len >= 0). The SM count is asked only for Auto's decision.
+int prefill_tiling_run(int32_t tiling, int32_t dtype, int group, int hkv, int head_dim,
+                       int num_seqs, int max_query_len, int sm_count, int32_t *run) {
+  if (dtype == PKV_DTYPE_F32) {
+    *run = PKV_PREFILL_TILING_AUTO;  // the f32 kernel has no tilings
+    return PKV_OK;
+  }
+  const bool wgmma = tiling == PKV_PREFILL_TILING_WGMMA || tiling == PKV_PREFILL_TILING_WGMMA128 ||
+                     tiling == PKV_PREFILL_TILING_WGMMA_OVERLAP ||
+                     tiling == PKV_PREFILL_TILING_WGMMA128_OVERLAP;
+  if (wgmma) {
+    *run = wgmma_prefill_available(head_dim) ? tiling : PKV_PREFILL_TILING_WARP16;
+    return PKV_OK;
+  }
+  if (head_dim > 128 || tiling == PKV_PREFILL_TILING_WARP16) {
+    *run = PKV_PREFILL_TILING_WARP16;  // WARP32 has no instance above head dim 128
+    return PKV_OK;
+  }
+  if (tiling == PKV_PREFILL_TILING_WARP32) {
+    *run = PKV_PREFILL_TILING_WARP32;
+    return PKV_OK;
+  }
+  // Auto: 128 rows per block once their blocks cover every resident slot; before that, 64
+  // rows put twice the blocks on the SMs (the +0 and 512-token chunks of BENCHMARKS.md's H100
+  // grid are 1.10-1.43x faster so; 2048-token chunks 1.29-1.33x slower).
+  static_assert(pfmma::Cfg<64, 2>::MIN_BLOCKS == 2 && pfmma::Cfg<128, 2>::MIN_BLOCKS == 2,
+                "WARP32's launch bounds promise 2 blocks per SM at every head dim it has");
+  constexpr int64_t per_sm = 2;
+  if (sm_count <= 0) {
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess) return status_of(e);
+    if (sm_count <= 0) sm_count = 1;
+  }
+  const int64_t rows = pfmma::Cfg<64, 2>::ROWS;
+  const int64_t blocks =
+      (int64_t)hkv * (((int64_t)max_query_len * group + rows - 1) / rows) * num_seqs;
+  *run = blocks >= per_sm * sm_count ? PKV_PREFILL_TILING_WARP32 : PKV_PREFILL_TILING_WARP16;
+  return PKV_OK;
+}
 }  // namespace
 }  // namespace pkv
+
+extern "C" int pkv_prefill_tiling_choice(int32_t *chosen, int32_t tiling, int32_t dtype,
+                                         int32_t num_heads, int32_t num_kv_heads,
+                                         int32_t head_dim, int32_t num_seqs,
+                                         int32_t max_query_len, int32_t sm_count) {
+  if (chosen == nullptr) return PKV_ERR_NULL_POINTER;
+  if (!known_prefill_tiling(tiling) || num_heads <= 0 || num_kv_heads <= 0 ||
+      num_heads % num_kv_heads != 0 || num_seqs < 0 || max_query_len < 0)
+    return PKV_ERR_INVALID_ARG;
+  if (!supported_head_dim(head_dim)) return PKV_ERR_HEAD_DIM;
+  if (dtype != PKV_DTYPE_F32 && dtype != PKV_DTYPE_F16 && dtype != PKV_DTYPE_BF16)
+    return PKV_ERR_DTYPE;
+  int32_t run = 0;
+  const int st = prefill_tiling_run(tiling, dtype, num_heads / num_kv_heads, num_kv_heads,
+                                    head_dim, num_seqs, max_query_len, sm_count, &run);
+  if (st == PKV_OK) *chosen = run;
+  return st;
+}
 
 #ifndef PKV_HAVE_WGMMA
 // A build without the sm_90a unit (no sm_90 target) has no wgmma kernel to probe.
@@ -486,27 +555,23 @@ extern "C" int pkv_paged_attention_prefill_tiled(
   if (chk != PKV_OK) return chk;
   if (query_start_loc == nullptr) return PKV_ERR_NULL_POINTER;
   if (num_seqs < 0 || num_seqs > 65535 || max_query_len < 0) return PKV_ERR_INVALID_ARG;
-  if (tiling != PKV_PREFILL_TILING_AUTO && tiling != PKV_PREFILL_TILING_WARP16 &&
-      tiling != PKV_PREFILL_TILING_WARP32 && tiling != PKV_PREFILL_TILING_WGMMA &&
-      tiling != PKV_PREFILL_TILING_WGMMA128 && tiling != PKV_PREFILL_TILING_WGMMA_OVERLAP &&
-      tiling != PKV_PREFILL_TILING_WGMMA128_OVERLAP)
-    return PKV_ERR_INVALID_ARG;
+  if (!known_prefill_tiling(tiling)) return PKV_ERR_INVALID_ARG;
   if (num_seqs == 0 || max_query_len == 0) return PKV_OK;
   const int group = params->num_heads / geom->num_kv_heads;
   const bool mma = geom->dtype == PKV_DTYPE_F16 || geom->dtype == PKV_DTYPE_BF16;
-  // The f16 / bf16 kernel the tiling selects: wg warpgroups of the wgmma one (0: none), else mt
-  // m16 tiles per warp of the mma.sync one; either way 64 rows per warpgroup or per m-tile of
-  // its 4 warps. Auto is one m16 tile per warp: the tiling every GPU measurement so far ran
-  // (the others are unmeasured; BENCHMARKS.md).
-  const bool ovl = tiling == PKV_PREFILL_TILING_WGMMA_OVERLAP ||
-                   tiling == PKV_PREFILL_TILING_WGMMA128_OVERLAP;
-  const bool wgmma_asked =
-      ovl || tiling == PKV_PREFILL_TILING_WGMMA || tiling == PKV_PREFILL_TILING_WGMMA128;
-  const bool two_wg = tiling == PKV_PREFILL_TILING_WGMMA128 ||
-                      tiling == PKV_PREFILL_TILING_WGMMA128_OVERLAP;
-  const int wg =
-      mma && wgmma_asked && wgmma_prefill_available(geom->head_dim) ? (two_wg ? 2 : 1) : 0;
-  const int mt = mma && tiling == PKV_PREFILL_TILING_WARP32 && geom->head_dim <= 128 ? 2 : 1;
+  // The f16 / bf16 kernel the tiling runs (pkv_prefill_tiling_choice): wg warpgroups of the
+  // wgmma one (0: none), else mt m16 tiles per warp of the mma.sync one; either way 64 rows
+  // per warpgroup or per m-tile of its 4 warps.
+  int32_t run = PKV_PREFILL_TILING_AUTO;
+  const int rst = prefill_tiling_run(tiling, geom->dtype, group, geom->num_kv_heads,
+                                     geom->head_dim, num_seqs, max_query_len, 0, &run);
+  if (rst != PKV_OK) return rst;
+  const bool ovl = run == PKV_PREFILL_TILING_WGMMA_OVERLAP ||
+                   run == PKV_PREFILL_TILING_WGMMA128_OVERLAP;
+  const bool two_wg = run == PKV_PREFILL_TILING_WGMMA128 ||
+                      run == PKV_PREFILL_TILING_WGMMA128_OVERLAP;
+  const int wg = ovl || two_wg || run == PKV_PREFILL_TILING_WGMMA ? (two_wg ? 2 : 1) : 0;
+  const int mt = run == PKV_PREFILL_TILING_WARP32 ? 2 : 1;
   static_assert(pfmma::Cfg<64, 1>::ROWS == 64 && pfmma::Cfg<64, 2>::ROWS == 128,
                 "64 rows per m-tile of 4 warps");
   const int rows_per_tile = mma ? 64 * (wg > 0 ? wg : mt) : PF_ROWS;

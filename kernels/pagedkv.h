@@ -331,7 +331,8 @@ int pkv_paged_attention_prefill(void *out, int64_t out_token_stride, const void 
 
 /* ---- prefill tilings (pkv_paged_attention_prefill_tiled's `tiling`) of the f16 / bf16
  * kernel; f32 has one kernel and runs it whatever is asked ---- */
-/** The library's choice: today PKV_PREFILL_TILING_WARP16, the tiling measured on a GPU. */
+/** The library's choice (pkv_prefill_tiling_choice says which): PKV_PREFILL_TILING_WARP32
+ *  where its thread blocks fill the device, else PKV_PREFILL_TILING_WARP16. */
 #define PKV_PREFILL_TILING_AUTO 0
 /** One m16 tile per warp (mma.sync), 64 rows per thread block; every head dim. */
 #define PKV_PREFILL_TILING_WARP16 16
@@ -368,13 +369,43 @@ int pkv_paged_attention_prefill_tiled(void *out, int64_t out_token_stride, const
                                       int32_t tiling, void *stream);
 
 /**
+ * The tiling a pkv_paged_attention_prefill_tiled launch of this shape runs for `tiling` (one
+ * of PKV_PREFILL_TILING_*), written to *chosen: one of PKV_PREFILL_TILING_WARP16, _WARP32,
+ * _WGMMA, _WGMMA128, _WGMMA_OVERLAP, _WGMMA128_OVERLAP, or PKV_PREFILL_TILING_AUTO (0) for an
+ * f32 cache, whose one kernel has no tilings. A tiling the launch cannot run is WARP16 (WARP32
+ * above head dim 128; the wgmma ones without an sm_90 build, off a compute capability 9.0
+ * device, or above head dim 128).
+ *
+ * Auto is WARP32 where its thread blocks, num_kv_heads x ceil(max_query_len x group / 128) x
+ * num_seqs, are at least the SMs' resident slots for it (sm_count x 2, the blocks per SM its
+ * registers allow up to head dim 128), else WARP16: with fewer blocks than slots, 128 rows per
+ * block leave SMs idle that 64 would use. (H100, bf16 d128, one sequence, 32:8 and 32:32:
+ * chunks of 2048 run 1.29-1.33x faster at WARP32, chunks of 512 1.10-1.43x slower;
+ * BENCHMARKS.md.)
+ *
+ * sm_count <= 0: the device current on this thread is asked. Host only, no launch.
+ * Returns PKV_ERR_NULL_POINTER, PKV_ERR_INVALID_ARG (an unknown tiling, a non-positive size
+ * or num_heads not a multiple of num_kv_heads; num_seqs or max_query_len may be 0),
+ * PKV_ERR_HEAD_DIM, PKV_ERR_DTYPE, or a cudaError_t if a device query fails; *chosen is
+ * written on success only.
+ */
+int pkv_prefill_tiling_choice(int32_t *chosen, int32_t tiling, int32_t dtype, int32_t num_heads,
+                              int32_t num_kv_heads, int32_t head_dim, int32_t num_seqs,
+                              int32_t max_query_len, int32_t sm_count);
+
+/** Counts pkv_wgmma_layout_probe writes. */
+#define PKV_WGMMA_PROBE_COUNTS 10
+
+/**
  * Checks on the current device the shared-memory and fragment layouts the wgmma prefill kernel
- * (PKV_PREFILL_TILING_WGMMA) is written for: one m64n64k16 per layout, B K-major and MN-major,
- * each with the descriptor's two byte offsets as the kernel reads them and exchanged.
- * Asynchronous on `stream`; writes 4 counts of wrong accumulator elements (of 4096) to
- * device `mismatches`: [K-major, K-major exchanged, MN-major, MN-major exchanged]. The kernel's
- * reading is right where [0] and [2] are 0 (and [1], [3] are not). A device other than compute
- * capability 9.0, or a build without sm_90, has no image for it (cudaErrorNoKernelImageForDevice).
+ * (PKV_PREFILL_TILING_WGMMA) is written for, one m64n64k16 per layout. Asynchronous on
+ * `stream`; writes PKV_WGMMA_PROBE_COUNTS counts of wrong accumulator elements (of 4096) to
+ * device `mismatches`: [0..3] the no-swizzle layouts, [K-major, K-major with the descriptor's
+ * two byte offsets exchanged, MN-major, MN-major exchanged] (the reading is right where [0] and
+ * [2] are 0 and [1], [3] are not); [4..9] the swizzled layouts the kernel stores K and V in,
+ * [K-major, MN-major] for the 128-, 64- and 32-byte swizzles (all 0 where right). A device
+ * other than compute capability 9.0, or a build without sm_90, has no image for it
+ * (cudaErrorNoKernelImageForDevice).
  */
 int pkv_wgmma_layout_probe(int32_t *mismatches, void *stream);
 

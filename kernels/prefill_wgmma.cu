@@ -52,16 +52,12 @@ namespace {
 __device__ __forceinline__ float probe_a(int r, int k) { return (float)((r * 5 + k) % 7 - 3); }
 __device__ __forceinline__ float probe_b(int k, int n) { return (float)((k * 7 + n * 3) % 9 - 4); }
 
-// One m64n64k16 over B stored K-major (core matrices 128 bytes apart along k, 256 along n) or
-// MN-major (128 along n, 1024 along k), with the descriptor's two offsets as wgmma.cuh reads
-// them (SWAP = 0) or exchanged (1); counts the accumulator elements that differ from the exact
-// product (small integers: exact in bf16 and in f32 sums).
-template <int TRANS_B, int SWAP>
-__device__ void probe_variant(const uint32_t (&a)[4], const void *b, const void *base,
-                              unsigned *mismatches) {
-  const uint32_t along_k = TRANS_B ? 1024 : 128, along_n = TRANS_B ? 128 : 256;
-  // wgmma.cuh: lbo = along k, sbo = along n for both majors.
-  const uint32_t lbo = along_k, sbo = along_n;
+// One m64n64k16 of this warpgroup's A (the m16n8k16 fragments a) and B through `desc`; adds the
+// accumulator elements that differ from the exact product (small integers: exact in bf16 and
+// in f32 sums) to *count.
+template <int TRANS_B>
+__device__ void probe_product(const uint32_t (&a)[4], uint64_t desc, const void *base,
+                              unsigned *count) {
   float d[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
@@ -69,8 +65,7 @@ __device__ void probe_variant(const uint32_t (&a)[4], const void *b, const void 
     wgmma_pin(d[i]);
   }
   wgmma_fence();
-  wgmma_rs<__nv_bfloat16, 64, TRANS_B>(d, a, smem_desc(b, base, SWAP ? sbo : lbo, SWAP ? lbo : sbo),
-                                       base);
+  wgmma_rs<__nv_bfloat16, 64, TRANS_B>(d, a, desc, base);
   wgmma_commit();
   wgmma_wait<0>();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
@@ -83,17 +78,55 @@ __device__ void probe_variant(const uint32_t (&a)[4], const void *b, const void 
     for (int k = 0; k < 16; ++k) want += probe_a(row, k) * probe_b(k, col);
     bad += d[i] != want ? 1u : 0u;
   }
-  atomicAdd(&mismatches[2 * TRANS_B + SWAP], bad);
+  atomicAdd(count, bad);
 }
 
+// No swizzle: B stored K-major (core matrices 128 bytes apart along k, 256 along n) or
+// MN-major (128 along n, 1024 along k), read with the descriptor's two offsets as wgmma.cuh
+// reads them (SWAP = 0) or exchanged (1): counts[2 TRANS_B + SWAP].
+template <int TRANS_B, int SWAP>
+__device__ void probe_plain(const uint32_t (&a)[4], const void *b, const void *base,
+                            unsigned *counts) {
+  const uint32_t along_k = TRANS_B ? 1024 : 128, along_n = TRANS_B ? 128 : 256;
+  const uint32_t lbo = along_k, sbo = along_n;  // wgmma.cuh: lbo along k, sbo along n
+  probe_product<TRANS_B>(a, smem_desc(b, base, SWAP ? sbo : lbo, SWAP ? lbo : sbo), base,
+                         &counts[2 * TRANS_B + SWAP]);
+}
+
+// The SW-byte swizzle as the kernel stores and reads it (wgmma.cuh): K-major, key n's row of
+// SW bytes at n SW; MN-major, an SW-byte row of n per k, atoms of SW / 2 n 16 SW bytes apart.
+// The canonical offset of (k, n) before the swizzle:
+template <int SW, int TRANS_B> __device__ __forceinline__ uint32_t probe_swizzle_at(int k, int n) {
+  return TRANS_B ? (uint32_t)(n / (SW / 2)) * 16 * SW + (uint32_t)(n % (SW / 2)) * 2 +
+                       (uint32_t)k * SW
+                 : (uint32_t)n * SW + (uint32_t)k * 2;
+}
+template <int SW, int TRANS_B>
+__device__ void probe_swizzle(const uint32_t (&a)[4], __nv_bfloat16 *b, const void *base,
+                              unsigned *count) {
+  for (int e = threadIdx.x; e < 16 * 64; e += 128) {
+    const int k = e / 64, n = e % 64;
+    const uint32_t at = probe_swizzle_at<SW, TRANS_B>(k, n);
+    b[swizzled<SW>(at) / 2] = __float2bfloat16_rn(probe_b(k, n));
+  }
+  fence_proxy_async_shared();
+  __syncthreads();
+  probe_product<TRANS_B>(a, smem_desc(b, base, TRANS_B ? 16 * SW : 16, 8 * SW, SW), base, count);
+}
+
+// Shared memory: the no-swizzle B twice (K-major at 0, MN-major at 2 KB; every variant's reads
+// stay inside 16 KB, MN-major exchanged reaching 2 KB + 7.3 KB), then one 8 KB region for the
+// swizzled ones in turn, all from a 1024-byte boundary (shared_align1024).
+constexpr int PROBE_SMEM = 16384 + 8192 + 1024;
+
 __global__ void __launch_bounds__(128) wgmma_probe_kernel(int32_t *mismatches) {
-  // B twice (K-major at 0, MN-major at 2 KB), in 16 KB: every variant's reads stay inside
-  // (MN-major with the offsets exchanged reaches 2 KB + 7.3 KB).
-  __shared__ uint4 probe_smem[16384 / 16];
-  __shared__ unsigned counts[4];
-  if (threadIdx.x < 4) counts[threadIdx.x] = 0;
+  __shared__ uint4 probe_raw[PROBE_SMEM / 16];
+  __shared__ unsigned counts[PKV_WGMMA_PROBE_COUNTS];
+  uint4 *probe_smem = shared_align1024<uint4>(probe_raw);
+  if (threadIdx.x < PKV_WGMMA_PROBE_COUNTS) counts[threadIdx.x] = 0;
   __nv_bfloat16 *kmaj = reinterpret_cast<__nv_bfloat16 *>(probe_smem);
   __nv_bfloat16 *mnmaj = kmaj + 16 * 64;
+  __nv_bfloat16 *swz = kmaj + 16384 / 2;
   for (int e = threadIdx.x; e < 16 * 64; e += 128) {
     const int k = e / 64, n = e % 64;
     const __nv_bfloat16 v = __float2bfloat16_rn(probe_b(k, n));
@@ -110,12 +143,27 @@ __global__ void __launch_bounds__(128) wgmma_probe_kernel(int32_t *mismatches) {
     const int row = 16 * warp + g + 8 * (r % 2), col = 2 * q + 8 * (r / 2);
     a[r] = pack_f32x2<__nv_bfloat16>(probe_a(row, col), probe_a(row, col + 1));
   }
-  probe_variant<0, 0>(a, kmaj, probe_smem, counts);
-  probe_variant<0, 1>(a, kmaj, probe_smem, counts);
-  probe_variant<1, 0>(a, mnmaj, probe_smem, counts);
-  probe_variant<1, 1>(a, mnmaj, probe_smem, counts);
+  probe_plain<0, 0>(a, kmaj, probe_smem, counts);
+  probe_plain<0, 1>(a, kmaj, probe_smem, counts);
+  probe_plain<1, 0>(a, mnmaj, probe_smem, counts);
+  probe_plain<1, 1>(a, mnmaj, probe_smem, counts);
+  // Each swizzled layout rewrites the region after every warp's previous product is done (its
+  // wait, then the barrier inside probe_swizzle before the next product reads).
   __syncthreads();
-  if (threadIdx.x < 4) mismatches[threadIdx.x] = (int32_t)counts[threadIdx.x];
+  probe_swizzle<128, 0>(a, swz, probe_smem, &counts[4]);
+  __syncthreads();
+  probe_swizzle<128, 1>(a, swz, probe_smem, &counts[5]);
+  __syncthreads();
+  probe_swizzle<64, 0>(a, swz, probe_smem, &counts[6]);
+  __syncthreads();
+  probe_swizzle<64, 1>(a, swz, probe_smem, &counts[7]);
+  __syncthreads();
+  probe_swizzle<32, 0>(a, swz, probe_smem, &counts[8]);
+  __syncthreads();
+  probe_swizzle<32, 1>(a, swz, probe_smem, &counts[9]);
+  __syncthreads();
+  if (threadIdx.x < PKV_WGMMA_PROBE_COUNTS)
+    mismatches[threadIdx.x] = (int32_t)counts[threadIdx.x];
 }
 }  // namespace
 }  // namespace pkv

@@ -11,11 +11,15 @@
 //               registers, B: the tile's K rows, K-major)
 //   O += P V    per 16 keys, one m64nDk16 (A: P packed from the S accumulators, B: the tile's V
 //               rows, MN-major)
-// Both read the tile in the no-swizzle core-matrix layout of wgmma.cuh: K [64 keys][D] and V
-// likewise, stored as (8-key octet, 16-byte chunk of dims) core matrices of 8 rows x 16 bytes,
-// chunk-major inside an octet, so 16-byte piece i of the tile sits at byte 16 i and a warp's
-// copies write 512 contiguous bytes. The instruction is warpgroup-wide: every warp takes part in
-// every tile of its block (no per-warp skip of tiles its rows cannot see; the mask zeroes them).
+// Both read the tile in a swizzled layout of wgmma.cuh (Cfg::SW: 128 bytes at d64 / d128):
+// K [64 keys][D] and V likewise, stored as column blocks of SW / 2 dims, each 64 key rows of SW
+// bytes whose 16-byte chunks are XOR-permuted by the row, so the tensor core's reads of 8 rows'
+// same chunk hit 8 bank groups (the no-swizzle core-matrix layout this replaced put them all in
+// one: ncu on an H100, 57% of the shared wavefronts excess, 130-248 TFLOP/s against 300 for the
+// mma.sync kernel), and a warp's copies read whole K / V rows (the old layout's eight 64-byte
+// pieces per copy instruction cost twice the L2 requests per byte). The instruction is
+// warpgroup-wide: every warp takes part in every tile of its block (no per-warp skip of tiles
+// its rows cannot see; the mask zeroes them).
 //
 // Two schedules (Cfg's OVL):
 // - in order: per tile, S; wait; softmax; P V; wait. The tensor cores idle while a warpgroup
@@ -27,8 +31,8 @@
 //   V(j) overwrites was last read by P V of tile j - 2, waited for in iteration j - 1), with the
 //   same two stages, and the row addresses kept for three tiles.
 //
-// Shared memory (T elements): stage s (s = 0, 1): K [BC * D], V [BC * D] (the core-matrix
-// layout); Q is staged in stage 1 in rows of D + 8 (ldmatrix, before its first use); then the
+// Shared memory (T elements, from the first 1024-byte boundary): stage s (s = 0, 1): K [BC * D], V [BC * D]
+// (the swizzled layout); Q is staged in stage 1 in rows of D + 8 (ldmatrix, before its first use); then the
 // key validity flags [2][BC] int and the K row addresses [KROWS][BC].
 #pragma once
 
@@ -68,7 +72,15 @@ template <int D, int WG, bool OVL = false> struct Cfg {
   static constexpr int NT_S = BC / 8;             // n8 tiles of S
   static constexpr int NT_O = D / 8;              // n8 tiles of O
   static constexpr int STAGE = 2 * BC * D;        // elements of one stage (K then V)
-  static constexpr uint32_t OCTET_BYTES = 16 * D; // one 8-key row of core matrices
+  // The swizzle: the widest whose atom rows (SW bytes, SW / 2 dims) tile the head dim (d64 /
+  // d128: 128 bytes; d96: 64; d80 / d112: 32). A tile is ATOMS column blocks of SW / 2 dims,
+  // each BC key rows of SW bytes (wgmma.cuh's swizzled layouts, K-major and MN-major alike).
+  static constexpr int SW = D % 64 == 0 ? 128 : D % 32 == 0 ? 64 : 32;
+  static constexpr int ATOM = SW / 2;             // dims per atom row
+  static constexpr int ATOMS = D / ATOM;          // column blocks of a tile
+  static constexpr uint32_t ATOM_BYTES = BC * SW; // one column block: LBO of P V's V
+  static constexpr int ROW_CHUNKS = SW / 16;      // 16-byte chunks per atom row
+  static_assert(D % ATOM == 0 && (2 * BC * D) % 1024 == 0, "tiles start on the pattern");
   static constexpr int KROWS = OVL ? 3 : 2;       // tiles whose K row addresses are kept
   // Thread blocks per SM the registers must allow. One warpgroup: 3 (<= 168 per thread) up to
   // head dim 96, where the body takes 129-161 in order and 142-167 overlapped without
@@ -78,17 +90,20 @@ template <int D, int WG, bool OVL = false> struct Cfg {
   // Q is staged in stage 1 (before tile 1 is copied there) where it fits, else after the
   // stages.
   static constexpr int Q_ELEMS = ROWS * LDQ <= STAGE ? 0 : ROWS * LDQ;
+  // The stages, Q, the flags and row addresses, and 1024 bytes to align the stages to the
+  // swizzle's pattern (shared_align1024).
   static constexpr size_t smem_bytes = 2 * ((size_t)2 * STAGE + (size_t)Q_ELEMS) +
-                                       2 * BC * sizeof(int) + KROWS * BC * sizeof(void *);
+                                       2 * BC * sizeof(int) + KROWS * BC * sizeof(void *) + 1024;
   static constexpr int COPIES = (BC * CH + NT - 1) / NT;  // 16-byte pieces per thread, tensor
   static_assert(BC <= NT, "one thread per key writes the row addresses");
 };
 
-// Queues the copy of the keys whose K rows krow holds into the core-matrix layout: with K_, K
+// Queues the copy of the keys whose K rows krow holds into the swizzled layout: with K_, K
 // into sk and the keys' validity into kvalid; with V_, V into sv. An invalid key (nullptr) is
-// zero-filled (and flagged). Piece i (= thread + k NT) is key 8 (i / 8CH) + i % 8, chunk
-// (i / 8) % CH: eight consecutive threads read eight keys' same 16 bytes and write 128
-// contiguous shared bytes.
+// zero-filled (and flagged). Piece i (= thread + k NT) is key i / CH, chunk i % CH: a warp
+// reads whole rows (two 256-byte K rows at d128, as prefill_mma's copy), and the 8 lanes of a
+// shared-memory phase write one key's 8 chunks of an atom row, which the swizzle spreads over
+// the 32 banks.
 template <typename T, int D, int WG, bool K_, bool V_>
 __device__ __forceinline__ void load_tile(const PrefillArgs &a, const T *const *krow, T *sk,
                                           T *sv, int *kvalid) {
@@ -98,14 +113,18 @@ __device__ __forceinline__ void load_tile(const PrefillArgs &a, const T *const *
   for (int k = 0; k < C::COPIES; ++k) {
     const int i = (int)threadIdx.x + k * C::NT;
     if ((C::BC * C::CH) % C::NT != 0 && i >= C::BC * C::CH) break;
-    const int j = 8 * (i / (8 * C::CH)) + i % 8, c = (i / 8) % C::CH;
+    const int j = i / C::CH, c = i % C::CH;
+    const uint32_t at = swizzled<C::SW>((uint32_t)(c / C::ROW_CHUNKS) * C::ATOM_BYTES +
+                                        (uint32_t)j * C::SW +
+                                        (uint32_t)(c % C::ROW_CHUNKS) * 16);
+    T *dk = sk + at / sizeof(T), *dv = sv + at / sizeof(T);
     const T *p = krow[j];
     if (p != nullptr) {
-      if (K_) cp_async16(sk + 8 * i, p + c * 8);
-      if (V_) cp_async16(sv + 8 * i, p + kv + c * 8);
+      if (K_) cp_async16(dk, p + c * 8);
+      if (V_) cp_async16(dv, p + kv + c * 8);
     } else {
-      if (K_) *reinterpret_cast<uint4 *>(sk + 8 * i) = make_uint4(0, 0, 0, 0);
-      if (V_) *reinterpret_cast<uint4 *>(sv + 8 * i) = make_uint4(0, 0, 0, 0);
+      if (K_) *reinterpret_cast<uint4 *>(dk) = make_uint4(0, 0, 0, 0);
+      if (V_) *reinterpret_cast<uint4 *>(dv) = make_uint4(0, 0, 0, 0);
     }
     if (K_ && c == 0) kvalid[j] = p != nullptr ? 1 : 0;
   }
@@ -126,8 +145,9 @@ template <int N> __device__ __forceinline__ void pin_all(uint32_t (&r)[N][2]) {
 }
 
 // Issues S = Q K^T of the K tile at sk as one commit group (s zeroed first): k-step ks reads
-// chunks 2ks, 2ks + 1 of every key (core matrices 128 bytes apart along k: the leading
-// offset; octets OCTET_BYTES apart along n: the stride offset).
+// dims 16 ks .. 16 ks + 15 of every key, 32 bytes inside the atom row of column block
+// 16 ks / ATOM (the start address steps inside the row; key octets 8 SW bytes apart: the
+// stride offset).
 template <typename T, typename C>
 __device__ __forceinline__ void issue_s(float (&s)[C::NT_S][4],
                                         const uint32_t (&qf)[C::KSTEPS][4], const T *sk,
@@ -140,15 +160,18 @@ __device__ __forceinline__ void issue_s(float (&s)[C::NT_S][4],
   pin_all(sf);
   wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < C::KSTEPS; ++ks)
-    wgmma_rs<T, C::BC, 0>(sf, qf[ks], smem_desc(sk + ks * 16 * 8, smem, 128, C::OCTET_BYTES),
-                          smem);
+  for (int ks = 0; ks < C::KSTEPS; ++ks) {
+    const int at = (16 * ks / C::ATOM) * (int)C::ATOM_BYTES + (16 * ks % C::ATOM) * 2;
+    wgmma_rs<T, C::BC, 0>(
+        sf, qf[ks],
+        smem_desc(reinterpret_cast<const char *>(sk) + at, smem, 16, 8 * C::SW, C::SW), smem);
+  }
   wgmma_commit();
 }
 
-// Issues O += P V of the V tile at sv as one commit group: k-step kk reads key octets 2kk,
-// 2kk + 1 (OCTET_BYTES apart along k: the leading offset), every chunk of dims (128 bytes
-// apart along n: the stride offset).
+// Issues O += P V of the V tile at sv as one commit group: k-step kk reads keys 16 kk ..
+// 16 kk + 15 (16 atom rows further each step; 8-key groups 8 SW bytes apart: the stride
+// offset), every dim (column blocks ATOM_BYTES apart: the leading offset).
 template <typename T, typename C>
 __device__ __forceinline__ void issue_pv(float (&o)[C::NT_O][4], uint32_t (&p)[C::NT_S][2],
                                          const T *sv, const T *smem) {
@@ -161,7 +184,10 @@ __device__ __forceinline__ void issue_pv(float (&o)[C::NT_O][4], uint32_t (&p)[C
     uint32_t pa[4];
     p_fragment(p, kk, pa);
     wgmma_rs<T, C::NT_O * 8, 1>(
-        of, pa, smem_desc(sv + kk * 2 * 8 * C::NT_O * 8, smem, C::OCTET_BYTES, 128), smem);
+        of, pa,
+        smem_desc(reinterpret_cast<const char *>(sv) + kk * 16 * C::SW, smem, C::ATOM_BYTES,
+                  8 * C::SW, C::SW),
+        smem);
   }
   wgmma_commit();
 }
@@ -178,8 +204,10 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
     prefill_wgmma_kernel(const PrefillArgs a) {
   grid_dependency_entry();  // PKV_LAUNCH_PROGRAMMATIC: before any read
   using C = Cfg<D, WG, OVL>;
+  // 1024-byte aligned: the swizzle pattern is read from shared address bits 4-9, and every
+  // tile's offset is a multiple of 1024 (Cfg).
   extern __shared__ uint4 pw_smem[];
-  T *smem = reinterpret_cast<T *>(pw_smem);
+  T *smem = shared_align1024<T>(pw_smem);
   T *sq = C::Q_ELEMS == 0 ? smem + C::STAGE : smem + 2 * C::STAGE;   // see Cfg::Q_ELEMS
   int *kvalid = reinterpret_cast<int *>(smem + 2 * C::STAGE + C::Q_ELEMS);  // [2][BC]
   const T **krow = reinterpret_cast<const T **>(kvalid + 2 * C::BC);  // [KROWS][BC]

@@ -4,26 +4,40 @@
 // `cuda-emu` each call runs the emulation of kernels/emu/emu_mma.h synchronously.
 //
 // Interface:
-//   smem_desc(p, base, lbo, sbo)     descriptor of the no-swizzle B operand at shared address p
-//                                    (base: the block's dynamic shared memory, which the
-//                                    emulation's addresses are relative to)
+//   smem_desc(p, base, lbo, sbo, sw)  descriptor of the B operand at shared address p (base:
+//                                    the block's dynamic shared memory, which the emulation's
+//                                    addresses are relative to) in swizzle mode sw: 0 (none)
+//                                    or the 128-, 64- or 32-byte swizzle
+//   swizzled<SW>(u)                  where a swizzled layout stores the 16 bytes whose
+//                                    canonical (unswizzled) offset is u
+//   shared_align1024<T>(p)           p rounded up to the swizzle pattern's 1024 bytes
 //   wgmma_rs<T, N, TRANS_B>(d, a, desc, base)   d[N/2] += A (64 x 16) B (16 x N), N = 64, 80,
 //                                    96, 112 or 128 (the prefill kernel's widths)
 //   wgmma_fence(), wgmma_commit(), wgmma_wait<K>()   the instruction's ordering protocol
 //
-// Layouts (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"; no swizzle):
-// shared memory holds B as 8 x 8 core matrices, each 8 rows of 16 contiguous bytes (128 bytes).
-// Without swizzle the leading offset `lbo` is the step between core matrices adjacent in k and
-// the stride offset `sbo` the step between those adjacent in n, for both majors (the ISA's
-// canonical layouts, K-major ((8,m),(T,2k)):((1T,SBO),(1,LBO)) and MN-major
-// ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO)), and its worked MN-major bf16 example, LBO 256 bytes
-// along k, SBO 128 along n). Only the inside of a core matrix differs. K-major B (TRANS_B = 0;
-// k contiguous, as the keys' rows of K for Q K^T): element (k, n) at (k / 8) lbo + (n / 8) sbo +
-// (n % 8) 16 + (k % 8) 2. MN-major B (TRANS_B = 1; n contiguous, as V's rows for P V): element
-// (k, n) at (k / 8) lbo + (n / 8) sbo + (k % 8) 16 + (n % 8) 2. The accumulator: warp w of the
-// warpgroup holds rows 16 w .. 16 w + 15; for each 8 columns i, d[4 i + e] is row g + 8 (e / 2),
-// column 8 i + 2 q + (e % 2) (g = lane / 4, q = lane % 4), the mma.m16n8k16 C layout per n8
-// tile.
+// Layouts (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate", its shared
+// memory layouts and matrix descriptor). B is built of core matrices of 8 rows x 16 bytes.
+// - No swizzle: the leading offset `lbo` is the step between core matrices adjacent in k and
+//   the stride offset `sbo` the step between those adjacent in n, for both majors (canonical
+//   K-major ((8,m),(T,2k)):((1T,SBO),(1,LBO)), MN-major ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO)),
+//   and the ISA's worked MN-major bf16 example, LBO 256 bytes along k, SBO 128 along n;
+//   measured on an H100 by pkv_wgmma_layout_probe). K-major B (TRANS_B = 0; k contiguous, as
+//   the keys' rows of K for Q K^T): element (k, n) at (k / 8) lbo + (n / 8) sbo + (n % 8) 16 +
+//   (k % 8) 2. MN-major B (TRANS_B = 1; n contiguous, as V's rows for P V): element (k, n) at
+//   (k / 8) lbo + (n / 8) sbo + (k % 8) 16 + (n % 8) 2.
+// - Swizzled, SW = 128, 64 or 32 bytes (an "atom" row of SW contiguous bytes, SW / 2 elements):
+//   the canonical offset is computed as below, added to the start address, and the 16-byte
+//   chunk bits of that address (4 .. 4 + b - 1, b = log2(SW / 16)) are XORed with bits 7 ..
+//   7 + b - 1: the row inside the 8-row pattern, so the 8 rows' same chunk lands in 8
+//   different banks. The pattern repeats every 2^(7 + b) bytes, so an operand's atoms must sit
+//   at multiples of that in the shared window (shared_align1024). K-major ((8,m),(T,2k)):((SW/16 T,SBO),(1,T)): row n at (n / 8) sbo + (n % 8) SW,
+//   the instruction's 16 k elements (32 bytes) inside one row; successive k steps advance the
+//   start address inside the row (lbo unused). MN-major ((T,SW/16,m),(8,k)):((1,T,LBO),(SW/16
+//   T,SBO)): element (k, n) at (n / (SW / 2)) lbo + (n % (SW / 2)) 2 + (k / 8) sbo + (k % 8) SW:
+//   an SW-byte row of n per k, atoms of SW / 2 n lbo apart, 8-k groups sbo apart.
+// The accumulator: warp w of the warpgroup holds rows 16 w .. 16 w + 15; for each 8 columns i,
+// d[4 i + e] is row g + 8 (e / 2), column 8 i + 2 q + (e % 2) (g = lane / 4, q = lane % 4),
+// the mma.m16n8k16 C layout per n8 tile.
 #pragma once
 
 #include "mma.cuh"
@@ -34,10 +48,36 @@
 
 namespace pkv {
 
+// The descriptor's layout type (bits 62-63) of a swizzle of SW bytes (0: none).
+__host__ __device__ constexpr uint64_t swizzle_mode(int sw) {
+  return sw == 128 ? 1 : sw == 64 ? 2 : sw == 32 ? 3 : 0;
+}
+
+// Where the SW-byte swizzle stores the 16 bytes whose canonical offset is u (from a base
+// aligned to the pattern's 2^(7 + b) bytes): chunk bits 4 .. 3 + b XOR row bits 7 .. 6 + b.
+template <int SW> __host__ __device__ constexpr uint32_t swizzled(uint32_t u) {
+  static_assert(SW == 128 || SW == 64 || SW == 32, "the 128-, 64- and 32-byte swizzles");
+  constexpr uint32_t mask = SW / 16 - 1;  // b bits
+  return u ^ (((u >> 7) & mask) << 4);
+}
+
+// p (shared memory) rounded up to the next multiple of 1024 bytes of the shared window, the
+// 128-byte swizzle's period (callers allocate 1024 bytes more). The emulation's descriptor
+// offsets are taken from the pointer this returns, so rounding its host address is the same.
+template <typename T> __device__ __forceinline__ T *shared_align1024(void *p) {
+#ifdef PKV_CUDA_EMU
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  return reinterpret_cast<T *>((a + 1023) & ~static_cast<uintptr_t>(1023));
+#else
+  const uint32_t s = (uint32_t)__cvta_generic_to_shared(p);
+  return reinterpret_cast<T *>(static_cast<char *>(p) + (((s + 1023u) & ~1023u) - s));
+#endif
+}
+
 // The 64-bit shared-memory matrix descriptor: start address, leading and stride byte offsets
-// (each >> 4, 14 bits), base offset 0, no swizzle (bits 62-63 = 0).
+// (each >> 4, 14 bits), base offset 0, layout type swizzle_mode(sw).
 __device__ __forceinline__ uint64_t smem_desc(const void *p, const void *base, uint32_t lbo,
-                                              uint32_t sbo) {
+                                              uint32_t sbo, int sw = 0) {
 #ifdef PKV_CUDA_EMU
   const uint32_t addr = (uint32_t)(static_cast<const char *>(p) - static_cast<const char *>(base));
 #else
@@ -45,7 +85,7 @@ __device__ __forceinline__ uint64_t smem_desc(const void *p, const void *base, u
   const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
 #endif
   return (uint64_t)((addr >> 4) & 0x3FFFu) | (uint64_t)((lbo >> 4) & 0x3FFFu) << 16 |
-         (uint64_t)((sbo >> 4) & 0x3FFFu) << 32;
+         (uint64_t)((sbo >> 4) & 0x3FFFu) << 32 | swizzle_mode(sw) << 62;
 }
 
 // Orders this thread's register and shared-memory accesses before the wgmma that follow.

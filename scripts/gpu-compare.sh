@@ -65,6 +65,6 @@ for n in 8 16 24 33 49; do
 done
 stage sweep-auto 30 "$bin/bin-pagedkv" bench gpu --prefill none --decode $pts $only
 note done
-grep -h -E "^test result|FAILED|panicked|ERROR SUMMARY|wgmma layout" "$OUT"/test-*.log \
+grep -h -E "^test result|FAILED|panicked|ERROR SUMMARY|wgmma layout|wgmma swizzled" "$OUT"/test-*.log \
   "$OUT"/memcheck-*.log "$OUT"/racecheck-*.log | tail -20
 pack "$PACK_TO"

@@ -18,7 +18,9 @@ use emu_bufs::*;
 use half::{bf16, f16};
 use kernel_grid::*;
 use pagedkv::cuda_emu::{self, ffi, EmuBuf, EmuElem};
-use pagedkv::kv::{AttnParams, KvDtype};
+use pagedkv::cuda_raw::PrefillTiling;
+use pagedkv::error::RawError;
+use pagedkv::kv::{AttnParams, KvCacheConfig, KvDtype};
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
@@ -310,7 +312,8 @@ fn wgmma_smem(d: usize, wg: usize, overlap: bool) -> u64 {
         64 * wg * (d + 8)
     };
     let krows = if overlap { 3 } else { 2 };
-    (2 * (2 * stage + q) + 2 * 64 * 4 + krows * 64 * 8) as u64
+    // + 1024: the stages start at the swizzle pattern's boundary (shared_align1024).
+    (2 * (2 * stage + q) + 2 * 64 * 4 + krows * 64 * 8 + 1024) as u64
 }
 
 /// f16 and bf16 prefill launch the tiling's tensor-core kernel (one launch with its
@@ -388,6 +391,122 @@ fn each_tiling_takes_its_kernel() {
     }
 }
 
+/// Auto's choice (pkv_prefill_tiling_choice, the launcher's own): 32 rows per warp once its
+/// 128-row blocks (KV heads x row tiles x sequences) cover 2 per SM, else 16; every other
+/// tiling as the launch would run it; f32 has none. The shapes are the H100 grid's (bf16 d128,
+/// 132 SMs, 32:8 and 32:32) where the two tilings were measured.
+#[test]
+fn auto_tiling_takes_32_rows_where_its_blocks_fill_the_sms() {
+    let cfg = |kv: usize, d: usize, dtype: KvDtype| {
+        KvCacheConfig::new(1, kv, d, 16, 64, dtype).expect("a valid geometry")
+    };
+    let auto = PrefillTiling::Auto;
+    let pick = |c: &KvCacheConfig, heads, seqs, q, sms| {
+        auto.resolve(c, heads, seqs, q, sms).expect("a valid shape")
+    };
+    let (gqa, mha) = (cfg(8, 128, KvDtype::Bf16), cfg(32, 128, KvDtype::Bf16));
+    let (w16, w32) = (
+        Some(PrefillTiling::WarpRows16),
+        Some(PrefillTiling::WarpRows32),
+    );
+    // 32:8, 512 tokens: 8 x 16 = 128 blocks of 128 rows < 264 slots; 2048: 512 >= 264.
+    assert_eq!(pick(&gqa, 32, 1, 512, 132), w16);
+    assert_eq!(pick(&gqa, 32, 1, 2048, 132), w32);
+    assert_eq!(pick(&mha, 32, 1, 512, 132), w16);
+    assert_eq!(pick(&mha, 32, 1, 2048, 132), w32);
+    // The boundary: 1056 rows of 32:8 are 9 tiles x 8 heads = 72 blocks: 36 SMs full, 37 not.
+    assert_eq!(pick(&gqa, 32, 1, 264, 36), w32);
+    assert_eq!(pick(&gqa, 32, 1, 264, 37), w16);
+    // Sequences count: 4 x 512 tokens are 512 blocks.
+    assert_eq!(pick(&gqa, 32, 4, 512, 132), w32);
+    // Nothing to run is still an answer (the launcher returns before choosing).
+    assert_eq!(pick(&gqa, 32, 0, 512, 132), w16);
+    // Head dim 256 has no 32-row kernel; f32 has no tilings.
+    assert_eq!(pick(&cfg(8, 256, KvDtype::F16), 32, 8, 4096, 1), w16);
+    assert_eq!(pick(&cfg(8, 128, KvDtype::F32), 32, 8, 4096, 1), None);
+    // Asked tilings: as the launch runs them (the emulation runs wgmma on any "device").
+    for t in [
+        PrefillTiling::WarpRows16,
+        PrefillTiling::WarpRows32,
+        PrefillTiling::Wgmma,
+        PrefillTiling::Wgmma128,
+        PrefillTiling::WgmmaOverlap,
+        PrefillTiling::Wgmma128Overlap,
+    ] {
+        assert_eq!(
+            t.resolve(&gqa, 32, 1, 16, 132).expect("valid"),
+            Some(t),
+            "{t:?}"
+        );
+        let d256 = cfg(8, 256, KvDtype::Bf16);
+        assert_eq!(
+            t.resolve(&d256, 32, 1, 16, 132).expect("valid"),
+            w16,
+            "{t:?} d256"
+        );
+    }
+    // Refusals: heads not a multiple of the KV heads; a size past the ABI.
+    assert!(matches!(
+        auto.resolve(&gqa, 30, 1, 16, 132),
+        Err(RawError::Launch { .. })
+    ));
+    assert!(matches!(
+        auto.resolve(&gqa, 32, 1, usize::MAX, 132),
+        Err(RawError::Unsupported {
+            what: "max_query_len",
+            ..
+        })
+    ));
+}
+
+/// The launcher runs Auto's choice: on a "device" of 1 SM, a chunk whose 128-row blocks fill
+/// its 2 slots takes the 32-row kernel (its shared memory, half the blocks), and on 132 SMs the
+/// 16-row one, with results equal to the oracle's either way.
+#[test]
+fn auto_launches_follow_the_choice() {
+    let mut rng = SmallRng::seed_from_u64(37);
+    let (hkv, group, d, tokens) = (1usize, 4usize, 64usize, 70usize);
+    let nh = hkv * group;
+    let b = make_batch(
+        &mut rng,
+        1,
+        hkv,
+        d,
+        16,
+        KvDtype::Bf16,
+        Page::Dense,
+        &[tokens],
+    );
+    let host = random_cache::<bf16>(&mut rng, b.cfg);
+    let query = random_vec::<bf16>(&mut rng, tokens * nh * d);
+    let params = AttnParams::new(nh, d);
+    let qsl = [0, tokens as i32];
+    let want = cpu_prefill(&b, &host, 0, &query, &qsl, &params);
+    for (sms, smem, rows) in [(1, mma_smem(d, 2), 128usize), (132, mma_smem(d, 1), 64)] {
+        cuda_emu::set_sm_count(sms);
+        let _ = cuda_emu::take_stats();
+        let (s, got) = launch(
+            &b,
+            host.as_bytes(),
+            0,
+            &query,
+            (nh * d, nh * d),
+            &qsl,
+            &params,
+            ffi::PKV_PREFILL_TILING_AUTO as i32,
+        );
+        cuda_emu::set_sm_count(132);
+        assert_eq!(s, ffi::PKV_OK as i32, "{sms} SMs");
+        let st = cuda_emu::take_stats();
+        assert_eq!(
+            (st.max_dynamic_smem, st.blocks),
+            (smem, (tokens * nh).div_ceil(rows) as u64),
+            "{sms} SMs: (dynamic shared memory, thread blocks)"
+        );
+        assert_close(&format!("Auto on {sms} SMs"), &got, &want, d);
+    }
+}
+
 /// A tiling other than pkv_paged_attention_prefill_tiled's (PKV_PREFILL_TILING_*) is refused
 /// before anything is launched (f32 ignores a valid choice, not an invalid one).
 #[test]
@@ -415,18 +534,24 @@ fn unknown_tilings_are_refused() {
 }
 
 /// The layout probe on the emulation: wgmma.cuh's reading of the descriptor (core matrices
-/// `lbo` apart along k and `sbo` along n, K-major and MN-major B alike) is the emulation's, so
-/// its two variants are exact and the exchanged offsets are not (the probe can tell them
-/// apart). On a GPU (tests/cuda_kernels.rs) the same probe checks the hardware.
+/// `lbo` apart along k and `sbo` along n, K-major and MN-major B alike; the swizzled layouts)
+/// is the emulation's, so its variants are exact and the exchanged offsets are not (the probe
+/// can tell them apart). On a GPU (tests/cuda_kernels.rs) the same probe checks the hardware.
 #[test]
 fn wgmma_layout_probe_tells_the_layouts_apart() {
-    let counts = buf(&[-1i32; 4]);
-    // SAFETY: `counts` is a live guarded buffer of 4 i32; the emulated launch is synchronous.
+    let counts = buf(&[-1i32; ffi::PKV_WGMMA_PROBE_COUNTS as usize]);
+    // SAFETY: `counts` is a live guarded buffer of PKV_WGMMA_PROBE_COUNTS i32 (an overrun
+    // faults); the emulated launch is synchronous.
     let s = unsafe { ffi::pkv_wgmma_layout_probe(counts.ptr() as *mut i32, std::ptr::null_mut()) };
     assert_eq!(s, ffi::PKV_OK as i32, "status {s}");
     let c = counts.as_slice::<i32>();
     assert_eq!((c[0], c[2]), (0, 0), "K-major / MN-major as read: {c:?}");
     assert!(c[1] > 0 && c[3] > 0, "exchanged offsets must differ: {c:?}");
+    assert_eq!(
+        &c[4..],
+        &[0; 6],
+        "the swizzled layouts, stored as read: {c:?}"
+    );
 }
 
 /// Block ids that name no page (-1, one past the cache) among a chunk's cached blocks mask

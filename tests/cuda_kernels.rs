@@ -586,8 +586,10 @@ fn wgmma_layouts_match_the_hardware() {
         return;
     };
     let info = g.info();
-    let counts = g.alloc_zeros::<i32>(4).expect("counts");
-    // SAFETY: `counts` holds 4 i32 on this Gpu's device, alive until the synchronize below.
+    let n = ffi::PKV_WGMMA_PROBE_COUNTS as usize;
+    let counts = g.alloc_zeros::<i32>(n).expect("counts");
+    // SAFETY: `counts` holds PKV_WGMMA_PROBE_COUNTS i32 on this Gpu's device, alive until the
+    // synchronize below.
     let s = unsafe {
         ffi::pkv_wgmma_layout_probe(dptr(&g, &counts) as usize as *mut i32, g.raw_stream())
     };
@@ -609,10 +611,20 @@ fn wgmma_layouts_match_the_hardware() {
     g.synchronize().expect("sync");
     let c = g.download(&counts).expect("download");
     println!("wgmma layout probe (wrong elements of 4096): K-major {} / exchanged {}, MN-major {} / exchanged {}", c[0], c[1], c[2], c[3]);
+    println!(
+        "wgmma swizzled layouts (wrong elements of 4096), K-major / MN-major: 128 B {} / {}, \
+         64 B {} / {}, 32 B {} / {}",
+        c[4], c[5], c[6], c[7], c[8], c[9]
+    );
     assert_eq!(
         (c[0], c[2]),
         (0, 0),
         "wgmma.cuh's descriptor reading is wrong: {c:?}"
+    );
+    assert_eq!(
+        &c[4..],
+        &[0; 6],
+        "wgmma.cuh's swizzled layouts are wrong: {c:?}"
     );
 }
 

@@ -124,26 +124,43 @@ inline AsyncGroups<WgmmaOp> &wgmma_queue() { return per_thread<AsyncGroups<Wgmma
 // layout), B is read through the descriptor, D is the m16n8 C layout per 8 columns. The
 // descriptor's start address is relative to `base` (the block's dynamic shared memory) here;
 // its layout rules are written from the PTX ISA ("Shared Memory Matrix Layout", "Matrix
-// Descriptor", "Canonical Layouts"): core matrices of 8 rows x 16 bytes, LBO the step along k
-// and SBO the step along n for both majors; K-major (trans_b false): element (k, n) at (k/8) LBO
-// + (n/8) SBO + (n%8) 16 + (k%8) 2; MN-major: (k/8) LBO + (n/8) SBO + (k%8) 16 + (n%8) 2.
+// Descriptor", "Canonical Layouts"; wgmma.cuh says them in full): core matrices of 8 rows x 16
+// bytes. No swizzle: LBO the step along k and SBO the step along n for both majors; K-major
+// (trans_b false): element (k, n) at (k/8) LBO + (n/8) SBO + (n%8) 16 + (k%8) 2; MN-major: (k/8)
+// LBO + (n/8) SBO + (k%8) 16 + (n%8) 2. Swizzled (SW = 128, 64, 32 bytes): K-major (n/8) SBO +
+// (n%8) SW + 2k; MN-major (n/(SW/2)) LBO + (n%(SW/2)) 2 + (k/8) SBO + (k%8) SW; then, on the
+// whole offset from `base` (which the kernels align to the pattern), the 16-byte chunk bits
+// 4 .. 3+b are XORed with bits 7 .. 6+b (b = log2(SW/16)).
 // All 32 lanes of the warp run it together (warp_gather).
 inline void wgmma_run(const WgmmaOp &op) {
-  if ((op.desc >> 62) != 0 || ((op.desc >> 49) & 0x7) != 0)
-    fault(cudaErrorInvalidValue, "wgmma: only no-swizzle descriptors with base offset 0", nullptr);
-  const char *start = static_cast<const char *>(op.base) + ((op.desc & 0x3FFF) << 4);
+  const int mode = (int)(op.desc >> 62);
+  if (((op.desc >> 49) & 0x7) != 0)
+    fault(cudaErrorInvalidValue, "wgmma: a descriptor base offset other than 0", nullptr);
+  const size_t start = (size_t)((op.desc & 0x3FFF) << 4);
   const size_t lbo = ((op.desc >> 16) & 0x3FFF) << 4, sbo = ((op.desc >> 32) & 0x3FFF) << 4;
-  check_align16(start, "wgmma B start address");
+  const size_t sw = mode == 0 ? 0 : (size_t)(256 >> mode);  // 1: 128, 2: 64, 3: 32 bytes
+  const char *base = static_cast<const char *>(op.base);
+  check_align16(base + start, "wgmma B start address");
   uint32_t all[32][4];
   warp_gather(op.a, sizeof op.a, all);
   float A[16][16];
   mma_a_from_lanes(op.t, all, A);
   auto b_at = [&](int k, int n) {
-    const size_t core = (size_t)(k / 8) * lbo + (size_t)(n / 8) * sbo;
-    const size_t off = core + (op.trans_b ? (size_t)(k % 8) * 16 + (size_t)(n % 8) * 2
-                                          : (size_t)(n % 8) * 16 + (size_t)(k % 8) * 2);
+    size_t off;
+    if (sw == 0) {
+      off = start + (size_t)(k / 8) * lbo + (size_t)(n / 8) * sbo +
+            (op.trans_b ? (size_t)(k % 8) * 16 + (size_t)(n % 8) * 2
+                        : (size_t)(n % 8) * 16 + (size_t)(k % 8) * 2);
+    } else {
+      const size_t half = sw / 2;  // elements per atom row
+      off = start + (op.trans_b ? (size_t)n / half * lbo + (size_t)n % half * 2 +
+                                      (size_t)(k / 8) * sbo + (size_t)(k % 8) * sw
+                                : (size_t)(n / 8) * sbo + (size_t)(n % 8) * sw + (size_t)k * 2);
+      const size_t mask = sw / 16 - 1;
+      off ^= ((off >> 7) & mask) << 4;
+    }
     uint16_t bits;
-    memcpy(&bits, start + off, 2);
+    memcpy(&bits, base + off, 2);
     return mma_elem_f32(bits, 0, op.t);
   };
   const int laneid = lane_id();

@@ -1,15 +1,19 @@
 //! How the f16 / bf16 prefill kernel tiles its query rows (`PKV_PREFILL_TILING_*` and
 //! `pkv_paged_attention_prefill_tiled` in kernels/pagedkv.h).
 
+use super::check::{check_status, dtype_abi, i32_of, SUPPORTED_HEAD_DIMS};
 use super::ffi;
+use crate::error::RawError;
+use crate::kv::KvCacheConfig;
 
 /// The f16 / bf16 prefill kernel's tiling of the query rows. Results agree up to f32 rounding
 /// whichever is chosen; f32 caches have one kernel and ignore the choice, and a tiling a launch
 /// cannot run (below) runs [`PrefillTiling::WarpRows16`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefillTiling {
-    /// The library's choice: today [`PrefillTiling::WarpRows16`], the tiling measured on a
-    /// GPU (BENCHMARKS.md).
+    /// The library's choice ([`PrefillTiling::resolve`] says which):
+    /// [`PrefillTiling::WarpRows32`] where its thread blocks fill the device's resident
+    /// slots, else [`PrefillTiling::WarpRows16`] (measured on an H100, BENCHMARKS.md).
     #[default]
     Auto,
     /// One m16 tile per warp (mma.sync), 64 rows per thread block.
@@ -32,6 +36,65 @@ pub enum PrefillTiling {
 }
 
 impl PrefillTiling {
+    /// The tiling a prefill launch over a cache of `config` with `num_heads` query heads,
+    /// `num_seqs` sequences and `max_query_len` runs when `self` is asked
+    /// (`pkv_prefill_tiling_choice`): never [`PrefillTiling::Auto`], and `None` for an f32
+    /// cache, whose one kernel has no tilings. `sm_count` 0 asks the device current on this
+    /// thread (Auto's choice depends on it); host only, no launch.
+    ///
+    /// # Errors
+    /// [`RawError::Unsupported`] for a head dim without a kernel or a size the C ABI cannot
+    /// carry; [`RawError::Launch`] for `num_heads` not a positive multiple of the KV heads
+    /// (`PKV_ERR_INVALID_ARG`) or a failed device query.
+    pub fn resolve(
+        self,
+        config: &KvCacheConfig,
+        num_heads: usize,
+        num_seqs: usize,
+        max_query_len: usize,
+        sm_count: usize,
+    ) -> Result<Option<PrefillTiling>, RawError> {
+        if !SUPPORTED_HEAD_DIMS.contains(&config.head_dim()) {
+            return Err(RawError::Unsupported {
+                what: "head_dim",
+                value: config.head_dim(),
+            });
+        }
+        let mut chosen = -1i32;
+        // SAFETY: `chosen` is a valid local the call writes on success; every other argument
+        // is an integer; the call is host arithmetic plus, for sm_count 0, a runtime query
+        // with no precondition (an error is a status).
+        let status = unsafe {
+            ffi::pkv_prefill_tiling_choice(
+                &mut chosen,
+                self.abi(),
+                dtype_abi(config.dtype()),
+                i32_of("num_heads", num_heads)?,
+                i32_of("num_kv_heads", config.num_kv_heads())?,
+                i32_of("head_dim", config.head_dim())?,
+                i32_of("num_seqs", num_seqs)?,
+                i32_of("max_query_len", max_query_len)?,
+                i32_of("sm_count", sm_count)?,
+            )
+        };
+        check_status("pkv_prefill_tiling_choice", status, None)?;
+        Ok(Self::from_abi(chosen))
+    }
+
+    /// The tiling of a `PKV_PREFILL_TILING_*` value (`None`: Auto, or not one of them).
+    fn from_abi(v: i32) -> Option<PrefillTiling> {
+        [
+            PrefillTiling::WarpRows16,
+            PrefillTiling::WarpRows32,
+            PrefillTiling::Wgmma,
+            PrefillTiling::Wgmma128,
+            PrefillTiling::WgmmaOverlap,
+            PrefillTiling::Wgmma128Overlap,
+        ]
+        .into_iter()
+        .find(|t| t.abi() == v)
+    }
+
     pub(super) fn abi(self) -> i32 {
         (match self {
             PrefillTiling::Auto => ffi::PKV_PREFILL_TILING_AUTO,

@@ -308,6 +308,15 @@ impl<'g> Bench<'g> {
         Ok([time(false)?, time(true)?])
     }
 
+    /// The tiling the library runs for point `p` at the asked tiling on this device (what Auto
+    /// chose; `pkv_prefill_tiling_choice`).
+    pub fn prefill_runs(&self, p: &PrefillPoint) -> Result<Option<PrefillTiling>, BoxErr> {
+        let cfg = self.config(p.heads.kv, p.context().div_ceil(self.block_size))?;
+        Ok(self
+            .prefill_tiling
+            .resolve(&cfg, p.heads.query, 1, p.chunk, 0)?)
+    }
+
     pub fn prefill(&mut self, p: &PrefillPoint) -> Result<Measured, BoxErr> {
         let (nh, hkv, d) = (p.heads.query, p.heads.kv, self.shape.head_dim);
         let per_seq = p.context().div_ceil(self.block_size);

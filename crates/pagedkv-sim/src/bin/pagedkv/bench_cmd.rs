@@ -320,6 +320,9 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
         for p in &prefill {
             let m = bench.prefill(p)?;
             println!("{}", prefill_row(p, shape, &m.outcome, pr.prefill.get(p)));
+            if tiling == PrefillTiling::Auto {
+                println!("                  (Auto ran {:?})", bench.prefill_runs(p)?);
+            }
             note_check(format!("prefill {p} {tiling:?}"), &m);
         }
     }

@@ -389,22 +389,19 @@ int launch_prefill_wgmma(const PrefillArgs &a, int dtype, int head_dim, int wg, 
 namespace {
 // Whether PKV_PREFILL_TILING_WGMMA runs the wgmma kernel: the build has it (a target of sm_90
 // adds the sm_90a unit), the head dim has an instance, and the current device is compute
-// capability 9.0 exactly (sm_90a code runs nowhere else). The emulation runs it everywhere.
+// capability 9.0 exactly (sm_90a code runs nowhere else; the emulation's device reports 9.0
+// unless a test sets another).
 bool wgmma_prefill_available(int head_dim) {
 #ifndef PKV_HAVE_WGMMA
   (void)head_dim;
   return false;
 #else
   if (head_dim > 128) return false;  // head dims are checked before: 64 .. 128 have instances
-#ifdef PKV_CUDA_EMU
-  return true;
-#else
   int dev = 0, major = 0, minor = 0;
   return cudaGetDevice(&dev) == cudaSuccess &&
          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
          cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
          major == 9 && minor == 0;
-#endif
 #endif
 }
 
@@ -477,12 +474,7 @@ int prefill_tiling_run(int32_t tiling, int32_t dtype, int group, int hkv, int he
     *run = PKV_PREFILL_TILING_WARP32;
     return PKV_OK;
   }
-  // Auto: 128 rows per block once their blocks cover every resident slot; before that, 64
-  // rows put twice the blocks on the SMs (the +0 and 512-token chunks of BENCHMARKS.md's H100
-  // grid are 1.10-1.43x faster so; 2048-token chunks 1.29-1.33x slower).
-  static_assert(pfmma::Cfg<64, 2>::MIN_BLOCKS == 2 && pfmma::Cfg<128, 2>::MIN_BLOCKS == 2,
-                "WARP32's launch bounds promise 2 blocks per SM at every head dim it has");
-  constexpr int64_t per_sm = 2;
+  // Auto. The device is asked for its SM count (both rules need it).
   if (sm_count <= 0) {
     int dev = 0;
     cudaError_t e = cudaGetDevice(&dev);
@@ -490,9 +482,24 @@ int prefill_tiling_run(int32_t tiling, int32_t dtype, int group, int hkv, int he
     if (e != cudaSuccess) return status_of(e);
     if (sm_count <= 0) sm_count = 1;
   }
-  const int64_t rows = pfmma::Cfg<64, 2>::ROWS;
+  const int64_t rows = pfmma::Cfg<64, 2>::ROWS;  // 128: WARP32's and WGMMA128's blocks
   const int64_t blocks =
       (int64_t)hkv * (((int64_t)max_query_len * group + rows - 1) / rows) * num_seqs;
+  if (wgmma_prefill_available(head_dim)) {
+    // Hopper: two warpgroups sharing each K / V tile, the fastest tiling at every point of the
+    // H100 grid but the chunks over no cached tokens (BENCHMARKS.md: 103-113% of SDPA with
+    // cached tokens; 512 + 0 within 16% of one warpgroup's time). One block of them per SM:
+    // where their blocks cover fewer than half the SMs, one warpgroup per block doubles the
+    // blocks on idle SMs instead.
+    *run = 2 * blocks >= sm_count ? PKV_PREFILL_TILING_WGMMA128 : PKV_PREFILL_TILING_WGMMA;
+    return PKV_OK;
+  }
+  // mma.sync: 128 rows per block once their blocks cover every resident slot; before that, 64
+  // rows put twice the blocks on the SMs (the +0 and 512-token chunks of BENCHMARKS.md's H100
+  // grid are 1.10-1.43x faster so; 2048-token chunks 1.29-1.33x slower).
+  static_assert(pfmma::Cfg<64, 2>::MIN_BLOCKS == 2 && pfmma::Cfg<128, 2>::MIN_BLOCKS == 2,
+                "WARP32's launch bounds promise 2 blocks per SM at every head dim it has");
+  constexpr int64_t per_sm = 2;
   *run = blocks >= per_sm * sm_count ? PKV_PREFILL_TILING_WARP32 : PKV_PREFILL_TILING_WARP16;
   return PKV_OK;
 }

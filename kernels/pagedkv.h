@@ -331,8 +331,9 @@ int pkv_paged_attention_prefill(void *out, int64_t out_token_stride, const void 
 
 /* ---- prefill tilings (pkv_paged_attention_prefill_tiled's `tiling`) of the f16 / bf16
  * kernel; f32 has one kernel and runs it whatever is asked ---- */
-/** The library's choice (pkv_prefill_tiling_choice says which): PKV_PREFILL_TILING_WARP32
- *  where its thread blocks fill the device, else PKV_PREFILL_TILING_WARP16. */
+/** The library's choice (pkv_prefill_tiling_choice says which): on compute capability 9.0,
+ *  PKV_PREFILL_TILING_WGMMA128 where its thread blocks cover half the SMs, else _WGMMA; off
+ *  it, PKV_PREFILL_TILING_WARP32 where its blocks fill the device, else _WARP16. */
 #define PKV_PREFILL_TILING_AUTO 0
 /** One m16 tile per warp (mma.sync), 64 rows per thread block; every head dim. */
 #define PKV_PREFILL_TILING_WARP16 16
@@ -376,12 +377,15 @@ int pkv_paged_attention_prefill_tiled(void *out, int64_t out_token_stride, const
  * above head dim 128; the wgmma ones without an sm_90 build, off a compute capability 9.0
  * device, or above head dim 128).
  *
- * Auto is WARP32 where its thread blocks, num_kv_heads x ceil(max_query_len x group / 128) x
- * num_seqs, are at least the SMs' resident slots for it (sm_count x 2, the blocks per SM its
- * registers allow up to head dim 128), else WARP16: with fewer blocks than slots, 128 rows per
- * block leave SMs idle that 64 would use. (H100, bf16 d128, one sequence, 32:8 and 32:32:
- * chunks of 2048 run 1.29-1.33x faster at WARP32, chunks of 512 1.10-1.43x slower;
- * BENCHMARKS.md.)
+ * Auto counts the 128-row thread blocks a launch has, num_kv_heads x ceil(max_query_len x
+ * group / 128) x num_seqs. Where the wgmma kernel runs (f16 / bf16, head dim up to 128,
+ * compute capability 9.0): WGMMA128 where they are at least half of sm_count (one such block
+ * per SM), else WGMMA (H100, bf16 d128: WGMMA128 103-113% of dense SDPA's speed at every chunk
+ * over cached tokens, 1.04-1.48x WARP32's; over none, within 16% of WGMMA's time). Elsewhere:
+ * WARP32 where they are at least sm_count x 2 (the blocks per SM its registers allow up to
+ * head dim 128), else WARP16 (with fewer blocks than slots, 128 rows per block leave SMs idle
+ * that 64 would use; H100: chunks of 2048 run 1.29-1.33x faster at WARP32, chunks of 512
+ * 1.10-1.43x slower). BENCHMARKS.md has the grid.
  *
  * sm_count <= 0: the device current on this thread is asked. Host only, no launch.
  * Returns PKV_ERR_NULL_POINTER, PKV_ERR_INVALID_ARG (an unknown tiling, a non-positive size

@@ -141,6 +141,14 @@ pub fn set_sm_count(sms: i32) {
     unsafe { emu_ffi::pkv_emu_set_sm_count(sms) }
 }
 
+/// Sets the compute capability the emulated device reports on this OS thread (default 9.0:
+/// the wgmma prefill tilings run; another, e.g. 8.0, makes the launchers fall back and choose
+/// as they would on such a device).
+pub fn set_compute_capability(major: i32, minor: i32) {
+    // SAFETY: sets thread-local integers; no preconditions.
+    unsafe { emu_ffi::pkv_emu_set_compute_capability(major, minor) }
+}
+
 /// This OS thread's launch counters since the last call (and resets them).
 pub fn take_stats() -> emu_ffi::pkv_emu_stats {
     // SAFETY: reads and resets thread-local counters; no preconditions.

@@ -320,9 +320,9 @@ fn wgmma_smem(d: usize, wg: usize, overlap: bool) -> u64 {
 /// shared-memory footprint and its rows per thread block: 64 at 16 rows per warp and with one
 /// warpgroup, 128 at 32 and with two; the overlapped wgmma schedule keeps one more tile's row
 /// addresses), f32 the CUDA-core one (another footprint), whatever the tiling asked; 32
-/// rows per warp and wgmma apply up to head dim 128 (the emulation runs wgmma on any
-/// "device"), 16 elsewhere, and Auto is 16. A dispatch that fell back would pass every
-/// accuracy test above unnoticed.
+/// rows per warp and wgmma apply up to head dim 128 (the emulated device is compute capability
+/// 9.0), 16 elsewhere, and Auto is one warpgroup of wgmma here (16 rows per warp at d256). A
+/// dispatch that fell back would pass every accuracy test above unnoticed.
 #[test]
 fn each_tiling_takes_its_kernel() {
     let mut rng = SmallRng::seed_from_u64(34);
@@ -370,6 +370,9 @@ fn each_tiling_takes_its_kernel() {
                     continue;
                 }
                 let (smem, rows) = match tiling {
+                    // Auto on the emulated 9.0 device: one warpgroup (1 block of 128 rows is
+                    // under half of 132 SMs).
+                    ffi::PKV_PREFILL_TILING_AUTO if d <= 128 => (wgmma_smem(d, 1, false), 64),
                     ffi::PKV_PREFILL_TILING_WARP32 if d <= 128 => (mma_smem(d, 2), 128),
                     ffi::PKV_PREFILL_TILING_WGMMA if d <= 128 => (wgmma_smem(d, 1, false), 64),
                     ffi::PKV_PREFILL_TILING_WGMMA128 if d <= 128 => (wgmma_smem(d, 2, false), 128),
@@ -391,12 +394,13 @@ fn each_tiling_takes_its_kernel() {
     }
 }
 
-/// Auto's choice (pkv_prefill_tiling_choice, the launcher's own): 32 rows per warp once its
-/// 128-row blocks (KV heads x row tiles x sequences) cover 2 per SM, else 16; every other
-/// tiling as the launch would run it; f32 has none. The shapes are the H100 grid's (bf16 d128,
-/// 132 SMs, 32:8 and 32:32) where the two tilings were measured.
+/// Auto's choice (pkv_prefill_tiling_choice, the launcher's own). Off compute capability 9.0:
+/// 32 rows per warp once its 128-row blocks (KV heads x row tiles x sequences) cover 2 per SM,
+/// else 16. On 9.0 (wgmma): two warpgroups once those blocks cover half the SMs, else one.
+/// Every other tiling as the launch would run it; f32 has none. The shapes are the H100 grid's
+/// (bf16 d128, 132 SMs, 32:8 and 32:32) where the tilings were measured.
 #[test]
-fn auto_tiling_takes_32_rows_where_its_blocks_fill_the_sms() {
+fn auto_tiling_follows_the_measured_rules() {
     let cfg = |kv: usize, d: usize, dtype: KvDtype| {
         KvCacheConfig::new(1, kv, d, 16, 64, dtype).expect("a valid geometry")
     };
@@ -409,6 +413,19 @@ fn auto_tiling_takes_32_rows_where_its_blocks_fill_the_sms() {
         Some(PrefillTiling::WarpRows16),
         Some(PrefillTiling::WarpRows32),
     );
+    let (wg1, wg2) = (Some(PrefillTiling::Wgmma), Some(PrefillTiling::Wgmma128));
+    let asked = [
+        PrefillTiling::WarpRows16,
+        PrefillTiling::WarpRows32,
+        PrefillTiling::Wgmma,
+        PrefillTiling::Wgmma128,
+        PrefillTiling::WgmmaOverlap,
+        PrefillTiling::Wgmma128Overlap,
+    ];
+    let d256 = cfg(8, 256, KvDtype::Bf16);
+
+    // Compute capability 8.0: mma.sync only.
+    cuda_emu::set_compute_capability(8, 0);
     // 32:8, 512 tokens: 8 x 16 = 128 blocks of 128 rows < 264 slots; 2048: 512 >= 264.
     assert_eq!(pick(&gqa, 32, 1, 512, 132), w16);
     assert_eq!(pick(&gqa, 32, 1, 2048, 132), w32);
@@ -419,32 +436,45 @@ fn auto_tiling_takes_32_rows_where_its_blocks_fill_the_sms() {
     assert_eq!(pick(&gqa, 32, 1, 264, 37), w16);
     // Sequences count: 4 x 512 tokens are 512 blocks.
     assert_eq!(pick(&gqa, 32, 4, 512, 132), w32);
-    // Nothing to run is still an answer (the launcher returns before choosing).
-    assert_eq!(pick(&gqa, 32, 0, 512, 132), w16);
-    // Head dim 256 has no 32-row kernel; f32 has no tilings.
-    assert_eq!(pick(&cfg(8, 256, KvDtype::F16), 32, 8, 4096, 1), w16);
-    assert_eq!(pick(&cfg(8, 128, KvDtype::F32), 32, 8, 4096, 1), None);
-    // Asked tilings: as the launch runs them (the emulation runs wgmma on any "device").
-    for t in [
-        PrefillTiling::WarpRows16,
-        PrefillTiling::WarpRows32,
-        PrefillTiling::Wgmma,
-        PrefillTiling::Wgmma128,
-        PrefillTiling::WgmmaOverlap,
-        PrefillTiling::Wgmma128Overlap,
-    ] {
+    for t in asked {
+        let want = if t == PrefillTiling::WarpRows32 {
+            w32
+        } else {
+            w16
+        };
+        assert_eq!(
+            t.resolve(&gqa, 32, 1, 16, 132).expect("valid"),
+            want,
+            "{t:?} on 8.0"
+        );
+    }
+    cuda_emu::set_compute_capability(9, 0);
+
+    // 9.0: 128 blocks of 32:8 x 512 cover half of 132 SMs (and of 256), not of 257.
+    assert_eq!(pick(&gqa, 32, 1, 512, 132), wg2);
+    assert_eq!(pick(&gqa, 32, 1, 2048, 132), wg2);
+    assert_eq!(pick(&mha, 32, 1, 512, 132), wg2);
+    assert_eq!(pick(&gqa, 32, 1, 512, 256), wg2);
+    assert_eq!(pick(&gqa, 32, 1, 512, 257), wg1);
+    assert_eq!(pick(&gqa, 32, 1, 16, 132), wg1);
+    for t in asked {
         assert_eq!(
             t.resolve(&gqa, 32, 1, 16, 132).expect("valid"),
             Some(t),
             "{t:?}"
         );
-        let d256 = cfg(8, 256, KvDtype::Bf16);
+        // Head dim 256 has neither a 32-row nor a wgmma kernel.
         assert_eq!(
             t.resolve(&d256, 32, 1, 16, 132).expect("valid"),
             w16,
             "{t:?} d256"
         );
     }
+    // d256 Auto follows the mma.sync rule (16 rows per warp always); f32 has no tilings.
+    assert_eq!(pick(&cfg(8, 256, KvDtype::F16), 32, 8, 4096, 1), w16);
+    assert_eq!(pick(&cfg(8, 128, KvDtype::F32), 32, 8, 4096, 1), None);
+    // Nothing to run is still an answer (the launcher returns before choosing).
+    assert_eq!(pick(&gqa, 32, 0, 512, 132), wg1);
     // Refusals: heads not a multiple of the KV heads; a size past the ABI.
     assert!(matches!(
         auto.resolve(&gqa, 30, 1, 16, 132),
@@ -459,9 +489,10 @@ fn auto_tiling_takes_32_rows_where_its_blocks_fill_the_sms() {
     ));
 }
 
-/// The launcher runs Auto's choice: on a "device" of 1 SM, a chunk whose 128-row blocks fill
-/// its 2 slots takes the 32-row kernel (its shared memory, half the blocks), and on 132 SMs the
-/// 16-row one, with results equal to the oracle's either way.
+/// The launcher runs Auto's choice: a chunk whose 128-row blocks fill a "device" of 1 SM takes
+/// the 128-row kernel (WARP32 on compute capability 8.0, two warpgroups on 9.0: its shared
+/// memory, half the blocks), and on 132 SMs the 64-row one, with results equal to the oracle's
+/// every time.
 #[test]
 fn auto_launches_follow_the_choice() {
     let mut rng = SmallRng::seed_from_u64(37);
@@ -482,7 +513,14 @@ fn auto_launches_follow_the_choice() {
     let params = AttnParams::new(nh, d);
     let qsl = [0, tokens as i32];
     let want = cpu_prefill(&b, &host, 0, &query, &qsl, &params);
-    for (sms, smem, rows) in [(1, mma_smem(d, 2), 128usize), (132, mma_smem(d, 1), 64)] {
+    let cases = [
+        ((8, 0), 1, mma_smem(d, 2), 128usize),
+        ((8, 0), 132, mma_smem(d, 1), 64),
+        ((9, 0), 1, wgmma_smem(d, 2, false), 128),
+        ((9, 0), 132, wgmma_smem(d, 1, false), 64),
+    ];
+    for ((major, minor), sms, smem, rows) in cases {
+        cuda_emu::set_compute_capability(major, minor);
         cuda_emu::set_sm_count(sms);
         let _ = cuda_emu::take_stats();
         let (s, got) = launch(
@@ -496,14 +534,16 @@ fn auto_launches_follow_the_choice() {
             ffi::PKV_PREFILL_TILING_AUTO as i32,
         );
         cuda_emu::set_sm_count(132);
-        assert_eq!(s, ffi::PKV_OK as i32, "{sms} SMs");
+        cuda_emu::set_compute_capability(9, 0);
+        let what = format!("Auto on {sms} SMs of cc {major}.{minor}");
+        assert_eq!(s, ffi::PKV_OK as i32, "{what}");
         let st = cuda_emu::take_stats();
         assert_eq!(
             (st.max_dynamic_smem, st.blocks),
             (smem, (tokens * nh).div_ceil(rows) as u64),
-            "{sms} SMs: (dynamic shared memory, thread blocks)"
+            "{what}: (dynamic shared memory, thread blocks)"
         );
-        assert_close(&format!("Auto on {sms} SMs"), &got, &want, d);
+        assert_close(&what, &got, &want, d);
     }
 }
 

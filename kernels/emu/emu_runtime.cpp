@@ -34,6 +34,7 @@ namespace {
 thread_local cudaError_t tl_error = cudaSuccess;
 thread_local std::string tl_fault_message;
 thread_local int tl_sm_count = 132;
+thread_local int tl_cc_major = 9, tl_cc_minor = 0;
 thread_local int tl_policy = PKV_EMU_SCHEDULE_FORWARD;
 thread_local uint64_t tl_seed = 0;
 thread_local pkv_emu_stats tl_stats = {0, 0, 0, 0};
@@ -670,8 +671,8 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev) {
   if (value == nullptr || dev != 0) return cudaErrorInvalidValue;
   switch (attr) {
     case cudaDevAttrMultiProcessorCount: *value = emu::tl_sm_count; return cudaSuccess;
-    case cudaDevAttrComputeCapabilityMajor: *value = 9; return cudaSuccess;
-    case cudaDevAttrComputeCapabilityMinor: *value = 0; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMajor: *value = emu::tl_cc_major; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMinor: *value = emu::tl_cc_minor; return cudaSuccess;
   }
   return cudaErrorInvalidValue;
 }
@@ -734,6 +735,11 @@ extern "C" void pkv_emu_free(void *ptr) {
 }
 
 extern "C" void pkv_emu_set_sm_count(int32_t sms) { emu::tl_sm_count = sms; }
+
+extern "C" void pkv_emu_set_compute_capability(int32_t major, int32_t minor) {
+  emu::tl_cc_major = major;
+  emu::tl_cc_minor = minor;
+}
 
 extern "C" void pkv_emu_set_schedule(int32_t policy, uint64_t seed) {
   emu::tl_policy = policy;

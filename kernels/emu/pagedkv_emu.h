@@ -50,6 +50,12 @@ void pkv_emu_free(void *ptr);
 /** The SM count cudaDeviceGetAttribute reports on this thread (default 132, an H100 SXM). */
 void pkv_emu_set_sm_count(int32_t sms);
 
+/**
+ * The compute capability cudaDeviceGetAttribute reports on this thread (default 9.0, an H100:
+ * the emulated wgmma kernels run; another makes the launchers choose as they would there).
+ */
+void pkv_emu_set_compute_capability(int32_t major, int32_t minor);
+
 /** The scheduling policy (PKV_EMU_SCHEDULE_*) and seed of this thread's later launches. */
 void pkv_emu_set_schedule(int32_t policy, uint64_t seed);
 

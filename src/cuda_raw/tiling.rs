@@ -11,9 +11,11 @@ use crate::kv::KvCacheConfig;
 /// cannot run (below) runs [`PrefillTiling::WarpRows16`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefillTiling {
-    /// The library's choice ([`PrefillTiling::resolve`] says which):
-    /// [`PrefillTiling::WarpRows32`] where its thread blocks fill the device's resident
-    /// slots, else [`PrefillTiling::WarpRows16`] (measured on an H100, BENCHMARKS.md).
+    /// The library's choice ([`PrefillTiling::resolve`] says which): on compute capability
+    /// 9.0 at head dims up to 128, [`PrefillTiling::Wgmma128`] where its 128-row thread
+    /// blocks cover half the SMs, else [`PrefillTiling::Wgmma`]; elsewhere
+    /// [`PrefillTiling::WarpRows32`] where its blocks fill the device's resident slots, else
+    /// [`PrefillTiling::WarpRows16`] (measured on an H100, BENCHMARKS.md).
     #[default]
     Auto,
     /// One m16 tile per warp (mma.sync), 64 rows per thread block.

@@ -321,7 +321,10 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
             let m = bench.prefill(p)?;
             println!("{}", prefill_row(p, shape, &m.outcome, pr.prefill.get(p)));
             if tiling == PrefillTiling::Auto {
-                println!("                  (Auto ran {:?})", bench.prefill_runs(p)?);
+                match bench.prefill_runs(p)? {
+                    Some(t) => println!("                  (Auto ran {t:?})"),
+                    None => println!("                  (Auto: the f32 kernel)"),
+                }
             }
             note_check(format!("prefill {p} {tiling:?}"), &m);
         }

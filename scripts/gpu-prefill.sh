@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# A prefill kernel change measured in one device call (~2 min): the wgmma layout probe, the
+# kernel tests, every prefill tiling on the grid beside torch SDPA (one process: the tilings'
+# rows share the peer's), memcheck of the kernel tests and racecheck of the bf16 prefill grid,
+# and ncu on a 2048-token chunk for the mma.sync and wgmma kernels. Logs in $OUT/logs.tar.gz.
+#
+# Here:    BUNDLE='^bin-pagedkv$|^test-cuda_kernels$' scripts/gpu-bundle.sh
+# Device:  run with carry [".gpu"]:  bash scripts/gpu-prefill.sh   (DEADLINE_S, default 240)
+set -u
+final=${OUT:-$PWD/.gpu/out}; mkdir -p "$final"
+export PACK_TO=$final/logs.tar.gz
+OUT=/tmp/pagedkv-prefill; rm -rf "$OUT"
+DEADLINE_S=${DEADLINE_S:-240}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu-stage.sh"
+device_setup
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/machine.txt" 2>&1
+note "machine: $(tail -1 "$OUT/machine.txt")"
+
+stage test-wgmma-probe 30 "$bin/test-cuda_kernels" wgmma_layouts_match_the_hardware --nocapture
+stage test-cuda_kernels 90 "$bin/test-cuda_kernels"
+grep -q "^test result: ok" "$OUT/test-cuda_kernels.log" ||
+  stage test-cuda_kernels-serial 120 "$bin/test-cuda_kernels" --test-threads 1
+stage bench-prefill 150 "$bin/bin-pagedkv" bench gpu --no-cache-ops --decode none \
+  --prefill-tiling auto,16,32,wgmma,wgmma128,wgmma-ovl,wgmma128-ovl
+stage memcheck-kernels 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  "$bin/test-cuda_kernels"
+stage racecheck-prefill 90 compute-sanitizer --tool racecheck --error-exitcode 9 \
+  "$bin/test-cuda_kernels" prefill_grid_bf16
+ncu_args=(--clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats
+  --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SourceCounters)
+for tiling in 32 wgmma-ovl wgmma128-ovl; do
+  stage "ncu-prefill-$tiling" 60 ncu "${ncu_args[@]}" -k regex:prefill -s 1 -c 1 \
+    "$bin/bin-pagedkv" bench gpu --decode none --prefill 32:8/2048+4096 --no-cache-ops \
+    --peer none --no-check --prefill-tiling $tiling --launches 1 --reps 1 --iters 1 --warmup 1
+done
+note done
+grep -h -E "^test result|FAILED|panicked|ERROR SUMMARY|RACECHECK SUMMARY|wgmma layout|wgmma swizzled" \
+  "$OUT"/test-*.log "$OUT"/memcheck-*.log "$OUT"/racecheck-*.log | tail -20
+pack "$PACK_TO"

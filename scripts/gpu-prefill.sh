@@ -5,7 +5,8 @@
 # and ncu on a 2048-token chunk for the mma.sync and wgmma kernels. Logs in $OUT/logs.tar.gz.
 #
 # Here:    BUNDLE='^bin-pagedkv$|^test-cuda_kernels$' scripts/gpu-bundle.sh
-# Device:  run with carry [".gpu"]:  bash scripts/gpu-prefill.sh   (DEADLINE_S, default 240)
+# Device:  run with carry [".gpu"]:  bash scripts/gpu-prefill.sh   (DEADLINE_S, default 240;
+#          DIMS="64 128", TILINGS=auto,32,..., SANITIZE=0, NCU=0 narrow it)
 set -u
 final=${OUT:-$PWD/.gpu/out}; mkdir -p "$final"
 export PACK_TO=$final/logs.tar.gz
@@ -20,12 +21,19 @@ stage test-wgmma-probe 30 "$bin/test-cuda_kernels" wgmma_layouts_match_the_hardw
 stage test-cuda_kernels 90 "$bin/test-cuda_kernels"
 grep -q "^test result: ok" "$OUT/test-cuda_kernels.log" ||
   stage test-cuda_kernels-serial 120 "$bin/test-cuda_kernels" --test-threads 1
-stage bench-prefill 150 "$bin/bin-pagedkv" bench gpu --no-cache-ops --decode none \
-  --prefill-tiling auto,16,32,wgmma,wgmma128,wgmma-ovl,wgmma128-ovl
-stage memcheck-kernels 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
-  "$bin/test-cuda_kernels"
-stage racecheck-prefill 90 compute-sanitizer --tool racecheck --error-exitcode 9 \
-  "$bin/test-cuda_kernels" prefill_grid_bf16
+# Head dims (DIMS, default 128) and tilings (TILINGS) of the grid; SANITIZE=0 skips the
+# sanitizers, NCU=0 the profiles.
+for d in ${DIMS:-128}; do
+  stage "bench-prefill-d$d" 150 "$bin/bin-pagedkv" bench gpu --no-cache-ops --decode none \
+    --head-dim "$d" --prefill-tiling "${TILINGS:-auto,16,32,wgmma,wgmma128,wgmma-ovl,wgmma128-ovl}"
+done
+if [ "${SANITIZE:-1}" = 1 ]; then
+  stage memcheck-kernels 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    "$bin/test-cuda_kernels"
+  stage racecheck-prefill 90 compute-sanitizer --tool racecheck --error-exitcode 9 \
+    "$bin/test-cuda_kernels" prefill_grid_bf16
+fi
+[ "${NCU:-1}" = 1 ] || { note done; pack "$PACK_TO"; exit 0; }
 ncu_args=(--clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats
   --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SourceCounters)
 for tiling in 32 wgmma-ovl wgmma128-ovl; do

@@ -131,11 +131,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // whose id is out of range) of keys kt .. kt + BC - 1 into krow, one key per thread: the table
 // read and 64-bit address arithmetic once per key, not per 16-byte chunk (that was most of the
 // copy's instructions at d128). Computed a tile ahead of its copy.
-template <typename T, int D>
+template <typename T, int D, int BC = Cfg<D, 1>::BC>
 __device__ __forceinline__ void key_rows(const PrefillArgs &a, const T *cache,
                                          const int32_t *btab, int bs_shift, int64_t head_off,
                                          int kt, int klast, const T **krow) {
-  if (threadIdx.x < Cfg<D, 1>::BC) {
+  if (threadIdx.x < BC) {
     const int t = kt + (int)threadIdx.x;
     const int b = t <= klast ? btab[t >> bs_shift] : -1;
     krow[threadIdx.x] = b >= 0 && b < a.num_blocks
@@ -353,9 +353,13 @@ __device__ __forceinline__ void pack_p(const float (&x)[NT][4], uint32_t (&p)[NT
 template <int BC>
 __device__ __forceinline__ bool interior_tile(const PrefillArgs &a, bool plain, int kt,
                                               int w_first, int w_last, const int *kv_ok) {
+  static_assert(BC % 32 == 0, "whole warps of keys");
   const int lane = threadIdx.x % 32;
+  bool valid = true;
+#pragma unroll
+  for (int i = lane; i < BC; i += 32) valid = valid && kv_ok[i] != 0;
   return plain && kt + BC - 1 <= w_first && (a.window <= 0 || w_last - kt < a.window) &&
-         __all_sync(0xffffffffu, kv_ok[lane % BC] != 0 && kv_ok[(lane + 32) % BC] != 0);
+         __all_sync(0xffffffffu, valid);
 }
 
 // The A fragment of P V's k16 step kk (keys 16kk .. 16kk + 15): the packed P of S tiles 2kk and

@@ -65,7 +65,10 @@ template <int D, int WG, bool OVL = false> struct Cfg {
   static_assert(WG == 1 || WG == 2, "one or two warpgroups");
   static constexpr int NT = 128 * WG;             // threads
   static constexpr int ROWS = 64 * WG;            // one m64 tile per warpgroup
-  static constexpr int BC = 64;                   // keys per tile (the S wgmma's n)
+  // Keys per tile (the S wgmma's n): 128 with two warpgroups (the products, barriers, copy
+  // waits and row reductions of a tile serve twice the keys; registers and shared memory
+  // allow it at one block per SM), 64 with one (which keeps 2-3 blocks per SM).
+  static constexpr int BC = WG == 2 ? 128 : 64;
   static constexpr int CH = D / 8;                // 16-byte chunks per row
   static constexpr int LDQ = D + 8;               // Q staging row stride (ldmatrix)
   static constexpr int KSTEPS = D / 16;           // k16 steps of Q K^T
@@ -230,7 +233,7 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
   const T *cache = reinterpret_cast<const T *>(a.cache);
   // Row addresses of tile t into slot t % KROWS.
   auto rows_of = [&](int t) {
-    pfmma::key_rows<T, D>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin + t * C::BC,
+    pfmma::key_rows<T, D, C::BC>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin + t * C::BC,
                           b.klast, krow + (t % C::KROWS) * C::BC);
   };
 

@@ -6,7 +6,7 @@
 #
 # Here:    BUNDLE='^bin-pagedkv$|^test-cuda_kernels$' scripts/gpu-bundle.sh
 # Device:  run with carry [".gpu"]:  bash scripts/gpu-prefill.sh   (DEADLINE_S, default 240;
-#          DIMS="64 128", TILINGS=auto,32,..., SANITIZE=0, NCU=0 narrow it)
+#          DIMS="64 128", TILINGS=auto,32,..., SANITIZE=0 or memcheck, NCU=0 narrow it)
 set -u
 final=${OUT:-$PWD/.gpu/out}; mkdir -p "$final"
 export PACK_TO=$final/logs.tar.gz
@@ -22,14 +22,16 @@ stage test-cuda_kernels 90 "$bin/test-cuda_kernels"
 grep -q "^test result: ok" "$OUT/test-cuda_kernels.log" ||
   stage test-cuda_kernels-serial 120 "$bin/test-cuda_kernels" --test-threads 1
 # Head dims (DIMS, default 128) and tilings (TILINGS) of the grid; SANITIZE=0 skips the
-# sanitizers, NCU=0 the profiles.
+# sanitizers (memcheck: only memcheck), NCU=0 the profiles.
 for d in ${DIMS:-128}; do
   stage "bench-prefill-d$d" 150 "$bin/bin-pagedkv" bench gpu --no-cache-ops --decode none \
     --head-dim "$d" --prefill-tiling "${TILINGS:-auto,16,32,wgmma,wgmma128,wgmma-ovl,wgmma128-ovl}"
 done
-if [ "${SANITIZE:-1}" = 1 ]; then
+if [ "${SANITIZE:-1}" != 0 ]; then
   stage memcheck-kernels 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
     "$bin/test-cuda_kernels"
+fi
+if [ "${SANITIZE:-1}" = 1 ]; then
   stage racecheck-prefill 90 compute-sanitizer --tool racecheck --error-exitcode 9 \
     "$bin/test-cuda_kernels" prefill_grid_bf16
 fi

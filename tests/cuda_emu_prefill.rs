@@ -210,7 +210,8 @@ fn tiles_grid<T: Elem>(seed: u64) {
             let seqs: &[(usize, usize)] = match group {
                 1 => &[(140, 140), (21, 150), (1, 129), (64, 64)],
                 3 => &[(30, 30), (25, 140), (1, 65)],
-                _ => &[(20, 20), (17, 131), (1, 129), (16, 80)],
+                // (2, 390): 4 key tiles of two warpgroups' 128 (7 of 64), both stages twice.
+                _ => &[(20, 20), (17, 131), (1, 129), (16, 80), (2, 390)],
             };
             check::<T>(&mut rng, d, group, bs, page, seqs, f);
             variant += 1;
@@ -301,11 +302,12 @@ fn mma_smem(d: usize, mt: usize) -> u64 {
 }
 
 /// The same for the wgmma kernel with `wg` warpgroups (head dims up to 128): two stages of K
-/// and V in the core-matrix layout (64 keys of d elements, no padding), Q's 64 wg rows of d + 8
-/// where they do not fit stage 1, the flags, and the row addresses of two tiles (three with the
-/// overlapped schedule).
+/// and V in the swizzled layout (tiles of 64 keys with one warpgroup, 128 with two, d elements
+/// each, no padding), Q's 64 wg rows of d + 8 where they do not fit stage 1, the flags, the row
+/// addresses of two tiles (three with the overlapped schedule), and 1024 bytes of alignment.
 fn wgmma_smem(d: usize, wg: usize, overlap: bool) -> u64 {
-    let stage = 2 * 64 * d;
+    let bc = 64 * wg;
+    let stage = 2 * bc * d;
     let q = if 64 * wg * (d + 8) <= stage {
         0
     } else {
@@ -313,7 +315,7 @@ fn wgmma_smem(d: usize, wg: usize, overlap: bool) -> u64 {
     };
     let krows = if overlap { 3 } else { 2 };
     // + 1024: the stages start at the swizzle pattern's boundary (shared_align1024).
-    (2 * (2 * stage + q) + 2 * 64 * 4 + krows * 64 * 8 + 1024) as u64
+    (2 * (2 * stage + q) + 2 * bc * 4 + krows * bc * 8 + 1024) as u64
 }
 
 /// f16 and bf16 prefill launch the tiling's tensor-core kernel (one launch with its

@@ -486,11 +486,12 @@ int prefill_tiling_run(int32_t tiling, int32_t dtype, int group, int hkv, int he
   const int64_t blocks =
       (int64_t)hkv * (((int64_t)max_query_len * group + rows - 1) / rows) * num_seqs;
   if (wgmma_prefill_available(head_dim)) {
-    // Hopper: two warpgroups sharing each K / V tile, the fastest tiling at every d64 / d128
-    // point of the H100 grid with cached tokens (BENCHMARKS.md: 103-114% of SDPA at d128) and
-    // within 8% of the fastest over none; at d80 / d96, fastest at 512-token chunks, 5-12%
-    // behind at 2048. One block of them per SM: where their blocks cover fewer than half the
-    // SMs, one warpgroup per block doubles the blocks on idle SMs instead.
+    // Hopper: two warpgroups sharing each K / V tile, the fastest tiling at every point of the
+    // H100 grid with cached tokens at d64 / d96 / d128 and within 2% at d80 (BENCHMARKS.md:
+    // 115-134% of SDPA at d128); over no cached tokens within 2% of the fastest at d128, up
+    // to 19% behind at d80 (the 32-row kernel at 2048 + 0). One block of them per SM
+    // (two at d64): where their blocks cover fewer than half the SMs, one warpgroup per block
+    // doubles the blocks on idle SMs instead.
     *run = 2 * blocks >= sm_count ? PKV_PREFILL_TILING_WGMMA128 : PKV_PREFILL_TILING_WGMMA;
     return PKV_OK;
   }

@@ -2,17 +2,17 @@
 // sm_90a) for f16 / bf16 caches at head dims up to 128. Same arguments (PrefillArgs) and
 // semantics as prefill_mma.cuh (pagedkv.h, the CPU oracle src/attn/cpu.rs), 64 rows per
 // warpgroup (warp w rows 16w .. 16w + 15) and one or two warpgroups per thread block (64 or 128
-// rows sharing each K / V tile: Cfg's WG), the same key tiles (64 keys,
-// double-buffered cp.async copies with the K row addresses a tile ahead), same logit transform
+// rows sharing each K / V tile: Cfg's WG), key tiles of 64 or 128 keys (Cfg::BC; double-
+// buffered cp.async copies with the K row addresses a tile ahead), same logit transform
 // and online softmax. What changes is how the products read K and V: wgmma takes B straight from
 // shared memory through a descriptor, so the ldmatrix loads that bound prefill_mma's tensor pipe
 // (ncu: warps waiting on shared-memory loads, tensor pipe 37%) are gone:
-//   S = Q K^T   per k16 step of the head dim, one m64n64k16 (A: the warp's Q fragments in
+//   S = Q K^T   per k16 step of the head dim, one m64nBCk16 (A: the warp's Q fragments in
 //               registers, B: the tile's K rows, K-major)
 //   O += P V    per 16 keys, one m64nDk16 (A: P packed from the S accumulators, B: the tile's V
 //               rows, MN-major)
 // Both read the tile in a swizzled layout of wgmma.cuh (Cfg::SW: 128 bytes at d64 / d128):
-// K [64 keys][D] and V likewise, stored as column blocks of SW / 2 dims, each 64 key rows of SW
+// K [BC keys][D] and V likewise, stored as column blocks of SW / 2 dims, each BC key rows of SW
 // bytes whose 16-byte chunks are XOR-permuted by the row, so the tensor core's reads of 8 rows'
 // same chunk hit 8 bank groups (the no-swizzle core-matrix layout this replaced put them all in
 // one: ncu on an H100, 57% of the shared wavefronts excess, 130-248 TFLOP/s against 300 for the
@@ -65,10 +65,13 @@ template <int D, int WG, bool OVL = false> struct Cfg {
   static_assert(WG == 1 || WG == 2, "one or two warpgroups");
   static constexpr int NT = 128 * WG;             // threads
   static constexpr int ROWS = 64 * WG;            // one m64 tile per warpgroup
-  // Keys per tile (the S wgmma's n): 128 with two warpgroups (the products, barriers, copy
-  // waits and row reductions of a tile serve twice the keys; registers and shared memory
-  // allow it at one block per SM), 64 with one (which keeps 2-3 blocks per SM).
-  static constexpr int BC = WG == 2 ? 128 : 64;
+  // Keys per tile (the S wgmma's n): 128 with two warpgroups above head dim 64 (a tile's
+  // products, barriers, copy waits and row reductions serve twice the keys: H100, bf16, 1.08-
+  // 1.24x faster at every chunk over cached tokens at d80 / d96 / d128, BENCHMARKS.md); 64
+  // with one (which keeps 2-3 blocks per SM) and at d64, where two warpgroups fit 2 blocks
+  // per SM with 64-key tiles (125 registers) but one with 128 (178): 2048-token chunks ran
+  // 0.68-0.86x as fast so.
+  static constexpr int BC = WG == 2 && D > 64 ? 128 : 64;
   static constexpr int CH = D / 8;                // 16-byte chunks per row
   static constexpr int LDQ = D + 8;               // Q staging row stride (ldmatrix)
   static constexpr int KSTEPS = D / 16;           // k16 steps of Q K^T
@@ -86,10 +89,10 @@ template <int D, int WG, bool OVL = false> struct Cfg {
   static_assert(D % ATOM == 0 && (2 * BC * D) % 1024 == 0, "tiles start on the pattern");
   static constexpr int KROWS = OVL ? 3 : 2;       // tiles whose K row addresses are kept
   // Thread blocks per SM the registers must allow. One warpgroup: 3 (<= 168 per thread) up to
-  // head dim 96, where the body takes 129-161 in order and 142-167 overlapped without
-  // spilling; 2 above (d128: 195 / 201; 3 would spill). Two warpgroups: 1 (the same body,
-  // twice the threads).
-  static constexpr int MIN_BLOCKS = WG == 2 ? 1 : D <= 96 ? 3 : 2;
+  // head dim 96 (the body takes 128-165 in order, 146-168 overlapped; d96 overlapped spills
+  // 12 bytes); 2 above (d128: 197 / 213; 3 would spill). Two warpgroups: 2 at d64 (64-key
+  // tiles, 125 / 128 registers: see BC), else 1 (128-key tiles, d128: 243 / 255).
+  static constexpr int MIN_BLOCKS = WG == 2 ? (D <= 64 ? 2 : 1) : D <= 96 ? 3 : 2;
   // Q is staged in stage 1 (before tile 1 is copied there) where it fits, else after the
   // stages.
   static constexpr int Q_ELEMS = ROWS * LDQ <= STAGE ? 0 : ROWS * LDQ;

@@ -302,11 +302,11 @@ fn mma_smem(d: usize, mt: usize) -> u64 {
 }
 
 /// The same for the wgmma kernel with `wg` warpgroups (head dims up to 128): two stages of K
-/// and V in the swizzled layout (tiles of 64 keys with one warpgroup, 128 with two, d elements
+/// and V in the swizzled layout (tiles of 64 keys with one warpgroup or at d64, else 128, d elements
 /// each, no padding), Q's 64 wg rows of d + 8 where they do not fit stage 1, the flags, the row
 /// addresses of two tiles (three with the overlapped schedule), and 1024 bytes of alignment.
 fn wgmma_smem(d: usize, wg: usize, overlap: bool) -> u64 {
-    let bc = 64 * wg;
+    let bc = if wg == 2 && d > 64 { 128 } else { 64 };
     let stage = 2 * bc * d;
     let q = if 64 * wg * (d + 8) <= stage {
         0

@@ -380,9 +380,9 @@ int pkv_paged_attention_prefill_tiled(void *out, int64_t out_token_stride, const
  * Auto counts the 128-row thread blocks a launch has, num_kv_heads x ceil(max_query_len x
  * group / 128) x num_seqs. Where the wgmma kernel runs (f16 / bf16, head dim up to 128,
  * compute capability 9.0): WGMMA128 where they are at least half of sm_count (one such block
- * per SM), else WGMMA (H100, bf16 d128: WGMMA128 115-134% of dense SDPA's speed at every chunk
- * over cached tokens, 1.2-1.8x faster than WARP32; over none, within 2% of the fastest). Elsewhere:
- * WARP32 where they are at least sm_count x 2 (the blocks per SM its registers allow up to
+ * per SM, two at d64), else WGMMA (H100, bf16 d128: WGMMA128 115-134% of dense SDPA's speed
+ * at every chunk over cached tokens, 1.2-1.8x faster than WARP32; over none within 2% of the
+ * fastest tiling). Elsewhere: WARP32 where they are at least sm_count x 2 (the blocks per SM its registers allow up to
  * head dim 128), else WARP16 (with fewer blocks than slots, 128 rows per block leave SMs idle
  * that 64 would use; H100: chunks of 2048 run 1.29-1.33x faster at WARP32, chunks of 512
  * 1.10-1.43x slower). BENCHMARKS.md has the grid.

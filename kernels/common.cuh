@@ -143,6 +143,17 @@ __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / 
 
 inline int status_of(cudaError_t e) { return e == cudaSuccess ? PKV_OK : (int)e; }
 
+// The SM count of the device current on this thread (at least 1) into *sms, or the runtime's
+// error as a status (the launchers that size grids or choose kernels by it).
+inline int current_sm_count(int *sms) {
+  int dev = 0, n = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess) return status_of(e);
+  *sms = n > 0 ? n : 1;
+  return PKV_OK;
+}
+
 // ---- programmatic dependent launch (PKV_LAUNCH_PROGRAMMATIC, pagedkv.h) ----------------------
 
 // First statement of every kernel: waits until the kernel before it on the stream has

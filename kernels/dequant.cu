@@ -289,13 +289,12 @@ int block_elems(int ty) {
 
 template <int OUT>
 int launch_out(const uint8_t *src, uint16_t *dst, int ty, int64_t n, cudaStream_t stream) {
-  int dev = 0, sms = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  if (e != cudaSuccess) return status_of(e);
+  int sms = 1;
+  const int st = current_sm_count(&sms);
+  if (st != PKV_OK) return st;
   const int64_t tiles = (n + DQ_TILE - 1) / DQ_TILE;
   const int64_t want = (tiles + DQ_THREADS / 32 - 1) / (DQ_THREADS / 32);
-  const int64_t cap = (int64_t)(sms > 0 ? sms : 1) * DQ_BLOCKS_PER_SM;
+  const int64_t cap = (int64_t)sms * DQ_BLOCKS_PER_SM;
   const dim3 grid((unsigned)(want < cap ? want : cap));
   switch (ty) {
     case T_F32: dequant_kernel<T_F32, OUT><<<grid, DQ_THREADS, 0, stream>>>(src, dst, n); break;

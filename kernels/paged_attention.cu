@@ -153,11 +153,8 @@ int decode_plan(int32_t mode, int32_t dtype, int32_t num_seqs, int32_t num_heads
     }
     case PKV_DECODE_AUTO: {
       if (sm_count <= 0) {
-        int dev = 0;
-        cudaError_t e = cudaGetDevice(&dev);
-        if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev);
-        if (e != cudaSuccess) return status_of(e);
-        if (sm_count <= 0) sm_count = 1;
+        const int st = current_sm_count(&sm_count);
+        if (st != PKV_OK) return st;
       }
       // Thread blocks of one split; enough splits to give every SM PKV_DECODE_CTAS_PER_SM of
       // them (PKV_DECODE_CTAS_PER_SM_MHA for one head per KV head), no partition (at
@@ -476,11 +473,8 @@ int prefill_tiling_run(int32_t tiling, int32_t dtype, int group, int hkv, int he
   }
   // Auto. The device is asked for its SM count (both rules need it).
   if (sm_count <= 0) {
-    int dev = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev);
-    if (e != cudaSuccess) return status_of(e);
-    if (sm_count <= 0) sm_count = 1;
+    const int st = current_sm_count(&sm_count);
+    if (st != PKV_OK) return st;
   }
   const int64_t rows = pfmma::Cfg<64, 2>::ROWS;  // 128: WARP32's and WGMMA128's blocks
   const int64_t blocks =

@@ -416,14 +416,7 @@ fn auto_tiling_follows_the_measured_rules() {
         Some(PrefillTiling::WarpRows32),
     );
     let (wg1, wg2) = (Some(PrefillTiling::Wgmma), Some(PrefillTiling::Wgmma128));
-    let asked = [
-        PrefillTiling::WarpRows16,
-        PrefillTiling::WarpRows32,
-        PrefillTiling::Wgmma,
-        PrefillTiling::Wgmma128,
-        PrefillTiling::WgmmaOverlap,
-        PrefillTiling::Wgmma128Overlap,
-    ];
+    let asked = PrefillTiling::EXPLICIT;
     let d256 = cfg(8, 256, KvDtype::Bf16);
 
     // Compute capability 8.0: mma.sync only.

@@ -118,14 +118,7 @@ fn check_prefill<T: Elem>(
     let tilings: &[PrefillTiling] = if T::DTYPE == KvDtype::F32 {
         &[PrefillTiling::Auto]
     } else {
-        &[
-            PrefillTiling::WarpRows16,
-            PrefillTiling::WarpRows32,
-            PrefillTiling::Wgmma,
-            PrefillTiling::Wgmma128,
-            PrefillTiling::WgmmaOverlap,
-            PrefillTiling::Wgmma128Overlap,
-        ]
+        &PrefillTiling::EXPLICIT
     };
     for &tiling in tilings {
         dparams.prefill_tiling = tiling;
@@ -527,14 +520,7 @@ fn invalid_ids_prefill<T: Elem>(g: &Gpu, rng: &mut SmallRng, group: usize) {
         g.upload(&with_invalid.ctx).expect("ctx"),
         g.upload(&qsl).expect("qsl"),
     );
-    for tiling in [
-        PrefillTiling::WarpRows16,
-        PrefillTiling::WarpRows32,
-        PrefillTiling::Wgmma,
-        PrefillTiling::Wgmma128,
-        PrefillTiling::WgmmaOverlap,
-        PrefillTiling::Wgmma128Overlap,
-    ] {
+    for tiling in PrefillTiling::EXPLICIT {
         let out = g
             .upload(&vec![T::from_f32(f32::NAN); query.len()])
             .expect("out");

@@ -38,6 +38,17 @@ pub enum PrefillTiling {
 }
 
 impl PrefillTiling {
+    /// Every tiling but [`PrefillTiling::Auto`]: what a launch can run (and a test or a bench
+    /// can compare).
+    pub const EXPLICIT: [PrefillTiling; 6] = [
+        PrefillTiling::WarpRows16,
+        PrefillTiling::WarpRows32,
+        PrefillTiling::Wgmma,
+        PrefillTiling::Wgmma128,
+        PrefillTiling::WgmmaOverlap,
+        PrefillTiling::Wgmma128Overlap,
+    ];
+
     /// The tiling a prefill launch over a cache of `config` with `num_heads` query heads,
     /// `num_seqs` sequences and `max_query_len` runs when `self` is asked
     /// (`pkv_prefill_tiling_choice`): never [`PrefillTiling::Auto`], and `None` for an f32
@@ -85,16 +96,7 @@ impl PrefillTiling {
 
     /// The tiling of a `PKV_PREFILL_TILING_*` value (`None`: Auto, or not one of them).
     fn from_abi(v: i32) -> Option<PrefillTiling> {
-        [
-            PrefillTiling::WarpRows16,
-            PrefillTiling::WarpRows32,
-            PrefillTiling::Wgmma,
-            PrefillTiling::Wgmma128,
-            PrefillTiling::WgmmaOverlap,
-            PrefillTiling::Wgmma128Overlap,
-        ]
-        .into_iter()
-        .find(|t| t.abi() == v)
+        Self::EXPLICIT.into_iter().find(|t| t.abi() == v)
     }
 
     pub(super) fn abi(self) -> i32 {

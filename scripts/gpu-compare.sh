@@ -19,16 +19,9 @@ OUT=/tmp/pagedkv-compare; rm -rf "$OUT"
 DEADLINE_S=${DEADLINE_S:-420}
 source "$(dirname "${BASH_SOURCE[0]}")/gpu-stage.sh"
 device_setup
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/machine.txt" 2>&1
-note "machine: $(tail -1 "$OUT/machine.txt")"
+note_machine
 
-# The wgmma descriptor probe alone first (its counts print even if a later kernel faults and
-# a sticky error takes the rest of the test process with it), then every kernel test; on a
-# failure once more one test at a time, so the first failing test is the one that says why.
-stage test-wgmma-probe 30 "$bin/test-cuda_kernels" wgmma_layouts_match_the_hardware --nocapture
-stage test-cuda_kernels 90 "$bin/test-cuda_kernels"
-grep -q "^test result: ok" "$OUT/test-cuda_kernels.log" ||
-  stage test-cuda_kernels-serial 120 "$bin/test-cuda_kernels" --test-threads 1
+kernel_tests  # the probe first, then every kernel test (gpu-stage.sh)
 # The warp tilings beside SDPA and the decode grid; the wgmma tilings in their own process (a
 # fault there cannot cost the others' rows; compare with the SDPA column above).
 stage bench-gpu 200 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill-tiling 16,32

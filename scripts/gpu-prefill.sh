@@ -14,13 +14,9 @@ OUT=/tmp/pagedkv-prefill; rm -rf "$OUT"
 DEADLINE_S=${DEADLINE_S:-240}
 source "$(dirname "${BASH_SOURCE[0]}")/gpu-stage.sh"
 device_setup
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/machine.txt" 2>&1
-note "machine: $(tail -1 "$OUT/machine.txt")"
+note_machine
 
-stage test-wgmma-probe 30 "$bin/test-cuda_kernels" wgmma_layouts_match_the_hardware --nocapture
-stage test-cuda_kernels 90 "$bin/test-cuda_kernels"
-grep -q "^test result: ok" "$OUT/test-cuda_kernels.log" ||
-  stage test-cuda_kernels-serial 120 "$bin/test-cuda_kernels" --test-threads 1
+kernel_tests
 # Head dims (DIMS, default 128) and tilings (TILINGS) of the grid; SANITIZE=0 skips the
 # sanitizers (memcheck: only memcheck), NCU=0 the profiles.
 for d in ${DIMS:-128}; do

@@ -13,8 +13,7 @@ OUT=/tmp/pagedkv-split-sweep; rm -rf "$OUT"
 DEADLINE_S=${DEADLINE_S:-420}
 source "$(dirname "${BASH_SOURCE[0]}")/gpu-stage.sh"
 device_setup
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/machine.txt" 2>&1
-note "machine: $(tail -1 "$OUT/machine.txt")"
+note_machine
 
 if [ -z "${SKIP_TESTS:-}" ]; then  # SKIP_TESTS=1: after scripts/gpu-session.sh in one call
   for t in "$bin"/test-*; do stage "$(basename "$t")" 120 "$t"; done

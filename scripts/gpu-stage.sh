@@ -1,5 +1,6 @@
 # Sourced by the scripts/gpu-*.sh device scripts: a deadline, a logged and capped stage runner,
-# log packing, and the device setup the bundle needs (device_setup).
+# log packing, the device setup the bundle needs (device_setup), the machine note (note_machine)
+# and the kernel tests every kernel call starts with (kernel_tests).
 # Expects OUT (a folder) and DEADLINE_S (seconds from sourcing, default 500); with PACK_TO (a
 # path under the call's own $OUT) every stage re-packs the logs there, so a call cut short by
 # its time limit still returns what finished.
@@ -31,4 +32,18 @@ device_setup() {
   export PAGEDKV_REQUIRE_GPU=1 RUST_BACKTRACE=1
   local m; m=$(cat .gpu/manifest_dir)
   [ -e "$m" ] || { mkdir -p "$(dirname "$m")"; ln -sfn "$PWD" "$m"; }
+}
+# The GPU's name, driver and memory into $OUT/machine.txt and the timeline.
+note_machine() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/machine.txt" 2>&1
+  note "machine: $(tail -1 "$OUT/machine.txt")"
+}
+# The wgmma descriptor probe alone first (its counts print even if a later kernel faults and
+# a sticky error takes the rest of the test process with it), then every kernel test; on a
+# failure once more one test at a time, so the first failing test is the one that says why.
+kernel_tests() {
+  stage test-wgmma-probe 30 "$bin/test-cuda_kernels" wgmma_layouts_match_the_hardware --nocapture
+  stage test-cuda_kernels 90 "$bin/test-cuda_kernels"
+  grep -q "^test result: ok" "$OUT/test-cuda_kernels.log" ||
+    stage test-cuda_kernels-serial 120 "$bin/test-cuda_kernels" --test-threads 1
 }

@@ -15,8 +15,7 @@ OUT=/tmp/pagedkv-tune; rm -rf "$OUT"
 DEADLINE_S=${DEADLINE_S:-240}
 source "$(dirname "${BASH_SOURCE[0]}")/gpu-stage.sh"
 device_setup
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/machine.txt" 2>&1
-note "machine: $(tail -1 "$OUT/machine.txt")"
+note_machine
 
 only='--no-cache-ops --peer none --no-check'
 stage bench-auto 150 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill-tiling auto

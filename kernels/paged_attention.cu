@@ -476,9 +476,13 @@ int prefill_tiling_run(int32_t tiling, int32_t dtype, int group, int hkv, int he
     const int st = current_sm_count(&sm_count);
     if (st != PKV_OK) return st;
   }
-  const int64_t rows = pfmma::Cfg<64, 2>::ROWS;  // 128: WARP32's and WGMMA128's blocks
-  const int64_t blocks =
-      (int64_t)hkv * (((int64_t)max_query_len * group + rows - 1) / rows) * num_seqs;
+  // Blocks of 128 rows (WARP32's and WGMMA128's), saturating: any count past the slots
+  // decides the same way. (max_query_len x group < 2^62 cannot overflow.)
+  const int64_t rows = pfmma::Cfg<64, 2>::ROWS;
+  int64_t blocks = 0;
+  if (!mul_i64((int64_t)hkv, ((int64_t)max_query_len * group + rows - 1) / rows, &blocks) ||
+      !mul_i64(blocks, (int64_t)num_seqs, &blocks))
+    blocks = INT64_MAX;
   if (wgmma_prefill_available(head_dim)) {
     // Hopper: two warpgroups sharing each K / V tile, the fastest tiling at every point of the
     // H100 grid with cached tokens at d64 / d96 / d128 and within 2% at d80 (BENCHMARKS.md:
@@ -486,7 +490,7 @@ int prefill_tiling_run(int32_t tiling, int32_t dtype, int group, int hkv, int he
     // to 19% behind at d80 (the 32-row kernel at 2048 + 0). One block of them per SM
     // (two at d64): where their blocks cover fewer than half the SMs, one warpgroup per block
     // doubles the blocks on idle SMs instead.
-    *run = 2 * blocks >= sm_count ? PKV_PREFILL_TILING_WGMMA128 : PKV_PREFILL_TILING_WGMMA;
+    *run = blocks >= (sm_count + 1) / 2 ? PKV_PREFILL_TILING_WGMMA128 : PKV_PREFILL_TILING_WGMMA;
     return PKV_OK;
   }
   // mma.sync: 128 rows per block once their blocks cover every resident slot; before that, 64

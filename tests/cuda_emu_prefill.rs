@@ -470,6 +470,27 @@ fn auto_tiling_follows_the_measured_rules() {
     assert_eq!(pick(&cfg(8, 128, KvDtype::F32), 32, 8, 4096, 1), None);
     // Nothing to run is still an answer (the launcher returns before choosing).
     assert_eq!(pick(&gqa, 32, 0, 512, 132), wg1);
+    // The C entry with every size at its largest: the block count saturates (no overflow),
+    // past every slot.
+    let mut chosen = -1i32;
+    // SAFETY: `chosen` is a valid local the call writes; the rest are integers (host only).
+    let s = unsafe {
+        ffi::pkv_prefill_tiling_choice(
+            &mut chosen,
+            ffi::PKV_PREFILL_TILING_AUTO as i32,
+            ffi::PKV_DTYPE_BF16 as i32,
+            i32::MAX,
+            i32::MAX,
+            128,
+            i32::MAX,
+            i32::MAX,
+            i32::MAX,
+        )
+    };
+    assert_eq!(
+        (s, chosen),
+        (ffi::PKV_OK as i32, ffi::PKV_PREFILL_TILING_WGMMA128 as i32)
+    );
     // Refusals: heads not a multiple of the KV heads; a size past the ABI.
     assert!(matches!(
         auto.resolve(&gqa, 30, 1, 16, 132),

@@ -440,11 +440,20 @@ int launch_prefill_mma_rows(const PrefillArgs &a, int hkv, int row_tiles, int nu
   return launch_prefill_mma<T, D, 1>(a, hkv, row_tiles, num_seqs, s);
 }
 
+// Warpgroups per block of a wgmma tiling (1 or 2; 0: not a wgmma tiling), and whether a
+// tiling is an overlapped wgmma schedule.
+int wgmma_warpgroups(int32_t t) {
+  return t == PKV_PREFILL_TILING_WGMMA || t == PKV_PREFILL_TILING_WGMMA_OVERLAP     ? 1
+         : t == PKV_PREFILL_TILING_WGMMA128 || t == PKV_PREFILL_TILING_WGMMA128_OVERLAP ? 2
+                                                                                       : 0;
+}
+bool wgmma_overlapped(int32_t t) {
+  return t == PKV_PREFILL_TILING_WGMMA_OVERLAP || t == PKV_PREFILL_TILING_WGMMA128_OVERLAP;
+}
+
 bool known_prefill_tiling(int32_t t) {
   return t == PKV_PREFILL_TILING_AUTO || t == PKV_PREFILL_TILING_WARP16 ||
-         t == PKV_PREFILL_TILING_WARP32 || t == PKV_PREFILL_TILING_WGMMA ||
-         t == PKV_PREFILL_TILING_WGMMA128 || t == PKV_PREFILL_TILING_WGMMA_OVERLAP ||
-         t == PKV_PREFILL_TILING_WGMMA128_OVERLAP;
+         t == PKV_PREFILL_TILING_WARP32 || wgmma_warpgroups(t) > 0;
 }
 
 // The tiling a launch runs (pkv_prefill_tiling_choice's contract; arguments already checked:
@@ -456,10 +465,7 @@ int prefill_tiling_run(int32_t tiling, int32_t dtype, int group, int hkv, int he
     *run = PKV_PREFILL_TILING_AUTO;  // the f32 kernel has no tilings
     return PKV_OK;
   }
-  const bool wgmma = tiling == PKV_PREFILL_TILING_WGMMA || tiling == PKV_PREFILL_TILING_WGMMA128 ||
-                     tiling == PKV_PREFILL_TILING_WGMMA_OVERLAP ||
-                     tiling == PKV_PREFILL_TILING_WGMMA128_OVERLAP;
-  if (wgmma) {
+  if (wgmma_warpgroups(tiling) > 0) {
     *run = wgmma_prefill_available(head_dim) ? tiling : PKV_PREFILL_TILING_WARP16;
     return PKV_OK;
   }
@@ -572,11 +578,8 @@ extern "C" int pkv_paged_attention_prefill_tiled(
   const int rst = prefill_tiling_run(tiling, geom->dtype, group, geom->num_kv_heads,
                                      geom->head_dim, num_seqs, max_query_len, 0, &run);
   if (rst != PKV_OK) return rst;
-  const bool ovl = run == PKV_PREFILL_TILING_WGMMA_OVERLAP ||
-                   run == PKV_PREFILL_TILING_WGMMA128_OVERLAP;
-  const bool two_wg = run == PKV_PREFILL_TILING_WGMMA128 ||
-                      run == PKV_PREFILL_TILING_WGMMA128_OVERLAP;
-  const int wg = ovl || two_wg || run == PKV_PREFILL_TILING_WGMMA ? (two_wg ? 2 : 1) : 0;
+  const bool ovl = wgmma_overlapped(run);
+  const int wg = wgmma_warpgroups(run);
   const int mt = run == PKV_PREFILL_TILING_WARP32 ? 2 : 1;
   static_assert(pfmma::Cfg<64, 1>::ROWS == 64 && pfmma::Cfg<64, 2>::ROWS == 128,
                 "64 rows per m-tile of 4 warps");

@@ -24,7 +24,7 @@
 //   A warp skips the tiles none of its rows can see (past its last row under the causal mask,
 //   before its first row's window): the diagonal tiles cost only the warps that need them.
 //   The block setup, Q staging, logit transform, online softmax and epilogue are functions
-//   (PrefillBlock, stage_q, mask_tile, softmax_tile, rescale_tile, store_tile) that the wgmma
+//   (PrefillBlock, stage_q, tile_kind, causal_tile, mask_tile, softmax_tile, rescale_tile, store_tile) that the wgmma
 //   kernel (prefill_wgmma.cuh) shares.
 //
 // Shared memory (T elements, rows padded by 8 elements = 16 bytes so that the 8 row addresses
@@ -230,8 +230,8 @@ struct PrefillBlock {
   }
 };
 
-// No soft-cap, no ALiBi and a positive finite scale: interior tiles keep the raw dot products
-// and fold the scale into the exponent (softmax_tile's mul).
+// No soft-cap, no ALiBi and a positive finite scale: tile_kind's scale-only and causal tiles
+// keep the raw dot products and fold the scale into the exponent (softmax_tile's mul).
 __device__ __forceinline__ bool plain_logits(const PrefillArgs &a) {
   return !(a.softcap > 0.f) && a.alibi_slopes == nullptr && a.scale > 0.f && a.scale < INFINITY;
 }
@@ -347,19 +347,42 @@ __device__ __forceinline__ void pack_p(const float (&x)[NT][4], uint32_t (&p)[NT
   }
 }
 
-// Whether key tile kt .. kt + BC - 1 is interior to a warp whose rows sit at positions w_first
-// .. w_last: every key valid, before every row and inside every row's window, so that with
-// plain logits the scale alone transforms it (mask_tile is not needed). Warp-uniform.
+// How a warp turns key tile kt .. kt + BC - 1's S accumulators into logits in log2 units
+// (warp-uniform), for a warp whose rows sit at positions w_first .. w_last:
+//   TILE_SCALE    every key valid, before every row and inside every row's window, plain
+//                 logits: the scale alone, which the exponent applies (one FFMA per logit)
+//   TILE_CAUSAL   the same but some key past some row (the diagonal tiles): the scale, and
+//                 -inf where the key is past the row (causal_tile: a compare and a select per
+//                 logit; a padding row, position -1, sees none)
+//   TILE_GENERAL  anything else: mask_tile, the oracle's transform in full (a flag load,
+//                 position arithmetic, three compares and two products per logit)
+enum TileKind : int { TILE_SCALE, TILE_CAUSAL, TILE_GENERAL };
 template <int BC>
-__device__ __forceinline__ bool interior_tile(const PrefillArgs &a, bool plain, int kt,
+__device__ __forceinline__ TileKind tile_kind(const PrefillArgs &a, bool plain, int kt,
                                               int w_first, int w_last, const int *kv_ok) {
   static_assert(BC % 32 == 0, "whole warps of keys");
   const int lane = threadIdx.x % 32;
   bool valid = true;
 #pragma unroll
   for (int i = lane; i < BC; i += 32) valid = valid && kv_ok[i] != 0;
-  return plain && kt + BC - 1 <= w_first && (a.window <= 0 || w_last - kt < a.window) &&
-         __all_sync(0xffffffffu, valid);
+  if (!(plain && (a.window <= 0 || w_last - kt < a.window) && __all_sync(0xffffffffu, valid)))
+    return TILE_GENERAL;
+  return kt + BC - 1 <= w_first ? TILE_SCALE : TILE_CAUSAL;
+}
+
+// The causal mask alone (tile_kind's TILE_CAUSAL) of one m16 tile's S accumulators (NT n8
+// tiles of keys kt ..): rows g (h = 0) and g + 8 (h = 1) at positions qpos[h]. Key
+// kt + 8t + 2qd + (e % 2) is past row h when 8t + (e % 2) > qpos[h] - kt - 2qd: a constant
+// against one bound per row.
+template <int NT>
+__device__ __forceinline__ void causal_tile(float (&s)[NT][4], int kt, int qd,
+                                            const int (&qpos)[2]) {
+  const int bound[2] = {qpos[0] - kt - 2 * qd, qpos[1] - kt - 2 * qd};
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (t * 8 + (e % 2) > bound[e / 2]) s[t][e] = -INFINITY;
 }
 
 // The A fragment of P V's k16 step kk (keys 16kk .. 16kk + 15): the packed P of S tiles 2kk and
@@ -552,17 +575,15 @@ __global__ void __launch_bounds__(THREADS, Cfg<D, MT>::MIN_BLOCKS)
       }
     }
 
-    // ---- the logit transform and mask, in log2 units ----
-    // An interior tile (every key valid, before every row of the warp and inside every row's
-    // window) with no soft-cap and no ALiBi needs only the scale, which the exponent applies
-    // (mul): one FFMA per logit instead of the general path's per-element flag load, position
-    // arithmetic, compares and two products. Padding rows (past nrows) are never stored, so
-    // they need no mask here.
-    const bool interior = interior_tile<C::BC>(a, plain, kt, w_first, w_last, kv_ok);
-    float mul = 1.f;  // s * mul is the logit in log2 units
-    if (interior) {
-      mul = scale_log2;
-    } else {
+    // ---- the logit transform and mask, in log2 units (tile_kind) ----
+    // Padding rows (past nrows) are never stored, so they need no mask on the scale-only path.
+    const TileKind kind = tile_kind<C::BC>(a, plain, kt, w_first, w_last, kv_ok);
+    float mul = scale_log2;  // s * mul is the logit in log2 units
+    if (kind == TILE_CAUSAL) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) causal_tile(s[mt], kt, qd, qpos[mt]);
+    } else if (kind == TILE_GENERAL) {
+      mul = 1.f;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) mask_tile(a, s[mt], kv_ok, kt, qd, qpos[mt], slope[mt]);
     }

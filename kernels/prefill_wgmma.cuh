@@ -46,7 +46,7 @@ using pfmma::cp_async16;
 using pfmma::cp_async_commit;
 using pfmma::cp_async_wait;
 using pfmma::LOG2E;
-using pfmma::interior_tile;
+using pfmma::causal_tile;
 using pfmma::mask_tile;
 using pfmma::p_fragment;
 using pfmma::plain_logits;
@@ -57,6 +57,10 @@ using pfmma::softmax_tile;
 using pfmma::softmax_tile_f32;
 using pfmma::stage_q;
 using pfmma::store_tile;
+using pfmma::tile_kind;
+using pfmma::TileKind;
+using pfmma::TILE_CAUSAL;
+using pfmma::TILE_SCALE;
 
 // WG warpgroups per thread block (1 or 2), each its own 64 rows, all sharing the K / V tiles:
 // at 2, every tile copied from L2 serves 128 rows instead of 64. OVL: the overlapped schedule.
@@ -226,8 +230,8 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
   float slope[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) b.row(a, warp * 16 + g + 8 * h, qpos[h], slope[h]);
-  // This warp's rows as positions, for the interior test (a warp of padding rows has none:
-  // w_first -1, so no tile is interior to it and the mask covers it).
+  // This warp's rows as positions, for tile_kind (a warp of padding rows has none: w_first
+  // -1, so no tile is scale-only for it and the causal or general mask covers it).
   const int wrows = min(16, b.nrows - warp * 16);
   const int w_first = wrows > 0 ? b.pos(a, warp * 16) : -1;
   const int w_last = b.pos(a, warp * 16 + max(wrows, 1) - 1);
@@ -289,11 +293,16 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
     if (j + 2 < b.ntiles) rows_of(j + 2);
   };
   // The logit transform and mask of tile j's S (prefill_mma's): the exponent's multiplier
-  // for the online softmax (the scale itself on interior tiles, which skip the mask).
+  // for the online softmax (the scale itself where tile_kind leaves the raw products).
   auto tile_logits = [&](int j, float(&s)[C::NT_S][4]) {
     const int *kv_ok = kvalid + (j & 1) * C::BC;
     const int kt = b.kbegin + j * C::BC;
-    if (interior_tile<C::BC>(a, plain, kt, w_first, w_last, kv_ok)) return scale_log2;
+    const TileKind kind = tile_kind<C::BC>(a, plain, kt, w_first, w_last, kv_ok);
+    if (kind == TILE_SCALE) return scale_log2;
+    if (kind == TILE_CAUSAL) {
+      causal_tile(s, kt, qd, qpos);
+      return scale_log2;
+    }
     mask_tile(a, s, kv_ok, kt, qd, qpos, slope);
     return 1.f;
   };

@@ -25,6 +25,7 @@ pub const HEADERS: &[&str] = &[
     "kernels/prefill_mma.cuh",
     "kernels/wgmma.cuh",
     "kernels/prefill_wgmma.cuh",
+    "kernels/prefill_wgmma_persist.cuh",
 ];
 
 /// Stops the build with a message.

@@ -381,7 +381,7 @@ namespace pkv {
 #ifdef PKV_HAVE_WGMMA
 // kernels/prefill_wgmma.cu (the sm_90a unit).
 int launch_prefill_wgmma(const PrefillArgs &a, int dtype, int head_dim, int wg, bool ovl,
-                         int hkv, int row_tiles, int num_seqs, cudaStream_t s);
+                         bool persist, int hkv, int row_tiles, int num_seqs, cudaStream_t s);
 #endif
 namespace {
 // Whether PKV_PREFILL_TILING_WGMMA runs the wgmma kernel: the build has it (a target of sm_90
@@ -441,15 +441,18 @@ int launch_prefill_mma_rows(const PrefillArgs &a, int hkv, int row_tiles, int nu
 }
 
 // Warpgroups per block of a wgmma tiling (1 or 2; 0: not a wgmma tiling), and whether a
-// tiling is an overlapped wgmma schedule.
+// tiling is an overlapped wgmma schedule, or the persistent grid.
 int wgmma_warpgroups(int32_t t) {
-  return t == PKV_PREFILL_TILING_WGMMA || t == PKV_PREFILL_TILING_WGMMA_OVERLAP     ? 1
-         : t == PKV_PREFILL_TILING_WGMMA128 || t == PKV_PREFILL_TILING_WGMMA128_OVERLAP ? 2
-                                                                                       : 0;
+  return t == PKV_PREFILL_TILING_WGMMA || t == PKV_PREFILL_TILING_WGMMA_OVERLAP ? 1
+         : t == PKV_PREFILL_TILING_WGMMA128 || t == PKV_PREFILL_TILING_WGMMA128_OVERLAP ||
+                 t == PKV_PREFILL_TILING_WGMMA128_PERSISTENT
+             ? 2
+             : 0;
 }
 bool wgmma_overlapped(int32_t t) {
   return t == PKV_PREFILL_TILING_WGMMA_OVERLAP || t == PKV_PREFILL_TILING_WGMMA128_OVERLAP;
 }
+bool wgmma_persistent(int32_t t) { return t == PKV_PREFILL_TILING_WGMMA128_PERSISTENT; }
 
 bool known_prefill_tiling(int32_t t) {
   return t == PKV_PREFILL_TILING_AUTO || t == PKV_PREFILL_TILING_WARP16 ||
@@ -466,7 +469,11 @@ int prefill_tiling_run(int32_t tiling, int32_t dtype, int group, int hkv, int he
     return PKV_OK;
   }
   if (wgmma_warpgroups(tiling) > 0) {
-    *run = wgmma_prefill_available(head_dim) ? tiling : PKV_PREFILL_TILING_WARP16;
+    // The persistent grid has no d64 instance (prefill_wgmma.cu): the plain one runs there.
+    const int32_t t = wgmma_persistent(tiling) && head_dim <= 64
+                          ? PKV_PREFILL_TILING_WGMMA128
+                          : tiling;
+    *run = wgmma_prefill_available(head_dim) ? t : PKV_PREFILL_TILING_WARP16;
     return PKV_OK;
   }
   if (head_dim > 128 || tiling == PKV_PREFILL_TILING_WARP16) {
@@ -578,7 +585,7 @@ extern "C" int pkv_paged_attention_prefill_tiled(
   const int rst = prefill_tiling_run(tiling, geom->dtype, group, geom->num_kv_heads,
                                      geom->head_dim, num_seqs, max_query_len, 0, &run);
   if (rst != PKV_OK) return rst;
-  const bool ovl = wgmma_overlapped(run);
+  const bool ovl = wgmma_overlapped(run), persist = wgmma_persistent(run);
   const int wg = wgmma_warpgroups(run);
   const int mt = run == PKV_PREFILL_TILING_WARP32 ? 2 : 1;
   static_assert(pfmma::Cfg<64, 1>::ROWS == 64 && pfmma::Cfg<64, 2>::ROWS == 128,
@@ -614,8 +621,8 @@ extern "C" int pkv_paged_attention_prefill_tiled(
   const int hkv = geom->num_kv_heads, tiles = (int)row_tiles;
 #ifdef PKV_HAVE_WGMMA
   if (wg > 0)
-    return launch_prefill_wgmma(a, geom->dtype, geom->head_dim, wg, ovl, hkv, tiles, num_seqs,
-                                s);
+    return launch_prefill_wgmma(a, geom->dtype, geom->head_dim, wg, ovl, persist, hkv, tiles,
+                                num_seqs, s);
 #endif
   switch (geom->dtype) {
     case PKV_DTYPE_F32:

@@ -353,6 +353,12 @@ int pkv_paged_attention_prefill(void *out, int64_t out_token_stride, const void 
  *  while the previous tile's P V is on the tensor cores (kernels/prefill_wgmma.cuh). */
 #define PKV_PREFILL_TILING_WGMMA_OVERLAP 65
 #define PKV_PREFILL_TILING_WGMMA128_OVERLAP 129
+/** PKV_PREFILL_TILING_WGMMA128 as a persistent grid (kernels/prefill_wgmma_persist.cuh): one
+ *  thread block per resident slot (the SMs times the blocks per SM), each running its share of
+ *  the 128-row tiles back to back, the next one's Q, first key tile and row addresses copied
+ *  while the current one's last tiles compute. Head dims 80-128; at 64, _WGMMA128 (two of its
+ *  blocks per SM hide each other's prologues; this kernel would spill at their registers). */
+#define PKV_PREFILL_TILING_WGMMA128_PERSISTENT 130
 
 /**
  * pkv_paged_attention_prefill with the f16 / bf16 kernel's tiling chosen: `tiling` is one of
@@ -372,7 +378,8 @@ int pkv_paged_attention_prefill_tiled(void *out, int64_t out_token_stride, const
 /**
  * The tiling a pkv_paged_attention_prefill_tiled launch of this shape runs for `tiling` (one
  * of PKV_PREFILL_TILING_*), written to *chosen: one of PKV_PREFILL_TILING_WARP16, _WARP32,
- * _WGMMA, _WGMMA128, _WGMMA_OVERLAP, _WGMMA128_OVERLAP, or PKV_PREFILL_TILING_AUTO (0) for an
+ * _WGMMA, _WGMMA128, _WGMMA_OVERLAP, _WGMMA128_OVERLAP, _WGMMA128_PERSISTENT, or
+ * PKV_PREFILL_TILING_AUTO (0) for an
  * f32 cache, whose one kernel has no tilings. A tiling the launch cannot run is WARP16 (WARP32
  * above head dim 128; the wgmma ones without an sm_90 build, off a compute capability 9.0
  * device, or above head dim 128).

@@ -199,15 +199,24 @@ struct PrefillBlock {
   __device__ int pos(const PrefillArgs &a, int r) const {
     return ctx - qlen + (rbase + r) / a.group;
   }
-  // false: the block has no rows (it returns before any barrier).
+  // This thread block's rows (kh = blockIdx.x, seq = blockIdx.z, row tile blockIdx.y counted
+  // from the last); false: the block has no rows (it returns before any barrier).
   template <int D>
   __device__ bool init(const PrefillArgs &a, int rows, int bc) {
-    kh = blockIdx.x;
-    seq = blockIdx.z;
+    return init_at<D>(a, blockIdx.x, blockIdx.z,
+                      ((int)gridDim.y - 1 - (int)blockIdx.y) * rows, rows, bc);
+  }
+  // The rows rbase .. rbase + rows - 1 of KV head kh_ of sequence seq_ (a persistent thread
+  // block's work item); false: no such rows.
+  template <int D>
+  __device__ bool init_at(const PrefillArgs &a, int kh_, int seq_, int rbase_, int rows,
+                          int bc) {
+    kh = kh_;
+    seq = seq_;
     q0 = a.query_start_loc[seq];
     qlen = a.query_start_loc[seq + 1] - q0;
     ctx = min(a.context_lens[seq], a.table_tokens);
-    rbase = ((int)gridDim.y - 1 - (int)blockIdx.y) * rows;
+    rbase = rbase_;
     const int rows_total = qlen * a.group;
     if (qlen <= 0 || rbase >= rows_total) return false;
     nrows = min(rows, rows_total - rbase);

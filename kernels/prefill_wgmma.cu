@@ -1,8 +1,9 @@
-// prefill_wgmma.cu: the sm_90a unit: the wgmma prefill kernel (prefill_wgmma.cuh) and its
-// launcher, which paged_attention.cu calls for PKV_PREFILL_TILING_WGMMA on a device of compute
-// capability 9.0. Built only for sm_90a (arch-specific instructions: no PTX for later GPUs), in
-// its own library (build/cuda.rs), and always under cuda-emu.
-#include "prefill_wgmma.cuh"
+// prefill_wgmma.cu: the sm_90a unit: the wgmma prefill kernels (prefill_wgmma.cuh, its
+// persistent grid prefill_wgmma_persist.cuh) and their launcher, which paged_attention.cu
+// calls for the PKV_PREFILL_TILING_WGMMA* tilings on a device of compute capability 9.0. Built
+// only for sm_90a (arch-specific instructions: no PTX for later GPUs), in its own library
+// (build/cuda.rs), and always under cuda-emu.
+#include "prefill_wgmma_persist.cuh"
 
 namespace pkv {
 namespace {
@@ -18,9 +19,38 @@ int launch(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs, cudaStrea
                        a.launch_flags, a);
 }
 
+// The persistent grid (two warpgroups, in order): one block per resident slot, fewer where
+// there are fewer work items. A launch of 2^31 items or more (32-bit item arithmetic in the
+// kernel) runs the plain grid: the same results. Head dims above 64 only (the caller's
+// choice, prefill_tiling_run): at d64 the loop would spill at the 128 registers of two blocks
+// per SM.
 template <typename T, int D>
-int launch_wg(const PrefillArgs &a, int wg, bool ovl, int hkv, int row_tiles, int num_seqs,
-              cudaStream_t s) {
+int launch_persistent(const PrefillArgs &a, int hkv, int row_tiles, int num_seqs,
+                      cudaStream_t s) {
+  static_assert(D > 64, "d64 runs the plain grid");
+  using C = pfwg::Cfg<D, 2, false>;
+  constexpr size_t smem = pfwg::PersistCfg<D, 2>::smem_bytes;
+  const int64_t items = (int64_t)hkv * row_tiles * num_seqs;
+  if (items > INT32_MAX) return launch<T, D, 2, false>(a, hkv, row_tiles, num_seqs, s);
+  int sms = 0;
+  const int st = current_sm_count(&sms);
+  if (st != PKV_OK) return st;
+  const pfwg::PersistGrid w{(int32_t)items, hkv, num_seqs, row_tiles};
+  const int64_t slots = (int64_t)sms * C::MIN_BLOCKS;
+  const int64_t blocks = items < slots ? items : slots;
+  cudaError_t e = cudaFuncSetAttribute(pfwg::prefill_wgmma_persistent_kernel<T, D, 2>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (e != cudaSuccess) return status_of(e);
+  return launch_kernel(pfwg::prefill_wgmma_persistent_kernel<T, D, 2>, dim3((unsigned)blocks),
+                       dim3(C::NT), smem, s, a.launch_flags, a, w);
+}
+
+template <typename T, int D>
+int launch_wg(const PrefillArgs &a, int wg, bool ovl, bool persist, int hkv, int row_tiles,
+              int num_seqs, cudaStream_t s) {
+  if constexpr (D > 64) {
+    if (persist) return launch_persistent<T, D>(a, hkv, row_tiles, num_seqs, s);
+  }
   if (ovl)
     return wg == 2 ? launch<T, D, 2, true>(a, hkv, row_tiles, num_seqs, s)
                    : launch<T, D, 1, true>(a, hkv, row_tiles, num_seqs, s);
@@ -30,19 +60,21 @@ int launch_wg(const PrefillArgs &a, int wg, bool ovl, int hkv, int row_tiles, in
 }  // namespace
 
 // dtype f16 / bf16, head_dim up to 128 (the caller's checks); wg warpgroups per block (1 or
-// 2), row_tiles of 64 wg rows; ovl: the overlapped schedule.
+// 2), row_tiles of 64 wg rows; ovl: the overlapped schedule; persist: the persistent grid
+// (wg 2).
 int launch_prefill_wgmma(const PrefillArgs &a, int dtype, int head_dim, int wg, bool ovl,
-                         int hkv, int row_tiles, int num_seqs, cudaStream_t s) {
+                         bool persist, int hkv, int row_tiles, int num_seqs, cudaStream_t s) {
   if (head_dim > 128) return PKV_ERR_HEAD_DIM;
   if (dtype == PKV_DTYPE_BF16) {
     PKV_DISPATCH_HEAD_DIM(head_dim, {
       if constexpr (D <= 128)
-        return launch_wg<__nv_bfloat16, D>(a, wg, ovl, hkv, row_tiles, num_seqs, s);
+        return launch_wg<__nv_bfloat16, D>(a, wg, ovl, persist, hkv, row_tiles, num_seqs,
+                                                s);
     });
   } else {
     PKV_DISPATCH_HEAD_DIM(head_dim, {
       if constexpr (D <= 128)
-        return launch_wg<__half, D>(a, wg, ovl, hkv, row_tiles, num_seqs, s);
+        return launch_wg<__half, D>(a, wg, ovl, persist, hkv, row_tiles, num_seqs, s);
     });
   }
   return PKV_ERR_HEAD_DIM;

@@ -209,6 +209,45 @@ template <typename C> __device__ __forceinline__ void settle_o(float (&o)[C::NT_
   pin_all(reinterpret_cast<float(&)[C::NT_O * 4]>(o));
 }
 
+// The logit transform and mask of a key tile's S (tiles of keys kt .., flags kv_ok; this
+// warp's rows at w_first .. w_last, this lane's at qpos with ALiBi slopes slope): the
+// exponent's multiplier for the online softmax (the scale itself where tile_kind leaves the
+// raw products).
+template <int BC, int NT>
+__device__ __forceinline__ float tile_logits(const PrefillArgs &a, bool plain, float scale_log2,
+                                             float (&s)[NT][4], const int *kv_ok, int kt,
+                                             int w_first, int w_last, int qd,
+                                             const int (&qpos)[2], const float (&slope)[2]) {
+  const TileKind kind = tile_kind<BC>(a, plain, kt, w_first, w_last, kv_ok);
+  if (kind == TILE_SCALE) return scale_log2;
+  if (kind == TILE_CAUSAL) {
+    causal_tile(s, kt, qd, qpos);
+    return scale_log2;
+  }
+  mask_tile(a, s, kv_ok, kt, qd, qpos, slope);
+  return 1.f;
+}
+
+// One key tile in order (the plain and the persistent kernels): S = Q K^T of the K tile at
+// sk; wait; logits(s) (the multiplier) and the online softmax; O += P V of the V tile at sv;
+// wait.
+template <typename T, typename C, typename Logits>
+__device__ __forceinline__ void inorder_tile(const uint32_t (&qf)[C::KSTEPS][4], const T *sk,
+                                             const T *sv, const T *smem, float (&o)[C::NT_O][4],
+                                             float (&m)[2], float (&l)[2], Logits logits) {
+  float s[C::NT_S][4];
+  issue_s<T, C>(s, qf, sk, smem);
+  wgmma_wait<0>();
+  settle_s<C>(s);
+  const float mul = logits(s);
+  uint32_t p[C::NT_S][2];
+  float alphas[2];
+  if (__any_sync(0xffffffffu, softmax_tile<T>(s, mul, m, l, alphas, p))) rescale_tile(o, alphas);
+  issue_pv<T, C>(o, p, sv, smem);
+  wgmma_wait<0>();
+  settle_o<C>(o);
+}
+
 template <typename T, int D, int WG, bool OVL>
 __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOCKS)
     prefill_wgmma_kernel(const PrefillArgs a) {
@@ -292,40 +331,23 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
     cp_async_commit();
     if (j + 2 < b.ntiles) rows_of(j + 2);
   };
-  // The logit transform and mask of tile j's S (prefill_mma's): the exponent's multiplier
-  // for the online softmax (the scale itself where tile_kind leaves the raw products).
-  auto tile_logits = [&](int j, float(&s)[C::NT_S][4]) {
-    const int *kv_ok = kvalid + (j & 1) * C::BC;
-    const int kt = b.kbegin + j * C::BC;
-    const TileKind kind = tile_kind<C::BC>(a, plain, kt, w_first, w_last, kv_ok);
-    if (kind == TILE_SCALE) return scale_log2;
-    if (kind == TILE_CAUSAL) {
-      causal_tile(s, kt, qd, qpos);
-      return scale_log2;
-    }
-    mask_tile(a, s, kv_ok, kt, qd, qpos, slope);
-    return 1.f;
+  // The logit transform and mask of tile j's S (tile_logits).
+  auto logits_of = [&](int j, float(&s)[C::NT_S][4]) {
+    return tile_logits<C::BC>(a, plain, scale_log2, s, kvalid + (j & 1) * C::BC,
+                              b.kbegin + j * C::BC, w_first, w_last, qd, qpos, slope);
   };
   auto k_of = [&](int j) { return smem + (j & 1) * C::STAGE; };
   auto v_of = [&](int j) { return smem + (j & 1) * C::STAGE + C::BC * D; };
 
-  uint32_t p[C::NT_S][2];
-  float alphas[2];
   if constexpr (!OVL) {
     for (int j = 0; j < b.ntiles; ++j) {
       tile_top(j);
-      float s[C::NT_S][4];
-      issue_s<T, C>(s, qf, k_of(j), smem);
-      wgmma_wait<0>();
-      settle_s<C>(s);
-      const float mul = tile_logits(j, s);
-      if (__any_sync(0xffffffffu, softmax_tile<T>(s, mul, m, l, alphas, p)))
-        rescale_tile(o, alphas);
-      issue_pv<T, C>(o, p, v_of(j), smem);
-      wgmma_wait<0>();
-      settle_o<C>(o);
+      inorder_tile<T, C>(qf, k_of(j), v_of(j), smem, o, m, l,
+                         [&](float(&s)[C::NT_S][4]) { return logits_of(j, s); });
     }
   } else if (b.ntiles > 0) {
+    uint32_t p[C::NT_S][2];
+    float alphas[2];
     // Tile 0 alone (no product to overlap yet; O is zero, nothing to rescale), then each
     // tile's S beside the previous tile's P V.
     tile_top(0);
@@ -334,7 +356,7 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
       issue_s<T, C>(s, qf, k_of(0), smem);
       wgmma_wait<0>();
       settle_s<C>(s);
-      (void)softmax_tile<T>(s, tile_logits(0, s), m, l, alphas, p);
+      (void)softmax_tile<T>(s, logits_of(0, s), m, l, alphas, p);
     }
     for (int j = 1; j < b.ntiles; ++j) {
       tile_top(j);
@@ -348,7 +370,7 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
       // still read the old ones, and ptxas then serializes the pipeline (C7513: ptxas 13.0
       // reported it for every overlapped instance until the packing moved here).
       const bool grew =
-          __any_sync(0xffffffffu, softmax_tile_f32(s, tile_logits(j, s), m, l, alphas));
+          __any_sync(0xffffffffu, softmax_tile_f32(s, logits_of(j, s), m, l, alphas));
       wgmma_wait<0>();  // P V of tile j - 1 is in O: now O may be rescaled and P replaced
       settle_o<C>(o);
       if (grew) rescale_tile(o, alphas);

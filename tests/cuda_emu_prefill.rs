@@ -17,7 +17,7 @@ mod kernel_grid;
 use emu_bufs::*;
 use half::{bf16, f16};
 use kernel_grid::*;
-use pagedkv::cuda_emu::{self, ffi, EmuBuf, EmuElem};
+use pagedkv::cuda_emu::{self, ffi, EmuBuf, EmuElem, Schedule};
 use pagedkv::cuda_raw::PrefillTiling;
 use pagedkv::error::RawError;
 use pagedkv::kv::{AttnParams, KvCacheConfig, KvDtype};
@@ -29,13 +29,14 @@ impl<T: Tol + EmuElem> Elem for T {}
 
 /// The tensor-core kernels' tilings (16 and 32 query rows per warp, wgmma), each run by every
 /// check.
-const TILINGS: [u32; 6] = [
+const TILINGS: [u32; 7] = [
     ffi::PKV_PREFILL_TILING_WARP16,
     ffi::PKV_PREFILL_TILING_WARP32,
     ffi::PKV_PREFILL_TILING_WGMMA,
     ffi::PKV_PREFILL_TILING_WGMMA128,
     ffi::PKV_PREFILL_TILING_WGMMA_OVERLAP,
     ffi::PKV_PREFILL_TILING_WGMMA128_OVERLAP,
+    ffi::PKV_PREFILL_TILING_WGMMA128_PERSISTENT,
 ];
 
 /// Runs the prefill launcher (the tiled entry, with `tiling`) on guarded copies of
@@ -154,6 +155,22 @@ fn check_strided<T: Elem>(
     f: Features,
     strides: Option<(usize, usize)>,
 ) {
+    check_tilings::<T>(rng, d, group, bs, page, seqs_q_ctx, f, strides, &TILINGS);
+}
+
+/// As `check_strided`, for the given tilings.
+#[allow(clippy::too_many_arguments)]
+fn check_tilings<T: Elem>(
+    rng: &mut SmallRng,
+    d: usize,
+    group: usize,
+    bs: usize,
+    page: Page,
+    seqs_q_ctx: &[(usize, usize)],
+    f: Features,
+    strides: Option<(usize, usize)>,
+    tilings: &[u32],
+) {
     let (layers, layer, hkv) = (2, 1, 2);
     let ctx: Vec<usize> = seqs_q_ctx.iter().map(|&(_, c)| c).collect();
     let b = make_batch(rng, layers, hkv, d, bs, T::DTYPE, page, &ctx);
@@ -166,7 +183,7 @@ fn check_strided<T: Elem>(
     let params = attn_params(nh, d, f, &sl);
     let want = cpu_prefill(&b, &host, layer, &query, &qsl, &params);
     let strides = strides.unwrap_or((nh * d, nh * d));
-    for tiling in TILINGS {
+    for &tiling in tilings {
         let (s, got) = launch(
             &b,
             host.as_bytes(),
@@ -291,6 +308,76 @@ fn strided_query_and_out_views() {
     }
 }
 
+/// The persistent grid on few SMs (1, 2 and 3 persistent blocks, odd and even rounds of the
+/// snake order), so that each block streams many work items back to back: items of one tile
+/// and of several, items with no rows (a sequence with no query tokens; the short chunks'
+/// row tiles past their rows when a longer chunk sets the grid), a chunk whose rows straddle
+/// row tiles, windows, soft-cap and ALiBi, every head dim of the kernel (d64 runs the plain
+/// grid) and both dtypes, against the oracle; then the thread schedules reversed and random.
+#[test]
+fn persistent_grid_streams_many_items() {
+    let mut rng = SmallRng::seed_from_u64(36);
+    let persistent = [ffi::PKV_PREFILL_TILING_WGMMA128_PERSISTENT];
+    let seqs: &[(usize, usize)] = &[
+        (20, 20),
+        (0, 40),
+        (70, 330),
+        (1, 129),
+        (33, 33),
+        (2, 390),
+        (16, 80),
+    ];
+    for (i, sms) in [1, 2, 3].into_iter().enumerate() {
+        cuda_emu::set_sm_count(sms);
+        for (v, (d, group)) in [(128, 4), (80, 1), (96, 3), (112, 8), (64, 4)]
+            .into_iter()
+            .enumerate()
+        {
+            let bs = [8, 16, 32, 64, 128][(v + i) % 5];
+            let f = features(v + i, bs);
+            check_tilings::<bf16>(
+                &mut rng,
+                d,
+                group,
+                bs,
+                Page::Dense,
+                seqs,
+                f,
+                None,
+                &persistent,
+            );
+        }
+        check_tilings::<f16>(
+            &mut rng,
+            128,
+            2,
+            16,
+            Page::Pad(1),
+            seqs,
+            Features::PLAIN,
+            None,
+            &persistent,
+        );
+    }
+    for sched in [Schedule::Reverse, Schedule::Random(7)] {
+        cuda_emu::set_schedule(sched);
+        cuda_emu::set_sm_count(2);
+        check_tilings::<bf16>(
+            &mut rng,
+            128,
+            4,
+            16,
+            Page::Dense,
+            seqs,
+            Features::PLAIN,
+            None,
+            &persistent,
+        );
+    }
+    cuda_emu::set_schedule(Schedule::Forward);
+    cuda_emu::set_sm_count(132);
+}
+
 /// Bytes of dynamic shared memory the mma.sync kernel asks for at head dim `d` with `mt` m16
 /// tiles per warp (its layout: two stages of K and V rows of d + 8 elements, 64 or 32 keys
 /// each; Q's 64 mt rows where its fragments would take more than 32 registers per lane; two
@@ -318,10 +405,20 @@ fn wgmma_smem(d: usize, wg: usize, overlap: bool) -> u64 {
     (2 * (2 * stage + q) + 2 * bc * 4 + krows * bc * 8 + 1024) as u64
 }
 
+/// The same for the persistent grid (head dims above 64): the two stages, two Q buffers, the
+/// flags and row addresses of two tiles, four stream-tile descriptions of 80 bytes (the item's
+/// 64-byte PrefillBlock, round, tile, ordinal, validity) and the alignment.
+fn persistent_smem(d: usize) -> u64 {
+    let stage = 2 * 128 * d;
+    (2 * (2 * stage + 2 * 128 * (d + 8)) + 2 * 128 * 4 + 2 * 128 * 8 + 4 * 80 + 1024) as u64
+}
+
 /// f16 and bf16 prefill launch the tiling's tensor-core kernel (one launch with its
 /// shared-memory footprint and its rows per thread block: 64 at 16 rows per warp and with one
 /// warpgroup, 128 at 32 and with two; the overlapped wgmma schedule keeps one more tile's row
-/// addresses), f32 the CUDA-core one (another footprint), whatever the tiling asked; 32
+/// addresses; the persistent grid one block per work item up to the SMs, its own footprint,
+/// and the plain two-warpgroup grid at d64), f32 the CUDA-core one (another footprint),
+/// whatever the tiling asked; 32
 /// rows per warp and wgmma apply up to head dim 128 (the emulated device is compute capability
 /// 9.0), 16 elsewhere, and Auto is one warpgroup of wgmma here (16 rows per warp at d256). A
 /// dispatch that fell back would pass every accuracy test above unnoticed.
@@ -332,7 +429,7 @@ fn each_tiling_takes_its_kernel() {
     let (tokens, nh) = (40usize, 2usize);
     for d in HEAD_DIMS {
         for dtype in [KvDtype::F16, KvDtype::Bf16, KvDtype::F32] {
-            for tiling in [ffi::PKV_PREFILL_TILING_AUTO, 16, 32, 64, 128, 65, 129] {
+            for tiling in [ffi::PKV_PREFILL_TILING_AUTO, 16, 32, 64, 128, 65, 129, 130] {
                 let b = make_batch(&mut rng, 1, 1, d, 16, dtype, Page::Dense, &[tokens]);
                 let bytes = vec![0u8; b.cfg.total_bytes()];
                 let params = AttnParams::new(nh, d);
@@ -366,6 +463,7 @@ fn each_tiling_takes_its_kernel() {
                     wgmma_smem(d, 2, false),
                     wgmma_smem(d, 1, true),
                     wgmma_smem(d, 2, true),
+                    persistent_smem(d),
                 ];
                 if dtype == KvDtype::F32 {
                     assert!(!tensor_core.contains(&st.max_dynamic_smem), "{what}");
@@ -383,6 +481,13 @@ fn each_tiling_takes_its_kernel() {
                     }
                     ffi::PKV_PREFILL_TILING_WGMMA128_OVERLAP if d <= 128 => {
                         (wgmma_smem(d, 2, true), 128)
+                    }
+                    // One work item: one persistent block (the plain grid at d64).
+                    ffi::PKV_PREFILL_TILING_WGMMA128_PERSISTENT if d == 64 => {
+                        (wgmma_smem(d, 2, false), 128)
+                    }
+                    ffi::PKV_PREFILL_TILING_WGMMA128_PERSISTENT if d <= 128 => {
+                        (persistent_smem(d), 128)
                     }
                     _ => (mma_smem(d, 1), 64),
                 };
@@ -465,6 +570,18 @@ fn auto_tiling_follows_the_measured_rules() {
             "{t:?} d256"
         );
     }
+    // The persistent grid has no d64 instance: the plain two-warpgroup one runs.
+    let persistent = PrefillTiling::Wgmma128Persistent;
+    let d64 = cfg(8, 64, KvDtype::Bf16);
+    assert_eq!(
+        persistent.resolve(&d64, 32, 1, 16, 132).expect("valid"),
+        wg2
+    );
+    let d80 = cfg(8, 80, KvDtype::Bf16);
+    assert_eq!(
+        persistent.resolve(&d80, 32, 1, 16, 132).expect("valid"),
+        Some(persistent)
+    );
     // d256 Auto follows the mma.sync rule (16 rows per warp always); f32 has no tilings.
     assert_eq!(pick(&cfg(8, 256, KvDtype::F16), 32, 8, 4096, 1), w16);
     assert_eq!(pick(&cfg(8, 128, KvDtype::F32), 32, 8, 4096, 1), None);
@@ -572,7 +689,7 @@ fn unknown_tilings_are_refused() {
     let host = random_cache::<bf16>(&mut rng, b.cfg);
     let query = random_vec::<bf16>(&mut rng, 8 * 2 * 64);
     let params = AttnParams::new(2, 64);
-    for tiling in [-1, 1, 8, 15, 17, 48, 66, 127, 130, 256, i32::MAX] {
+    for tiling in [-1, 1, 8, 15, 17, 48, 66, 127, 131, 256, i32::MAX] {
         let _ = cuda_emu::take_stats();
         let (s, _) = launch(
             &b,

@@ -246,9 +246,9 @@ fn indexed_shuffles_read_the_source_lane_of_each_segment() {
 }
 
 #[test]
-fn any_and_all_sync_vote_per_warp() {
-    let out = zeroed(96 * 4);
-    // SAFETY: out holds one int per thread of the 96-thread block.
+fn any_all_and_ballot_sync_vote_per_warp() {
+    let out = zeroed(3 * 96 * 4);
+    // SAFETY: out holds three ints per thread of the 96-thread block.
     let s = unsafe { emu_ffi::pkv_emu_selftest_vote(out.ptr() as *mut i32) };
     assert_eq!(s, 0, "{:?}", cuda_emu::last_fault());
     // Each thread holds any | all << 1 of its warp.
@@ -265,6 +265,18 @@ fn any_and_all_sync_vote_per_warp() {
         v[64..95].iter().all(|&x| x == 2),
         "warp 2: no yes vote, every lane left all-yes (lane 31 returned)"
     );
+    // The ballot of "lane % 3 == warp": the voting lanes' bits, not the returned lane 31's.
+    for w in 0..3usize {
+        let live = if w == 2 { 31 } else { 32 };
+        let want = (0..live)
+            .filter(|l| l % 3 == w)
+            .fold(0u32, |b, l| b | (1 << l));
+        for lane in 0..live {
+            let t = w * 32 + lane;
+            assert_eq!(v[96 + t] as u32, want, "ballot, warp {w} lane {lane}");
+            assert_eq!(v[192 + t], w as i32 + 1, "__ffs, warp {w} lane {lane}");
+        }
+    }
 }
 
 /// Rounds to the mma's input type, as pack_f32x2 does (round to nearest even).

@@ -1141,7 +1141,7 @@ fn ffi_argument_errors_need_no_gpu() {
     // Layer 2 >= num_layers 2; then unknown tilings.
     let auto = ffi::PKV_PREFILL_TILING_AUTO as i32;
     assert_eq!(prefill(2, auto), ffi::PKV_ERR_INVALID_ARG as i32);
-    for tiling in [-1, 8, 66, 130] {
+    for tiling in [-1, 8, 66, 131] {
         assert_eq!(
             prefill(0, tiling),
             ffi::PKV_ERR_INVALID_ARG as i32,

@@ -178,6 +178,8 @@ uint64_t shfl_xor_bits(unsigned mask, uint64_t bits, int lane_mask, int width);
 uint64_t shfl_idx_bits(unsigned mask, uint64_t bits, int src_lane, int width);
 // Whether `pred` holds in any lane of the calling warp (a warp barrier, as a shuffle).
 bool vote_any(unsigned mask, bool pred);
+// The live lanes' predicates, lane l at bit l (__ballot_sync; the full mask only).
+unsigned vote_ballot(unsigned mask, bool pred);
 // The calling thread's lane in its warp (its linear index in the block % 32).
 int lane_id();
 // Most 32-bit words one lane posts to warp_gather (an mma posts 6, an ldmatrix 2).
@@ -282,6 +284,9 @@ template <typename T> inline T __shfl_sync(unsigned mask, T v, int src_lane, int
 inline int __any_sync(unsigned mask, int pred) { return emu::vote_any(mask, pred != 0) ? 1 : 0; }
 // All lanes vote yes exactly when none votes no.
 inline int __all_sync(unsigned mask, int pred) { return emu::vote_any(mask, pred == 0) ? 0 : 1; }
+inline unsigned __ballot_sync(unsigned mask, int pred) { return emu::vote_ballot(mask, pred != 0); }
+// 1 + the index of the least significant set bit, 0 for none.
+inline int __ffs(int x) { return x == 0 ? 0 : __builtin_ctz((unsigned)x) + 1; }
 
 // ---- loads and stores with cache hints (the hints mean nothing here) -----------------------
 

@@ -503,22 +503,24 @@ uint64_t shfl_idx_bits(unsigned mask, uint64_t bits, int src_lane, int width) {
                  [&](int lane) { return (lane / width) * width + (src_lane & (width - 1)); });
 }
 
-bool vote_any(unsigned mask, bool pred) {
-  Runner *r = require_runner("__any_sync");
-  if (mask != 0xffffffffu) fault(cudaErrorLaunchFailure, "__any_sync with a partial mask", nullptr);
+unsigned vote_ballot(unsigned mask, bool pred) {
+  Runner *r = require_runner("a warp vote");
+  if (mask != 0xffffffffu) fault(cudaErrorLaunchFailure, "a warp vote with a partial mask", nullptr);
   Fiber *f = r->cur;
   const int w = f->warp;
   r->slots[w][f->lane] = pred ? 1 : 0;
   arrive(r->warp_bars[w], State::WaitWarp);  // every lane has published its predicate
-  bool any = false;
+  unsigned bits = 0;
   for (int l = 0; l < 32; ++l) {
     const int tid = w * 32 + l;
     if (tid < (int)r->fibers.size() && r->fibers[tid].state != State::Done && r->slots[w][l] != 0)
-      any = true;
+      bits |= 1u << l;
   }
   arrive(r->warp_bars[w], State::WaitWarp);  // every lane has read before slots are reused
-  return any;
+  return bits;
 }
+
+bool vote_any(unsigned mask, bool pred) { return vote_ballot(mask, pred) != 0; }
 
 int lane_id() { return require_runner("the lane id")->cur->lane; }
 

@@ -99,6 +99,8 @@ int pkv_emu_selftest_write(int *p, int n);
 /** 64 threads: out[t] = (the lane (t * 7 + 3) % 32 of t's segment of `width` lanes) * 10,
  *  through __shfl_sync. */
 int pkv_emu_selftest_shuffle_idx(int *out, int width);
+/** 96 threads (warp 2's lane 31 returns first): out[t] = __any_sync | __all_sync << 1,
+ *  out[96 + t] a __ballot_sync, out[192 + t] its __ffs (selftest.cu's vote_kernel). */
 int pkv_emu_selftest_vote(int *out);
 /** 128 threads; src: 256 16-byte vectors. Thread t queues two cp.async groups (src[t] into a
  *  shared vector that held 1s, then src[128 + t] into one that held 2s) and records the first

@@ -89,13 +89,17 @@ __global__ void shuffle_idx_kernel(int *out, int width) {
 }
 
 // Warp w votes any on "lane == w * 5 % 32" (warp 2: no lane votes yes; its lane 31 has
-// returned) and all on "not (warp 1, lane 7)"; out = any | all << 1.
+// returned) and all on "not (warp 1, lane 7)"; out[t] = any | all << 1. Then a ballot of
+// "lane % 3 == w" into out[96 + t] and its __ffs into out[192 + t].
 __global__ void vote_kernel(int *out) {
   const int t = threadIdx.x, w = t / 32, lane = t % 32;
   if (w == 2 && lane == 31) return;
   const bool yes = w != 2 && lane == (w * 5) % 32;
   const bool all = !(w == 1 && lane == 7);
   out[t] = __any_sync(0xffffffffu, yes) | (__all_sync(0xffffffffu, all) << 1);
+  const unsigned bits = __ballot_sync(0xffffffffu, lane % 3 == w);
+  out[96 + t] = (int)bits;
+  out[192 + t] = __ffs((int)bits);
 }
 
 // One m16n8k16 per warp on its own matrices: a [16][16], b [16][8] (B[k][n]), c and d [16][8],

@@ -35,18 +35,24 @@ pub enum PrefillTiling {
     WgmmaOverlap,
     /// [`PrefillTiling::Wgmma128`] with the overlapped schedule.
     Wgmma128Overlap,
+    /// [`PrefillTiling::Wgmma128`] as a persistent grid: one thread block per resident slot,
+    /// each running its share of the 128-row tiles back to back, the next one's Q, first key
+    /// tile and row addresses copied while the current one's last tiles compute (head dims
+    /// 80-128; at 64 it runs [`PrefillTiling::Wgmma128`]).
+    Wgmma128Persistent,
 }
 
 impl PrefillTiling {
     /// Every tiling but [`PrefillTiling::Auto`]: what a launch can run (and a test or a bench
     /// can compare).
-    pub const EXPLICIT: [PrefillTiling; 6] = [
+    pub const EXPLICIT: [PrefillTiling; 7] = [
         PrefillTiling::WarpRows16,
         PrefillTiling::WarpRows32,
         PrefillTiling::Wgmma,
         PrefillTiling::Wgmma128,
         PrefillTiling::WgmmaOverlap,
         PrefillTiling::Wgmma128Overlap,
+        PrefillTiling::Wgmma128Persistent,
     ];
 
     /// The tiling a prefill launch over a cache of `config` with `num_heads` query heads,
@@ -108,6 +114,7 @@ impl PrefillTiling {
             PrefillTiling::Wgmma128 => ffi::PKV_PREFILL_TILING_WGMMA128,
             PrefillTiling::WgmmaOverlap => ffi::PKV_PREFILL_TILING_WGMMA_OVERLAP,
             PrefillTiling::Wgmma128Overlap => ffi::PKV_PREFILL_TILING_WGMMA128_OVERLAP,
+            PrefillTiling::Wgmma128Persistent => ffi::PKV_PREFILL_TILING_WGMMA128_PERSISTENT,
         }) as i32
     }
 }

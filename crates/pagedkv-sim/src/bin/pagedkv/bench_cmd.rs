@@ -62,9 +62,9 @@ pub struct GpuArgs {
     #[arg(long, default_value = "auto")]
     mode: String,
     /// Prefill tilings, a list of auto, 16, 32 (query rows per warp), wgmma and wgmma128 (64 or
-    /// 128 rows per thread block), wgmma-ovl and wgmma128-ovl (the overlapped schedule): the
-    /// prefill grid runs once per entry (beside the one peer run), for A/B comparisons in one
-    /// process.
+    /// 128 rows per thread block), wgmma-ovl and wgmma128-ovl (the overlapped schedule),
+    /// wgmma128-persist (the persistent grid): the prefill grid runs once per entry (beside the
+    /// one peer run), for A/B comparisons in one process.
     #[arg(long, default_value = "auto")]
     prefill_tiling: String,
     /// Launches per graph and back-to-back timing (at least; a whole number of rotations).
@@ -151,9 +151,10 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
             "wgmma128" => Ok(PrefillTiling::Wgmma128),
             "wgmma-ovl" => Ok(PrefillTiling::WgmmaOverlap),
             "wgmma128-ovl" => Ok(PrefillTiling::Wgmma128Overlap),
+            "wgmma128-persist" => Ok(PrefillTiling::Wgmma128Persistent),
             t => Err(format!(
-                "--prefill-tiling {t}: expected auto, 16, 32, wgmma, wgmma128, wgmma-ovl or \
-                 wgmma128-ovl"
+                "--prefill-tiling {t}: expected auto, 16, 32, wgmma, wgmma128, wgmma-ovl, \
+                 wgmma128-ovl or wgmma128-persist"
             )),
         })
         .collect::<Result<Vec<_>, _>>()?;

@@ -229,14 +229,17 @@ __device__ __forceinline__ float tile_logits(const PrefillArgs &a, bool plain, f
 }
 
 // One key tile in order (the plain and the persistent kernels): S = Q K^T of the K tile at
-// sk; wait; logits(s) (the multiplier) and the online softmax; O += P V of the V tile at sv;
-// wait.
-template <typename T, typename C, typename Logits>
+// sk, and while the tensor cores run it, beside_s() (the next tiles' copies and row
+// addresses: they no longer stand between the tile's barrier and its first product); wait;
+// logits(s) (the multiplier) and the online softmax; O += P V of the V tile at sv; wait.
+template <typename T, typename C, typename Logits, typename Beside>
 __device__ __forceinline__ void inorder_tile(const uint32_t (&qf)[C::KSTEPS][4], const T *sk,
                                              const T *sv, const T *smem, float (&o)[C::NT_O][4],
-                                             float (&m)[2], float (&l)[2], Logits logits) {
+                                             float (&m)[2], float (&l)[2], Logits logits,
+                                             Beside beside_s) {
   float s[C::NT_S][4];
   issue_s<T, C>(s, qf, sk, smem);
+  beside_s();
   wgmma_wait<0>();
   settle_s<C>(s);
   const float mul = logits(s);
@@ -309,17 +312,20 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
     for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-  // The top of tile j: its copies landed and published, the next copies queued (in order:
-  // K and V of tile j + 1; overlapped: K of tile j + 1 and V of tile j, whose stage's V last
-  // fed P V of tile j - 2, waited for in iteration j - 1), the row addresses of tile j + 2.
-  auto tile_top = [&](int j) {
-    const int st = j & 1;
+  // The top of tile j: its copies landed and published (tile_ready); then the next copies
+  // queued (in order: K and V of tile j + 1, while S of tile j runs; overlapped: K of tile
+  // j + 1 and V of tile j, whose stage's V last fed P V of tile j - 2, waited for in iteration
+  // j - 1), the row addresses of tile j + 2 (tile_copies).
+  auto tile_ready = [&]() {
     cp_async_wait<0>();
     // Tile j's generic-proxy writes (cp.async, zero fills) visible to wgmma's async proxy,
     // then to every warp; every warp is done with the stages tile j's copies overwrite (their
     // wgmma waited for).
     fence_proxy_async_shared();
     __syncthreads();
+  };
+  auto tile_copies = [&](int j) {
+    const int st = j & 1;
     T *nk = smem + (st ^ 1) * C::STAGE;
     const T *const *next_rows = krow + ((j + 1) % C::KROWS) * C::BC;
     if (j + 1 < b.ntiles)
@@ -341,16 +347,18 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
 
   if constexpr (!OVL) {
     for (int j = 0; j < b.ntiles; ++j) {
-      tile_top(j);
-      inorder_tile<T, C>(qf, k_of(j), v_of(j), smem, o, m, l,
-                         [&](float(&s)[C::NT_S][4]) { return logits_of(j, s); });
+      tile_ready();
+      inorder_tile<T, C>(
+          qf, k_of(j), v_of(j), smem, o, m, l,
+          [&](float(&s)[C::NT_S][4]) { return logits_of(j, s); }, [&]() { tile_copies(j); });
     }
   } else if (b.ntiles > 0) {
     uint32_t p[C::NT_S][2];
     float alphas[2];
     // Tile 0 alone (no product to overlap yet; O is zero, nothing to rescale), then each
     // tile's S beside the previous tile's P V.
-    tile_top(0);
+    tile_ready();
+    tile_copies(0);
     {
       float s[C::NT_S][4];
       issue_s<T, C>(s, qf, k_of(0), smem);
@@ -359,7 +367,8 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
       (void)softmax_tile<T>(s, logits_of(0, s), m, l, alphas, p);
     }
     for (int j = 1; j < b.ntiles; ++j) {
-      tile_top(j);
+      tile_ready();
+      tile_copies(j);
       float s[C::NT_S][4];
       issue_s<T, C>(s, qf, k_of(j), smem);
       issue_pv<T, C>(o, p, v_of(j - 1), smem);

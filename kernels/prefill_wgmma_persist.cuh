@@ -13,11 +13,11 @@
 //
 // The stream: tile g of a block's stream is key tile j of its item n. Stage g & 1 holds its K
 // and V, row-address and flag slot g & 1 its addresses and flags, Q buffer n & 1 its item's
-// rows; stream[g & 3] (shared memory) describes it. At the top of tile g (after the barrier
-// that publishes tile g's copies): tile g + 1's copies are queued (and its item's Q where it is
-// the item's first tile), the row addresses of tile g + 2 computed, and warp 0 writes the
-// description of tile g + 3 (a new item's context and table reads happen there, one warp, once
-// per item). Every slot written at tile g was last read before that barrier: stage and flags
+// rows; stream[g & 3] (shared memory) describes it. In tile g (after the barrier that
+// publishes tile g's copies), while its S product runs: tile g + 1's copies are queued (and
+// its item's Q where it is the item's first tile), the row addresses of tile g + 2 computed,
+// and warp 0 writes the description of tile g + 3 (a new item's context and table reads
+// happen there, one warp, once per item). Every slot written at tile g was last read before that barrier: stage and flags
 // (g + 1) & 1 by tile g - 1, addresses g & 1 by tile g's copies (queued at the top of g - 1),
 // Q buffer (n + 1) & 1 by item n - 1's first tile, stream[(g + 3) & 3] at tile g - 1.
 //
@@ -183,16 +183,22 @@ __global__ void __launch_bounds__(Cfg<D, WG, false>::NT, Cfg<D, WG, false>::MIN_
     __syncthreads();
     const StreamTile &e = stream[g & 3];
     if (e.valid == 0) break;  // block-uniform
-    const StreamTile &nx = stream[(g + 1) & 3];
-    if (nx.valid != 0) {
-      T *nk = smem + ((g + 1) & 1) * C::STAGE;
-      load_tile<T, D, WG, true, true>(a, krow + ((g + 1) & 1) * C::BC, nk, nk + C::BC * D,
-                                      kvalid + ((g + 1) & 1) * C::BC);
-      if (nx.j == 0) stage_q<T, D, C::NT>(a, nx.b, sq + (nx.n & 1) * P::Q_BUF, C::LDQ, C::ROWS);
-    }
-    cp_async_commit();
-    rows_of(g + 2);
-    if (warp == 0) next_tile<D, C::ROWS, C::BC>(a, w, &stream[(g + 2) & 3], &stream[(g + 3) & 3]);
+    // Beside tile g's S product: tile g + 1's copies (and its item's Q), tile g + 2's row
+    // addresses, tile g + 3's description.
+    auto copies = [&]() {
+      const StreamTile &nx = stream[(g + 1) & 3];
+      if (nx.valid != 0) {
+        T *nk = smem + ((g + 1) & 1) * C::STAGE;
+        load_tile<T, D, WG, true, true>(a, krow + ((g + 1) & 1) * C::BC, nk, nk + C::BC * D,
+                                        kvalid + ((g + 1) & 1) * C::BC);
+        if (nx.j == 0)
+          stage_q<T, D, C::NT>(a, nx.b, sq + (nx.n & 1) * P::Q_BUF, C::LDQ, C::ROWS);
+      }
+      cp_async_commit();
+      rows_of(g + 2);
+      if (warp == 0)
+        next_tile<D, C::ROWS, C::BC>(a, w, &stream[(g + 2) & 3], &stream[(g + 3) & 3]);
+    };
 
     const int j = e.j;
     if (j == 0) {  // a new item (block-uniform)
@@ -219,10 +225,13 @@ __global__ void __launch_bounds__(Cfg<D, WG, false>::NT, Cfg<D, WG, false>::MIN_
     const T *sk = smem + (g & 1) * C::STAGE;
     const int *kv_ok = kvalid + (g & 1) * C::BC;
     const int kt = e.b.kbegin + j * C::BC;
-    inorder_tile<T, C>(qf, sk, sk + C::BC * D, smem, o, m, l, [&](float(&s)[C::NT_S][4]) {
-      return tile_logits<C::BC>(a, plain, scale_log2, s, kv_ok, kt, w_first, w_last, qd, qpos,
-                                slope);
-    });
+    inorder_tile<T, C>(
+        qf, sk, sk + C::BC * D, smem, o, m, l,
+        [&](float(&s)[C::NT_S][4]) {
+          return tile_logits<C::BC>(a, plain, scale_log2, s, kv_ok, kt, w_first, w_last, qd,
+                                    qpos, slope);
+        },
+        copies);
     if (j == stream_tiles(e.b) - 1) store_tile<T, D>(a, e.b, o, l, warp * 16, g8, qd);
   }
 }

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # A prefill kernel change measured in one device call (~2 min): the wgmma layout probe, the
 # kernel tests, every prefill tiling on the grid beside torch SDPA (one process: the tilings'
-# rows share the peer's), memcheck of the kernel tests and racecheck of the bf16 prefill grid,
-# and ncu on a 2048-token chunk for the mma.sync and wgmma kernels. Logs in $OUT/logs.tar.gz.
+# rows share the peer's), memcheck of the kernel tests, racecheck of the bf16 prefill grid and
+# of the persistent grid's many-item test, and ncu on chosen tilings and points (below). Logs
+# in $OUT/logs.tar.gz.
 #
 # Here:    BUNDLE='^bin-pagedkv$|^test-cuda_kernels$' scripts/gpu-bundle.sh
 # Device:  run with carry [".gpu"]:  bash scripts/gpu-prefill.sh   (DEADLINE_S, default 240;
-#          DIMS="64 128", TILINGS=auto,32,..., SANITIZE=0 or memcheck, NCU=0 narrow it)
+#          DIMS="64 128", TILINGS=auto,32,..., SANITIZE=0 or memcheck, NCU=0 narrow it;
+#          NCU_TILINGS="wgmma128 wgmma128-persist" and NCU_POINTS="32:8/2048+0 32:8/512+0"
+#          choose the profiles (default: 32, wgmma-ovl, wgmma128-ovl at 32:8/2048+4096);
+#          NCU_SOURCE=1 adds, per profile, the per-instruction stall samples of the SASS as CSV)
 set -u
 final=${OUT:-$PWD/.gpu/out}; mkdir -p "$final"
 export PACK_TO=$final/logs.tar.gz
@@ -21,7 +25,8 @@ kernel_tests
 # sanitizers (memcheck: only memcheck), NCU=0 the profiles.
 for d in ${DIMS:-128}; do
   stage "bench-prefill-d$d" 150 "$bin/bin-pagedkv" bench gpu --no-cache-ops --decode none \
-    --head-dim "$d" --prefill-tiling "${TILINGS:-auto,16,32,wgmma,wgmma128,wgmma-ovl,wgmma128-ovl}"
+    --head-dim "$d" \
+    --prefill-tiling "${TILINGS:-auto,16,32,wgmma,wgmma128,wgmma-ovl,wgmma128-ovl,wgmma128-persist}"
 done
 if [ "${SANITIZE:-1}" != 0 ]; then
   stage memcheck-kernels 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
@@ -30,14 +35,25 @@ fi
 if [ "${SANITIZE:-1}" = 1 ]; then
   stage racecheck-prefill 90 compute-sanitizer --tool racecheck --error-exitcode 9 \
     "$bin/test-cuda_kernels" prefill_grid_bf16
+  stage racecheck-persistent 90 compute-sanitizer --tool racecheck --error-exitcode 9 \
+    "$bin/test-cuda_kernels" persistent_prefill_streams_many_items
 fi
 [ "${NCU:-1}" = 1 ] || { note done; pack "$PACK_TO"; exit 0; }
 ncu_args=(--clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats
   --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SourceCounters)
-for tiling in 32 wgmma-ovl wgmma128-ovl; do
-  stage "ncu-prefill-$tiling" 60 ncu "${ncu_args[@]}" -k regex:prefill -s 1 -c 1 \
-    "$bin/bin-pagedkv" bench gpu --decode none --prefill 32:8/2048+4096 --no-cache-ops \
-    --peer none --no-check --prefill-tiling $tiling --launches 1 --reps 1 --iters 1 --warmup 1
+for point in ${NCU_POINTS:-32:8/2048+4096}; do
+  for tiling in ${NCU_TILINGS:-32 wgmma-ovl wgmma128-ovl}; do
+    name="ncu-prefill-$tiling-${point//[:\/+]/_}"
+    run=("$bin/bin-pagedkv" bench gpu --decode none --prefill "$point" --no-cache-ops --peer none
+      --no-check --prefill-tiling "$tiling" --launches 1 --reps 1 --iters 1 --warmup 1)
+    stage "$name" 60 ncu "${ncu_args[@]}" -k regex:prefill -s 1 -c 1 "${run[@]}"
+    [ "${NCU_SOURCE:-0}" = 1 ] || continue
+    # Sampled stall reasons per SASS instruction: where a tile's cycles go.
+    stage "$name-rep" 90 ncu --clock-control none --section WarpStateStats \
+      --section SourceCounters -k regex:prefill -s 1 -c 1 -f -o "$OUT/$name" "${run[@]}"
+    stage "$name-sass" 60 ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass
+    rm -f "$OUT/$name.ncu-rep"
+  done
 done
 note done
 grep -h -E "^test result|FAILED|panicked|ERROR SUMMARY|RACECHECK SUMMARY|wgmma layout|wgmma swizzled" \

@@ -407,6 +407,30 @@ fn prefill_long_chunks() {
     }
 }
 
+/// More 128-row work items than an H100 has SMs (100 sequences of 0-70 query tokens: up to 600
+/// items, most of them empty or one key tile), so that the persistent grid's blocks stream
+/// several items each on the hardware (its next item's Q and first tile copied during the
+/// current one's last): every tiling against the oracle, plain and with the logit features.
+/// The GPU scripts run it under racecheck too.
+#[test]
+fn persistent_prefill_streams_many_items() {
+    let Some(g) = gpu("persistent_prefill_streams_many_items") else {
+        return;
+    };
+    let mut rng = SmallRng::seed_from_u64(9);
+    let seqs: Vec<(usize, usize)> = (0..100)
+        .map(|i| {
+            let q = [0, 1, 5, 33, 70, 17][i % 6];
+            (q, q + (i * 37) % 200)
+        })
+        .collect();
+    for v in 0..2 {
+        let f = features(v, 16);
+        check_prefill::<bf16>(&g, &mut rng, 128, 4, 16, Page::Dense, &seqs, f);
+        check_prefill::<f16>(&g, &mut rng, 80, 1, 32, Page::Pad(1), &seqs, f);
+    }
+}
+
 /// Block ids that name no page (-1, one past the cache) mask their tokens on the GPU as on the
 /// emulation (tests/cuda_emu_raw.rs, tests/cuda_emu_prefill.rs): through the raw launches,
 /// which take tables the safe API would refuse, the outputs equal the oracle's over the valid

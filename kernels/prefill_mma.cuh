@@ -131,19 +131,24 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // whose id is out of range) of keys kt .. kt + BC - 1 into krow, one key per thread: the table
 // read and 64-bit address arithmetic once per key, not per 16-byte chunk (that was most of the
 // copy's instructions at d128). Computed a tile ahead of its copy.
+template <typename T>
+__device__ __forceinline__ const T *key_row(const PrefillArgs &a, const T *cache, int blk,
+                                            int t, int64_t head_off) {
+  return blk >= 0 && blk < a.num_blocks
+             ? cache + (int64_t)blk * a.st.block + (int64_t)(t & (a.block_size - 1)) * a.st.token +
+                   head_off
+             : nullptr;
+}
 template <typename T, int D, int BC = Cfg<D, 1>::BC>
 __device__ __forceinline__ void key_rows(const PrefillArgs &a, const T *cache,
                                          const int32_t *btab, int bs_shift, int64_t head_off,
                                          int kt, int klast, const T **krow) {
   if (threadIdx.x < BC) {
     const int t = kt + (int)threadIdx.x;
-    const int b = t <= klast ? btab[t >> bs_shift] : -1;
-    krow[threadIdx.x] = b >= 0 && b < a.num_blocks
-                            ? cache + (int64_t)b * a.st.block +
-                                  (int64_t)(t & (a.block_size - 1)) * a.st.token + head_off
-                            : nullptr;
+    krow[threadIdx.x] = key_row(a, cache, t <= klast ? btab[t >> bs_shift] : -1, t, head_off);
   }
 }
+
 
 // Queues the copy of the keys whose K rows krow holds (K into sk, V into sv, rows of LD) and
 // writes their validity: an invalid key (nullptr) is zero-filled (V must be finite: it is
@@ -236,6 +241,41 @@ struct PrefillBlock {
     slope = (r < nrows && a.alibi_slopes != nullptr)
                 ? a.alibi_slopes[kh * a.group + (rbase + r) % a.group]
                 : 0.f;
+  }
+};
+
+// The table entries of the keys of a thread block's first two tiles, read at its entry: where
+// the keys start at 0 (no window) they do not depend on the block's context, so this read and
+// the context's overlap instead of following each other (one dependent round trip less before
+// the first K / V copy). Thread x < BC reads keys x and BC + x (-1 past the table row).
+template <int BC> struct TableAhead {
+  int id[2];
+  __device__ void read(const PrefillArgs &a, int seq) {
+    id[0] = id[1] = -1;
+    if (a.window > 0 || threadIdx.x >= BC) return;
+    const int32_t *btab = a.block_tables + (int64_t)seq * a.max_blocks_per_seq;
+    const int shift = __ffs(a.block_size) - 1;  // a power of two (the launcher's check)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int t = i * BC + (int)threadIdx.x;
+      if (t < a.table_tokens) id[i] = btab[t >> shift];
+    }
+  }
+  // Tiles 0 and 1's row addresses into krow[0 .. 2 BC), as key_rows writes them.
+  template <typename T, int D>
+  __device__ void rows(const PrefillArgs &a, const T *cache, const PrefillBlock &b,
+                       const T **krow) const {
+    if (a.window > 0) {
+      key_rows<T, D, BC>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin, b.klast, krow);
+      key_rows<T, D, BC>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin + BC, b.klast,
+                         krow + BC);
+    } else if (threadIdx.x < BC) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {  // kbegin is 0
+        const int t = i * BC + (int)threadIdx.x;
+        krow[i * BC + threadIdx.x] = key_row(a, cache, t <= b.klast ? id[i] : -1, t, b.head_off);
+      }
+    }
   }
 };
 
@@ -457,6 +497,8 @@ __global__ void __launch_bounds__(THREADS, Cfg<D, MT>::MIN_BLOCKS)
   int *kvalid = reinterpret_cast<int *>(smem + 2 * C::STAGE + C::Q_ELEMS);  // [2][BC]
   const T **krow = reinterpret_cast<const T **>(kvalid + 2 * C::BC);        // [2][BC]
 
+  TableAhead<C::BC> ahead;
+  ahead.read(a, blockIdx.z);
   PrefillBlock b;
   if (!b.template init<D>(a, ROWS, C::BC)) return;  // the whole block, before any barrier
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -482,15 +524,14 @@ __global__ void __launch_bounds__(THREADS, Cfg<D, MT>::MIN_BLOCKS)
   const float scale_log2 = a.scale * LOG2E;
   const T *cache = reinterpret_cast<const T *>(a.cache);
 
-  // ---- prologue: key row addresses of tiles 0 and 1, Q rows (zero past nrows), key tile 0 ----
+  // ---- prologue: Q rows (zero past nrows), key row addresses of tiles 0 and 1, key tile 0 ----
   // Tile n's row addresses live in krow[n % 2], written one loop iteration before its copy is
   // queued (below), so the barrier at the top of each iteration orders every write before its
-  // reads and every read of tile n before the write of tile n + 2.
-  key_rows<T, D>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin, b.klast, krow);
-  key_rows<T, D>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin + C::BC, b.klast,
-                 krow + C::BC);
-  __syncthreads();
+  // reads and every read of tile n before the write of tile n + 2. Q's copy is queued first:
+  // it needs only the block's context, and its region is nobody else's yet.
   stage_q<T, D>(a, b, sq, C::LD, ROWS);
+  ahead.template rows<T, D>(a, cache, b, krow);
+  __syncthreads();
   if (b.ntiles > 0) load_kv_tile<T, D>(a, krow, smem, smem + C::BC * C::LD, kvalid);
   cp_async_commit();
   cp_async_wait<0>();

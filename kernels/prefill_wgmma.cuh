@@ -264,6 +264,8 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
   int *kvalid = reinterpret_cast<int *>(smem + 2 * C::STAGE + C::Q_ELEMS);  // [2][BC]
   const T **krow = reinterpret_cast<const T **>(kvalid + 2 * C::BC);  // [KROWS][BC]
 
+  pfmma::TableAhead<C::BC> ahead;
+  ahead.read(a, blockIdx.z);
   PrefillBlock b;
   if (!b.template init<D>(a, C::ROWS, C::BC)) return;  // the whole block, before any barrier
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -286,12 +288,11 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
                           b.klast, krow + (t % C::KROWS) * C::BC);
   };
 
-  // ---- prologue, as prefill_mma's: row addresses of tiles 0 and 1, Q, key tile 0 (K only
-  // when overlapped: V(j) follows K(j + 1)) ----
-  rows_of(0);
-  rows_of(1);
-  __syncthreads();
+  // ---- prologue, as prefill_mma's: Q, row addresses of tiles 0 and 1 (slots 0 and 1 of
+  // rows_of), key tile 0 (K only when overlapped: V(j) follows K(j + 1)) ----
   stage_q<T, D, C::NT>(a, b, sq, C::LDQ, C::ROWS);
+  ahead.template rows<T, D>(a, cache, b, krow);
+  __syncthreads();
   if (b.ntiles > 0)
     load_tile<T, D, WG, true, !OVL>(a, krow, smem, smem + C::BC * D, kvalid);
   cp_async_commit();

@@ -139,26 +139,11 @@ fn check<T: Elem>(
     seqs_q_ctx: &[(usize, usize)],
     f: Features,
 ) {
-    check_strided::<T>(rng, d, group, bs, page, seqs_q_ctx, f, None);
+    check_tilings::<T>(rng, d, group, bs, page, seqs_q_ctx, f, None, &TILINGS);
 }
 
-/// As `check`, with the query read from a fused-QKV-shaped view (`strides` = (query token
-/// stride, out token stride) in elements; `None`: dense).
-#[allow(clippy::too_many_arguments)]
-fn check_strided<T: Elem>(
-    rng: &mut SmallRng,
-    d: usize,
-    group: usize,
-    bs: usize,
-    page: Page,
-    seqs_q_ctx: &[(usize, usize)],
-    f: Features,
-    strides: Option<(usize, usize)>,
-) {
-    check_tilings::<T>(rng, d, group, bs, page, seqs_q_ctx, f, strides, &TILINGS);
-}
-
-/// As `check_strided`, for the given tilings.
+/// As `check`, for the given tilings, with the query read from a fused-QKV-shaped view
+/// (`strides` = (query token stride, out token stride) in elements; `None`: dense).
 #[allow(clippy::too_many_arguments)]
 fn check_tilings<T: Elem>(
     rng: &mut SmallRng,
@@ -303,8 +288,28 @@ fn strided_query_and_out_views() {
         let strides = Some(((nh + 2 * 2) * d + 8, nh * d + 16));
         let f = features(i, 16);
         let seqs = [(30, 100), (1, 65)];
-        check_strided::<bf16>(&mut rng, d, group, 16, Page::Dense, &seqs, f, strides);
-        check_strided::<f16>(&mut rng, d, group, 32, Page::Pad(1), &seqs, f, strides);
+        check_tilings::<bf16>(
+            &mut rng,
+            d,
+            group,
+            16,
+            Page::Dense,
+            &seqs,
+            f,
+            strides,
+            &TILINGS,
+        );
+        check_tilings::<f16>(
+            &mut rng,
+            d,
+            group,
+            32,
+            Page::Pad(1),
+            &seqs,
+            f,
+            strides,
+            &TILINGS,
+        );
     }
 }
 

@@ -56,7 +56,7 @@ using pfmma::pack_p;
 using pfmma::softmax_tile;
 using pfmma::softmax_tile_f32;
 using pfmma::stage_q;
-using pfmma::store_tile;
+using pfmma::store_tile_staged;
 using pfmma::tile_kind;
 using pfmma::TileKind;
 using pfmma::TILE_CAUSAL;
@@ -395,7 +395,12 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
     settle_o<C>(o);
   }
 
-  store_tile<T, D>(a, b, o, l, warp * 16, g, qd);
+  // The output is staged in Q's rows where Q has its own region (read into registers before
+  // tile 0), else in the stage the last tile did not use, free for every warp (its last
+  // reads, tile ntiles - 2's, came before the last tile's barrier; at ntiles 1 it held Q):
+  // each warp in its own 16 rows.
+  T *out_rows = C::Q_ELEMS != 0 ? sq : smem + (b.ntiles & 1) * C::STAGE;
+  store_tile_staged<T, D>(a, b, o, l, warp * 16, g, qd, out_rows + warp * 16 * C::LDQ);
 }
 
 }  // namespace pfwg

@@ -232,7 +232,12 @@ __global__ void __launch_bounds__(Cfg<D, WG, false>::NT, Cfg<D, WG, false>::MIN_
                                     qpos, slope);
         },
         copies);
-    if (j == stream_tiles(e.b) - 1) store_tile<T, D>(a, e.b, o, l, warp * 16, g8, qd);
+    // The item's output through its Q buffer: this warp's 16 rows, read only by this warp
+    // (its Q fragments, at the item's first tile) until item n + 2's Q is copied there (at
+    // item n + 1's last tile, after a barrier).
+    if (j == stream_tiles(e.b) - 1)
+      store_tile_staged<T, D>(a, e.b, o, l, warp * 16, g8, qd,
+                              sq + (e.n & 1) * P::Q_BUF + warp * 16 * C::LDQ);
   }
 }
 

@@ -28,6 +28,12 @@ for d in ${DIMS:-128}; do
     --head-dim "$d" \
     --prefill-tiling "${TILINGS:-auto,16,32,wgmma,wgmma128,wgmma-ovl,wgmma128-ovl,wgmma128-persist}"
 done
+# The persistent grid's stream protocol first (its copies landing early are what the
+# emulation cannot see), then memcheck of every kernel test, then the grid under racecheck.
+if [ "${SANITIZE:-1}" = 1 ]; then
+  stage racecheck-persistent 90 compute-sanitizer --tool racecheck --error-exitcode 9 \
+    "$bin/test-cuda_kernels" persistent_prefill_streams_many_items
+fi
 if [ "${SANITIZE:-1}" != 0 ]; then
   stage memcheck-kernels 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
     "$bin/test-cuda_kernels"
@@ -35,8 +41,6 @@ fi
 if [ "${SANITIZE:-1}" = 1 ]; then
   stage racecheck-prefill 90 compute-sanitizer --tool racecheck --error-exitcode 9 \
     "$bin/test-cuda_kernels" prefill_grid_bf16
-  stage racecheck-persistent 90 compute-sanitizer --tool racecheck --error-exitcode 9 \
-    "$bin/test-cuda_kernels" persistent_prefill_streams_many_items
 fi
 [ "${NCU:-1}" = 1 ] || { note done; pack "$PACK_TO"; exit 0; }
 ncu_args=(--clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats

@@ -22,8 +22,9 @@
 // its rows cannot see; the mask zeroes them).
 //
 // Two schedules (Cfg's OVL):
-// - in order: per tile, S; wait; softmax; P V; wait. The tensor cores idle while a warpgroup
-//   runs its softmax unless another block's warpgroup fills them.
+// - in order: per tile, S (the next tile's copies and row addresses queued while it runs);
+//   wait; softmax; P V; wait. The tensor cores idle while a warpgroup runs its softmax unless
+//   another warpgroup fills them.
 // - overlapped: tile j issues S(j) and then P(j - 1) V(j - 1) and waits for S(j) only, so the
 //   softmax of tile j runs while P V of tile j - 1 is on the tensor cores; O is rescaled once
 //   that product is in (O = alpha_j (O + P(j-1) V(j-1)), the same sum). K and V of a tile are
@@ -31,9 +32,11 @@
 //   V(j) overwrites was last read by P V of tile j - 2, waited for in iteration j - 1), with the
 //   same two stages, and the row addresses kept for three tiles.
 //
-// Shared memory (T elements, from the first 1024-byte boundary): stage s (s = 0, 1): K [BC * D], V [BC * D]
-// (the swizzled layout); Q is staged in stage 1 in rows of D + 8 (ldmatrix, before its first use); then the
-// key validity flags [2][BC] int and the K row addresses [KROWS][BC].
+// Shared memory (T elements, from the first 1024-byte boundary): stage s (s = 0, 1): K [BC * D],
+// V [BC * D] (the swizzled layout); Q is staged in stage 1 in rows of D + 8 (ldmatrix, before
+// its first use; after the stages where it does not fit); then the key validity flags [2][BC]
+// int and the K row addresses [KROWS][BC]. At the end each warp stages its 16 output rows in
+// the stage the last tile left free (or Q's own region) for whole 16-byte stores.
 #pragma once
 
 #include "prefill_mma.cuh"

@@ -24,9 +24,9 @@
 //   A warp skips the tiles none of its rows can see (past its last row under the causal mask,
 //   before its first row's window): the diagonal tiles cost only the warps that need them.
 //   The block setup, Q staging, logit transform, online softmax and epilogue are functions
-//   (PrefillBlock, stage_q, tile_kind, causal_tile, mask_tile, softmax_tile, rescale_tile,
-//   store_tile, store_tile_staged) that the wgmma
-//   kernel (prefill_wgmma.cuh) shares.
+//   (PrefillBlock, TableAhead, stage_q, tile_kind, causal_tile, mask_tile, softmax_tile,
+//   rescale_tile, store_tile, store_tile_staged) that the wgmma kernels (prefill_wgmma.cuh,
+//   prefill_wgmma_persist.cuh) share.
 //
 // Shared memory (T elements, rows padded by 8 elements = 16 bytes so that the 8 row addresses
 // of an ldmatrix fall in 8 different 4-bank groups at every supported head dim):
@@ -128,10 +128,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 #endif
 }
 
-// The K row addresses (this layer and KV head; nullptr for a key past `klast` or in a block
-// whose id is out of range) of keys kt .. kt + BC - 1 into krow, one key per thread: the table
-// read and 64-bit address arithmetic once per key, not per 16-byte chunk (that was most of the
-// copy's instructions at d128). Computed a tile ahead of its copy.
+// Key t's K row (this layer and KV head) in cache block blk; nullptr where blk names no block.
 template <typename T>
 __device__ __forceinline__ const T *key_row(const PrefillArgs &a, const T *cache, int blk,
                                             int t, int64_t head_off) {
@@ -140,6 +137,11 @@ __device__ __forceinline__ const T *key_row(const PrefillArgs &a, const T *cache
                    head_off
              : nullptr;
 }
+
+// The K row addresses (this layer and KV head; nullptr for a key past `klast` or in a block
+// whose id is out of range) of keys kt .. kt + BC - 1 into krow, one key per thread: the table
+// read and 64-bit address arithmetic once per key, not per 16-byte chunk (that was most of the
+// copy's instructions at d128). Computed a tile ahead of its copy.
 template <typename T, int D, int BC = Cfg<D, 1>::BC>
 __device__ __forceinline__ void key_rows(const PrefillArgs &a, const T *cache,
                                          const int32_t *btab, int bs_shift, int64_t head_off,
@@ -149,7 +151,6 @@ __device__ __forceinline__ void key_rows(const PrefillArgs &a, const T *cache,
     krow[threadIdx.x] = key_row(a, cache, t <= klast ? btab[t >> bs_shift] : -1, t, head_off);
   }
 }
-
 
 // Queues the copy of the keys whose K rows krow holds (K into sk, V into sv, rows of LD) and
 // writes their validity: an invalid key (nullptr) is zero-filled (V must be finite: it is

@@ -17,9 +17,10 @@
 // publishes tile g's copies), while its S product runs: tile g + 1's copies are queued (and
 // its item's Q where it is the item's first tile), the row addresses of tile g + 2 computed,
 // and warp 0 writes the description of tile g + 3 (a new item's context and table reads
-// happen there, one warp, once per item). Every slot written at tile g was last read before that barrier: stage and flags
-// (g + 1) & 1 by tile g - 1, addresses g & 1 by tile g's copies (queued at the top of g - 1),
-// Q buffer (n + 1) & 1 by item n - 1's first tile, stream[(g + 3) & 3] at tile g - 1.
+// happen there, one warp, once per item). Every slot written at tile g was last read before
+// that barrier: stage and flags (g + 1) & 1 by tile g - 1, addresses g & 1 by tile g's copies
+// (queued in tile g - 1), Q buffer (n + 1) & 1 by item n - 1 (its Q fragments at its first
+// tile, its output staged there at its last), stream[(g + 3) & 3] in tile g - 1.
 //
 // Items: item i of a launch is the row tile of rank i / (hkv num_seqs) counted from the last
 // (the causal mask gives the last rows the most keys: items run longest first, as the plain

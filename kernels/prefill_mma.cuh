@@ -81,7 +81,9 @@ template <int D, int MT> struct Cfg {
 
 // 16 bytes global -> shared, asynchronous on the GPU (completion: commit + wait below). The
 // emulation performs the copy at the cp.async.wait_group that covers its group (emu::AsyncGroups),
-// so a read of the stage before that wait (and the barrier after it) sees the old bytes.
+// so a read of the stage before that wait (and the barrier after it) sees the old bytes; or,
+// with pkv_emu_set_copies_at_issue, at its issue, so a copy into bytes another warp has yet to
+// read shows.
 #ifdef PKV_CUDA_EMU
 struct CpAsync16 {
   void *dst;
@@ -95,7 +97,10 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
 #ifdef PKV_CUDA_EMU
   emu::check_align16(smem, "cp.async shared destination");
   emu::check_align16(gmem, "cp.async global source");
-  cp_async_queue().issue(CpAsync16{smem, gmem});
+  if (emu::copies_at_issue())
+    *static_cast<uint4 *>(smem) = ld_vec(gmem);
+  else
+    cp_async_queue().issue(CpAsync16{smem, gmem});
 #else
   const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");

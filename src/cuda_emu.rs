@@ -141,6 +141,15 @@ pub fn set_sm_count(sms: i32) {
     unsafe { emu_ffi::pkv_emu_set_sm_count(sms) }
 }
 
+/// Where this OS thread's emulated asynchronous copies (cp.async) land: at the wait that covers
+/// them (false, the default) or at their issue (true). The hardware lands them anywhere in
+/// between, so a correct kernel gives the same results both ways: the first exposes a read
+/// before the wait, the second a copy into shared memory another warp has yet to read.
+pub fn set_copies_at_issue(at_issue: bool) {
+    // SAFETY: sets a thread-local flag; no preconditions.
+    unsafe { emu_ffi::pkv_emu_set_copies_at_issue(i32::from(at_issue)) }
+}
+
 /// Sets the compute capability the emulated device reports on this OS thread (default 9.0:
 /// the wgmma prefill tilings run; another, e.g. 8.0, makes the launchers fall back and choose
 /// as they would on such a device).

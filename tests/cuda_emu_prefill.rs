@@ -383,6 +383,55 @@ fn persistent_grid_streams_many_items() {
     cuda_emu::set_sm_count(132);
 }
 
+/// Copies landing at their issue instead of at their wait (the other end of the window in
+/// which the hardware lands them): a copy queued into shared memory that some warp has yet to
+/// read (the next tile's stage, the next item's Q buffer) would show here. Every tiling on
+/// cells with several key tiles and row tiles, then the persistent grid streaming many items
+/// per block, against the oracle.
+#[test]
+fn copies_landing_at_issue() {
+    let mut rng = SmallRng::seed_from_u64(37);
+    cuda_emu::set_copies_at_issue(true);
+    let seqs: &[(usize, usize)] = &[(20, 20), (17, 131), (1, 129), (2, 390), (70, 330)];
+    for (v, (d, group)) in [(128, 4), (64, 1), (96, 3), (80, 8)]
+        .into_iter()
+        .enumerate()
+    {
+        let bs = [16, 8, 32, 64][v];
+        check::<bf16>(&mut rng, d, group, bs, Page::Dense, seqs, features(v, bs));
+    }
+    let persistent = [ffi::PKV_PREFILL_TILING_WGMMA128_PERSISTENT];
+    let many: &[(usize, usize)] = &[(20, 20), (0, 40), (70, 330), (1, 129), (33, 33), (16, 80)];
+    for sms in [1, 2, 3] {
+        cuda_emu::set_sm_count(sms);
+        let f = Features::PLAIN;
+        check_tilings::<bf16>(
+            &mut rng,
+            128,
+            4,
+            16,
+            Page::Dense,
+            many,
+            f,
+            None,
+            &persistent,
+        );
+        check_tilings::<f16>(
+            &mut rng,
+            112,
+            1,
+            32,
+            Page::Pad(1),
+            many,
+            f,
+            None,
+            &persistent,
+        );
+    }
+    cuda_emu::set_sm_count(132);
+    cuda_emu::set_copies_at_issue(false);
+}
+
 /// Bytes of dynamic shared memory the mma.sync kernel asks for at head dim `d` with `mt` m16
 /// tiles per warp (its layout: two stages of K and V rows of d + 8 elements, 64 or 32 keys
 /// each; Q's 64 mt rows where its fragments would take more than 32 registers per lane; two

@@ -91,7 +91,7 @@ fn shuffle_from_a_returned_lane_is_reported() {
 /// the destination still holds its old bytes, wait_group 1 lands the older group only, wait_group
 /// 0 the rest (the emulation's latest moment, so a kernel that reads a stage early fails).
 #[test]
-fn cp_async_lands_at_the_wait_that_covers_it() {
+fn cp_async_lands_at_the_wait_that_covers_it_or_at_issue() {
     let words: Vec<u32> = (0..256u32).flat_map(|i| [100 + i, 0, 0, 0]).collect();
     let src = EmuBuf::from_slice(&words).expect("alloc");
     let out = zeroed(128 * 4 * 4);
@@ -102,6 +102,18 @@ fn cp_async_lands_at_the_wait_that_covers_it() {
     for t in 0..128 {
         let want = [1, 100 + t as i32, 2, 228 + t as i32];
         assert_eq!(got[4 * t..4 * t + 4], want, "thread {t}");
+    }
+    // Landing at the issue instead (cuda_emu::set_copies_at_issue): both copies are in place
+    // before either wait.
+    cuda_emu::set_copies_at_issue(true);
+    // SAFETY: as above.
+    let s = unsafe { emu_ffi::pkv_emu_selftest_cp_async(src.ptr(), out.ptr() as *mut i32) };
+    cuda_emu::set_copies_at_issue(false);
+    assert_eq!(s, 0);
+    let got = out.as_slice::<i32>();
+    for t in 0..128 {
+        let (a, b) = (100 + t as i32, 228 + t as i32);
+        assert_eq!(got[4 * t..4 * t + 4], [a, a, b, b], "thread {t}, at issue");
     }
 }
 

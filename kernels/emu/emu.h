@@ -180,6 +180,10 @@ uint64_t shfl_idx_bits(unsigned mask, uint64_t bits, int src_lane, int width);
 bool vote_any(unsigned mask, bool pred);
 // The live lanes' predicates, lane l at bit l (__ballot_sync; the full mask only).
 unsigned vote_ballot(unsigned mask, bool pred);
+// Whether asynchronous copies (cp.async) land when issued instead of at the wait that covers
+// them (pkv_emu_set_copies_at_issue): the two ends of the window in which the hardware may
+// write, one exposing reads before the wait, the other writes into data still being read.
+bool copies_at_issue();
 // The calling thread's lane in its warp (its linear index in the block % 32).
 int lane_id();
 // Most 32-bit words one lane posts to warp_gather (an mma posts 6, an ldmatrix 2).

@@ -35,6 +35,7 @@ thread_local cudaError_t tl_error = cudaSuccess;
 thread_local std::string tl_fault_message;
 thread_local int tl_sm_count = 132;
 thread_local int tl_cc_major = 9, tl_cc_minor = 0;
+thread_local bool tl_copies_at_issue = false;
 thread_local int tl_policy = PKV_EMU_SCHEDULE_FORWARD;
 thread_local uint64_t tl_seed = 0;
 thread_local pkv_emu_stats tl_stats = {0, 0, 0, 0};
@@ -522,6 +523,8 @@ unsigned vote_ballot(unsigned mask, bool pred) {
 
 bool vote_any(unsigned mask, bool pred) { return vote_ballot(mask, pred) != 0; }
 
+bool copies_at_issue() { return tl_copies_at_issue; }
+
 int lane_id() { return require_runner("the lane id")->cur->lane; }
 
 void warp_gather(const void *mine, size_t bytes, void *all) {
@@ -737,6 +740,10 @@ extern "C" void pkv_emu_free(void *ptr) {
 }
 
 extern "C" void pkv_emu_set_sm_count(int32_t sms) { emu::tl_sm_count = sms; }
+
+extern "C" void pkv_emu_set_copies_at_issue(int32_t at_issue) {
+  emu::tl_copies_at_issue = at_issue != 0;
+}
 
 extern "C" void pkv_emu_set_compute_capability(int32_t major, int32_t minor) {
   emu::tl_cc_major = major;

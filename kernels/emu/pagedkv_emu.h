@@ -55,6 +55,11 @@ void pkv_emu_set_sm_count(int32_t sms);
  * the emulated wgmma kernels run; another makes the launchers choose as they would there).
  */
 void pkv_emu_set_compute_capability(int32_t major, int32_t minor);
+/** Where this OS thread's emulated cp.async copies land: 0 (the default) at the
+ *  cp.async.wait_group that covers them, nonzero at their issue. A kernel correct on the GPU
+ *  gives the same results either way: the first exposes a read before its wait, the second a
+ *  copy queued into shared memory that another warp still reads. */
+void pkv_emu_set_copies_at_issue(int32_t at_issue);
 
 /** The scheduling policy (PKV_EMU_SCHEDULE_*) and seed of this thread's later launches. */
 void pkv_emu_set_schedule(int32_t policy, uint64_t seed);

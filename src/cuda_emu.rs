@@ -121,6 +121,11 @@ pub enum Schedule {
     Reverse,
     /// A fresh pseudo-random order every pass, from the seed.
     Random(u64),
+    /// Warp by warp: each warp runs alone until all its threads wait at `__syncthreads` (or
+    /// have returned), so one warp gets as far ahead of the others as a barrier allows: a
+    /// warp writing shared memory another has yet to read shows. `reverse`: the last warp
+    /// first.
+    WarpByWarp { reverse: bool },
 }
 
 /// Sets the scheduling order (see [`Schedule`]) for this OS thread.
@@ -129,6 +134,9 @@ pub fn set_schedule(s: Schedule) {
         Schedule::Forward => (emu_ffi::PKV_EMU_SCHEDULE_FORWARD, 0),
         Schedule::Reverse => (emu_ffi::PKV_EMU_SCHEDULE_REVERSE, 0),
         Schedule::Random(seed) => (emu_ffi::PKV_EMU_SCHEDULE_RANDOM, seed),
+        Schedule::WarpByWarp { reverse } => {
+            (emu_ffi::PKV_EMU_SCHEDULE_WARP_BY_WARP, u64::from(reverse))
+        }
     };
     // SAFETY: sets thread-local integers; no preconditions.
     unsafe { emu_ffi::pkv_emu_set_schedule(policy as i32, seed) }

@@ -422,6 +422,8 @@ fn decode_results_do_not_depend_on_thread_order() {
                 Schedule::Reverse,
                 Schedule::Random(3),
                 Schedule::Random(4),
+                Schedule::WarpByWarp { reverse: false },
+                Schedule::WarpByWarp { reverse: true },
             ] {
                 cuda_emu::set_schedule(sched);
                 let (s, got) = case.decode::<T>(layer, mode);
@@ -603,6 +605,8 @@ fn results_do_not_depend_on_thread_order() {
         Schedule::Reverse,
         Schedule::Random(1),
         Schedule::Random(2),
+        Schedule::WarpByWarp { reverse: false },
+        Schedule::WarpByWarp { reverse: true },
     ] {
         cuda_emu::set_schedule(sched);
         let (s1, single) = dcase.decode::<bf16>(layer, ffi::PKV_DECODE_SINGLE);

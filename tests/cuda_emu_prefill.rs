@@ -386,8 +386,8 @@ fn persistent_grid_streams_many_items() {
 /// Copies landing at their issue instead of at their wait (the other end of the window in
 /// which the hardware lands them): a copy queued into shared memory that some warp has yet to
 /// read (the next tile's stage, the next item's Q buffer) would show here. Every tiling on
-/// cells with several key tiles and row tiles, then the persistent grid streaming many items
-/// per block, against the oracle.
+/// cells with several key tiles and row tiles, the persistent grid streaming many items per
+/// block, and a cell under reversed and random thread orders, against the oracle.
 #[test]
 fn copies_landing_at_issue() {
     let mut rng = SmallRng::seed_from_u64(37);
@@ -429,6 +429,18 @@ fn copies_landing_at_issue() {
         );
     }
     cuda_emu::set_sm_count(132);
+    // Warps in other orders (a warp's stores into shared memory another warp has yet to read
+    // show under some order).
+    for sched in [
+        Schedule::Reverse,
+        Schedule::Random(11),
+        Schedule::WarpByWarp { reverse: false },
+        Schedule::WarpByWarp { reverse: true },
+    ] {
+        cuda_emu::set_schedule(sched);
+        check::<bf16>(&mut rng, 128, 4, 16, Page::Dense, seqs, Features::PLAIN);
+    }
+    cuda_emu::set_schedule(Schedule::Forward);
     cuda_emu::set_copies_at_issue(false);
 }
 

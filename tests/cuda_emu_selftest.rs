@@ -26,7 +26,13 @@ fn block_sums_over_2d_grids_and_blocks() {
         let inb = EmuBuf::from_slice(&input).expect("alloc");
         let mut out = zeroed(blocks * 4);
         out.as_mut_slice::<i32>().fill(i32::MIN);
-        for sched in [Schedule::Forward, Schedule::Reverse, Schedule::Random(7)] {
+        for sched in [
+            Schedule::Forward,
+            Schedule::Reverse,
+            Schedule::Random(7),
+            Schedule::WarpByWarp { reverse: false },
+            Schedule::WarpByWarp { reverse: true },
+        ] {
             cuda_emu::set_schedule(sched);
             // SAFETY: in holds one i32 per thread of every block, out one per block; the
             // emulated launch is synchronous.
@@ -255,6 +261,21 @@ fn indexed_shuffles_read_the_source_lane_of_each_segment() {
             assert_eq!(v, (src * 10) as i32, "thread {t} width {width}");
         }
     }
+}
+
+/// Warp by warp, one warp runs to the next block barrier before the other starts: the first
+/// warp in the order sees none of the other's writes, the second sees all of them.
+#[test]
+fn warp_by_warp_runs_one_warp_ahead() {
+    let out = zeroed(4);
+    for (reverse, want) in [(false, 1), (true, 0)] {
+        cuda_emu::set_schedule(Schedule::WarpByWarp { reverse });
+        // SAFETY: out holds one int.
+        let s = unsafe { emu_ffi::pkv_emu_selftest_warp_ahead(out.ptr() as *mut i32) };
+        assert_eq!(s, 0, "{:?}", cuda_emu::last_fault());
+        assert_eq!(out.as_slice::<i32>()[0], want, "reverse {reverse}");
+    }
+    cuda_emu::set_schedule(Schedule::Forward);
 }
 
 #[test]

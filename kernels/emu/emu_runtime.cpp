@@ -385,22 +385,47 @@ bool run_block(Runner &r, uint3 block, dim3 grid, dim3 bdim) {
   r.order.resize(n);
   for (int i = 0; i < n; ++i) r.order[i] = tl_policy == PKV_EMU_SCHEDULE_REVERSE ? n - 1 - i : i;
 
+  const bool by_warp = tl_policy == PKV_EMU_SCHEDULE_WARP_BY_WARP;
+  std::vector<int> warps(nwarps);
+  for (int w = 0; w < nwarps; ++w) warps[w] = by_warp && tl_seed == 1 ? nwarps - 1 - w : w;
   for (;;) {
     if (tl_policy == PKV_EMU_SCHEDULE_RANDOM)
       for (int i = n - 1; i > 0; --i) std::swap(r.order[i], r.order[next_random(r.rng) % (i + 1)]);
+    if (by_warp && tl_seed > 1)
+      for (int i = nwarps - 1; i > 0; --i)
+        std::swap(warps[i], warps[next_random(r.rng) % (i + 1)]);
     bool progressed = false, all_done = true;
-    for (int idx : r.order) {
+    // Warp by warp, a block barrier completed during this pass releases its waiters in the
+    // next one (in warp order), not the warp that completed it at once.
+    const uint32_t pass_gen = r.block_bar.gen;
+    // Runs fiber idx if it can go on; false if the launch failed.
+    auto step = [&](int idx, bool &ran) {
       Fiber &f = r.fibers[idx];
-      if (f.state == State::Done) continue;
+      if (f.state == State::Done) return true;
       all_done = false;
-      if (!runnable(r, f)) continue;
+      if (!runnable(r, f)) return true;
+      if (by_warp && f.state == State::WaitBlock && f.wait_gen == pass_gen) return true;
       f.state = State::Ready;
       r.cur = &f;
       tl_coords = &f.coords;
       switch_to(r.sched, f.ctx);
       tl_coords = nullptr;
-      progressed = true;
-      if (r.failed) return false;
+      progressed = ran = true;
+      return !r.failed;
+    };
+    if (by_warp) {
+      // A warp's lanes run (in order) until none can go on: each waits at the block barrier
+      // or has returned. Then the next warp.
+      for (int w : warps)
+        for (bool ran = true; ran;) {
+          ran = false;
+          for (int idx = w * 32; idx < n && idx < w * 32 + 32; ++idx)
+            if (!step(idx, ran)) return false;
+        }
+    } else {
+      bool ran = false;
+      for (int idx : r.order)
+        if (!step(idx, ran)) return false;
     }
     if (all_done) return true;
     if (!progressed) {

@@ -23,6 +23,12 @@ extern "C" {
 #define PKV_EMU_SCHEDULE_REVERSE 1
 /** A fresh pseudo-random fiber order every pass, from the seed. */
 #define PKV_EMU_SCHEDULE_RANDOM 2
+/** Warp by warp: each warp runs alone until all its threads wait at __syncthreads (or have
+ *  returned) before the next warp starts, warps in order (seed 0), in reverse (seed 1) or in a
+ *  fresh pseudo-random order every pass (other seeds). One warp then runs as far ahead of the
+ *  others as a barrier allows, which shows a warp writing shared memory that another has yet
+ *  to read before the next barrier. */
+#define PKV_EMU_SCHEDULE_WARP_BY_WARP 3
 
 /** What the emulation did on this thread since the last pkv_emu_take_stats. */
 typedef struct pkv_emu_stats {
@@ -107,6 +113,9 @@ int pkv_emu_selftest_shuffle_idx(int *out, int width);
 /** 96 threads (warp 2's lane 31 returns first): out[t] = __any_sync | __all_sync << 1,
  *  out[96 + t] a __ballot_sync, out[192 + t] its __ffs (selftest.cu's vote_kernel). */
 int pkv_emu_selftest_vote(int *out);
+/** 64 threads: out[0] = what warp 1 reads of a shared flag warp 0 sets with no barrier between
+ *  (0 where warp 1 ran first, 1 where warp 0 did). */
+int pkv_emu_selftest_warp_ahead(int *out);
 /** 128 threads; src: 256 16-byte vectors. Thread t queues two cp.async groups (src[t] into a
  *  shared vector that held 1s, then src[128 + t] into one that held 2s) and records the first
  *  word of its destinations: out[4t] before any wait, out[4t + 1] and out[4t + 2] after

@@ -25,6 +25,19 @@ __global__ void block_sum_kernel(const int *in, int *out) {
   if (t == 0) out[b] = part[0];
 }
 
+// Two warps, no barrier between warp 0's write of `flag` and warp 1's read of it (a race on a
+// GPU): which value warp 1 reads tells which warp the schedule ran ahead.
+__global__ void warp_ahead_kernel(int *out) {
+  __shared__ int flag;
+  const int t = threadIdx.x;
+  if (t == 0) flag = 0;
+  __syncthreads();
+  __syncwarp();
+  if (t == 0) flag = 1;
+  if (t == 32) out[0] = flag;
+  __syncthreads();
+}
+
 __global__ void shuffle_kernel(int *out) {
   const int t = threadIdx.x;
   for (int k = 0; k < 5; ++k) out[t * 5 + k] = __shfl_xor_sync(0xffffffffu, t * 10, 1 << k);
@@ -178,6 +191,11 @@ __global__ void cp_async_kernel(const uint4 *src, int *out) {
 
 extern "C" int pkv_emu_selftest_cp_async(const void *src, int *out) {
   cp_async_kernel<<<1, 128>>>(static_cast<const uint4 *>(src), out);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int pkv_emu_selftest_warp_ahead(int *out) {
+  warp_ahead_kernel<<<1, 64>>>(out);
   return (int)cudaGetLastError();
 }
 

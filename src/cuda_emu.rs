@@ -123,9 +123,11 @@ pub enum Schedule {
     Random(u64),
     /// Warp by warp: each warp runs alone until all its threads wait at `__syncthreads` (or
     /// have returned), so one warp gets as far ahead of the others as a barrier allows: a
-    /// warp writing shared memory another has yet to read shows. `reverse`: the last warp
-    /// first.
-    WarpByWarp { reverse: bool },
+    /// warp writing shared memory another has yet to read shows.
+    WarpByWarp {
+        /// The last warp first (else warp 0 first).
+        reverse: bool,
+    },
 }
 
 /// Sets the scheduling order (see [`Schedule`]) for this OS thread.

@@ -318,7 +318,8 @@ fn strided_query_and_out_views() {
 /// and of several, items with no rows (a sequence with no query tokens; the short chunks'
 /// row tiles past their rows when a longer chunk sets the grid), a chunk whose rows straddle
 /// row tiles, windows, soft-cap and ALiBi, every head dim of the kernel (d64 runs the plain
-/// grid) and both dtypes, against the oracle; then the thread schedules reversed and random.
+/// grid) and both dtypes, against the oracle; then the thread schedules reversed, random and
+/// warp by warp.
 #[test]
 fn persistent_grid_streams_many_items() {
     let mut rng = SmallRng::seed_from_u64(36);
@@ -364,7 +365,12 @@ fn persistent_grid_streams_many_items() {
             &persistent,
         );
     }
-    for sched in [Schedule::Reverse, Schedule::Random(7)] {
+    for sched in [
+        Schedule::Reverse,
+        Schedule::Random(7),
+        Schedule::WarpByWarp { reverse: false },
+        Schedule::WarpByWarp { reverse: true },
+    ] {
         cuda_emu::set_schedule(sched);
         cuda_emu::set_sm_count(2);
         check_tilings::<bf16>(

@@ -39,6 +39,16 @@ const TILINGS: [u32; 7] = [
     ffi::PKV_PREFILL_TILING_WGMMA128_PERSISTENT,
 ];
 
+/// Thread orders besides the forward one that the tests below also run: a kernel free of
+/// shared-memory races gives the same results under each (warp by warp, one warp gets as far
+/// ahead of the others as a barrier allows).
+const OTHER_ORDERS: [Schedule; 4] = [
+    Schedule::Reverse,
+    Schedule::Random(7),
+    Schedule::WarpByWarp { reverse: false },
+    Schedule::WarpByWarp { reverse: true },
+];
+
 /// Runs the prefill launcher (the tiled entry, with `tiling`) on guarded copies of
 /// the inputs: the query rows (dense in `query`, `[tokens][heads * d]`) placed `qs` elements
 /// apart with NaN between them (a fused-QKV-shaped view when `qs` is larger than a row), the
@@ -365,12 +375,7 @@ fn persistent_grid_streams_many_items() {
             &persistent,
         );
     }
-    for sched in [
-        Schedule::Reverse,
-        Schedule::Random(7),
-        Schedule::WarpByWarp { reverse: false },
-        Schedule::WarpByWarp { reverse: true },
-    ] {
+    for sched in OTHER_ORDERS {
         cuda_emu::set_schedule(sched);
         cuda_emu::set_sm_count(2);
         check_tilings::<bf16>(
@@ -437,12 +442,7 @@ fn copies_landing_at_issue() {
     cuda_emu::set_sm_count(132);
     // Warps in other orders (a warp's stores into shared memory another warp has yet to read
     // show under some order).
-    for sched in [
-        Schedule::Reverse,
-        Schedule::Random(11),
-        Schedule::WarpByWarp { reverse: false },
-        Schedule::WarpByWarp { reverse: true },
-    ] {
+    for sched in OTHER_ORDERS {
         cuda_emu::set_schedule(sched);
         check::<bf16>(&mut rng, 128, 4, 16, Page::Dense, seqs, Features::PLAIN);
     }

@@ -27,7 +27,7 @@ kernel_tests  # the probe first, then every kernel test (gpu-stage.sh)
 stage bench-gpu 200 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill-tiling 16,32
 only='--no-cache-ops --peer none --no-check'
 stage bench-wgmma 120 "$bin/bin-pagedkv" bench gpu --no-cache-ops --peer none --decode none \
-  --prefill-tiling wgmma,wgmma128,wgmma-ovl,wgmma128-ovl
+  --prefill-tiling wgmma,wgmma128,wgmma-ovl,wgmma128-ovl,wgmma128-persist
 # The new kernels' memory and shared-memory hand-offs (cp.async -> ldmatrix / wgmma) under the
 # sanitizers before the longer measurements.
 stage memcheck-kernels 120 compute-sanitizer --tool memcheck --error-exitcode 9 \

@@ -212,6 +212,35 @@ template <typename C> __device__ __forceinline__ void settle_o(float (&o)[C::NT_
   pin_all(reinterpret_cast<float(&)[C::NT_O * 4]>(o));
 }
 
+// A warp's rows as the logit transform needs them: its lane's two rows' positions and ALiBi
+// slopes (rows g and g + 8 of the warp's 16), and the warp's position range for tile_kind (a
+// warp of padding rows has none: w_first -1, so no tile is scale-only for it and the causal or
+// general mask covers it).
+struct WarpRows {
+  int qpos[2];
+  float slope[2];
+  int w_first, w_last;
+  __device__ void of(const PrefillArgs &a, const PrefillBlock &b, int warp, int g) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) b.row(a, warp * 16 + g + 8 * h, qpos[h], slope[h]);
+    const int wrows = min(16, b.nrows - warp * 16);
+    w_first = wrows > 0 ? b.pos(a, warp * 16) : -1;
+    w_last = b.pos(a, warp * 16 + max(wrows, 1) - 1);
+  }
+};
+
+// The warp's Q fragments (S's A operand, one quad per k16 step) from the staged rows at sq
+// (rows of C::LDQ elements), by ldmatrix: lanes 8j .. 8j + 7 name rows 0..7 of matrix j.
+template <typename T, typename C>
+__device__ __forceinline__ void q_fragments(uint32_t (&qf)[C::KSTEPS][4], const T *sq, int warp,
+                                            int lane) {
+  const int lrow = lane % 8, lmat = lane / 8;
+#pragma unroll
+  for (int ks = 0; ks < C::KSTEPS; ++ks)
+    ldmatrix<4, false>(qf[ks], sq + (warp * 16 + (lmat % 2) * 8 + lrow) * C::LDQ + ks * 16 +
+                                   (lmat / 2) * 8);
+}
+
 // The logit transform and mask of a key tile's S (tiles of keys kt .., flags kv_ok; this
 // warp's rows at w_first .. w_last, this lane's at qpos with ALiBi slopes slope): the
 // exponent's multiplier for the online softmax (the scale itself where tile_kind leaves the
@@ -273,15 +302,8 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
   if (!b.template init<D>(a, C::ROWS, C::BC)) return;  // the whole block, before any barrier
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, qd = lane % 4;
-  int qpos[2];
-  float slope[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) b.row(a, warp * 16 + g + 8 * h, qpos[h], slope[h]);
-  // This warp's rows as positions, for tile_kind (a warp of padding rows has none: w_first
-  // -1, so no tile is scale-only for it and the causal or general mask covers it).
-  const int wrows = min(16, b.nrows - warp * 16);
-  const int w_first = wrows > 0 ? b.pos(a, warp * 16) : -1;
-  const int w_last = b.pos(a, warp * 16 + max(wrows, 1) - 1);
+  WarpRows wr;
+  wr.of(a, b, warp, g);
   const bool plain = plain_logits(a);
   const float scale_log2 = a.scale * LOG2E;
   const T *cache = reinterpret_cast<const T *>(a.cache);
@@ -302,12 +324,8 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
   cp_async_wait<0>();
   __syncthreads();
 
-  const int lrow = lane % 8, lmat = lane / 8;
   uint32_t qf[C::KSTEPS][4];
-#pragma unroll
-  for (int ks = 0; ks < C::KSTEPS; ++ks)
-    ldmatrix<4, false>(qf[ks], sq + (warp * 16 + (lmat % 2) * 8 + lrow) * C::LDQ + ks * 16 +
-                                   (lmat / 2) * 8);
+  q_fragments<T, C>(qf, sq, warp, lane);
 
   float o[C::NT_O][4];
 #pragma unroll
@@ -344,7 +362,8 @@ __global__ void __launch_bounds__(Cfg<D, WG, OVL>::NT, Cfg<D, WG, OVL>::MIN_BLOC
   // The logit transform and mask of tile j's S (tile_logits).
   auto logits_of = [&](int j, float(&s)[C::NT_S][4]) {
     return tile_logits<C::BC>(a, plain, scale_log2, s, kvalid + (j & 1) * C::BC,
-                              b.kbegin + j * C::BC, w_first, w_last, qd, qpos, slope);
+                              b.kbegin + j * C::BC, wr.w_first, wr.w_last, qd, wr.qpos,
+                              wr.slope);
   };
   auto k_of = [&](int j) { return smem + (j & 1) * C::STAGE; };
   auto v_of = [&](int j) { return smem + (j & 1) * C::STAGE + C::BC * D; };

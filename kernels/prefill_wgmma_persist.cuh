@@ -169,13 +169,10 @@ __global__ void __launch_bounds__(Cfg<D, WG, false>::NT, Cfg<D, WG, false>::MIN_
   // The current item (its description is every one of its stream tiles', read from shared
   // memory where needed rather than held in registers): its rows' positions and slopes, this
   // warp's position range, its Q fragments, O and the running max and sum.
-  int qpos[2];
-  float slope[2];
-  int w_first = -1, w_last = -1;
+  WarpRows wr;
   uint32_t qf[C::KSTEPS][4];
   float o[C::NT_O][4];
   float m[2], l[2];
-  const int lrow = lane % 8, lmat = lane / 8;
   for (unsigned g = 0;; ++g) {
     cp_async_wait<0>();
     // Tile g's copies visible to wgmma's async proxy and to every warp; every warp done with
@@ -203,16 +200,8 @@ __global__ void __launch_bounds__(Cfg<D, WG, false>::NT, Cfg<D, WG, false>::MIN_
 
     const int j = e.j;
     if (j == 0) {  // a new item (block-uniform)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) e.b.row(a, warp * 16 + g8 + 8 * h, qpos[h], slope[h]);
-      const int wrows = min(16, e.b.nrows - warp * 16);
-      w_first = wrows > 0 ? e.b.pos(a, warp * 16) : -1;
-      w_last = e.b.pos(a, warp * 16 + max(wrows, 1) - 1);
-      const T *q = sq + (e.n & 1) * P::Q_BUF;
-#pragma unroll
-      for (int ks = 0; ks < C::KSTEPS; ++ks)
-        ldmatrix<4, false>(qf[ks], q + (warp * 16 + (lmat % 2) * 8 + lrow) * C::LDQ + ks * 16 +
-                                       (lmat / 2) * 8);
+      wr.of(a, e.b, warp, g8);
+      q_fragments<T, C>(qf, sq + (e.n & 1) * P::Q_BUF, warp, lane);
 #pragma unroll
       for (int t = 0; t < C::NT_O; ++t)
 #pragma unroll
@@ -229,8 +218,8 @@ __global__ void __launch_bounds__(Cfg<D, WG, false>::NT, Cfg<D, WG, false>::MIN_
     inorder_tile<T, C>(
         qf, sk, sk + C::BC * D, smem, o, m, l,
         [&](float(&s)[C::NT_S][4]) {
-          return tile_logits<C::BC>(a, plain, scale_log2, s, kv_ok, kt, w_first, w_last, qd,
-                                    qpos, slope);
+          return tile_logits<C::BC>(a, plain, scale_log2, s, kv_ok, kt, wr.w_first, wr.w_last,
+                                    qd, wr.qpos, wr.slope);
         },
         copies);
     // The item's output through its Q buffer: this warp's 16 rows, read only by this warp

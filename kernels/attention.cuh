@@ -43,11 +43,11 @@
 //     plan).
 //   * Split merge (decode_finish_split): after a barrier, thread 0 fences (publishing the
 //     block's partials) and adds one to the group's counter (blockIdx.x of sequence s); the
-//     block that brings it to num_splits is the last of the group: it resets the counter,
-//     fences, and merges all num_splits partials of each of its rows in split order
-//     (a result independent of which block finished last), skipping tmp_max == -inf (so it
-//     never reads an unwritten tmp_out) and writing zeros when the total weight is 0. Partials
-//     are read through L2 (__ldcg): another SM wrote them in this launch.
+//     block that brings it to num_splits is the last of the group: it fences, merges all
+//     num_splits partials of each of its rows in a fixed order (a result independent of which
+//     block finished last), skipping tmp_max == -inf (so it never reads an unwritten tmp_out)
+//     and writing zeros when the total weight is 0, and resets the counter. Partials are read
+//     through L2 (__ldcg): another SM wrote them in this launch.
 //   * The split policy lives in one place, decode_plan (paged_attention.cu). Neither body
 //     keeps per-token logits (both are online softmax), so no partition length is too long
 //     and the plan has no floor on num_splits.

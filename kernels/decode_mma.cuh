@@ -323,7 +323,8 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
     decode_store_empty<T, D>(a, b);
   // One call site: the merge is inlined once per instance, after the body's registers are
   // free (it adds nothing to the body's register count).
-  if (a.num_splits > 1) decode_finish_split<T, D, P::GT>(a, b, smem, P::SMEM_FLOATS);
+  static_assert(P::SMEM_FLOATS >= split_merge_floats<P::GT, D>(), "the split merge's scratch");
+  if (a.num_splits > 1) decode_finish_split<T, D, P::GT>(a, b, smem);
 }
 
 }  // namespace pkv

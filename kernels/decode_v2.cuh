@@ -121,172 +121,124 @@ __device__ void decode_merge_and_store(const DecodeArgs &a, const DecodeBlock &b
   }
 }
 
-// (m, l) += (mo, lo): running (max, sum relative to that max) pairs of the split merge's
-// log-sum-exp; a pair with max -inf (nothing attended) adds nothing.
-__device__ __forceinline__ void lse_add(float &m, float &l, float mo, float lo) {
-  if (mo == -INFINITY) return;
-  if (mo > m) {
-    l = (m == -INFINITY ? 0.f : l * __expf(m - mo)) + lo;
-    m = mo;
+// (m, l, v) += split (mz, lz, x): the running (max, sum, weighted row) of one output piece
+// over the splits it has read, relative to its own max m; a split with max -inf (nothing
+// attended, its row never written) adds nothing.
+__device__ __forceinline__ void split_add(float &m, float &l, float4 &v, float mz, float lz,
+                                          const float4 &x) {
+  if (mz == -INFINITY) return;
+  if (mz > m) {
+    const float c = m == -INFINITY ? 0.f : __expf(m - mz);  // v and l are 0 while m is -inf
+    l = fmaf(l, c, lz);
+    v = make_float4(fmaf(v.x, c, x.x), fmaf(v.y, c, x.y), fmaf(v.z, c, x.z), fmaf(v.w, c, x.w));
+    m = mz;
   } else {
-    l = fmaf(lo, __expf(mo - m), l);
+    const float w = __expf(mz - m);
+    l = fmaf(lz, w, l);
+    v = make_float4(fmaf(x.x, w, v.x), fmaf(x.y, w, v.y), fmaf(x.z, w, v.z), fmaf(x.w, w, v.w));
   }
 }
 
-// acc += x * w per component, w == 0 (an empty split) adding nothing even where x is not a
-// number (its row was never written).
-__device__ __forceinline__ void decode_add_weighted(float4 &acc, const float4 &x, float w) {
-  if (w != 0.f) {
-    acc.x = fmaf(x.x, w, acc.x);
-    acc.y = fmaf(x.y, w, acc.y);
-    acc.z = fmaf(x.z, w, acc.z);
-    acc.w = fmaf(x.w, w, acc.w);
-  }
+// Shared memory floats the split merge needs: a running (sum vector, max, sum), 6 floats, per
+// thread or per 16-byte piece of the GT heads' outputs, whichever are more.
+template <int GT, int D> constexpr int split_merge_floats() {
+  return 6 * (DEC_THREADS > GT * D / 4 ? DEC_THREADS : GT * D / 4);
 }
 
 // With several splits, once this block's threads have written its partials to the workspace:
 // counts the block in, and if it is the last of its (sequence, head chunk) group,
 // merges the group's num_splits partials into the normalized output of its ng heads (the
 // contract's split merge, attention.cuh). Called by every thread of the block; `scratch` is
-// `scratch_floats` (>= ng x (D + 1)) floats of 16-byte aligned shared memory the block no
-// longer needs.
+// `scratch_floats` (>= split_merge_floats<GT, D>()) floats of 16-byte aligned shared memory
+// the block no longer needs.
 //
 // The merge is the tail of a split launch (only after every split of the group has arrived can
-// it start), so it keeps many loads in flight: each (head, split) weight e^(m_z - M) is
-// computed once into `scratch` (in chunks of splits when ng x num_splits does not fit), and
-// each thread then sums whole 16-byte pieces of the partial rows through L2 (__ldcg), several
-// splits per step with their loads issued together. Every output is still summed in split
-// order with the same weights, so the result does not depend on which block merges.
-//
-// Each kernel calls it from one place, after its body (decode_*_attend) or an empty split's
-// store, so the inlined merge runs when the body's registers are free.
+// it start; at batch 1 it is on the critical path of every layer), and its time is rounds of
+// dependent L2 reads, so it keeps those rounds few:
+//  * no round of its own for the weights: a thread reads each split's max and sum with its
+//    partial row and keeps a running (max, sum, row sum) relative to its own max, as the
+//    decode body does over tokens (e^(m_z - M) needs the max of all splits only at the end);
+//  * every thread reads partial rows: each 16-byte piece of the ng x D output is summed by R
+//    threads (R = threads / pieces, at most the splits), thread r taking splits r, r + R, ...
+//    in split order, ZU splits' loads issued together per step; the R running sums are
+//    combined in r order at the end;
+//  * the arrival counter is reset after the merge, not between the arrival and its fence.
+// Every output is summed in the same order whichever block merges, so the result does not
+// depend on the order in which blocks finish.
 template <typename T, int D, int GT>
 __device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b,
-                                                    float *scratch, int scratch_floats) {
-  static_assert(GT >= 1 && GT <= 16, "s_max and s_total hold 16 heads");
+                                                    float *scratch) {
   __shared__ int s_last;
-  __shared__ float s_max[16], s_total[16];  // per served head (ng <= 16)
+  unsigned *const counter = a.counters + (int64_t)b.seq * gridDim.x + blockIdx.x;
   // The arrival publishes the block's partials (the pattern of a grid-wide barrier): the
   // barrier orders every thread's writes before thread 0's fence, whose cumulativity orders
   // them before the atomic on the device; the last block's thread 0 fences after its atomic
   // and the second barrier hands that order to the threads that read.
   __syncthreads();
   if (threadIdx.x == 0) {
-    unsigned *c = a.counters + (int64_t)b.seq * gridDim.x + blockIdx.x;
     __threadfence();
-    const unsigned before = atomicAdd(c, 1u);
+    const unsigned before = atomicAdd(counter, 1u);
     s_last = before + 1 == (unsigned)a.num_splits;
-    if (s_last) {
-      // Every block of the group has arrived: nothing adds to it again in this launch, and
-      // the next launch (stream-ordered after this one) finds it zero.
-      atomicExch(c, 0u);
-      __threadfence();
-    }
+    if (s_last) __threadfence();
   }
   __syncthreads();
   if (!s_last) return;
 
-  // Every step below is a round of L2 reads whose latency, not their bytes, sets the time:
-  // each thread issues all of a round's loads before it uses any.
   const int S = a.num_splits;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  constexpr int PIECES = D / 4, ZU = GT == 1 ? 2 : 8;
+  // ZU: splits per step, within the registers the body already holds (ptxas: 16 at d128
+  // leaves the GQA body at 152 on sm_90; below d128 it raised d64-d112's, as 4 did the MHA body's).
+  constexpr int PIECES = D / 4, ZU = GT == 1 ? 2 : D >= 128 ? 16 : 8;
   const int pieces = b.ng * PIECES;
-  float4 *acc = reinterpret_cast<float4 *>(scratch);  // [pieces]; scratch is 16-byte aligned
-  float *wts = scratch + b.ng * D;
-  const int zc = (scratch_floats - b.ng * D) / b.ng;  // splits per chunk, >= 1
-  // Up to 64 splits in one chunk (batch 1: the common case), a lane keeps the maxima of its
-  // splits lane and lane + 32 and writes their weights itself: max, total and weights take one
-  // round of loads instead of three.
-  const bool fused = S <= 64 && S <= zc;
-  for (int g = warp; g < b.ng; g += DEC_WARPS) {  // the head's max and total weight
-    const float *mx = a.tmp_max + (b.row0 + g) * S, *sm = a.tmp_sum + (b.row0 + g) * S;
-    // This lane's splits as a running (max, sum relative to it), combined across lanes after;
-    // an empty split (max -inf, sum 0 written) adds nothing.
-    float m = -INFINITY, l = 0.f, mk[2] = {-INFINITY, -INFINITY};
-    if (fused) {
-      float lk[2] = {0.f, 0.f};
-#pragma unroll
-      for (int k = 0; k < 2; ++k)
-        if (lane + 32 * k < S) {
-          mk[k] = __ldcg(mx + lane + 32 * k);
-          lk[k] = __ldcg(sm + lane + 32 * k);
-        }
-#pragma unroll
-      for (int k = 0; k < 2; ++k) lse_add(m, l, mk[k], lk[k]);
-    } else {
-#pragma unroll 2
-      for (int z = lane; z < S; z += 32) lse_add(m, l, __ldcg(mx + z), __ldcg(sm + z));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float mo = __shfl_xor_sync(0xffffffffu, m, o);
-      const float lo = __shfl_xor_sync(0xffffffffu, l, o);
-      lse_add(m, l, mo, lo);  // every lane ends with the same max; lane 0's sum is stored
-    }
-    if (lane == 0) {
-      s_max[g] = m;
-      s_total[g] = l;
-    }
-    if (fused) {
-#pragma unroll
-      for (int k = 0; k < 2; ++k)
-        if (lane + 32 * k < S)  // 0 for an empty split, whose partial row was never written
-          wts[g * S + lane + 32 * k] = mk[k] == -INFINITY ? 0.f : __expf(mk[k] - m);
-    }
-  }
-  // The ng x D outputs in 16-byte pieces, thread t owning pieces t, t + DEC_THREADS, ...;
-  // their f32 sums live in `scratch` (a thread only touches its own), the (head, split)
-  // weights of the current chunk after them. A piece sums ZU splits per step, their loads
-  // issued together, the last step's surplus predicated off (two for the one-head body,
-  // whose registers are few: no body's register count grows for the merge).
-  for (int p = threadIdx.x; p < pieces; p += DEC_THREADS)
-    acc[p] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int R = max(1, min(DEC_THREADS / pieces, S));
+  const int slots = R * pieces;  // slot s: piece s % pieces, splits s / pieces + k R
+  float4 *acc = reinterpret_cast<float4 *>(scratch);  // [slots]; 16-byte aligned
+  float *smax = scratch + 4 * slots, *ssum = smax + slots;
   const float4 *rows = reinterpret_cast<const float4 *>(a.tmp_out + b.row0 * S * D);
-  for (int z0 = 0; z0 < S; z0 += zc) {
-    const int zn = min(zc, S - z0);
-    __syncthreads();  // s_max / s_total (and fused weights) written; the last chunk's read
-    if (!fused) {
-#pragma unroll 4
-      for (int i = threadIdx.x; i < b.ng * zn; i += DEC_THREADS) {
-        const int g = i / zn, z = z0 + i % zn;
-        const float mz = __ldcg(a.tmp_max + (b.row0 + g) * S + z);
-        // 0 for an empty split, whose partial row was never written: skipped below.
-        wts[i] = mz == -INFINITY ? 0.f : __expf(mz - s_max[g]);
-      }
-      __syncthreads();
-    }
 #pragma unroll 1
-    for (int p = threadIdx.x; p < pieces; p += DEC_THREADS) {
-      const int g = p / PIECES;
-      const float4 *src = rows + (int64_t)g * S * PIECES + p % PIECES + (int64_t)z0 * PIECES;
-      const float *w = wts + g * zn;
-      float4 v = acc[p];
-      int z = 0;
+  for (int s = threadIdx.x; s < slots; s += DEC_THREADS) {  // R > 1: one slot per thread
+    const int p = s % pieces, g = p / PIECES;
+    const float4 *src = rows + (int64_t)g * S * PIECES + p % PIECES;
+    const float *mx = a.tmp_max + (b.row0 + g) * S, *sm = a.tmp_sum + (b.row0 + g) * S;
+    float m = -INFINITY, l = 0.f;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 1
-      for (; z + ZU <= zn; z += ZU) {
-        float4 x[ZU];
+    for (int z = s / pieces; z < S; z += ZU * R) {
+      float4 x[ZU];
+      float mz[ZU], lz[ZU];
 #pragma unroll
-        for (int u = 0; u < ZU; ++u) x[u] = __ldcg(src + (int64_t)(z + u) * PIECES);
-#pragma unroll
-        for (int u = 0; u < ZU; ++u) decode_add_weighted(v, x[u], w[z + u]);
+      for (int u = 0; u < ZU; ++u) {
+        const int zu = z + u * R;
+        const bool in = zu < S;
+        mz[u] = in ? __ldcg(mx + zu) : -INFINITY;
+        lz[u] = in ? __ldcg(sm + zu) : 0.f;
+        x[u] = in ? __ldcg(src + (int64_t)zu * PIECES) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-#pragma unroll 1
-      for (; z < zn; ++z) decode_add_weighted(v, __ldcg(src + (int64_t)z * PIECES), w[z]);
-      acc[p] = v;
+#pragma unroll
+      for (int u = 0; u < ZU; ++u) split_add(m, l, v, mz[u], lz[u], x[u]);
     }
+    acc[s] = v;
+    smax[s] = m;
+    ssum[s] = l;
   }
+  __syncthreads();  // every slot's running sums written
   T *out = reinterpret_cast<T *>(a.out) + b.o0;  // the ng heads' rows are contiguous
 #pragma unroll 1
   for (int p = threadIdx.x; p < pieces; p += DEC_THREADS) {
+    float m = -INFINITY, l = 0.f;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+    for (int r = 0; r < R; ++r) {
+      const int s = r * pieces + p;
+      split_add(m, l, v, smax[s], ssum[s], acc[s]);
+    }
     const int g = p / PIECES, d = (p % PIECES) * 4;
-    const float total = s_total[g];
-    const float4 v = acc[p];
-    const float r[4] = {v.x, v.y, v.z, v.w};
+    const float o[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      out[g * D + d + e] = Elem<T>::from_f32(total > 0.f ? r[e] / total : 0.f);
+    for (int e = 0; e < 4; ++e) out[g * D + d + e] = Elem<T>::from_f32(l > 0.f ? o[e] / l : 0.f);
   }
+  // Every block of the group has arrived: nothing adds to the counter again in this launch,
+  // and the next launch (stream-ordered after this one) finds it zero.
+  if (threadIdx.x == 0) atomicExch(counter, 0u);
 }
 
 __device__ __forceinline__ bool decode_block_ok(const DecodeArgs &a, int blk) {
@@ -367,7 +319,10 @@ template <typename T, int D, int GT> struct SimtDecode {
   // registers of query and accumulator live, so they take one token per tile.
   static constexpr int U = (GT == 8 && L::NV == 2) ? 1 : L::UNROLL;
   static constexpr int TILE = L::TOK_PER_WARP * U;
-  static constexpr size_t smem_bytes() { return DecodeMerge<GT, D>::FLOATS * sizeof(float); }
+  static constexpr size_t smem_bytes() {  // the warps' states, or the split merge's scratch
+    return (DecodeMerge<GT, D>::FLOATS > (size_t)split_merge_floats<GT, D>()
+                ? DecodeMerge<GT, D>::FLOATS : (size_t)split_merge_floats<GT, D>()) * sizeof(float);
+  }
   static constexpr int SMEM_FLOATS = (int)(smem_bytes() / sizeof(float));  // the merge's scratch
 };
 
@@ -562,7 +517,8 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeAr
   else
     decode_store_empty<T, D>(a, b);
   // One call site: the merge is inlined once per instance (see decode_mma_kernel).
-  if (a.num_splits > 1) decode_finish_split<T, D, GT>(a, b, smem, P::SMEM_FLOATS);
+  static_assert(P::SMEM_FLOATS >= split_merge_floats<GT, D>(), "the split merge's scratch");
+  if (a.num_splits > 1) decode_finish_split<T, D, GT>(a, b, smem);
 }
 
 }  // namespace pkv

@@ -660,12 +660,12 @@ fn auto_mode_picks_split_by_device_size() {
     cuda_emu::set_sm_count(132);
 }
 
-/// The split merge weights splits through shared memory in chunks when a group's heads x
-/// splits do not fit the block's (264 floats for d64 MHA, ~4.7 K for the 16-head body): 375
-/// splits of a long context (a fixed plan: Auto's partitions would keep 32-64 tokens) are past
-/// one chunk for both bodies.
+/// The split merge over many splits: 375 of a long context (a fixed plan: Auto's partitions
+/// would keep 32-64 tokens), so each merging thread takes many steps of splits (the MHA body:
+/// 8 threads per 16-byte piece at d64, 47 splits each; the 16-head body: one thread per piece,
+/// every split) and keeps a running max across them, which the ALiBi slopes below move.
 #[test]
-fn split_merge_in_chunks_matches_the_oracle() {
+fn split_merge_of_many_splits_matches_the_oracle() {
     let mut rng = SmallRng::seed_from_u64(29);
     let (d, bs, hkv, layer) = (64, 16, 1, 0);
     let ctx = [11_000];
@@ -673,8 +673,8 @@ fn split_merge_in_chunks_matches_the_oracle() {
         let b = make_batch(&mut rng, 1, hkv, d, bs, KvDtype::Bf16, Page::Dense, &ctx);
         let host = random_cache::<bf16>(&mut rng, b.cfg);
         let nh = hkv * group;
-        // ALiBi slopes that make the splits' weights span e^-5 .. 1 over the context: a chunk
-        // given another chunk's weights is far off (with plain random logits every split's
+        // ALiBi slopes that make the splits' weights span e^-5 .. 1 over the context: a split
+        // weighted against the wrong max is far off (with plain random logits every split's
         // max is about the same, and such a mix-up would pass).
         let sl: Vec<f32> = (0..nh).map(|h| 4e-4 * (1.0 + h as f32 / 16.0)).collect();
         let alibi = Features {
@@ -690,7 +690,7 @@ fn split_merge_in_chunks_matches_the_oracle() {
         let splits = plan.num_splits();
         assert_eq!(splits, 375, "group {group}");
         let (s, got) = case.decode_with::<bf16>(layer, plan.as_ffi());
-        expect_ok("chunked merge", s);
+        expect_ok("merge of 375 splits", s);
         assert_close(&format!("group {group}, {splits} splits"), &got, &want, d);
     }
 }

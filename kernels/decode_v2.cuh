@@ -187,7 +187,7 @@ __device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const D
   const int S = a.num_splits;
   // ZU: splits per step, within the registers the body already holds (ptxas: 16 at d128
   // leaves the GQA body at 152 on sm_90; below d128 it raised d64-d112's, as 4 did the MHA body's).
-  constexpr int PIECES = D / 4, ZU = GT == 1 ? 2 : D >= 128 ? 16 : 8;
+  constexpr int PIECES = D / 4, ZU = GT == 1 ? 2 : sizeof(T) == 4 ? 4 : D == 128 ? 16 : 8;
   const int pieces = b.ng * PIECES;
   const int R = max(1, min(DEC_THREADS / pieces, S));
   const int slots = R * pieces;  // slot s: piece s % pieces, splits s / pieces + k R
@@ -324,6 +324,10 @@ template <typename T, int D, int GT> struct SimtDecode {
                 ? DecodeMerge<GT, D>::FLOATS : (size_t)split_merge_floats<GT, D>()) * sizeof(float);
   }
   static constexpr int SMEM_FLOATS = (int)(smem_bytes() / sizeof(float));  // the merge's scratch
+  // The one-head 16-bit body (MHA) held to the blocks per SM the plan counts on
+  // (decode_resident): left alone, ptxas gave d80 - d112 80 registers (6 blocks) once the split
+  // merge changed, though 72 fit without spilling. 0: no bound (ptxas's own choice).
+  static constexpr int MIN_BLOCKS = GT == 1 && sizeof(T) == 2 ? (D <= 64 || D > 128 ? 6 : 7) : 0;
 };
 
 // A block with tokens to attend: its partition, then the merge of its warps (the body).
@@ -507,7 +511,8 @@ __device__ __forceinline__ void decode_simt_attend(const DecodeArgs &a, const De
 }
 
 template <typename T, int D, int GT>
-__global__ void __launch_bounds__(DEC_THREADS) decode_simt_kernel(const DecodeArgs a) {
+__global__ void __launch_bounds__(DEC_THREADS, SimtDecode<T, D, GT>::MIN_BLOCKS)
+    decode_simt_kernel(const DecodeArgs a) {
   grid_dependency_entry();  // PKV_LAUNCH_PROGRAMMATIC: before any read
   using P = SimtDecode<T, D, GT>;
   extern __shared__ float smem[];

@@ -185,9 +185,10 @@ __device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const D
   if (!s_last) return;
 
   const int S = a.num_splits;
-  // ZU: splits per step, within the registers the body already holds (ptxas: 16 at d128
-  // leaves the GQA body at 152 on sm_90; below d128 it raised d64-d112's, as 4 did the MHA body's).
-  constexpr int PIECES = D / 4, ZU = GT == 1 ? 2 : sizeof(T) == 4 ? 4 : D == 128 ? 16 : 8;
+  // ZU: splits per step, within the registers the bodies already hold (ptxas, sm_90: 16 at
+  // d128 leaves the GQA body at 152; elsewhere more raised the f32 bodies' or d64-d112's).
+  constexpr int PIECES = D / 4;
+  constexpr int ZU = sizeof(T) == 4 ? (GT == 1 ? 2 : 4) : GT == 1 ? 4 : D == 128 ? 16 : 8;
   const int pieces = b.ng * PIECES;
   const int R = max(1, min(DEC_THREADS / pieces, S));
   const int slots = R * pieces;  // slot s: piece s % pieces, splits s / pieces + k R

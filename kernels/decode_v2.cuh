@@ -20,6 +20,7 @@
 #pragma once
 
 #include "attention.cuh"
+#include "decode_resident.cuh"
 
 namespace pkv {
 
@@ -327,8 +328,9 @@ template <typename T, int D, int GT> struct SimtDecode {
   static constexpr int SMEM_FLOATS = (int)(smem_bytes() / sizeof(float));  // the merge's scratch
   // The one-head 16-bit body (MHA) held to the blocks per SM the plan counts on
   // (decode_resident): left alone, ptxas gave d80 - d112 80 registers (6 blocks) once the split
-  // merge changed, though 72 fit without spilling. 0: no bound (ptxas's own choice).
-  static constexpr int MIN_BLOCKS = GT == 1 && sizeof(T) == 2 ? (D <= 64 || D > 128 ? 6 : 7) : 0;
+  // merge changed, though 72 fit without spilling. 0: no bound (ptxas's own choice; bounding
+  // the f32 bodies so spilled 8-24 bytes).
+  static constexpr int MIN_BLOCKS = GT == 1 && sizeof(T) == 2 ? decode_resident(1, D) : 0;
 };
 
 // A block with tokens to attend: its partition, then the merge of its warps (the body).

@@ -8,6 +8,7 @@
 
 #include "attention.cuh"
 #include "decode_mma.cuh"
+#include "decode_resident.cuh"
 #include "prefill_mma.cuh"
 
 namespace pkv {
@@ -29,30 +30,6 @@ inline int decode_mma_gt(int group, int head_dim) {
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// Thread blocks of a decode body resident per SM (its registers as ptxas allocates them for
-// sm_90, 16-bit caches, at head dims 64 / 80 / 96 / 112 / 128 / 256: tensor-core 8-head 90 /
-// 99 / 123 / 126 / 152 / 166, 16-head 138 / 145 / 178 / 184 / 204; the one-head CUDA-core
-// body 72-80, held to these 6 / 7 blocks by its __launch_bounds__, SimtDecode::MIN_BLOCKS).
-// Registers are allocated in multiples of 8 per thread (99 takes 104: 4 blocks of 128 threads,
-// not 5). The Auto policy's fill and wave rules use it; scripts/kernel-resources.sh prints the
-// figures it rests on.
-inline int decode_resident(int gt, int head_dim) {
-  if (gt == 1) return head_dim <= 64 || head_dim > 128 ? 6 : 7;
-  if (gt == 16) return head_dim <= 80 ? 3 : 2;
-  if (head_dim <= 64) return 5;
-  if (head_dim <= 112) return 4;
-  return 3;
-}
-
-// The same for f32 caches, whose bodies are all CUDA-core ones of 1, 4 or 8 heads (sm_90,
-// head dims 64 / 80 / 96 / 112 / 128 / 256: one head 64 / 64 / 64 / 64 / 67 / 78 registers,
-// four 127 / 117 / 117 / 117 / 124 / 157, eight 191 / 194 / 194 / 194 / 190 / 213).
-inline int decode_resident_f32(int gt, int head_dim) {
-  if (gt == 1) return head_dim <= 112 ? 8 : head_dim <= 128 ? 7 : 6;
-  if (gt == 4) return head_dim <= 128 ? 4 : 3;
-  return 2;
-}
 
 // The Auto policy's wave rule: with more thread blocks than one wave of resident ones, the
 // split count among want .. want + 3 with the fewest waves per split (a partial last wave

@@ -95,7 +95,7 @@ struct DecodeArgs {
   float scale;
   float softcap;
   int32_t window;
-  int32_t launch_flags;          // PKV_LAUNCH_* of the launch (host side; kernels ignore it)
+  int32_t launch_flags;          // PKV_LAUNCH_* of the launch (the bodies read DECODE_L2_PREFETCH)
 };
 
 // The contract's per-sequence context: context_lens[s] clamped to [0, ctx_clamp].

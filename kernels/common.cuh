@@ -98,6 +98,18 @@ __device__ __forceinline__ void ld_cs_if(const void *p, bool ok, uint32_t &r) {
       : "r"((int)ok), "l"(p));
 }
 #endif
+// An L2 prefetch of the 128-byte line holding p (a hint: nothing waits for it). The emulation
+// reads a byte there instead, so an address outside the cache faults as a load would.
+#ifdef PKV_CUDA_EMU
+__device__ __forceinline__ void prefetch_l2(const void *p) {
+  (void)*static_cast<const volatile char *>(p);
+}
+#else
+__device__ __forceinline__ void prefetch_l2(const void *p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+#endif
+
 template <typename V> __device__ __forceinline__ V ld_cs_or_zero(const void *p, bool ok) {
   V r{};
   ld_cs_if(p, ok, r);

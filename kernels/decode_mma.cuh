@@ -133,6 +133,13 @@ __device__ __forceinline__ void decode_mma_attend(const DecodeArgs &a, const Dec
     load_k(cur, kr);
     load_v(cur, vr);
   }
+  // With PKV_LAUNCH_DECODE_L2_PREFETCH, the tile after next is prefetched into L2 (its table
+  // entry read beside the next tile's), so the loads of the next iteration find it there. Not
+  // at d256, whose tile issues its own loads (ptxas: 166 -> 244 registers with it).
+  const bool pf = P::PIPE && (a.launch_flags & PKV_LAUNCH_DECODE_L2_PREFETCH) != 0;
+  decode_prefetch_l2<T, D, TILE>(
+      a, b, first + warp + DEC_WARPS,
+      decode_prefetch_block<TILE>(a, b, btab, first + warp + DEC_WARPS, pf), cache);
 
   // The served heads' queries into shared memory as A fragments (see MmaDecode::NQ): quad
   // (k, lane (g, q)) = words w, w + 1 (2 dims each) of rows g and g + 8 in the mma's register
@@ -226,6 +233,7 @@ __device__ __forceinline__ void decode_mma_attend(const DecodeArgs &a, const Dec
 
   for (int t = first + warp; t <= last; t += DEC_WARPS) {
     const Tile nxt = Tile::template of<D>(a, b, btab, t + DEC_WARPS);  // table reads in flight
+    const int far = decode_prefetch_block<TILE>(a, b, btab, t + 2 * DEC_WARPS, pf);
     if (!P::PIPE) load_k(cur, kr);
     float s[2][4];
     scores(kr, s);
@@ -234,6 +242,7 @@ __device__ __forceinline__ void decode_mma_attend(const DecodeArgs &a, const Dec
     } else {
       load_v(cur, vr);
     }
+    decode_prefetch_l2<T, D, TILE>(a, b, t + 2 * DEC_WARPS, far, cache);  // its table read is in
 
     // Online softmax for heads g (+ 8) over this tile: lane q holds tokens 2q, 2q+1, 8+2q, 9+2q.
 #pragma unroll

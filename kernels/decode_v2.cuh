@@ -291,6 +291,35 @@ template <int TILE> struct DecodeTile {
   }
 };
 
+// PKV_LAUNCH_DECODE_L2_PREFETCH (pagedkv.h): a warp prefetches into L2 the K and V rows of
+// the attended tokens of its tile `index` (TILE tokens from index * TILE), lane i < 2 TILE
+// taking token i % TILE's K (i < TILE) or V row, every 128-byte line the row touches. In two
+// steps, so that only one register stays live between them: decode_prefetch_block reads the
+// lane's token's block id (-1: no token, or prefetch off), decode_prefetch_l2 issues the
+// prefetches once it has arrived. Each address lies inside the row (its line's start may
+// not), the row inside a valid block of the cache.
+template <int TILE>
+__device__ __forceinline__ int decode_prefetch_block(const DecodeArgs &a, const DecodeBlock &b,
+                                                     const int32_t *btab, int index, bool on) {
+  const int lane = threadIdx.x % 32, t = index * TILE + lane % TILE;
+  return on && lane < 2 * TILE && t >= b.begin && t < b.end ? btab[t >> a.block_shift] : -1;
+}
+template <typename T, int D, int TILE>
+__device__ __forceinline__ void decode_prefetch_l2(const DecodeArgs &a, const DecodeBlock &b,
+                                                   int index, int blk, const T *cache) {
+  constexpr int RB = D * (int)sizeof(T), MAX_LINES = (RB + 127) / 128 + 1;
+  if (!decode_block_ok(a, blk)) return;
+  const int lane = threadIdx.x % 32, t = index * TILE + lane % TILE;
+  const char *p = reinterpret_cast<const char *>(
+      cache + (int64_t)blk * a.st.block + (int64_t)(t & (a.block_size - 1)) * a.st.token +
+      a.layer_offset + (int64_t)b.kh * D + (lane >= TILE ? a.st.kv : 0));
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+  const int lines = (int)(((at + RB - 1) >> 7) - (at >> 7)) + 1;  // <= MAX_LINES
+#pragma unroll
+  for (int k = 0; k < MAX_LINES; ++k)
+    if (k < lines) prefetch_l2(p + min(128 * k, RB - 1));
+}
+
 // ---------------------------------------------------------------------------------------------
 // CUDA-core body: f32 storage (any group) and f16 / bf16 MHA.
 //

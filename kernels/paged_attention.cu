@@ -82,7 +82,8 @@ inline bool rows_ok(const void *p, int64_t stride, int64_t row, int elem) {
 int common_attn_checks(const void *out, int64_t out_stride, const void *query, int64_t q_stride,
                        const void *cache, const pkv_cache_geometry *geom, int32_t layer,
                        const int32_t *block_tables, int32_t max_blocks_per_seq,
-                       const int32_t *context_lens, const pkv_attn_params *params) {
+                       const int32_t *context_lens, const pkv_attn_params *params,
+                       int32_t allowed_flags) {
   const int g = check_geometry(geom, layer);
   if (g != PKV_OK) return g;
   if (params == nullptr || out == nullptr || query == nullptr || cache == nullptr ||
@@ -95,7 +96,7 @@ int common_attn_checks(const void *out, int64_t out_stride, const void *query, i
   if (max_blocks_per_seq <= 0) return PKV_ERR_INVALID_ARG;
   if (!(params->scale == params->scale) || !(params->softcap == params->softcap))
     return PKV_ERR_INVALID_ARG;  // NaN
-  if ((params->launch_flags & ~PKV_LAUNCH_PROGRAMMATIC) != 0) return PKV_ERR_INVALID_ARG;
+  if ((params->launch_flags & ~allowed_flags) != 0) return PKV_ERR_INVALID_ARG;
   const int64_t row = (int64_t)params->num_heads * geom->head_dim;
   const int es = dtype_size(geom->dtype);
   if (!rows_ok(query, q_stride, row, es) || !rows_ok(out, out_stride, row, es))
@@ -286,7 +287,8 @@ extern "C" int pkv_paged_attention_decode(void *out, int64_t out_token_stride, c
                                           size_t workspace_bytes, void *stream) {
   const int chk = common_attn_checks(out, out_token_stride, query, query_token_stride, cache,
                                      geom, layer, block_tables, max_blocks_per_seq, context_lens,
-                                     params);
+                                     params,
+                                     PKV_LAUNCH_PROGRAMMATIC | PKV_LAUNCH_DECODE_L2_PREFETCH);
   if (chk != PKV_OK) return chk;
   if (plan == nullptr) return PKV_ERR_NULL_POINTER;
   if (num_seqs < 0) return PKV_ERR_INVALID_ARG;
@@ -549,7 +551,7 @@ extern "C" int pkv_paged_attention_prefill_tiled(
     const pkv_attn_params *params, int32_t tiling, void *stream) {
   const int chk = common_attn_checks(out, out_token_stride, query, query_token_stride, cache,
                                      geom, layer, block_tables, max_blocks_per_seq, context_lens,
-                                     params);
+                                     params, PKV_LAUNCH_PROGRAMMATIC);
   if (chk != PKV_OK) return chk;
   if (query_start_loc == nullptr) return PKV_ERR_NULL_POINTER;
   if (num_seqs < 0 || num_seqs > 65535 || max_query_len < 0) return PKV_ERR_INVALID_ARG;

@@ -172,6 +172,16 @@ typedef struct pkv_attn_params {
 #define PKV_LAUNCH_PROGRAMMATIC 1
 
 /**
+ * Decode launches only (a prefill launch refuses it): each warp of the decode kernels also
+ * prefetches into L2 the K and V rows of the tile after the one it loads next
+ * (prefetch.global.L2), so that those loads, issued once the current tile's keys have arrived,
+ * find their lines in L2 instead of waiting a DRAM round trip: a deeper memory pipeline at no
+ * register cost. Results are those of a plain launch. Off by default: an experiment until a
+ * GPU run measures it (BENCHMARKS.md; `pagedkv bench gpu --decode-prefetch`).
+ */
+#define PKV_LAUNCH_DECODE_L2_PREFETCH 2
+
+/**
  * A decode plan: the partitioning of every decode launch made with it, fixed for a batch
  * capacity so that a captured decode step (a CUDA graph) replays with the same grid, shared
  * memory and workspace whatever the per-step context lengths are. Made by pkv_decode_plan_init;

@@ -11,7 +11,7 @@
 #          NCU_TILINGS="wgmma128 wgmma128-persist" and NCU_POINTS="32:8/2048+0 32:8/512+0"
 #          choose the profiles (default: 32, wgmma-ovl, wgmma128-ovl at 32:8/2048+4096);
 #          NCU_SOURCE=1 adds, per profile, the per-instruction stall samples of the SASS as CSV;
-#          DECODE=1 times the decode grid beside SDPA first)
+#          DECODE=1 times the decode grid beside SDPA first, plain and with the L2 prefetch)
 set -u
 final=${OUT:-$PWD/.gpu/out}; mkdir -p "$final"
 export PACK_TO=$final/logs.tar.gz
@@ -23,9 +23,11 @@ note_machine
 
 kernel_tests
 # The decode grid beside SDPA first when asked (DECODE=1: a decode change measured in the same
-# call; ~1 min).
+# call, ~1 min), then again with the decode L2 prefetch (PKV_LAUNCH_DECODE_L2_PREFETCH).
 if [ "${DECODE:-0}" = 1 ]; then
   stage bench-decode 120 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill none
+  stage bench-decode-prefetch 120 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill none \
+    --decode-prefetch
 fi
 # Head dims (DIMS, default 128) and tilings (TILINGS) of the grid; SANITIZE=0 skips the
 # sanitizers (memcheck: only memcheck), NCU=0 the profiles.

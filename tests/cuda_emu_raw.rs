@@ -52,6 +52,7 @@ fn raw_params(p: &AttnParams<'_>, slopes: Option<&EmuBuf>) -> AttnParamsRaw {
         alibi_slopes: slopes.map_or(0, ptr),
         prefill_tiling: PrefillTiling::Auto,
         programmatic_launch: false,
+        decode_l2_prefetch: false,
     }
 }
 

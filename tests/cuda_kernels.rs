@@ -79,6 +79,23 @@ fn check_decode<T: Elem>(
             T::DTYPE
         );
         assert_close(&what, &got, &want, d);
+        // The decode L2 prefetch (the tensor-core body's) changes no bit of the output.
+        if T::DTYPE != KvDtype::F32 && group > 1 {
+            dparams.decode_l2_prefetch = true;
+            let mut out = g
+                .upload(&vec![T::from_f32(f32::NAN); query.len()])
+                .expect("out");
+            let r = dev.paged_attention_decode(g, layer, &dq, &dseqs, &dparams, &mut ws, &mut out);
+            r.unwrap_or_else(|e| panic!("decode {mode:?}, L2 prefetch: {e}"));
+            g.synchronize().expect("sync");
+            let pf = g.download(&out).expect("download");
+            dparams.decode_l2_prefetch = false;
+            let same = got
+                .iter()
+                .zip(&pf)
+                .all(|(x, y)| x.to_f32().to_bits() == y.to_f32().to_bits());
+            assert!(same, "{what}: the L2 prefetch changed the output");
+        }
     }
 }
 

@@ -65,15 +65,19 @@ fn check_decode<T: Elem>(
     let mut dparams = DeviceAttnParams::upload(g, &b.cfg, &params).expect("params");
     let dq = g.upload(&query).expect("q");
     let mut ws = DecodeWorkspace::new();
-    for &mode in modes {
-        dparams.mode = mode;
+    // One decode with `dparams` into a fresh NaN-filled output.
+    let mut decode = |dparams: &DeviceAttnParams| -> Vec<T> {
         let mut out = g
             .upload(&vec![T::from_f32(f32::NAN); query.len()])
             .expect("out");
-        let r = dev.paged_attention_decode(g, layer, &dq, &dseqs, &dparams, &mut ws, &mut out);
-        r.unwrap_or_else(|e| panic!("decode {mode:?}: {e}"));
+        let r = dev.paged_attention_decode(g, layer, &dq, &dseqs, dparams, &mut ws, &mut out);
+        r.unwrap_or_else(|e| panic!("decode {:?}: {e}", dparams.mode));
         g.synchronize().expect("sync");
-        let got = g.download(&out).expect("download");
+        g.download(&out).expect("download")
+    };
+    for &mode in modes {
+        dparams.mode = mode;
+        let got = decode(&dparams);
         let what = format!(
             "decode {} d{d} g{group} bs{bs} {page:?} {f:?} {mode:?} ctx {ctx:?}",
             T::DTYPE
@@ -82,13 +86,7 @@ fn check_decode<T: Elem>(
         // The decode L2 prefetch (the tensor-core body's) changes no bit of the output.
         if T::DTYPE != KvDtype::F32 && group > 1 {
             dparams.decode_l2_prefetch = true;
-            let mut out = g
-                .upload(&vec![T::from_f32(f32::NAN); query.len()])
-                .expect("out");
-            let r = dev.paged_attention_decode(g, layer, &dq, &dseqs, &dparams, &mut ws, &mut out);
-            r.unwrap_or_else(|e| panic!("decode {mode:?}, L2 prefetch: {e}"));
-            g.synchronize().expect("sync");
-            let pf = g.download(&out).expect("download");
+            let pf = decode(&dparams);
             dparams.decode_l2_prefetch = false;
             let same = got
                 .iter()

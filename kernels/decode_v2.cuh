@@ -150,8 +150,8 @@ template <int GT, int D> constexpr int split_merge_floats() {
 // counts the block in, and if it is the last of its (sequence, head chunk) group,
 // merges the group's num_splits partials into the normalized output of its ng heads (the
 // contract's split merge, attention.cuh). Called by every thread of the block; `scratch` is
-// `scratch_floats` (>= split_merge_floats<GT, D>()) floats of 16-byte aligned shared memory
-// the block no longer needs.
+// split_merge_floats<GT, D>() (or more) floats of 16-byte aligned shared memory the block no
+// longer needs.
 //
 // The merge is the tail of a split launch (only after every split of the group has arrived can
 // it start; at batch 1 it is on the critical path of every layer), and its time is rounds of
@@ -166,6 +166,9 @@ template <int GT, int D> constexpr int split_merge_floats() {
 //  * the arrival counter is reset after the merge, not between the arrival and its fence.
 // Every output is summed in the same order whichever block merges, so the result does not
 // depend on the order in which blocks finish.
+//
+// Each kernel calls it from one place, after its body (decode_*_attend) or an empty split's
+// store, so the inlined merge runs when the body's registers are free.
 template <typename T, int D, int GT>
 __device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b,
                                                     float *scratch) {
@@ -187,7 +190,8 @@ __device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const D
 
   const int S = a.num_splits;
   // ZU: splits per step, within the registers the bodies already hold (ptxas, sm_90: 16 at
-  // d128 leaves the GQA body at 152; elsewhere more raised the f32 bodies' or d64-d112's).
+  // d128 left the GQA body's count as it was; elsewhere as many raised the f32 bodies' or
+  // d64 - d112's).
   constexpr int PIECES = D / 4;
   constexpr int ZU = sizeof(T) == 4 ? (GT == 1 ? 2 : 4) : GT == 1 ? 4 : D == 128 ? 16 : 8;
   const int pieces = b.ng * PIECES;

@@ -7,10 +7,12 @@
 #
 # Here:    BUNDLE='^bin-pagedkv$|^test-cuda_kernels$' scripts/gpu-bundle.sh
 # Device:  run with carry [".gpu"]:  bash scripts/gpu-prefill.sh   (DEADLINE_S, default 240;
-#          DIMS="64 128", TILINGS=auto,32,..., SANITIZE=0 or memcheck, NCU=0 narrow it;
+#          DIMS="64 128" (none: no grid), TILINGS=auto,32,..., SANITIZE=0 or memcheck, NCU=0,
+#          TESTS=0 (no kernel tests: a call of profiles alone) narrow it;
 #          NCU_TILINGS="wgmma128 wgmma128-persist" and NCU_POINTS="32:8/2048+0 32:8/512+0"
 #          choose the profiles (default: 32, wgmma-ovl, wgmma128-ovl at 32:8/2048+4096);
 #          NCU_SOURCE=1 adds, per profile, the per-instruction stall samples of the SASS as CSV;
+#          NCU_DECODE_POINTS="32:8/1x4096" profiles decode points too, plain and prefetched;
 #          DECODE=1 times the decode grid beside SDPA first, plain and with the L2 prefetch)
 set -u
 final=${OUT:-$PWD/.gpu/out}; mkdir -p "$final"
@@ -21,7 +23,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/gpu-stage.sh"
 device_setup
 note_machine
 
-kernel_tests
+[ "${TESTS:-1}" = 1 ] && kernel_tests  # TESTS=0: a call of profiles alone
 # The decode grid beside SDPA first when asked (DECODE=1: a decode change measured in the same
 # call, ~1 min), then again with the decode L2 prefetch (PKV_LAUNCH_DECODE_L2_PREFETCH).
 if [ "${DECODE:-0}" = 1 ]; then
@@ -29,9 +31,10 @@ if [ "${DECODE:-0}" = 1 ]; then
   stage bench-decode-prefetch 120 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill none \
     --decode-prefetch
 fi
-# Head dims (DIMS, default 128) and tilings (TILINGS) of the grid; SANITIZE=0 skips the
-# sanitizers (memcheck: only memcheck), NCU=0 the profiles.
+# Head dims (DIMS, default 128; none: no grid) and tilings (TILINGS) of the grid; SANITIZE=0
+# skips the sanitizers (memcheck: only memcheck), NCU=0 the profiles.
 for d in ${DIMS:-128}; do
+  [ "$d" = none ] && continue
   stage "bench-prefill-d$d" 150 "$bin/bin-pagedkv" bench gpu --no-cache-ops --decode none \
     --head-dim "$d" \
     --prefill-tiling "${TILINGS:-auto,16,32,wgmma,wgmma128,wgmma-ovl,wgmma128-ovl,wgmma128-persist}"
@@ -53,18 +56,33 @@ fi
 [ "${NCU:-1}" = 1 ] || { note done; pack "$PACK_TO"; exit 0; }
 ncu_args=(--clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats
   --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SourceCounters)
+# One profile: stage NAME, kernels matching REGEX, of the command after them (its second
+# launch of them: the first is the bench's warm-up); with NCU_SOURCE=1 also the sampled stall
+# reasons per SASS instruction, as CSV (where the cycles go).
+profile() {
+  local name=$1 regex=$2
+  shift 2
+  stage "$name" 60 ncu "${ncu_args[@]}" -k "regex:$regex" -s 1 -c 1 "$@"
+  [ "${NCU_SOURCE:-0}" = 1 ] || return 0
+  stage "$name-rep" 90 ncu --clock-control none --section WarpStateStats \
+    --section SourceCounters -k "regex:$regex" -s 1 -c 1 -f -o "$OUT/$name" "$@"
+  stage "$name-sass" 60 ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass
+  rm -f "$OUT/$name.ncu-rep"
+}
+once=(--no-cache-ops --peer none --no-check --launches 1 --reps 1 --iters 1 --warmup 1)
+# Decode points first when asked (NCU_DECODE_POINTS="32:8/1x4096 ..."), plain and with the L2
+# prefetch.
+for point in ${NCU_DECODE_POINTS:-}; do
+  for pf in "" --decode-prefetch; do
+    profile "ncu-decode${pf:+-prefetch}-${point//[:\/x]/_}" decode \
+      "$bin/bin-pagedkv" bench gpu --prefill none --decode "$point" "${once[@]}" $pf
+  done
+done
 for point in ${NCU_POINTS:-32:8/2048+4096}; do
   for tiling in ${NCU_TILINGS:-32 wgmma-ovl wgmma128-ovl}; do
-    name="ncu-prefill-$tiling-${point//[:\/+]/_}"
-    run=("$bin/bin-pagedkv" bench gpu --decode none --prefill "$point" --no-cache-ops --peer none
-      --no-check --prefill-tiling "$tiling" --launches 1 --reps 1 --iters 1 --warmup 1)
-    stage "$name" 60 ncu "${ncu_args[@]}" -k regex:prefill -s 1 -c 1 "${run[@]}"
-    [ "${NCU_SOURCE:-0}" = 1 ] || continue
-    # Sampled stall reasons per SASS instruction: where a tile's cycles go.
-    stage "$name-rep" 90 ncu --clock-control none --section WarpStateStats \
-      --section SourceCounters -k regex:prefill -s 1 -c 1 -f -o "$OUT/$name" "${run[@]}"
-    stage "$name-sass" 60 ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass
-    rm -f "$OUT/$name.ncu-rep"
+    profile "ncu-prefill-$tiling-${point//[:\/+]/_}" prefill \
+      "$bin/bin-pagedkv" bench gpu --decode none --prefill "$point" "${once[@]}" \
+      --prefill-tiling "$tiling"
   done
 done
 note done

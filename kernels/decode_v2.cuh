@@ -251,6 +251,15 @@ __device__ __forceinline__ bool decode_block_ok(const DecodeArgs &a, int blk) {
   return blk >= 0 && blk < a.num_blocks;
 }
 
+// Element offset of token t's K row (this layer, block b's KV head) in cache block blk; its V
+// row is st.kv further.
+template <int D>
+__device__ __forceinline__ int64_t decode_k_row(const DecodeArgs &a, const DecodeBlock &b, int blk,
+                                                int t) {
+  return (int64_t)blk * a.st.block + (int64_t)(t & (a.block_size - 1)) * a.st.token +
+         a.layer_offset + (int64_t)b.kh * D;
+}
+
 // A warp's tile: TILE (<= 16) consecutive tokens from a TILE-aligned `base`. Blocks hold a power
 // of two >= 8 tokens, so the tokens of each 8-token half of a tile (the whole tile when TILE <=
 // 8) lie in one block: a tile reads two table entries, looked up one tile ahead, and keeps
@@ -277,9 +286,7 @@ template <int TILE> struct DecodeTile {
       const int t0 = x.base + 8 * h, n = TILE < 8 ? TILE : 8;
       const int blk = (t0 < b.end && t0 + n > b.begin) ? btab[t0 >> a.block_shift] : -1;
       x.valid[h] = decode_block_ok(a, blk);
-      x.off[h] = (int64_t)(x.valid[h] ? blk : 0) * a.st.block +
-                 (int64_t)(t0 & (a.block_size - 1)) * a.st.token + a.layer_offset +
-                 (int64_t)b.kh * D;
+      x.off[h] = decode_k_row<D>(a, b, x.valid[h] ? blk : 0, t0);
     }
     return x;
   }
@@ -314,9 +321,8 @@ __device__ __forceinline__ void decode_prefetch_l2(const DecodeArgs &a, const De
   constexpr int RB = D * (int)sizeof(T), MAX_LINES = (RB + 127) / 128 + 1;
   if (!decode_block_ok(a, blk)) return;
   const int lane = threadIdx.x % 32, t = index * TILE + lane % TILE;
-  const char *p = reinterpret_cast<const char *>(
-      cache + (int64_t)blk * a.st.block + (int64_t)(t & (a.block_size - 1)) * a.st.token +
-      a.layer_offset + (int64_t)b.kh * D + (lane >= TILE ? a.st.kv : 0));
+  const char *p = reinterpret_cast<const char *>(cache + decode_k_row<D>(a, b, blk, t) +
+                                                 (lane >= TILE ? a.st.kv : 0));
   const uintptr_t at = reinterpret_cast<uintptr_t>(p);
   const int lines = (int)(((at + RB - 1) >> 7) - (at >> 7)) + 1;  // <= MAX_LINES
 #pragma unroll

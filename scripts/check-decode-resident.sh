@@ -5,7 +5,8 @@
 # warps), exactly the blocks per SM its body's entry says, and none may spill. A table the
 # registers have drifted from makes the Auto plan count resident slots the device lacks (or
 # leave some idle). Needs nvcc (eval the output of scripts/install-cuda-toolchain.sh) and a
-# C++ compiler, no GPU; CI runs it. Exit 1 on a mismatch or a spill.
+# C++ compiler, no GPU; CI runs it. Exit 1 on a mismatch or a spill. ptxas's figures come from
+# scripts/kernel-resources.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../kernels"
 tmp=$(mktemp -d)
@@ -29,17 +30,14 @@ CPP
 c++ -std=c++17 -I. "$tmp/table.cpp" -o "$tmp/table"
 "$tmp/table" | sort > "$tmp/want"
 
-# What ptxas gives each instance (f16 and bf16 both listed): the same line format.
-nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode arch=compute_90,code=sm_90 -Xptxas -v \
-  -c paged_attention.cu -o "$tmp/k.o" 2>"$tmp/log"
-awk '/Compiling entry function/ { match($0, /'"'"'[^'"'"']+'"'"'/); name = substr($0, RSTART + 1, RLENGTH - 2) }
-     /bytes stack frame/ { spill = $5 + $9 }
-     /Used [0-9]+ registers/ { for (i = 1; i <= NF; i++) if ($i == "Used") regs = $(i + 1);
-                               print name, regs, spill }' "$tmp/log" |
-  while read -r name regs spill; do
-    sig=$(c++filt "$name")
-    [[ $sig =~ decode_(mma|simt)_kernel\<([^,]+),\ ([0-9]+),\ ([0-9]+)\> ]] || continue
-    t=${BASH_REMATCH[2]} d=${BASH_REMATCH[3]} gt=${BASH_REMATCH[4]}
+# What ptxas gives each instance (f16 and bf16 both listed), from kernel-resources.sh's table
+# (name, then registers, stack, spill stores, spill loads): the same line format.
+../scripts/kernel-resources.sh 90 paged_attention.cu |
+  while read -r line; do
+    [[ $line =~ decode_(mma|simt)_kernel\<([^,]+),\ ([0-9]+),\ ([0-9]+)\>\ +([0-9]+)\ +[0-9]+\ +([0-9]+)\ +([0-9]+)$ ]] ||
+      continue
+    t=${BASH_REMATCH[2]} d=${BASH_REMATCH[3]} gt=${BASH_REMATCH[4]} regs=${BASH_REMATCH[5]}
+    spill=$((BASH_REMATCH[6] + BASH_REMATCH[7]))
     class=$([ "$t" = float ] && echo f32 || echo 16bit)
     alloc=$(( (regs + 7) / 8 * 8 ))
     blocks=$(( 65536 / (128 * alloc) ))

@@ -3,14 +3,17 @@
 # architecture (default sm_90; the sm_90a unit prefill_wgmma.cu at sm_90a), for every .cu in
 # kernels/, and on stderr ptxas's performance notes (e.g. a wgmma pipeline it serialized).
 # Needs nvcc (eval the output of scripts/install-cuda-toolchain.sh first), no GPU.
-# Usage: scripts/kernel-resources.sh [ARCH]
+# Usage: scripts/kernel-resources.sh [ARCH [UNIT.cu ...]]   (units: default every .cu)
 set -euo pipefail
 arch=${1:-90}
+shift $(( $# > 0 ? 1 : 0 ))
 cd "$(dirname "${BASH_SOURCE[0]}")/../kernels"
+units=("$@")
+[ ${#units[@]} -gt 0 ] || units=(*.cu)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 printf '%-56s %5s %6s %6s %6s\n' "kernel (sm_$arch)" regs stack spill-st spill-ld
-for cu in *.cu; do
+for cu in "${units[@]}"; do
   a=$arch
   # The sm_90a unit (wgmma) compiles for sm_90a only: with ARCH 90, its arch-specific twin.
   if [ "$cu" = prefill_wgmma.cu ]; then

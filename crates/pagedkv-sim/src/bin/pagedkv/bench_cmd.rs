@@ -254,12 +254,14 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
     )?;
     bench.programmatic = a.programmatic;
     bench.decode_prefetch = a.decode_prefetch;
-    let launch = match (a.programmatic, a.decode_prefetch) {
-        (false, false) => "",
-        (true, false) => ", programmatic launches",
-        (false, true) => ", decode L2 prefetch",
-        (true, true) => ", programmatic launches, decode L2 prefetch",
-    };
+    let launch = [
+        (a.programmatic, ", programmatic launches"),
+        (a.decode_prefetch, ", decode L2 prefetch"),
+    ]
+    .iter()
+    .filter(|(on, _)| *on)
+    .map(|(_, what)| *what)
+    .collect::<String>();
     let mut failed_checks = Vec::new();
     let mut note_check = |what: String, m: &Measured| match &m.check {
         Some(Ok(err)) => println!(

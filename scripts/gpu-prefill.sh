@@ -13,7 +13,11 @@
 #          choose the profiles (default: 32, wgmma-ovl, wgmma128-ovl at 32:8/2048+4096);
 #          NCU_SOURCE=1 adds, per profile, the per-instruction stall samples of the SASS as CSV;
 #          NCU_DECODE_POINTS="32:8/1x4096" profiles decode points too, plain and prefetched;
-#          DECODE=1 times the decode grid beside SDPA first, plain and with the L2 prefetch)
+#          DECODE=1 times the decode grid beside SDPA first, plain and with the L2 prefetch;
+#          SWEEP_SPLITS="8 16 33" times Auto's plan and each fixed split count on SWEEP_POINTS
+#          (default: the batch-1 points), to read Auto's choice against its neighbours)
+# Then:    python3 scripts/gpu-tables.py <the call's files_at>/logs.tar.gz  (the BENCHMARKS tables)
+#          python3 scripts/ncu-sass-top.py <an unpacked *-sass.log>  (the stalls per instruction)
 set -u
 final=${OUT:-$PWD/.gpu/out}; mkdir -p "$final"
 export PACK_TO=$final/logs.tar.gz
@@ -30,6 +34,16 @@ if [ "${DECODE:-0}" = 1 ]; then
   stage bench-decode 120 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill none
   stage bench-decode-prefetch 120 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill none \
     --decode-prefetch
+fi
+# Decode split counts around Auto's (SWEEP_SPLITS): each process times the same points, without
+# the peer (its rows are in bench-decode).
+if [ -n "${SWEEP_SPLITS:-}" ]; then
+  sweep=(--prefill none --no-cache-ops --peer none --no-check
+    --decode "${SWEEP_POINTS:-32:8/1x512,32:8/1x4096,32:8/1x32768,32:32/1x512,32:32/1x4096}")
+  stage sweep-auto 40 "$bin/bin-pagedkv" bench gpu "${sweep[@]}"
+  for n in $SWEEP_SPLITS; do
+    stage "sweep-splits-$n" 40 "$bin/bin-pagedkv" bench gpu --mode "splits:$n" "${sweep[@]}"
+  done
 fi
 # Head dims (DIMS, default 128; none: no grid) and tilings (TILINGS) of the grid; SANITIZE=0
 # skips the sanitizers (memcheck: only memcheck), NCU=0 the profiles.

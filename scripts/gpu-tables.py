@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""Markdown tables from the `pagedkv bench gpu` logs of a device call.
+
+    python3 scripts/gpu-tables.py logs.tar.gz [more logs, folders or .log files]
+
+Reads every `decode ...` and `prefill ...` table the bench printed (a call's bench-*.log and
+sweep-*.log stages) and prints, in the units BENCHMARKS.md uses:
+  * decode: one row per point, a graph-time column per table read (its log's name, mode and
+    launch flags), SDPA's graph time (the first table's that has it), and each column over
+    SDPA (its own process's where it ran the peer; the issue's <= 1.1x);
+  * prefill, per head dim: SDPA's graph time, then each tiling's time and its share of SDPA's
+    TFLOP/s (>= 70%), and which tiling Auto ran;
+  * the fastest decode column per point, where several were read (a split sweep).
+Nothing is computed that the bench did not time; a skipped cell says `skip`.
+"""
+import os
+import re
+import sys
+import tarfile
+
+DECODE_HEAD = re.compile(r"^decode (\w+) d(\d+) bs(\d+) mode (.+?)((?:, [^;]+)?); times per call")
+PREFILL_HEAD = re.compile(r"^prefill (\w+) d(\d+) bs(\d+) tiling (\w+)(.*?), one sequence")
+AUTO_RAN = re.compile(r"^\s+\(Auto (?:ran (\w+)|: the f32 kernel)\)")
+NUM = re.compile(r"^-?\d+(\.\d+)?%?$")
+
+
+def texts(paths):
+    """(name, text) of every .log under the given archives, folders and files, a call's logs in
+    the order its stages ended (their modification times)."""
+    for path in paths:
+        if path.endswith((".tar.gz", ".tgz")):
+            with tarfile.open(path) as tar:
+                for m in sorted(tar.getmembers(), key=lambda m: (m.mtime, m.name)):
+                    if m.isfile() and m.name.endswith(".log"):
+                        data = tar.extractfile(m).read().decode("utf-8", "replace")
+                        yield os.path.basename(m.name)[:-4], data
+        elif os.path.isdir(path):
+            def ended(f):
+                return (os.stat(os.path.join(path, f)).st_mtime, f)
+            for f in sorted(os.listdir(path), key=ended):
+                if f.endswith(".log"):
+                    with open(os.path.join(path, f), encoding="utf-8", errors="replace") as h:
+                        yield f[:-4], h.read()
+        else:
+            with open(path, encoding="utf-8", errors="replace") as h:
+                yield os.path.basename(path).rsplit(".", 1)[0], h.read()
+
+
+def cells(line):
+    """The row's point and its cells: ours (graph us, or None when skipped), the peer's graph
+    us (or None), or None when the line is not a table row."""
+    parts = [p.strip() for p in line.split("|")]
+    if len(parts) != 4:
+        return None
+    head = parts[0].split()
+    if len(head) not in (1, 2) or "/" not in head[0]:
+        return None
+    ours = parts[1].split()
+    peer = parts[2].split()
+    our_t = float(ours[0]) if ours and NUM.match(ours[0]) else None
+    peer_t = float(peer[0]) if peer and NUM.match(peer[0]) else None
+    return head[0], our_t, peer_t
+
+
+def parse(paths):
+    """Tables read: a list of dicts {kind, dim, label, rows: {point: (ours, peer)}, auto}."""
+    tables = []
+    for name, text in texts(paths):
+        cur = None
+        last_point = None
+        for line in text.splitlines():
+            m = DECODE_HEAD.match(line)
+            if m:
+                mode, flags = m.group(4), m.group(5).strip(", ")
+                label = f"{name} {mode}" + (f" ({flags})" if flags else "")
+                cur = {"kind": "decode", "dim": int(m.group(2)), "label": label, "rows": {}}
+                tables.append(cur)
+                continue
+            m = PREFILL_HEAD.match(line)
+            if m:
+                flags = m.group(5).strip(", ")
+                label = m.group(4) + (f" ({flags})" if flags else "")
+                cur = {"kind": "prefill", "dim": int(m.group(2)), "label": label, "rows": {},
+                       "auto": {}, "log": name}
+                tables.append(cur)
+                continue
+            if cur is None:
+                continue
+            m = AUTO_RAN.match(line)
+            if m and cur["kind"] == "prefill" and last_point:
+                cur["auto"][last_point] = m.group(1) or "f32"
+                continue
+            row = cells(line)
+            if row:
+                point, ours, peer = row
+                cur["rows"][point] = (ours, peer)
+                last_point = point
+    return [t for t in tables if t["rows"]]
+
+
+def fmt(x):
+    return "skip" if x is None else f"{x:.1f}"
+
+
+def decode_tables(tables):
+    dec = [t for t in tables if t["kind"] == "decode"]
+    for dim in sorted({t["dim"] for t in dec}):
+        cols = [t for t in dec if t["dim"] == dim]
+        points = list(dict.fromkeys(p for t in cols for p in t["rows"]))
+        peer = {}
+        for t in cols:
+            for p, (_, q) in t["rows"].items():
+                if q is not None:
+                    peer.setdefault(p, q)
+        print(f"\n**Decode d{dim}** (graph us; x: over SDPA)\n")
+        head = ["point"] + [t["label"] for t in cols] + ["SDPA"]
+        if len(cols) > 1:
+            head.append("fastest")
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+        for p in points:
+            row = [p]
+            for t in cols:
+                ours, own_peer = t["rows"].get(p, (None, None))
+                q = own_peer if own_peer is not None else peer.get(p)  # same process first
+                cell = fmt(ours)
+                if ours is not None and q is not None:
+                    cell += f" ({ours / q:.2f}x)"
+                row.append(cell)
+            row.append(fmt(peer.get(p)))
+            if len(cols) > 1:
+                timed = [(t["rows"][p][0], t["label"]) for t in cols
+                         if p in t["rows"] and t["rows"][p][0] is not None]
+                row.append(min(timed)[1] if timed else "-")
+            print("| " + " | ".join(row) + " |")
+
+
+def prefill_tables(tables):
+    pre = [t for t in tables if t["kind"] == "prefill"]
+    for dim in sorted({t["dim"] for t in pre}):
+        cols = [t for t in pre if t["dim"] == dim]
+        points = list(dict.fromkeys(p for t in cols for p in t["rows"]))
+        peer = {}
+        auto = {}
+        for t in cols:
+            auto.update(t["auto"])
+            for p, (_, q) in t["rows"].items():
+                if q is not None:
+                    peer.setdefault(p, q)
+        print(f"\n**Prefill d{dim}** (graph us, % of SDPA's TFLOP/s)\n")
+        head = ["point", "SDPA us"] + [t["label"] for t in cols] + ["Auto ran"]
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+        for p in points:
+            row = [p, fmt(peer.get(p))]
+            for t in cols:
+                ours, own_peer = t["rows"].get(p, (None, None))
+                q = own_peer if own_peer is not None else peer.get(p)  # same process first
+                cell = fmt(ours)
+                if ours is not None and q is not None:
+                    cell += f" ({100 * q / ours:.1f}%)"
+                row.append(cell)
+            row.append(auto.get(p, "-"))
+            print("| " + " | ".join(row) + " |")
+
+
+def main(argv):
+    if len(argv) < 2 or argv[1] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if len(argv) >= 2 else 2
+    tables = parse(argv[1:])
+    if not tables:
+        print("no bench tables found", file=sys.stderr)
+        return 1
+    decode_tables(tables)
+    prefill_tables(tables)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

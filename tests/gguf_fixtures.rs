@@ -374,6 +374,48 @@ fn writer_builds_files_the_parser_reads_back() {
 }
 
 #[test]
+fn llama_params_of_absurd_counts_have_no_cache_size() {
+    // Every count positive and dividing: a valid header, not a model whose cache size fits
+    // in 64 bits.
+    let mut w = GgufWriter::new();
+    w.add("general.architecture", MetaValue::String("llama".into()))
+        .and_then(|w| w.add("llama.block_count", MetaValue::U32(u32::MAX)))
+        .and_then(|w| w.add("llama.attention.head_count", MetaValue::U32(u32::MAX)))
+        .and_then(|w| w.add("llama.embedding_length", MetaValue::U32(u32::MAX)))
+        .and_then(|w| w.add("llama.context_length", MetaValue::U32(1)))
+        .and_then(|w| {
+            w.add(
+                "llama.attention.layer_norm_rms_epsilon",
+                MetaValue::F32(1e-5),
+            )
+        })
+        .expect("metadata");
+    let bytes = w.to_bytes().expect("write");
+    let p = Gguf::parse(&bytes)
+        .expect("parse")
+        .llama_params()
+        .expect("params");
+    assert_eq!(
+        (p.n_layers, p.n_kv_heads, p.head_dim),
+        (u32::MAX, u32::MAX, 1)
+    );
+    assert_eq!(p.kv_bytes_per_token(2), None);
+    assert_eq!(p.kv_bytes_per_token(1), None);
+}
+
+#[test]
+fn writer_refuses_a_layout_past_64_bits() {
+    // Two deferred tensors of 2^63 bytes each: each is a valid size, their offsets are not.
+    let mut w = GgufWriter::new();
+    w.add_tensor_deferred("a", GgmlType::F64, &[1 << 60])
+        .and_then(|w| w.add_tensor_deferred("b", GgmlType::F64, &[1 << 60]))
+        .expect("each tensor alone is valid");
+    assert!(matches!(w.file_len(), Err(GgufError::DataOffsetOverflow)));
+    let r = w.write_streaming(std::io::sink(), |_, _, _| unreachable!("refused first"));
+    assert!(matches!(r, Err(GgufError::DataOffsetOverflow)));
+}
+
+#[test]
 fn llama_params_from_gguf_py_file() {
     let bytes = read("all_types.gguf");
     let p = Gguf::parse(&bytes)
@@ -390,7 +432,7 @@ fn llama_params_from_gguf_py_file() {
     assert_eq!(p.context_length, 4096);
     assert_eq!(p.rope_freq_base, 500_000.0);
     assert_eq!(p.norm_eps, 1e-5f32);
-    assert_eq!(p.kv_bytes_per_token(2), 4 * 2 * 128 * 2);
+    assert_eq!(p.kv_bytes_per_token(2), Some(4 * 2 * 128 * 2));
 }
 
 #[test]

@@ -125,3 +125,47 @@ fn parse_allocates_in_proportion_to_the_header_not_to_claims() {
         eprintln!("case {i}: ok={ok} header={header_len} B peak={peak} B");
     }
 }
+
+/// A writer sink that counts bytes and keeps none.
+struct CountingSink(u64);
+impl std::io::Write for CountingSink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len() as u64;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn writing_back_a_huge_alignment_streams_its_padding() {
+    // 57 bytes: no tensors, one key, general.alignment = 2^31. The parser accepts it (a file
+    // with no tensors may end before its data section); written back, its header is padded to
+    // 2 GiB, which must stream out, not be built in memory.
+    let mut f = header(0, 1);
+    let key = b"general.alignment";
+    f.extend_from_slice(&(key.len() as u64).to_le_bytes());
+    f.extend_from_slice(key);
+    f.extend_from_slice(&4u32.to_le_bytes()); // U32
+    f.extend_from_slice(&0x8000_0000u32.to_le_bytes());
+    assert_eq!(f.len(), 57);
+    let g = Gguf::parse(&f).expect("accepted");
+    assert_eq!(g.data_offset(), 1 << 31);
+    let w = GgufWriter::from_gguf(&g).expect("writer");
+    assert_eq!(w.file_len().expect("layout"), 1 << 31);
+
+    let mut sink = CountingSink(0);
+    NOW.with(|n| n.set(0));
+    PEAK.with(|p| p.set(0));
+    ON.with(|on| on.set(true));
+    let written = w.write_streaming(&mut sink, |_, _, _| unreachable!("no tensors"));
+    ON.with(|on| on.set(false));
+    assert_eq!(written.expect("written"), 1 << 31);
+    assert_eq!(sink.0, 1 << 31);
+    let peak = PEAK.with(Cell::get);
+    assert!(
+        peak <= 128 << 10,
+        "streaming 2 GiB of padding allocated {peak} bytes"
+    );
+}

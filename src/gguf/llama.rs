@@ -113,12 +113,14 @@ impl LlamaParams {
         })
     }
 
-    /// Bytes of K and V cache per token across all layers, at `bytes_per_elem` per value.
-    pub fn kv_bytes_per_token(&self, bytes_per_elem: u64) -> u64 {
+    /// Bytes of K and V cache per token across all layers, at `bytes_per_elem` per value;
+    /// `None` where that does not fit in 64 bits (the counts come from the file: a layer and
+    /// head count of u32::MAX each is a valid header, not a valid model).
+    pub fn kv_bytes_per_token(&self, bytes_per_elem: u64) -> Option<u64> {
         u64::from(self.n_layers)
-            * u64::from(self.n_kv_heads)
-            * (u64::from(self.head_dim) + u64::from(self.head_dim_v))
-            * bytes_per_elem
+            .checked_mul(u64::from(self.n_kv_heads))?
+            .checked_mul(u64::from(self.head_dim) + u64::from(self.head_dim_v))?
+            .checked_mul(bytes_per_elem)
     }
 }
 

@@ -169,6 +169,14 @@ fn put_str(out: &mut Vec<u8>, s: &str, wide: bool) -> Result<(), GgufError> {
     Ok(())
 }
 
+/// Where a written file's parts lie (GgufWriter::header).
+struct Layout {
+    /// The data section's offset: the header padded to the alignment.
+    data_start: u64,
+    /// The whole file, every tensor padded to the alignment.
+    file_len: u64,
+}
+
 #[derive(Debug, Clone)]
 struct PendingTensor<'d> {
     name: String,
@@ -353,8 +361,11 @@ impl<'d> GgufWriter<'d> {
         Ok(n)
     }
 
-    /// The header (everything before the data section, padding included).
-    fn header(&self) -> Result<Vec<u8>, GgufError> {
+    /// The header without its padding, and the file's layout: the data section's start (the
+    /// header padded to the alignment) and the file's length (each tensor padded too). The
+    /// padding is not held in memory: with a large `general.alignment` it can be gigabytes
+    /// (a 57-byte file with no tensors and alignment 2^31 writes back as 2 GiB).
+    fn header(&self) -> Result<(Vec<u8>, Layout), GgufError> {
         let wide = self.version >= 2;
         let mut h = Vec::new();
         h.extend_from_slice(&GGUF_MAGIC);
@@ -375,15 +386,35 @@ impl<'d> GgufWriter<'d> {
             }
             h.extend_from_slice(&t.ty.id().to_le_bytes());
             h.extend_from_slice(&offset.to_le_bytes());
-            offset = (offset + t.data.len() as u64)
-                .checked_next_multiple_of(self.alignment)
-                .ok_or(GgufError::DataOffsetOverflow)?;
+            offset = self.padded(offset.checked_add(t.data.len() as u64))?;
         }
-        let padded = (h.len() as u64)
-            .checked_next_multiple_of(self.alignment)
+        let data_start = self.padded(Some(h.len() as u64))?;
+        let file_len = data_start
+            .checked_add(offset)
             .ok_or(GgufError::DataOffsetOverflow)?;
-        h.resize(padded as usize, 0);
-        Ok(h)
+        Ok((
+            h,
+            Layout {
+                data_start,
+                file_len,
+            },
+        ))
+    }
+
+    /// `n` rounded up to the alignment (`None`: an overflow already).
+    fn padded(&self, n: Option<u64>) -> Result<u64, GgufError> {
+        n.and_then(|n| n.checked_next_multiple_of(self.alignment))
+            .ok_or(GgufError::DataOffsetOverflow)
+    }
+
+    /// The length in bytes of the file this writer writes (what [`GgufWriter::write_streaming`]
+    /// returns), without writing it: to size a buffer, or to refuse a file too large for one.
+    ///
+    /// # Errors
+    /// [`GgufError::DataOffsetOverflow`] where the layout does not fit in 64 bits; an error of
+    /// the header's encoding (a count or string too long for the file's version).
+    pub fn file_len(&self) -> Result<u64, GgufError> {
+        Ok(self.header()?.1.file_len)
     }
 
     /// Writes the file to `out`, returning the bytes written.
@@ -412,10 +443,21 @@ impl<'d> GgufWriter<'d> {
         mut out: W,
         mut produce: impl FnMut(usize, &str, &mut Vec<u8>) -> Result<(), GgufError>,
     ) -> Result<u64, GgufError> {
-        let header = self.header()?;
+        let (header, layout) = self.header()?;
         out.write_all(&header)?;
-        let mut written = header.len() as u64;
+        // The padding in chunks of at most 64 KiB of zeros: memory stays bounded whatever the
+        // alignment.
         let zeros = vec![0u8; self.alignment.min(1 << 16) as usize];
+        let pad_with_zeros = |out: &mut W, mut pad: u64| -> Result<(), GgufError> {
+            while pad > 0 {
+                let n = pad.min(zeros.len() as u64);
+                out.write_all(&zeros[..n as usize])?;
+                pad -= n;
+            }
+            Ok(())
+        };
+        pad_with_zeros(&mut out, layout.data_start - header.len() as u64)?;
+        let mut written = layout.data_start;
         let mut buf = Vec::new();
         for (i, t) in self.tensors.iter().enumerate() {
             match t.data {
@@ -431,16 +473,14 @@ impl<'d> GgufWriter<'d> {
                     out.write_all(&buf)?;
                 }
             }
+            // header() checked that every padded offset, and the file's length, fit in 64 bits.
             let len = t.data.len() as u64;
-            let mut pad = len.next_multiple_of(self.alignment) - len;
+            let pad = len.next_multiple_of(self.alignment) - len;
             written += len + pad;
-            while pad > 0 {
-                let n = pad.min(zeros.len() as u64);
-                out.write_all(&zeros[..n as usize])?;
-                pad -= n;
-            }
+            pad_with_zeros(&mut out, pad)?;
         }
         out.flush()?;
+        debug_assert_eq!(written, layout.file_len);
         Ok(written)
     }
 

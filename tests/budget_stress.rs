@@ -114,7 +114,7 @@ fn recompute_and_registry_churn_racing_the_hot_path() {
     let c = Arc::new(BudgetCoordinator::new(config).unwrap());
     let workers: Vec<EngineId> = (0..4).map(|i| c.register(i + 1).unwrap()).collect();
     let stop = Arc::new(AtomicBool::new(false));
-    let start = Arc::new(Barrier::new(7));
+    let start = Arc::new(Barrier::new(8));
     let shadow_blocks = Arc::new(AtomicU64::new(0));
     let mut handles = Vec::new();
 
@@ -168,17 +168,27 @@ fn recompute_and_registry_churn_racing_the_hot_path() {
             c.begin_step(e);
         }));
     }
-    // Registry churn: an extra engine comes and goes.
-    {
+    // Registry churn: two extra engines come and go, so one's register can reuse the slot the
+    // other's deregister is leaving. Each checks that its engine stays as it set it (a late
+    // write of the leaving engine would idle it, or take its grant away).
+    for seed in [77, 78] {
         let (c, stop, start) = (c.clone(), stop.clone(), start.clone());
         handles.push(thread::spawn(move || {
             start.wait();
-            let mut rng = SmallRng::seed_from_u64(77);
+            let mut rng = SmallRng::seed_from_u64(seed);
             while !stop.load(Ordering::Relaxed) {
                 if let Ok(e) = c.register(rng.gen_range(1..5)) {
-                    c.set_active(e, rng.gen_bool(0.5));
+                    let active = rng.gen_bool(0.5);
+                    c.set_active(e, active);
                     c.recompute();
+                    let got = c.acquire_tokens_up_to(e, 8);
                     let _ = c.try_acquire_blocks(e, 2).map(|()| c.release_blocks(e, 2));
+                    assert_eq!(c.is_active(e), active, "another engine's write landed");
+                    assert_eq!(
+                        c.tokens_granted(e),
+                        u64::from(got),
+                        "grant changed under us"
+                    );
                     c.deregister(e).unwrap();
                 }
             }

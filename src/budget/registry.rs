@@ -65,6 +65,14 @@ impl BudgetCoordinator {
         if held != 0 {
             return Err(BudgetError::StillHoldsBlocks { engine, held });
         }
+        // The engine goes idle and its step ends (or its tokens would stay counted device-wide
+        // forever) while the slot is still its own: once it is LEAVING, a publication may free
+        // it and a register reuse it, and these writes would then idle the new engine and
+        // take its grant away (tests/loom/budget.rs, deregister_does_not_touch_a_reused_slot).
+        // The state check below fails only where another deregister of the same id raced
+        // this one, which the contract rules out; ending an idle engine's step twice is a no-op.
+        slot.active.store(false, Ordering::Relaxed);
+        self.begin_step(engine);
         // Two single-shot attempts in the only order the publisher can move the state
         // (JOINING -> LIVE, never back): a bounded sequence, not a retry loop.
         let left = [JOINING, LIVE].into_iter().any(|from| {
@@ -75,9 +83,6 @@ impl BudgetCoordinator {
         if !left {
             return Err(BudgetError::NotRegistered { engine });
         }
-        slot.active.store(false, Ordering::Relaxed);
-        // The engine's step ends with it, or its tokens would stay counted device-wide forever.
-        self.begin_step(engine);
         self.mark_dirty();
         self.recompute();
         Ok(())

@@ -213,6 +213,38 @@ fn register_deregister_racing_recompute() {
     });
 }
 
+/// A deregister racing a publication that frees its slot and a register that reuses it (one
+/// slot): the old engine's last writes (idle, end of step) must not land on the new engine,
+/// which stays active with its grant counted once, device-wide and in its slot. Before the fix
+/// (those writes after the slot was LEAVING) the new engine ended idle with its grant erased.
+#[test]
+fn deregister_does_not_touch_a_reused_slot() {
+    loom::model(|| {
+        let c = Arc::new(coordinator(1, 4, 4));
+        let old = active_engine(&c);
+        assert!(c.try_acquire_tokens(old, 2));
+        let t = {
+            let c = c.clone();
+            thread::spawn(move || {
+                c.recompute();
+                let e = c.register(1).ok()?;
+                c.set_active(e, true);
+                c.recompute();
+                Some((e, c.acquire_tokens_up_to(e, 4)))
+            })
+        };
+        c.deregister(old).unwrap();
+        match t.join().unwrap() {
+            Some((new, granted)) => {
+                assert!(c.is_active(new), "the old deregister idled the new engine");
+                assert_eq!(c.tokens_granted(new), u64::from(granted), "grant erased");
+                assert_eq!(c.tokens_in_use(), u64::from(granted), "device count off");
+            }
+            None => assert_eq!(c.tokens_in_use(), 0, "the old engine's step still counted"),
+        }
+    });
+}
+
 /// One engine alone, budget and limit both `limit`.
 fn single(limit: u32) -> (Arc<BudgetCoordinator>, EngineId) {
     let c = Arc::new(coordinator(1, limit, limit));

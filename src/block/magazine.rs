@@ -26,6 +26,13 @@
 //! proves the entries read were the live ones. Entries lie between index 0 and the capacity, so
 //! reading one is always in bounds; an entry value is only trusted once the CAS succeeds.
 //!
+//! **Ordering.** A push's final CAS releases its entries to the pops that acquire its word. The
+//! other direction matters too: a pop frees the entries it read for the next push to
+//! overwrite, so a successful pop CAS also releases (its Relaxed reads of the entries), and the
+//! push acquires the count it writes at (its claim, and its final CAS on failure). Without
+//! that, the memory model lets a popper's read return the value a later pusher stores there
+//! (load buffering; loom does not model it, so this is argued here, not checked).
+//!
 //! **Reclamation.** The array lives as long as the pool; nothing is freed.
 
 use crate::sync::{AtomicU32, AtomicU64, CachePadded, Ordering};
@@ -107,11 +114,14 @@ impl Magazine {
                 *d = slot.load(Ordering::Relaxed);
             }
             // Acquire on success and failure: the next attempt reads entries published by the
-            // push that made the observed word current. The pop does not release anything.
+            // push that made the observed word current. Release on success: our reads of the
+            // entries happen before a push that Acquires the lowered word (its claim, or its
+            // failed final CAS) overwrites them; without it a popper's Relaxed load may return
+            // the pusher's later value (load buffering), a block then both popped and parked.
             match self.top.compare_exchange_weak(
                 top,
                 top - n as u64,
-                Ordering::Acquire,
+                Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
                 Ok(_) => return true,
@@ -132,11 +142,11 @@ impl Magazine {
                 // Relaxed: see pop_n.
                 *dst = slot.load(Ordering::Relaxed);
             }
-            // Acquire: see pop_n.
+            // AcqRel / Acquire: see pop_n.
             match self.top.compare_exchange_weak(
                 top,
                 top - u64::from(count),
-                Ordering::Acquire,
+                Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
                 Ok(_) => return count,
@@ -151,17 +161,20 @@ impl Magazine {
     pub(super) fn try_push(&self, blocks: impl ExactSizeIterator<Item = u32> + Clone) -> bool {
         let k = blocks.len() as u32;
         let cap = self.slots.len() as u32;
-        // Relaxed: the claim below publishes nothing and reads nothing through the word; the
-        // entries are published by the final Release CAS.
+        // Relaxed load: a word is only acted on through the claim's CAS.
         let mut top = self.top.load(Ordering::Relaxed);
         loop {
             if top & BUSY != 0 || count_of(top) + k > cap {
                 return false;
             }
+            // Acquire on success: the pops that lowered the count to what we claim released
+            // their reads of the entries we are about to overwrite (every write to `top` is a
+            // read-modify-write, so their release sequences reach this claim). The entries are
+            // published by the final Release CAS.
             match self.top.compare_exchange_weak(
                 top,
                 top | BUSY,
-                Ordering::Relaxed,
+                Ordering::Acquire,
                 Ordering::Relaxed,
             ) {
                 Ok(_) => break,
@@ -180,12 +193,14 @@ impl Magazine {
                 slot.store(b, Ordering::Relaxed);
             }
             // Release publishes the entries and the blocks' zeroed metadata (written by the
-            // caller before this call) to the popper that Acquires the new word.
+            // caller before this call) to the popper that Acquires the new word. Acquire on
+            // failure: a pop lowered the count, and its reads of the entries we rewrite next
+            // must come before our stores (as at the claim).
             match self.top.compare_exchange_weak(
                 top,
                 released(top, count + k),
                 Ordering::Release,
-                Ordering::Relaxed,
+                Ordering::Acquire,
             ) {
                 Ok(_) => return true,
                 Err(actual) => top = actual,

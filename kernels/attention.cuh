@@ -103,10 +103,12 @@ __device__ __forceinline__ int decode_seq_ctx(const int32_t *context_lens, int s
   return min(max(context_lens[seq], 0), clamp);
 }
 
-// The contract's partition length of a sequence of ctx tokens over num_splits splits.
-__host__ __device__ __forceinline__ int decode_part_len(int ctx, int num_splits) {
-  const int per = ceil_div(ctx > 0 ? ctx : 1, num_splits);
-  return ceil_div(per, PKV_DECODE_PART_ALIGN) * PKV_DECODE_PART_ALIGN;
+// The contract's partition length of a sequence of ctx tokens over num_splits splits, in 64
+// bits: rounding a context near 2^31 up to the alignment passes INT_MAX (in int it wrapped
+// negative, every split empty).
+__host__ __device__ __forceinline__ int64_t decode_part_len(int ctx, int num_splits) {
+  const int64_t per = ((int64_t)(ctx > 0 ? ctx : 1) + num_splits - 1) / num_splits;
+  return (per + PKV_DECODE_PART_ALIGN - 1) / PKV_DECODE_PART_ALIGN * PKV_DECODE_PART_ALIGN;
 }
 
 // ---------------------------------------------------------------------------------------------

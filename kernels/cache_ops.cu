@@ -156,6 +156,9 @@ extern "C" int pkv_swap_blocks(void *dst, size_t dst_page_bytes, const void *src
     return PKV_ERR_PAGE_ALIGN;
   if (num_pairs == 0) return PKV_OK;
   if (dst == nullptr || src == nullptr || pairs == nullptr) return PKV_ERR_NULL_POINTER;
+  // Every pair checked before the first copy is queued: an argument error queues nothing.
+  for (int32_t i = 0; i < 2 * num_pairs; ++i)
+    if (pairs[i] < 0) return PKV_ERR_INVALID_ARG;
   const cudaMemcpyKind kind = to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   // Runs of pairs that continue consecutively on both sides are one copy when both sides step
@@ -166,7 +169,6 @@ extern "C" int pkv_swap_blocks(void *dst, size_t dst_page_bytes, const void *src
   int32_t i = 0;
   while (i < num_pairs) {
     const int64_t s0 = pairs[2 * i], d0 = pairs[2 * i + 1];
-    if (s0 < 0 || d0 < 0) return PKV_ERR_INVALID_ARG;
     int32_t n = 1;
     while (merge && i + n < num_pairs && pairs[2 * (i + n)] == s0 + n &&
            pairs[2 * (i + n) + 1] == d0 + n)

@@ -11,7 +11,7 @@ namespace pkv {
 // f16 / bf16 caches, by the query heads a block serves: 1 (the CUDA-core MHA body, held to its
 // entry by __launch_bounds__), 8 or 16 (the tensor-core GQA body); head dims 64 / 80 / 96 /
 // 112 / 128 / 256. Registers at sm_90 (nvcc 13.0.88): one head 80 / 72 / 72 / 72 / 72 / 80,
-// 8 heads 96 / 128 / 124 / 128 / 164 / 166, 16 heads 125 / 142 / 164 / 182 / 217.
+// 8 heads 96 / 128 / 128 / 128 / 164 / 166, 16 heads 125 / 142 / 164 / 182 / 214.
 __host__ __device__ constexpr int decode_resident(int gt, int head_dim) {
   if (gt == 1) return head_dim <= 64 || head_dim > 128 ? 6 : 7;
   if (gt == 16) return head_dim <= 64 ? 4 : head_dim <= 96 ? 3 : 2;
@@ -21,12 +21,13 @@ __host__ __device__ constexpr int decode_resident(int gt, int head_dim) {
 }
 
 // f32 caches, whose bodies are all CUDA-core ones of 1, 4 or 8 heads. Registers at sm_90: one
-// head 64 / 64 / 64 / 64 / 67 / 78, four 127 / 117 / 117 / 117 / 124 / 157, eight 191 / 194 /
-// 194 / 194 / 190 / 213.
+// head 64 / 64 / 64 / 64 / 67 / 78, four 124 / 117 / 117 / 117 / 127 / 156, eight 166 / 168 /
+// 168 / 168 / 166 / 210 (190 - 213 before the partition length moved to 64 bits: 2 blocks
+// per SM up to d128 then).
 __host__ __device__ constexpr int decode_resident_f32(int gt, int head_dim) {
   if (gt == 1) return head_dim <= 112 ? 8 : head_dim <= 128 ? 7 : 6;
   if (gt == 4) return head_dim <= 128 ? 4 : 3;
-  return 2;
+  return head_dim <= 128 ? 3 : 2;
 }
 
 }  // namespace pkv

@@ -328,7 +328,11 @@ int pkv_paged_attention_decode(void *out, int64_t out_token_stride, const void *
  * block_tables     device [num_seqs][max_blocks_per_seq] i32
  * context_lens     device [num_seqs] i32, each >= its q_len
  * query_start_loc  device [num_seqs + 1] i32, non-decreasing, starting at 0
- * max_query_len    host: an upper bound of every q_len (sizes the grid)
+ * num_seqs         host, 0 .. 65535 (grid z)
+ * max_query_len    host: an upper bound of every q_len (sizes the grid); the launch's row
+ *                  tiles, ceil(max_query_len * (num_heads / num_kv_heads) / rows) with rows
+ *                  64 or 128 (f16 / bf16, per tiling) or 32 (f32), at most 65535 (grid y),
+ *                  else PKV_ERR_INVALID_ARG
  * params           host
  */
 int pkv_paged_attention_prefill(void *out, int64_t out_token_stride, const void *query,
@@ -479,7 +483,8 @@ int pkv_copy_blocks(void *cache, const pkv_cache_geometry *geom, const int32_t *
  *                    (else PKV_ERR_PAGE_ALIGN)
  * block_bytes        bytes per block (kv::KvCacheConfig::bytes_per_block), > 0
  * pairs              host [num_pairs][2] i64 (src block, dst block), validated by the caller
- *                    (in range of each side; a negative index is PKV_ERR_INVALID_ARG)
+ *                    (in range of each side; a negative index anywhere is PKV_ERR_INVALID_ARG,
+ *                    before any copy is queued; a cudaError status may follow queued copies)
  * to_host            1: device -> host (swap out); 0: host -> device (swap in)
  */
 int pkv_swap_blocks(void *dst, size_t dst_page_bytes, const void *src, size_t src_page_bytes,

@@ -1181,6 +1181,37 @@ fn page_stride_and_block_size_are_validated() {
     assert_eq!(swap(4096, 4096, 0), ffi::PKV_ERR_INVALID_ARG as i32);
 }
 
+/// A negative block index anywhere in the pair list is an argument error that queues no copy:
+/// the pairs before it are not copied either (the header's promise for PKV_ERR_* argument
+/// errors, on which a caller may free or reuse the buffers at once).
+#[test]
+fn swap_refuses_a_negative_index_before_any_copy() {
+    let src = buf(&[0xAB; 64]);
+    let dst = buf(&[0; 64]);
+    for pairs in [[0i64, 0, -1, 1], [0, 0, 1, -1], [-1, 0, 0, 1]] {
+        // SAFETY: both buffers hold 4 pages of 16 bytes, every non-negative index is < 4, and
+        // the launcher refuses the list before reading a page.
+        let s = unsafe {
+            ffi::pkv_swap_blocks(
+                dst.ptr(),
+                16,
+                src.ptr(),
+                16,
+                16,
+                pairs.as_ptr(),
+                2,
+                1,
+                null(),
+            )
+        };
+        assert_eq!(s, ffi::PKV_ERR_INVALID_ARG as i32, "{pairs:?}");
+        assert!(
+            dst.as_slice::<u8>().iter().all(|&b| b == 0),
+            "{pairs:?}: a copy was queued"
+        );
+    }
+}
+
 /// A block table row long enough that `max_blocks_per_seq * block_size` passes 2^31 (2^23 + 1
 /// entries of 256-token blocks): the kernels clamp context lengths to what the row can name,
 /// and that clamp must not wrap to a negative number (which silently turned every sequence
@@ -1219,6 +1250,48 @@ fn table_capacity_beyond_i32_does_not_wrap() {
     let (s, got) = pcase.prefill::<f32>(0, &qsl);
     expect_ok("prefill, huge table", s);
     assert_close("prefill, huge table", &got, &want, d);
+
+    // A context of 2^31 - 1 tokens under a 64-token window: only the window's tokens are
+    // read, all in the row's last block (the others name block 0: the oracle checks every
+    // entry up to the context). Its partition length in one split rounds up past i32::MAX:
+    // computed in 32 bits it wrapped negative, every split empty, a zero output.
+    let c = i32::MAX as usize;
+    let mut one = make_batch(&mut rng, 1, hkv, d, bs, KvDtype::F32, Page::Pad(1), &[300]);
+    let last = (c - 1) / bs;
+    let mut table = vec![0i32; mbps];
+    table[last] = one.tables[0];
+    one.tables = table;
+    one.mbps = mbps;
+    one.ctx = vec![i32::MAX];
+    let host = random_cache::<f32>(&mut rng, one.cfg);
+    let windowed = attn_params(
+        nh,
+        d,
+        Features {
+            window: 64,
+            ..Features::PLAIN
+        },
+        &[],
+    );
+    let query = random_vec::<f32>(&mut rng, nh * d);
+    let want = cpu_decode(&one, &host, 0, &query, &windowed);
+    assert!(
+        want.iter().any(|&x| x != 0.0),
+        "the oracle attends the window"
+    );
+    let mut case = AttnCase::new(&one, &host, &query, &windowed);
+    // (Split-K at this capacity needs more than PKV_DECODE_MAX_SPLITS splits: its plan is
+    // refused; Auto's splits are few.)
+    for mode in [ffi::PKV_DECODE_SINGLE, ffi::PKV_DECODE_AUTO] {
+        let (s, got) = case.decode::<f32>(0, mode);
+        expect_ok("decode, context 2^31 - 1", s);
+        assert_close(
+            &format!("decode mode {mode}, context 2^31 - 1"),
+            &got,
+            &want,
+            d,
+        );
+    }
 }
 
 /// Launch flags other than `PKV_LAUNCH_PROGRAMMATIC` are refused by both attention launchers

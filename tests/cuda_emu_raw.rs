@@ -523,6 +523,9 @@ fn fused_qkv_views_match_dense() {
     check_fused::<f16>(&mut rng, 80, 1, 8);
     check_fused::<f32>(&mut rng, 64, 8, 32);
     check_fused::<bf16>(&mut rng, 256, 3, 16);
+    // Head counts whose sum overflows: no view (the sum wrapped to a zero stride before).
+    assert!(Rows::fused(0, &[usize::MAX, 1], 0, 64, 2).is_none());
+    assert!(Rows::fused(0, &[usize::MAX, 1], 1, 64, 2).is_none());
 }
 
 /// The split policy: one split when the batch fills the device, enough splits to fill it
@@ -577,9 +580,9 @@ fn decode_plan_policy() {
     // 32:2 (group 16): one 16-head tensor-core block per KV head, 264 / 2 = 132 splits.
     assert_eq!(auto(1, 32, 2, 8192, 132).num_splits(), 132);
     // f32 caches run CUDA-core bodies (d128): groups up to 4 the 4-head one, 4 blocks per SM
-    // (126 registers), so 32:8 at 1 x 32768 fills 528 slots with 66 splits (bf16: 49); the
-    // 8-head one fits 2 (191 registers): 64:8 fills 264 with 33, and 32:2 (two 8-head blocks
-    // per KV head, not one 16-head tensor-core block) 264 / 4 = 66 (bf16's rule: 132 splits
+    // (127 registers), so 32:8 at 1 x 32768 fills 528 slots with 66 splits (bf16: 49); the
+    // 8-head one fits 3 (166 registers): 64:8 fills 396 with 49, and 32:2 (two 8-head blocks
+    // per KV head, not one 16-head tensor-core block) 396 / 4 = 99 (bf16's rule: 132 splits
     // of 4 blocks, two waves).
     let auto_f32 = |seqs, nh, nkv, cap| {
         DecodePlan::for_dtype(DecodeMode::Auto, KvDtype::F32, seqs, nh, nkv, 128, cap, 132)
@@ -587,8 +590,8 @@ fn decode_plan_policy() {
             .num_splits()
     };
     assert_eq!(auto_f32(1, 32, 8, 32768), 66);
-    assert_eq!(auto_f32(1, 64, 8, 32768), 33);
-    assert_eq!(auto_f32(1, 32, 2, 32768), 66);
+    assert_eq!(auto_f32(1, 64, 8, 32768), 49);
+    assert_eq!(auto_f32(1, 32, 2, 32768), 99);
     // Fixed and forced modes do not depend on the dtype.
     for dtype in [KvDtype::F32, KvDtype::F16] {
         let p = DecodePlan::for_dtype(DecodeMode::Splits(7), dtype, 1, 32, 8, 128, 4096, 132);
@@ -962,6 +965,54 @@ fn raw_launches_refuse_bad_input_before_launch() {
             r,
             Err(RawError::NullPointer {
                 what: "slot_mapping"
+            })
+        ),
+        "{r:?}"
+    );
+    // Prefill past the grid's limits: 65536 sequences (grid z), and row tiles past 65535 (grid
+    // y: group 2, 64-row tiles, so 2,097,120 query tokens at most).
+    let prefill = |seqs: &SeqTables, max_q: usize| {
+        let _ = cuda_emu::take_stats();
+        // SAFETY: refused by the host checks before any launch (asserted below).
+        let r = unsafe {
+            cuda_raw::paged_attention_prefill(
+                &cache,
+                0,
+                bq,
+                bo,
+                seqs,
+                ptr(&ctx),
+                max_q,
+                &params,
+                null_stream(),
+            )
+        };
+        assert_eq!(cuda_emu::take_stats().launches, 0, "{r:?}: launched");
+        r
+    };
+    let many = SeqTables {
+        num_seqs: 65536,
+        ..seqs
+    };
+    let r = prefill(&many, 4);
+    assert!(
+        matches!(
+            r,
+            Err(RawError::OverCapacity {
+                capacity: 65535,
+                found: 65536,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let r = prefill(&seqs, 2_097_121);
+    assert!(
+        matches!(
+            r,
+            Err(RawError::OverCapacity {
+                capacity: 2_097_120,
+                ..
             })
         ),
         "{r:?}"

@@ -199,10 +199,13 @@ impl DeviceKvCache {
         mapping: &[(u32, u32)],
     ) -> Result<(), CudaError> {
         self.check_swap(gpu, swap, mapping, true)?;
+        gpu.bind()?;
+        // Every earlier swap through this space, on whatever stream, comes first, so that
+        // `pending` (recorded after this one) covers them all: host access waits on it alone.
+        gpu.stream().wait(&swap.pending)?;
         let mut pairs = std::mem::take(&mut swap.staging);
         pairs.clear();
         pairs.extend(mapping.iter().map(|&(s, d)| [i64::from(s), i64::from(d)]));
-        gpu.bind()?;
         // SAFETY: `self.base()` is the arena (num_blocks pages of config.page_bytes(), alive
         // through our Arc until the queued copies complete: the arena's drop synchronizes) and
         // `swap.ptr` the pinned allocation of swap.config's num_blocks dense blocks of the same
@@ -210,7 +213,8 @@ impl DeviceKvCache {
         // (check_swap), so each copy of bytes_per_block (or a merged run, equal page sizes
         // only) stays inside both allocations. `pairs` is read during the call only. The DMA
         // writes into `swap`'s memory, which we hold by &mut: no host access can overlap it
-        // until `swap.pending` (recorded below) is waited on by an accessor.
+        // until `swap.pending` (recorded below) is waited on by an accessor, and no earlier
+        // swap's DMA either (the stream waited on `pending` above).
         let r = unsafe {
             cuda_raw::swap_blocks(
                 swap.ptr.as_ptr() as *mut c_void,
@@ -224,8 +228,11 @@ impl DeviceKvCache {
             )
         };
         swap.staging = pairs;
+        // Recorded even when the launcher failed: copies it queued before failing are waited
+        // for too.
+        let recorded = swap.pending.record(gpu.stream());
         r?;
-        swap.pending.record(gpu.stream())?;
+        recorded?;
         Ok(())
     }
 
@@ -241,15 +248,19 @@ impl DeviceKvCache {
         mapping: &[(u32, u32)],
     ) -> Result<(), CudaError> {
         self.check_swap(gpu, swap, mapping, false)?;
+        gpu.bind()?;
+        // Every earlier swap through this space, on whatever stream, comes first, so that
+        // `pending` (recorded after this one) covers them all: host access waits on it alone.
+        gpu.stream().wait(&swap.pending)?;
         let mut pairs = std::mem::take(&mut swap.staging);
         pairs.clear();
         pairs.extend(mapping.iter().map(|&(s, d)| [i64::from(s), i64::from(d)]));
-        gpu.bind()?;
         // SAFETY: as in swap_out with the roles exchanged: the arena is the destination (only
         // the block part of the mapped pages is written, pages this view owns), `swap.ptr` the
         // pinned swap allocation of the same block shape, pairs in range. The DMA reads
         // `swap`'s memory, held by &mut until `swap.pending` is recorded, so the host cannot
-        // write it while the copy runs (accessors wait on `pending`).
+        // write it while the copy runs (accessors wait on `pending`), nor an earlier swap's
+        // DMA (the stream waited on `pending` above).
         let r = unsafe {
             cuda_raw::swap_blocks(
                 self.base(),
@@ -263,8 +274,11 @@ impl DeviceKvCache {
             )
         };
         swap.staging = pairs;
+        // Recorded even when the launcher failed: copies it queued before failing are waited
+        // for too.
+        let recorded = swap.pending.record(gpu.stream());
         r?;
-        swap.pending.record(gpu.stream())?;
+        recorded?;
         Ok(())
     }
 
@@ -300,14 +314,16 @@ impl DeviceKvCache {
 /// host reads it efficiently, unlike write-combined memory).
 ///
 /// Host access ([`as_bytes`](Self::as_bytes), [`as_bytes_mut`](Self::as_bytes_mut), drop)
-/// first waits for the last swap that used it, so a DMA never races a host access.
+/// first waits for the swaps that used it (each swap is queued behind the previous one, on
+/// whatever stream), so a DMA never races a host access or another swap's DMA.
 #[derive(Debug)]
 pub struct PinnedSwapSpace {
     /// Geometry of the swap space (the cache's block shape, its own block count).
     config: KvCacheConfig,
     /// `config.total_bytes()` bytes of pinned memory, initialized (zeroed) at creation; owned.
     ptr: NonNull<u8>,
-    /// Recorded on the stream after every swap that reads or writes `ptr`.
+    /// Recorded on the stream after every swap that reads or writes `ptr`; every swap's stream
+    /// waits on it first, so it covers all of them.
     pending: CudaEvent,
     /// Context that allocated `ptr` (bound again to free it).
     ctx: Arc<CudaContext>,
@@ -335,6 +351,9 @@ impl PinnedSwapSpace {
         let config = cache_config.with_num_blocks(num_blocks)?;
         let bytes = config.total_bytes();
         gpu.bind()?;
+        // The event first: nothing to undo if it fails (after the allocation, its failure
+        // would leak the pinned memory).
+        let pending = gpu.context().new_event(None)?;
         // SAFETY: the context is current (bind); cuMemHostAlloc with flags 0 returns `bytes` of
         // page-locked, host-cached memory or an error. The memory is uninitialized: it is
         // zeroed below before any reference to it exists.
@@ -344,7 +363,6 @@ impl PinnedSwapSpace {
         };
         // SAFETY: `ptr` points to `bytes` writable bytes just allocated and not yet shared.
         unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, bytes) };
-        let pending = gpu.context().new_event(None)?;
         Ok(Self {
             config,
             ptr,

@@ -241,13 +241,24 @@ impl DecodeWorkspace {
     pub fn capacity_bytes(&self) -> usize {
         self.buf.as_ref().map_or(0, |b| b.len())
     }
-    /// Grows to at least `plan`'s bytes (never shrinks) and zeroes its counters unless they
-    /// are known to be zero. Call it right before a launch with `plan`, on `gpu`'s stream.
+    /// Grows to at least `plan`'s bytes (never shrinks; reallocated when `gpu` is another
+    /// device than the buffer's) and zeroes its counters unless they are known to be zero.
+    /// Call it right before a launch with `plan`, on `gpu`'s stream.
     ///
     /// # Errors
     /// [`CudaError::Driver`] if the allocation or the zeroing fails (the old buffer is kept).
     pub fn prepare(&mut self, gpu: &Gpu, plan: &cuda_raw::DecodePlan) -> Result<(), CudaError> {
         let (bytes, counters) = (plan.workspace_bytes(), plan.counter_bytes());
+        // A workspace follows the device it is prepared for: one of another device's would be
+        // written through a foreign pointer. The new one is allocated below (zeroed).
+        if self
+            .buf
+            .as_ref()
+            .is_some_and(|b| b.ordinal() != gpu.info().ordinal)
+        {
+            self.buf = None;
+            self.zeroed = 0;
+        }
         if bytes > self.capacity_bytes() {
             self.buf = Some(gpu.alloc_zeros::<u8>(bytes)?);
             self.zeroed = bytes;
@@ -457,7 +468,12 @@ fn check_layer(cfg: &KvCacheConfig, layer: usize) -> Result<(), CudaError> {
     Ok(())
 }
 
-fn check_heads(cfg: &KvCacheConfig, params: &DeviceAttnParams) -> Result<(), CudaError> {
+/// The heads divide the cache's KV heads, and the slopes (if any) live on the launch's device.
+fn check_params(
+    gpu: &Gpu,
+    cfg: &KvCacheConfig,
+    params: &DeviceAttnParams,
+) -> Result<(), CudaError> {
     if params.num_heads == 0 || params.num_heads % cfg.num_kv_heads() != 0 {
         return Err(AttnError::HeadsNotMultiple {
             num_heads: params.num_heads,
@@ -465,10 +481,18 @@ fn check_heads(cfg: &KvCacheConfig, params: &DeviceAttnParams) -> Result<(), Cud
         }
         .into());
     }
-    Ok(())
+    params.check_device(gpu)
 }
 
 impl DeviceAttnParams {
+    /// The slopes (if any) were uploaded to `gpu`'s device: a kernel on another device would
+    /// read them through a foreign pointer (an illegal address that poisons the context).
+    pub(crate) fn check_device(&self, gpu: &Gpu) -> Result<(), CudaError> {
+        self.alibi_slopes
+            .as_ref()
+            .map_or(Ok(()), |s| same_device(gpu, s))
+    }
+
     /// The raw parameters, with the slopes' device pointer (and the guard recording the read
     /// on `stream`).
     pub(crate) fn raw<'a>(
@@ -642,7 +666,7 @@ impl DeviceKvCache {
         let cfg = *self.config();
         check_dtype::<T>(&cfg)?;
         check_layer(&cfg, layer)?;
-        check_heads(&cfg, params)?;
+        check_params(gpu, &cfg, params)?;
         let row = params.num_heads * cfg.head_dim();
         query.check(gpu, "query", seqs.num_seqs, row)?;
         out.check(gpu, "out", seqs.num_seqs, row)?;
@@ -745,7 +769,7 @@ impl DeviceKvCache {
             .query_start_loc
             .as_ref()
             .ok_or(AttnError::QueryStartLoc { seq: 0 })?;
-        check_heads(&cfg, params)?;
+        check_params(gpu, &cfg, params)?;
         let row = params.num_heads * cfg.head_dim();
         query.check(gpu, "query", seqs.num_tokens, row)?;
         out.check(gpu, "out", seqs.num_tokens, row)?;

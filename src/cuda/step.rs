@@ -190,6 +190,7 @@ impl DecodeStep {
             }
             .into());
         }
+        params.check_device(gpu)?;
         if max_seqs == 0 || max_blocks_per_seq == 0 {
             return Err(CudaError::Unsupported {
                 what: "an empty decode step",

@@ -7,6 +7,7 @@ use super::check::{
 };
 use super::{ffi, AttnParamsRaw, CacheView, CuStream, DecodePlan, DevPtr, Rows, SeqTables};
 use super::{RawError, Workspace};
+use crate::kv::KvDtype;
 use std::ffi::c_void;
 
 fn dev(p: DevPtr) -> *mut c_void {
@@ -174,7 +175,10 @@ pub unsafe fn paged_attention_decode(
 /// they must be valid (validate them on the host where they are built).
 ///
 /// # Errors
-/// As [`paged_attention_decode`]; [`RawError::NullPointer`] for a null `query_start_loc`.
+/// As [`paged_attention_decode`]; [`RawError::NullPointer`] for a null `query_start_loc`;
+/// [`RawError::OverCapacity`] for more than 65535 sequences, or a `max_query_len` whose row
+/// tiles pass 65535 (`max_query_len * group` above 65535 * 64 rows for f16 / bf16, 65535 * 32
+/// for f32).
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn paged_attention_prefill(
     cache: &CacheView,
@@ -199,6 +203,30 @@ pub unsafe fn paged_attention_prefill(
     let max_q = i32_of("max_query_len", max_query_len)?;
     if n == 0 || max_q == 0 {
         return Ok(());
+    }
+    // The grid's limits (pagedkv.h): sequences in grid z, row tiles in grid y, counted at the
+    // fewest rows per tile a kernel of this dtype has (a tiling with more is refused where
+    // that one would be: the limit does not depend on the tiling chosen).
+    if n > 65535 {
+        return Err(RawError::OverCapacity {
+            what: "prefill num_seqs",
+            capacity: 65535,
+            found: n as usize,
+        });
+    }
+    let tile_rows = if cache.config.dtype() == KvDtype::F32 {
+        32
+    } else {
+        64
+    };
+    let group = params.num_heads / cache.config.num_kv_heads();
+    let max_rows = 65535 * tile_rows / group;
+    if max_query_len > max_rows {
+        return Err(RawError::OverCapacity {
+            what: "prefill max_query_len (row tiles in grid y)",
+            capacity: max_rows,
+            found: max_query_len,
+        });
     }
     non_null("query_start_loc", query_start_loc)?;
     aligned("query_start_loc", query_start_loc, 4)?;
@@ -342,7 +370,9 @@ pub unsafe fn copy_blocks(
 ///
 /// # Errors
 /// [`RawError::Unsupported`] (more pairs than `i32`), [`RawError::Kv`] (page smaller than a
-/// block or off the 16-byte grid), [`RawError::Launch`] (a negative index, a copy failure).
+/// block or off the 16-byte grid), [`RawError::Launch`] (a negative index: no copy queued; a
+/// copy failure: the copies before it may be queued, so wait on `stream` before reusing the
+/// buffers).
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn swap_blocks(
     dst: *mut c_void,

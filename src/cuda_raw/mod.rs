@@ -113,8 +113,9 @@ impl Rows {
         if part >= parts_heads.len() {
             return None;
         }
-        let total: usize = parts_heads.iter().sum();
-        let before: usize = parts_heads[..part].iter().sum();
+        let sum = |heads: &[usize]| heads.iter().try_fold(0usize, |a, &h| a.checked_add(h));
+        let total = sum(parts_heads)?;
+        let before = sum(&parts_heads[..part])?;
         let offset = before.checked_mul(head_dim)?.checked_mul(elem_bytes)?;
         Some(Self {
             ptr: base.checked_add(u64::try_from(offset).ok()?)?,

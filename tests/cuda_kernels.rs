@@ -927,6 +927,35 @@ fn swap_out_then_in_restores_bytes() {
     }
 }
 
+/// Swaps through one pinned space on two streams: the second (one block, on a new stream) is
+/// queued behind the first (64 MiB, on the stream that uploaded the cache), so the host's read
+/// of the space, which waits for the last swap only, sees both complete. Before swaps waited on
+/// each other, the read could return while the first's DMA still ran (and the second could run
+/// before the upload).
+#[test]
+fn swaps_on_two_streams_complete_before_host_access() {
+    let Some(g) = gpu("swaps_on_two_streams_complete_before_host_access") else {
+        return;
+    };
+    let mut rng = SmallRng::seed_from_u64(12);
+    let cfg = KvCacheConfig::new(4, 8, 128, 16, 256, KvDtype::Bf16).expect("cfg");
+    let mut host = HostKvCache::new(cfg).expect("host");
+    rng.fill(host.as_bytes_mut());
+    let mut dev = DeviceKvCache::new(&g, cfg).expect("dev");
+    dev.upload_from(&g, &host).expect("up");
+    let mut pinned = PinnedSwapSpace::new(&g, &cfg, 256).expect("pinned");
+    let other = g.with_new_stream().expect("stream");
+    let all_but_last: Vec<(u32, u32)> = (0..255).map(|b| (b, b)).collect();
+    dev.swap_out(&g, &mut pinned, &all_but_last)
+        .expect("swap out, stream 1");
+    dev.swap_out(&other, &mut pinned, &[(255, 255)])
+        .expect("swap out, stream 2");
+    assert!(
+        pinned.as_bytes().expect("pinned") == host.as_bytes(),
+        "the host read did not wait for both swaps"
+    );
+}
+
 /// Swap between a device cache with page stride `page` and a dense pinned swap space, against
 /// the CPU twin.
 fn check_swap(g: &Gpu, page: Page) {

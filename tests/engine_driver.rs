@@ -376,6 +376,45 @@ fn a_caller_finish_reason_is_reported_apart_from_an_abort() {
     assert_eq!(shared.pool().free_count(), shared.pool().total());
 }
 
+/// A batch stands until committed: scheduling again first (every step here, swap-outs and
+/// copies among them under a small arena) returns the same batch, and every result stays
+/// exact. Before, the second schedule dropped the first batch, its swap-outs with it, and the
+/// swapped sequences came back over KV that was never written.
+#[test]
+fn scheduling_again_before_the_commit_returns_the_standing_batch() {
+    let (shared, mut engines) = build(24, PreemptionMode::Swap);
+    for (e, driven) in engines.iter_mut().enumerate() {
+        for s in 0..8u64 {
+            add(driven, request(100 * e as u64 + s, 20 + 3 * s as usize, 30));
+        }
+    }
+    let (mut swaps_rescheduled, mut finished) = (0, 0);
+    for _ in 0..2000 {
+        if engines.iter().all(|(e, _)| !e.has_work()) {
+            break;
+        }
+        for (engine, model) in engines.iter_mut() {
+            let first = format!("{:?}", engine.schedule());
+            let again = engine.schedule();
+            swaps_rescheduled += usize::from(!again.swap_out.is_empty());
+            assert_eq!(format!("{again:?}"), first, "the standing batch changed");
+            engine.execute(model).unwrap();
+            engine.commit(model).unwrap();
+            for f in engine.finished() {
+                assert_eq!(f.output.len(), 30, "seq {}", f.id);
+                assert_eq!(f.reason, FinishReason::MaxTokens);
+                finished += 1;
+            }
+        }
+    }
+    assert!(
+        swaps_rescheduled > 0,
+        "the test must schedule swap-outs twice"
+    );
+    assert_eq!(finished, 16);
+    assert_no_leak(&shared);
+}
+
 #[test]
 fn commit_before_execute_is_refused_and_changes_nothing() {
     let (_shared, mut engines) = build(64, PreemptionMode::Recompute);

@@ -3,6 +3,7 @@
 
 use pagedkv::block::{BlockPool, EngineId, PoolConfig};
 use pagedkv::error::SchedError;
+use pagedkv::prefix::{PrefixCache, PrefixConfig};
 use pagedkv::sched::{
     Batch, Batcher, BatcherConfig, EngineBudget, FinishReason, FinishedSeq, PreemptionMode,
     Priority, SeqPhase, SeqRequest, StopRules,
@@ -596,4 +597,112 @@ fn swapped_out_pages_stay_allocated_until_the_batch_has_run() {
         6,
         "swapped-out pages are freed after the batch"
     );
+}
+
+/// A batcher on a pool of `blocks` pages with a prefix cache attached.
+fn with_prefix(blocks: u32) -> (Arc<BlockPool>, Batcher) {
+    let p = pool(blocks);
+    let mut bt = Batcher::new(config(), p.clone()).unwrap();
+    let cache = PrefixCache::new(p.clone(), PrefixConfig { seed: Some(3) });
+    bt.attach_prefix_cache(Arc::new(cache)).unwrap();
+    (p, bt)
+}
+
+/// One step: schedule, then commit with every sample 1000.
+fn step(bt: &mut Batcher, fin: &mut Vec<FinishedSeq>) {
+    let n = bt.schedule_into(fin).num_samples();
+    bt.commit(&vec![1000; n], fin).unwrap();
+}
+
+/// A sequence that attaches cached pages on admission but cannot reserve the rest stays
+/// waiting without them: before, it kept them, and with a second such sequence (a preempted
+/// one re-attaching its own) each held what the other needed and neither ever ran, though
+/// each fits the pool alone.
+#[test]
+fn a_waiting_sequence_holds_no_cached_pages() {
+    let (p, mut bt) = with_prefix(4);
+    bt.add(req(1, (1..=8).collect(), 1)).unwrap();
+    assert_eq!(drive(&mut bt, 10).len(), 1); // its two full blocks stay cached-free
+    bt.add(req(2, (100..105).collect(), 12)).unwrap(); // all 4 pages over its life
+    let mut fin = Vec::new();
+    step(&mut bt, &mut fin);
+    bt.add(req(3, (1..=9).collect(), 1)).unwrap(); // seq 1's prefix, cached
+    fin.extend(drive(&mut bt, 300));
+    let ids: HashSet<u64> = fin.iter().map(|f| f.id).collect();
+    assert_eq!(ids, HashSet::from([2, 3]), "both finish");
+    assert!(!bt.has_work());
+    assert!(p.free_count() <= 4);
+}
+
+/// Prefix statistics count a prompt once, when its sequence is admitted, not on every step
+/// it waits for pages.
+#[test]
+fn prefix_statistics_count_a_waiting_prompt_once() {
+    let (_p, mut bt) = with_prefix(4);
+    bt.add(req(1, (1..=8).collect(), 8)).unwrap(); // 15 tokens: all 4 pages
+    let mut fin = Vec::new();
+    step(&mut bt, &mut fin);
+    bt.add(req(2, (20..25).collect(), 1)).unwrap(); // waits for seq 1's pages
+    fin.extend(drive(&mut bt, 100));
+    assert_eq!(fin.len(), 2);
+    assert_eq!(bt.stats().prefix_prompt_tokens, 8 + 5);
+}
+
+/// Drafts proposed while the sequence's row is scheduled and not committed are refused: the
+/// commit verifies the drafts the row carried. Before, a shorter proposal made the commit
+/// panic, and one of the same length was verified in place of the row's.
+#[test]
+fn a_proposal_while_its_row_is_uncommitted_is_refused() {
+    let mut bt = Batcher::new(config(), pool(16)).unwrap();
+    bt.add(req(1, vec![1, 2, 3], 10)).unwrap();
+    let mut fin = Vec::new();
+    step(&mut bt, &mut fin);
+    bt.propose(1, &[7, 8]).unwrap();
+    assert_eq!(bt.schedule_into(&mut fin).num_samples(), 3);
+    for drafts in [&[][..], &[8, 7]] {
+        assert!(matches!(
+            bt.propose(1, drafts),
+            Err(SchedError::InvalidRequest { id: 1, .. })
+        ));
+    }
+    bt.commit(&[7, 8, 9], &mut fin).unwrap(); // both drafts confirmed, and one more token
+    bt.propose(1, &[4]).unwrap(); // the next step's, after the commit
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.input_tokens, [9, 4]);
+}
+
+/// A batch stands until committed: scheduling again returns it unchanged.
+#[test]
+fn scheduling_again_before_the_commit_returns_the_same_batch() {
+    let mut bt = Batcher::new(config(), pool(16)).unwrap();
+    bt.add(req(1, vec![1, 2, 3], 4)).unwrap();
+    let mut fin = Vec::new();
+    let first = format!("{:?}", bt.schedule_into(&mut fin));
+    assert!(bt.is_pending());
+    bt.add(req(2, vec![4, 5], 4)).unwrap();
+    let steps = bt.stats().steps;
+    assert_eq!(format!("{:?}", bt.schedule_into(&mut fin)), first);
+    assert_eq!(bt.stats().steps, steps, "not scheduled twice");
+    bt.commit(&[9], &mut fin).unwrap();
+    assert!(!bt.is_pending());
+    assert_eq!(bt.schedule_into(&mut fin).num_seqs(), 2);
+}
+
+/// A fork's child id may not be one whose abort is still pending (as for `add`): the pending
+/// abort would end the new child.
+#[test]
+fn fork_refuses_an_id_whose_abort_is_pending() {
+    let mut bt = Batcher::new(config(), pool(16)).unwrap();
+    bt.add(req(1, vec![1, 2, 3], 2)).unwrap();
+    bt.add(req(2, vec![4, 5, 6], 10)).unwrap();
+    let mut fin = Vec::new();
+    step(&mut bt, &mut fin);
+    let n = bt.schedule_into(&mut fin).num_samples();
+    bt.abort(1).unwrap();
+    bt.commit(&vec![9; n], &mut fin).unwrap(); // seq 1 reaches its 2 tokens
+    assert!(matches!(
+        bt.add(req(1, vec![1], 1)),
+        Err(SchedError::DuplicateId(1))
+    ));
+    assert!(matches!(bt.fork(2, 1), Err(SchedError::DuplicateId(1))));
 }

@@ -295,7 +295,14 @@ impl<B: KvBackend> Engine<B> {
     /// donation requests as a shed request, asks a donor for pages if latency-critical work
     /// waits for pages lent out, and builds the batch. Sequences ended by aborts or caller
     /// finishes appear in [`results`](Self::results) and [`finished`](Self::finished).
+    ///
+    /// A batch stands until committed: called again before [`commit`](Self::commit) (say,
+    /// after an [`execute`](Self::execute) that failed), this returns the same batch and
+    /// changes nothing, so its swaps, copies and rows are neither lost nor run twice unasked.
     pub fn schedule(&mut self) -> &Batch {
+        if self.batcher.is_pending() {
+            return self.batcher.batch();
+        }
         self.results.clear();
         self.finished.clear();
         self.report = StepReport::default();

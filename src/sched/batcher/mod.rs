@@ -3,6 +3,8 @@
 mod preempt;
 mod prefix_link;
 mod rows;
+#[cfg(test)]
+mod tests;
 
 use super::batch::Batch;
 use super::sequence::{
@@ -160,6 +162,9 @@ pub struct Batcher {
     batch: Batch,
     /// This step's rows: (slot, new tokens, draft tokens among them).
     scheduled: Vec<(usize, usize, usize)>,
+    /// A non-empty batch was scheduled and not yet committed (it stands: schedule_into
+    /// returns it again).
+    uncommitted: bool,
     scratch: Vec<BlockId>,
     /// Row stride of `batch.block_tables`, kept across steps so that rows stay in place.
     row_width: usize,
@@ -227,6 +232,7 @@ impl Batcher {
             shed_request: 0,
             batch: Batch::default(),
             scheduled: Vec::new(),
+            uncommitted: false,
             scratch: Vec::new(),
             row_width: 0,
             row_owner: Vec::new(),
@@ -328,7 +334,7 @@ impl Batcher {
                 reason: "max_new_tokens must be at least 1",
             });
         }
-        if self.index.contains_key(&id) || self.pending_aborts.iter().any(|&(p, _)| p == id) {
+        if self.id_taken(id) {
             return Err(SchedError::DuplicateId(id));
         }
         // The last sampled token is never fed back, so the cache holds at most
@@ -366,16 +372,7 @@ impl Batcher {
             parent: None,
         };
         self.arrivals += 1;
-        let slot = match self.free_slots.pop() {
-            Some(s) => {
-                self.seqs[s] = Some(seq);
-                s
-            }
-            None => {
-                self.seqs.push(Some(seq));
-                self.seqs.len() - 1
-            }
-        };
+        let slot = self.store(seq);
         self.index.insert(id, slot);
         self.waiting[req.priority.index()].push_back(slot);
         Ok(())
@@ -410,7 +407,9 @@ impl Batcher {
     ///
     /// Replaces earlier proposals of the same step. Dropped if the step's token budget cannot
     /// take them all (the row is then a plain decode). Refused: an unknown or non-decoding
-    /// sequence, or more drafts than the tokens it may still generate minus one.
+    /// sequence, more drafts than the tokens it may still generate minus one, or a sequence
+    /// with a row in the scheduled batch not yet committed (that row's drafts are the ones
+    /// its commit verifies; propose the next step's after the commit).
     pub fn propose(&mut self, id: SeqId, drafts: &[u32]) -> Result<(), SchedError> {
         let &slot = self.index.get(&id).ok_or(SchedError::UnknownSeq(id))?;
         let s = self.seq(slot);
@@ -418,6 +417,16 @@ impl Batcher {
             return Err(SchedError::InvalidRequest {
                 id,
                 reason: "only a decoding sequence takes draft tokens",
+            });
+        }
+        if self
+            .scheduled
+            .iter()
+            .any(|&(row_slot, ..)| row_slot == slot)
+        {
+            return Err(SchedError::InvalidRequest {
+                id,
+                reason: "its row in the scheduled batch is not committed yet",
             });
         }
         let left = (s.stop.max_new_tokens as usize).saturating_sub(s.generated());
@@ -436,7 +445,7 @@ impl Batcher {
     /// Forks a running (decoding) sequence into a new one with id `child`, sharing every block
     /// (parallel sampling). The first write into a shared partial block copies it first.
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<(), SchedError> {
-        if self.index.contains_key(&child) {
+        if self.id_taken(child) {
             return Err(SchedError::DuplicateId(child));
         }
         let &slot = self
@@ -479,16 +488,44 @@ impl Batcher {
         };
         self.seq_mut(slot).may_share = true;
         self.arrivals += 1;
-        self.seqs.push(Some(seq));
-        let child_slot = self.seqs.len() - 1;
+        let child_slot = self.store(seq);
         self.index.insert(child, child_slot);
         self.running.push(child_slot);
         Ok(())
     }
 
+    /// Whether `id` names a sequence, or one whose abort is still pending (its result not yet
+    /// reported: a new sequence of that id would be taken for it).
+    fn id_taken(&self, id: SeqId) -> bool {
+        self.index.contains_key(&id) || self.pending_aborts.iter().any(|&(p, _)| p == id)
+    }
+
+    /// Stores a new sequence in a free slot (reused first, so storage stays bounded by the
+    /// sequences alive at once) and returns it.
+    fn store(&mut self, seq: Sequence) -> usize {
+        match self.free_slots.pop() {
+            Some(s) => {
+                self.seqs[s] = Some(seq);
+                s
+            }
+            None => {
+                self.seqs.push(Some(seq));
+                self.seqs.len() - 1
+            }
+        }
+    }
+
     /// Schedules the next step and returns its batch. Aborted sequences' results go to
     /// `finished`.
+    ///
+    /// A batch stands until it is committed: called again before [`commit`](Self::commit),
+    /// this returns the same batch unchanged (its swaps, copies and rows must run, and be
+    /// committed, before anything else is scheduled: dropping it would lose the swap-outs'
+    /// pages and the rows' KV). [`is_pending`](Self::is_pending) says whether one stands.
     pub fn schedule_into(&mut self, finished: &mut Vec<FinishedSeq>) -> &Batch {
+        if self.uncommitted {
+            return &self.batch;
+        }
         self.batch.clear();
         self.scheduled.clear();
         // Host slots freed by last step's swap-ins are safe to reuse now, and so are the pages
@@ -553,14 +590,14 @@ impl Batcher {
                     if self.running.len() >= self.cfg.max_running as usize || budget == 0 {
                         break 'admit;
                     }
-                    self.attach_cached_prefix(slot);
+                    let hit = self.attach_cached_prefix(slot);
                     let n = self.tokens_wanted(slot, budget);
-                    if n == 0 {
+                    if n == 0 || matches!(self.reserve(slot, n), Reserve::NoBlocks) {
+                        // It stays waiting, and a waiting sequence holds no pages.
+                        self.detach_cached_prefix(slot);
                         break 'admit;
                     }
-                    if let Reserve::NoBlocks = self.reserve(slot, n) {
-                        break 'admit;
-                    }
+                    self.count_prefix(slot, hit);
                     self.waiting[class.index()].pop_front();
                     self.seq_mut(slot).phase = SeqPhase::Prefilling;
                     self.running.push(slot);
@@ -571,6 +608,7 @@ impl Batcher {
         }
 
         self.write_block_tables();
+        self.uncommitted = !self.batch.is_empty();
         self.stats.steps += 1;
         self.stats.tokens_scheduled += self.batch.num_tokens() as u64;
         if let Some(b) = &self.budget {
@@ -623,6 +661,11 @@ impl Batcher {
     /// The last scheduled batch.
     pub fn batch(&self) -> &Batch {
         &self.batch
+    }
+
+    /// Whether a scheduled batch with work in it waits for its [`commit`](Self::commit).
+    pub fn is_pending(&self) -> bool {
+        self.uncommitted
     }
 
     /// Applies the results of the last batch: `sampled` holds one token per sampling row, in
@@ -764,6 +807,7 @@ impl Batcher {
         self.release_swapped_pages();
         // Scheduled rows are consumed; a second commit of the same batch is refused.
         self.scheduled.clear();
+        self.uncommitted = false;
         self.batch.samples.clear();
         self.batch.logits_indices.clear();
         self.batch.drafts.clear();

@@ -62,23 +62,21 @@ impl Batcher {
     /// On admission of a sequence with nothing computed: attaches the cached pages of its
     /// longest cached prefix (at most `tokens - 1` tokens, so the last token is computed and
     /// no cached page is ever written), counts them as computed, and takes budget for those
-    /// that were cached-free. Gives the hit up if the budget refuses.
-    pub(super) fn attach_cached_prefix(&mut self, slot: usize) {
-        let Some(link) = &self.prefix else { return };
+    /// that were cached-free. Gives the hit up if the budget refuses. Returns the tokens
+    /// attached (0: none); [`detach_cached_prefix`](Self::detach_cached_prefix) undoes it if
+    /// the admission then fails, [`count_prefix`](Self::count_prefix) counts it once it holds.
+    pub(super) fn attach_cached_prefix(&mut self, slot: usize) -> usize {
+        let Some(link) = &self.prefix else { return 0 };
         let cache = link.cache.clone();
         let s = self.seq(slot);
         if s.computed != 0 || !s.table.is_empty() {
-            return;
+            return 0;
         }
-        let (first, prompt_len, len, salt) =
-            (s.preemptions == 0, s.prompt_len, s.tokens.len(), s.salt);
-        if first {
-            self.stats.prefix_prompt_tokens += prompt_len as u64;
-        }
+        let (len, salt) = (s.tokens.len(), s.salt);
         let bs = self.cfg.block_size as usize;
         let blocks = (len - 1) / bs;
         if blocks == 0 {
-            return;
+            return 0;
         }
         let key = self.prefix_key(salt);
         let mut hits = std::mem::take(&mut self.scratch);
@@ -89,7 +87,7 @@ impl Batcher {
                 self.give_back_pages(&hits);
                 hits.clear();
                 self.scratch = hits;
-                return;
+                return 0;
             }
         };
         // Pages only the cache held before this lookup come back into the budget.
@@ -103,7 +101,7 @@ impl Batcher {
                     self.give_back_pages(&hits);
                     hits.clear();
                     self.scratch = hits;
-                    return;
+                    return 0;
                 }
             }
         }
@@ -118,12 +116,38 @@ impl Batcher {
         s.computed = hit.tokens;
         s.hashed = hit.blocks as u32;
         s.parent = Some(hit.parent);
-        self.stats.prefix_reused_tokens += hit.tokens as u64;
-        if first {
-            self.stats.prefix_hit_tokens += hit.tokens.min(prompt_len) as u64;
-        }
         hits.clear();
         self.scratch = hits;
+        hit.tokens
+    }
+
+    /// Undoes [`attach_cached_prefix`](Self::attach_cached_prefix) for a sequence that stays
+    /// waiting (no token budget or no pages for the rest of it): a waiting sequence holds no
+    /// pages, or two such sequences could each hold what the other needs and neither ever run.
+    /// The pages go back to the cache (and their budget to the engine); the next admission
+    /// attempt looks the prefix up again.
+    pub(super) fn detach_cached_prefix(&mut self, slot: usize) {
+        if self.seq(slot).table.is_empty() {
+            return;
+        }
+        self.release_table(slot);
+        self.seq_mut(slot).computed = 0;
+    }
+
+    /// Counts an admitted sequence in the prefix statistics: its prompt on its first
+    /// admission (not on each step it waited, nor after a preemption), and the `hit` tokens
+    /// attached.
+    pub(super) fn count_prefix(&mut self, slot: usize, hit: usize) {
+        if self.prefix.is_none() {
+            return;
+        }
+        let s = self.seq(slot);
+        let (first, prompt_len) = (s.preemptions == 0, s.prompt_len);
+        self.stats.prefix_reused_tokens += hit as u64;
+        if first {
+            self.stats.prefix_prompt_tokens += prompt_len as u64;
+            self.stats.prefix_hit_tokens += hit.min(prompt_len) as u64;
+        }
     }
 
     fn give_back_pages(&self, ids: &[BlockId]) {

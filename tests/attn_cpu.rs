@@ -753,3 +753,100 @@ fn copy_blocks_copies_whole_blocks_all_layers() {
         );
     }
 }
+
+/// One f32 sequence of 3 tokens over two 4-token blocks, head dim 8, one head.
+fn tiny_cache() -> HostKvCache {
+    let cfg = KvCacheConfig::new(1, 1, 8, 4, 2, KvDtype::F32).unwrap();
+    let mut cache = HostKvCache::new(cfg).unwrap();
+    let k: Vec<f32> = (0..24).map(|i| i as f32 * 0.01).collect();
+    let mut view = cache.view_mut::<f32>().unwrap();
+    reshape_and_cache(view.layer_mut(0).unwrap(), &k, &k, &[0, 1, 2]).unwrap();
+    cache
+}
+
+/// A window past i64 is no window at all, as on the CUDA path (which treats one past i32 so):
+/// cast to i64 it wrapped negative, masked every key, the query's own included, and the
+/// output was NaN.
+#[test]
+fn a_window_past_i64_is_no_window() {
+    let cache = tiny_cache();
+    let (t, c) = (vec![0, 1], vec![3]);
+    let seqs = PagedSeqs {
+        block_tables: &t,
+        max_blocks_per_seq: 2,
+        context_lens: &c,
+    };
+    let view = cache.view::<f32>().unwrap();
+    let (q, plain, mut ws) = (vec![0.5f32; 8], AttnParams::new(1, 8), AttnWorkspace::new());
+    let mut want = vec![0f32; 8];
+    paged_attention_decode(
+        &mut ws,
+        view.layer(0).unwrap(),
+        &q,
+        &seqs,
+        &plain,
+        &mut want,
+    )
+    .unwrap();
+    for window in [usize::MAX, 1 << 63] {
+        let p = AttnParams {
+            sliding_window: window,
+            ..plain
+        };
+        let mut got = vec![0f32; 8];
+        paged_attention_decode(&mut ws, view.layer(0).unwrap(), &q, &seqs, &p, &mut got).unwrap();
+        assert_eq!(got, want, "window {window}");
+        let mut got = vec![0f32; 8];
+        let qsl = [0, 1];
+        paged_attention_prefill(
+            &mut ws,
+            view.layer(0).unwrap(),
+            &q,
+            &qsl,
+            &seqs,
+            &p,
+            &mut got,
+        )
+        .unwrap();
+        assert_eq!(got, want, "prefill, window {window}");
+    }
+}
+
+/// A head count whose rows overflow is a typed error, not a panic (the product wrapped to 0,
+/// passed the empty buffers' length checks, and the workspace's resize panicked).
+#[test]
+fn a_head_count_that_overflows_is_refused() {
+    let cache = tiny_cache();
+    let (t, c) = (vec![0, 1], vec![3]);
+    let seqs = PagedSeqs {
+        block_tables: &t,
+        max_blocks_per_seq: 2,
+        context_lens: &c,
+    };
+    let view = cache.view::<f32>().unwrap();
+    let mut ws = AttnWorkspace::new();
+    for heads in [1usize << 61, usize::MAX] {
+        let p = AttnParams {
+            num_heads: heads,
+            ..AttnParams::new(1, 8)
+        };
+        let r = paged_attention_decode(&mut ws, view.layer(0).unwrap(), &[], &seqs, &p, &mut []);
+        assert!(
+            matches!(r, Err(AttnError::BadParam { .. })),
+            "decode {heads}: {r:?}"
+        );
+        let r = paged_attention_prefill(
+            &mut ws,
+            view.layer(0).unwrap(),
+            &[],
+            &[0, 1],
+            &seqs,
+            &p,
+            &mut [],
+        );
+        assert!(
+            matches!(r, Err(AttnError::BadParam { .. })),
+            "prefill {heads}: {r:?}"
+        );
+    }
+}

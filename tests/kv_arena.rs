@@ -489,3 +489,24 @@ fn engines_share_one_arena_concurrently() {
     });
     assert_eq!(pool.free_count(), pages, "pages lost");
 }
+
+/// A shape whose bytes per token overflow is refused (its product wrapped to a small size, and
+/// `page_bytes_for` returned that as a page size).
+#[test]
+fn a_shape_too_large_for_any_page_is_refused() {
+    let huge = ModelKvShape {
+        num_layers: (1 << 62) + 1,
+        num_kv_heads: 2,
+        head_dim: 8,
+        dtype: KvDtype::F16,
+    };
+    assert_eq!(huge.bytes_per_token(), usize::MAX);
+    assert!(matches!(
+        page_bytes_for(&[huge], 16),
+        Err(KvError::SizeOverflow)
+    ));
+    assert!(matches!(
+        huge.tokens_per_page(1 << 20),
+        Err(KvError::ModelDoesNotFit { .. })
+    ));
+}

@@ -6,8 +6,8 @@ use super::AttnWorkspace;
 use crate::error::AttnError;
 use crate::kv::{
     check_block_mapping, check_len, check_params, check_query_starts, check_slots,
-    copy_runs_within, AttnParams, KvCacheConfig, KvCacheViewMut, KvElem, KvPart, LayerKv,
-    LayerKvMut, PagedSeqs,
+    copy_runs_within, elems_of, row_elems, AttnParams, KvCacheConfig, KvCacheViewMut, KvElem,
+    KvPart, LayerKv, LayerKvMut, PagedSeqs,
 };
 
 /// One unit of parallel work: query tokens `tok0..tok0+tq` of one sequence (decode: `tq == 1`),
@@ -57,8 +57,9 @@ pub fn reshape_and_cache<T: KvElem>(
     let cfg = *kv.config();
     let row = cfg.token_stride();
     let n = slot_mapping.len();
-    check_len("key", n * row, key.len())?;
-    check_len("value", n * row, value.len())?;
+    let elems = elems_of(n, row)?;
+    check_len("key", elems, key.len())?;
+    check_len("value", elems, value.len())?;
     check_slots(&cfg, slot_mapping)?;
     let layer = kv.layer();
     for (i, &slot) in slot_mapping.iter().enumerate() {
@@ -106,10 +107,10 @@ pub fn paged_attention_decode<T: KvElem>(
     let cfg = *kv.config();
     let group = check_params(&cfg, seqs, params)?;
     let num_seqs = seqs.num_seqs();
-    let rows = num_seqs * params.num_heads * cfg.head_dim();
+    let hd = row_elems(params.num_heads, cfg.head_dim())?;
+    let rows = elems_of(num_seqs, hd)?;
     check_len("query", rows, query.len())?;
     check_len("out", rows, out.len())?;
-    let hd = params.num_heads * cfg.head_dim();
     let window = params.sliding_window as u64;
     ws.items.clear();
     let mut cost = 0u64;
@@ -168,9 +169,10 @@ pub fn paged_attention_prefill<T: KvElem>(
     let group = check_params(&cfg, seqs, params)?;
     let num_seqs = seqs.num_seqs();
     let num_tokens = check_query_starts(query_start_loc, seqs)?;
-    let hd = params.num_heads * cfg.head_dim();
-    check_len("query", num_tokens * hd, query.len())?;
-    check_len("out", num_tokens * hd, out.len())?;
+    let hd = row_elems(params.num_heads, cfg.head_dim())?;
+    let rows = elems_of(num_tokens, hd)?;
+    check_len("query", rows, query.len())?;
+    check_len("out", rows, out.len())?;
 
     // Tile size: big enough to reuse each K/V row across many query rows, small enough that
     // every thread gets several tiles and a tile's scratch stays in L2.
@@ -487,7 +489,9 @@ fn attend_item_body<T: KvElem>(
 
     let scale = ctx.params.scale;
     let softcap = ctx.params.softcap;
-    let window = ctx.params.sliding_window as i64;
+    // A window past i64 is no window at all (as on the CUDA path): `as` would wrap it negative
+    // and mask every key, the query's own included.
+    let window = i64::try_from(ctx.params.sliding_window).unwrap_or(i64::MAX);
     let mbps = ctx.seqs.max_blocks_per_seq;
     let seq = it.seq as usize;
     let table = &ctx.seqs.block_tables[seq * mbps..(seq + 1) * mbps];

@@ -1,4 +1,5 @@
 //! The KV byte arena of one device: one allocation of `num_pages x page_bytes` bytes that every
+//! loaded model's KV cache is a view of.
 
 use std::alloc::{self, Layout};
 use std::fmt;
@@ -25,7 +26,7 @@ pub const POISON_BYTE: u8 = 0xFF;
 /// by this value and freed exactly once, by `Drop`. No `&`/`&mut` to the bytes outlives one
 /// method call of this type or a view's head-vector access (see below).
 ///
-/// loaded model's KV cache is a view of. A [`BlockId`](crate::block::BlockId) handed out by the
+/// A [`BlockId`](crate::block::BlockId) handed out by the
 /// [`BlockPool`](crate::block::BlockPool) names a page, whichever model holds it: a page one model
 /// frees is memory another model can write the next step, so a block lent between models is
 /// the same bytes, not a second allocation.

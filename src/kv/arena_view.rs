@@ -44,9 +44,14 @@ pub struct ModelKvShape {
 }
 
 impl ModelKvShape {
-    /// Bytes one token occupies: every layer's K and V.
+    /// Bytes one token occupies: every layer's K and V. Saturates at `usize::MAX` for a shape
+    /// whose size does not fit (no page holds it: [`tokens_per_page`](Self::tokens_per_page)
+    /// and [`page_bytes_for`] refuse it), where a wrapped product could look small.
     pub fn bytes_per_token(&self) -> usize {
-        self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype.size_bytes()
+        [2, self.num_kv_heads, self.head_dim, self.dtype.size_bytes()]
+            .into_iter()
+            .try_fold(self.num_layers, usize::checked_mul)
+            .unwrap_or(usize::MAX)
     }
 
     /// This shape's geometry with `block_size` tokens per block over `num_blocks` blocks,

@@ -58,6 +58,21 @@ impl AttnParams<'_> {
     }
 }
 
+/// Elements of one query / output row: `num_heads * head_dim`, refused where it overflows (a
+/// head count from a caller is not bounded by any buffer until it is multiplied out).
+pub(crate) fn row_elems(num_heads: usize, head_dim: usize) -> Result<usize, AttnError> {
+    num_heads.checked_mul(head_dim).ok_or(AttnError::BadParam {
+        what: "num_heads x head_dim overflows",
+    })
+}
+
+/// Elements of `rows` rows of `row` elements, refused where it overflows.
+pub(crate) fn elems_of(rows: usize, row: usize) -> Result<usize, AttnError> {
+    rows.checked_mul(row).ok_or(AttnError::BadParam {
+        what: "rows x (num_heads x head_dim) overflows",
+    })
+}
+
 pub(crate) fn check_len(
     what: &'static str,
     expected: usize,

@@ -1,4 +1,6 @@
 //! The paged KV layout: the one place it is defined. The CPU kernels ([`crate::attn::cpu`]), the
+//! CUDA kernels (`kernels/*.cu`, `src/cuda`), host storage and swap all address bytes through
+//! the strides of [`KvCacheConfig`] and nothing else.
 
 use super::arena::PAGE_ALIGN;
 use super::dtype::KvDtype;
@@ -18,18 +20,13 @@ pub enum KvPart {
     Value = 1,
 }
 
-/// The geometry of one paged KV cache: a validated, immutable description of the layout in
-/// the layout below. Cheap to copy.
+/// The geometry of one paged KV cache: a validated, immutable description of the layout
+/// below. Cheap to copy.
 ///
 /// Invariant (checked by [`new`](Self::new) and [`with_page_stride`](Self::with_page_stride)):
 /// every field is at least 1, `head_dim` is a multiple of [`HEAD_DIM_ALIGN`],
 /// `num_blocks <= MAX_BLOCKS`, `page_elems >= L*2*BS*H*D`, and
 /// `num_blocks * page_elems * dtype.size_bytes()` does not overflow and fits in `isize`.
-///
-/// # The layout
-///
-/// CUDA kernels (`kernels/*.cu`, `src/cuda`), host storage and swap all address bytes through
-/// the strides below and nothing else.
 ///
 /// # Layout
 ///

@@ -27,7 +27,9 @@ pub use arena_view::{
 };
 #[cfg(any(feature = "cuda", feature = "cuda-emu"))]
 pub(crate) use contract::check_seqs;
-pub(crate) use contract::{check_len, check_params, check_query_starts, check_slots};
+pub(crate) use contract::{
+    check_len, check_params, check_query_starts, check_slots, elems_of, row_elems,
+};
 pub use contract::{AttnParams, PagedSeqs};
 pub use dtype::{KvDtype, KvElem};
 pub use host::{

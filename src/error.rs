@@ -123,6 +123,19 @@ pub enum SchedError {
         /// The most one sequence can hold.
         limit: u64,
     },
+    /// The request is longer, at its longest (prompt and output but the last token), than the
+    /// engine's `max_context` tokens.
+    #[error(
+        "request {id} reaches {tokens} tokens, more than the engine's max_context {max_context}"
+    )]
+    ContextTooLong {
+        /// The request's id.
+        id: u64,
+        /// Its prompt plus `max_new_tokens - 1`.
+        tokens: u64,
+        /// The engine's limit.
+        max_context: u64,
+    },
     /// No sequence with this id.
     #[error("no sequence {0}")]
     UnknownSeq(u64),

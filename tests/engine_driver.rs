@@ -7,7 +7,7 @@ use pagedkv::budget::BudgetConfig;
 use pagedkv::engine::{
     Engine, EngineConfig, HostBackend, KvBackend, LayerQkv, RecomputePolicy, SharedArena, StepModel,
 };
-use pagedkv::error::EngineError;
+use pagedkv::error::{EngineError, SchedError};
 use pagedkv::kv::{page_bytes_for, KvDtype, ModelKvShape};
 use pagedkv::sched::{Batch, FinishReason, PreemptionMode, Priority, SeqId, SeqRequest, StopRules};
 use std::collections::HashMap;
@@ -376,28 +376,27 @@ fn a_caller_finish_reason_is_reported_apart_from_an_abort() {
     assert_eq!(shared.pool().free_count(), shared.pool().total());
 }
 
-/// A batch stands until committed: scheduling again first (every step here, swap-outs and
-/// copies among them under a small arena) returns the same batch, and every result stays
-/// exact. Before, the second schedule dropped the first batch, its swap-outs with it, and the
-/// swapped sequences came back over KV that was never written.
+/// A batch not committed when the engine schedules again is discarded safely: scheduling
+/// twice every step (swap-outs, swap-ins and copies among the discarded batches, under a small
+/// arena) keeps every result exact. Before, the second schedule dropped the first batch with
+/// its swap-outs, and the swapped sequences came back over KV that was never written; now the
+/// sequences a discarded batch was to swap or copy for are recomputed.
 #[test]
-fn scheduling_again_before_the_commit_returns_the_standing_batch() {
+fn an_uncommitted_batch_is_discarded_safely() {
     let (shared, mut engines) = build(24, PreemptionMode::Swap);
     for (e, driven) in engines.iter_mut().enumerate() {
         for s in 0..8u64 {
             add(driven, request(100 * e as u64 + s, 20 + 3 * s as usize, 30));
         }
     }
-    let (mut swaps_rescheduled, mut finished) = (0, 0);
-    for _ in 0..2000 {
+    let (mut swaps_discarded, mut finished) = (0, 0);
+    for _ in 0..4000 {
         if engines.iter().all(|(e, _)| !e.has_work()) {
             break;
         }
         for (engine, model) in engines.iter_mut() {
-            let first = format!("{:?}", engine.schedule());
-            let again = engine.schedule();
-            swaps_rescheduled += usize::from(!again.swap_out.is_empty());
-            assert_eq!(format!("{again:?}"), first, "the standing batch changed");
+            swaps_discarded += usize::from(!engine.schedule().swap_out.is_empty());
+            engine.schedule();
             engine.execute(model).unwrap();
             engine.commit(model).unwrap();
             for f in engine.finished() {
@@ -407,12 +406,46 @@ fn scheduling_again_before_the_commit_returns_the_standing_batch() {
             }
         }
     }
-    assert!(
-        swaps_rescheduled > 0,
-        "the test must schedule swap-outs twice"
-    );
+    assert!(swaps_discarded > 0, "the test must discard swap-outs");
     assert_eq!(finished, 16);
     assert_no_leak(&shared);
+}
+
+/// `max_context` is a token limit (prompt and output but the last token), not a page count:
+/// at 500 tokens over 32-token pages (16 pages: 512 tokens), a request reaching 501 to 512
+/// tokens was accepted.
+#[test]
+fn max_context_is_enforced_in_tokens() {
+    let (shared, engines) = build(256, PreemptionMode::Recompute);
+    drop(engines); // their coordinator slots, for this engine's
+    let (shape, heads) = shapes()[0];
+    let cfg = EngineConfig {
+        max_context: 500,
+        ..engine_config(PreemptionMode::Recompute)
+    };
+    let mut engine: Engine<HostBackend<f32>> = Engine::host(&shared, cfg, &shape, heads).unwrap();
+    assert_eq!(engine.tokens_per_page(), 32);
+    for (id, prompt, out, ok) in [
+        (1, 490, 11, true),
+        (2, 490, 12, false),
+        (3, 1, 500, true),
+        (4, 512, 1, false),
+    ] {
+        let r = engine.add(request(id, prompt, out));
+        if ok {
+            r.unwrap();
+        } else {
+            let tokens = prompt as u64 + u64::from(out) - 1;
+            assert_eq!(
+                r,
+                Err(SchedError::ContextTooLong {
+                    id,
+                    tokens,
+                    max_context: 500,
+                })
+            );
+        }
+    }
 }
 
 #[test]

@@ -671,21 +671,35 @@ fn a_proposal_while_its_row_is_uncommitted_is_refused() {
     assert_eq!(b.input_tokens, [9, 4]);
 }
 
-/// A batch stands until committed: scheduling again returns it unchanged.
+/// A batch not committed when the batcher schedules again is discarded: its rows come again
+/// (nothing was computed), an abort made meanwhile applies (the way out of a batch whose
+/// execution failed), and no page is lost.
 #[test]
-fn scheduling_again_before_the_commit_returns_the_same_batch() {
-    let mut bt = Batcher::new(config(), pool(16)).unwrap();
+fn an_uncommitted_batch_is_discarded_and_its_rows_scheduled_again() {
+    let p = pool(16);
+    let mut bt = Batcher::new(config(), p.clone()).unwrap();
     bt.add(req(1, vec![1, 2, 3], 4)).unwrap();
-    let mut fin = Vec::new();
-    let first = format!("{:?}", bt.schedule_into(&mut fin));
-    assert!(bt.is_pending());
     bt.add(req(2, vec![4, 5], 4)).unwrap();
-    let steps = bt.stats().steps;
-    assert_eq!(format!("{:?}", bt.schedule_into(&mut fin)), first);
-    assert_eq!(bt.stats().steps, steps, "not scheduled twice");
+    let mut fin = Vec::new();
+    let first = bt.schedule_into(&mut fin).input_tokens.clone();
+    assert_eq!(first, [1, 2, 3, 4, 5]);
+    assert!(bt.is_pending());
+    // Its execution failed: abort sequence 2, schedule again.
+    bt.abort(2).unwrap();
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(
+        b.input_tokens,
+        [1, 2, 3],
+        "sequence 1's row again, 2 aborted"
+    );
+    assert!(fin
+        .iter()
+        .any(|f| f.id == 2 && f.reason == FinishReason::Aborted));
     bt.commit(&[9], &mut fin).unwrap();
     assert!(!bt.is_pending());
-    assert_eq!(bt.schedule_into(&mut fin).num_seqs(), 2);
+    fin.extend(drive(&mut bt, 20));
+    assert!(fin.iter().any(|f| f.id == 1 && f.output.len() == 4));
+    assert_eq!(p.free_count(), 16);
 }
 
 /// A fork's child id may not be one whose abort is still pending (as for `add`): the pending

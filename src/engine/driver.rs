@@ -246,14 +246,26 @@ impl<B: KvBackend> Engine<B> {
         self.batcher.has_work()
     }
 
-    /// Queues a request; refused at once if malformed or too long ever to fit.
+    /// Queues a request; refused at once if malformed or too long ever to fit (past
+    /// `max_context` tokens, or the pages one sequence can get).
     pub fn add(&mut self, req: SeqRequest) -> Result<(), SchedError> {
-        self.batcher.add(req)
+        self.add_salted(req, 0)
     }
 
     /// [`add`](Self::add) with a prefix-cache salt (requests share cached blocks only with
     /// requests of the same salt, e.g. one per tenant).
     pub fn add_salted(&mut self, req: SeqRequest, salt: u64) -> Result<(), SchedError> {
+        // The cache holds at most prompt + max_new_tokens - 1 tokens (the last sampled token
+        // is never fed back); the batcher's own limit is whole pages, which may hold more.
+        let tokens =
+            (req.prompt.len() as u64 + u64::from(req.stop.max_new_tokens)).saturating_sub(1);
+        if tokens > u64::from(self.cfg.max_context) {
+            return Err(SchedError::ContextTooLong {
+                id: req.id,
+                tokens,
+                max_context: u64::from(self.cfg.max_context),
+            });
+        }
         self.batcher.add_salted(req, salt)
     }
 
@@ -296,13 +308,11 @@ impl<B: KvBackend> Engine<B> {
     /// waits for pages lent out, and builds the batch. Sequences ended by aborts or caller
     /// finishes appear in [`results`](Self::results) and [`finished`](Self::finished).
     ///
-    /// A batch stands until committed: called again before [`commit`](Self::commit) (say,
-    /// after an [`execute`](Self::execute) that failed), this returns the same batch and
-    /// changes nothing, so its swaps, copies and rows are neither lost nor run twice unasked.
+    /// Called again before [`commit`](Self::commit) (after an [`execute`](Self::execute) that
+    /// failed, say, and an [`abort`](Self::abort) of the sequence at fault), it discards the
+    /// uncommitted batch safely first ([`Batcher::schedule_into`]): its rows are scheduled
+    /// again, and the sequences whose KV it was to swap or copy are preempted by recompute.
     pub fn schedule(&mut self) -> &Batch {
-        if self.batcher.is_pending() {
-            return self.batcher.batch();
-        }
         self.results.clear();
         self.finished.clear();
         self.report = StepReport::default();

@@ -281,7 +281,10 @@ impl EngineRuntime {
                         },
                     );
                 }
-                Err(pagedkv::error::SchedError::TooLong { .. }) => {
+                Err(
+                    pagedkv::error::SchedError::TooLong { .. }
+                    | pagedkv::error::SchedError::ContextTooLong { .. },
+                ) => {
                     self.metrics.too_long += 1;
                     completion.complete(SimOutcome::TooLong);
                 }

@@ -518,14 +518,13 @@ impl Batcher {
     /// Schedules the next step and returns its batch. Aborted sequences' results go to
     /// `finished`.
     ///
-    /// A batch stands until it is committed: called again before [`commit`](Self::commit),
-    /// this returns the same batch unchanged (its swaps, copies and rows must run, and be
-    /// committed, before anything else is scheduled: dropping it would lose the swap-outs'
-    /// pages and the rows' KV). [`is_pending`](Self::is_pending) says whether one stands.
+    /// A batch not committed when this is called again (its execution failed, say, and the
+    /// caller aborted the sequence at fault) is discarded safely first: its rows are scheduled
+    /// again (a computed length moves only at a commit), and every sequence whose KV it was to
+    /// swap out, swap in or copy a block into is preempted by recompute, since what of that
+    /// ran is unknown. [`is_pending`](Self::is_pending) says whether one is uncommitted.
     pub fn schedule_into(&mut self, finished: &mut Vec<FinishedSeq>) -> &Batch {
-        if self.uncommitted {
-            return &self.batch;
-        }
+        self.discard_uncommitted();
         self.batch.clear();
         self.scheduled.clear();
         // Host slots freed by last step's swap-ins are safe to reuse now, and so are the pages
@@ -663,7 +662,8 @@ impl Batcher {
         &self.batch
     }
 
-    /// Whether a scheduled batch with work in it waits for its [`commit`](Self::commit).
+    /// Whether a scheduled batch with work in it waits for its [`commit`](Self::commit) (the
+    /// next [`schedule_into`](Self::schedule_into) discards it otherwise).
     pub fn is_pending(&self) -> bool {
         self.uncommitted
     }

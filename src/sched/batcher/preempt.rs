@@ -190,6 +190,80 @@ impl Batcher {
         }
     }
 
+    /// Discards a scheduled batch that was not committed, whether or not (or how far) it ran.
+    /// Its rows need nothing: a sequence's computed length moves only at a commit, so they are
+    /// scheduled again and their KV rewritten. What the batch was to move outside its rows
+    /// cannot be trusted: a sequence it swapped out (the host copy may not exist), swapped in
+    /// or copied a block into (the device pages may hold anything) is preempted by recompute.
+    /// Their pages and host slots go back; nothing else changes.
+    pub(super) fn discard_uncommitted(&mut self) {
+        if !self.uncommitted {
+            return;
+        }
+        self.uncommitted = false;
+        self.scheduled.clear();
+        let b = &self.batch;
+        let mut hosts: Vec<u32> = b.swap_out.iter().map(|&(_, h)| h as u32).collect();
+        let mut devs: Vec<u32> = b.swap_in.iter().map(|&(_, d)| d as u32).collect();
+        devs.extend(b.copies.iter().map(|&(_, d)| d as u32));
+        hosts.sort_unstable();
+        devs.sort_unstable();
+        // Swapped out by this batch: its host slots are this batch's swap-out targets. The
+        // table is already empty (the pages wait in swap_out_pending, released at the next
+        // schedule).
+        let mut k = 0;
+        while k < self.swapped.len() {
+            let slot = self.swapped[k];
+            let ours = self
+                .seq(slot)
+                .host_blocks
+                .iter()
+                .any(|h| hosts.binary_search(h).is_ok());
+            if !ours {
+                k += 1;
+                continue;
+            }
+            self.swapped.remove(k);
+            let mut host = std::mem::take(&mut self.seq_mut(slot).host_blocks);
+            self.host_free.append(&mut host);
+            self.seq_mut(slot).host_blocks = host;
+            self.requeue_for_recompute(slot);
+        }
+        if devs.is_empty() {
+            return;
+        }
+        // Swapped in, or copied into: a page of its table is a swap-in or copy target.
+        let mut pages = std::mem::take(&mut self.scratch);
+        let mut k = 0;
+        while k < self.running.len() {
+            let slot = self.running[k];
+            self.seq(slot).table.ids_into(&mut pages);
+            if pages.iter().any(|p| devs.binary_search(&p.index()).is_ok()) {
+                self.running.remove(k);
+                self.requeue_for_recompute(slot);
+            } else {
+                k += 1;
+            }
+        }
+        pages.clear();
+        self.scratch = pages;
+    }
+
+    /// Preempts a sequence (taken off its queue by the caller) by recompute: its pages go back
+    /// and it waits at the front of its class with nothing computed.
+    fn requeue_for_recompute(&mut self, slot: usize) {
+        self.release_table(slot);
+        let s = self.seq_mut(slot);
+        s.computed = 0;
+        s.row_blocks = 0;
+        s.drafts.clear();
+        s.preemptions += 1;
+        s.phase = SeqPhase::Waiting;
+        let class = s.priority.index();
+        self.waiting[class].push_front(slot);
+        self.stats.preempted_recompute += 1;
+    }
+
     /// Brings a swapped sequence back if all its blocks fit; lists the copies.
     pub(super) fn swap_in(&mut self, slot: usize) -> bool {
         let n = self.seq(slot).host_blocks.len() as u32;

@@ -107,14 +107,23 @@ impl PagedLlama {
                 req.id
             )));
         }
-        if let Some(&t) = req
-            .prompt
-            .iter()
-            .find(|&&t| t as usize >= self.cfg.vocab_size)
-        {
+        self.check_tokens(req.id, &req.prompt)
+    }
+
+    /// Checks draft tokens before `Engine::propose`: one outside the vocabulary would fail the
+    /// whole step (every sequence in it) at the embedding lookup.
+    ///
+    /// # Errors
+    /// [`Error::BadInput`] naming the first token outside the vocabulary.
+    pub fn check_drafts(&self, id: u64, drafts: &[u32]) -> Result<()> {
+        self.check_tokens(id, drafts)
+    }
+
+    fn check_tokens(&self, id: u64, tokens: &[u32]) -> Result<()> {
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
             return Err(Error::BadInput(format!(
-                "request {}: token {t} is outside the vocabulary of {}",
-                req.id, self.cfg.vocab_size
+                "request {id}: token {t} is outside the vocabulary of {}",
+                self.cfg.vocab_size
             )));
         }
         Ok(())
@@ -286,15 +295,15 @@ impl AsRef<PagedLlama> for PagedLlama {
     }
 }
 
-/// The first index of the largest value (greedy sampling; NaN never wins).
+/// The first index of the largest value (greedy sampling; NaN never wins: all NaN gives 0).
 pub fn argmax(xs: &[f32]) -> u32 {
-    let mut best = 0;
+    let mut best: Option<(usize, f32)> = None;
     for (i, &x) in xs.iter().enumerate() {
-        if x > xs[best] {
-            best = i;
+        if !x.is_nan() && best.is_none_or(|(_, b)| x > b) {
+            best = Some((i, x));
         }
     }
-    best as u32
+    best.map_or(0, |(i, _)| i as u32)
 }
 
 /// The row whose tokens include flattened token `t`.

@@ -79,7 +79,9 @@ impl Weights {
         let embedding = dequantize(embd, &[dim, vocab], dev)?;
         let output_info = g.tensor("output.weight").unwrap_or(embd);
         let output = linear(output_info, dim, vocab, mode, dev)?;
-        let mut layers = Vec::with_capacity(cfg.n_layers());
+        // Grown as the file's tensors are found: the layer count is the header's claim, and a
+        // capacity taken from it (u32::MAX layers) aborted the process before any check.
+        let mut layers = Vec::new();
         for l in 0..cfg.n_layers() {
             let t = |name: &str| g.require_tensor(&format!("blk.{l}.{name}.weight"));
             let ffn = match t("ffn_gate")?.shape() {

@@ -122,13 +122,59 @@ fn tokens_outside_the_vocabulary_are_refused() {
         generate(&mut engine, &mut model, [request(3, vec![])], 100),
         Err(Error::BadInput(_))
     ));
-    // A caller that queues past the check gets a failed step, not a panic.
+    // A caller that queues past the check gets a failed step, not a panic; aborting the
+    // sequence at fault lets the engine go on (the failed batch is discarded at the next
+    // step), and the good request beside it finishes.
+    engine.add(request(5, vec![1, 2, 3])).unwrap();
     engine.add(request(4, vec![vocab + 7])).unwrap();
     let err = failing_step(&mut engine, &mut model);
     assert!(
         matches!(err, EngineError::Model(ref m) if m.contains("vocabulary")),
         "{err}"
     );
+    engine.abort(4).unwrap();
+    let mut done = Vec::new();
+    for _ in 0..50 {
+        if !engine.has_work() {
+            break;
+        }
+        engine.step(&mut model).unwrap();
+        done.extend(engine.finished().iter().map(|f| (f.id, f.output.len())));
+    }
+    assert!(!engine.has_work());
+    assert!(done.contains(&(5, 4)), "{done:?}");
+    // Drafts are checked the same way before `propose`.
+    assert!(matches!(
+        model.check_drafts(5, &[1, vocab]),
+        Err(Error::BadInput(ref m)) if m.contains("vocabulary")
+    ));
+    model.check_drafts(5, &[1, 2]).unwrap();
+}
+
+#[test]
+fn a_layer_count_the_file_does_not_hold_is_an_error() {
+    // The header's claim of u32::MAX layers was a capacity taken before any tensor was
+    // found: the allocation aborted the process.
+    let bytes = rewritten(
+        |k, v| match k {
+            "llama.block_count" => Some((k.into(), MetaValue::U32(u32::MAX))),
+            _ => Some((k.into(), v)),
+        },
+        None,
+    );
+    assert!(matches!(
+        load(&bytes),
+        Err(Error::Gguf(GgufError::NoSuchTensor { .. }))
+    ));
+}
+
+#[test]
+fn greedy_sampling_skips_nan() {
+    use pagedkv_candle_llama::argmax;
+    assert_eq!(argmax(&[f32::NAN, 1.0, 2.0]), 2);
+    assert_eq!(argmax(&[1.0, f32::NAN, 0.5]), 0);
+    assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
+    assert_eq!(argmax(&[0.0, 3.0, 3.0]), 1);
 }
 
 #[test]

@@ -216,14 +216,17 @@ __global__ void __launch_bounds__(PF_THREADS) prefill_kernel(const PrefillArgs a
   const int kfirst = a.window > 0 ? max(0, first_pos - a.window + 1) : 0;
   const int klast = min(last_pos, ctx - 1);
 
-  for (int kt = kfirst; kt <= klast; kt += PF_KEYS) {
+  // Key positions compared as offsets from kt (j <= klast - kt): with klast near 2^31, kt + j
+  // and kt + PF_KEYS would wrap negative, pass `<= klast` and read before the table row.
+  for (int kt = kfirst; kt <= klast; kt = klast - kt < PF_KEYS ? klast + 1 : kt + PF_KEYS) {
     __syncthreads();  // the previous tile's K/V (and, first time, nothing) are consumed
     for (int i = threadIdx.x; i < PF_KEYS * CHUNKS; i += PF_THREADS) {
       const int j = i / CHUNKS, c = i % CHUNKS;
-      const int t = kt + j;
+      const bool in = j <= klast - kt;
+      const int t = in ? kt + j : 0;
       float kf[VEC], vf[VEC];
       int b = -1;
-      if (t <= klast) b = btab[t / a.block_size];
+      if (in) b = btab[t / a.block_size];
       if (b >= 0 && b < a.num_blocks) {
         const T *p = cache + (int64_t)b * a.st.block + (int64_t)(t % a.block_size) * a.st.token +
                      head_off + c * VEC;
@@ -242,8 +245,8 @@ __global__ void __launch_bounds__(PF_THREADS) prefill_kernel(const PrefillArgs a
     __syncthreads();
 
     // Key of this lane for the logits.
-    const int t = kt + lane;
-    bool key_ok = t <= klast;
+    bool key_ok = lane <= klast - kt;
+    const int t = key_ok ? kt + lane : 0;
     if (key_ok) {
       const int b = btab[t / a.block_size];
       key_ok = b >= 0 && b < a.num_blocks;

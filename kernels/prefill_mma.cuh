@@ -152,8 +152,12 @@ __device__ __forceinline__ void key_rows(const PrefillArgs &a, const T *cache,
                                          const int32_t *btab, int bs_shift, int64_t head_off,
                                          int kt, int klast, const T **krow) {
   if (threadIdx.x < BC) {
-    const int t = kt + (int)threadIdx.x;
-    krow[threadIdx.x] = key_row(a, cache, t <= klast ? btab[t >> bs_shift] : -1, t, head_off);
+    // Compared as an offset, not as kt + x: a tile ending past klast near 2^31 would wrap
+    // negative, pass `<= klast` and read before the table row.
+    const int x = (int)threadIdx.x;
+    const bool in = x <= klast - kt;  // kt >= 0 and klast >= -1: no overflow
+    const int t = in ? kt + x : 0;
+    krow[threadIdx.x] = key_row(a, cache, in ? btab[t >> bs_shift] : -1, t, head_off);
   }
 }
 
@@ -234,7 +238,8 @@ struct PrefillBlock {
     nrows = min(rows, rows_total - rbase);
     kbegin = a.window > 0 ? max(0, pos(a, 0) - a.window + 1) : 0;
     klast = min(pos(a, nrows - 1), ctx - 1);
-    ntiles = klast >= kbegin ? ceil_div(klast - kbegin + 1, bc) : 0;
+    // In 64 bits: rounding up past INT_MAX (klast near 2^31) wrapped to no tiles at all.
+    ntiles = klast >= kbegin ? (int)(((int64_t)klast - kbegin + bc) / bc) : 0;
     btab = a.block_tables + (int64_t)seq * a.max_blocks_per_seq;
     head_off = a.layer_offset + (int64_t)kh * D;
     bs_shift = 0;
@@ -274,8 +279,9 @@ template <int BC> struct TableAhead {
                        const T **krow) const {
     if (a.window > 0) {
       key_rows<T, D, BC>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin, b.klast, krow);
-      key_rows<T, D, BC>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin + BC, b.klast,
-                         krow + BC);
+      if (b.ntiles > 1)  // (tile 1's start, past klast, could pass INT_MAX)
+        key_rows<T, D, BC>(a, cache, b.btab, b.bs_shift, b.head_off, b.kbegin + BC, b.klast,
+                           krow + BC);
     } else if (threadIdx.x < BC) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {  // kbegin is 0
@@ -627,8 +633,11 @@ __global__ void __launch_bounds__(THREADS, Cfg<D, MT>::MIN_BLOCKS)
     const T *sv = sk + C::BC * C::LD;
     const int *kv_ok = kvalid + st * C::BC;
     const int kt = b.kbegin + j * C::BC;
+    // The tile ends before the warp's first visible key, compared as a distance (kt + BC - 1
+    // passes INT_MAX near 2^31 and wrapped, skipping a visible tile); w_first >= 0 here.
+    const int first_visible = w_first - a.window + 1;
     if (wrows <= 0 || kt > w_last ||
-        (a.window > 0 && kt + C::BC - 1 < w_first - a.window + 1))
+        (a.window > 0 && first_visible > kt && first_visible - kt > C::BC - 1))
       continue;  // nothing of this tile is visible to the warp's rows
 
     // ---- S = Q K^T ----

@@ -152,6 +152,11 @@ impl AttnCase {
     }
 
     fn prefill<T: Elem>(&self, layer: usize, qsl: &[i32]) -> (i32, Vec<T>) {
+        self.prefill_tiled(layer, qsl, ffi::PKV_PREFILL_TILING_AUTO)
+    }
+
+    /// Prefill with the f16 / bf16 kernel's `tiling` (PKV_PREFILL_TILING_*; f32 ignores it).
+    fn prefill_tiled<T: Elem>(&self, layer: usize, qsl: &[i32], tiling: u32) -> (i32, Vec<T>) {
         let d = self.cfg.head_dim();
         let out = poisoned::<T>(self.rows * d);
         let qsl_buf = buf(qsl);
@@ -159,7 +164,7 @@ impl AttnCase {
         // SAFETY: as in decode; query_start_loc is [num_seqs + 1] and every query length is at
         // most max_q.
         let s = unsafe {
-            ffi::pkv_paged_attention_prefill(
+            ffi::pkv_paged_attention_prefill_tiled(
                 out.ptr(),
                 (self.nh * d) as i64,
                 self.query.ptr(),
@@ -174,6 +179,7 @@ impl AttnCase {
                 self.num_seqs as i32,
                 max_q,
                 &self.params,
+                tiling as i32,
                 null(),
             )
         };
@@ -1291,6 +1297,52 @@ fn table_capacity_beyond_i32_does_not_wrap() {
             &want,
             d,
         );
+    }
+
+    // Prefill of the last token under windows of 40 and 64 keys: the key tiles end past
+    // 2^31, and key positions computed as kt + x wrapped negative, passed `<= klast` and read
+    // before the table row (an illegal address on the guarded row here), in the f32 kernel
+    // and every f16 / bf16 tiling. The windows' keys are those of the row's last block.
+    let qsl = [0, 1];
+    let mut one16 = make_batch(&mut rng, 1, hkv, d, bs, KvDtype::Bf16, Page::Pad(1), &[300]);
+    one16.tables = one.tables.clone();
+    one16.mbps = mbps;
+    one16.ctx = vec![i32::MAX];
+    let host16 = random_cache::<bf16>(&mut rng, one16.cfg);
+    let q16 = random_vec::<bf16>(&mut rng, nh * d);
+    for window in [40, 64] {
+        let windowed = attn_params(
+            nh,
+            d,
+            Features {
+                window,
+                ..Features::PLAIN
+            },
+            &[],
+        );
+        let want = cpu_prefill(&one, &host, 0, &query, &qsl, &windowed);
+        let case = AttnCase::new(&one, &host, &query, &windowed);
+        let (s, got) = case.prefill::<f32>(0, &qsl);
+        let what = format!("prefill f32 window {window}, context 2^31 - 1");
+        expect_ok(&what, s);
+        assert_close(&what, &got, &want, d);
+
+        let want = cpu_prefill(&one16, &host16, 0, &q16, &qsl, &windowed);
+        let case = AttnCase::new(&one16, &host16, &q16, &windowed);
+        for tiling in [
+            ffi::PKV_PREFILL_TILING_WARP16,
+            ffi::PKV_PREFILL_TILING_WARP32,
+            ffi::PKV_PREFILL_TILING_WGMMA,
+            ffi::PKV_PREFILL_TILING_WGMMA128,
+            ffi::PKV_PREFILL_TILING_WGMMA_OVERLAP,
+            ffi::PKV_PREFILL_TILING_WGMMA128_OVERLAP,
+            ffi::PKV_PREFILL_TILING_WGMMA128_PERSISTENT,
+        ] {
+            let (s, got) = case.prefill_tiled::<bf16>(0, &qsl, tiling);
+            let what = format!("prefill bf16 tiling {tiling} window {window}, context 2^31 - 1");
+            expect_ok(&what, s);
+            assert_close(&what, &got, &want, d);
+        }
     }
 }
 

@@ -102,32 +102,47 @@ def fmt(x):
     return "skip" if x is None else f"{x:.1f}"
 
 
-def decode_tables(tables):
-    dec = [t for t in tables if t["kind"] == "decode"]
-    for dim in sorted({t["dim"] for t in dec}):
-        cols = [t for t in dec if t["dim"] == dim]
+def by_dim(tables, kind):
+    """Per head dim of the `kind` tables: its tables (the columns), their points in first-seen
+    order, and per point the peer's time of the first table that ran it."""
+    of_kind = [t for t in tables if t["kind"] == kind]
+    for dim in sorted({t["dim"] for t in of_kind}):
+        cols = [t for t in of_kind if t["dim"] == dim]
         points = list(dict.fromkeys(p for t in cols for p in t["rows"]))
         peer = {}
         for t in cols:
             for p, (_, q) in t["rows"].items():
                 if q is not None:
                     peer.setdefault(p, q)
+        yield dim, cols, points, peer
+
+
+def point_cells(cols, p, peer, against):
+    """A point's cell per column: its time, and `against(ours, peer)` where a peer time is at
+    hand (the column's own process's first)."""
+    out = []
+    for t in cols:
+        ours, own_peer = t["rows"].get(p, (None, None))
+        q = own_peer if own_peer is not None else peer.get(p)
+        cell = fmt(ours)
+        if ours is not None and q is not None:
+            cell += f" ({against(ours, q)})"
+        out.append(cell)
+    return out
+
+
+def table_head(head):
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+
+
+def decode_tables(tables):
+    for dim, cols, points, peer in by_dim(tables, "decode"):
         print(f"\n**Decode d{dim}** (graph us; x: over SDPA)\n")
-        head = ["point"] + [t["label"] for t in cols] + ["SDPA"]
-        if len(cols) > 1:
-            head.append("fastest")
-        print("| " + " | ".join(head) + " |")
-        print("|" + "---|" * len(head))
+        table_head(["point"] + [t["label"] for t in cols] + ["SDPA"]
+                   + (["fastest"] if len(cols) > 1 else []))
         for p in points:
-            row = [p]
-            for t in cols:
-                ours, own_peer = t["rows"].get(p, (None, None))
-                q = own_peer if own_peer is not None else peer.get(p)  # same process first
-                cell = fmt(ours)
-                if ours is not None and q is not None:
-                    cell += f" ({ours / q:.2f}x)"
-                row.append(cell)
-            row.append(fmt(peer.get(p)))
+            row = [p] + point_cells(cols, p, peer, lambda o, q: f"{o / q:.2f}x") + [fmt(peer.get(p))]
             if len(cols) > 1:
                 timed = [(t["rows"][p][0], t["label"]) for t in cols
                          if p in t["rows"] and t["rows"][p][0] is not None]
@@ -136,32 +151,15 @@ def decode_tables(tables):
 
 
 def prefill_tables(tables):
-    pre = [t for t in tables if t["kind"] == "prefill"]
-    for dim in sorted({t["dim"] for t in pre}):
-        cols = [t for t in pre if t["dim"] == dim]
-        points = list(dict.fromkeys(p for t in cols for p in t["rows"]))
-        peer = {}
+    for dim, cols, points, peer in by_dim(tables, "prefill"):
         auto = {}
         for t in cols:
             auto.update(t["auto"])
-            for p, (_, q) in t["rows"].items():
-                if q is not None:
-                    peer.setdefault(p, q)
         print(f"\n**Prefill d{dim}** (graph us, % of SDPA's TFLOP/s)\n")
-        head = ["point", "SDPA us"] + [t["label"] for t in cols] + ["Auto ran"]
-        print("| " + " | ".join(head) + " |")
-        print("|" + "---|" * len(head))
+        table_head(["point", "SDPA us"] + [t["label"] for t in cols] + ["Auto ran"])
         for p in points:
-            row = [p, fmt(peer.get(p))]
-            for t in cols:
-                ours, own_peer = t["rows"].get(p, (None, None))
-                q = own_peer if own_peer is not None else peer.get(p)  # same process first
-                cell = fmt(ours)
-                if ours is not None and q is not None:
-                    cell += f" ({100 * q / ours:.1f}%)"
-                row.append(cell)
-            row.append(auto.get(p, "-"))
-            print("| " + " | ".join(row) + " |")
+            row = [p, fmt(peer.get(p))] + point_cells(cols, p, peer, lambda o, q: f"{100 * q / o:.1f}%")
+            print("| " + " | ".join(row + [auto.get(p, "-")]) + " |")
 
 
 def main(argv):

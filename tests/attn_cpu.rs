@@ -754,6 +754,15 @@ fn copy_blocks_copies_whole_blocks_all_layers() {
     }
 }
 
+/// The sequence of `tiny_cache`: blocks 0 and 1, 3 tokens.
+fn tiny_seqs() -> PagedSeqs<'static> {
+    PagedSeqs {
+        block_tables: &[0, 1],
+        max_blocks_per_seq: 2,
+        context_lens: &[3],
+    }
+}
+
 /// One f32 sequence of 3 tokens over two 4-token blocks, head dim 8, one head.
 fn tiny_cache() -> HostKvCache {
     let cfg = KvCacheConfig::new(1, 1, 8, 4, 2, KvDtype::F32).unwrap();
@@ -770,12 +779,7 @@ fn tiny_cache() -> HostKvCache {
 #[test]
 fn a_window_past_i64_is_no_window() {
     let cache = tiny_cache();
-    let (t, c) = (vec![0, 1], vec![3]);
-    let seqs = PagedSeqs {
-        block_tables: &t,
-        max_blocks_per_seq: 2,
-        context_lens: &c,
-    };
+    let seqs = tiny_seqs();
     let view = cache.view::<f32>().unwrap();
     let (q, plain, mut ws) = (vec![0.5f32; 8], AttnParams::new(1, 8), AttnWorkspace::new());
     let mut want = vec![0f32; 8];
@@ -817,12 +821,7 @@ fn a_window_past_i64_is_no_window() {
 #[test]
 fn a_head_count_that_overflows_is_refused() {
     let cache = tiny_cache();
-    let (t, c) = (vec![0, 1], vec![3]);
-    let seqs = PagedSeqs {
-        block_tables: &t,
-        max_blocks_per_seq: 2,
-        context_lens: &c,
-    };
+    let seqs = tiny_seqs();
     let view = cache.view::<f32>().unwrap();
     let mut ws = AttnWorkspace::new();
     for heads in [1usize << 61, usize::MAX] {

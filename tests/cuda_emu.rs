@@ -1329,15 +1329,7 @@ fn table_capacity_beyond_i32_does_not_wrap() {
 
         let want = cpu_prefill(&one16, &host16, 0, &q16, &qsl, &windowed);
         let case = AttnCase::new(&one16, &host16, &q16, &windowed);
-        for tiling in [
-            ffi::PKV_PREFILL_TILING_WARP16,
-            ffi::PKV_PREFILL_TILING_WARP32,
-            ffi::PKV_PREFILL_TILING_WGMMA,
-            ffi::PKV_PREFILL_TILING_WGMMA128,
-            ffi::PKV_PREFILL_TILING_WGMMA_OVERLAP,
-            ffi::PKV_PREFILL_TILING_WGMMA128_OVERLAP,
-            ffi::PKV_PREFILL_TILING_WGMMA128_PERSISTENT,
-        ] {
+        for tiling in PREFILL_TILINGS {
             let (s, got) = case.prefill_tiled::<bf16>(0, &qsl, tiling);
             let what = format!("prefill bf16 tiling {tiling} window {window}, context 2^31 - 1");
             expect_ok(&what, s);

@@ -27,18 +27,6 @@ use rand::SeedableRng;
 trait Elem: Tol + EmuElem {}
 impl<T: Tol + EmuElem> Elem for T {}
 
-/// The tensor-core kernels' tilings (16 and 32 query rows per warp, wgmma), each run by every
-/// check.
-const TILINGS: [u32; 7] = [
-    ffi::PKV_PREFILL_TILING_WARP16,
-    ffi::PKV_PREFILL_TILING_WARP32,
-    ffi::PKV_PREFILL_TILING_WGMMA,
-    ffi::PKV_PREFILL_TILING_WGMMA128,
-    ffi::PKV_PREFILL_TILING_WGMMA_OVERLAP,
-    ffi::PKV_PREFILL_TILING_WGMMA128_OVERLAP,
-    ffi::PKV_PREFILL_TILING_WGMMA128_PERSISTENT,
-];
-
 /// Thread orders besides the forward one that the tests below also run: a kernel free of
 /// shared-memory races gives the same results under each (warp by warp, one warp gets as far
 /// ahead of the others as a barrier allows).
@@ -149,7 +137,17 @@ fn check<T: Elem>(
     seqs_q_ctx: &[(usize, usize)],
     f: Features,
 ) {
-    check_tilings::<T>(rng, d, group, bs, page, seqs_q_ctx, f, None, &TILINGS);
+    check_tilings::<T>(
+        rng,
+        d,
+        group,
+        bs,
+        page,
+        seqs_q_ctx,
+        f,
+        None,
+        &PREFILL_TILINGS,
+    );
 }
 
 /// As `check`, for the given tilings, with the query read from a fused-QKV-shaped view
@@ -307,7 +305,7 @@ fn strided_query_and_out_views() {
             &seqs,
             f,
             strides,
-            &TILINGS,
+            &PREFILL_TILINGS,
         );
         check_tilings::<f16>(
             &mut rng,
@@ -318,7 +316,7 @@ fn strided_query_and_out_views() {
             &seqs,
             f,
             strides,
-            &TILINGS,
+            &PREFILL_TILINGS,
         );
     }
 }
@@ -816,7 +814,7 @@ fn invalid_block_ids_mask_their_keys() {
         let params = attn_params(nh, d, Features::PLAIN, &[]);
         let want = cpu_prefill(&valid_only, &host, layer, &query, &qsl, &params);
         let row = nh * d;
-        for tiling in TILINGS {
+        for tiling in PREFILL_TILINGS {
             let (s, got) = launch(
                 &with_invalid,
                 host.as_bytes(),

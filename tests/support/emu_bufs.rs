@@ -6,6 +6,19 @@ use pagedkv::cuda_emu::{self, ffi, EmuBuf, EmuElem};
 use pagedkv::kv::{KvCacheConfig, KvDtype};
 use std::ffi::c_void;
 
+/// The f16 / bf16 prefill kernel's tilings (16 and 32 query rows per warp; wgmma with one
+/// and two warpgroups, in order and overlapped; the persistent grid): every emulated prefill
+/// check runs each.
+pub const PREFILL_TILINGS: [u32; 7] = [
+    ffi::PKV_PREFILL_TILING_WARP16,
+    ffi::PKV_PREFILL_TILING_WARP32,
+    ffi::PKV_PREFILL_TILING_WGMMA,
+    ffi::PKV_PREFILL_TILING_WGMMA128,
+    ffi::PKV_PREFILL_TILING_WGMMA_OVERLAP,
+    ffi::PKV_PREFILL_TILING_WGMMA128_OVERLAP,
+    ffi::PKV_PREFILL_TILING_WGMMA128_PERSISTENT,
+];
+
 /// A guarded copy of `data`.
 pub fn buf<T: EmuElem>(data: &[T]) -> EmuBuf {
     EmuBuf::from_slice(data).expect("guarded allocation")

@@ -720,3 +720,26 @@ fn fork_refuses_an_id_whose_abort_is_pending() {
     ));
     assert!(matches!(bt.fork(2, 1), Err(SchedError::DuplicateId(1))));
 }
+
+/// A fork is refused while the parent's row waits for its commit (the child would share the
+/// block reserved for that row's token, and both write their next token into it); after the
+/// commit it shares the parent's computed blocks and every slot stays its own.
+#[test]
+fn fork_waits_for_the_commit_of_the_parents_row() {
+    let p = pool(32);
+    let mut bt = Batcher::new(config(), p.clone()).unwrap();
+    bt.add(req(1, (1..=8).collect(), 12)).unwrap(); // 8 tokens: two full blocks
+    let mut fin = Vec::new();
+    step(&mut bt, &mut fin); // prefill; the next token starts block 2
+    bt.schedule_into(&mut fin); // its row reserves block 2, uncommitted
+    assert!(matches!(
+        bt.fork(1, 2),
+        Err(SchedError::InvalidRequest { id: 1, .. })
+    ));
+    let n = bt.schedule_into(&mut fin).num_samples(); // discards, schedules again
+    bt.commit(&vec![1000; n], &mut fin).unwrap();
+    bt.fork(1, 2).unwrap();
+    fin.extend(drive(&mut bt, 100)); // check_batch: no slot written twice
+    assert_eq!(fin.len(), 2);
+    assert_eq!(p.free_count(), 32);
+}

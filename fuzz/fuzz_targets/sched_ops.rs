@@ -1,4 +1,5 @@
-//! Fuzz the batcher with arbitrary submit / step / commit / abort / fork sequences: no panic,
+//! Fuzz the batcher with arbitrary submit / step / commit / abort / fork / discard (a batch
+//! scheduled and never committed) sequences: no panic,
 //! every batch consistent, the token budget respected, and at the end every request finished
 //! or refused and no block leaked.
 #![no_main]
@@ -28,6 +29,9 @@ enum Op {
     Submit { prompt_len: u8, max_new: u8, urgent: bool, eos: Option<u8> },
     Step { tokens: Vec<u8> },
     StepWrongCount,
+    /// Schedules a batch that is never committed (its execution failed): the next schedule
+    /// discards it.
+    Discard,
     Abort(u8),
     Fork(u8),
 }
@@ -93,6 +97,9 @@ fuzz_target!(|input: Input| {
                 let n = bt.schedule_into(&mut done).num_samples();
                 assert!(bt.commit(&vec![1; n + 1], &mut done).is_err());
                 bt.commit(&vec![1; n], &mut done).unwrap();
+            }
+            Op::Discard => {
+                bt.schedule_into(&mut done);
             }
             Op::Abort(id) => {
                 let _ = bt.abort(u64::from(id));

@@ -443,7 +443,9 @@ impl Batcher {
     }
 
     /// Forks a running (decoding) sequence into a new one with id `child`, sharing every block
-    /// (parallel sampling). The first write into a shared partial block copies it first.
+    /// of its computed tokens (parallel sampling). The first write into a shared partial block
+    /// copies it first. Refused while the parent's row of a scheduled batch waits for its
+    /// commit (fork after the commit: the child then starts from the committed state).
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<(), SchedError> {
         if self.id_taken(child) {
             return Err(SchedError::DuplicateId(child));
@@ -461,6 +463,16 @@ impl Batcher {
                 reason: "only a decoding sequence can be forked",
             });
         }
+        if self
+            .scheduled
+            .iter()
+            .any(|&(row_slot, ..)| row_slot == slot)
+        {
+            return Err(SchedError::InvalidRequest {
+                id: parent,
+                reason: "its row in the scheduled batch is not committed yet",
+            });
+        }
         if self.running.len() >= self.cfg.max_running as usize {
             return Err(SchedError::InvalidRequest {
                 id: parent,
@@ -474,7 +486,15 @@ impl Batcher {
             tokens: p.tokens.clone(),
             prompt_len: p.prompt_len,
             computed: p.computed,
-            table: p.table.fork()?,
+            table: {
+                // Only the blocks of its computed tokens: one reserved past them (by a batch
+                // discarded before it ran) stays the parent's alone, or both would write their
+                // next token into it unseen (the copy-on-write check looks at the block of the
+                // next write only when that write lands inside it, not at its start).
+                let mut t = p.table.fork()?;
+                t.truncate(self.blocks_for(p.computed) as u32);
+                t
+            },
             phase: p.phase,
             arrival: self.arrivals,
             host_blocks: Vec::new(),

@@ -411,6 +411,92 @@ fn an_uncommitted_batch_is_discarded_safely() {
     assert_no_leak(&shared);
 }
 
+/// ClosedForm failing at its first attention output when armed: a step that fails part-way
+/// (swaps and copies done, layer 0's KV written).
+struct FailingArmed {
+    inner: ClosedForm,
+    armed: bool,
+}
+
+impl StepModel<HostBackend<f32>> for FailingArmed {
+    fn qkv(
+        &mut self,
+        backend: &HostBackend<f32>,
+        layer: usize,
+        batch: &Batch,
+    ) -> Result<LayerQkv<'_, [f32]>, EngineError> {
+        self.inner.qkv(backend, layer, batch)
+    }
+    fn attended(&mut self, layer: usize, batch: &Batch, out: &[f32]) -> Result<(), EngineError> {
+        if self.armed {
+            return Err(EngineError::Model(format!(
+                "injected failure at layer {layer}"
+            )));
+        }
+        self.inner.attended(layer, batch, out)
+    }
+    fn sample(&mut self, batch: &Batch, out: &mut Vec<u32>) -> Result<(), EngineError> {
+        self.inner.sample(batch, out)
+    }
+}
+
+/// An execute that failed part-way is not run again (its rows may have written pages its
+/// swap-outs or copies read) and not committed; the next schedule discards the batch and every
+/// result stays exact. Failures are injected at steps with swaps or copies.
+#[test]
+fn a_failed_execute_is_discarded_not_retried() {
+    let (shared, engines) = build(24, PreemptionMode::Swap);
+    let mut engines: Vec<_> = engines
+        .into_iter()
+        .map(|(e, m)| {
+            (
+                e,
+                FailingArmed {
+                    inner: m,
+                    armed: false,
+                },
+            )
+        })
+        .collect();
+    for (e, (engine, model)) in engines.iter_mut().enumerate() {
+        for s in 0..8u64 {
+            let req = request(100 * e as u64 + s, 20 + 3 * s as usize, 30);
+            model.inner.prompt_len.insert(req.id, req.prompt.len());
+            engine.add(req).unwrap();
+        }
+    }
+    let (mut failed, mut finished) = (0, 0);
+    for _ in 0..4000 {
+        if engines.iter().all(|(e, _)| !e.has_work()) {
+            break;
+        }
+        for (engine, model) in engines.iter_mut() {
+            let b = engine.schedule();
+            model.armed = failed < 20
+                && b.num_seqs() > 0
+                && !(b.swap_out.is_empty() && b.copies.is_empty() && b.swap_in.is_empty());
+            if model.armed {
+                assert!(engine.execute(model).is_err());
+                model.armed = false;
+                assert!(engine.execute(model).is_err(), "a failed batch ran again");
+                assert!(engine.commit(model).is_err(), "a failed batch committed");
+                failed += 1;
+                continue; // the next schedule discards it
+            }
+            engine.execute(model).unwrap();
+            engine.commit(model).unwrap();
+            for f in engine.finished() {
+                assert_eq!(f.output.len(), 30, "seq {}", f.id);
+                assert_eq!(f.reason, FinishReason::MaxTokens);
+                finished += 1;
+            }
+        }
+    }
+    assert!(failed > 0, "the test must fail steps with swaps or copies");
+    assert_eq!(finished, 16);
+    assert_no_leak(&shared);
+}
+
 /// `max_context` is a token limit (prompt and output but the last token), not a page count:
 /// at 500 tokens over 32-token pages (16 pages: 512 tokens), a request reaching 501 to 512
 /// tokens was accepted.

@@ -743,3 +743,39 @@ fn fork_waits_for_the_commit_of_the_parents_row() {
     assert_eq!(fin.len(), 2);
     assert_eq!(p.free_count(), 32);
 }
+
+/// A parent and its fork swapped out in the same step list their shared pages twice among the
+/// pages the swap-outs hold: each page's budget goes back once, when its last reference does.
+/// Before, leaving was counted before any release, neither entry saw the page leave, and its
+/// budget was held for good (the engine could never deregister).
+#[test]
+fn sharing_sequences_swapped_out_together_give_their_budget_back() {
+    let p = pool(16);
+    let budget = Arc::new(QuotaBudget {
+        tokens: 512,
+        quota: 16,
+        used: AtomicU32::new(0),
+    });
+    let mut cfg = config();
+    cfg.preemption = PreemptionMode::Swap;
+    cfg.swap_blocks = 16;
+    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+    bt.attach_budget(Box::new(Shared(budget.clone())));
+    bt.add(req(1, (1..=8).collect(), 6)).unwrap();
+    let mut fin = Vec::new();
+    step(&mut bt, &mut fin);
+    bt.fork(1, 2).unwrap();
+    bt.request_shed(100); // both swapped out in one step
+    let b = bt.schedule_into(&mut fin);
+    assert!(b.swap_out.len() >= 4, "both swapped out: {:?}", b.swap_out);
+    bt.commit(&[], &mut fin).unwrap();
+    assert_eq!(
+        16 - p.free_count(),
+        budget.used.load(Ordering::Relaxed),
+        "budget held for pages no longer held"
+    );
+    fin.extend(drive(&mut bt, 200));
+    assert_eq!(fin.len(), 2);
+    assert_eq!(p.free_count(), 16);
+    assert_eq!(budget.used.load(Ordering::Relaxed), 0);
+}

@@ -115,6 +115,10 @@ pub struct Engine<B: KvBackend> {
     demand_since: Option<u64>,
     /// Whether the current batch was executed (commit refuses an unexecuted non-empty batch).
     executed: bool,
+    /// Whether an execute of the current batch failed part-way: it is not run again (its
+    /// rows may have written pages its swap-outs or copies read), only discarded by the next
+    /// schedule.
+    exec_failed: bool,
 }
 
 impl<B: KvBackend> Engine<B> {
@@ -196,6 +200,7 @@ impl<B: KvBackend> Engine<B> {
             steps: 0,
             demand_since: None,
             executed: true,
+            exec_failed: false,
         })
     }
 
@@ -348,21 +353,33 @@ impl<B: KvBackend> Engine<B> {
             });
         }
         self.executed = self.batcher.batch().is_empty();
+        self.exec_failed = false;
         self.report.scheduled = self.batcher.batch().num_tokens() as u32;
         self.batcher.batch()
     }
 
-    /// Runs the scheduled batch's KV work and attention with `model`'s projections.
+    /// Runs the scheduled batch's KV work and attention with `model`'s projections, once:
+    /// refused for a batch already executed, or whose execute failed (running it again could
+    /// copy pages its first run's rows had already written: schedule again instead, which
+    /// discards it, after aborting the sequence at fault).
     pub fn execute<M: StepModel<B> + ?Sized>(
         &mut self,
         model: &mut M,
     ) -> Result<StepStats, EngineError> {
+        if !self.batcher.batch().is_empty() && (self.executed || self.exec_failed) {
+            return Err(EngineError::InvalidConfig(
+                "the scheduled batch was executed already, or failed part-way: schedule again"
+                    .into(),
+            ));
+        }
         let stats = run_batch(
             &mut self.backend,
             model,
             self.batcher.batch(),
             &mut self.pairs,
-        )?;
+        );
+        self.exec_failed = stats.is_err();
+        let stats = stats?;
         self.executed = true;
         self.report.exec = stats;
         Ok(stats)

@@ -133,9 +133,13 @@ impl Batcher {
         }
         let mut pending = std::mem::take(&mut self.swap_out_pending);
         // A page leaves the budget only if no other sequence still references it (a fork, or
-        // a cached prefix another sequence attached): see `pages_leaving`.
-        let leaving = pending.iter().filter(|&&id| self.page_leaves(id)).count() as u32;
+        // a cached prefix another sequence attached): see `pages_leaving`. Counted as each
+        // reference goes: a page two sequences swapped out in one step is listed twice, and
+        // counted before any release neither entry saw it leave (its budget was never given
+        // back).
+        let mut leaving = 0;
         for id in pending.drain(..) {
+            leaving += u32::from(self.page_leaves(id));
             // Each id holds the reference taken in `hold_for_swap_out`: a failure here would be
             // a pool bug (double free); the page is then already free, nothing is lost.
             let released = self.pool.release(id);

@@ -472,6 +472,9 @@ impl<B: KvBackend> Engine<B> {
 
 impl<B: KvBackend> Drop for Engine<B> {
     fn drop(&mut self) {
+        // The backend's queued work first (a step that failed part-way may still write pages):
+        // only then may the batcher give its pages to the other engines.
+        let _ = self.backend.end();
         // SAFETY: the batcher is dropped once, here, and never used after (this is the
         // engine's drop; no other code path drops it).
         unsafe { ManuallyDrop::drop(&mut self.batcher) };

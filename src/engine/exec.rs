@@ -102,7 +102,25 @@ pub struct StepStats {
 /// swap-outs first (a swap-in or new token of this step may reuse a page a swap-out reads),
 /// then swap-ins, copy-on-write copies, and per layer `reshape_and_cache` before attention.
 /// `pairs` is scratch reused across calls.
+///
+/// On an error the backend's work queued before it (swaps, copies, earlier layers) is waited
+/// for before returning (`end`; its own error, if any, is dropped for the first one): the
+/// batch is then discarded and its pages may go to another engine at once, which must not
+/// meet this step's writes still in flight.
 pub fn run_batch<K: KvBackend + ?Sized, M: StepModel<K> + ?Sized>(
+    backend: &mut K,
+    model: &mut M,
+    batch: &Batch,
+    pairs: &mut Vec<(u32, u32)>,
+) -> Result<StepStats, EngineError> {
+    let r = run_batch_steps(backend, model, batch, pairs);
+    if r.is_err() {
+        let _ = backend.end();
+    }
+    r
+}
+
+fn run_batch_steps<K: KvBackend + ?Sized, M: StepModel<K> + ?Sized>(
     backend: &mut K,
     model: &mut M,
     batch: &Batch,
@@ -132,7 +150,12 @@ pub fn run_batch<K: KvBackend + ?Sized, M: StepModel<K> + ?Sized>(
     }
     backend.begin(batch)?;
     let cfg = *backend.config();
-    let decode_only = batch.num_seqs() == tokens;
+    // Every row exactly one token (rows may be empty: as many rows as tokens is not enough).
+    let decode_only = batch
+        .query_start_loc
+        .iter()
+        .enumerate()
+        .all(|(i, &q)| q as usize == i);
     for layer in 0..cfg.num_layers() {
         let qkv = model.qkv(backend, layer, batch)?;
         backend.reshape_and_cache(layer, qkv.key, qkv.value, batch)?;
@@ -178,4 +201,134 @@ fn to_pairs(src: &[(i32, i32)], dst: &mut Vec<(u32, u32)>) -> Result<(), EngineE
         dst.push((a, b));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::KvDtype;
+
+    /// Records which calls a step made; fails at `fail_at` (a call's name), if set.
+    struct Recorder {
+        cfg: KvCacheConfig,
+        calls: Vec<&'static str>,
+        fail_at: Option<&'static str>,
+        out: Vec<f32>,
+    }
+
+    impl Recorder {
+        fn call(&mut self, what: &'static str) -> Result<(), EngineError> {
+            self.calls.push(what);
+            match self.fail_at {
+                Some(f) if f == what => Err(EngineError::Model(format!("{what} failed"))),
+                _ => Ok(()),
+            }
+        }
+    }
+
+    impl KvBackend for Recorder {
+        type Buf = [f32];
+        fn config(&self) -> &KvCacheConfig {
+            &self.cfg
+        }
+        fn query_heads(&self) -> usize {
+            1
+        }
+        fn swap_out(&mut self, _: &[(u32, u32)]) -> Result<(), EngineError> {
+            self.call("swap_out")
+        }
+        fn swap_in(&mut self, _: &[(u32, u32)]) -> Result<(), EngineError> {
+            self.call("swap_in")
+        }
+        fn copy_blocks(&mut self, _: &[(u32, u32)]) -> Result<(), EngineError> {
+            self.call("copy_blocks")
+        }
+        fn begin(&mut self, _: &Batch) -> Result<(), EngineError> {
+            self.call("begin")
+        }
+        fn reshape_and_cache(
+            &mut self,
+            _: usize,
+            _: &[f32],
+            _: &[f32],
+            _: &Batch,
+        ) -> Result<(), EngineError> {
+            self.call("reshape_and_cache")
+        }
+        fn decode(&mut self, _: usize, _: &[f32], _: &Batch) -> Result<&[f32], EngineError> {
+            self.call("decode")?;
+            Ok(&self.out)
+        }
+        fn prefill(&mut self, _: usize, _: &[f32], _: &Batch) -> Result<&[f32], EngineError> {
+            self.call("prefill")?;
+            Ok(&self.out)
+        }
+        fn end(&mut self) -> Result<(), EngineError> {
+            self.call("end")
+        }
+    }
+
+    struct Model(Vec<f32>);
+
+    impl StepModel<Recorder> for Model {
+        fn qkv(
+            &mut self,
+            _: &Recorder,
+            _: usize,
+            _: &Batch,
+        ) -> Result<LayerQkv<'_, [f32]>, EngineError> {
+            Ok(LayerQkv {
+                query: &self.0,
+                key: &self.0,
+                value: &self.0,
+            })
+        }
+        fn attended(&mut self, _: usize, _: &Batch, _: &[f32]) -> Result<(), EngineError> {
+            Ok(())
+        }
+        fn sample(&mut self, _: &Batch, _: &mut Vec<u32>) -> Result<(), EngineError> {
+            Ok(())
+        }
+    }
+
+    fn run(rows: &[i32], copies: bool, fail_at: Option<&'static str>) -> (Vec<&'static str>, bool) {
+        let mut b = Batch::default();
+        b.query_start_loc = rows.to_vec();
+        b.seq_ids = (0..rows.len() as u64 - 1).collect();
+        b.input_tokens = vec![1; *rows.last().unwrap() as usize];
+        if copies {
+            b.copies.push((0, 1));
+        }
+        let mut backend = Recorder {
+            cfg: KvCacheConfig::new(1, 1, 8, 4, 4, KvDtype::F32).unwrap(),
+            calls: Vec::new(),
+            fail_at,
+            out: Vec::new(),
+        };
+        let ok = run_batch(&mut backend, &mut Model(Vec::new()), &b, &mut Vec::new()).is_ok();
+        (backend.calls, ok)
+    }
+
+    /// Decode only where every row is one token: rows [2, 0] are as many rows as tokens, not
+    /// a decode batch (decode would pair query row i with sequence i).
+    #[test]
+    fn decode_runs_only_for_one_token_rows() {
+        assert!(run(&[0, 1, 2], false, None).0.contains(&"decode"));
+        assert!(run(&[0, 2, 2], false, None).0.contains(&"prefill"));
+        assert!(run(&[0, 3], false, None).0.contains(&"prefill"));
+    }
+
+    /// A step that fails after queuing work waits for it (`end`) before returning the error.
+    #[test]
+    fn a_failed_step_still_ends() {
+        for fail_at in ["copy_blocks", "begin", "reshape_and_cache", "decode"] {
+            let (calls, ok) = run(&[0, 1], true, Some(fail_at));
+            assert!(!ok);
+            assert_eq!(
+                calls.last(),
+                Some(&"end"),
+                "failing at {fail_at}: {calls:?}"
+            );
+        }
+    }
 }

@@ -292,10 +292,12 @@ mod tests {
     }
 
     fn run(rows: &[i32], copies: bool, fail_at: Option<&'static str>) -> (Vec<&'static str>, bool) {
-        let mut b = Batch::default();
-        b.query_start_loc = rows.to_vec();
-        b.seq_ids = (0..rows.len() as u64 - 1).collect();
-        b.input_tokens = vec![1; *rows.last().unwrap() as usize];
+        let mut b = Batch {
+            query_start_loc: rows.to_vec(),
+            seq_ids: (0..rows.len() as u64 - 1).collect(),
+            input_tokens: vec![1; *rows.last().unwrap() as usize],
+            ..Default::default()
+        };
         if copies {
             b.copies.push((0, 1));
         }

@@ -251,6 +251,21 @@ fn run_to_idle(engines: &mut [Driven]) -> Vec<Streamed> {
     panic!("engines did not go idle in 2000 steps");
 }
 
+/// The small-arena workload of engine `e`: 8 requests, prompts of 20 + 3s tokens, 30 out.
+fn small_arena_requests(e: usize) -> impl Iterator<Item = SeqRequest> {
+    (0..8u64).map(move |s| request(100 * e as u64 + s, 20 + 3 * s as usize, 30))
+}
+
+/// The engine's sequences finished in the last step, each checked to have run the
+/// small-arena workload's 30 tokens to the end.
+fn full_outputs(engine: &Engine<HostBackend<f32>>) -> usize {
+    for f in engine.finished() {
+        assert_eq!(f.output.len(), 30, "seq {}", f.id);
+        assert_eq!(f.reason, FinishReason::MaxTokens);
+    }
+    engine.finished().len()
+}
+
 fn build(pages: u32, preemption: PreemptionMode) -> (Arc<SharedArena>, Vec<Driven>) {
     build_with(pages, preemption, false)
 }
@@ -317,9 +332,7 @@ fn preemption_under_a_small_arena_keeps_every_result_exact() {
         // Few pages: the engines preempt each other's and their own sequences.
         let (shared, mut engines) = build(24, mode);
         for (e, driven) in engines.iter_mut().enumerate() {
-            for s in 0..8u64 {
-                add(driven, request(100 * e as u64 + s, 20 + 3 * s as usize, 30));
-            }
+            small_arena_requests(e).for_each(|r| add(driven, r));
         }
         let streamed = run_to_idle(&mut engines);
         let preempted: u64 = engines
@@ -385,9 +398,7 @@ fn a_caller_finish_reason_is_reported_apart_from_an_abort() {
 fn an_uncommitted_batch_is_discarded_safely() {
     let (shared, mut engines) = build(24, PreemptionMode::Swap);
     for (e, driven) in engines.iter_mut().enumerate() {
-        for s in 0..8u64 {
-            add(driven, request(100 * e as u64 + s, 20 + 3 * s as usize, 30));
-        }
+        small_arena_requests(e).for_each(|r| add(driven, r));
     }
     let (mut swaps_discarded, mut finished) = (0, 0);
     for _ in 0..4000 {
@@ -399,11 +410,7 @@ fn an_uncommitted_batch_is_discarded_safely() {
             engine.schedule();
             engine.execute(model).unwrap();
             engine.commit(model).unwrap();
-            for f in engine.finished() {
-                assert_eq!(f.output.len(), 30, "seq {}", f.id);
-                assert_eq!(f.reason, FinishReason::MaxTokens);
-                finished += 1;
-            }
+            finished += full_outputs(engine);
         }
     }
     assert!(swaps_discarded > 0, "the test must discard swap-outs");
@@ -459,8 +466,7 @@ fn a_failed_execute_is_discarded_not_retried() {
         })
         .collect();
     for (e, (engine, model)) in engines.iter_mut().enumerate() {
-        for s in 0..8u64 {
-            let req = request(100 * e as u64 + s, 20 + 3 * s as usize, 30);
+        for req in small_arena_requests(e) {
             model.inner.prompt_len.insert(req.id, req.prompt.len());
             engine.add(req).unwrap();
         }
@@ -485,11 +491,7 @@ fn a_failed_execute_is_discarded_not_retried() {
             }
             engine.execute(model).unwrap();
             engine.commit(model).unwrap();
-            for f in engine.finished() {
-                assert_eq!(f.output.len(), 30, "seq {}", f.id);
-                assert_eq!(f.reason, FinishReason::MaxTokens);
-                finished += 1;
-            }
+            finished += full_outputs(engine);
         }
     }
     assert!(failed > 0, "the test must fail steps with swaps or copies");

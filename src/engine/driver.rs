@@ -260,10 +260,8 @@ impl<B: KvBackend> Engine<B> {
     /// [`add`](Self::add) with a prefix-cache salt (requests share cached blocks only with
     /// requests of the same salt, e.g. one per tenant).
     pub fn add_salted(&mut self, req: SeqRequest, salt: u64) -> Result<(), SchedError> {
-        // The cache holds at most prompt + max_new_tokens - 1 tokens (the last sampled token
-        // is never fed back); the batcher's own limit is whole pages, which may hold more.
-        let tokens =
-            (req.prompt.len() as u64 + u64::from(req.stop.max_new_tokens)).saturating_sub(1);
+        // The batcher's own limit is whole pages, which may hold more than max_context.
+        let tokens = req.max_cached_tokens();
         if tokens > u64::from(self.cfg.max_context) {
             return Err(SchedError::ContextTooLong {
                 id: req.id,

@@ -59,6 +59,14 @@ pub struct SeqRequest {
     pub priority: Priority,
 }
 
+impl SeqRequest {
+    /// The most tokens its KV cache holds: the prompt and every output token but the last
+    /// (the last sampled token is never fed back).
+    pub fn max_cached_tokens(&self) -> u64 {
+        (self.prompt.len() as u64 + u64::from(self.stop.max_new_tokens)).saturating_sub(1)
+    }
+}
+
 /// Why a sequence finished.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FinishReason {

@@ -337,10 +337,9 @@ impl Batcher {
         if self.id_taken(id) {
             return Err(SchedError::DuplicateId(id));
         }
-        // The last sampled token is never fed back, so the cache holds at most
-        // prompt + max_new_tokens - 1 tokens.
-        let longest = req.prompt.len() as u64 + u64::from(req.stop.max_new_tokens) - 1;
-        let blocks = longest.div_ceil(u64::from(self.cfg.block_size));
+        let blocks = req
+            .max_cached_tokens()
+            .div_ceil(u64::from(self.cfg.block_size));
         if blocks > self.block_limit() {
             return Err(SchedError::TooLong {
                 id,
@@ -419,16 +418,7 @@ impl Batcher {
                 reason: "only a decoding sequence takes draft tokens",
             });
         }
-        if self
-            .scheduled
-            .iter()
-            .any(|&(row_slot, ..)| row_slot == slot)
-        {
-            return Err(SchedError::InvalidRequest {
-                id,
-                reason: "its row in the scheduled batch is not committed yet",
-            });
-        }
+        self.refuse_uncommitted_row(id, slot)?;
         let left = (s.stop.max_new_tokens as usize).saturating_sub(s.generated());
         if drafts.len() >= left.max(1) {
             return Err(SchedError::InvalidRequest {
@@ -463,16 +453,7 @@ impl Batcher {
                 reason: "only a decoding sequence can be forked",
             });
         }
-        if self
-            .scheduled
-            .iter()
-            .any(|&(row_slot, ..)| row_slot == slot)
-        {
-            return Err(SchedError::InvalidRequest {
-                id: parent,
-                reason: "its row in the scheduled batch is not committed yet",
-            });
-        }
+        self.refuse_uncommitted_row(parent, slot)?;
         if self.running.len() >= self.cfg.max_running as usize {
             return Err(SchedError::InvalidRequest {
                 id: parent,
@@ -511,6 +492,22 @@ impl Batcher {
         let child_slot = self.store(seq);
         self.index.insert(child, child_slot);
         self.running.push(child_slot);
+        Ok(())
+    }
+
+    /// Refuses a change (`propose`, `fork`) to a sequence whose row in the scheduled batch
+    /// waits for its commit: that row's drafts and reserved blocks are what the commit uses.
+    fn refuse_uncommitted_row(&self, id: SeqId, slot: usize) -> Result<(), SchedError> {
+        if self
+            .scheduled
+            .iter()
+            .any(|&(row_slot, ..)| row_slot == slot)
+        {
+            return Err(SchedError::InvalidRequest {
+                id,
+                reason: "its row in the scheduled batch is not committed yet",
+            });
+        }
         Ok(())
     }
 

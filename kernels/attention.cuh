@@ -61,6 +61,8 @@
 //   a row's probabilities never leave the warp.
 #pragma once
 
+#include <climits>
+
 #include "common.cuh"
 
 namespace pkv {
@@ -95,7 +97,7 @@ struct DecodeArgs {
   float scale;
   float softcap;
   int32_t window;
-  int32_t launch_flags;          // PKV_LAUNCH_* of the launch (the bodies read DECODE_L2_PREFETCH)
+  int32_t launch_flags;          // PKV_LAUNCH_* of the launch
 };
 
 // The contract's per-sequence context: context_lens[s] clamped to [0, ctx_clamp].
@@ -107,7 +109,11 @@ __device__ __forceinline__ int decode_seq_ctx(const int32_t *context_lens, int s
 // bits: rounding a context near 2^31 up to the alignment passes INT_MAX (in int it wrapped
 // negative, every split empty).
 __host__ __device__ __forceinline__ int64_t decode_part_len(int ctx, int num_splits) {
-  const int64_t per = ((int64_t)(ctx > 0 ? ctx : 1) + num_splits - 1) / num_splits;
+  // In 32 bits wherever the sum cannot overflow (any context short of 2^31 - num_splits): a
+  // 64-bit division is a long software routine on the GPU, on each block's way to its first load.
+  const int c = ctx > 0 ? ctx : 1;
+  const int64_t per = c <= INT_MAX - num_splits ? (c + num_splits - 1) / num_splits
+                                                : ((int64_t)c + num_splits - 1) / num_splits;
   return (per + PKV_DECODE_PART_ALIGN - 1) / PKV_DECODE_PART_ALIGN * PKV_DECODE_PART_ALIGN;
 }
 

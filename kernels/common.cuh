@@ -98,15 +98,41 @@ __device__ __forceinline__ void ld_cs_if(const void *p, bool ok, uint32_t &r) {
       : "r"((int)ok), "l"(p));
 }
 #endif
-// An L2 prefetch of the 128-byte line holding p (a hint: nothing waits for it). The emulation
-// reads a byte there instead, so an address outside the cache faults as a load would.
+
+// A streaming load under a predicate whose result is unspecified when `ok` is false: for a
+// caller that discards what a masked load gives (the decode body's K: a masked token's logit
+// is replaced by -inf). Unlike the _or_zero forms there is no earlier value for the result to
+// merge with, so ptxas can load straight into the register its user wants; with the zero,
+// it loaded elsewhere and copied, and that copy (right after the load) stalled the warp for
+// the load's whole latency before the work meant to hide it. The emulation gives all-ones
+// bits (NaN in f32, f16 and bf16), so a caller that used a masked result would fail the tests.
 #ifdef PKV_CUDA_EMU
-__device__ __forceinline__ void prefetch_l2(const void *p) {
-  (void)*static_cast<const volatile char *>(p);
+template <typename V> __device__ __forceinline__ V ld_cs_masked(const void *p, bool ok) {
+  V r;
+  unsigned char *bytes = reinterpret_cast<unsigned char *>(&r);
+  for (size_t i = 0; i < sizeof r; ++i) bytes[i] = 0xff;
+  ld_cs_if(p, ok, r);
+  return r;
 }
 #else
-__device__ __forceinline__ void prefetch_l2(const void *p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+template <typename V> __device__ __forceinline__ V ld_cs_masked(const void *p, bool ok);
+template <> __device__ __forceinline__ uint4 ld_cs_masked<uint4>(const void *p, bool ok) {
+  uint4 r;
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %4, 0;\n"
+      " @p ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%5];\n}\n"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "r"((int)ok), "l"(p));
+  return r;
+}
+template <> __device__ __forceinline__ uint2 ld_cs_masked<uint2>(const void *p, bool ok) {
+  uint2 r;
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n"
+      " @p ld.global.cs.v2.u32 {%0, %1}, [%3];\n}\n"
+      : "=r"(r.x), "=r"(r.y)
+      : "r"((int)ok), "l"(p));
+  return r;
 }
 #endif
 

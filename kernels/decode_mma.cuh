@@ -56,6 +56,13 @@ template <typename T, int D, int GT_ = 8> struct MmaDecode {
   static constexpr bool VS1 = D % 32 != 0;    // a 16-dim segment (1 m-tile): 4-byte reads
   static constexpr int MT = D / 16;           // m-tiles of O^T
   static constexpr bool PIPE = D <= 128;      // prefetch the next tile (see the top)
+  // K loads whose masked tokens give unspecified values (ld_cs_masked) rather than zeros: the
+  // zeroed form made ptxas copy one loaded register right after its load in the pipelined
+  // bodies (the first tile's K before the queries are staged, the next tile's K before this
+  // tile's softmax), so each warp waited out the load's latency there instead of computing
+  // under it. Not at d112 (its 8-head body went from 128 to 158 registers, 4 -> 3 blocks per
+  // SM; held to 128 it spilled) nor d256 (not pipelined; 166 -> 232 registers).
+  static constexpr bool MASKED_K = PIPE && D != 112;
   static_assert(D % 16 == 0 && MT == 4 * VS4 + 2 * VS2 + VS1, "head dim must be 16-dim steps");
   // The queries, staged as the S mma's A fragments: NQ quads per lane (two per 32-dim group,
   // one for a 16-dim tail), each the 4 registers of one k-step, so one 16-byte shared load
@@ -98,16 +105,22 @@ __device__ __forceinline__ void decode_mma_attend(const DecodeArgs &a, const Dec
   const int32_t *btab = a.block_tables + (int64_t)b.seq * a.max_blocks_per_seq;
   using Tile = DecodeTile<TILE>;
   // K of tokens g (n-tile 0) and 8 + g (n-tile 1), and V of tokens 2q + (j & 1) + 8 (j >> 1):
-  // a masked token's loads are predicated off (no traffic) and give zeros (fresh registers:
-  // keeping the old values instead would keep them live across the tile, ~25-80 registers).
+  // a masked token's loads are predicated off (no traffic). Its V gives zeros (its weight is 0,
+  // but 0 x NaN is not; fresh registers: keeping the old values instead would keep them live
+  // across the tile, ~25-80 registers); its K gives zeros or, with MASKED_K, whatever the
+  // registers held, since its logit is replaced by -inf below.
   auto load_k = [&](const Tile &x, MmaK<T, D> &k) {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const T *p = cache + x.at(a, nt, g);
       const bool ok = x.ok(b, nt, g);
 #pragma unroll
-      for (int G = 0; G < KG; ++G) k.full[nt][G] = ld_cs_or_zero<uint4>(p + 32 * G + 8 * q, ok);
-      if constexpr (P::KTAIL) k.tail[nt] = ld_cs_or_zero<uint2>(p + 32 * KG + 4 * q, ok);
+      for (int G = 0; G < KG; ++G)
+        k.full[nt][G] = P::MASKED_K ? ld_cs_masked<uint4>(p + 32 * G + 8 * q, ok)
+                                    : ld_cs_or_zero<uint4>(p + 32 * G + 8 * q, ok);
+      if constexpr (P::KTAIL)
+        k.tail[nt] = P::MASKED_K ? ld_cs_masked<uint2>(p + 32 * KG + 4 * q, ok)
+                                 : ld_cs_or_zero<uint2>(p + 32 * KG + 4 * q, ok);
     }
   };
   auto load_v = [&](const Tile &x, MmaV<T, D> &v) {
@@ -133,13 +146,6 @@ __device__ __forceinline__ void decode_mma_attend(const DecodeArgs &a, const Dec
     load_k(cur, kr);
     load_v(cur, vr);
   }
-  // With PKV_LAUNCH_DECODE_L2_PREFETCH, the tile after next is prefetched into L2 (its table
-  // entry read beside the next tile's), so the loads of the next iteration find it there. Not
-  // at d256, whose tile issues its own loads (ptxas: 166 -> 244 registers with it).
-  const bool pf = P::PIPE && (a.launch_flags & PKV_LAUNCH_DECODE_L2_PREFETCH) != 0;
-  decode_prefetch_l2<T, D, TILE>(
-      a, b, first + warp + DEC_WARPS,
-      decode_prefetch_block<TILE>(a, b, btab, first + warp + DEC_WARPS, pf), cache);
 
   // The served heads' queries into shared memory as A fragments (see MmaDecode::NQ): quad
   // (k, lane (g, q)) = words w, w + 1 (2 dims each) of rows g and g + 8 in the mma's register
@@ -233,7 +239,6 @@ __device__ __forceinline__ void decode_mma_attend(const DecodeArgs &a, const Dec
 
   for (int t = first + warp; t <= last; t += DEC_WARPS) {
     const Tile nxt = Tile::template of<D>(a, b, btab, t + DEC_WARPS);  // table reads in flight
-    const int far = decode_prefetch_block<TILE>(a, b, btab, t + 2 * DEC_WARPS, pf);
     if (!P::PIPE) load_k(cur, kr);
     float s[2][4];
     scores(kr, s);
@@ -242,7 +247,6 @@ __device__ __forceinline__ void decode_mma_attend(const DecodeArgs &a, const Dec
     } else {
       load_v(cur, vr);
     }
-    decode_prefetch_l2<T, D, TILE>(a, b, t + 2 * DEC_WARPS, far, cache);  // its table read is in
 
     // Online softmax for heads g (+ 8) over this tile: lane q holds tokens 2q, 2q+1, 8+2q, 9+2q.
 #pragma unroll

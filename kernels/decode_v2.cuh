@@ -140,6 +140,39 @@ __device__ __forceinline__ void split_add(float &m, float &l, float4 &v, float m
   }
 }
 
+// split_add over N splits read together: one max over them and the running max, then their
+// weights e^(mz - M) all at once, so the exponents are independent of each other and only the
+// sums are a chain (split_add one split at a time made every split wait for the previous
+// one's compare and exponent: ~N x the exponent's latency). Splits with max -inf add nothing
+// (their rows may never have been written).
+template <int N>
+__device__ __forceinline__ void split_add_n(float &m, float &l, float4 &v, const float (&mz)[N],
+                                            const float (&lz)[N], const float4 (&x)[N]) {
+  float mx[N];
+#pragma unroll
+  for (int u = 0; u < N; ++u) mx[u] = mz[u];
+#pragma unroll
+  for (int w = 1; w < N; w *= 2)  // a tree: log2(N) dependent steps, not N
+#pragma unroll
+    for (int u = 0; u + w < N; u += 2 * w) mx[u] = fmaxf(mx[u], mx[u + w]);
+  const float M = fmaxf(m, mx[0]);
+  if (M == -INFINITY) return;  // nothing attended here or before
+  if (m != M) {  // v and l are 0 while m is -inf
+    const float c = m == -INFINITY ? 0.f : __expf(m - M);
+    l *= c;
+    v = make_float4(v.x * c, v.y * c, v.z * c, v.w * c);
+    m = M;
+  }
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+    if (mz[u] == -INFINITY) continue;
+    const float w = __expf(mz[u] - M);
+    l = fmaf(lz[u], w, l);
+    v = make_float4(fmaf(x[u].x, w, v.x), fmaf(x[u].y, w, v.y), fmaf(x[u].z, w, v.z),
+                    fmaf(x[u].w, w, v.w));
+  }
+}
+
 // Shared memory floats the split merge needs: a running (sum vector, max, sum), 6 floats, per
 // thread or per 16-byte piece of the GT heads' outputs, whichever are more.
 template <int GT, int D> constexpr int split_merge_floats() {
@@ -161,7 +194,8 @@ template <int GT, int D> constexpr int split_merge_floats() {
 //    decode body does over tokens (e^(m_z - M) needs the max of all splits only at the end);
 //  * every thread reads partial rows: each 16-byte piece of the ng x D output is summed by R
 //    threads (R = threads / pieces, at most the splits), thread r taking splits r, r + R, ...
-//    in split order, ZU splits' loads issued together per step; the R running sums are
+//    in split order, ZU splits' loads issued together per step and added together
+//    (split_add_n: their exponents independent of each other); the R running sums are
 //    combined in r order at the end;
 //  * the arrival counter is reset after the merge, not between the arrival and its fence.
 // Every output is summed in the same order whichever block merges, so the result does not
@@ -219,8 +253,7 @@ __device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const D
         lz[u] = in ? __ldcg(sm + zu) : 0.f;
         x[u] = in ? __ldcg(src + (int64_t)zu * PIECES) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-#pragma unroll
-      for (int u = 0; u < ZU; ++u) split_add(m, l, v, mz[u], lz[u], x[u]);
+      split_add_n<ZU>(m, l, v, mz, lz, x);
     }
     acc[s] = v;
     smax[s] = m;
@@ -301,34 +334,6 @@ template <int TILE> struct DecodeTile {
     return (h == 0 ? valid[0] : valid[HALVES - 1]) && t >= b.begin && t < b.end;
   }
 };
-
-// PKV_LAUNCH_DECODE_L2_PREFETCH (pagedkv.h): a warp prefetches into L2 the K and V rows of
-// the attended tokens of its tile `index` (TILE tokens from index * TILE), lane i < 2 TILE
-// taking token i % TILE's K (i < TILE) or V row, every 128-byte line the row touches. In two
-// steps, so that only one register stays live between them: decode_prefetch_block reads the
-// lane's token's block id (-1: no token, or prefetch off), decode_prefetch_l2 issues the
-// prefetches once it has arrived. Each address lies inside the row (its line's start may
-// not), the row inside a valid block of the cache.
-template <int TILE>
-__device__ __forceinline__ int decode_prefetch_block(const DecodeArgs &a, const DecodeBlock &b,
-                                                     const int32_t *btab, int index, bool on) {
-  const int lane = threadIdx.x % 32, t = index * TILE + lane % TILE;
-  return on && lane < 2 * TILE && t >= b.begin && t < b.end ? btab[t >> a.block_shift] : -1;
-}
-template <typename T, int D, int TILE>
-__device__ __forceinline__ void decode_prefetch_l2(const DecodeArgs &a, const DecodeBlock &b,
-                                                   int index, int blk, const T *cache) {
-  constexpr int RB = D * (int)sizeof(T), MAX_LINES = (RB + 127) / 128 + 1;
-  if (!decode_block_ok(a, blk)) return;
-  const int lane = threadIdx.x % 32, t = index * TILE + lane % TILE;
-  const char *p = reinterpret_cast<const char *>(cache + decode_k_row<D>(a, b, blk, t) +
-                                                 (lane >= TILE ? a.st.kv : 0));
-  const uintptr_t at = reinterpret_cast<uintptr_t>(p);
-  const int lines = (int)(((at + RB - 1) >> 7) - (at >> 7)) + 1;  // <= MAX_LINES
-#pragma unroll
-  for (int k = 0; k < MAX_LINES; ++k)
-    if (k < lines) prefetch_l2(p + min(128 * k, RB - 1));
-}
 
 // ---------------------------------------------------------------------------------------------
 // CUDA-core body: f32 storage (any group) and f16 / bf16 MHA.

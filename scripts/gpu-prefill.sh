@@ -12,8 +12,8 @@
 #          NCU_TILINGS="wgmma128 wgmma128-persist" and NCU_POINTS="32:8/2048+0 32:8/512+0"
 #          choose the profiles (default: 32, wgmma-ovl, wgmma128-ovl at 32:8/2048+4096);
 #          NCU_SOURCE=1 adds, per profile, the per-instruction stall samples of the SASS as CSV;
-#          NCU_DECODE_POINTS="32:8/1x4096" profiles decode points too, plain and prefetched;
-#          DECODE=1 times the decode grid beside SDPA first, plain and with the L2 prefetch;
+#          NCU_DECODE_POINTS="32:8/1x4096" profiles decode points too;
+#          DECODE=1 times the decode grid beside SDPA first;
 #          SWEEP_SPLITS="8 16 33" times Auto's plan and each fixed split count on SWEEP_POINTS
 #          (default: the batch-1 points), to read Auto's choice against its neighbours)
 # Then:    python3 scripts/gpu-tables.py <the call's files_at>/logs.tar.gz  (the BENCHMARKS tables)
@@ -29,11 +29,9 @@ note_machine
 
 [ "${TESTS:-1}" = 1 ] && kernel_tests  # TESTS=0: a call of profiles alone
 # The decode grid beside SDPA first when asked (DECODE=1: a decode change measured in the same
-# call, ~1 min), then again with the decode L2 prefetch (PKV_LAUNCH_DECODE_L2_PREFETCH).
+# call, ~20 s).
 if [ "${DECODE:-0}" = 1 ]; then
   stage bench-decode 120 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill none
-  stage bench-decode-prefetch 120 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill none \
-    --decode-prefetch
 fi
 # Decode split counts around Auto's (SWEEP_SPLITS): each process times the same points, without
 # the peer (its rows are in bench-decode).
@@ -84,13 +82,10 @@ profile() {
   rm -f "$OUT/$name.ncu-rep"
 }
 once=(--no-cache-ops --peer none --no-check --launches 1 --reps 1 --iters 1 --warmup 1)
-# Decode points first when asked (NCU_DECODE_POINTS="32:8/1x4096 ..."), plain and with the L2
-# prefetch.
+# Decode points first when asked (NCU_DECODE_POINTS="32:8/1x4096 ...").
 for point in ${NCU_DECODE_POINTS:-}; do
-  for pf in "" --decode-prefetch; do
-    profile "ncu-decode${pf:+-prefetch}-${point//[:\/x]/_}" decode \
-      "$bin/bin-pagedkv" bench gpu --prefill none --decode "$point" "${once[@]}" $pf
-  done
+  profile "ncu-decode-${point//[:\/x]/_}" decode \
+    "$bin/bin-pagedkv" bench gpu --prefill none --decode "$point" "${once[@]}"
 done
 for point in ${NCU_POINTS:-32:8/2048+4096}; do
   for tiling in ${NCU_TILINGS:-32 wgmma-ovl wgmma128-ovl}; do

@@ -398,46 +398,6 @@ fn decode_every_group_size() {
     }
 }
 
-/// `PKV_LAUNCH_DECODE_L2_PREFETCH` changes no output bit: the tensor-core body with the flag
-/// against the same launch without it, over groups of 2 to 16 (8- and 16-head blocks), every
-/// head dim (d256 compiles the prefetch out), block size and page layout, features, contexts
-/// that end inside a tile, a block and a partition, and every partitioning. The emulation's
-/// prefetch reads a byte at each address it would prefetch, so one outside the cache faults.
-#[test]
-fn decode_l2_prefetch_changes_nothing() {
-    let mut rng = SmallRng::seed_from_u64(31);
-    let ctx = [1, 17, 300, 1100, 0, 2049];
-    for (i, group) in [2, 4, 8, 16, 5].into_iter().enumerate() {
-        for (j, d) in HEAD_DIMS.into_iter().enumerate() {
-            let bs = BLOCK_SIZES[(i + j) % BLOCK_SIZES.len()];
-            let page = PAGES[(i + j) % PAGES.len()];
-            let f = features(i + j, bs);
-            let (layers, layer, hkv) = (2, 1, 2);
-            let b = make_batch(&mut rng, layers, hkv, d, bs, KvDtype::Bf16, page, &ctx);
-            let host = random_cache::<bf16>(&mut rng, b.cfg);
-            let nh = hkv * group;
-            let query = random_vec::<bf16>(&mut rng, ctx.len() * nh * d);
-            let sl = slopes(&mut rng, nh);
-            let params = attn_params(nh, d, f, &sl);
-            let mut case = AttnCase::new(&b, &host, &query, &params);
-            for mode in MODES {
-                let what = format!("d{d} g{group} bs{bs} {page:?} {f:?} mode {mode}");
-                case.params.launch_flags = 0;
-                let (s, plain) = case.decode::<bf16>(layer, mode);
-                expect_ok(&what, s);
-                case.params.launch_flags = ffi::PKV_LAUNCH_DECODE_L2_PREFETCH as i32;
-                let (s, got) = case.decode::<bf16>(layer, mode);
-                expect_ok(&what, s);
-                let same = plain
-                    .iter()
-                    .zip(&got)
-                    .all(|(x, y)| x.to_bits() == y.to_bits());
-                assert!(same, "{what}: the prefetch changed the output");
-            }
-        }
-    }
-}
-
 /// The decode bodies' results are bit-identical whatever order the threads of a block run in
 /// between barriers (their per-warp states meet only in the merge after a __syncthreads), on
 /// each body and partitioning.
@@ -1339,11 +1299,9 @@ fn table_capacity_beyond_i32_does_not_wrap() {
 }
 
 /// Launch flags other than `PKV_LAUNCH_PROGRAMMATIC` are refused by both attention launchers
-/// (`PKV_ERR_INVALID_ARG`) before any pointer is touched, but for
-/// `PKV_LAUNCH_DECODE_L2_PREFETCH`, which the decode launcher alone takes; the flags themselves
-/// pass validation (what the emulated launches then compute with them is checked in
-/// cuda_emu_raw's fixed-plan replay, which alternates the first, and by
-/// `decode_l2_prefetch_changes_nothing`).
+/// (`PKV_ERR_INVALID_ARG`) before any pointer is touched, 2 (the removed decode L2 prefetch)
+/// included; the flag itself passes validation (what the emulated launches then compute with
+/// it is checked in cuda_emu_raw's fixed-plan replay, which alternates it).
 #[test]
 fn unknown_launch_flags_are_refused() {
     let cfg = KvCacheConfig::new(2, 2, 64, 16, 4, KvDtype::F16).expect("cfg");
@@ -1351,8 +1309,7 @@ fn unknown_launch_flags_are_refused() {
     // Never dereferenced: every call below fails validation first.
     let fake = EmuBuf::zeroed(64).expect("buf");
     let plan = single_split_plan();
-    let prefetch = ffi::PKV_LAUNCH_DECODE_L2_PREFETCH as i32;
-    for flags in [4, 5, 7, -1, i32::MIN, prefetch, prefetch | 1] {
+    for flags in [2, 3, 4, 5, 7, -1, i32::MIN] {
         let params = ffi::pkv_attn_params {
             num_heads: 2,
             scale: 0.1,
@@ -1367,15 +1324,13 @@ fn unknown_launch_flags_are_refused() {
             ffi::PKV_ERR_INVALID_ARG as i32,
             "prefill, flags {flags:#x}"
         );
-        if flags & !(prefetch | 1) != 0 {
-            // SAFETY: likewise for the decode launcher.
-            let got = unsafe { refused_attention(fake.ptr(), &g, &plan, &params) };
-            assert_eq!(
-                got,
-                [ffi::PKV_ERR_INVALID_ARG as i32; 2],
-                "launch flags {flags:#x}"
-            );
-        }
+        // SAFETY: likewise for the decode launcher.
+        let got = unsafe { refused_attention(fake.ptr(), &g, &plan, &params) };
+        assert_eq!(
+            got,
+            [ffi::PKV_ERR_INVALID_ARG as i32; 2],
+            "launch flags {flags:#x}"
+        );
     }
 }
 

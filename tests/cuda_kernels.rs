@@ -83,17 +83,6 @@ fn check_decode<T: Elem>(
             T::DTYPE
         );
         assert_close(&what, &got, &want, d);
-        // The decode L2 prefetch (the tensor-core body's) changes no bit of the output.
-        if T::DTYPE != KvDtype::F32 && group > 1 {
-            dparams.decode_l2_prefetch = true;
-            let pf = decode(&dparams);
-            dparams.decode_l2_prefetch = false;
-            let same = got
-                .iter()
-                .zip(&pf)
-                .all(|(x, y)| x.to_f32().to_bits() == y.to_f32().to_bits());
-            assert!(same, "{what}: the L2 prefetch changed the output");
-        }
     }
 }
 

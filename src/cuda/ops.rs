@@ -140,8 +140,6 @@ pub struct DeviceAttnParams {
     pub prefill_tiling: PrefillTiling,
     /// Programmatic dependent launches ([`AttnParamsRaw::programmatic_launch`]).
     pub programmatic_launch: bool,
-    /// Decode L2 prefetch ([`AttnParamsRaw::decode_l2_prefetch`]).
-    pub decode_l2_prefetch: bool,
 }
 
 impl DeviceAttnParams {
@@ -212,7 +210,6 @@ impl DeviceAttnParams {
             mode: DecodeMode::Auto,
             prefill_tiling: PrefillTiling::Auto,
             programmatic_launch: false,
-            decode_l2_prefetch: false,
         })
     }
 
@@ -514,7 +511,6 @@ impl DeviceAttnParams {
             alibi_slopes,
             prefill_tiling: self.prefill_tiling,
             programmatic_launch: self.programmatic_launch,
-            decode_l2_prefetch: self.decode_l2_prefetch,
         };
         (raw, guard)
     }

@@ -170,10 +170,6 @@ pub(crate) fn attn_params(
             ffi::PKV_LAUNCH_PROGRAMMATIC as i32
         } else {
             0
-        } | if p.decode_l2_prefetch {
-            ffi::PKV_LAUNCH_DECODE_L2_PREFETCH as i32
-        } else {
-            0
         },
     })
 }

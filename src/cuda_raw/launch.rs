@@ -192,9 +192,7 @@ pub unsafe fn paged_attention_prefill(
     stream: CuStream,
 ) -> Result<(), RawError> {
     let (geom, layer_i) = cache_and_layer(cache, layer)?;
-    let mut p = attn_params(&cache.config, params)?;
-    // A decode-only flag (the C launcher refuses it): one parameter set serves both kinds.
-    p.launch_flags &= !(ffi::PKV_LAUNCH_DECODE_L2_PREFETCH as i32);
+    let p = attn_params(&cache.config, params)?;
     let row = params.num_heads * cache.config.head_dim();
     let es = cache.config.dtype().size_bytes();
     let qs = rows("query", query, row, es, VIEW_ALIGN)?;

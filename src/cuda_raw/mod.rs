@@ -161,12 +161,6 @@ pub struct AttnParamsRaw {
     /// of the kernel before it on the stream (e.g. the layer's cache write), and every block
     /// waits for that kernel's completion before reading anything, so results are unchanged.
     pub programmatic_launch: bool,
-    /// Decode launches: each warp also prefetches into L2 the K and V of the tile after the one
-    /// it loads next (`PKV_LAUNCH_DECODE_L2_PREFETCH`; f16 / bf16 GQA up to head dim 128,
-    /// where the tensor-core body runs; elsewhere it changes nothing; prefill launches ignore
-    /// it). Results are unchanged. Off by default: an experiment until a GPU run shows it pays
-    /// (BENCHMARKS.md).
-    pub decode_l2_prefetch: bool,
 }
 
 impl AttnParamsRaw {
@@ -181,7 +175,6 @@ impl AttnParamsRaw {
             alibi_slopes: 0,
             prefill_tiling: PrefillTiling::Auto,
             programmatic_launch: false,
-            decode_l2_prefetch: false,
         }
     }
 }

@@ -40,8 +40,6 @@ pub struct Bench<'g> {
     pub prefill_tiling: PrefillTiling,
     /// Every launch a programmatic dependent launch (`DeviceAttnParams::programmatic_launch`).
     pub programmatic: bool,
-    /// Decode launches with the L2 prefetch (`DeviceAttnParams::decode_l2_prefetch`).
-    pub decode_prefetch: bool,
     /// The device's L2 cache, bytes.
     pub l2_bytes: u64,
     /// Device bytes the copies of one point may take.
@@ -112,7 +110,6 @@ impl<'g> Bench<'g> {
             mode,
             prefill_tiling: PrefillTiling::Auto,
             programmatic: false,
-            decode_prefetch: false,
             l2_bytes,
             budget,
             min_launches,
@@ -221,7 +218,6 @@ impl<'g> Bench<'g> {
         let mut params = DeviceAttnParams::upload(self.gpu, &cfg, &attn)?;
         params.mode = self.mode;
         params.programmatic_launch = self.programmatic;
-        params.decode_l2_prefetch = self.decode_prefetch;
         let q_host = self.random_vec(p.batch * nh * d);
         let copies = self.copies(&cfg, &q_host, n)?;
         Ok(Ok(DecodeInputs {

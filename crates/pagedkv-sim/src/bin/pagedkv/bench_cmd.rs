@@ -98,10 +98,6 @@ pub struct GpuArgs {
     /// back to back, each launch's dispatch overlaps the previous one's tail.
     #[arg(long)]
     programmatic: bool,
-    /// Decode launches also prefetch into L2 the K and V of each warp's tile after next
-    /// (`PKV_LAUNCH_DECODE_L2_PREFETCH`; the GQA tensor-core body up to head dim 128).
-    #[arg(long)]
-    decode_prefetch: bool,
     /// Also time each decode point as an engine's per-layer step (reshape_and_cache of the
     /// newest tokens, then decode), with plain and with programmatic launches.
     #[arg(long)]
@@ -253,15 +249,11 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
         !a.no_check,
     )?;
     bench.programmatic = a.programmatic;
-    bench.decode_prefetch = a.decode_prefetch;
-    let launch = [
-        (a.programmatic, ", programmatic launches"),
-        (a.decode_prefetch, ", decode L2 prefetch"),
-    ]
-    .iter()
-    .filter(|(on, _)| *on)
-    .map(|(_, what)| *what)
-    .collect::<String>();
+    let launch = if a.programmatic {
+        ", programmatic launches"
+    } else {
+        ""
+    };
     let mut failed_checks = Vec::new();
     let mut note_check = |what: String, m: &Measured| match &m.check {
         Some(Ok(err)) => println!(

@@ -22,6 +22,7 @@ pub const HEADERS: &[&str] = &[
     "kernels/mma.cuh",
     "kernels/decode_v2.cuh",
     "kernels/decode_mma.cuh",
+    "kernels/decode_merge_weighted.cuh",
     "kernels/decode_resident.cuh",
     "kernels/prefill_mma.cuh",
     "kernels/wgmma.cuh",

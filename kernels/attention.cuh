@@ -41,8 +41,9 @@
 //     paged_attention.cu). The counters must be zero before a launch; every launch leaves them
 //     zero (the caller zeroes them once, when the workspace is new or last served another
 //     plan).
-//   * Split merge (decode_finish_split): after a barrier, thread 0 fences (publishing the
-//     block's partials) and adds one to the group's counter (blockIdx.x of sequence s); the
+//   * Split merge (decode_split_arrive, then decode_finish_split[_weighted]): after a
+//     barrier, thread 0 fences (publishing the block's partials) and adds one to the group's
+//     counter (blockIdx.x of sequence s); the
 //     block that brings it to num_splits is the last of the group: it fences, merges all
 //     num_splits partials of each of its rows in a fixed order (a result independent of which
 //     block finished last), skipping tmp_max == -inf (so it never reads an unwritten tmp_out)

@@ -39,6 +39,7 @@
 // the other warps (2 blocks per SM) cover the latency.
 #pragma once
 
+#include "decode_merge_weighted.cuh"
 #include "decode_v2.cuh"
 #include "mma.cuh"
 
@@ -336,8 +337,8 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_mma_kernel(const DecodeArg
     decode_store_empty<T, D>(a, b);
   // One call site: the merge is inlined once per instance, after the body's registers are
   // free (it adds nothing to the body's register count).
-  static_assert(P::SMEM_FLOATS >= split_merge_floats<P::GT, D>(), "the split merge's scratch");
-  if (a.num_splits > 1) decode_finish_split<T, D, P::GT>(a, b, smem);
+  static_assert(P::SMEM_FLOATS >= P::GT * (D + 1), "the merge's sums and a weight per head");
+  if (a.num_splits > 1) decode_finish_split_weighted<T, D, P::GT>(a, b, smem, P::SMEM_FLOATS);
 }
 
 }  // namespace pkv

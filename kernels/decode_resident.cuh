@@ -11,10 +11,10 @@ namespace pkv {
 // f16 / bf16 caches, by the query heads a block serves: 1 (the CUDA-core MHA body, held to its
 // entry by __launch_bounds__), 8 or 16 (the tensor-core GQA body); head dims 64 / 80 / 96 /
 // 112 / 128 / 256. Registers at sm_90 (nvcc 13.0.88): one head 80 / 72 / 72 / 72 / 72 / 80,
-// 8 heads 96 / 128 / 128 / 128 / 164 / 166, 16 heads 125 / 142 / 164 / 182 / 214.
+// 8 heads 90 / 100 / 124 / 127 / 159 / 166, 16 heads 138 / 146 / 180 / 188 / 207.
 __host__ __device__ constexpr int decode_resident(int gt, int head_dim) {
   if (gt == 1) return head_dim <= 64 || head_dim > 128 ? 6 : 7;
-  if (gt == 16) return head_dim <= 64 ? 4 : head_dim <= 96 ? 3 : 2;
+  if (gt == 16) return head_dim <= 80 ? 3 : 2;
   if (head_dim <= 64) return 5;
   if (head_dim <= 112) return 4;
   return 3;

@@ -11,7 +11,8 @@
 // the warps' states are merged through DEC_WARPS x GT x (D + 2) floats (log-sum-exp rescaling).
 // With one split the block writes the normalized output; with several it writes its unnormalized
 // accumulator, max and sum to the workspace, and the group's last block to finish merges the
-// splits (decode_finish_split, the contract in attention.cuh).
+// splits (decode_finish_split here, decode_finish_split_weighted for the tensor-core body; the
+// contract in attention.cuh).
 //
 // Partitions follow the decode contract (attention.cuh): derived on the device from each
 // sequence's own context and the plan's num_splits, in multiples of PKV_DECODE_PART_ALIGN
@@ -179,10 +180,11 @@ template <int GT, int D> constexpr int split_merge_floats() {
   return 6 * (DEC_THREADS > GT * D / 4 ? DEC_THREADS : GT * D / 4);
 }
 
-// With several splits, once this block's threads have written its partials to the workspace:
-// counts the block in, and if it is the last of its (sequence, head chunk) group,
-// merges the group's num_splits partials into the normalized output of its ng heads (the
-// contract's split merge, attention.cuh). Called by every thread of the block; `scratch` is
+// The CUDA-core bodies' split merge (f32 caches, f16 / bf16 MHA). With several splits, once
+// this block's threads have written its partials to the workspace: counts the block in, and if
+// it is the last of its (sequence, head chunk) group, merges the group's num_splits partials
+// into the normalized output of its ng heads (the contract's split merge, attention.cuh).
+// Called by every thread of the block; `scratch` is
 // split_merge_floats<GT, D>() (or more) floats of 16-byte aligned shared memory the block no
 // longer needs.
 //
@@ -196,38 +198,51 @@ template <int GT, int D> constexpr int split_merge_floats() {
 //    threads (R = threads / pieces, at most the splits), thread r taking splits r, r + R, ...
 //    in split order, ZU splits' loads issued together per step and added together
 //    (split_add_n: their exponents independent of each other); the R running sums are
-//    combined in r order at the end;
-//  * the arrival counter is reset after the merge, not between the arrival and its fence.
+//    combined in r order at the end.
+// H100, bf16 d128, MHA 32:32 at 1 x 512: 10.6 -> 9.5 us against the weights-first merge
+// (BENCHMARKS.md, session 14); where one thread sums each piece (the tensor-core GQA body)
+// that merge measured faster, and that body keeps it (decode_merge_weighted.cuh).
 // Every output is summed in the same order whichever block merges, so the result does not
 // depend on the order in which blocks finish.
 //
 // Each kernel calls it from one place, after its body (decode_*_attend) or an empty split's
 // store, so the inlined merge runs when the body's registers are free.
-template <typename T, int D, int GT>
-__device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b,
-                                                    float *scratch) {
+// The arrival of a block of a split launch, once its threads have written its partials: counts
+// it in; true in every thread of the group's last block, which then merges and finally calls
+// decode_split_reset. The arrival publishes the block's partials (the pattern of a grid-wide
+// barrier): the barrier orders every thread's writes before thread 0's fence, whose
+// cumulativity orders them before the atomic on the device; the last block's thread 0 fences
+// after its atomic and the second barrier hands that order to the threads that read.
+__device__ __forceinline__ bool decode_split_arrive(const DecodeArgs &a, const DecodeBlock &b) {
   __shared__ int s_last;
-  unsigned *const counter = a.counters + (int64_t)b.seq * gridDim.x + blockIdx.x;
-  // The arrival publishes the block's partials (the pattern of a grid-wide barrier): the
-  // barrier orders every thread's writes before thread 0's fence, whose cumulativity orders
-  // them before the atomic on the device; the last block's thread 0 fences after its atomic
-  // and the second barrier hands that order to the threads that read.
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    const unsigned before = atomicAdd(counter, 1u);
+    const unsigned before = atomicAdd(a.counters + (int64_t)b.seq * gridDim.x + blockIdx.x, 1u);
     s_last = before + 1 == (unsigned)a.num_splits;
     if (s_last) __threadfence();
   }
   __syncthreads();
-  if (!s_last) return;
+  return s_last != 0;
+}
+// After the merge: every block of the group has arrived, nothing adds to the counter again in
+// this launch, and the next launch (stream-ordered after this one) finds it zero. (Reset here,
+// not between the arrival's atomic and its fence, where the fence waited for its round trip.)
+__device__ __forceinline__ void decode_split_reset(const DecodeArgs &a, const DecodeBlock &b) {
+  if (threadIdx.x == 0) atomicExch(a.counters + (int64_t)b.seq * gridDim.x + blockIdx.x, 0u);
+}
+
+template <typename T, int D, int GT>
+__device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const DecodeBlock &b,
+                                                    float *scratch) {
+  if (!decode_split_arrive(a, b)) return;
 
   const int S = a.num_splits;
-  // ZU: splits per step, within the registers the bodies already hold (ptxas, sm_90: 16 at
-  // d128 left the GQA body's count as it was; elsewhere as many raised the f32 bodies' or
-  // d64 - d112's).
+  // ZU: splits per step, within the registers the bodies already hold (ptxas, sm_90: 8 raised
+  // the f32 bodies' counts). The f16 / bf16 GQA body merges with decode_finish_split_weighted
+  // (decode_merge_weighted.cuh).
   constexpr int PIECES = D / 4;
-  constexpr int ZU = sizeof(T) == 4 ? (GT == 1 ? 2 : 4) : GT == 1 ? 4 : D == 128 ? 16 : 8;
+  constexpr int ZU = sizeof(T) == 4 && GT == 1 ? 2 : 4;
   const int pieces = b.ng * PIECES;
   const int R = max(1, min(DEC_THREADS / pieces, S));
   const int slots = R * pieces;  // slot s: piece s % pieces, splits s / pieces + k R
@@ -275,9 +290,7 @@ __device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const D
 #pragma unroll
     for (int e = 0; e < 4; ++e) out[g * D + d + e] = Elem<T>::from_f32(l > 0.f ? o[e] / l : 0.f);
   }
-  // Every block of the group has arrived: nothing adds to the counter again in this launch,
-  // and the next launch (stream-ordered after this one) finds it zero.
-  if (threadIdx.x == 0) atomicExch(counter, 0u);
+  decode_split_reset(a, b);
 }
 
 __device__ __forceinline__ bool decode_block_ok(const DecodeArgs &a, int blk) {

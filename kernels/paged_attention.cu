@@ -161,18 +161,7 @@ int decode_plan(int32_t mode, int32_t dtype, int32_t num_seqs, int32_t num_heads
       // 47.2 -> 42.5 (24), 4 x 8192 46.1 -> 42.6 (12), 8 x 4096 43.9 -> 42.9 (6); but 1 x 4096
       // at 49 splits (84 tokens) 16.2 against 14.8 at 33 (BENCHMARKS.md). MHA's body got slower
       // with more splits at batch 1 (1 x 32768: 134 us at 16, 176 at 33): not for it.
-      // A batch so small that even one block per SM takes PKV_DECODE_SMALL_BATCH_SPLITS or
-      // more splits, with partitions shorter than PKV_DECODE_SHORT_PART at 2 blocks per SM,
-      // runs one block per SM instead (f16 / bf16 tensor-core bodies): a block of a few tiles
-      // per warp waits out its latency chain whatever its length, and a second one per SM
-      // only adds splits to merge. H100, bf16 d128, 32:8, graph us (BENCHMARKS.md, session
-      // 14): 1 x 4096 18.2 at 33 splits, 15.5 at 16; 1 x 8192 23.8 / 22.3; 2 x 4096 22.2 at
-      // 17, 22.0 at 8; from 1 x 16384 (496 tokens at 33) the rules below stay.
-      const int64_t one_per_sm = sm_count / ctas;
-      if (group > 1 && !f32 && one_per_sm >= PKV_DECODE_SMALL_BATCH_SPLITS &&
-          cap / want < PKV_DECODE_SHORT_PART) {
-        want = one_per_sm < by_len ? one_per_sm : by_len;
-      } else if (group > 1 && ctas < slots) {
+      if (group > 1 && ctas < slots) {
         const int64_t fill = slots / ctas;
         if (fill > want && fill <= by_len && cap / fill >= PKV_DECODE_FILL_PART) want = fill;
       }

@@ -90,8 +90,8 @@ extern "C" {
 /** Choose the number of splits from the batch capacity and the SM count (the default): one
  *  split when num_seqs_capacity * num_kv_heads * head_chunks thread blocks already give every
  *  SM PKV_DECODE_CTAS_PER_SM of them (PKV_DECODE_CTAS_PER_SM_MHA for MHA), else enough splits
- *  to reach that many (partitions no shorter than PKV_DECODE_MIN_PART tokens, _MHA for MHA),
- *  or one block per SM for the smallest batches (PKV_DECODE_SMALL_BATCH_SPLITS); for groups of
+ *  to reach that many (partitions no shorter than PKV_DECODE_MIN_PART tokens, _MHA for MHA);
+ *  for groups of
  *  2 and more, as many splits as fill every SM's resident thread blocks in one wave where the
  *  partitions stay at least PKV_DECODE_FILL_PART tokens; then, when that is more than one
  *  wave of resident thread blocks, up to 3 more splits where they leave a fuller last wave.
@@ -119,11 +119,6 @@ extern "C" {
 /** PKV_DECODE_AUTO fills every resident block slot (groups of 2 and more) only while the
  *  partitions at capacity are at least this many tokens. */
 #define PKV_DECODE_FILL_PART 256
-/** PKV_DECODE_AUTO runs one thread block per SM (f16 / bf16 groups of 2 and more) where that
- *  alone takes at least PKV_DECODE_SMALL_BATCH_SPLITS splits and PKV_DECODE_CTAS_PER_SM per SM
- *  would make partitions shorter than PKV_DECODE_SHORT_PART tokens at capacity. */
-#define PKV_DECODE_SMALL_BATCH_SPLITS 8
-#define PKV_DECODE_SHORT_PART 384
 /** PKV_DECODE_AUTO's target: thread blocks per SM over all splits (groups of 2 and more). */
 #define PKV_DECODE_CTAS_PER_SM 2
 /** The same for one query head per KV head (MHA), whose blocks are lighter. */

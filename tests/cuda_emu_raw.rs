@@ -551,14 +551,9 @@ fn decode_plan_policy() {
     assert_eq!(auto(64, 32, 32, 4096, 132).num_splits(), 2);
     // 128 seqs: 4096 blocks, 4.4 waves; no split count up to 4 saves 10%.
     assert_eq!(auto(128, 32, 32, 4096, 132).num_splits(), 1);
-    // Batch 1, 8 KV heads: 264 / 8 = 33 splits would be partitions of 128 tokens at 4096,
-    // 256 at 8192 (under PKV_DECODE_SHORT_PART): one block per SM, 132 / 8 = 16, instead.
-    assert_eq!(auto(1, 32, 8, 4096, 132).num_splits(), 16);
-    assert_eq!(auto(1, 32, 8, 8192, 132).num_splits(), 16);
-    // 2 x 4096: 17 splits of 241 tokens -> 132 / 16 = 8; 4 x 4096 (one per SM is 4 splits,
-    // under PKV_DECODE_SMALL_BATCH_SPLITS) keeps the rules below.
-    assert_eq!(auto(2, 32, 8, 4096, 132).num_splits(), 8);
-    // ... and no partition below 32 tokens: 512 / 32 = 16.
+    // Batch 1, 8 KV heads: 264 / 8 = 33 splits (partitions of 128 tokens at 4096).
+    assert_eq!(auto(1, 32, 8, 4096, 132).num_splits(), 33);
+    // ... but no partition below 32 tokens: 512 / 32 = 16.
     assert_eq!(auto(1, 32, 8, 512, 132).num_splits(), 16);
     // Long partitions fill all 396 resident slots in one wave: floor(396 / ctas) splits while
     // they keep 256 tokens (at 4096, 49 splits would be 84: the 33 above stay).
@@ -581,9 +576,8 @@ fn decode_plan_policy() {
     assert_eq!(auto(1, 32, 32, 512, 132).num_splits(), 8);
     // MHA keeps its 4 per SM: 1 x 32768 is 32 blocks, 17 splits (not 924 / 32 = 28).
     assert_eq!(auto(1, 32, 32, 32768, 132).num_splits(), 17);
-    // 32:2 (group 16): one 16-head tensor-core block per KV head; 264 / 2 = 132 splits would
-    // be partitions of 63 tokens: one block per SM, 66.
-    assert_eq!(auto(1, 32, 2, 8192, 132).num_splits(), 66);
+    // 32:2 (group 16): one 16-head tensor-core block per KV head, 264 / 2 = 132 splits.
+    assert_eq!(auto(1, 32, 2, 8192, 132).num_splits(), 132);
     // f32 caches run CUDA-core bodies (d128): groups up to 4 the 4-head one, 4 blocks per SM
     // (127 registers), so 32:8 at 1 x 32768 fills 528 slots with 66 splits (bf16: 49); the
     // 8-head one fits 3 (166 registers): 64:8 fills 396 with 49, and 32:2 (two 8-head blocks
@@ -670,7 +664,7 @@ fn decode_plan_policy() {
         plan(DecodeMode::Auto, 1, 32, 8, 128, 4096, 0)
             .expect("device plan")
             .num_splits(),
-        16
+        33
     );
 }
 

@@ -18,9 +18,7 @@ use crate::kv::KvDtype;
 pub enum DecodeMode {
     /// One split when the batch capacity alone gives every SM `PKV_DECODE_CTAS_PER_SM` thread
     /// blocks, else enough splits to do so (partitions of at least `PKV_DECODE_MIN_PART`
-    /// tokens at capacity, `PKV_DECODE_MIN_PART_MHA` for MHA), or one block per SM for the
-    /// smallest f16 / bf16 GQA batches whose partitions would be short
-    /// (`PKV_DECODE_SMALL_BATCH_SPLITS`, `PKV_DECODE_SHORT_PART`); GQA fills every resident block
+    /// tokens at capacity, `PKV_DECODE_MIN_PART_MHA` for MHA); GQA fills every resident block
     /// slot in one wave where partitions keep `PKV_DECODE_FILL_PART` tokens; then up to 3 more
     /// splits when that leaves a fuller last wave (the default; kernels/pagedkv.h).
     #[default]

@@ -126,6 +126,32 @@ fn parse_allocates_in_proportion_to_the_header_not_to_claims() {
     }
 }
 
+#[test]
+fn a_count_bounded_only_by_the_data_section_reserves_nothing_for_it() {
+    // A header claiming as many metadata entries as the whole file could hold (13 bytes each),
+    // the rest zeros, as a large model's data section would be: the second entry repeats the
+    // first's empty key. Reserving for every claimed entry up front took ~48 bytes per entry
+    // plus the index (4-6x the file: an 8 GiB model aborted the process); the parser must stop
+    // with a typed error having allocated for the entries it read, not the ones claimed.
+    let len = 64 << 20;
+    let mut bytes = header(0, (len as u64 - 24) / 13);
+    bytes.resize(len, 0);
+    let (peak, ok, _) = peak_of_parse(&bytes);
+    assert!(!ok, "the repeated empty key is refused");
+    assert!(
+        peak <= 1 << 20,
+        "peak {peak} bytes for a failed 2-entry parse"
+    );
+    let mut tensors = header((len as u64 - 24) / 25, 0);
+    tensors.resize(len, 0);
+    let (peak, ok, _) = peak_of_parse(&tensors);
+    assert!(!ok, "empty tensor names repeat");
+    assert!(
+        peak <= 1 << 20,
+        "peak {peak} bytes for a failed 2-tensor parse"
+    );
+}
+
 /// A writer sink that counts bytes and keeps none.
 struct CountingSink(u64);
 impl std::io::Write for CountingSink {

@@ -15,6 +15,9 @@ pub const MAX_DIMS: usize = 4;
 pub const MAX_ARRAY_DEPTH: u32 = 8;
 /// The metadata key that sets the alignment.
 pub const ALIGNMENT_KEY: &str = "general.alignment";
+/// Metadata and tensor entries reserved for before any is parsed; past it the tables grow with
+/// the entries actually read, so the parser's memory follows the header's bytes, not its counts.
+const PREALLOC_ENTRIES: usize = 4096;
 
 type Result<T> = std::result::Result<T, GgufError>;
 
@@ -583,8 +586,11 @@ impl<'a> Gguf<'a> {
         let n_kv = n_kv as usize;
         let n_tensors = n_tensors as usize;
 
-        let mut metadata = Vec::with_capacity(n_kv);
-        let mut key_index = HashMap::with_capacity(n_kv);
+        // Reserve for at most PREALLOC_ENTRIES up front and grow with what is parsed: a count
+        // bounded only by the file's length (tensor data included) may be millions of
+        // entries in a multi-GB file, and reserving them all aborted the process.
+        let mut metadata = Vec::with_capacity(n_kv.min(PREALLOC_ENTRIES));
+        let mut key_index = HashMap::with_capacity(n_kv.min(PREALLOC_ENTRIES));
         for i in 0..n_kv {
             let key = c.string("metadata key")?;
             let ty = c.value_type()?;
@@ -615,8 +621,8 @@ impl<'a> Gguf<'a> {
             n_elements: u64,
             n_bytes: u64,
         }
-        let mut pending = Vec::with_capacity(n_tensors);
-        let mut tensor_index = HashMap::with_capacity(n_tensors);
+        let mut pending = Vec::with_capacity(n_tensors.min(PREALLOC_ENTRIES));
+        let mut tensor_index = HashMap::with_capacity(n_tensors.min(PREALLOC_ENTRIES));
         for i in 0..n_tensors {
             let name = c.string("tensor name")?;
             let n_dims = c.u32("tensor n_dims")?;

@@ -243,7 +243,8 @@ impl GgmlType {
             Q5_0 => 2 + 4 + 16,
             Q5_1 => 2 + 2 + 4 + 16,
             Q8_0 => 2 + 32,
-            Q8_1 => 4 + 4 + 32,
+            // ggml's block_q8_1: two f16 (d, s) and 32 i8; gguf-py's table still says 40 (f32 d, s).
+            Q8_1 => 2 + 2 + 32,
             Q2_K => 2 + 2 + k / 16 + k / 4,
             Q3_K => 2 + k / 4 + k / 8 + 12,
             Q4_K => 2 + 2 + k / 2 + 12,

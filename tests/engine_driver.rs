@@ -801,3 +801,54 @@ fn a_fresh_engine_schedules_its_first_request_on_its_first_step() {
     engine.commit(model).unwrap();
     assert_eq!(engine.results().updates.len(), 1);
 }
+
+/// An engine's cached pages leave with it: the next engine registered gets its id back, and a
+/// different model (same tokens per page, another layout) must not find the first one's pages
+/// under the same prompt (the cache's keys hold the engine id).
+#[test]
+fn a_dropped_engines_cached_pages_do_not_serve_the_next_engine_on_its_id() {
+    let shapes = shapes();
+    let page_bytes = page_bytes_for(&shapes.map(|(s, _)| s), 16).unwrap();
+    let mut shared = SharedArena::host(BudgetConfig::new(2, 128, 64), page_bytes).unwrap();
+    Arc::get_mut(&mut shared)
+        .unwrap()
+        .enable_prefix_cache(Some(1));
+    let (shape, heads) = shapes[0];
+    let mut a = vec![(
+        Engine::host(
+            &shared,
+            engine_config(PreemptionMode::Recompute),
+            &shape,
+            heads,
+        )
+        .unwrap(),
+        ClosedForm::new(heads, shape.num_kv_heads, shape.head_dim),
+    )];
+    let id_a = a[0].0.id();
+    add(&mut a[0], request(3, 40, 4));
+    run_to_idle(&mut a);
+    let cache = shared.prefix_cache().unwrap().clone();
+    assert!(cache.cached(id_a) > 0, "A cached its prompt's full pages");
+    let tokens_per_page = a[0].0.tokens_per_page();
+    drop(a);
+    assert_eq!(cache.cached(id_a), 0, "A's pages left the cache with A");
+    let other = ModelKvShape {
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 32,
+        dtype: KvDtype::F32,
+    };
+    let mut b = vec![(
+        Engine::host(&shared, engine_config(PreemptionMode::Recompute), &other, 1).unwrap(),
+        ClosedForm::new(1, 1, 32),
+    )];
+    assert_eq!(b[0].0.id(), id_a, "the id is registered again");
+    assert_eq!(b[0].0.tokens_per_page(), tokens_per_page);
+    add(&mut b[0], request(6, 40, 4)); // seq 3's prompt
+    run_to_idle(&mut b);
+    assert_eq!(
+        b[0].0.batcher().stats().prefix_hit_tokens,
+        0,
+        "B hit A's pages"
+    );
+}

@@ -3,13 +3,13 @@
 use std::ops::ControlFlow;
 
 use crate::block::{BlockId, BlockPool, EngineId};
-use crate::sync::{Arc, CachePadded, Ordering};
+use crate::sync::{fence, Arc, CachePadded, Ordering};
 
 use super::error::PrefixError;
 use super::hash::{BlockHash, BlockHasher, PrefixKey};
 use super::index::SlotTable;
 use super::metrics::{bump, CacheEvent, EngineCounters, EventSink, PrefixMetrics};
-use super::record::{generation, PageRecord, Snapshot, BUSY, CACHED};
+use super::record::{generation, Busy, PageRecord, Snapshot, CACHED};
 
 /// How a cache is built.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -237,6 +237,10 @@ impl PrefixCache {
                     if self.pool.share(id).is_err() {
                         return ControlFlow::Continue(());
                     }
+                    // Between our reference and the re-read, as evict_one has between taking
+                    // the record and reading the count: of the two threads, at least one sees
+                    // the other (the lookup the BUSY record, or the eviction our reference).
+                    fence(Ordering::SeqCst);
                     if self.validate && rec.state() != s.state {
                         // Our own reference: the release cannot be refused. If it was the last
                         // one (an eviction dropped the cache's meanwhile), the page is freed
@@ -282,7 +286,9 @@ impl PrefixCache {
             Ok(busy) => busy,
             Err(state) => {
                 self.give_back(id);
-                if super::record::phase(state) == BUSY {
+                // VACANT again: another insert of this page came and went between our load and
+                // our CAS. Either way someone else is at it right now.
+                if super::record::phase(state) != CACHED {
                     return Ok(Inserted::Busy);
                 }
                 debug_assert_eq!(super::record::phase(state), CACHED);
@@ -328,8 +334,9 @@ impl PrefixCache {
     }
 
     /// Removes `id`'s page from the cache if it is cached at `id`'s generation, dropping the
-    /// cache's reference. Returns whether this call removed it (`false`: not cached, or being
-    /// removed by another thread right now).
+    /// cache's reference. Returns whether this call removed it (`false`: not cached, or another
+    /// thread holds its record right now: removing it, or an eviction that will put it back
+    /// because someone else holds the page too).
     ///
     /// Call it before rewriting a page that may be cached; once it returns (either way) no
     /// lookup can hand the page out under its old hash, and if
@@ -355,8 +362,15 @@ impl PrefixCache {
     /// Removes `page` from the cache if its record still is exactly `s`. Returns whether the
     /// page went back to the free list, or `None` if the record changed first.
     pub(super) fn uncache(&self, page: usize, s: Snapshot) -> Option<bool> {
+        let busy = self.records[page].begin_from(s.state).ok()?;
+        Some(self.remove_owned(page, s, busy))
+    }
+
+    /// Finishes removing `page`, whose record this caller took from `s` to `busy`: the slot,
+    /// the record back to VACANT, the cache's reference. Returns whether the page went back to
+    /// the free list.
+    pub(super) fn remove_owned(&self, page: usize, s: Snapshot, busy: Busy) -> bool {
         let rec = &self.records[page];
-        let busy = rec.begin_from(s.state).ok()?;
         let found = self.slots.remove(s.hash, page as u32);
         debug_assert!(found, "a CACHED page had no slot");
         rec.end(busy);
@@ -368,7 +382,7 @@ impl PrefixCache {
             hash: s.hash,
             page: id,
         });
-        Some(freed)
+        freed
     }
 
     fn emit(&self, event: CacheEvent) {
@@ -410,9 +424,20 @@ impl PrefixCache {
     /// Removes every cached page, in use or not (their holders keep their own references).
     /// Returns how many were removed.
     pub fn clear(&self) -> u32 {
+        self.clear_where(|_| true)
+    }
+
+    /// Removes every page cached for `engine`, in use or not (their holders keep their own
+    /// references). For an engine that leaves: its id may go to the next engine registered,
+    /// another model whose lookups must not find these pages. Returns how many were removed.
+    pub fn clear_engine(&self, engine: EngineId) -> u32 {
+        self.clear_where(|e| e == engine)
+    }
+
+    fn clear_where(&self, of: impl Fn(EngineId) -> bool) -> u32 {
         let mut n = 0;
         for page in 0..self.records.len() {
-            if let Some(s) = self.records[page].read() {
+            if let Some(s) = self.records[page].read().filter(|s| of(s.engine)) {
                 if self.uncache(page, s).is_some() {
                     bump(&self.counters[s.engine.index()].evictions, 1);
                     n += 1;

@@ -139,6 +139,40 @@ fn lookup_racing_evict_and_reallocate() {
     });
 }
 
+/// A lookup racing the eviction of the cached-free page it asks for: a hit keeps the cache's
+/// reference (the page stays cached, shared by the hit and the cache: what the batcher's budget
+/// charge reads), so a hit and an eviction of the page never both happen. Without the
+/// eviction's second count after taking the record, loom finds the interleaving where the
+/// eviction checks the count, the lookup shares and validates, and the eviction then drops the
+/// cache's reference from under the hit.
+#[test]
+fn lookup_racing_eviction_of_its_page() {
+    loom::model(|| {
+        let w = world(1, true);
+        let id = cached_old(&w);
+        w.pool.release(id).unwrap(); // cached-free
+        let lookup = {
+            let cache = w.cache.clone();
+            let pool = w.pool.clone();
+            thread::spawn(move || {
+                let mut got = Vec::new();
+                cache.lookup(&KEY, &OLD, &mut got).unwrap();
+                got.first().map(|&hit| (hit, pool.ref_count(hit).unwrap()))
+            })
+        };
+        let evicted = w.cache.evict(EngineId(0), 1).unwrap();
+        let hit = lookup.join().unwrap();
+        if let Some((hit, refs)) = hit {
+            assert_eq!(evicted, 0, "the page was evicted from under a hit");
+            assert_eq!(refs, 2, "the hit's and the cache's");
+            assert!(w.cache.is_cached(hit));
+            w.pool.release(hit).unwrap();
+        }
+        w.cache.clear();
+        assert_eq!(w.pool.free_count(), 1);
+    });
+}
+
 /// A lookup racing the insert of its block: a miss or a hit on the inserted page, and every
 /// reference accounted for.
 #[test]

@@ -860,5 +860,10 @@ impl Drop for Batcher {
                 self.release_table(slot);
             }
         }
+        // This engine's cached pages leave with it: its id may be registered again for
+        // another model, whose lookups would otherwise find them (keys hold the engine id).
+        if let Some(link) = &self.prefix {
+            link.cache.clear_engine(self.cfg.engine);
+        }
     }
 }

@@ -134,22 +134,20 @@ fn a_count_bounded_only_by_the_data_section_reserves_nothing_for_it() {
     // plus the index (4-6x the file: an 8 GiB model aborted the process); the parser must stop
     // with a typed error having allocated for the entries it read, not the ones claimed.
     let len = 64 << 20;
-    let mut bytes = header(0, (len as u64 - 24) / 13);
-    bytes.resize(len, 0);
-    let (peak, ok, _) = peak_of_parse(&bytes);
-    assert!(!ok, "the repeated empty key is refused");
-    assert!(
-        peak <= 1 << 20,
-        "peak {peak} bytes for a failed 2-entry parse"
-    );
-    let mut tensors = header((len as u64 - 24) / 25, 0);
-    tensors.resize(len, 0);
-    let (peak, ok, _) = peak_of_parse(&tensors);
-    assert!(!ok, "empty tensor names repeat");
-    assert!(
-        peak <= 1 << 20,
-        "peak {peak} bytes for a failed 2-tensor parse"
-    );
+    // (n_tensors, n_kv, what): metadata entries of 13 bytes at least, tensor entries of 25.
+    for (n_tensors, n_kv, what) in [
+        (0, (len as u64 - 24) / 13, "entry"),
+        ((len as u64 - 24) / 25, 0, "tensor"),
+    ] {
+        let mut bytes = header(n_tensors, n_kv);
+        bytes.resize(len, 0);
+        let (peak, ok, _) = peak_of_parse(&bytes);
+        assert!(!ok, "the repeated empty {what} name is refused");
+        assert!(
+            peak <= 1 << 20,
+            "peak {peak} bytes for a failed 2-{what} parse"
+        );
+    }
 }
 
 /// A writer sink that counts bytes and keeps none.

@@ -480,3 +480,35 @@ fn events_are_bounded_and_never_block() {
     drop(rx);
     assert_eq!(pool.free_count(), 8);
 }
+
+/// `clear` removes the pages no one else holds and leaves pages in use cached (their engines'
+/// budgets count the cache's reference), so a later clear takes them once released.
+#[test]
+fn clear_leaves_pages_in_use_cached() {
+    let (pool, cache) = setup(8, 1);
+    let ids = prefill(&cache, &key(0), &toks(0..12));
+    release(&pool, &ids[..1]); // the first page cached-free, the others in use
+    assert_eq!(cache.clear(), 1);
+    assert!(!cache.is_cached(ids[0]));
+    assert!(ids[1..].iter().all(|&id| cache.is_cached(id)));
+    assert_eq!(cache.metrics(EngineId(0)).evictions, 1);
+    release(&pool, &ids[1..]);
+    assert_eq!(cache.clear(), 2);
+    assert_eq!(cache.cached_total(), 0);
+    assert_eq!(pool.free_count(), 8);
+}
+
+/// A hit counts as revived the pages only the cache held when it took them.
+#[test]
+fn lookup_counts_revived_pages() {
+    let (pool, cache) = setup(8, 1);
+    let ids = prefill(&cache, &key(0), &toks(0..12));
+    release(&pool, &ids[..2]); // two cached-free, the third still held
+    let mut got = Vec::new();
+    let hit = cache.lookup(&key(0), &toks(0..12), &mut got).unwrap();
+    assert_eq!((hit.blocks, hit.revived), (3, 2));
+    release(&pool, &got);
+    release(&pool, &ids[2..]);
+    assert_eq!(cache.clear(), 3);
+    assert_eq!(pool.free_count(), 8);
+}

@@ -186,8 +186,11 @@ fn run(ops: Vec<Op>) {
                 m.uncache(id);
             }
             Op::Clear => {
-                assert_eq!(cache.clear() as usize, m.cached.len());
-                m.cached.clear();
+                // Only cached-free pages leave; pages in use stay cached.
+                let want = m.cached_free(None);
+                assert_eq!(cache.clear(), want);
+                assert_eq!(sync_evicted(&cache, &mut m).len() as u32, want);
+                assert_eq!(cache.reclaimable(None), 0);
             }
             _ => {}
         }

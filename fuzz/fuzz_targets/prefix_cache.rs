@@ -139,8 +139,15 @@ fuzz_target!(|input: Input| {
                 refs.extend(out);
             }
             Op::Clear => {
-                cache.clear();
-                assert_eq!(cache.cached_total(), 0);
+                // Cached-free pages leave; the harness's pages stay cached.
+                let free = cache.reclaimable(None);
+                assert_eq!(cache.clear(), free);
+                assert_eq!(cache.reclaimable(None), 0);
+                // What stays cached is what the harness holds.
+                let mut held: Vec<_> = refs.iter().filter(|id| cache.is_cached(**id)).collect();
+                held.sort_unstable();
+                held.dedup();
+                assert_eq!(cache.cached_total() as usize, held.len());
             }
             _ => {}
         }

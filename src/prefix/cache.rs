@@ -29,6 +29,10 @@ pub struct PrefixHit {
     /// The hash of the last matched block, or the root when none matched: the parent of the
     /// caller's next full block (see [`BlockHasher::block`]).
     pub parent: BlockHash,
+    /// Of those blocks, the pages no one but the cache referenced when this lookup took its
+    /// reference (cached-free pages coming back into use). Counted at the reference itself,
+    /// which a count read afterwards is not: other holders may have come or gone since.
+    pub revived: usize,
 }
 
 /// What an insert did. Only `Inserted` takes a reference; the others leave the pool as it was.
@@ -173,15 +177,16 @@ impl PrefixCache {
         bump(&counters.lookups, 1);
         bump(&counters.lookup_tokens, tokens.len() as u64);
         let mut parent = self.hasher.root(key);
-        let mut blocks = 0;
+        let (mut blocks, mut revived) = (0, 0);
         for block in tokens.chunks_exact(key.block_tokens as usize) {
             let hash = self.hasher.block(parent, block);
-            let Some(id) = self.take(key.engine, hash) else {
+            let Some((id, prior)) = self.take(key.engine, hash) else {
                 break;
             };
             out.push(id);
             parent = hash;
             blocks += 1;
+            revived += usize::from(prior == 1);
         }
         let hit_tokens = blocks * key.block_tokens as usize;
         bump(&counters.hit_blocks, blocks as u64);
@@ -190,6 +195,7 @@ impl PrefixCache {
             blocks,
             tokens: hit_tokens,
             parent,
+            revived,
         })
     }
 
@@ -210,7 +216,9 @@ impl PrefixCache {
         })
     }
 
-    /// Takes a reference to the page holding `hash` for `engine`.
+    /// Takes a reference to the page holding `hash` for `engine`; returns it with the page's
+    /// reference count just before (the cache's own included: a validated hit took its
+    /// reference while the record, and so the cache's reference, stood).
     ///
     /// The three steps, and why each is needed:
     /// 1. a consistent snapshot of the page's record says it holds `hash` at generation `g`;
@@ -225,7 +233,7 @@ impl PrefixCache {
     /// before writing. Our `share` is an RMW on the same word: if it comes after that release,
     /// it synchronises with it and step 3 sees the new state; if before, the rewriter sees our
     /// reference and must copy instead of writing in place.
-    fn take(&self, engine: EngineId, hash: BlockHash) -> Option<BlockId> {
+    fn take(&self, engine: EngineId, hash: BlockHash) -> Option<(BlockId, u32)> {
         self.slots.probe(hash, |page| {
             let page = page as usize;
             let Some(rec) = self.records.get(page) else {
@@ -234,9 +242,9 @@ impl PrefixCache {
             match rec.read() {
                 Some(s) if s.hash == hash && s.engine == engine => {
                     let id = self.id_at(page, s.state);
-                    if self.pool.share(id).is_err() {
+                    let Ok(prior) = self.pool.share_counted(id) else {
                         return ControlFlow::Continue(());
-                    }
+                    };
                     // Between our reference and the re-read, as evict_one has between taking
                     // the record and reading the count: of the two threads, at least one sees
                     // the other (the lookup the BUSY record, or the eviction our reference).
@@ -255,7 +263,7 @@ impl PrefixCache {
                     if !rec.referenced.load(Ordering::Relaxed) {
                         rec.referenced.store(true, Ordering::Relaxed);
                     }
-                    ControlFlow::Break(id)
+                    ControlFlow::Break((id, prior))
                 }
                 _ => ControlFlow::Continue(()),
             }
@@ -421,15 +429,18 @@ impl PrefixCache {
                 .is_some_and(|s| generation(s.state) == id.generation())
     }
 
-    /// Removes every cached page, in use or not (their holders keep their own references).
-    /// Returns how many were removed.
+    /// Removes every cached page that no one else holds (cached-free). Returns how many were
+    /// removed. Pages in use by a sequence stay cached: dropping the cache's reference from
+    /// under a holder would change the counts its engine's budget is kept by (see
+    /// [`lookup`](Self::lookup) on charging hits); call again once they are released, or see
+    /// [`cached_total`](Self::cached_total) for what is left. Safe while engines run.
     pub fn clear(&self) -> u32 {
         self.clear_where(|_| true)
     }
 
-    /// Removes every page cached for `engine`, in use or not (their holders keep their own
-    /// references). For an engine that leaves: its id may go to the next engine registered,
-    /// another model whose lookups must not find these pages. Returns how many were removed.
+    /// [`clear`](Self::clear) for the pages cached for `engine`. For an engine that leaves,
+    /// after its sequences released their pages: its id may go to the next engine registered,
+    /// another model whose lookups must not find these pages.
     pub fn clear_engine(&self, engine: EngineId) -> u32 {
         self.clear_where(|e| e == engine)
     }
@@ -438,7 +449,7 @@ impl PrefixCache {
         let mut n = 0;
         for page in 0..self.records.len() {
             if let Some(s) = self.records[page].read().filter(|s| of(s.engine)) {
-                if self.uncache(page, s).is_some() {
+                if self.uncache_unheld(page, s) {
                     bump(&self.counters[s.engine.index()].evictions, 1);
                     n += 1;
                 }
@@ -446,11 +457,42 @@ impl PrefixCache {
         }
         n
     }
+
+    /// Removes `page` if its record still is exactly `s` and the cache holds the only
+    /// reference. Returns whether it did (the page goes back to the free list here, or with the
+    /// release of a lookup that shared it meanwhile and then failed its re-check).
+    ///
+    /// Takes the record, then checks the count again: a lookup may have shared the page since
+    /// the first check and validated against the record as it was; removing it then would drop
+    /// the cache's reference from under that hit. With SeqCst fences here and in `take`, this
+    /// count sees the lookup's reference or the lookup sees the BUSY record.
+    pub(super) fn uncache_unheld(&self, page: usize, s: Snapshot) -> bool {
+        let id = self.id_at(page, s.state);
+        if self.pool.ref_count(id) != Ok(1) {
+            return false;
+        }
+        let rec = &self.records[page];
+        let Ok(busy) = rec.begin_from(s.state) else {
+            return false;
+        };
+        fence(Ordering::SeqCst);
+        if self.pool.ref_count(id) != Ok(1) {
+            rec.publish(busy, generation(s.state), s.hash, s.engine); // as it was
+            return false;
+        }
+        self.remove_owned(page, s, busy);
+        true
+    }
 }
 
 impl Drop for PrefixCache {
-    /// Gives back the cache's reference to every cached page.
+    /// Gives back the cache's reference to every cached page, in use or not (their holders
+    /// keep their own references). No other thread can reach the cache now.
     fn drop(&mut self) {
-        self.clear();
+        for page in 0..self.records.len() {
+            if let Some(s) = self.records[page].read() {
+                self.uncache(page, s);
+            }
+        }
     }
 }

@@ -15,12 +15,11 @@
 
 use crate::block::{BlockId, EngineId};
 use crate::error::PoolError;
-use crate::sync::{fence, Ordering};
+use crate::sync::Ordering;
 
 use super::cache::PrefixCache;
 use super::error::PrefixError;
 use super::metrics::bump;
-use super::record::generation;
 
 /// One engine's figures for the victim choice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,20 +196,9 @@ impl PrefixCache {
                 rec.referenced.store(false, Ordering::Relaxed);
                 continue;
             }
-            // Take the record, then check the count again: a lookup may have shared the page
-            // since the check above and validated against the record as it was; removing it
-            // now would drop the cache's reference from under that hit (whose engine charged
-            // it as a page it shares with the cache). With SeqCst fences here and in `take`,
-            // this count sees the lookup's reference or the lookup sees the BUSY record.
-            let Ok(busy) = rec.begin_from(s.state) else {
-                continue;
-            };
-            fence(Ordering::SeqCst);
-            if self.pool().ref_count(self.id_at(page, s.state)) != Ok(1) {
-                rec.publish(busy, generation(s.state), s.hash, s.engine); // as it was
+            if !self.uncache_unheld(page, s) {
                 continue;
             }
-            self.remove_owned(page, s, busy);
             bump(&counters.evictions, 1);
             return true;
         }

@@ -173,6 +173,44 @@ fn lookup_racing_eviction_of_its_page() {
     });
 }
 
+/// A lookup racing `clear` on a cached-free page: clear removes only pages no one else holds
+/// (the budget of the hitting engine counts on the cache keeping its reference under a hit,
+/// as with eviction), so either the lookup misses or it hits a page that stays cached, the
+/// hit reports it as revived, and clear removed nothing. Clear as it was (every page, in use
+/// or not) fails this.
+#[test]
+fn lookup_racing_clear() {
+    loom::model(|| {
+        let w = world(1, true);
+        let id = cached_old(&w);
+        w.pool.release(id).unwrap(); // cached-free
+        let lookup = {
+            let cache = w.cache.clone();
+            thread::spawn(move || {
+                let mut got = Vec::new();
+                let hit = cache.lookup(&KEY, &OLD, &mut got).unwrap();
+                got.first().map(|&id| (id, hit.revived))
+            })
+        };
+        let cleared = w.cache.clear();
+        match lookup.join().unwrap() {
+            Some((hit, revived)) => {
+                assert_eq!(
+                    cleared, 0,
+                    "clear dropped the cache's reference under a hit"
+                );
+                assert_eq!(revived, 1, "only the cache held the page at the hit");
+                assert!(w.cache.is_cached(hit));
+                w.pool.release(hit).unwrap();
+                assert_eq!(w.cache.clear(), 1);
+            }
+            None => assert!(w.cache.cached_total() <= 1),
+        }
+        w.cache.clear();
+        assert_eq!(w.pool.free_count(), 1);
+    });
+}
+
 /// A lookup racing the insert of its block: a miss or a hit on the inserted page, and every
 /// reference accounted for.
 #[test]

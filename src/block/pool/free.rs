@@ -79,6 +79,13 @@ impl BlockPool {
     /// Adds a reference to an allocated block (fork, prefix reuse). The block's owner does not
     /// change.
     pub fn share(&self, id: BlockId) -> Result<(), PoolError> {
+        self.share_counted(id).map(drop)
+    }
+
+    /// [`share`](Self::share), returning how many references the block had just before this
+    /// one: a count read separately afterwards may already include other threads' changes,
+    /// this one is the count this reference was added to.
+    pub fn share_counted(&self, id: BlockId) -> Result<u32, PoolError> {
         let index = self.check_id(id)?;
         let meta = &self.blocks[index].meta;
         let backoff = Backoff::new();
@@ -90,7 +97,7 @@ impl BlockPool {
                 return Err(PoolError::TooManyRefs { id });
             }
             match meta.compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return Ok(()),
+                Ok(_) => return Ok(meta_refs(cur)),
                 Err(actual) => {
                     cur = actual;
                     backoff.spin();

@@ -14,8 +14,9 @@
 //!
 //! The reference counts read here are exact: every reference to one of this engine's pages
 //! belongs to this batcher (its tables and pending swap-outs, all on this thread) or to the
-//! cache, and the cache's reference only ever goes from pages no sequence holds (eviction
-//! skips a page with a second reference).
+//! cache, and the cache's reference only ever goes from pages no sequence holds (eviction and
+//! [`PrefixCache::clear`] skip a page with a second reference; only the cache's drop, when no
+//! batcher is left, takes it from pages in use).
 
 use super::Batcher;
 use crate::block::BlockId;
@@ -90,11 +91,9 @@ impl Batcher {
                 return 0;
             }
         };
-        // Pages only the cache held before this lookup come back into the budget.
-        let revived = hits
-            .iter()
-            .filter(|&&id| self.pool.ref_count(id) == Ok(2))
-            .count() as u32;
+        // Pages only the cache held before this lookup come back into the budget (counted by
+        // the lookup at each reference it took).
+        let revived = hit.revived as u32;
         if revived > 0 {
             if let Some(b) = &self.budget {
                 if !b.try_acquire_blocks(revived) {

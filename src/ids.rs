@@ -31,8 +31,9 @@ pub const MAX_BLOCKS: u32 = (1 << INDEX_BITS) - 1;
 ///   wraps: a stale id goes unnoticed when the block has since been allocated a multiple of
 ///   2^24 times and is allocated now. Detection is certain below 2^24 reallocations; over an
 ///   arbitrary number of them it holds with probability 1 - 2^-24 (about 1 - 6 × 10^-8).
-/// - *pool tag*: unique per pool in this process (and so per device); an id from another pool is
-///   refused.
+/// - *pool tag*: unique among the live pools of this process (and so per device); an id from
+///   another live pool is refused. A dropped pool's tag goes back to the process, last in line
+///   (at most 65,535 pools live at once).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BlockId(u64);
 

@@ -62,16 +62,36 @@ impl Backoff {
 /// Process-wide counters that are identities, not protocols (pool tags): plain std atomics even
 /// under loom, because loom atomics cannot live in a `static`.
 pub(crate) mod global {
-    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-    static NEXT_POOL_TAG: AtomicU32 = AtomicU32::new(1);
+    /// Tags are 1..=65535 (0 is never handed out).
+    const TAGS: u32 = u16::MAX as u32;
 
-    /// A fresh pool tag. Tags wrap after 65,535 pools; two live pools sharing a tag would need
-    /// that many pools created in between, and even then ids stay range- and generation-checked.
-    pub(crate) fn next_pool_tag() -> u16 {
-        // Relaxed: uniqueness needs only the RMW's atomicity, no ordering with other memory.
-        let t = NEXT_POOL_TAG.fetch_add(1, Ordering::Relaxed);
-        (t % u32::from(u16::MAX)) as u16 + 1
+    /// Bit `t % 64` of word `t / 64` is set while a live pool holds tag `t`: a tag goes to one
+    /// live pool at a time, however many pools were created and dropped in between.
+    static LIVE_TAGS: [AtomicU64; 1024] = [const { AtomicU64::new(0) }; 1024];
+    /// Where the next search for a free tag starts: round robin, so a dropped pool's tag is
+    /// the last one handed out again (an id kept past its pool's drop is refused as long as
+    /// possible).
+    static NEXT_POOL_TAG: AtomicU32 = AtomicU32::new(0);
+
+    /// A tag no live pool holds, or `None` when 65,535 pools are alive. Give it back with
+    /// [`release_pool_tag`].
+    pub(crate) fn acquire_pool_tag() -> Option<u16> {
+        // Relaxed: uniqueness needs only the RMWs' atomicity (one fetch_or wins each bit), no
+        // ordering with other memory.
+        let start = NEXT_POOL_TAG.fetch_add(1, Ordering::Relaxed);
+        (0..TAGS).find_map(|k| {
+            let t = (start.wrapping_add(k) % TAGS) as u16 + 1;
+            let bit = 1u64 << (t % 64);
+            let was = LIVE_TAGS[usize::from(t / 64)].fetch_or(bit, Ordering::Relaxed);
+            (was & bit == 0).then_some(t)
+        })
+    }
+
+    /// Gives back a tag from [`acquire_pool_tag`] (its pool is gone).
+    pub(crate) fn release_pool_tag(t: u16) {
+        LIVE_TAGS[usize::from(t / 64)].fetch_and(!(1u64 << (t % 64)), Ordering::Relaxed);
     }
 }
 

@@ -252,6 +252,13 @@ pub struct BlockPool {
     total: u32,
 }
 
+impl Drop for BlockPool {
+    /// Gives the pool's tag back for a later pool.
+    fn drop(&mut self) {
+        global::release_pool_tag(self.tag);
+    }
+}
+
 impl BlockPool {
     /// Builds a pool with every block free.
     pub fn new(config: PoolConfig) -> Result<Self, PoolError> {
@@ -266,6 +273,9 @@ impl BlockPool {
         if config.max_engines == 0 {
             return Err(PoolError::InvalidConfig("max_engines must be at least 1"));
         }
+        let tag = global::acquire_pool_tag().ok_or(PoolError::InvalidConfig(
+            "65,535 block pools are alive: no pool tag is free",
+        ))?;
         let n = config.num_blocks;
         // Block 0 on top, so a fresh pool hands out 0, 1, 2, ... (predictable in tests).
         let blocks = (0..n)
@@ -289,7 +299,7 @@ impl BlockPool {
             blocks,
             acct,
             mags,
-            tag: global::next_pool_tag(),
+            tag,
             device: config.device,
             total: n,
         })

@@ -84,7 +84,16 @@ fn run_loops(threads: Vec<Box<dyn FnMut() + Send>>, what: &str) {
 /// the counter down to 4 while the 10 were in flight, and the acquirer of 6 got in: 11 of 10.
 #[test]
 fn bogus_token_releases_never_let_acquirers_over_grant() {
-    let (c, e) = single_engine(10);
+    // The engine's budget (10) below the device's tokens_per_step (20, cap 500 per mille): with
+    // the two equal, the device-wide count refuses the 11th token on its own and hides a
+    // per-engine over-grant (this test then passed with the transient-fetch_sub release).
+    let c = Arc::new(
+        BudgetCoordinator::new(BudgetConfig::new(2, 20, 20).with_cap_permille(500)).unwrap(),
+    );
+    let e = c.register(1).unwrap();
+    c.set_active(e, true);
+    c.recompute();
+    assert_eq!(c.token_budget(e), 10);
     assert!(c.try_acquire_tokens(e, 5));
     // The shadow: tokens granted and not yet given back, counted after each grant.
     let outstanding = Arc::new(AtomicU64::new(5));

@@ -779,3 +779,41 @@ fn sharing_sequences_swapped_out_together_give_their_budget_back() {
     assert_eq!(p.free_count(), 16);
     assert_eq!(budget.used.load(Ordering::Relaxed), 0);
 }
+
+/// An engine whose work ran out holds none of the device's step tokens, though it is not
+/// stepped again (drivers park on their queue): its last step's tokens used to stay counted
+/// and cut the other engine's grant (56 of the device's 64 here).
+#[test]
+fn an_idle_engine_holds_no_step_tokens() {
+    use pagedkv::budget::{BudgetConfig, BudgetCoordinator};
+    use pagedkv::sched::EngineShare;
+    let c = Arc::new(BudgetCoordinator::new(BudgetConfig::new(2, 64, 64)).unwrap());
+    let a = c.register(1).unwrap();
+    let b = c.register(1).unwrap();
+    let mut bt = Batcher::new(config(), pool(64)).unwrap();
+    bt.attach_budget(Box::new(EngineShare::new(c.clone(), a)));
+    bt.add(req(1, vec![7; 8], 1)).unwrap();
+    bt.sync_activity();
+    c.recompute();
+    let mut done = Vec::new();
+    while bt.has_work() {
+        let n = bt.schedule_into(&mut done).num_samples();
+        bt.commit(&vec![9; n], &mut done).unwrap();
+        c.maybe_recompute();
+    }
+    assert_eq!(done.len(), 1);
+    assert!(!c.is_active(a));
+    assert_eq!(
+        c.tokens_granted(a),
+        0,
+        "the idle engine still holds its last step's tokens"
+    );
+    let share_b = EngineShare::new(c.clone(), b);
+    share_b.set_active(true);
+    c.recompute();
+    assert_eq!(
+        share_b.token_budget(),
+        64,
+        "the device's tokens are partly lost"
+    );
+}

@@ -301,7 +301,10 @@ impl BudgetCoordinator {
         }
         // Registry transitions, after the slot's figures are written.
         for (row, slot) in s.rows.iter().zip(self.slots.iter()) {
-            let state = slot.state.load(Ordering::Relaxed);
+            // Acquire: pairs with `deregister`'s CAS into LEAVING, so the leaving engine's last
+            // writes (idle, step ended) happen before our FREE store below, and so before the
+            // next `register` of the slot (its Acquire CAS on FREE).
+            let state = slot.state.load(Ordering::Acquire);
             if row.live && state == JOINING {
                 // Only `deregister` may race (JOINING -> LEAVING); if it won, the slot is
                 // freed by the next round, which its mark_dirty guarantees.

@@ -17,8 +17,10 @@ use crate::sync::Arc;
 /// each schedule, ends the engine's previous step ([`BudgetCoordinator::begin_step`]) and takes
 /// as much of its budget as the device has left ([`BudgetCoordinator::acquire_tokens_up_to`]);
 /// [`record_step`](EngineBudget::record_step) gives back what the step did not use. So an
-/// engine's step tokens count from the start of its schedule until the start of its next one;
-/// an engine whose work runs out schedules one more, empty, step and then holds none.
+/// engine's step tokens count from the start of its schedule until the start of its next one,
+/// or until the batcher reports it idle ([`set_active`](EngineBudget::set_active)`(false)`,
+/// once its last batch has run): an idle engine holds none even if it is not stepped again
+/// (drivers park on their admission queue then).
 #[derive(Debug, Clone)]
 pub struct EngineShare {
     coordinator: Arc<BudgetCoordinator>,
@@ -56,7 +58,14 @@ impl EngineBudget for EngineShare {
         debug_assert!(released.is_ok(), "{released:?}");
     }
 
+    /// An engine reported idle has no batch left to run (the batcher reports it at a commit, or
+    /// at a schedule that scheduled nothing), so its step ends here: otherwise its last step's
+    /// tokens would count against the device's `tokens_per_step`, and cut every other engine's
+    /// grant, for as long as it stays idle.
     fn set_active(&self, active: bool) {
+        if !active {
+            self.coordinator.begin_step(self.engine);
+        }
         self.coordinator.set_active(self.engine, active);
     }
 

@@ -48,6 +48,8 @@ struct StepShape {
     seqs: usize,
     blocks_per_seq: usize,
     max_query_len: usize,
+    /// Every row exactly one token: what `decode` launches over (one query row per sequence).
+    one_token_rows: bool,
 }
 
 impl<D: RawDevice> RawBackend<D> {
@@ -65,8 +67,12 @@ impl<D: RawDevice> RawBackend<D> {
     /// `config.page_bytes()` bytes, alive as long as the backend; every batch run on the
     /// backend is the current batch of a batcher for this engine whose blocks come from the
     /// pool that hands out the arena's pages, run before that batcher's next schedule or
-    /// commit (as for [`HostBackend::new`](crate::engine::HostBackend::new)); and `dev` keeps its
-    /// trait's contract.
+    /// commit (as for [`HostBackend::new`](crate::engine::HostBackend::new)); every
+    /// [`DeviceRows`] handed to its [`KvBackend`] methods (by the engine's model) names device
+    /// memory of `dev`'s context holding its `tokens` rows of the call's heads x head_dim
+    /// elements of the cache's dtype at its stride, alive until the step's `end` (the kernels
+    /// read and write through these addresses, which the backend cannot check); and `dev`
+    /// keeps its trait's contract.
     pub unsafe fn new(
         dev: D,
         arena_base: DevPtr,
@@ -169,6 +175,10 @@ impl<D: RawDevice> RawBackend<D> {
         // each came from this device's alloc and is freed once, here.
         unsafe { free_buffers(&self.dev, &old) };
         self.staging.resize(self.bufs.layout.total, 0);
+        // The current step's metadata went up into the old block (at the old layout's offsets)
+        // and its output rows were the old buffer's: no launch may use the new ones until
+        // `begin` fills them (a growth after `begin`: copy pairs past the capacity).
+        self.step = None;
         Ok(())
     }
 
@@ -406,6 +416,11 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
             seqs,
             blocks_per_seq: mbps.max(1),
             max_query_len,
+            one_token_rows: batch
+                .query_start_loc
+                .iter()
+                .enumerate()
+                .all(|(i, &q)| q as usize == i),
         };
         self.out = self.out_rows(&step);
         self.step = Some(step);
@@ -446,6 +461,16 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
         _batch: &Batch,
     ) -> Result<&DeviceRows, EngineError> {
         let step = self.launch_step(&[("query", query)])?;
+        if !step.one_token_rows {
+            // The kernel reads one query row and writes one output row per sequence: with
+            // fewer tokens than sequences, past both buffers.
+            return Err(AttnError::LengthMismatch {
+                what: "query rows (decode: one token per sequence)",
+                expected: step.seqs,
+                found: step.tokens,
+            }
+            .into());
+        }
         // SAFETY: the query rows as in reshape_and_cache; the output, metadata and workspace
         // are this backend's device buffers sized for the capacities (reserve) and the plan;
         // the block tables name pages this engine's sequences hold (`new`'s contract).

@@ -124,7 +124,8 @@ impl<D: RawDevice> super::Engine<RawBackend<D>> {
     /// `arena_base` is the device memory of `shared`'s arena: `shared.pool().total()` pages of
     /// `shared.page_bytes()` bytes in `dev`'s context, alive as long as the engine, and every
     /// other user of those pages keeps the page-ownership rule of [`RawBackend::new`] (every
-    /// engine built on `shared` does); `dev` keeps [`RawDevice`]'s contract.
+    /// engine built on `shared` does); the engine's model hands the backend only rows as
+    /// [`RawBackend::new`] requires; `dev` keeps [`RawDevice`]'s contract.
     pub unsafe fn raw(
         shared: &crate::sync::Arc<super::SharedArena>,
         dev: D,

@@ -660,6 +660,9 @@ pub enum AdmissionError {
     /// The worker dropped the request without completing it.
     #[error("the request was dropped by its worker without an outcome")]
     Abandoned,
+    /// The ticket's outcome was already taken ([`Ticket::try_take`](crate::sched::admission::Ticket::try_take)).
+    #[error("the request's outcome was already taken from its ticket")]
+    Taken,
     /// Invalid queue-set construction parameters.
     #[error("invalid admission configuration: {0}")]
     InvalidConfig(&'static str),

@@ -1,11 +1,12 @@
 //! sched::admission: every payload and every result is dropped exactly once, whichever path it
 //! takes (refused and handed back, evicted, popped and completed, abandoned, left queued when
-//! the queue set is dropped, a withdrawn blocking submit), and nothing leaks.
+//! the queue set is dropped, a withdrawn blocking submit), and nothing leaks: neither do the
+//! wait-list places of waiting futures dropped before they were woken.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll, Wake, Waker};
 use std::thread;
 
 use pagedkv::sched::admission::{Admission, AdmissionConfig, OverflowPolicy, Route};
@@ -165,4 +166,119 @@ fn concurrent_drop_oldest_drops_once() {
     for d in results.iter() {
         assert!(d.load(Ordering::Relaxed) <= 1);
     }
+}
+
+/// A waker that counts its wake-ups; its `Arc`'s strong count says how many clones live.
+struct Counting(AtomicUsize);
+
+impl Wake for Counting {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Clones of `probe`'s waker still alive (besides the test's own reference).
+fn clones(probe: &Arc<Counting>) -> usize {
+    Arc::strong_count(probe) - 1
+}
+
+/// An idle worker that waits with a timeout (`select!` on `pop_wait` and a tick) drops a
+/// registered `PopWait` per tick: each used to leave its node and a clone of the task's waker in
+/// the work list until the next push, 10,000 of them here.
+#[test]
+fn dropped_pop_waits_leave_nothing_behind() {
+    let q: Admission<u32, u32> =
+        Admission::new(AdmissionConfig::new(1, 4, OverflowPolicy::DropNewest)).unwrap();
+    let probe = Arc::new(Counting(AtomicUsize::new(0)));
+    let waker = Waker::from(probe.clone());
+    for _ in 0..10_000 {
+        let mut fut = std::pin::pin!(q.pop_wait(0));
+        assert!(fut
+            .as_mut()
+            .poll(&mut Context::from_waker(&waker))
+            .is_pending());
+    }
+    drop(waker);
+    assert_eq!(clones(&probe), 0, "waker clones held");
+    // A waiter still registered is woken by the next push as before.
+    let other = Arc::new(Counting(AtomicUsize::new(0)));
+    let other_waker = Waker::from(other.clone());
+    let mut fut = Box::pin(q.pop_wait(0));
+    assert!(fut
+        .as_mut()
+        .poll(&mut Context::from_waker(&other_waker))
+        .is_pending());
+    let _t = q
+        .try_submit(1, Priority::Throughput, Route::Worker(0))
+        .unwrap();
+    assert_eq!(other.0.load(Ordering::SeqCst), 1);
+    assert!(matches!(
+        fut.as_mut().poll(&mut Context::from_waker(&other_waker)),
+        Poll::Ready(Ok(_))
+    ));
+}
+
+/// Blocking submits withdrawn while the queue stays full (a timeout, `now_or_never`) left their
+/// room-list places the same way until the next pop.
+#[test]
+fn withdrawn_blocking_submits_leave_nothing_behind() {
+    let q: Admission<u32, u32> =
+        Admission::new(AdmissionConfig::new(1, 1, OverflowPolicy::Block)).unwrap();
+    let _first = q
+        .try_submit(0, Priority::Throughput, Route::Worker(0))
+        .unwrap();
+    let probe = Arc::new(Counting(AtomicUsize::new(0)));
+    let waker = Waker::from(probe.clone());
+    for i in 0..10_000 {
+        let mut fut = std::pin::pin!(q.submit(i, Priority::Throughput, Route::Worker(0)));
+        assert!(matches!(
+            fut.as_mut().poll(&mut Context::from_waker(&waker)),
+            Poll::Pending
+        ));
+    }
+    drop(waker);
+    assert_eq!(clones(&probe), 0, "waker clones held");
+}
+
+/// A waiting future re-polled with another task's waker gives up its first place in the list.
+#[test]
+fn a_pop_wait_polled_with_a_new_waker_leaves_one_place() {
+    let q: Admission<u32, u32> =
+        Admission::new(AdmissionConfig::new(1, 4, OverflowPolicy::DropNewest)).unwrap();
+    let probe = Arc::new(Counting(AtomicUsize::new(0)));
+    let mut fut = Box::pin(q.pop_wait(0));
+    for _ in 0..1000 {
+        let waker = Waker::from(Arc::new(Counting(AtomicUsize::new(0))));
+        assert!(fut
+            .as_mut()
+            .poll(&mut Context::from_waker(&waker))
+            .is_pending());
+    }
+    let waker = Waker::from(probe.clone());
+    assert!(fut
+        .as_mut()
+        .poll(&mut Context::from_waker(&waker))
+        .is_pending());
+    drop(waker);
+    assert_eq!(
+        clones(&probe),
+        1,
+        "the current registration holds one clone"
+    );
+    drop(fut);
+    assert_eq!(clones(&probe), 0);
+}
+
+/// `wait` on a ticket whose outcome `try_take` took says so instead of panicking.
+#[test]
+fn wait_after_try_take_is_an_error() {
+    let q: Admission<u32, u32> =
+        Admission::new(AdmissionConfig::new(1, 4, OverflowPolicy::DropNewest)).unwrap();
+    let mut t = q
+        .try_submit(1, Priority::Throughput, Route::Worker(0))
+        .unwrap();
+    q.pop(0).unwrap().unwrap().complete(10);
+    assert_eq!(t.try_take(), Some(Ok(10)));
+    assert!(t.is_ready());
+    assert_eq!(t.wait(), Err(pagedkv::error::AdmissionError::Taken));
 }

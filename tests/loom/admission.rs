@@ -12,6 +12,8 @@
 //!   request is taken exactly once, in each producer's order, refusals only when full;
 //! - drop-oldest evicts only from a full queue: a pop that frees a slot first means no eviction;
 //! - a `pop_wait` polled again with a different waker is woken through the new one;
+//! - a blocking submit withdrawn beside a waiting one: the withdrawal takes the room list and
+//!   the other waiter is still admitted once there is room;
 //! - `pop_wait` against `close`: an idle worker is woken and ends with `Closed`;
 //! - a submit racing `close`: refused `Closed`, or admitted and drained by the worker's
 //!   `pop_wait` loop before it sees `Closed` (its ticket resolves).
@@ -371,6 +373,57 @@ fn pop_wait_with_a_waker_replaced_between_polls() {
         let t = q.try_submit(7, P, W0).unwrap();
         assert_eq!(block_on(t), Ok(8));
         worker.join().unwrap();
+    });
+}
+
+/// A blocking submit withdrawn after one poll (its future dropped) while another submitter
+/// waits and the worker pops: the withdrawal takes the whole room list (the only way its node
+/// leaves it) and wakes the other waiter spuriously; that one must still be admitted once there
+/// is room, not left parked (a loom deadlock), and the withdrawn request is queued only if its
+/// one poll admitted it.
+#[test]
+fn withdrawn_submit_beside_a_waiting_one() {
+    loom::model(|| {
+        let q = one_slot(OverflowPolicy::Block);
+        let _t1 = q.try_submit(1, P, W0).unwrap();
+        let waiting = {
+            let q = q.clone();
+            thread::spawn(move || block_on(q.submit(2, P, W0)).map_err(|r| r.error))
+        };
+        let worker = {
+            let q = q.clone();
+            thread::spawn(move || {
+                let job = q.pop(0).unwrap().expect("request 1 is queued");
+                let id = *job.payload();
+                job.complete(0);
+                id
+            })
+        };
+        // Withdrawn here: polled once, then dropped (registered unless the poll admitted it).
+        let admitted_3 = {
+            let mut fut = std::pin::pin!(q.submit(3, P, W0));
+            matches!(
+                fut.as_mut().poll(&mut Context::from_waker(Waker::noop())),
+                Poll::Ready(Ok(_))
+            )
+        };
+        assert_eq!(worker.join().unwrap(), 1);
+        let mut popped = Vec::new();
+        let mut pop = || {
+            let job = q.pop(0).unwrap().expect("a request is queued");
+            popped.push(*job.payload());
+            job.complete(0);
+        };
+        if admitted_3 {
+            pop(); // 3 holds the slot; 2 waits for this pop
+        }
+        let _t2 = waiting
+            .join()
+            .unwrap()
+            .expect("admitted once room was made");
+        pop();
+        assert_eq!(popped, if admitted_3 { vec![3, 2] } else { vec![2] });
+        assert!(q.pop(0).unwrap().is_none());
     });
 }
 

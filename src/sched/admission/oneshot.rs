@@ -163,8 +163,12 @@ impl<R> Ticket<R> {
     }
 
     /// Blocks the calling thread until the outcome is ready (parks the thread; no runtime).
+    /// [`AdmissionError::Taken`] if [`try_take`](Self::try_take) already took it.
     #[cfg(not(loom))]
     pub fn wait(self) -> Result<R, AdmissionError> {
+        if self.shared.is_none() {
+            return Err(AdmissionError::Taken);
+        }
         super::block_on(self)
     }
 }

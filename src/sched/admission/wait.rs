@@ -83,6 +83,9 @@ impl<T, R> Future for Submit<'_, T, R> {
                 if this.reg.as_ref().is_some_and(|r| r.is_current(cx.waker())) {
                     break;
                 }
+                if let Some(old) = this.reg.take() {
+                    old.abandon(room);
+                }
                 this.reg = Some(room.register(cx.waker()));
                 // SeqCst fence: the waiter half of the handshake (pairs with the fence in
                 // `Admission::take` after it frees a slot, and in `close`).
@@ -109,6 +112,22 @@ impl<T, R> Future for Submit<'_, T, R> {
             priority,
         };
         Poll::Pending
+    }
+}
+
+impl<T, R> Drop for Submit<'_, T, R> {
+    /// A submit dropped while waiting gives up its place in the room list (see
+    /// `Registration::abandon`); its request was never queued, so it just goes.
+    fn drop(&mut self) {
+        if let (
+            Some(reg),
+            SubmitStage::Waiting {
+                worker, priority, ..
+            },
+        ) = (self.reg.take(), &self.stage)
+        {
+            reg.abandon(self.adm.workers[*worker].room(*priority));
+        }
     }
 }
 
@@ -147,6 +166,9 @@ impl<T, R> Future for PopWait<'_, T, R> {
                 if this.reg.as_ref().is_some_and(|r| r.is_current(cx.waker())) {
                     break;
                 }
+                if let Some(old) = this.reg.take() {
+                    old.abandon(&wq.work);
+                }
                 this.reg = Some(wq.work.register(cx.waker()));
                 // SeqCst fence: the waiter half of the handshake (pairs with the fence that
                 // ends every push attempt, `Attempt::drop`, and with the one in `close`).
@@ -168,6 +190,16 @@ impl<T, R> Future for PopWait<'_, T, R> {
             // Busy: a submit is writing the oldest request; it wakes us when it lands.
         }
         Poll::Pending
+    }
+}
+
+impl<T, R> Drop for PopWait<'_, T, R> {
+    /// A pop dropped while waiting gives up its place in the work list (see
+    /// `Registration::abandon`).
+    fn drop(&mut self) {
+        if let (Some(reg), Ok(wq)) = (self.reg.take(), self.adm.worker_queues(self.worker)) {
+            reg.abandon(&wq.work);
+        }
     }
 }
 

@@ -56,6 +56,33 @@ impl Registration {
     }
 }
 
+impl Registration {
+    /// True while the node is in a list no taker has taken yet (its wake-up is still owed).
+    pub(crate) fn is_queued(&self) -> bool {
+        // Acquire: as in `is_current`.
+        self.0.queued.load(Ordering::Acquire)
+    }
+
+    /// Gives up a registration whose task no longer waits (its future dropped, or re-polled
+    /// with another waker). The list cannot unlink one node, so a node still queued takes the
+    /// whole list with it: its waiters get a spurious wake-up and register again (no wake-up
+    /// is lost). Without this every abandoned registration kept its node and a clone of its
+    /// task's waker (a whole task's memory, in a runtime) until the next wake-up, which an
+    /// idle worker polling with a timeout never gets.
+    ///
+    /// # Panics
+    /// A waker's panic, as [`WaitList::wake_all`] (not while the thread already panics).
+    pub(crate) fn abandon(self, list: &WaitList) {
+        if self.is_queued() {
+            if let Some(panic) = list.wake_all_catching() {
+                if !std::thread::panicking() {
+                    std::panic::resume_unwind(panic);
+                }
+            }
+        }
+    }
+}
+
 impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Node")
@@ -156,8 +183,9 @@ impl WaitList {
 impl Drop for WaitList {
     fn drop(&mut self) {
         // Only frees the nodes, waking nobody: every registrant is a future that borrows the
-        // queue set owning this list, so none can still be waiting once it is dropped (the
-        // nodes left are those of futures dropped while registered).
+        // queue set owning this list, so none can still be waiting once it is dropped (a future
+        // dropped while registered took the list with it, `Registration::abandon`: the nodes
+        // left are those of futures leaked while registered).
         // Acquire: as in `wake_all_catching` (with `&mut self` it orders nothing new; loom's
         // `AtomicPtr` has no `get_mut`).
         let mut cur = self.head.swap(ptr::null_mut(), Ordering::Acquire);

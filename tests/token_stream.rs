@@ -11,7 +11,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use futures_core::Stream;
 use pagedkv::sched::admission::{
     token_stream, SendError, StreamError, StreamEvent, StreamRequest, StreamRouter, StreamSender,
-    TokenStream, MAX_STREAM_CAPACITY,
+    TokenStream, DEFAULT_STREAM_CAPACITY, MAX_STREAM_CAPACITY,
 };
 use pagedkv::sched::{FinishReason, SeqRequest, SeqUpdate, StepResults, StopRules};
 use proptest::prelude::*;
@@ -360,4 +360,29 @@ proptest! {
             prop_assert_eq!(got, accepted);
         }
     }
+}
+
+/// A client's `max_new_tokens` does not size the stream past DEFAULT_STREAM_CAPACITY (it used
+/// to: 64 MiB per queued request, before the engine's context check could refuse it). Such a
+/// stream lags once its consumer is that many tokens behind.
+#[test]
+fn a_huge_max_new_tokens_gets_the_default_capacity() {
+    let req = SeqRequest {
+        id: 1,
+        prompt: vec![1],
+        stop: StopRules {
+            max_new_tokens: MAX_STREAM_CAPACITY as u32,
+            ..StopRules::default()
+        },
+        priority: Default::default(),
+    };
+    let (mut sr, _rx) = StreamRequest::new(req).unwrap();
+    let chunk = vec![7u32; 4096];
+    for _ in 0..DEFAULT_STREAM_CAPACITY / chunk.len() {
+        sr.tokens.send(&chunk).unwrap();
+    }
+    assert!(
+        sr.tokens.send(&[7]).is_err(),
+        "the ring holds the default capacity"
+    );
 }

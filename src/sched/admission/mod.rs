@@ -103,7 +103,7 @@ pub use job::{Completion, Job};
 pub use oneshot::Ticket;
 pub use stream::{
     token_stream, Recv, SendError, StreamError, StreamEvent, StreamRequest, StreamRouter,
-    StreamSender, TokenStream, MAX_STREAM_CAPACITY,
+    StreamSender, TokenStream, DEFAULT_STREAM_CAPACITY, MAX_STREAM_CAPACITY,
 };
 #[cfg(not(loom))]
 pub use wait::block_on;

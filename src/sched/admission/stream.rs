@@ -35,7 +35,8 @@
 //!
 //! Memory is bounded by the capacity fixed at creation (4 bytes per token slot).
 //! [`StreamRequest::new`] sizes the ring to the request's `max_new_tokens`, the most tokens the
-//! sequence can ever produce, so such a stream never lags.
+//! sequence can ever produce, up to [`DEFAULT_STREAM_CAPACITY`]: such a stream lags only if its
+//! consumer falls that many tokens behind.
 //!
 //! # When the consumer lags
 //!
@@ -60,6 +61,12 @@ use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering, 
 
 /// Largest stream capacity, in tokens (64 MiB of slots): past any context length in use.
 pub const MAX_STREAM_CAPACITY: usize = 1 << 24;
+
+/// The most slots [`StreamRequest::new`] gives a stream (256 KiB): a request's
+/// `max_new_tokens` is the client's number, and a ring sized to it alone would let each queued
+/// request hold up to [`MAX_STREAM_CAPACITY`] slots before the engine's context check could
+/// refuse it. A consumer that falls this far behind ends its stream with `Lagged`.
+pub const DEFAULT_STREAM_CAPACITY: usize = 1 << 16;
 
 /// What a [`TokenStream`] yields.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -524,9 +531,11 @@ pub struct StreamRequest {
 }
 
 impl StreamRequest {
-    /// `request` with a stream sized to its `max_new_tokens`: the stream never lags.
+    /// `request` with a stream sized to its `max_new_tokens` (up to
+    /// [`DEFAULT_STREAM_CAPACITY`]): it lags only if its consumer falls that far behind.
+    /// [`StreamError::InvalidCapacity`] for a request of no new tokens.
     pub fn new(request: SeqRequest) -> Result<(Self, TokenStream), StreamError> {
-        let capacity = request.stop.max_new_tokens as usize;
+        let capacity = (request.stop.max_new_tokens as usize).min(DEFAULT_STREAM_CAPACITY);
         Self::with_capacity(request, capacity)
     }
 

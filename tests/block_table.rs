@@ -375,3 +375,30 @@ fn readers_see_only_prefixes_of_the_writer_history() {
     drop(w);
     assert_eq!(p.free_count(), 64);
 }
+
+/// A table refuses ids it could not release later (another pool's, a freed block's): it used to
+/// take them, and its release on drop failed (a debug assert; in release builds the caller's
+/// reference, and so the block, was leaked).
+#[test]
+fn push_and_replace_refuse_ids_the_table_could_not_release() {
+    let (a, b) = (pool(4), pool(4));
+    let from_b = b.alloc(EngineId(0)).unwrap();
+    let mut t = BlockTable::new(a.clone(), EngineId(0), 4);
+    assert!(matches!(
+        t.push(from_b),
+        Err(PoolError::ForeignBlock { .. })
+    ));
+    let freed = a.alloc(EngineId(0)).unwrap();
+    a.free(freed).unwrap();
+    assert!(t.push(freed).is_err(), "a free block");
+    let mut scratch = Vec::new();
+    t.grow(1, &mut scratch).unwrap();
+    assert!(matches!(
+        t.replace(0, from_b),
+        Err(PoolError::ForeignBlock { .. })
+    ));
+    assert_eq!(t.len(), 1);
+    drop(t);
+    assert_eq!(a.free_count(), 4);
+    assert_eq!(b.ref_count(from_b), Ok(1), "the caller kept its reference");
+}

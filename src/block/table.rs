@@ -152,8 +152,17 @@ impl BlockTable {
     }
 
     /// Appends a block the caller holds one reference to; the table takes that reference.
-    /// Wait-free: one slot store and one state store. On error the caller keeps its reference.
+    /// Wait-free: one load (the id is checked against the table's pool: another pool's, out of
+    /// range, free or stale ids are refused, since the table's release of them would fail and
+    /// leak its slot's block), one slot store and one state store. On error the caller keeps its
+    /// reference.
     pub fn push(&mut self, id: BlockId) -> Result<(), PoolError> {
+        self.pool.ref_count(id)?;
+        self.push_checked(id)
+    }
+
+    /// [`push`](Self::push) of an id known to be a live block of this table's pool.
+    fn push_checked(&mut self, id: BlockId) -> Result<(), PoolError> {
         let Some(slot) = self.shared.slots.get(self.len as usize) else {
             return Err(PoolError::TableFull {
                 capacity: self.capacity(),
@@ -180,8 +189,8 @@ impl BlockTable {
         scratch.clear();
         self.pool.alloc_n(self.engine, n, scratch)?;
         for &id in scratch.iter() {
-            // Cannot fail: capacity was checked above.
-            self.push(id)?;
+            // Cannot fail: capacity was checked above, and the pool just allocated the id.
+            self.push_checked(id)?;
         }
         Ok(())
     }
@@ -216,6 +225,8 @@ impl BlockTable {
         let old = self.get(i).ok_or(PoolError::TableFull {
             capacity: self.capacity(),
         })?;
+        // As in `push`: an id the table could not release later is refused now.
+        self.pool.ref_count(id)?;
         self.bump_epoch(self.len);
         // Relaxed: ordered after the epoch bump by the Release fence in bump_epoch.
         self.shared.slots[i as usize].store(id.to_bits(), Ordering::Relaxed);
@@ -237,7 +248,7 @@ impl BlockTable {
             })?;
             // On error `child` drops and releases the references taken so far.
             self.pool.share(id)?;
-            child.push(id)?;
+            child.push_checked(id)?;
         }
         Ok(child)
     }

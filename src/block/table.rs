@@ -61,9 +61,10 @@ struct Shared {
 /// # Progress
 ///
 /// `push` is wait-free (one load to check the id, two stores). The table's own part of
-/// `truncate`, `replace` and `clear` is a fixed number of stores, but they (and `drop`) then release blocks through the pool,
-/// whose reference-count and free-list updates are CAS loops: those calls are **lock-free**,
-/// not wait-free (a call can retry only because another thread's pool operation succeeded).
+/// `truncate`, `replace` and `clear` is a fixed number of stores, but they (and `drop`) then
+/// release blocks through the pool, whose reference-count and free-list updates are CAS loops:
+/// those calls are **lock-free**, not wait-free (a call can retry only because another
+/// thread's pool operation succeeded).
 /// `grow` and `fork` allocate or share through the pool and are lock-free too. A reader's
 /// `snapshot_into` retries only when the writer completed a truncate or replace meanwhile, so
 /// it is lock-free, and it waits for nothing: a writer stalled half way leaves a state readers

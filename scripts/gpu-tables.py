@@ -22,6 +22,8 @@ DECODE_HEAD = re.compile(r"^decode (\w+) d(\d+) bs(\d+) mode (.+?)((?:, [^;]+)?)
 PREFILL_HEAD = re.compile(r"^prefill (\w+) d(\d+) bs(\d+) tiling (\w+)(.*?), one sequence")
 AUTO_RAN = re.compile(r"^\s+\(Auto (?:ran (\w+)|: the f32 kernel)\)")
 NUM = re.compile(r"^-?\d+(\.\d+)?%?$")
+# A grid point, `Q:KV/BATCHxCTX` or `Q:KV/CHUNK+CACHED` (the header's `heads/BxCTX` is not).
+POINT = re.compile(r"^\d+:\d+/\d+[x+]\d+$")
 
 
 def texts(paths):
@@ -53,7 +55,7 @@ def cells(line):
     if len(parts) != 4:
         return None
     head = parts[0].split()
-    if len(head) not in (1, 2) or "/" not in head[0]:
+    if len(head) not in (1, 2) or not POINT.match(head[0]):
         return None
     ours = parts[1].split()
     peer = parts[2].split()

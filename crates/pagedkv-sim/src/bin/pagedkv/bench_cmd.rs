@@ -123,6 +123,9 @@ fn grid<P: std::str::FromStr<Err = pagedkv_sim::gpu_bench::PlanError>>(
 }
 
 fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
+    if a.block_size == 0 || a.head_dim == 0 {
+        return Err("--block-size and --head-dim must be at least 1".into());
+    }
     let mode = match a.mode.as_str() {
         "auto" => DecodeMode::Auto,
         "single" => DecodeMode::SinglePass,

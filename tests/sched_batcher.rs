@@ -817,3 +817,89 @@ fn an_idle_engine_holds_no_step_tokens() {
         "the device's tokens are partly lost"
     );
 }
+
+/// A copy-on-write source stays allocated until the batch has run, even when the sequence it
+/// was shared with is preempted by recompute later in the same step (it was released then, and
+/// another engine could get the page and write it before the batch copied from it).
+#[test]
+fn copy_on_write_sources_stay_allocated_until_the_batch_has_run() {
+    let p = pool(5);
+    let mut bt = Batcher::new(
+        BatcherConfig {
+            max_prefill_chunk: 8,
+            ..config()
+        },
+        p.clone(),
+    )
+    .unwrap();
+    bt.add(req(1, vec![1; 6], 8)).unwrap();
+    bt.add(req(2, vec![2; 14], 2)).unwrap();
+    let mut fin = Vec::new();
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.num_samples(), 1);
+    bt.commit(&[7], &mut fin).unwrap();
+    bt.fork(1, 3).unwrap();
+    // 1 copies its shared partial page (the last free page); 2 finds no pages, so the fork
+    // (latest arrival) is preempted, then 2 itself.
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.copies.len(), 1, "{b:?}");
+    let src = b.copies[0].0 as u32;
+    let samples = b.num_samples();
+    let free = p.free_count();
+    let mut other = Vec::new();
+    if free > 0 {
+        p.alloc_n(EngineId(1), free, &mut other).unwrap();
+    }
+    assert!(
+        other.iter().all(|id| id.index() != src),
+        "page {src}, a copy source of the batch in flight, went to another engine"
+    );
+    p.free_n(&other).unwrap();
+    bt.commit(&vec![9; samples], &mut fin).unwrap();
+    let rest = drive(&mut bt, 1000);
+    assert_eq!(fin.len() + rest.len(), 3);
+    assert_eq!(p.free_count(), 5);
+}
+
+/// Swap preemption of a fork after its parent's copy-on-write: the page it held went to
+/// `swap_out_pending` and counted as reusable, and another copy-on-write took it as its
+/// destination, so one step's copies read a page they also wrote (refused as CopyOverlap).
+#[test]
+fn a_copy_source_is_never_a_copy_destination_of_the_same_step() {
+    let p = pool(5);
+    let mut bt = Batcher::new(
+        BatcherConfig {
+            preemption: PreemptionMode::Swap,
+            swap_blocks: 16,
+            ..config()
+        },
+        p.clone(),
+    )
+    .unwrap();
+    bt.add(req(1, vec![1; 6], 6)).unwrap();
+    bt.add(req(2, vec![2; 6], 6)).unwrap();
+    let mut fin = Vec::new();
+    bt.schedule_into(&mut fin);
+    bt.commit(&[7, 8], &mut fin).unwrap();
+    bt.fork(2, 4).unwrap();
+    bt.fork(1, 3).unwrap();
+    for step in 0..200 {
+        if !bt.has_work() {
+            break;
+        }
+        let b = bt.schedule_into(&mut fin);
+        let pairs: Vec<(u32, u32)> = b
+            .copies
+            .iter()
+            .map(|&(s, d)| (s as u32, d as u32))
+            .collect();
+        assert!(
+            pagedkv::kv::check_block_mapping(&pairs, 5, 5, true).is_ok(),
+            "step {step}: the copies {pairs:?} read a page they also write"
+        );
+        let s = vec![9; b.num_samples()];
+        bt.commit(&s, &mut fin).unwrap();
+    }
+    assert_eq!(fin.len(), 4);
+    assert_eq!(p.free_count(), 5);
+}

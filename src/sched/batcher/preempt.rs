@@ -76,6 +76,33 @@ impl Batcher {
         self.seq_mut(slot).table.clear();
     }
 
+    /// Keeps one reference (and its budget) in `swap_out_pending` to each page of `slot`'s table
+    /// that a copy of the batch being built reads, released with the swapped-out pages after
+    /// the batch has run. For a sequence preempted by recompute after a copy-on-write left it
+    /// the copy's source alone: released now, the page would go back to the pool, and another
+    /// engine could get it and write it before the batch copies from it.
+    fn hold_copy_sources(&mut self, slot: usize) {
+        if self.batch.copies.is_empty() {
+            return;
+        }
+        let mut pages = std::mem::take(&mut self.scratch);
+        pages.clear();
+        self.seq(slot).table.ids_into(&mut pages);
+        for &id in &pages {
+            let src = id.index() as i32;
+            if !self.batch.copies.iter().any(|&(s, _)| s == src) {
+                continue;
+            }
+            match self.pool.share(id) {
+                Ok(()) => self.swap_out_pending.push(id),
+                // As in `hold_for_swap_out`.
+                Err(e) => debug_assert!(false, "sharing a held page failed: {e}"),
+            }
+        }
+        pages.clear();
+        self.scratch = pages;
+    }
+
     /// Takes `n` pages for this engine into `self.scratch`, all or nothing: pages this step's
     /// swap-outs gave up first (still charged to this engine; the batch's swap-outs run
     /// before anything writes, so this engine may reuse them in the same step, and no other
@@ -85,15 +112,20 @@ impl Batcher {
         // Only pages the pending swap-outs hold alone may be reused: one another sequence still
         // references (a fork, an attached cached prefix) or the prefix cache holds must not be
         // rewritten. A stable partition puts the reusable ones last (only when swap-outs are
-        // pending, which is rare).
+        // pending, which is rare). Nor may a page a copy of this batch reads: the copies run at
+        // once, and a copy-on-write into it would make the list read a page it writes.
         let mut reusable = 0;
         if !self.swap_out_pending.is_empty() {
             let mut pending = std::mem::take(&mut self.swap_out_pending);
-            pending.sort_by_key(|&id| self.pool.ref_count(id) == Ok(1));
+            let (pool, copies) = (&self.pool, &self.batch.copies);
+            let free_to_reuse = |id: crate::block::BlockId| {
+                pool.ref_count(id) == Ok(1) && !copies.iter().any(|&(s, _)| s == id.index() as i32)
+            };
+            pending.sort_by_key(|&id| free_to_reuse(id));
             reusable = pending
                 .iter()
                 .rev()
-                .take_while(|&&id| self.pool.ref_count(id) == Ok(1))
+                .take_while(|&&id| free_to_reuse(id))
                 .count();
             self.swap_out_pending = pending;
         }
@@ -184,6 +216,7 @@ impl Batcher {
             self.stats.preempted_swap += 1;
             self.stats.blocks_swapped_out += blocks as u64;
         } else {
+            self.hold_copy_sources(slot);
             self.release_table(slot);
             let s = self.seq_mut(slot);
             s.computed = 0;

@@ -21,9 +21,13 @@ crates/pagedkv-sim/tests/bench_plan.rs compares this script's --plan output with
 - Data: uniform random in [-1, 1), seeded; scale 1/sqrt(head_dim).
 
 Prefill with cached tokens needs a causal mask aligned to the bottom right (the chunk's last
-query sees every key); torch's is_causal=True aligns it to the top left, so those points use
-torch.nn.attention.bias.causal_lower_right. Should that path refuse grouped K/V, the point is
-run with K/V expanded to the query heads instead and says so in its record's note.
+query sees every key); torch's is_causal=True aligns it to the top left. Those points time
+every way torch offers and report the fastest: torch.nn.attention.bias.causal_lower_right
+(which torch runs on its flash kernel whatever the backend order), and a materialized mask on
+the cuDNN backend and on torch's default choice. Should a way refuse grouped K/V, it runs with
+K/V expanded to the query heads instead. The record's note names the way that won, the others'
+times, and the CUDA kernels of one call of the winner (torch.profiler), so a table says which
+SDPA it beat.
 
     python3 benches/gpu_sdpa_baseline.py                 # table, default grids
     python3 benches/gpu_sdpa_baseline.py --jsonl ...     # one JSON record per line
@@ -140,6 +144,72 @@ def main():
     return run(a)
 
 
+def prefill_ways(torch, F, sets, nh, hkv, chunk, cached, scale, log=lambda m: None):
+    """The ways to run a prefill point on SDPA, as [(way, calls, note)]: calls[i] runs on
+    sets[i] = (q [1, nh, chunk, d], k, v [1, hkv, cached + chunk, d]). Over no cached tokens the
+    plain is_causal=True (top-left aligned, which is bottom-right on a square); over cached
+    tokens every way torch offers a bottom-right causal mask. A way that refuses grouped K/V
+    runs with K/V expanded to the query heads (said in its note); a way that refuses the point
+    is left out (logged)."""
+    gqa = nh != hkv
+    if cached == 0:
+        return [("is_causal", [lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=gqa) for (q, k, v) in sets], None)]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    ctx = cached + chunk
+    dev = sets[0][0].device
+    # Query i (at position cached + i) sees keys 0..=cached + i.
+    dense = torch.ones(chunk, ctx, dtype=torch.bool, device=dev).tril(diagonal=cached)
+    lower_right = causal_lower_right(chunk, ctx)
+
+    def via(mask, backend):
+        def attend(q, k, v, gqa):
+            if backend is None:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return attend
+
+    expanded = None
+    ways = []
+    candidates = [("lower-right bias", via(lower_right, None)),
+                  ("dense mask, cuDNN", via(dense, getattr(SDPBackend, "CUDNN_ATTENTION", None)))
+                  if hasattr(SDPBackend, "CUDNN_ATTENTION") else None,
+                  ("dense mask, default", via(dense, None))]
+    for cand in candidates:
+        if cand is None:
+            continue
+        way, attend = cand
+        q, k, v = sets[0]
+        use, g, note = sets, gqa, None
+        try:
+            attend(q, k, v, g)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            if not gqa:
+                log(f"sdpa prefill {way}: refused ({str(e).splitlines()[0][:80]})")
+                continue
+            # Grouped K/V refused: expand to the query heads (once, shared by the ways).
+            if expanded is None:
+                r = nh // hkv
+                expanded = [(q, k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1))
+                            for (q, k, v) in sets]
+            use, g = expanded, False
+            note = f"{way}: K/V expanded to {nh} heads ({str(e).splitlines()[0][:60]})"
+            try:
+                attend(*use[0], g)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+            except (RuntimeError, ValueError, NotImplementedError) as e2:
+                log(f"sdpa prefill {way}: refused ({str(e2).splitlines()[0][:80]})")
+                continue
+        ways.append((way, [lambda q=q, k=k, v=v, attend=attend, g=g: attend(q, k, v, g) for (q, k, v) in use],
+                     note))
+    return ways
+
+
 def run(a):
     import torch
     import torch.nn.functional as F
@@ -220,27 +290,73 @@ def run(a):
         del g
         return graph, b2b, one, copies
 
-    def run_point(kind, point, nbytes, make_calls, rate):
+    def kernels_of(call):
+        """The CUDA kernels one call launches (names shortened), or None if profiling fails."""
+        try:
+            from torch.profiler import ProfilerActivity, profile
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                call()
+                torch.cuda.synchronize()
+            names = []
+            for e in prof.events():
+                if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA"):
+                    n = e.name.split("(")[0].split("<")[0].strip()
+                    if n and n not in names:
+                        names.append(n[:60])
+            return ", ".join(names) or None
+        except Exception as e:  # profiling is a note only: never lose the point to it
+            log(f"kernel names unavailable: {str(e).splitlines()[0][:80] if str(e) else type(e).__name__}")
+            return None
+
+    def run_point(kind, point, nbytes, make_ways, rate):
+        """make_ways(copies) -> [(way, calls, note)]: each way is timed, the fastest reported."""
         if nbytes > budget:
             why = f"needs {nbytes / 2**30:.1f} GiB"
             emit({"kind": "skip", "point": point, "why": why}, f"{kind:>7} {point:>18}   skipped: {why}")
             return
         copies = rotation_copies(nbytes, l2, budget)
         log(f"sdpa {kind} {point}: {copies} copies")
+        timed = []
+        oom = None
         try:
-            calls, note = make_calls(copies)
-            graph, b2b, one, copies = time_point(calls)
+            ways = make_ways(copies)
         except torch.cuda.OutOfMemoryError as e:
-            why = f"out of memory ({str(e).splitlines()[0][:80]})"
+            ways, oom = [], e
+        for way, calls, note in ways:
+            try:
+                graph, b2b, one, n = time_point(calls)
+                timed.append((graph, b2b, one, n, way, note, calls[0]))
+            except torch.cuda.OutOfMemoryError as e:
+                oom = e
+                torch.cuda.empty_cache()
+            except (RuntimeError, ValueError, NotImplementedError) as e:
+                if len(ways) == 1:
+                    raise
+                log(f"sdpa {kind} {point}: way '{way}' failed: {str(e).splitlines()[0][:80]}")
+        if not timed:
+            why = f"out of memory ({str(oom).splitlines()[0][:80]})" if oom else "no way ran"
             emit({"kind": "skip", "point": point, "why": why}, f"{kind:>7} {point:>18}   skipped: {why}")
             torch.cuda.empty_cache()
             return
+        timed.sort(key=lambda t: t[0])
+        graph, b2b, one, copies, way, note, call = timed[0]
+        parts = []
+        if len(ways) > 1:
+            others = ", ".join(f"{t[4]} {t[0]:.1f} us" for t in timed[1:])
+            parts.append(f"fastest of {len(ways)}: {way}" + (f" (others: {others})" if others else ""))
+        if note:
+            parts.append(note)
+        kernels = kernels_of(call)
+        if kernels:
+            parts.append(f"kernels: {kernels}")
+        note = "; ".join(parts)
         rec = {"kind": kind, "point": point, "graph_us": graph, "b2b_us": b2b, "one_us": one, "copies": copies}
         if note:
             rec["note"] = note
         emit(rec, f"{kind:>7} {point:>18} {copies:>4} | graph {graph:>9.1f} us  b2b {b2b:>9.1f} us  "
                   f"one {one:>9.1f} us | {rate(graph)}" + (f"  ({note})" if note else ""))
-        del calls
+        del ways, timed, call
         torch.cuda.empty_cache()
 
     for point in points(a.decode, default_decode):
@@ -251,8 +367,9 @@ def run(a):
             sets = [(uniform(batch, nh, 1, d), uniform(batch, hkv, ctx, d), uniform(batch, hkv, ctx, d))
                     for _ in range(copies)]
             gqa = nh != hkv
-            return [lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
-                    for (q, k, v) in sets], None
+            return [("sdpa", [lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, scale=scale,
+                                                                                   enable_gqa=gqa)
+                              for (q, k, v) in sets], None)]
 
         run_point("decode", point, nbytes, make_decode,
                   lambda us, nbytes=nbytes: f"{nbytes / us / 1e3:.1f} GB/s")
@@ -266,31 +383,7 @@ def run(a):
             ctx = cached + chunk
             sets = [(uniform(1, nh, chunk, d), uniform(1, hkv, ctx, d), uniform(1, hkv, ctx, d))
                     for _ in range(copies)]
-            gqa = nh != hkv
-            if cached == 0:
-                def attend(q, k, v):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-                note = None
-            else:
-                from torch.nn.attention.bias import causal_lower_right
-                mask = causal_lower_right(chunk, ctx)
-
-                def attend(q, k, v):
-                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-                note = None
-                q, k, v = sets[0]
-                try:
-                    attend(q, k, v)
-                    torch.cuda.synchronize()
-                except (RuntimeError, ValueError, NotImplementedError) as e:
-                    if not gqa:
-                        raise
-                    # Grouped K/V refused on the lower-right path: expand to the query heads.
-                    note = f"K/V expanded to {nh} heads (lower-right mask refused GQA: {str(e).splitlines()[0][:60]})"
-                    sets = [(q, k.repeat_interleave(nh // hkv, dim=1), v.repeat_interleave(nh // hkv, dim=1))
-                            for (q, k, v) in sets]
-                    gqa = False
-            return [lambda q=q, k=k, v=v: attend(q, k, v) for (q, k, v) in sets], note
+            return prefill_ways(torch, F, sets, nh, hkv, chunk, cached, scale, log)
 
         run_point("prefill", point, nbytes, make_prefill,
                   lambda us, flops=flops: f"{flops / us / 1e6:.1f} TFLOP/s")

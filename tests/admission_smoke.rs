@@ -348,3 +348,22 @@ fn pop_wait_is_woken_by_submit_and_ticket_by_completion() {
     q.close();
     assert_eq!(worker.join().unwrap(), 200);
 }
+
+/// A queue shape whose slots cannot fit in memory is refused with a typed error (it aborted
+/// the process on the allocation); the validation's limits alone allowed it.
+#[test]
+fn a_shape_whose_slots_cannot_fit_is_refused() {
+    // Past isize::MAX bytes in all; 2 PiB in one ring (past any address space, so no
+    // allocator can hand it out even where it overcommits).
+    for (workers, cap) in [(65_536, 1 << 30), (1, 1 << 30)] {
+        let r = Admission::<[u8; 1 << 20], u32>::new(AdmissionConfig::new(
+            workers,
+            cap,
+            OverflowPolicy::DropNewest,
+        ));
+        assert!(
+            matches!(r, Err(AdmissionError::InvalidConfig(_))),
+            "{workers} x {cap}"
+        );
+    }
+}

@@ -473,15 +473,32 @@ impl<T, R> Admission<T, R> {
     /// A queue set of the given shape.
     pub fn new(config: AdmissionConfig) -> Result<Self, AdmissionError> {
         config.validate()?;
-        let workers = (0..config.workers)
-            .map(|_| WorkerQueues {
-                high: Ring::new(config.high_capacity),
-                low: Ring::new(config.low_capacity),
+        // Every slot is allocated here: a shape whose slots cannot fit is refused (the
+        // allocator's refusal, not an abort). A shape that fits but exceeds the machine's
+        // memory is the operator's to size.
+        let no_room = AdmissionError::InvalidConfig("the queues' slots do not fit in memory");
+        let slot_bytes = std::mem::size_of::<Entry<T, R>>().max(1) + std::mem::size_of::<usize>();
+        let slots = (config.high_capacity + config.low_capacity)
+            .checked_mul(config.workers)
+            .and_then(|n| n.checked_mul(slot_bytes))
+            .filter(|&b| b <= isize::MAX as usize);
+        if slots.is_none() {
+            return Err(no_room);
+        }
+        let mut workers = Vec::new();
+        workers
+            .try_reserve_exact(config.workers)
+            .map_err(|_| no_room)?;
+        for _ in 0..config.workers {
+            workers.push(WorkerQueues {
+                high: Ring::try_new(config.high_capacity).ok_or(no_room)?,
+                low: Ring::try_new(config.low_capacity).ok_or(no_room)?,
                 high_room: WaitList::new(),
                 low_room: WaitList::new(),
                 work: WaitList::new(),
-            })
-            .collect();
+            });
+        }
+        let workers = workers.into_boxed_slice();
         let counters = Arc::new(Counters {
             workers: (0..config.workers)
                 .map(|_| {

@@ -114,23 +114,31 @@ unsafe impl<T: Send> Sync for Ring<T> {}
 impl<T> Ring<T> {
     /// A ring with room for `cap` values. `cap` must be in `1..=usize::MAX / 4` (the caller,
     /// `AdmissionConfig::validate`, checks it), so that the lap arithmetic has bits to spare.
+    #[cfg(test)]
     pub(crate) fn new(cap: usize) -> Self {
+        Self::try_new(cap).unwrap_or_else(|| panic!("no memory for a ring of {cap} slots"))
+    }
+
+    /// A ring of `cap` slots, or `None` if the allocator refuses their memory (a capacity
+    /// that cannot fit, refused up front rather than aborting the process).
+    pub(crate) fn try_new(cap: usize) -> Option<Self> {
         debug_assert!((1..=usize::MAX / 4).contains(&cap));
         let one_lap = (cap + 1).next_power_of_two();
-        let slots = (0..cap)
-            .map(|i| Slot {
-                // Lap 0: slot `i` waits for the producer of position `i`.
-                stamp: AtomicUsize::new(i),
-                value: UnsafeCell::new(MaybeUninit::uninit()),
-            })
-            .collect();
-        Self {
+        let mut slots = Vec::new();
+        slots.try_reserve_exact(cap).ok()?;
+        slots.extend((0..cap).map(|i| Slot {
+            // Lap 0: slot `i` waits for the producer of position `i`.
+            stamp: AtomicUsize::new(i),
+            value: UnsafeCell::new(MaybeUninit::uninit()),
+        }));
+        let slots = slots.into_boxed_slice();
+        Some(Self {
             head: CachePadded::new(AtomicUsize::new(0)),
             tail: CachePadded::new(AtomicUsize::new(0)),
             slots,
             cap,
             one_lap,
-        }
+        })
     }
 
     /// The capacity.

@@ -21,7 +21,8 @@ pub struct LlamaParams {
     pub n_kv_heads: u32,
     /// Key head dimension (`{arch}.attention.key_length`, default `embedding_length / n_heads`).
     pub head_dim: u32,
-    /// Value head dimension (`{arch}.attention.value_length`, default `head_dim`).
+    /// Value head dimension (`{arch}.attention.value_length`, default `embedding_length /
+    /// n_heads` as in llama.cpp, whatever `key_length` says).
     pub head_dim_v: u32,
     /// Model width (`{arch}.embedding_length`).
     pub embedding_length: u32,
@@ -55,11 +56,11 @@ impl LlamaParams {
         };
         let n_layers = positive(key("block_count"), g.get_u32(&key("block_count"))?)?;
         let k_heads = key("attention.head_count");
-        let n_heads = positive(k_heads.clone(), uniform_u32(g, &k_heads)?)?;
+        let n_heads = positive(k_heads.clone(), uniform_u32(g, &k_heads, n_layers)?)?;
         let k_kv = key("attention.head_count_kv");
         let n_kv_heads = match g.get(&k_kv) {
             None => n_heads,
-            Some(_) => positive(k_kv.clone(), uniform_u32(g, &k_kv)?)?,
+            Some(_) => positive(k_kv.clone(), uniform_u32(g, &k_kv, n_layers)?)?,
         };
         if n_heads % n_kv_heads != 0 {
             return Err(GgufError::BadHyperparameter {
@@ -81,9 +82,17 @@ impl LlamaParams {
             }
         };
         let k_vl = key("attention.value_length");
+        // llama.cpp: n_embd_head_v = n_embd / n_head unless value_length says otherwise;
+        // key_length does not change it.
         let head_dim_v = match g.get(&k_vl) {
             Some(_) => positive(k_vl.clone(), g.get_u32(&k_vl)?)?,
-            None => head_dim,
+            None if embedding_length % n_heads == 0 => embedding_length / n_heads,
+            None => {
+                return Err(GgufError::BadHyperparameter {
+                    key: k_embd,
+                    reason: "not divisible by the head count, and no value_length given",
+                })
+            }
         };
         let k_ctx = key("context_length");
         let context_length = positive(k_ctx.clone(), g.get_u32(&k_ctx)?)?;
@@ -92,13 +101,25 @@ impl LlamaParams {
             Some(_) => g.get_f32(&k_rope)?,
             None => 10_000.0,
         };
+        if !(rope_freq_base.is_finite() && rope_freq_base > 0.0) {
+            return Err(GgufError::BadHyperparameter {
+                key: k_rope,
+                reason: "must be a positive finite number",
+            });
+        }
         let k_rms = key("attention.layer_norm_rms_epsilon");
         let k_ln = key("attention.layer_norm_epsilon");
-        let norm_eps = match (g.get(&k_rms), g.get(&k_ln)) {
-            (Some(_), _) => g.get_f32(&k_rms)?,
-            (None, Some(_)) => g.get_f32(&k_ln)?,
+        let (k_eps, norm_eps) = match (g.get(&k_rms), g.get(&k_ln)) {
+            (Some(_), _) => (k_rms.clone(), g.get_f32(&k_rms)?),
+            (None, Some(_)) => (k_ln.clone(), g.get_f32(&k_ln)?),
             (None, None) => return Err(GgufError::MissingKey { key: k_rms }),
         };
+        if !(norm_eps.is_finite() && norm_eps >= 0.0) {
+            return Err(GgufError::BadHyperparameter {
+                key: k_eps,
+                reason: "must be a finite number, not negative",
+            });
+        }
         Ok(LlamaParams {
             architecture: arch.into(),
             n_layers,
@@ -124,10 +145,17 @@ impl LlamaParams {
     }
 }
 
-/// A head count stored either as one integer or as a per-layer array whose entries agree.
-fn uniform_u32(g: &Gguf<'_>, key: &str) -> Result<u32, GgufError> {
+/// A head count stored either as one integer or as a per-layer array (one entry per layer,
+/// as llama.cpp requires) whose entries agree.
+fn uniform_u32(g: &Gguf<'_>, key: &str, n_layers: u32) -> Result<u32, GgufError> {
     match g.get(key) {
         Some(Value::Array(a)) => {
+            if !a.is_empty() && a.len() != u64::from(n_layers) {
+                return Err(GgufError::BadHyperparameter {
+                    key: key.into(),
+                    reason: "per-layer array length differs from block_count",
+                });
+            }
             let mut first = None;
             for v in a.iter() {
                 let v = v.as_u32().ok_or_else(|| GgufError::WrongType {

@@ -197,3 +197,31 @@ fn a_model_on_another_models_engine_is_refused() {
         "{err}"
     );
 }
+
+/// A RoPE base or norm epsilon that makes every logit NaN is refused at load (the client
+/// loaded such a file and generated token 0 at every step).
+#[test]
+fn a_rope_base_or_epsilon_that_makes_nan_logits_is_refused() {
+    for (key, bad) in [
+        ("llama.rope.freq_base", 0.0f32),
+        ("llama.rope.freq_base", f32::NAN),
+        ("llama.attention.layer_norm_rms_epsilon", -1.0),
+    ] {
+        let bytes = rewritten(
+            |k, v| {
+                if k == key {
+                    Some((k.into(), MetaValue::F32(bad)))
+                } else {
+                    Some((k.into(), v))
+                }
+            },
+            None,
+        );
+        let r = load(&bytes);
+        assert!(
+            matches!(r, Err(Error::Gguf(GgufError::BadHyperparameter { .. }))),
+            "{key} = {bad}: {:?}",
+            r.map(|_| "loaded")
+        );
+    }
+}

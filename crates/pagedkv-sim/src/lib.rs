@@ -174,6 +174,11 @@ impl Device {
     }
 }
 
+/// Most steps of arrivals a run may simulate (`duration / step`).
+pub const MAX_ARRIVAL_STEPS: u64 = 10_000_000;
+/// Most requests a run's arrival rates may make on average (all are generated up front).
+pub const MAX_EXPECTED_REQUESTS: u64 = 10_000_000;
+
 /// Checks a configuration before anything is built.
 pub fn validate(cfg: &SimConfig) -> Result<(), SimError> {
     let bad = |m: String| Err(SimError::InvalidConfig(m));
@@ -199,6 +204,26 @@ pub fn validate(cfg: &SimConfig) -> Result<(), SimError> {
     if cfg.clients == 0 {
         return bad("at least one client thread is needed".into());
     }
+    // Bounds that keep a run finite in time and memory: every step is simulated, and every
+    // request is generated up front.
+    let arrival_steps = cfg.duration_s * 1e3 / cfg.step_ms;
+    if arrival_steps > MAX_ARRIVAL_STEPS as f64 {
+        return bad(format!(
+            "{} s of arrivals at {} ms per step is {arrival_steps:.3e} steps; at most {MAX_ARRIVAL_STEPS}",
+            cfg.duration_s, cfg.step_ms
+        ));
+    }
+    let expected: f64 = cfg
+        .engines
+        .iter()
+        .map(|e| e.rate * e.burst.map_or(1.0, |b| b.factor.max(1.0)) * cfg.duration_s)
+        .sum();
+    if expected.is_nan() || expected > MAX_EXPECTED_REQUESTS as f64 {
+        return bad(format!(
+            "the arrival rates over {} s make about {expected:.3e} requests; at most {MAX_EXPECTED_REQUESTS}",
+            cfg.duration_s
+        ));
+    }
     if cfg.block_size == 0 || cfg.tokens_per_step == 0 || cfg.prefill_chunk == 0 {
         return bad("block size, tokens per step and prefill chunk must be at least 1".into());
     }
@@ -209,6 +234,18 @@ pub fn validate(cfg: &SimConfig) -> Result<(), SimError> {
         if !(e.rate >= 0.0 && e.rate.is_finite()) {
             return bad(format!(
                 "engine {}: arrival rate must be finite and >= 0",
+                e.name
+            ));
+        }
+        if e.max_prompt == 0 || e.max_output == 0 {
+            return bad(format!(
+                "engine {}: longest prompt and longest output must be >= 1",
+                e.name
+            ));
+        }
+        if !(0.0..=1.0).contains(&e.latency_fraction) {
+            return bad(format!(
+                "engine {}: latency-critical fraction must be in 0..=1",
                 e.name
             ));
         }
@@ -224,7 +261,11 @@ pub fn validate(cfg: &SimConfig) -> Result<(), SimError> {
                 e.name
             ));
         }
-        if e.heads * e.head_dim * cfg.tokens_per_step as usize > (1 << 21) {
+        if e.heads
+            .saturating_mul(e.head_dim)
+            .saturating_mul(cfg.tokens_per_step as usize)
+            > (1 << 21)
+        {
             return bad(format!(
                 "engine {}: one step's projections ({} heads x {} dims x {} tokens) exceed the simulator's 2M-value random pool; lower --tokens-per-step",
                 e.name, e.heads, e.head_dim, cfg.tokens_per_step
@@ -277,12 +318,13 @@ pub fn run_on(
     }
     let admission: Admission<SimRequest, SimOutcome> =
         Admission::new(AdmissionConfig::new(n, cfg.queue_capacity, cfg.overflow))?;
-    // Client c serves engines c, c + clients, ...
-    let mut clients: Vec<Client> = (0..cfg.clients)
+    // Client c serves engines c, c + clients, ... (a client beyond the engines would serve none).
+    let n_clients = cfg.clients.min(n);
+    let mut clients: Vec<Client> = (0..n_clients)
         .map(|c| Client {
             mine: requests
                 .iter()
-                .filter(|r| r.engine % cfg.clients == c)
+                .filter(|r| r.engine % n_clients == c)
                 .cloned()
                 .collect(),
             next: 0,
@@ -368,7 +410,7 @@ pub fn run_on(
 
     // Unresolved requests at a forced stop: their engines still hold them.
     let mut reports = Vec::with_capacity(n);
-    let weight_sum: u32 = cfg.engines.iter().map(|e| e.weight).sum();
+    let weight_sum: u64 = cfg.engines.iter().map(|e| u64::from(e.weight)).sum();
     let saturated: Vec<bool> = (0..steps_run as usize)
         .map(|t| {
             engines
@@ -405,7 +447,7 @@ pub fn run_on(
         reports.push(EngineReport {
             name: rt.spec.name.clone(),
             weight: rt.spec.weight,
-            weight_share: f64::from(rt.spec.weight) / f64::from(weight_sum),
+            weight_share: f64::from(rt.spec.weight) / weight_sum as f64,
             geometry: [
                 rt.spec.layers,
                 rt.spec.heads,
@@ -497,15 +539,19 @@ pub fn run_on(
     // Blocks still allocated although every engine went idle would be a leak. (After a forced
     // stop, unfinished sequences legitimately hold blocks; dropping the engines frees them.)
     let forced = refused_all.timed_out > 0;
-    drop(engines);
     // Pages only the prefix cache holds are not leaked: drop them before counting.
     if let Some(cache) = shared.prefix_cache() {
         cache.clear();
     }
+    // Count while the engines live: dropping an engine frees all its batcher still holds, so
+    // a count after the drop cannot see pages an idle engine kept.
+    let held_while_idle = pool.total() - pool.free_count();
+    drop(engines);
     let leaked_blocks = if forced {
-        0
-    } else {
+        // Unfinished sequences held pages legitimately; dropping the engines must free them.
         pool.total() - pool.free_count()
+    } else {
+        held_while_idle
     };
     Ok(Report {
         seed: cfg.seed,

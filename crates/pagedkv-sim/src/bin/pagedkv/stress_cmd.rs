@@ -36,51 +36,54 @@ pub fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         num_blocks: args.blocks,
         max_engines: args.threads,
     })?);
-    let duration = Duration::from_secs_f64(args.seconds);
+    let duration = Duration::try_from_secs_f64(args.seconds)
+        .map_err(|_| format!("--seconds {}: too long", args.seconds))?;
     let start = Instant::now();
     let workers: Vec<_> = (0..args.threads)
         .map(|t| {
             let pool = Arc::clone(&pool);
             let seed = args.seed.wrapping_add(u64::from(t));
-            std::thread::spawn(move || -> Result<u64, pagedkv::error::PoolError> {
-                let engine = EngineId(t);
-                let mut rng = SmallRng::seed_from_u64(seed);
-                let mut held: Vec<BlockId> = Vec::new();
-                let mut scratch = Vec::new();
-                let mut ops = 0u64;
-                while start.elapsed() < duration {
-                    for _ in 0..1024 {
-                        match rng.gen_range(0..10) {
-                            0..=3 => {
-                                if let Ok(id) = pool.alloc(engine) {
+            std::thread::Builder::new()
+                .spawn(move || -> Result<u64, pagedkv::error::PoolError> {
+                    let engine = EngineId(t);
+                    let mut rng = SmallRng::seed_from_u64(seed);
+                    let mut held: Vec<BlockId> = Vec::new();
+                    let mut scratch = Vec::new();
+                    let mut ops = 0u64;
+                    while start.elapsed() < duration {
+                        for _ in 0..1024 {
+                            match rng.gen_range(0..10) {
+                                0..=3 => {
+                                    if let Ok(id) = pool.alloc(engine) {
+                                        held.push(id);
+                                    }
+                                }
+                                4 => {
+                                    scratch.clear();
+                                    if pool.alloc_n(engine, 16, &mut scratch).is_ok() {
+                                        held.extend_from_slice(&scratch);
+                                    }
+                                }
+                                5 if !held.is_empty() => {
+                                    let id = held[rng.gen_range(0..held.len())];
+                                    pool.share(id)?;
                                     held.push(id);
                                 }
-                            }
-                            4 => {
-                                scratch.clear();
-                                if pool.alloc_n(engine, 16, &mut scratch).is_ok() {
-                                    held.extend_from_slice(&scratch);
+                                _ if !held.is_empty() => {
+                                    let id = held.swap_remove(rng.gen_range(0..held.len()));
+                                    pool.release(id)?;
                                 }
+                                _ => {}
                             }
-                            5 if !held.is_empty() => {
-                                let id = held[rng.gen_range(0..held.len())];
-                                pool.share(id)?;
-                                held.push(id);
-                            }
-                            _ if !held.is_empty() => {
-                                let id = held.swap_remove(rng.gen_range(0..held.len()));
-                                pool.release(id)?;
-                            }
-                            _ => {}
+                            ops += 1;
                         }
-                        ops += 1;
                     }
-                }
-                pool.free_n(&held)?;
-                Ok(ops)
-            })
+                    pool.free_n(&held)?;
+                    Ok(ops)
+                })
+                .map_err(|e| format!("cannot start worker thread {t}: {e}"))
         })
-        .collect();
+        .collect::<Result<_, _>>()?;
     let mut total = 0u64;
     for w in workers {
         total += w.join().map_err(|_| "a worker thread panicked")??;

@@ -1,0 +1,167 @@
+//! The simulator on bad input: a clear error, never a panic, a hang or unbounded memory; and
+//! figures that are what was measured.
+
+use pagedkv_sim::{self as sim, SimConfig};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// Runs the binary; fails the test if it is still running after `limit` (a hang).
+fn pagedkv_within(args: &[&str], limit: Duration) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pagedkv"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{args:?} still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Exited by itself (not killed by a signal such as SIGABRT on OOM) and did not panic.
+fn assert_clean(args: &[&str], out: &Output) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.code().is_some(),
+        "{args:?} killed: {:?}\n{stderr}",
+        out.status
+    );
+    assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    assert!(!stderr.contains("memory allocation"), "{args:?}: {stderr}");
+}
+
+/// `--step-ms 1e-9` asks for 10^12 steps for one simulated second: it must be refused,
+/// not run (forever).
+#[test]
+fn tiny_step_is_refused_not_run_forever() {
+    let args = [
+        "simulate",
+        "--quiet",
+        "--duration",
+        "1",
+        "--step-ms",
+        "1e-9",
+    ];
+    let out = pagedkv_within(&args, Duration::from_secs(30));
+    assert_clean(&args, &out);
+    assert!(!out.status.success(), "{args:?} succeeded");
+}
+
+/// Huge `--duration` or `--load` generate an unbounded workload (OOM abort in `generate`).
+/// Checked on the library so the test itself cannot exhaust memory.
+#[test]
+fn unbounded_workloads_are_refused_by_validate() {
+    let mut cfg = SimConfig::default();
+    cfg.duration_s = 1e9;
+    assert!(sim::validate(&cfg).is_err(), "10^9 s of arrivals accepted");
+    let mut cfg = SimConfig::default();
+    for e in &mut cfg.engines {
+        e.rate *= 1e200;
+    }
+    assert!(sim::validate(&cfg).is_err(), "10^200 requests/s accepted");
+}
+
+/// `(duration / step).ceil() as u64 * 6` overflows (debug: panic) although the run is empty.
+#[test]
+fn step_limit_does_not_overflow() {
+    let args = [
+        "simulate",
+        "--quiet",
+        "--duration",
+        "1e17",
+        "--load",
+        "1e-300",
+    ];
+    let out = pagedkv_within(&args, Duration::from_secs(60));
+    assert_clean(&args, &out);
+}
+
+/// `--clients` sizes a Vec of clients up front: 10^12 clients abort on allocation.
+#[test]
+fn huge_client_count_is_not_an_allocation_abort() {
+    let args = [
+        "simulate",
+        "--quiet",
+        "--duration",
+        "0.5",
+        "--clients",
+        "1000000000000",
+    ];
+    let out = pagedkv_within(&args, Duration::from_secs(60));
+    assert_clean(&args, &out);
+}
+
+/// Weights summing past u32::MAX: the weight shares must still sum to 1 (release: the u32 sum
+/// wraps and prints "weight inf%"; debug: panics).
+#[test]
+fn weight_shares_sum_to_one_with_large_weights() {
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/gguf/all_types.gguf"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let args = [
+        "simulate",
+        "--quiet",
+        "--duration",
+        "0.5",
+        "--model",
+        fixture,
+        "--model",
+        fixture,
+        "--weights",
+        "4294967295,1",
+        "--json",
+        json.to_str().unwrap(),
+    ];
+    let out = pagedkv_within(&args, Duration::from_secs(120));
+    assert_clean(&args, &out);
+    assert!(out.status.success());
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let sum: f64 = r["engines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["weight_share"].as_f64().unwrap())
+        .sum();
+    assert!((sum - 1.0).abs() < 1e-9, "weight shares sum to {sum}");
+}
+
+/// `stress --seconds 1e300` is finite and positive, but `Duration::from_secs_f64` panics.
+#[test]
+fn stress_huge_seconds_is_a_clear_error() {
+    let args = ["stress", "--seconds", "1e300"];
+    let out = pagedkv_within(&args, Duration::from_secs(30));
+    assert_clean(&args, &out);
+    assert!(!out.status.success());
+}
+
+/// A public config the library accepts must not panic in the run: `max_output: 0` (and
+/// `max_prompt: 0`) make `heavy_tailed` call `clamp(1, 0)`, a NaN latency fraction makes
+/// `gen_bool` panic.
+#[test]
+fn library_configs_that_panic_in_generate_are_refused() {
+    for bad in 0..3 {
+        let mut cfg = SimConfig::default();
+        cfg.duration_s = 0.5;
+        match bad {
+            0 => cfg.engines[0].max_output = 0,
+            1 => cfg.engines[0].max_prompt = 0,
+            _ => cfg.engines[0].latency_fraction = f64::NAN,
+        }
+        let r = std::panic::catch_unwind(|| sim::run(&cfg, &|_| {}).map(|_| ()));
+        assert!(
+            matches!(r, Ok(Err(_))),
+            "case {bad}: {}",
+            if r.is_err() { "panicked" } else { "accepted" }
+        );
+    }
+}

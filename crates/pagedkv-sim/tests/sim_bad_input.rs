@@ -58,8 +58,10 @@ fn tiny_step_is_refused_not_run_forever() {
 /// Checked on the library so the test itself cannot exhaust memory.
 #[test]
 fn unbounded_workloads_are_refused_by_validate() {
-    let mut cfg = SimConfig::default();
-    cfg.duration_s = 1e9;
+    let cfg = SimConfig {
+        duration_s: 1e9,
+        ..SimConfig::default()
+    };
     assert!(sim::validate(&cfg).is_err(), "10^9 s of arrivals accepted");
     let mut cfg = SimConfig::default();
     for e in &mut cfg.engines {
@@ -150,8 +152,10 @@ fn stress_huge_seconds_is_a_clear_error() {
 #[test]
 fn library_configs_that_panic_in_generate_are_refused() {
     for bad in 0..3 {
-        let mut cfg = SimConfig::default();
-        cfg.duration_s = 0.5;
+        let mut cfg = SimConfig {
+            duration_s: 0.5,
+            ..SimConfig::default()
+        };
         match bad {
             0 => cfg.engines[0].max_output = 0,
             1 => cfg.engines[0].max_prompt = 0,

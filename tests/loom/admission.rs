@@ -9,7 +9,7 @@
 //! - the ticket one-shot: completion racing the ticket's poll, and the ticket's drop (loom's
 //!   `Arc` checks that nothing leaks);
 //! - a multi-slot ring with two producers and a consumer, across a lap boundary: every admitted
-//!   request is taken exactly once, in each producer's order, refusals only when full;
+//!   request is taken exactly once, in each producer's order, at least two of four admitted;
 //! - drop-oldest evicts only from a full queue: a pop that frees a slot first means no eviction;
 //! - a `pop_wait` polled again with a different waker is woken through the new one;
 //! - a blocking submit withdrawn beside a waiting one: the withdrawal takes the room list and
@@ -202,7 +202,9 @@ fn abandoned_job_wakes_ticket() {
 /// Two producers and a consumer on one worker's ring of capacity 2, starting one slot before a
 /// lap boundary (so positions cross it): the Vyukov stamps and lapped positions under
 /// contention. Every admitted request is popped exactly once, each producer's requests in its
-/// order, and a refusal (`QueueFull`) only happens while the ring holds two requests.
+/// order, and at least two of the four are admitted (the consumer takes at most one). A refusal
+/// is `QueueFull`; it can come with one request queued, while the consumer is mid-way through
+/// taking the other (the ring reports Busy, which a non-blocking submit reports as full).
 #[test]
 fn two_producers_multi_slot_ring() {
     loom::model(|| {

@@ -115,7 +115,16 @@ impl CopyEngine for CudaCopy {
     fn alloc_dst(&mut self, bytes: usize) -> Result<CudaSlice<u8>, CudaError> {
         // SAFETY: uninitialized device memory of `u8`, for which every bit pattern is a value;
         // reading it before the copies land (a download) yields unspecified bytes, not UB.
-        Ok(unsafe { self.stream.alloc::<u8>(bytes) }?)
+        // The driver refuses a 0-byte allocation: an empty tensor gets one byte, below.
+        let slice = unsafe { self.stream.alloc::<u8>(bytes.max(1)) }?;
+        if bytes > 0 {
+            return Ok(slice);
+        }
+        let ptr = slice.leak();
+        // SAFETY: `ptr` is the allocation just made on this stream, whose ownership `leak` gave
+        // up; the new slice takes it over (its drop frees it, once) and, of length 0, exposes
+        // none of its byte.
+        Ok(unsafe { self.stream.upgrade_device_ptr::<u8>(ptr, 0) })
     }
 
     unsafe fn fill(staging: &mut CudaStaging, at: usize, src: &[u8]) {

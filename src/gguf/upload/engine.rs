@@ -39,8 +39,8 @@ pub trait CopyEngine {
     /// since returned.
     unsafe fn free_staging(&mut self, staging: Self::Staging);
 
-    /// A destination of `bytes` bytes (at least 1); its contents are unspecified until copies
-    /// have written them.
+    /// A destination of `bytes` bytes, 0 for an empty tensor (the uploads ask for one per
+    /// tensor, empty or not); its contents are unspecified until copies have written them.
     ///
     /// # Errors
     /// The engine's allocation error.

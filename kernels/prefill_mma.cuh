@@ -96,6 +96,7 @@ inline emu::AsyncGroups<CpAsync16> &cp_async_queue() {
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
 #ifdef PKV_CUDA_EMU
   emu::check_align16(smem, "cp.async shared destination");
+  emu::check_shared(smem, 16, "cp.async destination outside shared memory");
   emu::check_align16(gmem, "cp.async global source");
   if (emu::copies_at_issue())
     *static_cast<uint4 *>(smem) = ld_vec(gmem);

@@ -441,3 +441,113 @@ fn ldmatrix_fragments_follow_the_isa_layout() {
         }
     }
 }
+
+// ---- deliberately wrong kernels the emulation must refuse (kernels/emu/selftest.cu) ---------
+
+const ILLEGAL_ADDRESS: i32 = 700;
+
+/// Accesses the guard pages miss: before the data (inside its page) and inside the rounding of
+/// its length to 16 bytes. The slack is poisoned and checked after each launch.
+#[test]
+fn writes_into_a_buffers_slack_are_reported() {
+    let b = zeroed(400);
+    // SAFETY: deliberately wrong: index -1 of the buffer, in its page's slack.
+    let p = unsafe { (b.ptr() as *mut i32).sub(1) };
+    let s = unsafe { emu_ffi::pkv_emu_selftest_write(p, 1) };
+    assert_eq!(s, ILLEGAL_ADDRESS, "{:?}", cuda_emu::last_fault());
+    let b = zeroed(404);
+    // SAFETY: deliberately wrong: 104 ints into 404 bytes (the last three in the rounding).
+    let s = unsafe { emu_ffi::pkv_emu_selftest_write(b.ptr() as *mut i32, 104) };
+    assert_eq!(s, ILLEGAL_ADDRESS, "{:?}", cuda_emu::last_fault());
+    let b = zeroed(400);
+    // SAFETY: in bounds: the same kernel, 100 ints into 400 bytes.
+    let s = unsafe { emu_ffi::pkv_emu_selftest_write(b.ptr() as *mut i32, 100) };
+    assert_eq!(s, 0, "{:?}", cuda_emu::last_fault());
+}
+
+/// Loads of 8 and 4 bytes must be naturally aligned, as 16-byte ones.
+#[test]
+fn misaligned_small_loads_are_reported() {
+    let mut src = zeroed(64);
+    for (i, w) in src.as_mut_slice::<u32>().iter_mut().enumerate() {
+        *w = i as u32;
+    }
+    let out = zeroed(8);
+    // An 8-byte load at a 4-byte boundary; then (8-byte aligned) a 4-byte load at +2.
+    for at in [4usize, 8] {
+        // SAFETY: inside the buffer; the misalignment is the point.
+        let p = unsafe { (src.ptr() as *mut u8).add(at) };
+        let s = unsafe { emu_ffi::pkv_emu_wrong_ld8(p.cast(), out.ptr() as *mut i32) };
+        assert_eq!(s, MISALIGNED, "at +{at}: {:?}", cuda_emu::last_fault());
+    }
+}
+
+/// Dynamic shared memory one element past its end (inside the 16-byte rounding): the read sees
+/// the poison, the write is reported.
+#[test]
+fn shared_memory_past_its_end_is_reported() {
+    let out = zeroed(8);
+    let s = unsafe { emu_ffi::pkv_emu_wrong_smem_past_end(out.ptr() as *mut f32, 1) };
+    assert_eq!(s, ILLEGAL_ADDRESS, "{:?}", cuda_emu::last_fault());
+    assert!(
+        out.as_slice::<f32>()[0].is_nan(),
+        "the read before the write saw the poison"
+    );
+}
+
+/// A full-mask shuffle that half the warp never executes (those lanes sit at a __syncwarp)
+/// is refused in every thread order; it used to pair with the __syncwarp and read stale values.
+#[test]
+fn a_shuffle_some_lanes_skip_is_reported() {
+    for sch in [Schedule::Forward, Schedule::Reverse, Schedule::Random(3)] {
+        cuda_emu::set_schedule(sch);
+        for twice in [false, true] {
+            let out = zeroed(32 * 4);
+            let s = unsafe {
+                if twice {
+                    emu_ffi::pkv_emu_wrong_shfl_vs_syncwarp2(out.ptr() as *mut i32)
+                } else {
+                    emu_ffi::pkv_emu_wrong_shfl_vs_syncwarp(out.ptr() as *mut i32)
+                }
+            };
+            assert_eq!(s, LAUNCH_FAILURE, "{sch:?}: {:?}", cuda_emu::last_fault());
+        }
+    }
+    cuda_emu::set_schedule(Schedule::Forward);
+}
+
+/// ldmatrix reads shared memory only: a global address is refused.
+#[test]
+fn ldmatrix_from_global_memory_is_reported() {
+    let g = zeroed(64 * 2);
+    let out = zeroed(32 * 4);
+    let s = unsafe {
+        emu_ffi::pkv_emu_wrong_ldmatrix_global(g.ptr() as *const u16, out.ptr() as *mut u32)
+    };
+    assert_eq!(s, ILLEGAL_ADDRESS, "{:?}", cuda_emu::last_fault());
+}
+
+/// wgmma is warpgroup-wide: a block of fewer than 4 warps, or warps of one warpgroup giving
+/// different B descriptors, is refused; the whole warpgroup with one descriptor runs (A and B
+/// all ones over k = 16: every output 16).
+#[test]
+fn wgmma_needs_the_whole_warpgroup_and_one_descriptor() {
+    for (threads, per_warp, want) in [
+        (128, 0, 0),
+        (64, 0, LAUNCH_FAILURE),
+        (32, 0, LAUNCH_FAILURE),
+        (128, 1, LAUNCH_FAILURE),
+    ] {
+        let out = zeroed(128 * 4);
+        let s = unsafe { emu_ffi::pkv_emu_wrong_wgmma(out.ptr() as *mut f32, threads, per_warp) };
+        assert_eq!(
+            s,
+            want,
+            "{threads} threads, per-warp descriptor {per_warp}: {:?}",
+            cuda_emu::last_fault()
+        );
+        if want == 0 {
+            assert!(out.as_slice::<f32>().iter().all(|&d| d == 16.0));
+        }
+    }
+}

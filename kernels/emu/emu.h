@@ -20,17 +20,26 @@
 // - __shared__ variables are block-scope thread_locals (the fibers of a block share the OS
 //   thread; blocks run one at a time), poisoned with 0xFF bytes (NaN as f32) at the start of
 //   every block like the dynamic shared memory, which is a guarded allocation.
-// - Faults a GPU would raise are checked where the emulation can see them: misaligned 16-byte
-//   vector loads and stores, launch configurations the hardware refuses (block > 1024 threads,
-//   grid y/z > 65535, > 48 KiB of dynamic shared memory without the opt-in attribute), and
-//   accesses past a guarded allocation (pkv_emu_alloc) or the dynamic shared memory (SIGSEGV,
-//   reported and aborted).
+// - Faults a GPU would raise are checked where the emulation can see them: loads and stores
+//   through the cache-hint intrinsics at less than their natural alignment, launch
+//   configurations the hardware refuses (block > 1024 threads, grid y/z > 65535, > 48 KiB of
+//   dynamic shared memory without the opt-in attribute), accesses past a guarded allocation
+//   (pkv_emu_alloc) or the dynamic shared memory (SIGSEGV, reported and aborted), writes into
+//   the slack the guard pages miss (before the data in its page, and the rounding of its
+//   length to 16 bytes: poisoned, checked after every launch and copy), ldmatrix / cp.async /
+//   wgmma operands outside shared memory, lanes of a warp meeting at different warp-level
+//   operations (a full-mask shuffle some lanes skip), and wgmma without its whole warpgroup or
+//   with different descriptors across it. kernels/emu/selftest.cu has a wrong kernel for each.
 // - Errors are sticky per OS thread and read through cudaGetLastError(), as launch errors are.
 //
 // Not modelled: timing, memory coalescing, the L1/L2 hierarchy, real concurrency between
 // blocks (a kernel whose blocks wait for each other would deadlock here), streams (everything is
 // synchronous), concurrent atomics (blocks run one at a time: the decode split merge's arrival
-// counter is exercised in every block order, not under contention).
+// counter is exercised in every block order, not under contention). Not caught: lost updates of
+// a non-atomic read-modify-write by several threads (each thread runs alone between barriers),
+// __ldg of data written earlier in the same launch (the non-coherent path reads what is there),
+// missing fences (__threadfence, fence.proxy.async, wgmma fences do nothing here), plain
+// pointer dereferences at less than natural alignment; racecheck on a GPU is for those.
 #pragma once
 
 #include <math.h>
@@ -158,7 +167,12 @@ extern thread_local uint64_t tl_block_serial;
 // Adds a static __shared__ variable's size to the running block's total and fails the launch
 // when static + dynamic shared memory exceed what the kernel may use (48 KiB without the
 // opt-in attribute, 227 KiB with it), as the hardware refuses such a launch.
-void account_static_shared(size_t bytes);
+void account_static_shared(const void *addr, size_t bytes);
+// Whether [p, p + bytes) lies inside the running block's shared memory (the dynamic allocation
+// or a static __shared__ variable it has declared).
+bool in_shared(const void *p, size_t bytes);
+// Faults unless [p, p + bytes) lies in shared memory (ldmatrix, cp.async, wgmma operands).
+void check_shared(const void *p, size_t bytes, const char *what);
 
 // Fills a static __shared__ variable with 0xFF bytes (NaN as f32) the first time any thread of
 // the running block passes its declaration, and counts its size (build/emu.rs inserts the call
@@ -168,7 +182,7 @@ template <typename V, typename Tag> inline void poison_shared_once(V &v, Tag) {
   if (poisoned_in != tl_block_serial) {
     poisoned_in = tl_block_serial;
     memset(static_cast<void *>(&v), 0xff, sizeof(V));
-    account_static_shared(sizeof(V));
+    account_static_shared(static_cast<const void *>(&v), sizeof(V));
   }
 }
 
@@ -198,6 +212,12 @@ void warp_gather(const void *mine, size_t bytes, void *all);
 
 inline void check_align16(const void *p, const char *what) {
   if ((reinterpret_cast<uintptr_t>(p) & 15u) != 0) fault(cudaErrorMisalignedAddress, what, p);
+}
+// Every global access of a power-of-two size must be naturally aligned on a GPU.
+template <typename T> inline void check_natural_align(const T *p, const char *what) {
+  constexpr size_t a = sizeof(T);
+  static_assert((a & (a - 1)) == 0, "a power-of-two access size");
+  if ((reinterpret_cast<uintptr_t>(p) & (a - 1)) != 0) fault(cudaErrorMisalignedAddress, what, p);
 }
 
 // The calling emulated thread's T, value-initialized for every block: per-thread state of the
@@ -295,19 +315,19 @@ inline int __ffs(int x) { return x == 0 ? 0 : __builtin_ctz((unsigned)x) + 1; }
 // ---- loads and stores with cache hints (the hints mean nothing here) -----------------------
 
 template <typename T> inline T __ldg(const T *p) {
-  if (sizeof(T) == 16) emu::check_align16(p, "__ldg of a 16-byte vector");
+  emu::check_natural_align(p, "__ldg of a misaligned address");
   return *p;
 }
 template <typename T> inline T __ldcs(const T *p) {
-  if (sizeof(T) == 16) emu::check_align16(p, "__ldcs of a 16-byte vector");
+  emu::check_natural_align(p, "__ldcs of a misaligned address");
   return *p;
 }
 template <typename T> inline T __ldcg(const T *p) {
-  if (sizeof(T) == 16) emu::check_align16(p, "__ldcg of a 16-byte vector");
+  emu::check_natural_align(p, "__ldcg of a misaligned address");
   return *p;
 }
 template <typename T> inline void __stcs(T *p, const T &v) {
-  if (sizeof(T) == 16) emu::check_align16(p, "__stcs of a 16-byte vector");
+  emu::check_natural_align(p, "__stcs of a misaligned address");
   *p = v;
 }
 

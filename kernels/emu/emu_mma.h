@@ -86,7 +86,10 @@ template <int N, bool TRANS> inline void ldmatrix(uint32_t (&r)[N], const void *
   static_assert(N == 1 || N == 2 || N == 4, "ldmatrix takes 1, 2 or 4 matrices");
   const void *rows[32];
   warp_gather(&row, sizeof row, rows);
-  for (int i = 0; i < 8 * N; ++i) check_align16(rows[i], "ldmatrix row address");
+  for (int i = 0; i < 8 * N; ++i) {
+    check_align16(rows[i], "ldmatrix row address");
+    check_shared(rows[i], 16, "ldmatrix row address outside shared memory");
+  }
   const int l = lane_id();
   for (int j = 0; j < N; ++j) {
     uint16_t e[2];
@@ -160,6 +163,7 @@ inline void wgmma_run(const WgmmaOp &op) {
       off ^= ((off >> 7) & mask) << 4;
     }
     uint16_t bits;
+    check_shared(base + off, 2, "wgmma B element outside shared memory");
     memcpy(&bits, base + off, 2);
     return mma_elem_f32(bits, 0, op.t);
   };
@@ -178,11 +182,43 @@ inline void wgmma_run(const WgmmaOp &op) {
   }
 }
 
+// wgmma is warpgroup-collective: the 4 warps 4 g .. 4 g + 3 must all exist, and every thread's
+// k-th wgmma must have the same descriptor, N and B layout across the warpgroup.
+struct WgmmaIssue {
+  uint64_t desc;
+  int n;
+  bool trans_b;
+};
+inline void wgmma_check_warpgroup(uint64_t desc, int n, bool trans_b) {
+  const ThreadCoords &c = *tl_coords;
+  const size_t threads = (size_t)c.block_dim.x * c.block_dim.y * c.block_dim.z;
+  const size_t tid = c.thread.x + (size_t)c.block_dim.x * (c.thread.y + (size_t)c.block_dim.y * c.thread.z);
+  const size_t group = tid / 128;
+  if ((group + 1) * 128 > threads)
+    fault(cudaErrorLaunchFailure, "wgmma in a block without the whole warpgroup (4 warps)", nullptr);
+  int &count = per_thread<int>();
+  static thread_local uint64_t block = ~(uint64_t)0;
+  static thread_local std::vector<std::vector<WgmmaIssue>> seen;  // [warpgroup][k]
+  if (block != tl_block_serial) {
+    block = tl_block_serial;
+    seen.assign(threads / 128, {});
+  }
+  auto &log = seen[group];
+  const size_t k = (size_t)count++;
+  if (k == log.size()) {
+    log.push_back(WgmmaIssue{desc, n, trans_b});
+  } else if (log[k].desc != desc || log[k].n != n || log[k].trans_b != trans_b) {
+    fault(cudaErrorLaunchFailure,
+          "wgmma whose descriptor, N or B layout differs across the warpgroup", nullptr);
+  }
+}
+
 // Issue: queued until a wait covers its commit group.
 template <int N>
 inline void wgmma_m64nNk16(MmaElem t, float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc,
                            const void *base, bool trans_b) {
   static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma n is a multiple of 8 up to 256");
+  wgmma_check_warpgroup(desc, N, trans_b);
   wgmma_queue().issue(WgmmaOp{t, N, d, {a[0], a[1], a[2], a[3]}, desc, base, trans_b});
 }
 

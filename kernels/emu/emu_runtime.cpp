@@ -66,6 +66,8 @@ SmemLimits smem_limits_of(const void *kernel) {
 struct Mapping {
   void *base;
   size_t len;
+  char *data = nullptr;  // the allocation's first byte
+  size_t bytes = 0;      // as requested
 };
 std::mutex g_alloc_mutex;
 std::map<void *, Mapping> g_allocs;
@@ -91,7 +93,53 @@ void *guarded_alloc(size_t bytes, Mapping *m) {
   }
   m->base = base;
   m->len = len;
-  return b + (data_pages + 1) * pg - n;
+  m->data = b + (data_pages + 1) * pg - n;
+  m->bytes = bytes;
+  // The slack between the lower guard page and the data, and the rounding to 16 bytes after
+  // it, are poisoned (0xFF: NaN as f32, f16, bf16) so that a read there shows, and checked by
+  // slack_intact so that a write there is reported: the guard pages alone catch neither an
+  // access before the data nor one inside the last 16 bytes.
+  memset(b + pg, 0xff, (size_t)(m->data - (b + pg)));
+  memset(m->data + bytes, 0xff, n - bytes);
+  return m->data;
+}
+
+// Whether the poisoned slack around a guarded allocation is still all 0xFF (else the address
+// of the first changed byte in *bad).
+bool slack_intact(const Mapping &m, const char **bad) {
+  const size_t pg = page_size();
+  const char *lo = static_cast<const char *>(m.base) + pg;
+  const size_t n = ((m.bytes == 0 ? 1 : m.bytes) + 15) / 16 * 16;
+  for (const char *q = lo; q < m.data; ++q)
+    if ((unsigned char)*q != 0xff) return *bad = q, false;
+  for (const char *q = m.data + m.bytes; q < m.data + n; ++q)
+    if ((unsigned char)*q != 0xff) return *bad = q, false;
+  return true;
+}
+
+// Reports (as the sticky error, cudaErrorIllegalAddress) a write into the poisoned slack of any
+// live guarded allocation since the last check, and poisons it again.
+void check_global_slack(const char *who) {
+  std::lock_guard<std::mutex> lock(g_alloc_mutex);
+  for (auto &kv : g_allocs) {
+    const char *bad = nullptr;
+    if (!slack_intact(kv.second, &bad)) {
+      char buf[220];
+      snprintf(buf, sizeof buf,
+               "%s wrote %td bytes from the start of a %zu-byte guarded allocation (outside "
+               "it, inside the guard pages' granularity): a GPU would corrupt memory or raise "
+               "an illegal address",
+               who, bad - kv.second.data, kv.second.bytes);
+      fprintf(stderr, "pagedkv cuda-emu: %s\n", buf);
+      tl_fault_message = buf;
+      set_error(cudaErrorIllegalAddress);
+      const Mapping &m = kv.second;
+      char *lo = static_cast<char *>(m.base) + page_size();
+      const size_t n = ((m.bytes == 0 ? 1 : m.bytes) + 15) / 16 * 16;
+      memset(lo, 0xff, (size_t)(m.data - lo));
+      memset(m.data + m.bytes, 0xff, n - m.bytes);
+    }
+  }
 }
 
 // ---- fault reporting from SIGSEGV / SIGBUS ------------------------------------------------
@@ -210,6 +258,7 @@ struct Context {
 enum class State { Ready, WaitBlock, WaitWarp, Done };
 
 struct Fiber {
+  int warp_op = 0;  // what the fiber waits for at its warp barrier (WarpOp)
   Context ctx;
   char *stack = nullptr;  // lowest usable byte (a guard page lies below)
   State state = State::Ready;
@@ -222,6 +271,20 @@ struct Fiber {
 struct Barrier {
   int alive = 0, arrived = 0;
   uint32_t gen = 0;
+};
+
+// Which warp-level operation a lane waits in: the lanes a warp barrier releases together must
+// all be in the same one (shfl.sync, bar.warp.sync, vote, mma/ldmatrix are distinct
+// instructions: a full-mask shuffle some lanes of which are at a __syncwarp is undefined).
+enum WarpOp {
+  OP_SYNCWARP = 1,
+  OP_SHFL_XOR_POST,
+  OP_SHFL_XOR_READ,
+  OP_SHFL_IDX_POST,
+  OP_SHFL_IDX_READ,
+  OP_VOTE_POST,
+  OP_VOTE_READ,
+  OP_GATHER,
 };
 
 // One launch in progress on this OS thread.
@@ -243,6 +306,8 @@ struct Runner {
   bool failed = false;
   void *smem = nullptr;
   size_t smem_bytes = 0;
+  Mapping smem_map{};
+  std::vector<std::pair<const char *, size_t>> static_ranges;  // the block's static __shared__
   size_t static_smem = 0;       // static __shared__ bytes seen in the running block
   size_t smem_total_limit = 0;  // static + dynamic allowed for this kernel
   uint64_t rng = 0;
@@ -286,11 +351,41 @@ void drop(Barrier &b) {
   }
 }
 
+void fail_launch(Runner &r, cudaError_t e, const std::string &msg);
+
+// Called as warp w's barrier completes generation `gen`: every lane it releases must wait in
+// the same operation. Returns false (and fails the launch) otherwise.
+bool warp_ops_agree(Runner &r, int w, uint32_t gen) {
+  int op = 0;
+  const int n = (int)r.fibers.size();
+  for (int i = w * 32; i < n && i < w * 32 + 32; ++i) {
+    const Fiber &f = r.fibers[i];
+    if (f.state != State::WaitWarp || f.wait_gen != gen) continue;
+    if (op == 0) op = f.warp_op;
+    else if (f.warp_op != op) {
+      char buf[200];
+      snprintf(buf, sizeof buf,
+               "warp %d: lanes meet at different warp-level operations (kinds %d and %d: "
+               "__syncwarp, shuffle, vote, mma/ldmatrix): a full-mask warp operation not "
+               "executed by every live lane",
+               w, op, f.warp_op);
+      fail_launch(r, cudaErrorLaunchFailure, buf);
+      return false;
+    }
+  }
+  return true;
+}
+
 [[noreturn]] void fiber_exit(Runner *r) {
   Fiber *f = r->cur;
   f->state = State::Done;
   drop(r->block_bar);
-  drop(r->warp_bars[f->warp]);
+  {
+    Barrier &wb = r->warp_bars[f->warp];
+    const uint32_t gen = wb.gen;
+    drop(wb);
+    if (wb.gen != gen && !r->failed) warp_ops_agree(*r, f->warp, gen);
+  }
   switch_to(f->ctx, r->sched);
   abort();  // never resumed
 }
@@ -379,7 +474,15 @@ bool run_block(Runner &r, uint3 block, dim3 grid, dim3 bdim) {
     f.coords.block_dim = bdim;
     f.coords.grid_dim = grid;
   }
-  if (r.smem_bytes > 0) memset(r.smem, 0xff, r.smem_bytes);  // NaN: unwritten reads show
+  if (r.smem_bytes > 0) {
+    // NaN: unwritten reads show. The slack of the guarded allocation too (a read past the end
+    // inside the rounding to 16 bytes, or before the start inside the page).
+    const size_t pg = page_size();
+    char *lo = static_cast<char *>(r.smem_map.base) + pg;
+    const size_t n = (r.smem_bytes + 15) / 16 * 16;
+    memset(lo, 0xff, (size_t)(r.smem_map.data + n - lo));
+  }
+  r.static_ranges.clear();
   ++tl_block_serial;  // static __shared__ variables are poisoned afresh (poison_shared_once)
   r.static_smem = 0;
   r.order.resize(n);
@@ -427,7 +530,19 @@ bool run_block(Runner &r, uint3 block, dim3 grid, dim3 bdim) {
       for (int idx : r.order)
         if (!step(idx, ran)) return false;
     }
-    if (all_done) return true;
+    if (all_done) {
+      const char *bad = nullptr;
+      if (r.smem_bytes > 0 && !slack_intact(r.smem_map, &bad)) {
+        char buf[200];
+        snprintf(buf, sizeof buf,
+                 "block (%u,%u,%u) wrote shared memory outside its %zu dynamic bytes (at offset "
+                 "%td): a GPU would raise an illegal address or corrupt another block",
+                 block.x, block.y, block.z, r.smem_bytes, bad - r.smem_map.data);
+        fail_launch(r, cudaErrorIllegalAddress, buf);
+        return false;
+      }
+      return true;
+    }
     if (!progressed) {
       int at_block = 0, at_warp = 0, done = 0;
       for (auto &f : r.fibers) {
@@ -448,12 +563,14 @@ bool run_block(Runner &r, uint3 block, dim3 grid, dim3 bdim) {
 }
 
 // Arrives at `b` and parks the calling fiber until every live thread of its scope arrived.
-void arrive(Barrier &b, State wait_state) {
+void arrive(Barrier &b, State wait_state, int op = 0) {
   Runner *r = tl_run;
   Fiber *f = r->cur;
   f->wait_gen = b.gen;
   f->state = wait_state;
+  f->warp_op = op;
   if (++b.arrived == b.alive) {
+    if (wait_state == State::WaitWarp && !warp_ops_agree(*r, f->warp, b.gen)) fiber_exit(r);
     b.arrived = 0;
     ++b.gen;  // every waiter, this one included, may go on (in the policy's order)
   }
@@ -480,7 +597,7 @@ void syncthreads() {
 void syncwarp(unsigned mask) {
   Runner *r = require_runner("__syncwarp");
   if (mask != 0xffffffffu) fault(cudaErrorLaunchFailure, "__syncwarp with a partial mask", nullptr);
-  arrive(r->warp_bars[r->cur->warp], State::WaitWarp);
+  arrive(r->warp_bars[r->cur->warp], State::WaitWarp, OP_SYNCWARP);
 }
 
 namespace {
@@ -498,7 +615,7 @@ void check_source_lane(Runner *r, int w, int src) {
 
 // Posts `bits` in the lane's slot, waits for the warp, reads lane `src(lane)`, waits again.
 template <typename Src>
-uint64_t shuffle(const char *what, unsigned mask, uint64_t bits, int width, Src src_of) {
+uint64_t shuffle(const char *what, int op, unsigned mask, uint64_t bits, int width, Src src_of) {
   Runner *r = require_runner(what);
   if (mask != 0xffffffffu) fault(cudaErrorLaunchFailure, "shuffle with a partial mask", nullptr);
   if (width <= 0 || width > 32 || (width & (width - 1)) != 0)
@@ -506,18 +623,18 @@ uint64_t shuffle(const char *what, unsigned mask, uint64_t bits, int width, Src 
   Fiber *f = r->cur;
   const int w = f->warp, lane = f->lane;
   r->slots[w][lane] = bits;
-  arrive(r->warp_bars[w], State::WaitWarp);  // every lane has published its value
+  arrive(r->warp_bars[w], State::WaitWarp, op);  // every lane has published its value
   const int src = src_of(lane);
   check_source_lane(r, w, src);
   const uint64_t v = r->slots[w][src];
-  arrive(r->warp_bars[w], State::WaitWarp);  // every lane has read before slots are reused
+  arrive(r->warp_bars[w], State::WaitWarp, op + 1);  // every lane has read before slots are reused
   return v;
 }
 
 }  // namespace
 
 uint64_t shfl_xor_bits(unsigned mask, uint64_t bits, int lane_mask, int width) {
-  return shuffle("__shfl_xor_sync", mask, bits, width, [&](int lane) {
+  return shuffle("__shfl_xor_sync", OP_SHFL_XOR_POST, mask, bits, width, [&](int lane) {
     const int src = lane ^ lane_mask;
     return src >= (lane / width + 1) * width ? lane : src;  // later segment: own value (CUDA rule)
   });
@@ -525,7 +642,7 @@ uint64_t shfl_xor_bits(unsigned mask, uint64_t bits, int lane_mask, int width) {
 
 uint64_t shfl_idx_bits(unsigned mask, uint64_t bits, int src_lane, int width) {
   // CUDA: lane srcLane % width of the caller's segment of `width` lanes.
-  return shuffle("__shfl_sync", mask, bits, width,
+  return shuffle("__shfl_sync", OP_SHFL_IDX_POST, mask, bits, width,
                  [&](int lane) { return (lane / width) * width + (src_lane & (width - 1)); });
 }
 
@@ -535,14 +652,14 @@ unsigned vote_ballot(unsigned mask, bool pred) {
   Fiber *f = r->cur;
   const int w = f->warp;
   r->slots[w][f->lane] = pred ? 1 : 0;
-  arrive(r->warp_bars[w], State::WaitWarp);  // every lane has published its predicate
+  arrive(r->warp_bars[w], State::WaitWarp, OP_VOTE_POST);  // every lane has published its predicate
   unsigned bits = 0;
   for (int l = 0; l < 32; ++l) {
     const int tid = w * 32 + l;
     if (tid < (int)r->fibers.size() && r->fibers[tid].state != State::Done && r->slots[w][l] != 0)
       bits |= 1u << l;
   }
-  arrive(r->warp_bars[w], State::WaitWarp);  // every lane has read before slots are reused
+  arrive(r->warp_bars[w], State::WaitWarp, OP_VOTE_READ);  // every lane has read before slots are reused
   return bits;
 }
 
@@ -561,7 +678,7 @@ void warp_gather(const void *mine, size_t bytes, void *all) {
   auto &bank = r->gather[w][f->gathers++ % 2];
   memcpy(&bank[lane * GATHER_WORDS], mine, bytes);
   const uint32_t mine_count = f->gathers;
-  arrive(r->warp_bars[w], State::WaitWarp);  // every live lane has posted
+  arrive(r->warp_bars[w], State::WaitWarp, OP_GATHER);  // every live lane has posted
   // mma and ldmatrix are .sync.aligned: the whole warp executes them together. A lane that has
   // posted this gather may already have gone on (even returned): its count is at least ours.
   for (int l = 0; l < 32; ++l) {
@@ -591,8 +708,23 @@ void *dynamic_smem_raw() {
   return r->smem;
 }
 
-void account_static_shared(size_t bytes) {
+bool in_shared(const void *p, size_t bytes) {
+  Runner *r = require_runner("a shared-memory address check");
+  const char *q = static_cast<const char *>(p);
+  const char *s = static_cast<const char *>(r->smem);
+  if (s != nullptr && q >= s && q + bytes <= s + r->smem_bytes) return true;
+  for (const auto &rg : r->static_ranges)
+    if (q >= rg.first && q + bytes <= rg.first + rg.second) return true;
+  return false;
+}
+
+void check_shared(const void *p, size_t bytes, const char *what) {
+  if (!in_shared(p, bytes)) fault(cudaErrorIllegalAddress, what, p);
+}
+
+void account_static_shared(const void *addr, size_t bytes) {
   Runner *r = require_runner("a static __shared__ variable");
+  r->static_ranges.emplace_back(static_cast<const char *>(addr), bytes);
   r->static_smem += bytes;
   if (r->static_smem + r->smem_bytes > r->smem_total_limit) {
     char buf[200];
@@ -645,7 +777,7 @@ void launch_erased(const void *kernel, void (*call)(const void *), const void *b
   r.smem_total_limit = limits.total;
   tl_fault_message.clear();
   r.rng = tl_seed * 0x9e3779b97f4a7c15ull + tl_stats.launches + 1;
-  Mapping smem_map{};
+  Mapping &smem_map = r.smem_map;
   if (smem > 0) {
     r.smem = guarded_alloc(smem, &smem_map);
     if (r.smem == nullptr) {
@@ -675,6 +807,7 @@ void launch_erased(const void *kernel, void (*call)(const void *), const void *b
   tl_in_kernel = 0;
   tl_run = nullptr;
   if (smem_map.base != nullptr) munmap(smem_map.base, smem_map.len);
+  check_global_slack("the launch");
   tl_stats.launches++;
   tl_stats.blocks += blocks;
   tl_stats.threads += blocks * threads;
@@ -736,7 +869,8 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpy
   emu::tl_in_kernel = 1;  // an overrun of a guarded buffer is reported like a kernel's
   memmove(dst, src, bytes);
   emu::tl_in_kernel = 0;
-  return cudaSuccess;
+  emu::check_global_slack("cudaMemcpyAsync");
+  return emu::tl_error == cudaSuccess ? cudaSuccess : cudaGetLastError();
 }
 
 // ---- the controls of pagedkv_emu.h --------------------------------------------------------

@@ -133,6 +133,14 @@ int pkv_emu_selftest_mma_partial_warp(float *d);
  *  in shared memory; out [32][n]: each lane's registers. */
 int pkv_emu_selftest_ldmatrix(const uint16_t *m, uint32_t *out, int n, int trans);
 
+/* ---- deliberately wrong kernels the emulation must refuse (selftest.cu) ---- */
+int pkv_emu_wrong_ld8(const void *p, int *out);
+int pkv_emu_wrong_smem_past_end(float *out, int n);
+int pkv_emu_wrong_shfl_vs_syncwarp(int *out);
+int pkv_emu_wrong_shfl_vs_syncwarp2(int *out);
+int pkv_emu_wrong_ldmatrix_global(const uint16_t *g, uint32_t *out);
+int pkv_emu_wrong_wgmma(float *out, int threads, int per_warp_desc);
+
 #ifdef __cplusplus
 }
 #endif

@@ -7,6 +7,7 @@
 #include "mma.cuh"
 #include "pagedkv_emu.h"
 #include "prefill_mma.cuh"
+#include "wgmma.cuh"
 
 namespace {
 
@@ -187,6 +188,77 @@ __global__ void cp_async_kernel(const uint4 *src, int *out) {
   out[4 * t + 3] = (int)second[t].x;
 }
 
+// ---- deliberately wrong kernels: each must be refused (tests/cuda_emu_selftest.rs) --------
+
+// An 8-byte vector load at p (the caller passes a 4-byte aligned address).
+__global__ void wrong_ld8_kernel(const void *p, int *out) {
+  const uint2 v = __ldcs(reinterpret_cast<const uint2 *>(p));
+  out[0] = (int)v.x;
+  out[1] = (int)__ldg(reinterpret_cast<const unsigned int *>(static_cast<const char *>(p) + 2));
+}
+
+// n floats of dynamic shared memory; thread 0 reads and writes buf[n], one past the end.
+__global__ void wrong_smem_past_end_kernel(float *out, int n) {
+  extern __shared__ float buf[];
+  if (threadIdx.x == 0) {
+    out[0] = buf[n];
+    buf[n] = 7.f;
+    out[1] = buf[n];
+  }
+}
+
+// Lanes 0..15 shuffle from lanes 16..31, which are at a __syncwarp instead (they never
+// execute the shuffle the full mask names them in).
+__global__ void wrong_shfl_vs_syncwarp_kernel(int *out) {
+  const int lane = threadIdx.x;
+  const int x = lane * 10;
+  const int warm = __shfl_xor_sync(0xffffffffu, x, 0);  // every lane posts its x once
+  int v = -1 + 0 * warm;
+  if (lane < 16) v = __shfl_sync(0xffffffffu, x, lane + 16);
+  __syncwarp();
+  out[lane] = v;
+}
+
+// As above, but every lane then takes part in one more shuffle (no lane returns early).
+__global__ void wrong_shfl_vs_syncwarp2_kernel(int *out) {
+  const int lane = threadIdx.x;
+  const int x = lane * 10;
+  const int warm = __shfl_xor_sync(0xffffffffu, x, 0);
+  int v = -1 + 0 * warm;
+  if (lane < 16) v = __shfl_sync(0xffffffffu, x, lane + 16);
+  __syncwarp();
+  v += 0 * __shfl_xor_sync(0xffffffffu, v, 1);
+  out[lane] = v;
+}
+
+// ldmatrix from global memory (ldmatrix reads the shared state space only).
+__global__ void wrong_ldmatrix_global_kernel(const uint16_t *g, uint32_t *out) {
+  uint32_t r[1];
+  pkv::ldmatrix<1, false>(r, g + (threadIdx.x % 8) * 8);
+  out[threadIdx.x] = r[0];
+}
+
+// m64n64k16 bf16 wgmma, B (16 x 64, K-major, no swizzle, all ones; a second copy of twos 2048
+// bytes on) in shared memory, A all ones. per_warp_desc: warp w points its descriptor at copy
+// w % 2 (the descriptor must be the same across the warpgroup). out[t] = d[0] of thread t.
+__global__ void wrong_wgmma_kernel(float *out, int per_warp_desc) {
+  extern __shared__ uint4 rw_smem[];
+  uint16_t *sb = reinterpret_cast<uint16_t *>(rw_smem);
+  for (int i = threadIdx.x; i < 2048; i += blockDim.x) sb[i] = i < 1024 ? 0x3F80 : 0x4000;
+  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  const char *b = reinterpret_cast<const char *>(sb) + (per_warp_desc ? (warp % 2) * 2048 : 0);
+  const uint64_t desc = pkv::smem_desc(b, sb, 128, 256, 0);
+  float d[32];
+  for (int i = 0; i < 32; ++i) d[i] = 0.f;
+  const uint32_t a[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
+  pkv::wgmma_fence();
+  pkv::wgmma_rs<__nv_bfloat16, 64, 0>(d, a, desc, sb);
+  pkv::wgmma_commit();
+  pkv::wgmma_wait<0>();
+  out[threadIdx.x] = d[0];
+}
+
 }  // namespace
 
 extern "C" int pkv_emu_selftest_cp_async(const void *src, int *out) {
@@ -291,5 +363,30 @@ extern "C" int pkv_emu_selftest_config(unsigned grid_x, unsigned grid_y, unsigne
 
 extern "C" int pkv_emu_selftest_write(int *p, int n) {
   write_kernel<<<1, 64>>>(p, n);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int pkv_emu_wrong_ld8(const void *p, int *out) {
+  wrong_ld8_kernel<<<1, 32>>>(p, out);
+  return (int)cudaGetLastError();
+}
+extern "C" int pkv_emu_wrong_smem_past_end(float *out, int n) {
+  wrong_smem_past_end_kernel<<<1, 32, n * sizeof(float)>>>(out, n);
+  return (int)cudaGetLastError();
+}
+extern "C" int pkv_emu_wrong_shfl_vs_syncwarp(int *out) {
+  wrong_shfl_vs_syncwarp_kernel<<<1, 32>>>(out);
+  return (int)cudaGetLastError();
+}
+extern "C" int pkv_emu_wrong_ldmatrix_global(const uint16_t *g, uint32_t *out) {
+  wrong_ldmatrix_global_kernel<<<1, 32>>>(g, out);
+  return (int)cudaGetLastError();
+}
+extern "C" int pkv_emu_wrong_wgmma(float *out, int threads, int per_warp_desc) {
+  wrong_wgmma_kernel<<<1, threads, 4096>>>(out, per_warp_desc);
+  return (int)cudaGetLastError();
+}
+extern "C" int pkv_emu_wrong_shfl_vs_syncwarp2(int *out) {
+  wrong_shfl_vs_syncwarp2_kernel<<<1, 32>>>(out);
   return (int)cudaGetLastError();
 }

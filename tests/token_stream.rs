@@ -386,3 +386,38 @@ fn a_huge_max_new_tokens_gets_the_default_capacity() {
         "the ring holds the default capacity"
     );
 }
+
+/// An update whose token range lies outside the results' tokens (results are plain public data
+/// a caller can build) delivers nothing and its sequence is listed for abort; dispatch used to
+/// panic on the slice. (Found by fuzz/fuzz_targets/stream_ops.rs.)
+#[test]
+fn dispatch_of_an_update_past_the_tokens_aborts_it() {
+    let (tx, mut rx) = token_stream(8).unwrap();
+    let mut router = StreamRouter::new();
+    router.insert(7, tx).unwrap();
+    let results = StepResults {
+        updates: vec![SeqUpdate {
+            id: 7,
+            tokens: 0..3,
+            finished: None,
+        }],
+        tokens: vec![42], // the update names three tokens; there is one
+    };
+    let mut abort = Vec::new();
+    router.dispatch(&results, &mut abort);
+    assert_eq!(abort, vec![7]);
+    assert_eq!(rx.try_next(), Poll::Pending);
+    let ok = StepResults {
+        updates: vec![SeqUpdate {
+            id: 7,
+            tokens: 0..1,
+            finished: Some(FinishReason::Eos),
+        }],
+        tokens: vec![42],
+    };
+    router.dispatch(&ok, &mut abort);
+    assert_eq!(
+        rx.try_next(),
+        Poll::Ready(Some(Ok(StreamEvent::Tokens(vec![42]))))
+    );
+}

@@ -115,6 +115,10 @@ impl StepResults {
     }
 
     /// The tokens of one update.
+    ///
+    /// # Panics
+    /// If the update's range lies outside `tokens` (the engine's results never do; results a
+    /// caller builds can: [`StreamRouter`](crate::sched::admission::StreamRouter) checks).
     pub fn tokens_of(&self, update: &SeqUpdate) -> &[u32] {
         &self.tokens[update.tokens.clone()]
     }

@@ -584,7 +584,12 @@ impl StreamRouter {
             let Some(tx) = self.open.get_mut(&u.id) else {
                 continue;
             };
-            let sent = tx.send(results.tokens_of(u));
+            // `results` may be built by the caller (its fields are public): an update whose
+            // range lies outside `tokens` delivers no token, and its sequence is aborted.
+            let sent = match results.tokens.get(u.tokens.clone()) {
+                Some(tokens) => tx.send(tokens),
+                None => Err(SendError::Closed),
+            };
             if let Some(reason) = u.finished {
                 if let Some(tx) = self.open.remove(&u.id) {
                     // A lagged stream keeps its `Lagged` end; a dropped reader sees nothing.

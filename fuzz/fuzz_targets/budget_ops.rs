@@ -11,8 +11,8 @@ mod budget_model;
 use arbitrary::Arbitrary;
 use budget_model::{kind, Model};
 use libfuzzer_sys::fuzz_target;
-use pagedkv::budget::{BudgetConfig, BudgetCoordinator};
 use pagedkv::block::EngineId;
+use pagedkv::budget::{BudgetConfig, BudgetCoordinator};
 
 #[derive(Debug, Arbitrary)]
 struct Input {
@@ -59,19 +59,35 @@ fuzz_target!(|input: Input| {
             return;
         }
     };
-    let mut m = Model::new(max_engines, input.tokens_per_step, blocks, input.cap_permille);
+    let mut m = Model::new(
+        max_engines,
+        input.tokens_per_step,
+        blocks,
+        input.cap_permille,
+    );
     // Ids up to one past the registry, so out-of-range ids are exercised.
     let id = |e: u8| u16::from(e) % (max_engines + 1);
     for op in input.ops.into_iter().take(256) {
         match op {
-            Op::Register(w) => assert_eq!(c.register(w).map(|e| e.0).map_err(|e| kind(&e)), m.register(w)),
+            Op::Register(w) => assert_eq!(
+                c.register(w).map(|e| e.0).map_err(|e| kind(&e)),
+                m.register(w)
+            ),
             Op::Deregister(e) => {
-                assert_eq!(c.deregister(EngineId(id(e))).map_err(|e| kind(&e)), m.deregister(id(e)))
+                assert_eq!(
+                    c.deregister(EngineId(id(e))).map_err(|e| kind(&e)),
+                    m.deregister(id(e))
+                )
             }
             Op::SetWeight(e, w) => {
-                assert_eq!(c.set_weight(EngineId(id(e)), w).map_err(|e| kind(&e)), m.set_weight(id(e), w))
+                assert_eq!(
+                    c.set_weight(EngineId(id(e)), w).map_err(|e| kind(&e)),
+                    m.set_weight(id(e), w)
+                )
             }
-            Op::SetActive(e, a) => assert_eq!(c.set_active(EngineId(id(e)), a), m.set_active(id(e), a)),
+            Op::SetActive(e, a) => {
+                assert_eq!(c.set_active(EngineId(id(e)), a), m.set_active(id(e), a))
+            }
             Op::Recompute => {
                 c.recompute();
                 m.recompute();
@@ -82,7 +98,10 @@ fuzz_target!(|input: Input| {
                 }
             }
             Op::AcquireTokens(e, n) => {
-                assert_eq!(c.try_acquire_tokens(EngineId(id(e)), n), m.try_acquire_tokens(id(e), n))
+                assert_eq!(
+                    c.try_acquire_tokens(EngineId(id(e)), n),
+                    m.try_acquire_tokens(id(e), n)
+                )
             }
             Op::ReleaseTokens(e, n) => assert_eq!(
                 c.release_tokens(EngineId(id(e)), n).map_err(|e| kind(&e)),
@@ -94,11 +113,13 @@ fuzz_target!(|input: Input| {
             ),
             Op::BeginStep(e) => assert_eq!(c.begin_step(EngineId(id(e))), m.begin_step(id(e))),
             Op::AcquireBlocks(e, n) => assert_eq!(
-                c.try_acquire_blocks(EngineId(id(e)), u32::from(n)).map_err(|e| kind(&e)),
+                c.try_acquire_blocks(EngineId(id(e)), u32::from(n))
+                    .map_err(|e| kind(&e)),
                 m.try_acquire_blocks(id(e), u32::from(n))
             ),
             Op::ReleaseBlocks(e, n) => assert_eq!(
-                c.release_blocks(EngineId(id(e)), u32::from(n)).map_err(|e| kind(&e)),
+                c.release_blocks(EngineId(id(e)), u32::from(n))
+                    .map_err(|e| kind(&e)),
                 m.release_blocks(id(e), u32::from(n))
             ),
             Op::PublishLoad(e, p, f) => {
@@ -140,6 +161,9 @@ fuzz_target!(|input: Input| {
         assert_eq!(c.blocks_in_use(), m.in_use);
         let snap = c.snapshot();
         assert!(snap.consistent);
-        assert_eq!(snap.engines.len(), m.slots.iter().filter(|s| s.registered).count());
+        assert_eq!(
+            snap.engines.len(),
+            m.slots.iter().filter(|s| s.registered).count()
+        );
     }
 });

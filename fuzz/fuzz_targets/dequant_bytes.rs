@@ -10,8 +10,8 @@ use arbitrary::Arbitrary;
 use half::{bf16, f16};
 use libfuzzer_sys::fuzz_target;
 use pagedkv::gguf::{
-    dequantize_into, dequantize_into_bf16, dequantize_into_f16, dequantize_into_serial,
-    BF16_CANONICAL_NAN, F16_CANONICAL_NAN, ALL_TYPES,
+    dequantize_into, dequantize_into_bf16, dequantize_into_f16, dequantize_into_serial, ALL_TYPES,
+    BF16_CANONICAL_NAN, F16_CANONICAL_NAN,
 };
 
 #[derive(Debug, Arbitrary)]
@@ -29,18 +29,29 @@ fuzz_target!(|input: Input| {
     // Whole blocks of the input's bytes (repeated to pass the parallel threshold if `big`),
     // then nudged off by a few bytes or elements.
     // Past the parallel threshold (2^17 elements) rarely: it is slow under ASan.
-    let blocks = if input.big == 0xFF { (1usize << 17) / bs + 3 } else { input.bytes.len() / ts.max(1) };
+    let blocks = if input.big == 0xFF {
+        (1usize << 17) / bs + 3
+    } else {
+        input.bytes.len() / ts.max(1)
+    };
     let mut src: Vec<u8> = if input.bytes.is_empty() {
         vec![0; blocks * ts]
     } else {
-        input.bytes.iter().copied().cycle().take(blocks * ts).collect()
+        input
+            .bytes
+            .iter()
+            .copied()
+            .cycle()
+            .take(blocks * ts)
+            .collect()
     };
     if input.src_delta % 4 != 0 {
         let d = (input.src_delta % 4) as isize;
         let n = (src.len() as isize + d).max(0) as usize;
         src.resize(n, 0xA5);
     }
-    let dst_len = ((src.len() / ts.max(1) * bs) as isize + (input.dst_delta % 3) as isize).max(0) as usize;
+    let dst_len =
+        ((src.len() / ts.max(1) * bs) as isize + (input.dst_delta % 3) as isize).max(0) as usize;
     let ok = ty.can_dequantize() && src.len() % ts == 0 && src.len() / ts * bs == dst_len;
 
     let sentinel = f32::from_bits(0x7F80_1234);
@@ -56,14 +67,31 @@ fuzz_target!(|input: Input| {
     ];
     assert_eq!(r, [ok; 4], "{ty:?}: {} bytes into {dst_len}", src.len());
     if !ok {
-        assert!(par.iter().chain(&ser).all(|x| x.to_bits() == sentinel.to_bits()), "dst written on error");
+        assert!(
+            par.iter()
+                .chain(&ser)
+                .all(|x| x.to_bits() == sentinel.to_bits()),
+            "dst written on error"
+        );
         assert!(h.iter().all(|x| x.to_bits() == 0x1234) && b.iter().all(|x| x.to_bits() == 0x1234));
         return;
     }
     for i in 0..dst_len {
-        assert_eq!(par[i].to_bits(), ser[i].to_bits(), "{ty:?} element {i}: parallel vs serial");
-        let want_h = if ser[i].is_nan() { F16_CANONICAL_NAN } else { f16::from_f32(ser[i]) };
-        let want_b = if ser[i].is_nan() { BF16_CANONICAL_NAN } else { bf16::from_f32(ser[i]) };
+        assert_eq!(
+            par[i].to_bits(),
+            ser[i].to_bits(),
+            "{ty:?} element {i}: parallel vs serial"
+        );
+        let want_h = if ser[i].is_nan() {
+            F16_CANONICAL_NAN
+        } else {
+            f16::from_f32(ser[i])
+        };
+        let want_b = if ser[i].is_nan() {
+            BF16_CANONICAL_NAN
+        } else {
+            bf16::from_f32(ser[i])
+        };
         assert_eq!(h[i].to_bits(), want_h.to_bits(), "{ty:?} element {i}: f16");
         assert_eq!(b[i].to_bits(), want_b.to_bits(), "{ty:?} element {i}: bf16");
     }

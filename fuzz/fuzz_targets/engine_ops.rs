@@ -50,16 +50,52 @@ struct Cfg {
 
 #[derive(Debug, Arbitrary)]
 enum Op {
-    Add { e: u8, id: u8, prompt: u8, tok: u8, max_new: u8, eos: Option<u8>, stop: Option<(u8, u8)>, high: bool, salt: u8 },
-    Abort { e: u8, id: u8 },
-    Finish { e: u8, id: u8, code: u8 },
-    Propose { e: u8, id: u8, drafts: Vec<u8> },
-    Step { e: u8, fail: Fail },
-    Schedule { e: u8 },
-    Execute { e: u8, fail: Fail },
-    Commit { e: u8, fail: Fail },
-    Drop { e: u8 },
-    Create { e: u8 },
+    Add {
+        e: u8,
+        id: u8,
+        prompt: u8,
+        tok: u8,
+        max_new: u8,
+        eos: Option<u8>,
+        stop: Option<(u8, u8)>,
+        high: bool,
+        salt: u8,
+    },
+    Abort {
+        e: u8,
+        id: u8,
+    },
+    Finish {
+        e: u8,
+        id: u8,
+        code: u8,
+    },
+    Propose {
+        e: u8,
+        id: u8,
+        drafts: Vec<u8>,
+    },
+    Step {
+        e: u8,
+        fail: Fail,
+    },
+    Schedule {
+        e: u8,
+    },
+    Execute {
+        e: u8,
+        fail: Fail,
+    },
+    Commit {
+        e: u8,
+        fail: Fail,
+    },
+    Drop {
+        e: u8,
+    },
+    Create {
+        e: u8,
+    },
 }
 
 #[derive(Debug, Clone, Copy, Arbitrary, PartialEq)]
@@ -98,20 +134,35 @@ impl StepModel<HostBackend<f32>> for Model {
         }
         let n = batch.num_tokens();
         let f = |t: usize, i: usize| ((batch.input_tokens[t] as f32) * 0.1 + i as f32 * 0.01).sin();
-        self.q = (0..n * self.heads * self.head_dim).map(|i| f(i / (self.heads * self.head_dim), i)).collect();
-        self.k = (0..n * self.kv_heads * self.head_dim).map(|i| f(i / (self.kv_heads * self.head_dim), i + 7)).collect();
-        self.v = (0..n * self.kv_heads * self.head_dim).map(|i| f(i / (self.kv_heads * self.head_dim), i + 3)).collect();
+        self.q = (0..n * self.heads * self.head_dim)
+            .map(|i| f(i / (self.heads * self.head_dim), i))
+            .collect();
+        self.k = (0..n * self.kv_heads * self.head_dim)
+            .map(|i| f(i / (self.kv_heads * self.head_dim), i + 7))
+            .collect();
+        self.v = (0..n * self.kv_heads * self.head_dim)
+            .map(|i| f(i / (self.kv_heads * self.head_dim), i + 3))
+            .collect();
         if self.fail == Fail::QkvShort(layer as u8) {
             self.k.pop();
         }
-        Ok(LayerQkv { query: &self.q, key: &self.k, value: &self.v })
+        Ok(LayerQkv {
+            query: &self.q,
+            key: &self.k,
+            value: &self.v,
+        })
     }
 
     fn attended(&mut self, layer: usize, batch: &Batch, out: &[f32]) -> Result<(), EngineError> {
         assert_eq!(out.len(), batch.num_tokens() * self.heads * self.head_dim);
-        assert!(out.iter().all(|x| x.is_finite()), "attention output not finite");
+        assert!(
+            out.iter().all(|x| x.is_finite()),
+            "attention output not finite"
+        );
         if self.fail == Fail::AttendedErr(layer as u8) {
-            return Err(EngineError::InvalidConfig("injected attended failure".into()));
+            return Err(EngineError::InvalidConfig(
+                "injected attended failure".into(),
+            ));
         }
         Ok(())
     }
@@ -125,7 +176,11 @@ impl StepModel<HostBackend<f32>> for Model {
             n = (n + i64::from(d)).max(0);
         }
         for _ in 0..n {
-            let b = if self.samples.is_empty() { 0 } else { self.samples[self.at % self.samples.len()] };
+            let b = if self.samples.is_empty() {
+                0
+            } else {
+                self.samples[self.at % self.samples.len()]
+            };
             self.at += 1;
             out.push(u32::from(b % 16));
         }
@@ -164,9 +219,16 @@ fn cfg_of(c: Cfg) -> EngineConfig {
         max_batched_tokens: u32::from(c.max_batched_tokens % 300),
         max_prefill_chunk: u32::from(c.max_prefill_chunk % 300),
         max_context: u32::from(c.max_context % 600),
-        preemption: if c.preemption { PreemptionMode::Swap } else { PreemptionMode::Recompute },
+        preemption: if c.preemption {
+            PreemptionMode::Swap
+        } else {
+            PreemptionMode::Recompute
+        },
         swap_blocks: u32::from(c.swap_blocks % 64),
-        recompute: RecomputePolicy { when_dirty: c.when_dirty, every_steps: u32::from(c.every_steps % 8) },
+        recompute: RecomputePolicy {
+            when_dirty: c.when_dirty,
+            every_steps: u32::from(c.every_steps % 8),
+        },
         prefix_cache: c.prefix_cache,
     }
 }
@@ -221,7 +283,9 @@ fuzz_target!(|input: Input| {
         }
     };
     if input.prefix_cache {
-        Arc::get_mut(&mut shared).unwrap().enable_prefix_cache(Some(7));
+        Arc::get_mut(&mut shared)
+            .unwrap()
+            .enable_prefix_cache(Some(7));
     }
     let mut slots: Vec<Slot> = (0..2)
         .map(|i| {
@@ -268,18 +332,38 @@ fuzz_target!(|input: Input| {
 
     for op in input.ops.into_iter().take(200) {
         match op {
-            Op::Add { e, id, prompt, tok, max_new, eos, stop, high, salt } => {
+            Op::Add {
+                e,
+                id,
+                prompt,
+                tok,
+                max_new,
+                eos,
+                stop,
+                high,
+                salt,
+            } => {
                 let slot = &mut slots[usize::from(e % 2)];
-                let Some(engine) = slot.engine.as_mut() else { continue };
+                let Some(engine) = slot.engine.as_mut() else {
+                    continue;
+                };
                 let req = SeqRequest {
                     id: u64::from(id % 16),
-                    prompt: (0..u32::from(prompt % 80)).map(|i| (u32::from(tok) + i % 3) % 16).collect(),
+                    prompt: (0..u32::from(prompt % 80))
+                        .map(|i| (u32::from(tok) + i % 3) % 16)
+                        .collect(),
                     stop: StopRules {
                         max_new_tokens: u32::from(max_new % 40),
                         eos: eos.map(|t| vec![u32::from(t % 16)]).unwrap_or_default(),
-                        stop_sequences: stop.map(|(a, b)| vec![vec![u32::from(a % 16), u32::from(b % 16)]]).unwrap_or_default(),
+                        stop_sequences: stop
+                            .map(|(a, b)| vec![vec![u32::from(a % 16), u32::from(b % 16)]])
+                            .unwrap_or_default(),
                     },
-                    priority: if high { Priority::LatencyCritical } else { Priority::Throughput },
+                    priority: if high {
+                        Priority::LatencyCritical
+                    } else {
+                        Priority::Throughput
+                    },
                 };
                 let id = req.id;
                 let free = shared.pool().free_count();
@@ -290,7 +374,11 @@ fuzz_target!(|input: Input| {
                         slot.ids.push(id);
                     }
                     Err(_) => {
-                        assert_eq!(shared.pool().free_count(), free, "a refused add changed the pool");
+                        assert_eq!(
+                            shared.pool().free_count(),
+                            free,
+                            "a refused add changed the pool"
+                        );
                         assert_eq!(engine.has_work(), work);
                     }
                 }
@@ -304,7 +392,8 @@ fuzz_target!(|input: Input| {
             Op::Finish { e, id, code } => {
                 let slot = &mut slots[usize::from(e % 2)];
                 if let Some(engine) = slot.engine.as_mut() {
-                    let _ = engine.finish_with(u64::from(id % 16), FinishReason::Caller(code.into()));
+                    let _ =
+                        engine.finish_with(u64::from(id % 16), FinishReason::Caller(code.into()));
                 }
             }
             Op::Propose { e, id, drafts } => {
@@ -316,7 +405,9 @@ fuzz_target!(|input: Input| {
             }
             Op::Step { e, fail } => {
                 let slot = &mut slots[usize::from(e % 2)];
-                let Some(engine) = slot.engine.as_mut() else { continue };
+                let Some(engine) = slot.engine.as_mut() else {
+                    continue;
+                };
                 slot.model.fail = fail;
                 slot.seen = 0;
                 let r = engine.step(&mut slot.model);
@@ -328,7 +419,9 @@ fuzz_target!(|input: Input| {
             }
             Op::Schedule { e } => {
                 let slot = &mut slots[usize::from(e % 2)];
-                let Some(engine) = slot.engine.as_mut() else { continue };
+                let Some(engine) = slot.engine.as_mut() else {
+                    continue;
+                };
                 slot.seen = 0;
                 let batch = engine.schedule();
                 assert_eq!(batch.input_tokens.len(), batch.positions.len());
@@ -336,14 +429,18 @@ fuzz_target!(|input: Input| {
             }
             Op::Execute { e, fail } => {
                 let slot = &mut slots[usize::from(e % 2)];
-                let Some(engine) = slot.engine.as_mut() else { continue };
+                let Some(engine) = slot.engine.as_mut() else {
+                    continue;
+                };
                 slot.model.fail = fail;
                 let _ = engine.execute(&mut slot.model);
                 slot.model.fail = Fail::None;
             }
             Op::Commit { e, fail } => {
                 let slot = &mut slots[usize::from(e % 2)];
-                let Some(engine) = slot.engine.as_mut() else { continue };
+                let Some(engine) = slot.engine.as_mut() else {
+                    continue;
+                };
                 slot.model.fail = fail;
                 let r = engine.commit(&mut slot.model);
                 slot.model.fail = Fail::None;
@@ -366,26 +463,43 @@ fuzz_target!(|input: Input| {
 
     // Drain: abort everything, step each engine until idle.
     for slot in &mut slots {
-        let Some(engine) = slot.engine.as_mut() else { continue };
+        let Some(engine) = slot.engine.as_mut() else {
+            continue;
+        };
         for &id in &slot.ids {
             let _ = engine.abort(id);
         }
         let mut steps = 0;
         while slot.engine.as_ref().unwrap().has_work() {
             steps += 1;
-            assert!(steps <= 64, "engine did not drain after aborting everything");
+            assert!(
+                steps <= 64,
+                "engine did not drain after aborting everything"
+            );
             slot.seen = 0;
-            slot.engine.as_mut().unwrap().step(&mut slot.model).expect("drain step");
+            slot.engine
+                .as_mut()
+                .unwrap()
+                .step(&mut slot.model)
+                .expect("drain step");
             record(slot);
         }
         let id = slot.engine.as_ref().unwrap().id();
-        assert_eq!(shared.coordinator().blocks_held(id), 0, "idle engine holds blocks");
+        assert_eq!(
+            shared.coordinator().blocks_held(id),
+            0,
+            "idle engine holds blocks"
+        );
     }
     drop(slots);
     if let Some(cache) = shared.prefix_cache() {
         cache.clear();
     }
-    assert_eq!(shared.pool().free_count(), shared.pool().total(), "pages leaked");
+    assert_eq!(
+        shared.pool().free_count(),
+        shared.pool().total(),
+        "pages leaked"
+    );
     assert_eq!(shared.coordinator().blocks_in_use(), 0);
     assert_eq!(shared.coordinator().tokens_in_use(), 0);
     assert!(shared.coordinator().snapshot().engines.is_empty());

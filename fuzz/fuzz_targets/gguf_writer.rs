@@ -25,10 +25,26 @@ struct Input {
 
 #[derive(Debug, Arbitrary)]
 enum WOp {
-    Meta { key: Key, value: FMeta },
-    Tensor { name: u8, ty: u8, shape: Vec<u8>, delta: i8, deferred: bool },
+    Meta {
+        key: Key,
+        value: FMeta,
+    },
+    Tensor {
+        name: u8,
+        ty: u8,
+        shape: Vec<u8>,
+        delta: i8,
+        deferred: bool,
+    },
     /// Every key `llama_params` requires, with small values (so it often succeeds).
-    Llama { layers: u8, heads: u8, kv: u8, embd: u16, ctx: u8, per_layer: bool },
+    Llama {
+        layers: u8,
+        heads: u8,
+        kv: u8,
+        embd: u16,
+        ctx: u8,
+        per_layer: bool,
+    },
 }
 
 #[derive(Debug, Arbitrary)]
@@ -115,7 +131,9 @@ fn well_formed(v: &MetaValue, depth: u32) -> bool {
     match v {
         MetaValue::Array { elem, items } => {
             depth < MAX_ARRAY_DEPTH
-                && items.iter().all(|i| i.value_type() == *elem && well_formed(i, depth + 1))
+                && items
+                    .iter()
+                    .all(|i| i.value_type() == *elem && well_formed(i, depth + 1))
         }
         _ => true,
     }
@@ -126,16 +144,25 @@ fn same(a: &MetaValue, b: &MetaValue) -> bool {
     match (a, b) {
         (MetaValue::F32(x), MetaValue::F32(y)) => x.to_bits() == y.to_bits(),
         (MetaValue::F64(x), MetaValue::F64(y)) => x.to_bits() == y.to_bits(),
-        (MetaValue::Array { elem: e1, items: i1 }, MetaValue::Array { elem: e2, items: i2 }) => {
-            e1 == e2 && i1.len() == i2.len() && i1.iter().zip(i2).all(|(x, y)| same(x, y))
-        }
+        (
+            MetaValue::Array {
+                elem: e1,
+                items: i1,
+            },
+            MetaValue::Array {
+                elem: e2,
+                items: i2,
+            },
+        ) => e1 == e2 && i1.len() == i2.len() && i1.iter().zip(i2).all(|(x, y)| same(x, y)),
         _ => a == b,
     }
 }
 
 /// Deterministic tensor bytes.
 fn fill(n: usize, seed: usize) -> Vec<u8> {
-    (0..n).map(|i| (i.wrapping_mul(31) ^ seed.wrapping_mul(7)) as u8).collect()
+    (0..n)
+        .map(|i| (i.wrapping_mul(31) ^ seed.wrapping_mul(7)) as u8)
+        .collect()
 }
 
 struct CountingSink(u64);
@@ -172,7 +199,13 @@ fuzz_target!(|input: Input| {
         .iter()
         .enumerate()
         .filter_map(|(i, op)| match op {
-            WOp::Tensor { name, ty, shape, delta, deferred } => {
+            WOp::Tensor {
+                name,
+                ty,
+                shape,
+                delta,
+                deferred,
+            } => {
                 let ty = ALL_TYPES[usize::from(*ty) % ALL_TYPES.len()];
                 // Dims: 1, a few, or a block multiple; occasionally 0.
                 let shape: Vec<u64> = shape
@@ -206,10 +239,22 @@ fuzz_target!(|input: Input| {
     for op in input.ops.iter().take(64) {
         let before = format!("{w:?}");
         match op {
-            WOp::Llama { layers, heads, kv, embd, ctx, per_layer } => {
+            WOp::Llama {
+                layers,
+                heads,
+                kv,
+                embd,
+                ctx,
+                per_layer,
+            } => {
                 let l = u32::from(*layers % 4);
                 let heads_v = if *per_layer {
-                    MetaValue::Array { elem: ValueType::U32, items: (0..l).map(|_| MetaValue::U32(u32::from(*heads % 9))).collect() }
+                    MetaValue::Array {
+                        elem: ValueType::U32,
+                        items: (0..l)
+                            .map(|_| MetaValue::U32(u32::from(*heads % 9)))
+                            .collect(),
+                    }
                 } else {
                     MetaValue::U32(u32::from(*heads % 9))
                 };
@@ -217,10 +262,19 @@ fuzz_target!(|input: Input| {
                     ("general.architecture", MetaValue::String("llama".into())),
                     ("llama.block_count", MetaValue::U32(l)),
                     ("llama.attention.head_count", heads_v),
-                    ("llama.attention.head_count_kv", MetaValue::U32(u32::from(*kv % 9))),
-                    ("llama.embedding_length", MetaValue::U32(u32::from(*embd % 1024))),
+                    (
+                        "llama.attention.head_count_kv",
+                        MetaValue::U32(u32::from(*kv % 9)),
+                    ),
+                    (
+                        "llama.embedding_length",
+                        MetaValue::U32(u32::from(*embd % 1024)),
+                    ),
                     ("llama.context_length", MetaValue::U32(u32::from(*ctx))),
-                    ("llama.attention.layer_norm_rms_epsilon", MetaValue::F32(1e-5)),
+                    (
+                        "llama.attention.layer_norm_rms_epsilon",
+                        MetaValue::F32(1e-5),
+                    ),
                 ];
                 for (k, v) in entries {
                     let ok = !model_meta.iter().any(|(mk, _)| mk == k);
@@ -269,15 +323,28 @@ fuzz_target!(|input: Input| {
                     && !t.shape.contains(&0)
                     && n.is_some()
                     && ne0 % u64::from(t.ty.block_size()) == 0
-                    && (t.deferred || n.and_then(|n| t.ty.bytes_for(n)) == Some(t.data.len() as u64));
+                    && (t.deferred
+                        || n.and_then(|n| t.ty.bytes_for(n)) == Some(t.data.len() as u64));
                 let got = if t.deferred {
                     w.add_tensor_deferred(&t.name, t.ty, &t.shape).is_ok()
                 } else {
                     w.add_tensor(&t.name, t.ty, &t.shape, &t.data).is_ok()
                 };
-                assert_eq!(got, ok, "add_tensor({}, {:?}, {:?}, {} bytes)", t.name, t.ty, t.shape, t.data.len());
+                assert_eq!(
+                    got,
+                    ok,
+                    "add_tensor({}, {:?}, {:?}, {} bytes)",
+                    t.name,
+                    t.ty,
+                    t.shape,
+                    t.data.len()
+                );
                 if !got {
-                    assert_eq!(format!("{w:?}"), before, "a refused add_tensor changed the writer");
+                    assert_eq!(
+                        format!("{w:?}"),
+                        before,
+                        "a refused add_tensor changed the writer"
+                    );
                 }
                 if ok {
                     model_tensors.push(t);
@@ -312,7 +379,8 @@ fuzz_target!(|input: Input| {
         assert_eq!(w.to_bytes().expect("to_bytes"), bytes);
     }
 
-    let g = Gguf::parse(&bytes).unwrap_or_else(|e| panic!("the writer's output does not parse: {e}"));
+    let g =
+        Gguf::parse(&bytes).unwrap_or_else(|e| panic!("the writer's output does not parse: {e}"));
     assert_eq!(g.version(), version);
     assert_eq!(g.alignment(), alignment);
     assert_eq!(g.metadata().len(), model_meta.len());
@@ -325,7 +393,10 @@ fuzz_target!(|input: Input| {
         assert_eq!(t.name(), m.name);
         assert_eq!(t.ty(), m.ty);
         assert_eq!(t.shape(), &m.shape[..]);
-        assert_eq!((t.data().as_ptr() as usize - bytes.as_ptr() as usize) as u64 % alignment, 0);
+        assert_eq!(
+            (t.data().as_ptr() as usize - bytes.as_ptr() as usize) as u64 % alignment,
+            0
+        );
         if m.deferred {
             assert_eq!(t.data(), &fill(t.data().len(), 99)[..]);
         } else {
@@ -345,11 +416,16 @@ fuzz_target!(|input: Input| {
             assert!(p.rope_freq_base.is_finite() && p.rope_freq_base > 0.0);
             assert!(p.norm_eps.is_finite() && p.norm_eps >= 0.0);
             let _ = p.kv_bytes_per_token(2);
-            assert!(matches!(g.get("general.architecture"), Some(Value::String(_))));
+            assert!(matches!(
+                g.get("general.architecture"),
+                Some(Value::String(_))
+            ));
         }
         Err(_) => {}
     }
     // And the writer's round trip through the parsed file is stable.
-    let again = GgufWriter::from_gguf(&g).and_then(|w| w.to_bytes()).expect("write back");
+    let again = GgufWriter::from_gguf(&g)
+        .and_then(|w| w.to_bytes())
+        .expect("write back");
     assert!(again == bytes, "round trip through parse is not stable");
 });

@@ -16,9 +16,7 @@ use arbitrary::Arbitrary;
 use half::{bf16, f16};
 use libfuzzer_sys::fuzz_target;
 use pagedkv::attn::{cpu, AttnWorkspace};
-use pagedkv::kv::{
-    AttnParams, HostKvCache, KvCacheConfig, KvElem, KvPart, PagedSeqs, SwapSpace,
-};
+use pagedkv::kv::{AttnParams, HostKvCache, KvCacheConfig, KvElem, KvPart, PagedSeqs, SwapSpace};
 
 #[derive(Debug, Arbitrary)]
 struct Input {
@@ -37,12 +35,35 @@ struct Input {
 
 #[derive(Debug, Arbitrary)]
 enum Op {
-    Write { layer: u8, slots: Vec<i16>, len_delta: i8, seed: u8 },
-    Decode { layer: u8, seqs: Seqs, params: Params, len_delta: i8 },
-    Prefill { layer: u8, seqs: Seqs, q_lens: Vec<u8>, params: Params, len_delta: i8 },
-    Copy { pairs: Vec<(u8, u8)>, typed: bool },
-    SwapOut { pairs: Vec<(u8, u8)> },
-    SwapIn { pairs: Vec<(u8, u8)> },
+    Write {
+        layer: u8,
+        slots: Vec<i16>,
+        len_delta: i8,
+        seed: u8,
+    },
+    Decode {
+        layer: u8,
+        seqs: Seqs,
+        params: Params,
+        len_delta: i8,
+    },
+    Prefill {
+        layer: u8,
+        seqs: Seqs,
+        q_lens: Vec<u8>,
+        params: Params,
+        len_delta: i8,
+    },
+    Copy {
+        pairs: Vec<(u8, u8)>,
+        typed: bool,
+    },
+    SwapOut {
+        pairs: Vec<(u8, u8)>,
+    },
+    SwapIn {
+        pairs: Vec<(u8, u8)>,
+    },
 }
 
 #[derive(Debug, Arbitrary)]
@@ -63,8 +84,16 @@ struct Params {
     weird: u8,
 }
 
-fn params<'a>(p: &Params, heads: usize, head_dim: usize, slopes: &'a mut Vec<f32>) -> AttnParams<'a> {
-    let mut a = AttnParams::new((heads as isize + p.heads_delta as isize % 3).max(0) as usize, head_dim);
+fn params<'a>(
+    p: &Params,
+    heads: usize,
+    head_dim: usize,
+    slopes: &'a mut Vec<f32>,
+) -> AttnParams<'a> {
+    let mut a = AttnParams::new(
+        (heads as isize + p.heads_delta as isize % 3).max(0) as usize,
+        head_dim,
+    );
     if p.scale != 0 {
         a.scale = f32::from(p.scale) / 64.0;
     }
@@ -89,7 +118,18 @@ fn params<'a>(p: &Params, heads: usize, head_dim: usize, slopes: &'a mut Vec<f32
 }
 
 fn table(s: &Seqs, cfg: &KvCacheConfig) -> (Vec<i32>, Vec<i32>, usize) {
-    let ctx: Vec<i32> = s.ctx.iter().take(6).map(|&c| if c < 0 { i32::from(c) } else { i32::from(c % 64) }).collect();
+    let ctx: Vec<i32> = s
+        .ctx
+        .iter()
+        .take(6)
+        .map(|&c| {
+            if c < 0 {
+                i32::from(c)
+            } else {
+                i32::from(c % 64)
+            }
+        })
+        .collect();
     let mbps = usize::from(s.mbps % 10);
     let n = (ctx.len() * mbps) as isize + (s.table_delta % 2) as isize;
     let nb = cfg.num_blocks() as i32;
@@ -118,7 +158,10 @@ fn block(bytes: &[u8], cfg: &KvCacheConfig, b: usize) -> Vec<u8> {
 }
 
 fn pairs(p: &[(u8, u8)]) -> Vec<(u32, u32)> {
-    p.iter().take(40).map(|&(s, d)| (u32::from(s % 12), u32::from(d % 12))).collect()
+    p.iter()
+        .take(40)
+        .map(|&(s, d)| (u32::from(s % 12), u32::from(d % 12)))
+        .collect()
 }
 
 /// The value range of `layer` in the cache (and 0), widened for the element type's rounding.
@@ -188,7 +231,9 @@ fn run<T: KvElem>(input: &Input) {
     assert!(swap.config().same_block_shape(&cfg) && swap.config().is_dense());
     // A second cache with another stride, to swap into.
     let other_cfg = match input.swap_pad {
-        Some(p) => dense.with_page_stride(dense.bytes_per_block() + usize::from(p % 3) * 16).unwrap(),
+        Some(p) => dense
+            .with_page_stride(dense.bytes_per_block() + usize::from(p % 3) * 16)
+            .unwrap(),
         None => dense,
     };
     let mut other = HostKvCache::new(other_cfg).unwrap();
@@ -198,29 +243,50 @@ fn run<T: KvElem>(input: &Input) {
 
     for op in input.ops.iter().take(24) {
         match op {
-            Op::Write { layer, slots, len_delta, seed } => {
+            Op::Write {
+                layer,
+                slots,
+                len_delta,
+                seed,
+            } => {
                 let layer = usize::from(*layer % 4);
                 let nslots = cfg.num_blocks() * cfg.block_size();
                 let slot_mapping: Vec<i64> = slots
                     .iter()
                     .take(32)
-                    .map(|&s| if s < -2 { i64::from(s) } else if s < 0 { -1 } else { i64::from(s) % (nslots as i64 + 2) })
+                    .map(|&s| {
+                        if s < -2 {
+                            i64::from(s)
+                        } else if s < 0 {
+                            -1
+                        } else {
+                            i64::from(s) % (nslots as i64 + 2)
+                        }
+                    })
                     .collect();
                 let row = cfg.token_stride();
                 let n = (slot_mapping.len() * row) as isize + (*len_delta % 2) as isize;
                 let key: Vec<T> = (0..n.max(0) as usize).map(|i| val(i, *seed)).collect();
-                let value: Vec<T> = (0..n.max(0) as usize).map(|i| val(i, seed.wrapping_add(1))).collect();
+                let value: Vec<T> = (0..n.max(0) as usize)
+                    .map(|i| val(i, seed.wrapping_add(1)))
+                    .collect();
                 let before = snapshot(&cache);
                 let mut view = cache.view_mut::<T>().unwrap();
                 let Ok(kv) = view.layer_mut(layer) else {
                     assert!(layer >= cfg.num_layers());
                     continue;
                 };
-                let ok = n.max(0) as usize == slot_mapping.len() * row && slot_mapping.iter().all(|&s| s == -1 || (0..nslots as i64).contains(&s));
+                let ok = n.max(0) as usize == slot_mapping.len() * row
+                    && slot_mapping
+                        .iter()
+                        .all(|&s| s == -1 || (0..nslots as i64).contains(&s));
                 let r = cpu::reshape_and_cache(kv, &key, &value, &slot_mapping);
                 assert_eq!(r.is_ok(), ok, "{r:?}");
                 if !ok {
-                    assert!(snapshot(&cache) == before, "a refused write changed the cache");
+                    assert!(
+                        snapshot(&cache) == before,
+                        "a refused write changed the cache"
+                    );
                     continue;
                 }
                 let view = cache.view::<T>().unwrap();
@@ -237,7 +303,12 @@ fn run<T: KvElem>(input: &Input) {
                     assert!(data[v..v + row] == value[i * row..(i + 1) * row]);
                 }
             }
-            Op::Decode { layer, seqs, params: p, len_delta } => {
+            Op::Decode {
+                layer,
+                seqs,
+                params: p,
+                len_delta,
+            } => {
                 let layer = usize::from(*layer) % cfg.num_layers();
                 let (t, ctx, mbps) = table(seqs, &cfg);
                 let mut slopes = Vec::new();
@@ -250,14 +321,21 @@ fn run<T: KvElem>(input: &Input) {
                 let range = v_range::<T>(&cache, layer);
                 let view = cache.view::<T>().unwrap();
                 let kv = view.layer(layer).unwrap();
-                let s = PagedSeqs { block_tables: &t, max_blocks_per_seq: mbps, context_lens: &ctx };
+                let s = PagedSeqs {
+                    block_tables: &t,
+                    max_blocks_per_seq: mbps,
+                    context_lens: &ctx,
+                };
                 match cpu::paged_attention_decode(&mut ws, kv, &query, &s, &a, &mut out) {
                     Err(_) => assert!(out.iter().all(|x| *x == sentinel), "a refused decode wrote"),
                     Ok(()) => {
                         assert_eq!(n, ctx.len() * hd);
                         for x in &out {
                             let x = x.to_f32();
-                            assert!(x.is_finite() && x >= range.0 && x <= range.1, "decode output {x} outside {range:?}");
+                            assert!(
+                                x.is_finite() && x >= range.0 && x <= range.1,
+                                "decode output {x} outside {range:?}"
+                            );
                         }
                         // Prefill of one token per live sequence attends the same keys.
                         let mut qsl = vec![0i32];
@@ -265,23 +343,39 @@ fn run<T: KvElem>(input: &Input) {
                             qsl.push(qsl.last().unwrap() + i32::from(c > 0));
                         }
                         let rows: Vec<usize> = (0..ctx.len()).filter(|&i| ctx[i] > 0).collect();
-                        let q2: Vec<T> = rows.iter().flat_map(|&r| query[r * hd..(r + 1) * hd].iter().copied()).collect();
+                        let q2: Vec<T> = rows
+                            .iter()
+                            .flat_map(|&r| query[r * hd..(r + 1) * hd].iter().copied())
+                            .collect();
                         let mut out2 = vec![sentinel; q2.len()];
                         cpu::paged_attention_prefill(&mut ws, kv, &q2, &qsl, &s, &a, &mut out2)
                             .expect("prefill of the decode batch");
                         for (j, &r) in rows.iter().enumerate() {
                             for e in 0..hd {
                                 let (x, y) = (out[r * hd + e].to_f32(), out2[j * hd + e].to_f32());
-                                assert!((x - y).abs() <= 1e-3 + 1e-2 * x.abs(), "decode {x} vs prefill {y}");
+                                assert!(
+                                    (x - y).abs() <= 1e-3 + 1e-2 * x.abs(),
+                                    "decode {x} vs prefill {y}"
+                                );
                             }
                         }
-                        for &r in (0..ctx.len()).filter(|&i| ctx[i] == 0).collect::<Vec<_>>().iter() {
+                        for &r in (0..ctx.len())
+                            .filter(|&i| ctx[i] == 0)
+                            .collect::<Vec<_>>()
+                            .iter()
+                        {
                             assert!(out[r * hd..(r + 1) * hd].iter().all(|x| x.to_f32() == 0.0));
                         }
                     }
                 }
             }
-            Op::Prefill { layer, seqs, q_lens, params: p, len_delta } => {
+            Op::Prefill {
+                layer,
+                seqs,
+                q_lens,
+                params: p,
+                len_delta,
+            } => {
                 let layer = usize::from(*layer) % cfg.num_layers();
                 let (t, ctx, mbps) = table(seqs, &cfg);
                 let mut slopes = Vec::new();
@@ -303,13 +397,23 @@ fn run<T: KvElem>(input: &Input) {
                 let range = v_range::<T>(&cache, layer);
                 let view = cache.view::<T>().unwrap();
                 let kv = view.layer(layer).unwrap();
-                let s = PagedSeqs { block_tables: &t, max_blocks_per_seq: mbps, context_lens: &ctx };
+                let s = PagedSeqs {
+                    block_tables: &t,
+                    max_blocks_per_seq: mbps,
+                    context_lens: &ctx,
+                };
                 match cpu::paged_attention_prefill(&mut ws, kv, &query, &qsl, &s, &a, &mut out) {
-                    Err(_) => assert!(out.iter().all(|x| *x == sentinel), "a refused prefill wrote"),
+                    Err(_) => assert!(
+                        out.iter().all(|x| *x == sentinel),
+                        "a refused prefill wrote"
+                    ),
                     Ok(()) => {
                         for x in &out {
                             let x = x.to_f32();
-                            assert!(x.is_finite() && x >= range.0 && x <= range.1, "prefill output {x} outside {range:?}");
+                            assert!(
+                                x.is_finite() && x >= range.0 && x <= range.1,
+                                "prefill output {x} outside {range:?}"
+                            );
                         }
                     }
                 }
@@ -328,11 +432,17 @@ fn run<T: KvElem>(input: &Input) {
                     assert!(after == before, "a refused copy changed the cache");
                 } else {
                     for &(s, d) in &p {
-                        assert!(block(&after, &cfg, d as usize) == block(&before, &cfg, s as usize), "copy {s}->{d}");
+                        assert!(
+                            block(&after, &cfg, d as usize) == block(&before, &cfg, s as usize),
+                            "copy {s}->{d}"
+                        );
                     }
                     for b in 0..cfg.num_blocks() {
                         if !p.iter().any(|&(_, d)| d as usize == b) {
-                            assert!(block(&after, &cfg, b) == block(&before, &cfg, b), "block {b} not a destination changed");
+                            assert!(
+                                block(&after, &cfg, b) == block(&before, &cfg, b),
+                                "block {b} not a destination changed"
+                            );
                         }
                     }
                 }
@@ -347,7 +457,10 @@ fn run<T: KvElem>(input: &Input) {
                     assert!(after == before, "a refused swap-out changed the swap space");
                 } else {
                     for &(s, d) in &p {
-                        assert!(block(&after, &sc, d as usize) == block(cache.as_bytes(), &cfg, s as usize));
+                        assert!(
+                            block(&after, &sc, d as usize)
+                                == block(cache.as_bytes(), &cfg, s as usize)
+                        );
                     }
                 }
             }
@@ -361,7 +474,10 @@ fn run<T: KvElem>(input: &Input) {
                     assert!(after == before, "a refused swap-in changed the cache");
                 } else {
                     for &(s, d) in &p {
-                        assert!(block(&after, &other_cfg, d as usize) == block(swap.storage().as_bytes(), &sc, s as usize));
+                        assert!(
+                            block(&after, &other_cfg, d as usize)
+                                == block(swap.storage().as_bytes(), &sc, s as usize)
+                        );
                     }
                     // Blocks not named keep their bytes (padding inside a run may be copied).
                     for b in 0..other_cfg.num_blocks() {

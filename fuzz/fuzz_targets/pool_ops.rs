@@ -34,7 +34,11 @@ enum Op {
 fuzz_target!(|input: Input| {
     let n = u32::from(input.num_blocks);
     let engines = u16::from(input.max_engines);
-    let pool = match BlockPool::new(PoolConfig { device: 7, num_blocks: n, max_engines: engines }) {
+    let pool = match BlockPool::new(PoolConfig {
+        device: 7,
+        num_blocks: n,
+        max_engines: engines,
+    }) {
         Ok(p) => Arc::new(p),
         Err(_) => {
             assert!(n == 0 || engines == 0);
@@ -91,14 +95,22 @@ fuzz_target!(|input: Input| {
                 let id = BlockId::from_bits(bits);
                 if !live(&refs, &tables).contains(&id) {
                     // Not a reference anyone holds: must be refused without effect.
-                    let r = if matches!(op, Op::RawRelease(_)) { pool.release(id).map(|_| ()) } else { pool.share(id) };
+                    let r = if matches!(op, Op::RawRelease(_)) {
+                        pool.release(id).map(|_| ())
+                    } else {
+                        pool.share(id)
+                    };
                     assert!(r.is_err(), "{id:?} accepted");
                     assert_eq!(pool.stats(), before);
                 }
             }
             Op::TableNew(e, cap) => {
                 if u16::from(e) < engines && tables.len() < 8 {
-                    tables.push(BlockTable::new(pool.clone(), EngineId(u16::from(e)), u32::from(cap)));
+                    tables.push(BlockTable::new(
+                        pool.clone(),
+                        EngineId(u16::from(e)),
+                        u32::from(cap),
+                    ));
                 }
             }
             Op::TableGrow(t, k) if !tables.is_empty() => {
@@ -135,7 +147,10 @@ fuzz_target!(|input: Input| {
         distinct.sort_unstable();
         distinct.dedup();
         assert_eq!(pool.free_count() as usize, n as usize - distinct.len());
-        assert_eq!(pool.stats().held.iter().sum::<u32>() as usize, distinct.len());
+        assert_eq!(
+            pool.stats().held.iter().sum::<u32>() as usize,
+            distinct.len()
+        );
         for id in &distinct {
             let k = all.iter().filter(|x| *x == id).count() as u32;
             assert_eq!(pool.ref_count(*id), Ok(k));

@@ -8,7 +8,9 @@
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use pagedkv::block::{BlockId, BlockPool, EngineId, PoolConfig};
-use pagedkv::prefix::{BlockHash, EngineUsage, Inserted, MostOverShare, PrefixCache, PrefixConfig, PrefixKey};
+use pagedkv::prefix::{
+    BlockHash, EngineUsage, Inserted, MostOverShare, PrefixCache, PrefixConfig, PrefixKey,
+};
 use std::sync::Arc;
 
 #[derive(Debug, Arbitrary)]
@@ -23,10 +25,24 @@ struct Input {
 enum Op {
     Alloc(u8),
     Release(u8),
-    Lookup { engine: u8, salt: u8, block_tokens: u8, tokens: Vec<u8> },
+    Lookup {
+        engine: u8,
+        salt: u8,
+        block_tokens: u8,
+        tokens: Vec<u8>,
+    },
     /// Insert held reference `i` under the chain hash of `tokens`.
-    InsertHeld { i: u8, engine: u8, tokens: Vec<u8> },
-    InsertRaw { engine: u8, bits: u64, lo: u64, hi: u64 },
+    InsertHeld {
+        i: u8,
+        engine: u8,
+        tokens: Vec<u8>,
+    },
+    InsertRaw {
+        engine: u8,
+        bits: u64,
+        lo: u64,
+        hi: u64,
+    },
     Forget(u8),
     ForgetRaw(u64),
     Evict(u8, u8),
@@ -38,12 +54,21 @@ enum Op {
 fuzz_target!(|input: Input| {
     let n = u32::from(input.num_blocks);
     let engines = u16::from(input.max_engines);
-    let Ok(pool) = BlockPool::new(PoolConfig { device: 3, num_blocks: n, max_engines: engines }) else {
+    let Ok(pool) = BlockPool::new(PoolConfig {
+        device: 3,
+        num_blocks: n,
+        max_engines: engines,
+    }) else {
         assert!(n == 0 || engines == 0);
         return;
     };
     let pool = Arc::new(pool);
-    let cache = PrefixCache::new(pool.clone(), PrefixConfig { seed: Some(input.seed) });
+    let cache = PrefixCache::new(
+        pool.clone(),
+        PrefixConfig {
+            seed: Some(input.seed),
+        },
+    );
     // References this harness holds, one entry per reference.
     let mut refs: Vec<BlockId> = Vec::new();
     for op in input.ops.into_iter().take(256) {
@@ -58,7 +83,12 @@ fuzz_target!(|input: Input| {
                 let id = refs.swap_remove(i as usize % refs.len());
                 pool.release(id).unwrap();
             }
-            Op::Lookup { engine, salt, block_tokens, tokens } => {
+            Op::Lookup {
+                engine,
+                salt,
+                block_tokens,
+                tokens,
+            } => {
                 let key = PrefixKey {
                     engine: EngineId(u16::from(engine)),
                     adapter: 0,
@@ -81,7 +111,12 @@ fuzz_target!(|input: Input| {
             }
             Op::InsertHeld { i, engine, tokens } if !refs.is_empty() => {
                 let id = refs[i as usize % refs.len()];
-                let key = PrefixKey { engine: EngineId(u16::from(engine)), adapter: 0, salt: 0, block_tokens: 2 };
+                let key = PrefixKey {
+                    engine: EngineId(u16::from(engine)),
+                    adapter: 0,
+                    salt: 0,
+                    block_tokens: 2,
+                };
                 let tokens: Vec<u32> = tokens.iter().map(|&t| u32::from(t % 4)).collect();
                 let mut chain = Vec::new();
                 cache.hasher().chain(&key, &tokens, &mut chain);
@@ -92,13 +127,21 @@ fuzz_target!(|input: Input| {
                     Ok(_) | Err(_) => assert_eq!(cache.is_cached(id), was),
                 }
             }
-            Op::InsertRaw { engine, bits, lo, hi } => {
+            Op::InsertRaw {
+                engine,
+                bits,
+                lo,
+                hi,
+            } => {
                 let id = BlockId::from_bits(bits);
                 if !refs.contains(&id) {
                     // Not a reference anyone holds (unless cached): refused, or at worst a
                     // no-op on a page the cache holds.
                     let r = cache.insert(EngineId(u16::from(engine)), BlockHash { lo, hi }, id);
-                    assert!(!matches!(r, Ok(Inserted::Inserted)), "{id:?} inserted: {r:?}");
+                    assert!(
+                        !matches!(r, Ok(Inserted::Inserted)),
+                        "{id:?} inserted: {r:?}"
+                    );
                     assert_eq!(pool.stats(), before);
                 }
             }
@@ -132,7 +175,13 @@ fuzz_target!(|input: Input| {
                 let shares: Vec<u32> = shares.into_iter().map(u32::from).collect();
                 let usage = cache.usage(&shares);
                 let mut out = Vec::new();
-                match cache.alloc_evicting(EngineId(u16::from(e)), u32::from(k), &mut out, &usage, &mut MostOverShare) {
+                match cache.alloc_evicting(
+                    EngineId(u16::from(e)),
+                    u32::from(k),
+                    &mut out,
+                    &usage,
+                    &mut MostOverShare,
+                ) {
                     Ok(()) => assert_eq!(out.len(), k as usize),
                     Err(_) => assert!(out.is_empty()),
                 }
@@ -157,10 +206,16 @@ fuzz_target!(|input: Input| {
         distinct.dedup();
         for id in &distinct {
             let mine = refs.iter().filter(|x| *x == id).count() as u32;
-            assert_eq!(pool.ref_count(*id), Ok(mine + u32::from(cache.is_cached(*id))));
+            assert_eq!(
+                pool.ref_count(*id),
+                Ok(mine + u32::from(cache.is_cached(*id)))
+            );
         }
         let cached_free = cache.reclaimable(None) as usize;
-        assert_eq!(pool.free_count() as usize, n as usize - distinct.len() - cached_free);
+        assert_eq!(
+            pool.free_count() as usize,
+            n as usize - distinct.len() - cached_free
+        );
     }
     pool.free_n(&refs).unwrap();
     drop(cache);

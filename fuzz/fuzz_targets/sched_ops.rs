@@ -26,8 +26,15 @@ struct Input {
 
 #[derive(Debug, Arbitrary)]
 enum Op {
-    Submit { prompt_len: u8, max_new: u8, urgent: bool, eos: Option<u8> },
-    Step { tokens: Vec<u8> },
+    Submit {
+        prompt_len: u8,
+        max_new: u8,
+        urgent: bool,
+        eos: Option<u8>,
+    },
+    Step {
+        tokens: Vec<u8>,
+    },
     StepWrongCount,
     /// Schedules a batch that is never committed (its execution failed): the next schedule
     /// discards it.
@@ -37,7 +44,11 @@ enum Op {
 }
 
 fuzz_target!(|input: Input| {
-    let Ok(pool) = BlockPool::new(PoolConfig { device: 0, num_blocks: u32::from(input.blocks), max_engines: 1 }) else {
+    let Ok(pool) = BlockPool::new(PoolConfig {
+        device: 0,
+        num_blocks: u32::from(input.blocks),
+        max_engines: 1,
+    }) else {
         return;
     };
     let pool = Arc::new(pool);
@@ -48,7 +59,11 @@ fuzz_target!(|input: Input| {
         max_batched_tokens: u32::from(input.max_tokens),
         max_prefill_chunk: u32::from(input.chunk),
         max_blocks_per_seq: u32::from(input.max_blocks_per_seq),
-        preemption: if input.swap { PreemptionMode::Swap } else { PreemptionMode::Recompute },
+        preemption: if input.swap {
+            PreemptionMode::Swap
+        } else {
+            PreemptionMode::Recompute
+        },
         swap_blocks: u32::from(input.swap_blocks),
     };
     let Ok(mut bt) = Batcher::new(cfg, pool.clone()) else {
@@ -59,12 +74,25 @@ fuzz_target!(|input: Input| {
     let mut done = Vec::new();
     for op in input.ops.into_iter().take(256) {
         match op {
-            Op::Submit { prompt_len, max_new, urgent, eos } => {
+            Op::Submit {
+                prompt_len,
+                max_new,
+                urgent,
+                eos,
+            } => {
                 let req = SeqRequest {
                     id: next_id,
                     prompt: vec![1; usize::from(prompt_len)],
-                    stop: StopRules { max_new_tokens: u32::from(max_new), eos: eos.map(u32::from).into_iter().collect(), stop_sequences: vec![] },
-                    priority: if urgent { Priority::LatencyCritical } else { Priority::Throughput },
+                    stop: StopRules {
+                        max_new_tokens: u32::from(max_new),
+                        eos: eos.map(u32::from).into_iter().collect(),
+                        stop_sequences: vec![],
+                    },
+                    priority: if urgent {
+                        Priority::LatencyCritical
+                    } else {
+                        Priority::Throughput
+                    },
                 };
                 if bt.add(req).is_ok() {
                     accepted.insert(next_id);
@@ -90,7 +118,9 @@ fuzz_target!(|input: Input| {
                     }
                 }
                 let n = b.num_samples();
-                let sampled: Vec<u32> = (0..n).map(|i| u32::from(tokens.get(i).copied().unwrap_or(7))).collect();
+                let sampled: Vec<u32> = (0..n)
+                    .map(|i| u32::from(tokens.get(i).copied().unwrap_or(7)))
+                    .collect();
                 bt.commit(&sampled, &mut done).unwrap();
             }
             Op::StepWrongCount => {
@@ -122,7 +152,10 @@ fuzz_target!(|input: Input| {
     }
     assert!(!bt.has_work(), "livelock: work left after draining");
     let finished: HashSet<u64> = done.iter().map(|f| f.id).collect();
-    assert_eq!(finished, accepted, "every accepted request finishes exactly once");
+    assert_eq!(
+        finished, accepted,
+        "every accepted request finishes exactly once"
+    );
     assert_eq!(finished.len(), done.len());
     drop(bt);
     assert_eq!(pool.free_count(), pool.total());

@@ -26,16 +26,39 @@ struct Input {
 
 #[derive(Debug, Arbitrary)]
 enum Op {
-    Send { s: u8, n: u8, base: u32 },
-    Finish { s: u8, reason: u8, code: u32 },
-    DropSender { s: u8 },
-    TryNext { s: u8 },
-    Poll { s: u8 },
-    DropStream { s: u8 },
-    Insert { s: u8, id: u8 },
-    Dispatch { updates: Vec<(u8, u8, Option<u8>, bool)> },
+    Send {
+        s: u8,
+        n: u8,
+        base: u32,
+    },
+    Finish {
+        s: u8,
+        reason: u8,
+        code: u32,
+    },
+    DropSender {
+        s: u8,
+    },
+    TryNext {
+        s: u8,
+    },
+    Poll {
+        s: u8,
+    },
+    DropStream {
+        s: u8,
+    },
+    Insert {
+        s: u8,
+        id: u8,
+    },
+    Dispatch {
+        updates: Vec<(u8, u8, Option<u8>, bool)>,
+    },
     ClosedInto,
-    Remove { id: u8 },
+    Remove {
+        id: u8,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -127,7 +150,10 @@ impl S {
     /// A registered waker is woken (once, then taken) by the next publish.
     fn woken(&mut self) {
         if self.registered {
-            assert!(self.wakes.0.load(Ordering::Relaxed) >= 1, "registered waker not woken");
+            assert!(
+                self.wakes.0.load(Ordering::Relaxed) >= 1,
+                "registered waker not woken"
+            );
             self.wakes.0.store(0, Ordering::Relaxed);
             self.registered = false;
         }
@@ -168,7 +194,11 @@ fuzz_target!(|input: Input| {
     let req = SeqRequest {
         id: 1,
         prompt: vec![1],
-        stop: StopRules { max_new_tokens: input.max_new, eos: vec![], stop_sequences: vec![] },
+        stop: StopRules {
+            max_new_tokens: input.max_new,
+            eos: vec![],
+            stop_sequences: vec![],
+        },
         priority: Priority::Throughput,
     };
     match StreamRequest::new(req) {
@@ -214,7 +244,9 @@ fuzz_target!(|input: Input| {
         match op {
             Op::Send { s, n, base } => {
                 let st = &mut streams[usize::from(s % 4)];
-                let tokens: Vec<u32> = (0..u32::from(n % 20)).map(|i| base.wrapping_add(i)).collect();
+                let tokens: Vec<u32> = (0..u32::from(n % 20))
+                    .map(|i| base.wrapping_add(i))
+                    .collect();
                 if let Tx::Direct(tx) = &mut st.tx {
                     let got = tx.send(&tokens);
                     let want = st.model_send(&tokens);
@@ -228,7 +260,9 @@ fuzz_target!(|input: Input| {
             Op::Finish { s, reason: r, code } => {
                 let st = &mut streams[usize::from(s % 4)];
                 if let Tx::Direct(_) = st.tx {
-                    let Tx::Direct(tx) = std::mem::replace(&mut st.tx, Tx::Gone) else { unreachable!() };
+                    let Tx::Direct(tx) = std::mem::replace(&mut st.tx, Tx::Gone) else {
+                        unreachable!()
+                    };
                     let r = reason(r, code);
                     assert_eq!(tx.finish(r), st.model_finish(r));
                 }
@@ -274,7 +308,9 @@ fuzz_target!(|input: Input| {
                 let id = u64::from(id % 8);
                 let st = &mut streams[si];
                 if let Tx::Direct(_) = st.tx {
-                    let Tx::Direct(tx) = std::mem::replace(&mut st.tx, Tx::Gone) else { unreachable!() };
+                    let Tx::Direct(tx) = std::mem::replace(&mut st.tx, Tx::Gone) else {
+                        unreachable!()
+                    };
                     match router.insert(id, tx) {
                         Ok(()) => {
                             assert!(routed.insert(id, si).is_none());
@@ -292,7 +328,9 @@ fuzz_target!(|input: Input| {
                 for (id, n, fin, bad) in updates.into_iter().take(16) {
                     let at = results.tokens.len();
                     let n = usize::from(n % 8);
-                    results.tokens.extend((0..n as u32).map(|i| 1000 + at as u32 + i));
+                    results
+                        .tokens
+                        .extend((0..n as u32).map(|i| 1000 + at as u32 + i));
                     // A caller-built update may name tokens that are not there.
                     let end = if bad { at + n + 100 } else { at + n };
                     results.updates.push(SeqUpdate {
@@ -305,7 +343,9 @@ fuzz_target!(|input: Input| {
                 router.dispatch(&results, &mut abort);
                 let mut want = Vec::new();
                 for u in &results.updates {
-                    let Some(&si) = routed.get(&u.id) else { continue };
+                    let Some(&si) = routed.get(&u.id) else {
+                        continue;
+                    };
                     let st = &mut streams[si];
                     let sent = match results.tokens.get(u.tokens.clone()) {
                         Some(t) => st.model_send(t),

@@ -453,6 +453,8 @@ fn writes_into_a_buffers_slack_are_reported() {
     let b = zeroed(400);
     // SAFETY: deliberately wrong: index -1 of the buffer, in its page's slack.
     let p = unsafe { (b.ptr() as *mut i32).sub(1) };
+    // SAFETY: the emulated launch writes p[0] (the slack before the data, inside the buffer's
+    // mapping): the emulation reports it instead of touching anything else.
     let s = unsafe { emu_ffi::pkv_emu_selftest_write(p, 1) };
     assert_eq!(s, ILLEGAL_ADDRESS, "{:?}", cuda_emu::last_fault());
     let b = zeroed(404);
@@ -477,6 +479,8 @@ fn misaligned_small_loads_are_reported() {
     for at in [4usize, 8] {
         // SAFETY: inside the buffer; the misalignment is the point.
         let p = unsafe { (src.ptr() as *mut u8).add(at) };
+        // SAFETY: the kernel reads 8 bytes at p and 4 at p + 2, inside `src`, and writes two
+        // ints of `out`.
         let s = unsafe { emu_ffi::pkv_emu_wrong_ld8(p.cast(), out.ptr() as *mut i32) };
         assert_eq!(s, MISALIGNED, "at +{at}: {:?}", cuda_emu::last_fault());
     }
@@ -487,6 +491,8 @@ fn misaligned_small_loads_are_reported() {
 #[test]
 fn shared_memory_past_its_end_is_reported() {
     let out = zeroed(8);
+    // SAFETY: the kernel writes two floats of `out`; its shared-memory overrun stays inside
+    // the emulation's guarded shared allocation (that is what is checked).
     let s = unsafe { emu_ffi::pkv_emu_wrong_smem_past_end(out.ptr() as *mut f32, 1) };
     assert_eq!(s, ILLEGAL_ADDRESS, "{:?}", cuda_emu::last_fault());
     assert!(
@@ -503,6 +509,7 @@ fn a_shuffle_some_lanes_skip_is_reported() {
         cuda_emu::set_schedule(sch);
         for twice in [false, true] {
             let out = zeroed(32 * 4);
+            // SAFETY: the kernel writes 32 ints of `out` (32 x 4 bytes).
             let s = unsafe {
                 if twice {
                     emu_ffi::pkv_emu_wrong_shfl_vs_syncwarp2(out.ptr() as *mut i32)
@@ -521,6 +528,7 @@ fn a_shuffle_some_lanes_skip_is_reported() {
 fn ldmatrix_from_global_memory_is_reported() {
     let g = zeroed(64 * 2);
     let out = zeroed(32 * 4);
+    // SAFETY: the kernel reads 64 u16 of `g` (128 bytes) and writes 32 u32 of `out`.
     let s = unsafe {
         emu_ffi::pkv_emu_wrong_ldmatrix_global(g.ptr() as *const u16, out.ptr() as *mut u32)
     };
@@ -539,6 +547,7 @@ fn wgmma_needs_the_whole_warpgroup_and_one_descriptor() {
         (128, 1, LAUNCH_FAILURE),
     ] {
         let out = zeroed(128 * 4);
+        // SAFETY: the kernel writes one float per thread (at most 128) of `out`.
         let s = unsafe { emu_ffi::pkv_emu_wrong_wgmma(out.ptr() as *mut f32, threads, per_warp) };
         assert_eq!(
             s,

@@ -451,8 +451,8 @@ const ILLEGAL_ADDRESS: i32 = 700;
 #[test]
 fn writes_into_a_buffers_slack_are_reported() {
     let b = zeroed(400);
-    // SAFETY: deliberately wrong: index -1 of the buffer, in its page's slack.
-    let p = unsafe { (b.ptr() as *mut i32).sub(1) };
+    // Index -1 of the buffer, in its page's slack (wrapping: outside the Rust allocation).
+    let p = (b.ptr() as *mut i32).wrapping_sub(1);
     // SAFETY: the emulated launch writes p[0] (the slack before the data, inside the buffer's
     // mapping): the emulation reports it instead of touching anything else.
     let s = unsafe { emu_ffi::pkv_emu_selftest_write(p, 1) };

@@ -477,7 +477,7 @@ impl<T, R> Admission<T, R> {
         // allocator's refusal, not an abort). A shape that fits but exceeds the machine's
         // memory is the operator's to size.
         let no_room = AdmissionError::InvalidConfig("the queues' slots do not fit in memory");
-        let slot_bytes = std::mem::size_of::<Entry<T, R>>().max(1) + std::mem::size_of::<usize>();
+        let slot_bytes = Ring::<Entry<T, R>>::SLOT_BYTES;
         let slots = (config.high_capacity + config.low_capacity)
             .checked_mul(config.workers)
             .and_then(|n| n.checked_mul(slot_bytes))

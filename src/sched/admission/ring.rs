@@ -119,6 +119,9 @@ impl<T> Ring<T> {
         Self::try_new(cap).unwrap_or_else(|| panic!("no memory for a ring of {cap} slots"))
     }
 
+    /// Bytes of one slot (for a caller sizing many rings before building them).
+    pub(crate) const SLOT_BYTES: usize = std::mem::size_of::<Slot<T>>();
+
     /// A ring of `cap` slots, or `None` if the allocator refuses their memory (a capacity
     /// that cannot fit, refused up front rather than aborting the process).
     pub(crate) fn try_new(cap: usize) -> Option<Self> {

@@ -2,6 +2,7 @@
 //! coordinator's request, and finishing or aborting sequences.
 
 use super::{Batcher, PreemptionMode};
+use crate::block::BlockId;
 use crate::sched::sequence::{FinishReason, FinishedSeq, SeqPhase};
 
 impl Batcher {
@@ -59,19 +60,7 @@ impl Batcher {
     /// reference per page keeps them allocated (and charged to this engine's budget) until
     /// [`release_swapped_pages`](Self::release_swapped_pages), after the batch has run.
     fn hold_for_swap_out(&mut self, slot: usize) {
-        let mut pages = std::mem::take(&mut self.scratch);
-        pages.clear();
-        self.seq(slot).table.ids_into(&mut pages);
-        for &id in &pages {
-            match self.pool.share(id) {
-                Ok(()) => self.swap_out_pending.push(id),
-                // The table holds a reference, so sharing cannot fail short of a pool bug; if it
-                // does, the page is not held and is released with the table below.
-                Err(e) => debug_assert!(false, "sharing a held page failed: {e}"),
-            }
-        }
-        pages.clear();
-        self.scratch = pages;
+        self.hold_pages(slot, false);
         // Drops the table's references; the budget stays charged for the held pages.
         self.seq_mut(slot).table.clear();
     }
@@ -82,20 +71,25 @@ impl Batcher {
     /// the copy's source alone: released now, the page would go back to the pool, and another
     /// engine could get it and write it before the batch copies from it.
     fn hold_copy_sources(&mut self, slot: usize) {
-        if self.batch.copies.is_empty() {
-            return;
+        if !self.batch.copies.is_empty() {
+            self.hold_pages(slot, true);
         }
+    }
+
+    /// Takes one more reference to each page of `slot`'s table (only those a copy of the batch
+    /// reads, if `copy_sources_only`) into `swap_out_pending`.
+    fn hold_pages(&mut self, slot: usize, copy_sources_only: bool) {
         let mut pages = std::mem::take(&mut self.scratch);
         pages.clear();
         self.seq(slot).table.ids_into(&mut pages);
         for &id in &pages {
-            let src = id.index() as i32;
-            if !self.batch.copies.iter().any(|&(s, _)| s == src) {
+            if copy_sources_only && !is_copy_source(&self.batch.copies, id) {
                 continue;
             }
             match self.pool.share(id) {
                 Ok(()) => self.swap_out_pending.push(id),
-                // As in `hold_for_swap_out`.
+                // The table holds a reference, so sharing cannot fail short of a pool bug; if it
+                // does, the page is not held and is released with the table.
                 Err(e) => debug_assert!(false, "sharing a held page failed: {e}"),
             }
         }
@@ -118,9 +112,8 @@ impl Batcher {
         if !self.swap_out_pending.is_empty() {
             let mut pending = std::mem::take(&mut self.swap_out_pending);
             let (pool, copies) = (&self.pool, &self.batch.copies);
-            let free_to_reuse = |id: crate::block::BlockId| {
-                pool.ref_count(id) == Ok(1) && !copies.iter().any(|&(s, _)| s == id.index() as i32)
-            };
+            let free_to_reuse =
+                |id: BlockId| pool.ref_count(id) == Ok(1) && !is_copy_source(copies, id);
             pending.sort_by_key(|&id| free_to_reuse(id));
             reusable = pending
                 .iter()
@@ -372,4 +365,10 @@ impl Batcher {
         self.pending_aborts = aborts;
         self.pending_aborts.clear();
     }
+}
+
+/// Whether a copy of `copies` (source, destination page pairs) reads `id`'s page.
+fn is_copy_source(copies: &[(i32, i32)], id: BlockId) -> bool {
+    let page = id.index() as i32;
+    copies.iter().any(|&(s, _)| s == page)
 }

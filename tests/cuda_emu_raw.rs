@@ -1053,3 +1053,67 @@ fn invalid_block_ids_mask_their_tokens() {
         check::<f32>(&mut rng, 4, bs);
     }
 }
+
+/// A swap whose *host* page is smaller than a block (or off the 16-byte grid) is refused with
+/// the layout's error naming that page: it named the device page (here 4096 bytes "smaller
+/// than" a 2048-byte block).
+#[test]
+fn swap_page_errors_name_the_offending_page() {
+    let dev = EmuBuf::zeroed(2 * 4096).unwrap();
+    let host = vec![0u8; 2 * 4096];
+    let pairs = [[0i64, 1]];
+    let small = 1024usize;
+    for to_host in [true, false] {
+        let (dst, dst_page, src, src_page) = if to_host {
+            (host.as_ptr() as *mut _, small, dev.ptr() as *const _, 4096)
+        } else {
+            (dev.ptr() as *mut _, 4096, host.as_ptr() as *const _, small)
+        };
+        // SAFETY: refused by the page checks before any copy (the point of this test).
+        let r = unsafe {
+            cuda_raw::swap_blocks(
+                dst,
+                dst_page,
+                src,
+                src_page,
+                2048,
+                &pairs,
+                to_host,
+                null_stream(),
+            )
+        };
+        assert!(
+            matches!(
+                r,
+                Err(RawError::Kv(KvError::PageTooSmall {
+                    page_bytes: 1024,
+                    block_bytes: 2048
+                }))
+            ),
+            "host page {small} (to_host {to_host}): {r:?}"
+        );
+    }
+    // SAFETY: as above.
+    let r = unsafe {
+        cuda_raw::swap_blocks(
+            host.as_ptr() as *mut _,
+            4104,
+            dev.ptr() as *const _,
+            4096,
+            2048,
+            &pairs,
+            true,
+            null_stream(),
+        )
+    };
+    assert!(
+        matches!(
+            r,
+            Err(RawError::Kv(KvError::PageMisaligned {
+                page_bytes: 4104,
+                ..
+            }))
+        ),
+        "{r:?}"
+    );
+}

@@ -111,3 +111,123 @@ fn a_buffer_growth_after_begin_ends_the_step() {
         "page 0 was written"
     );
 }
+
+/// Copy-on-write pairs the host backend refuses (`check_block_mapping`: a destination that is
+/// also a source, twice the same destination, a page onto itself) must be refused here too,
+/// before anything is queued: on a GPU the copy kernel runs every pair at once, so a chain
+/// `(1, 2), (2, 3)` reads page 2 while another thread block writes it (page 3 gets old, new or
+/// torn bytes) and two pairs into one page race. Swap mappings likewise: two pages into one
+/// swap slot (or one page from two slots) is the host backend's `DuplicateDestination`.
+#[test]
+fn copy_and_swap_mappings_the_host_backend_refuses_are_refused() {
+    use pagedkv::error::{EngineError, KvError};
+    let arena = EmuBuf::zeroed(config().total_bytes()).unwrap();
+    let mut b = backend(&arena);
+    for pairs in [
+        &[(1, 2), (2, 3)][..],
+        &[(2, 3), (1, 2)][..],
+        &[(1, 4), (2, 4)][..],
+        &[(5, 5)][..],
+    ] {
+        let r = b.copy_blocks(pairs);
+        assert!(
+            matches!(
+                r,
+                Err(EngineError::Kv(
+                    KvError::CopyOverlap { .. } | KvError::DuplicateDestination { .. }
+                ))
+            ),
+            "copy {pairs:?}: {r:?}"
+        );
+    }
+    // Out of range stays refused.
+    assert!(b.copy_blocks(&[(1, BLOCKS as u32)]).is_err());
+    b.copy_blocks(&[(1, 2), (3, 4)]).unwrap();
+    b.end().unwrap();
+
+    // Two swap slots: two pages out into slot 0, or slot 0 and 1 into one page.
+    let cfg = config();
+    // SAFETY: as in `backend`.
+    let mut b = unsafe {
+        RawBackend::new(
+            EmuDevice::new(8),
+            arena.ptr() as u64,
+            &cfg,
+            HEADS,
+            RawCaps {
+                max_seqs: 4,
+                max_tokens: 1,
+                max_blocks_per_seq: 1,
+                max_copies: 0,
+            },
+            2,
+        )
+    }
+    .unwrap();
+    let r = b.swap_out(&[(1, 0), (2, 0)]);
+    assert!(
+        matches!(
+            r,
+            Err(EngineError::Kv(KvError::DuplicateDestination { .. }))
+        ),
+        "swap out: {r:?}"
+    );
+    let r = b.swap_in(&[(0, 3), (1, 3)]);
+    assert!(
+        matches!(
+            r,
+            Err(EngineError::Kv(KvError::DuplicateDestination { .. }))
+        ),
+        "swap in: {r:?}"
+    );
+    b.swap_out(&[(1, 0), (2, 1)]).unwrap();
+    b.swap_in(&[(0, 3), (1, 4)]).unwrap();
+    b.end().unwrap();
+}
+
+/// A batch of 40001 sequences (one token in all, the other rows empty) on a backend sized for
+/// 40000: the kernels take up to 65535 sequences, but the growth doubled the capacity to 80000,
+/// past the decode plan's limit, and `begin` refused a batch that fits.
+#[test]
+fn growth_stays_within_the_kernels_limits() {
+    let cfg = config();
+    let arena = EmuBuf::zeroed(cfg.total_bytes()).unwrap();
+    // SAFETY: as in `backend`.
+    let mut b = unsafe {
+        RawBackend::new(
+            EmuDevice::new(8),
+            arena.ptr() as u64,
+            &cfg,
+            HEADS,
+            RawCaps {
+                max_seqs: 40_000,
+                max_tokens: 1,
+                max_blocks_per_seq: 1,
+                max_copies: 0,
+            },
+            1,
+        )
+    }
+    .unwrap();
+    let n = 40_001;
+    let mut query_start_loc = vec![1i32; n + 1];
+    query_start_loc[0] = 0;
+    let batch = Batch {
+        seq_ids: (1..=n as u64).collect(),
+        input_tokens: vec![7],
+        positions: vec![0],
+        query_start_loc,
+        context_lens: vec![1; n],
+        slot_mapping: vec![0],
+        block_tables: vec![0; n],
+        max_blocks_per_seq: 1,
+        ..Batch::default()
+    };
+    b.begin(&batch).unwrap();
+    assert!(
+        b.caps().max_seqs >= n && b.caps().max_seqs <= 65_535,
+        "{:?}",
+        b.caps()
+    );
+    b.end().unwrap();
+}

@@ -7,6 +7,7 @@ use super::check::{
 };
 use super::{ffi, AttnParamsRaw, CacheView, CuStream, DecodePlan, DevPtr, Rows, SeqTables};
 use super::{RawError, Workspace};
+use crate::error::KvError;
 use crate::kv::KvDtype;
 use std::ffi::c_void;
 
@@ -386,6 +387,24 @@ pub unsafe fn swap_blocks(
     if n == 0 {
         return Ok(());
     }
+    // The launcher's page checks, in its order, naming the page that fails (either side's).
+    if block_bytes > 0 {
+        for page_bytes in [dst_page_bytes, src_page_bytes] {
+            if page_bytes < block_bytes {
+                return Err(KvError::PageTooSmall {
+                    page_bytes,
+                    block_bytes,
+                }
+                .into());
+            }
+        }
+        for page_bytes in [dst_page_bytes, src_page_bytes] {
+            let align = ffi::PKV_PAGE_ALIGN as usize;
+            if page_bytes % align != 0 {
+                return Err(KvError::PageMisaligned { page_bytes, align }.into());
+            }
+        }
+    }
     // SAFETY: the caller vouches for both sides (this function's contract); `pairs` is a live
     // host slice of n [src, dst] i64 pairs (the layout of [n][2] i64), read during the call.
     let status = unsafe {
@@ -401,13 +420,6 @@ pub unsafe fn swap_blocks(
             stream,
         )
     };
-    let page = PageArgs {
-        page_bytes: if to_host {
-            src_page_bytes
-        } else {
-            dst_page_bytes
-        },
-        block_bytes,
-    };
-    check_status("pkv_swap_blocks", status, Some(page))
+    // The page checks ran above: every refusal left is a status of its own.
+    check_status("pkv_swap_blocks", status, None)
 }

@@ -9,7 +9,8 @@ use crate::engine::exec::KvBackend;
 use crate::engine::host::check_heads;
 use crate::error::{AttnError, EngineError};
 use crate::kv::{
-    check_len, check_query_starts, check_seqs, check_slots, KvArena, KvCacheConfig, PagedSeqs,
+    check_block_mapping, check_len, check_query_starts, check_seqs, check_slots, KvArena,
+    KvCacheConfig, PagedSeqs,
 };
 use crate::sched::Batch;
 
@@ -41,6 +42,9 @@ pub struct RawBackend<D: RawDevice> {
     /// The attention output of the current step (rows of the output buffer), set by `begin`.
     out: DeviceRows,
 }
+
+/// The most sequences a decode plan (and so a launch) takes (`pkv_decode_plan_init`).
+const MAX_PLAN_SEQS: usize = 65535;
 
 #[derive(Debug, Clone, Copy)]
 struct StepShape {
@@ -155,18 +159,25 @@ impl<D: RawDevice> RawBackend<D> {
         {
             return Ok(());
         }
-        let grow = |h: usize, n: usize| {
+        // Doubling stops at what the decode plan takes (65535 sequences, contexts of
+        // `i32::MAX` tokens), so a batch within those limits never fails for its headroom.
+        let grow = |h: usize, n: usize, limit: usize| {
             if n <= h {
                 h
             } else {
-                n.max(h.saturating_mul(2))
+                n.max(h.saturating_mul(2).min(limit))
             }
         };
+        let context_blocks = i32::MAX as usize / self.cache.config.block_size();
         let caps = RawCaps {
-            max_seqs: grow(have.max_seqs, need.max_seqs),
-            max_tokens: grow(have.max_tokens, need.max_tokens),
-            max_blocks_per_seq: grow(have.max_blocks_per_seq, need.max_blocks_per_seq),
-            max_copies: grow(have.max_copies, need.max_copies),
+            max_seqs: grow(have.max_seqs, need.max_seqs, MAX_PLAN_SEQS),
+            max_tokens: grow(have.max_tokens, need.max_tokens, usize::MAX),
+            max_blocks_per_seq: grow(
+                have.max_blocks_per_seq,
+                need.max_blocks_per_seq,
+                context_blocks,
+            ),
+            max_copies: grow(have.max_copies, need.max_copies, usize::MAX),
         };
         self.dev.synchronize()?;
         let bufs = Buffers::allocate(&self.dev, &self.cache, self.heads, self.mode, caps)?;
@@ -185,16 +196,16 @@ impl<D: RawDevice> RawBackend<D> {
     fn swap(&mut self, pairs: &[(u32, u32)], to_host: bool) -> Result<(), EngineError> {
         let cfg = self.cache.config;
         let (pages, slots) = (cfg.num_blocks(), self.swap.num_pages());
-        self.swap_pairs.clear();
-        for &(a, b) in pairs {
-            let (page, slot) = if to_host { (a, b) } else { (b, a) };
-            if page as usize >= pages || slot as usize >= slots {
-                return Err(EngineError::InvalidConfig(format!(
-                    "swap pair ({a}, {b}) outside {pages} pages or {slots} swap slots"
-                )));
-            }
-            self.swap_pairs.push([i64::from(a), i64::from(b)]);
+        // The host backend's checks (pairs in range, distinct destinations), so both
+        // backends refuse the same mappings.
+        if to_host {
+            check_block_mapping(pairs, pages, slots, false)?;
+        } else {
+            check_block_mapping(pairs, slots, pages, false)?;
         }
+        self.swap_pairs.clear();
+        self.swap_pairs
+            .extend(pairs.iter().map(|&(a, b)| [i64::from(a), i64::from(b)]));
         let host = self.swap.base_ptr().cast::<std::ffi::c_void>();
         let device = self.cache.base as usize as *mut std::ffi::c_void;
         let (dst, dst_page, src, src_page) = if to_host {
@@ -318,14 +329,10 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
 
     fn copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<(), EngineError> {
         let pages = self.cache.config.num_blocks();
-        if let Some(&(a, b)) = pairs
-            .iter()
-            .find(|&&(a, b)| a as usize >= pages || b as usize >= pages)
-        {
-            return Err(EngineError::InvalidConfig(format!(
-                "copy pair ({a}, {b}) outside {pages} pages"
-            )));
-        }
+        // The host backend's checks: pages in range, destinations distinct and none also a
+        // source (the kernel runs every pair at once: a chain or two pairs into one page would
+        // race, page by page, in an order nothing fixes).
+        check_block_mapping(pairs, pages, pages, true)?;
         let need = RawCaps {
             max_copies: pairs.len(),
             ..self.bufs.caps
@@ -343,8 +350,9 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
         // SAFETY: `dst` is the copies region of the metadata block (max_copies >= pairs.len()
         // pairs); the staging bytes are not written again before `end` synchronises (begin
         // writes other regions; the next copy_blocks comes after this step's end). The pairs
-        // name pages of the arena (checked); destinations are fresh pages this engine holds
-        // alone and sources are held (`new`'s contract).
+        // name pages of the arena, destinations distinct and none also a source (checked), so
+        // no two thread blocks touch one page but to read it; destinations are fresh pages
+        // this engine holds alone and sources are held (`new`'s contract).
         unsafe {
             self.dev.copy_to_device(dst, bytes)?;
             cuda_raw::copy_blocks(&self.cache, dst, pairs.len(), self.dev.stream())?;

@@ -420,6 +420,29 @@ fn failed_destination_allocation_queues_no_copy() {
 }
 
 #[test]
+fn stats_are_cleared_by_an_upload_that_fails_before_its_first_fill() {
+    use pagedkv::gguf::upload::FillStats;
+    let bytes = sweep_file();
+    let g = Gguf::parse(&bytes).expect("parse");
+    let n = g.tensors().len() as u64;
+    // The second upload's first destination allocation fails.
+    let config = HostConfig {
+        fault: Some(HostFault {
+            op: HostOp::DstAlloc,
+            call: n,
+        }),
+        ..HostConfig::default()
+    };
+    let (mut r, probe) = ring_with(3, 128, 2, config);
+    r.upload(&g, |_| {}).expect("first upload");
+    assert!(r.last_stats().fills > 0);
+    assert!(r.upload(&g, |_| {}).is_err());
+    // last_stats: "all zero ... after one that failed before its first fill".
+    assert_eq!(r.last_stats(), FillStats::default());
+    drop_clean(r, &probe, "stats");
+}
+
+#[test]
 fn panicking_progress_leaves_a_safe_ring() {
     let sizes = sizes_around(100);
     let bytes = file_of_sizes(&sizes, 21);

@@ -11,7 +11,8 @@ use super::GgufError;
 /// [`crate::gguf::Gguf::parse`]`(file.bytes())`; the parsed views borrow from this value.
 #[derive(Debug)]
 pub enum GgufBytes {
-    /// A read-only private mapping of the file.
+    /// A read-only shared mapping of the file (`MAP_SHARED` on Unix: later writes to the
+    /// file show through it; see [`GgufBytes::map`]).
     Mapped(Mmap),
     /// The file's contents, read into memory.
     Owned(Vec<u8>),

@@ -23,8 +23,8 @@ use std::num::NonZeroUsize;
 use std::ops::Range;
 
 /// Copies each `tensors[i]` (a range of `host`) into a destination of its own, straight from
-/// `host` registered for DMA; `progress(i, done)` is called for every tensor, in order, once
-/// the stream has finished (a running sum of bytes).
+/// `host` registered for DMA; `progress(i, done)` is called for every non-empty tensor, in
+/// order, once the stream has finished (a running sum of bytes).
 ///
 /// # Errors
 /// [`RingError::OutOfRange`] for a range outside `host` (before anything happens);

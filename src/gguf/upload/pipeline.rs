@@ -201,6 +201,8 @@ impl<E: CopyEngine> StagingRing<E> {
         tensors: &[&[u8]],
         progress: impl FnMut(usize, u64),
     ) -> Result<Vec<E::Dst>, E::Error> {
+        // Whatever happens below, the stats describe this upload, not the one before.
+        self.stats = FillStats::default();
         if self.unsynced {
             self.resync()?;
         }
@@ -269,15 +271,21 @@ impl<E: CopyEngine> StagingRing<E> {
         std::thread::scope(|scope| {
             let (done_tx, done_rx) = mpsc::channel::<Done<E::Staging>>();
             let mut jobs = Vec::with_capacity(threads);
-            for w in 0..threads {
+            for attempt in 0..threads {
                 let (tx, rx) = mpsc::channel::<Job<E::Staging>>();
                 let done_tx = done_tx.clone();
-                let spawned = std::thread::Builder::new()
-                    .name(format!("pagedkv-fill-{w}"))
-                    .spawn_scoped(scope, move || fill_worker::<E>(w, &rx, &done_tx, sources));
+                // The thread's id is the index its job channel gets in `jobs` (the fleet hands
+                // it back to `idle` and indexes `jobs` with it), not the attempt number: after
+                // a failed spawn the two differ.
+                let w = jobs.len();
+                let spawned = !spawn_refused(attempt)
+                    && std::thread::Builder::new()
+                        .name(format!("pagedkv-fill-{w}"))
+                        .spawn_scoped(scope, move || fill_worker::<E>(w, &rx, &done_tx, sources))
+                        .is_ok();
                 // A thread that cannot be spawned is one fill thread fewer; with none, the
                 // coordinator fills itself.
-                if spawned.is_ok() {
+                if spawned {
                     jobs.push(tx);
                 }
             }
@@ -363,6 +371,7 @@ impl<E: DequantEngine> StagingRing<E> {
         to: DequantTo,
         progress: impl FnMut(usize, u64),
     ) -> Result<Vec<E::Dst>, RingError<E::Error>> {
+        self.stats = FillStats::default();
         let mut granules = Vec::with_capacity(tensors.len());
         for (i, &(ty, data)) in tensors.iter().enumerate() {
             granules.push(dequant_granule(i, ty, data.len())?);
@@ -472,6 +481,19 @@ impl<E: CopyEngine> Drop for StagingRing<E> {
 }
 
 // ---- fill threads ---------------------------------------------------------------------------
+
+/// Whether spawn attempt `attempt` of an upload is made to fail (unit tests only: a spawn
+/// failure cannot be provoked from outside).
+#[cfg(test)]
+fn spawn_refused(attempt: usize) -> bool {
+    tests::REFUSED_SPAWNS.with(|r| attempt < 64 && r.get() >> attempt & 1 == 1)
+}
+
+#[cfg(not(test))]
+#[inline(always)]
+fn spawn_refused(_attempt: usize) -> bool {
+    false
+}
 
 /// A fill handed to a fill thread: write `pieces` into `staging` (buffer `slot`).
 struct Job<S> {
@@ -819,5 +841,76 @@ impl Coordinator<'_> {
             *entry = Some((self.records, summary));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+    use std::ops::Range;
+
+    thread_local! {
+        /// Bit `i` set: spawn attempt `i` of an upload on this thread fails.
+        pub(super) static REFUSED_SPAWNS: Cell<u64> = const { Cell::new(0) };
+    }
+
+    /// A synchronous engine: copies run when queued, events are no-ops.
+    struct Immediate;
+
+    impl CopyEngine for Immediate {
+        type Error = ();
+        type Staging = Vec<u8>;
+        type Dst = Vec<u8>;
+        fn alloc_staging(&mut self, bytes: usize) -> Result<Vec<u8>, ()> {
+            Ok(vec![0; bytes])
+        }
+        unsafe fn free_staging(&mut self, _staging: Vec<u8>) {}
+        fn alloc_dst(&mut self, bytes: usize) -> Result<Vec<u8>, ()> {
+            Ok(vec![0; bytes])
+        }
+        unsafe fn fill(staging: &mut Vec<u8>, at: usize, src: &[u8]) {
+            staging[at..at + src.len()].copy_from_slice(src);
+        }
+        unsafe fn copy_async(
+            &mut self,
+            staging: &mut Vec<u8>,
+            range: Range<usize>,
+            dst: &mut Vec<u8>,
+            dst_offset: usize,
+        ) -> Result<(), ()> {
+            dst[dst_offset..dst_offset + range.len()].copy_from_slice(&staging[range]);
+            Ok(())
+        }
+        fn record(&mut self, _staging: &mut Vec<u8>) -> Result<(), ()> {
+            Ok(())
+        }
+        fn wait(&mut self, _staging: &mut Vec<u8>) -> Result<(), ()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_failed_spawn_before_a_successful_one_leaves_the_fleet_consistent() {
+        let tensors: Vec<Vec<u8>> = (0..6u8)
+            .map(|i| vec![i + 1; 100 + usize::from(i)])
+            .collect();
+        let slices: Vec<&[u8]> = tensors.iter().map(Vec::as_slice).collect();
+        // Bit i: spawn attempt i fails. 0b001: attempt 0 fails, 1 and 2 succeed, so the two
+        // threads must get ids 0 and 1 (the old code gave them 1 and 2 and indexed past `jobs`).
+        for refused in [0b001u64, 0b011, 0b101, 0b010] {
+            REFUSED_SPAWNS.with(|r| r.set(refused));
+            let mut ring = StagingRing::new(
+                Immediate,
+                NonZeroUsize::new(4).expect("4"),
+                NonZeroUsize::new(64).expect("64"),
+            )
+            .expect("ring");
+            ring.set_fill_threads(3);
+            let dst = ring.upload_slices(&slices, |_, _| {}).expect("upload");
+            assert_eq!(dst, tensors, "refused spawns {refused:#b}");
+            assert_eq!(ring.last_stats().threads, 3 - refused.count_ones() as usize);
+        }
+        REFUSED_SPAWNS.with(|r| r.set(0));
     }
 }

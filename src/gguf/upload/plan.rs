@@ -50,8 +50,8 @@ impl Planner {
     /// Pieces cut at multiples of `granules[i]` and aligned to `align` (a power of two).
     ///
     /// # Errors
-    /// The bytes an empty buffer would need to take one granule (granule plus the worst
-    /// alignment gap) when `staging` is smaller: no fill could make progress.
+    /// The largest granule when `staging` is smaller: an empty buffer (whose first piece
+    /// starts at offset 0, aligned) could not take one granule, so no fill could make progress.
     pub(crate) fn aligned(
         lens: Vec<usize>,
         granules: Vec<usize>,

@@ -9,7 +9,7 @@ use super::error::PrefixError;
 use super::hash::{BlockHash, BlockHasher, PrefixKey};
 use super::index::SlotTable;
 use super::metrics::{bump, CacheEvent, EngineCounters, EventSink, PrefixMetrics};
-use super::record::{generation, Busy, PageRecord, Snapshot, CACHED};
+use super::record::{generation, phase, Busy, PageRecord, Snapshot, CACHED, EVICTING};
 
 /// How a cache is built.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -164,6 +164,11 @@ impl PrefixCache {
     ///
     /// Every returned page held the block's hash, for `key.engine`, at an instant after the
     /// caller's reference was taken, so its KV is that block's (module docs, "No stale hit").
+    ///
+    /// The references it takes are real pool references: while a caller other than the
+    /// engine's batcher holds them (a router probing a live engine's key), the batcher's page
+    /// counts for its budget (which pages leave it when a sequence drops them) see one holder
+    /// too many. A router that only predicts hits should use [`PrefixCache::contains`].
     pub fn lookup(
         &self,
         key: &PrefixKey,
@@ -247,7 +252,7 @@ impl PrefixCache {
                     };
                     // Between our reference and the re-read, as evict_one has between taking
                     // the record and reading the count: of the two threads, at least one sees
-                    // the other (the lookup the BUSY record, or the eviction our reference).
+                    // the other (the lookup the EVICTING record, or the eviction our reference).
                     fence(Ordering::SeqCst);
                     if self.validate && rec.state() != s.state {
                         // Our own reference: the release cannot be refused. If it was the last
@@ -296,10 +301,9 @@ impl PrefixCache {
                 self.give_back(id);
                 // VACANT again: another insert of this page came and went between our load and
                 // our CAS. Either way someone else is at it right now.
-                if super::record::phase(state) != CACHED {
+                if phase(state) != CACHED {
                     return Ok(Inserted::Busy);
                 }
-                debug_assert_eq!(super::record::phase(state), CACHED);
                 return match rec.read() {
                     Some(s) if s.engine != engine => Err(PrefixError::PageOfOtherEngine {
                         id,
@@ -419,14 +423,17 @@ impl PrefixCache {
             .unwrap_or_default()
     }
 
-    /// Whether `id`'s page is cached at `id`'s generation right now.
+    /// Whether `id`'s page is cached at `id`'s generation right now: whether the cache holds a
+    /// pool reference to it. True too while an eviction is checking the page (its record
+    /// `EVICTING`): the cache still holds its reference then, and keeps it if anyone else holds
+    /// the page (the batcher's budget relies on this for the pages its sequences hold).
     pub fn is_cached(&self, id: BlockId) -> bool {
         id.pool_tag() == self.pool.tag()
-            && self
-                .records
-                .get(id.index() as usize)
-                .and_then(PageRecord::read)
-                .is_some_and(|s| generation(s.state) == id.generation())
+            && self.records.get(id.index() as usize).is_some_and(|rec| {
+                // The generation is part of the state word: one load is a consistent view.
+                let state = rec.state();
+                matches!(phase(state), CACHED | EVICTING) && generation(state) == id.generation()
+            })
     }
 
     /// Removes every cached page that no one else holds (cached-free). Returns how many were
@@ -465,14 +472,16 @@ impl PrefixCache {
     /// Takes the record, then checks the count again: a lookup may have shared the page since
     /// the first check and validated against the record as it was; removing it then would drop
     /// the cache's reference from under that hit. With SeqCst fences here and in `take`, this
-    /// count sees the lookup's reference or the lookup sees the BUSY record.
+    /// count sees the lookup's reference or the lookup sees the EVICTING record.
     pub(super) fn uncache_unheld(&self, page: usize, s: Snapshot) -> bool {
         let id = self.id_at(page, s.state);
         if self.pool.ref_count(id) != Ok(1) {
             return false;
         }
         let rec = &self.records[page];
-        let Ok(busy) = rec.begin_from(s.state) else {
+        // EVICTING, not BUSY: the cache keeps its reference unless the count below is 1, and
+        // `is_cached` must say so meanwhile (the batcher's budget reads it of pages it holds).
+        let Ok(busy) = rec.begin_evicting(s.state) else {
             return false;
         };
         fence(Ordering::SeqCst);

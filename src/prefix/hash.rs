@@ -141,8 +141,11 @@ impl BlockHasher {
     #[inline(always)]
     fn absorb(&self, state: &mut [u64; 2], word: u64) {
         for (s, &(_, mul)) in state.iter_mut().zip(&self.lanes) {
-            // Adding the word back after the multiply keeps the step injective in `word` for a
-            // fixed state even where `mum` itself is not.
+            // Adding the word back after the multiply keeps the word in the lane where the
+            // product loses it (`mum(0, mul) == 0`: a word equal to the state would otherwise
+            // reset the lane to 0 whatever it held). The step is not injective in `word` (see
+            // the test `one_lane_step_is_not_injective`): inputs that meet in one lane must
+            // also meet in the other, under its own secrets, for a collision (module docs).
             *s = mum(*s ^ word, mul).wrapping_add(word);
         }
     }
@@ -291,6 +294,21 @@ mod tests {
         }
         let mean = total as f64 / n as f64;
         assert!((60.0..68.0).contains(&mean), "mean flipped bits {mean}");
+    }
+
+    /// A counterexample to the step being injective in the word (found by Pollard's rho over
+    /// lane 0 of seed 1 from its starting state): the two words meet in that lane and not in
+    /// the other, so the block hash still tells them apart.
+    #[test]
+    fn one_lane_step_is_not_injective() {
+        let h = BlockHasher::with_seed(1);
+        let start = [h.lanes[0].0, h.lanes[1].0];
+        let (a, b) = (0xa3b1_74ef_ef07_7b22u64, 0x8387_757c_da86_1c8au64);
+        let (mut sa, mut sb) = (start, start);
+        h.absorb(&mut sa, a);
+        h.absorb(&mut sb, b);
+        assert_eq!(sa[0], sb[0]);
+        assert_ne!(sa[1], sb[1]);
     }
 
     #[test]

@@ -16,9 +16,9 @@
 //! - A slot never returns to `EMPTY` once used (removal writes `TOMB`, insertion reuses tombs).
 //!   So when an entry sits at window offset `k`, every slot before it was non-`EMPTY` when it
 //!   was claimed and still is: a probe may stop at the first `EMPTY` slot.
-//! - A `LIVE` slot naming page `p` is written only by the thread that owns `p`'s record in
-//!   `BUSY` (claim and removal); other threads only CAS non-`LIVE` slots. So no entry is ever
-//!   overwritten by a stranger, and removal is a plain store.
+//! - A `LIVE` slot naming page `p` is written only by the thread that owns `p`'s record
+//!   (`BUSY` or `EVICTING`: claim and removal); other threads only CAS non-`LIVE` slots. So no
+//!   entry is ever overwritten by a stranger, and removal is a plain store.
 //!
 //! The tag is a filter: a probe hands every `LIVE` slot with a matching tag to the caller, who
 //! verifies the full hash (and everything else) against the page's record. No reclamation: the

@@ -24,14 +24,16 @@
 //! - a slot table, open addressing over a bounded probe window of `2 * pages` slots, each slot
 //!   one `AtomicU64` (tag, page) claimed by CAS (src/prefix/index.rs);
 //! - one record per page: a seqlock'd state machine `VACANT -> BUSY -> CACHED -> BUSY ->
-//!   VACANT` holding the page's full hash, engine and generation (src/prefix/record.rs). A
-//!   page holds at most one hash.
+//!   VACANT` (an eviction's check goes `CACHED -> EVICTING -> VACANT`, or back to `CACHED`)
+//!   holding the page's full hash, engine and generation (src/prefix/record.rs). A page holds
+//!   at most one hash.
 //!
 //! **Progress.** A lookup does a bounded number of steps (one hash per block, at most 32 slot
 //! loads per block, one pool `share` per candidate), plus the pool's lock-free CAS retries: it
 //! is lock-free, and wait-free apart from those retries. It never waits for a writer: a page
-//! whose record is `BUSY` counts as a miss. Inserts and removals never wait either (a `BUSY`
-//! record makes them give up on that page); an eviction sweep is bounded by two laps.
+//! whose record is `BUSY` or `EVICTING` counts as a miss. Inserts and removals never wait
+//! either (a record another writer owns makes them give up on that page); an eviction sweep is
+//! bounded by two laps.
 //!
 //! **No stale hit.** A lookup returns a page only if, *after* taking its pool reference
 //! (with the generation its snapshot of the record named), the record still holds the same

@@ -8,15 +8,23 @@
 //! ```text
 //!  state: | version (38) | generation (24) | phase (2) |
 //!  phase: VACANT --begin--> BUSY --publish--> CACHED --begin--> BUSY --end--> VACANT
+//!                                                 CACHED --check--> EVICTING --end--> VACANT
+//!                                                                   EVICTING --publish--> CACHED
 //! ```
+//!
+//! `EVICTING` is an eviction's `BUSY`: owned like it, but the cache still holds the page's
+//! hash and its pool reference while the owner checks whether anyone else holds the page; it
+//! then removes the page (`end`) or, when someone does, puts it back (`publish`). Lookups treat
+//! it like `BUSY` (a miss); [`PrefixCache::is_cached`](super::PrefixCache::is_cached) treats it
+//! like `CACHED`, which it is as far as the pool's counts go.
 //!
 //! Every transition increments the version, so a state word is never seen twice (modulo 2^38
 //! transitions of one page while one reader is between its two loads).
 //!
-//! - A writer *owns* a record from its successful CAS into `BUSY` until it stores the next phase;
-//!   only the owner writes `hash_*` and `engine`, and only while `BUSY`. Two writers never own
+//! - A writer *owns* a record from its successful CAS into `BUSY` (or `EVICTING`) until it
+//!   stores the next phase; only the owner writes `hash_*` and `engine`. Two writers never own
 //!   a record at once (the CAS), so inserts, evictions and forgets of one page serialise without
-//!   a lock and without waiting: a writer that finds `BUSY` gives up on that page.
+//!   a lock and without waiting: a writer that finds the record owned gives up on that page.
 //! - A reader (lookup, eviction scan, dedup) loads `state` (Acquire, pairing with the owner's
 //!   Release store of `CACHED`), reads the fields (Relaxed), issues an Acquire fence and loads
 //!   `state` again: equal words prove no owner wrote in between (Boehm, "Can seqlocks get along
@@ -34,6 +42,7 @@ use super::hash::BlockHash;
 pub(super) const VACANT: u64 = 0;
 pub(super) const BUSY: u64 = 1;
 pub(super) const CACHED: u64 = 2;
+pub(super) const EVICTING: u64 = 3;
 const PHASE_MASK: u64 = 0b11;
 const GEN_SHIFT: u32 = 2;
 const GEN_MASK: u64 = (1 << 24) - 1;
@@ -130,7 +139,20 @@ impl PageRecord {
     /// Takes ownership if the state word is still exactly `expected` (read earlier).
     #[inline]
     pub(super) fn begin_from(&self, expected: u64) -> Result<Busy, ()> {
-        let busy = next(expected, generation(expected), BUSY);
+        self.begin_as(expected, BUSY)
+    }
+
+    /// Takes ownership of a `CACHED` record whose state word is still exactly `expected`, into
+    /// `EVICTING`: the cache keeps its reference until the owner ends or republishes.
+    #[inline]
+    pub(super) fn begin_evicting(&self, expected: u64) -> Result<Busy, ()> {
+        debug_assert_eq!(phase(expected), CACHED);
+        self.begin_as(expected, EVICTING)
+    }
+
+    #[inline]
+    fn begin_as(&self, expected: u64, owned: u64) -> Result<Busy, ()> {
+        let busy = next(expected, generation(expected), owned);
         // AcqRel: acquire the previous owner's writes (we may overwrite them); the release half
         // orders nothing this owner relies on but makes the version bump visible to readers
         // whose re-check must fail from here on.

@@ -266,3 +266,42 @@ fn racing_inserts_of_one_hash() {
         assert_eq!(w.pool.free_count(), 2);
     });
 }
+
+/// A hit held while an eviction passes over its page (the eviction takes the record, finds the
+/// hit's reference and puts the record back): the cache keeps its reference throughout, so
+/// `is_cached` must say so at every instant the hit is held. The batcher reads exactly this
+/// (`page_leaves`: two references, one of them the cache's) to decide whether dropping its
+/// reference leaves the page cached-free and so out of its budget; a `false` here leaks a page
+/// of budget.
+#[test]
+fn a_held_hit_reads_as_cached_while_an_eviction_passes() {
+    loom::model(|| {
+        let w = world(1, true);
+        let id = cached_old(&w);
+        w.pool.release(id).unwrap(); // cached-free
+        let lookup = {
+            let cache = w.cache.clone();
+            let pool = w.pool.clone();
+            thread::spawn(move || {
+                let mut got = Vec::new();
+                cache.lookup(&KEY, &OLD, &mut got).unwrap();
+                let &hit = got.first()?;
+                let seen = (pool.ref_count(hit).unwrap(), cache.is_cached(hit));
+                pool.release(hit).unwrap();
+                Some(seen)
+            })
+        };
+        let evicted = w.cache.evict(EngineId(0), 1).unwrap();
+        // The hit is released before the join: the eviction may take the page after that.
+        assert!(evicted <= 1);
+        if let Some((refs, cached)) = lookup.join().unwrap() {
+            assert_eq!(refs, 2, "the hit's and the cache's");
+            assert!(
+                cached,
+                "a page the cache holds a reference to read as not cached"
+            );
+        }
+        w.cache.clear();
+        assert_eq!(w.pool.free_count(), 1);
+    });
+}

@@ -153,13 +153,17 @@ impl PageRecord {
     #[inline]
     fn begin_as(&self, expected: u64, owned: u64) -> Result<Busy, ()> {
         let busy = next(expected, generation(expected), owned);
-        // AcqRel: acquire the previous owner's writes (we may overwrite them); the release half
-        // orders nothing this owner relies on but makes the version bump visible to readers
-        // whose re-check must fail from here on.
+        // Acquire: the previous owner's writes (we may overwrite them).
         self.state
             .compare_exchange(expected, busy, Ordering::AcqRel, Ordering::Relaxed)
-            .map(|_| Busy(busy))
-            .map_err(|_| ())
+            .map_err(|_| ())?;
+        // Seqlock writer side: the owner's field stores are Relaxed, and the CAS's release half
+        // orders only what came before it. This fence pairs with the reader's Acquire fence in
+        // `read`: a reader that sees any field this owner writes next then sees this state word
+        // (or a later one) at its re-check, so its snapshot fails instead of pairing new fields
+        // with the old word (loom `a_snapshot_never_pairs_new_fields_with_the_old_state`).
+        fence(Ordering::Release);
+        Ok(Busy(busy))
     }
 
     /// Writes the fields and publishes `CACHED` for generation `gen`.
@@ -182,5 +186,40 @@ impl PageRecord {
         // Release: a later owner's Acquire CAS sees everything this owner did (slot removal).
         self.state
             .store(next(busy.0, generation(busy.0), VACANT), Ordering::Release);
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::Arc;
+
+    /// The seqlock's reader against an owner that takes a `CACHED` record and republishes it
+    /// with another hash: a snapshot under the old state word must hold the old fields. The
+    /// owner's field stores are Relaxed, so only a Release fence after its CAS (pairing with
+    /// the reader's Acquire fence) makes a reader that saw a new field see the taken state.
+    #[test]
+    fn a_snapshot_never_pairs_new_fields_with_the_old_state() {
+        loom::model(|| {
+            let rec = Arc::new(PageRecord::default());
+            let old_hash = BlockHash { lo: 1, hi: 1 };
+            let busy = rec.begin_vacant().unwrap();
+            rec.publish(busy, 1, old_hash, EngineId(0));
+            let old = rec.state();
+            let owner = {
+                let rec = rec.clone();
+                loom::thread::spawn(move || {
+                    let busy = rec.begin_from(old).unwrap();
+                    rec.publish(busy, 1, BlockHash { lo: 2, hi: 2 }, EngineId(0));
+                })
+            };
+            if let Some(s) = rec.read() {
+                assert!(
+                    s.state != old || s.hash == old_hash,
+                    "a snapshot under the old state word holds new fields: {s:?}"
+                );
+            }
+            owner.join().unwrap();
+        });
     }
 }

@@ -903,3 +903,95 @@ fn a_copy_source_is_never_a_copy_destination_of_the_same_step() {
     assert_eq!(fin.len(), 4);
     assert_eq!(p.free_count(), 5);
 }
+
+/// Priority's contract: latency-critical work is preempted last. A throughput sequence
+/// admitted before a latency-critical one sat ahead of it in the running list, so when the
+/// latency-critical one needed a page the throughput one (already in the batch) was out of
+/// reach and the latency-critical one was preempted instead.
+#[test]
+fn a_latency_critical_sequence_is_not_preempted_for_a_throughput_one() {
+    let mut bt = Batcher::new(config(), pool(3)).unwrap();
+    let mut fin = Vec::new();
+    bt.add(req(0, vec![1; 4], 8)).unwrap();
+    let n = bt.schedule_into(&mut fin).num_samples();
+    bt.commit(&vec![5; n], &mut fin).unwrap();
+    let mut lc = req(1, vec![2; 4], 8);
+    lc.priority = Priority::LatencyCritical;
+    bt.add(lc).unwrap();
+    // Throughput 0 decodes into its second page, latency-critical 1 prefills its first.
+    let n = bt.schedule_into(&mut fin).num_samples();
+    bt.commit(&vec![5; n], &mut fin).unwrap();
+    assert_eq!(bt.phase(1), Some(SeqPhase::Decoding));
+    // 1 needs a second page and the pool is empty: the throughput sequence must give way.
+    let ids = bt.schedule_into(&mut fin).seq_ids.clone();
+    assert_eq!(ids, vec![1], "{:?}", bt.stats());
+    assert_eq!(bt.phase(0), Some(SeqPhase::Waiting));
+}
+
+/// Same priority: the youngest sequence is the victim, never the oldest while a younger one
+/// runs. Swapped-out sequences came back youngest first (the swapped queue was in preemption
+/// order, youngest first within a step) and a sequence swapped in went to the end of the
+/// running list, behind younger ones already in the batch: out of the victim choice's reach.
+#[test]
+fn the_oldest_sequence_is_not_the_victim_while_a_younger_one_runs() {
+    let mut cfg = config();
+    cfg.preemption = PreemptionMode::Swap;
+    cfg.swap_blocks = 16;
+    let mut bt = Batcher::new(cfg, pool(4)).unwrap();
+    let mut fin = Vec::new();
+    bt.add(req(0, vec![1; 4], 8)).unwrap();
+    bt.add(req(1, vec![2; 3], 8)).unwrap();
+    let n = bt.schedule_into(&mut fin).num_samples();
+    bt.commit(&vec![5; n], &mut fin).unwrap();
+    // Both swapped out in one step, then both swapped back in.
+    bt.request_shed(2);
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.swap_out.len(), 2);
+    bt.commit(&[], &mut fin).unwrap();
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.swap_in.len(), 2);
+    bt.commit(&[], &mut fin).unwrap();
+    // Both decode into a second page (4 pages for 2 + 2), then 0 needs a third page while 1
+    // still writes into its second: the younger (1) must give way.
+    let mut steps = 0;
+    while bt.phase(0) == Some(SeqPhase::Decoding) && bt.phase(1) == Some(SeqPhase::Decoding) {
+        let n = bt.schedule_into(&mut fin).num_samples();
+        bt.commit(&vec![5; n], &mut fin).unwrap();
+        steps += 1;
+        assert!(steps < 20);
+    }
+    assert_eq!(bt.phase(0), Some(SeqPhase::Decoding), "{:?}", bt.stats());
+    assert_eq!(bt.phase(1), Some(SeqPhase::Swapped));
+}
+
+/// Swapped sequences come back oldest first: two swapped out in one step (the younger first)
+/// with room for one of them brought the younger back, and the older waited behind it.
+#[test]
+fn the_oldest_swapped_sequence_comes_back_first() {
+    let mut cfg = config();
+    cfg.preemption = PreemptionMode::Swap;
+    cfg.swap_blocks = 16;
+    let p = pool(4);
+    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+    let mut fin = Vec::new();
+    bt.add(req(0, vec![1; 8], 2)).unwrap();
+    bt.add(req(1, vec![2; 8], 2)).unwrap();
+    // Both prefill: two pages each.
+    let mut b0 = bt.schedule_into(&mut fin).clone();
+    assert_eq!(b0.num_seqs(), 2);
+    bt.commit(&vec![5; b0.num_samples()], &mut fin).unwrap();
+    assert!(fin.is_empty());
+    bt.request_shed(4);
+    b0 = bt.schedule_into(&mut fin).clone();
+    assert_eq!(b0.swap_out.len(), 4);
+    bt.commit(&[], &mut fin).unwrap();
+    // Another engine takes two pages: one sequence fits back.
+    let mut other = Vec::new();
+    p.alloc_n(EngineId(1), 2, &mut other).unwrap();
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.swap_in.len(), 2);
+    bt.commit(&[], &mut fin).unwrap();
+    assert_eq!(bt.phase(1), Some(SeqPhase::Swapped));
+    assert_ne!(bt.phase(0), Some(SeqPhase::Swapped));
+    p.free_n(&other).unwrap();
+}

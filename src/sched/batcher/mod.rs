@@ -115,14 +115,17 @@ pub struct BatcherStats {
 /// ```
 ///
 /// Each [`schedule_into`](Batcher::schedule_into) step:
-/// 1. running sequences, oldest first: a decoding one gets one token; a prefilling one a chunk of
+/// 1. running sequences, latency-critical first and oldest first within a class (the order
+///    preemption spares them in): a decoding one gets one token; a prefilling one a chunk of
 ///    at most `max_prefill_chunk` tokens; all within the step's token budget (the smaller of
 ///    `max_batched_tokens` and the attached budget's). Blocks are taken from the pool so every
 ///    sequence's table covers its tokens; when the pool (or the block quota) runs dry, the
-///    running sequence of lowest priority and latest arrival that is not yet in the batch is
-///    preempted, by recompute or by swap. The oldest sequence is never the victim while a
-///    younger one runs, so a workload that fits one sequence at a time always finishes.
-/// 2. swapped sequences come back (oldest first) when their blocks fit;
+///    running sequence of lowest priority and latest arrival (by that order, never one
+///    already in the batch) is preempted, by recompute or by swap. The oldest sequence is
+///    never the victim while a younger one of its class runs, so a workload that fits one
+///    sequence at a time always finishes.
+/// 2. swapped sequences come back (latency-critical first, then oldest first) when their
+///    blocks fit;
 /// 3. waiting sequences are admitted, latency-critical before throughput, first come first
 ///    served within a class, unless this step preempted (admitting then would only thrash).
 ///
@@ -140,9 +143,11 @@ pub struct Batcher {
     index: HashMap<SeqId, usize>,
     /// Waiting sequences per priority class, FCFS (recompute-preempted ones at the front).
     waiting: [VecDeque<usize>; 2],
-    /// Running sequences, oldest admission first.
+    /// Running sequences; sorted by priority, then arrival, at the start of each step (the
+    /// victim choice only reaches the sequences not yet in the batch, so every one before them
+    /// must be one preemption would spare).
     running: Vec<usize>,
-    /// Swapped-out sequences, oldest first.
+    /// Swapped-out sequences, by priority, then arrival.
     swapped: VecDeque<usize>,
     /// Free host swap slots; `host_released` holds slots freed this step (reusable next step).
     host_free: Vec<u32>,
@@ -554,7 +559,14 @@ impl Batcher {
         let external = self.budget.as_ref().map_or(u32::MAX, |b| b.token_budget());
         let mut budget = self.cfg.max_batched_tokens.min(external) as usize;
 
-        // 1. Running sequences, oldest first.
+        // 1. Running sequences, most urgent and oldest first. Admissions, swap-ins and forks
+        // append; the sort puts them in place (a sorted list is one pass, with no allocation).
+        let mut running = std::mem::take(&mut self.running);
+        running.sort_unstable_by_key(|&s| {
+            let s = self.seq(s);
+            (s.priority, s.arrival)
+        });
+        self.running = running;
         let mut i = 0;
         while i < self.running.len() {
             let slot = self.running[i];

@@ -203,9 +203,20 @@ impl Batcher {
             let s = self.seq_mut(slot);
             s.host_blocks = host_blocks;
             s.phase = SeqPhase::Swapped;
+            let key = (s.priority, s.arrival);
             // Keep the pages (and their budget) until the swap-out has read them.
             self.hold_for_swap_out(slot);
-            self.swapped.push_back(slot);
+            // In order of priority, then arrival: one step preempts the youngest first, but
+            // the oldest comes back first.
+            let at = self
+                .swapped
+                .iter()
+                .position(|&o| {
+                    let o = self.seq(o);
+                    (o.priority, o.arrival) > key
+                })
+                .unwrap_or(self.swapped.len());
+            self.swapped.insert(at, slot);
             self.stats.preempted_swap += 1;
             self.stats.blocks_swapped_out += blocks as u64;
         } else {

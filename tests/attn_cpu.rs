@@ -849,3 +849,51 @@ fn a_head_count_that_overflows_is_refused() {
         );
     }
 }
+
+/// A NaN logit poisons its row, as the formula has it and the CUDA prefill kernels do: the
+/// online softmax took a block whose visible logits were all NaN for an all-masked one
+/// (`f32::max` skips NaN, so the block's max came out `-inf`) and dropped it, so a key of NaN
+/// (a stale page, the arena's poison) vanished from a finite result, or not, depending on
+/// whether it shared its block with another visible key.
+#[test]
+fn a_nan_key_poisons_its_row_even_alone_in_a_block() {
+    // 5 tokens over two 4-token blocks: block 1 holds only token 4, whose key is NaN.
+    let cfg = KvCacheConfig::new(1, 1, 8, 4, 2, KvDtype::F32).unwrap();
+    let mut cache = HostKvCache::new(cfg).unwrap();
+    let mut k: Vec<f32> = (0..40).map(|i| i as f32 * 0.01).collect();
+    let v = k.clone();
+    k[32..40].fill(f32::NAN);
+    let mut view = cache.view_mut::<f32>().unwrap();
+    reshape_and_cache(view.layer_mut(0).unwrap(), &k, &v, &[0, 1, 2, 3, 4]).unwrap();
+    let seqs = PagedSeqs {
+        block_tables: &[0, 1],
+        max_blocks_per_seq: 2,
+        context_lens: &[5],
+    };
+    let view = cache.view::<f32>().unwrap();
+    let (q, p, mut ws) = (vec![0.5f32; 8], AttnParams::new(1, 8), AttnWorkspace::new());
+    let mut out = vec![0f32; 8];
+    paged_attention_decode(&mut ws, view.layer(0).unwrap(), &q, &seqs, &p, &mut out).unwrap();
+    assert!(out.iter().all(|x| x.is_nan()), "decode: {out:?}");
+    // Prefill of the last two tokens: token 3 does not see the NaN key, token 4 does.
+    let q2 = vec![0.5f32; 16];
+    let mut out = vec![0f32; 16];
+    paged_attention_prefill(
+        &mut ws,
+        view.layer(0).unwrap(),
+        &q2,
+        &[0, 2],
+        &seqs,
+        &p,
+        &mut out,
+    )
+    .unwrap();
+    assert!(
+        out[..8].iter().all(|x| x.is_finite()),
+        "prefill row 0: {out:?}"
+    );
+    assert!(
+        out[8..].iter().all(|x| x.is_nan()),
+        "prefill row 1: {out:?}"
+    );
+}

@@ -1418,3 +1418,44 @@ unsafe fn refused_prefill(
         )
     }
 }
+
+/// A NaN key poisons the prefill rows that see it, on the kernel and in the CPU oracle alike
+/// (the kernels' `safe_exp` zeroes only masked `-inf` logits), also when it is the only
+/// visible key of its block: the oracle dropped such a block as if it were all masked and
+/// returned a finite row where the kernel returned NaN.
+#[test]
+fn a_nan_key_alone_in_its_block_poisons_prefill_rows_on_both_sides() {
+    fn run<T: Elem>() {
+        let (d, bs) = (64, 8);
+        let cfg = KvCacheConfig::new(1, 1, d, bs, 2, T::DTYPE).expect("config");
+        let mut rng = SmallRng::seed_from_u64(7);
+        let mut host = random_cache::<T>(&mut rng, cfg);
+        // Token 8 (block 1, token 0): its key is NaN.
+        let off = cfg.offset(1, 0, pagedkv::kv::KvPart::Key, 0, 0);
+        host.view_mut::<T>().expect("view").data_mut()[off..off + d].fill(T::from_f32(f32::NAN));
+        let b = Batch {
+            cfg,
+            tables: vec![0, 1],
+            mbps: 2,
+            ctx: vec![9],
+        };
+        let params = AttnParams::new(1, d);
+        // Prefill of tokens 7 and 8: token 7 does not see the NaN key, token 8 does.
+        let query = random_vec::<T>(&mut rng, 2 * d);
+        let case = AttnCase::new(&b, &host, &query, &params);
+        let qsl = [0, 2];
+        let (s, got) = case.prefill::<T>(0, &qsl);
+        expect_ok("prefill", s);
+        let cpu = cpu_prefill(&b, &host, 0, &query, &qsl, &params);
+        for (what, out) in [("kernel", &got), ("CPU", &cpu)] {
+            let dt = T::DTYPE;
+            let row0 = out[..d].iter().all(|x| x.to_f32().is_finite());
+            let row1 = out[d..].iter().all(|x| x.to_f32().is_nan());
+            assert!(row0, "{dt} {what}: row 0 not finite");
+            assert!(row1, "{dt} {what}: row 1 not NaN");
+        }
+    }
+    run::<f32>();
+    run::<f16>();
+    run::<bf16>();
+}

@@ -575,7 +575,10 @@ fn attend_item_body<T: KvElem>(
             for r in 0..rows {
                 let sr = &mut scores[r * bs + t0..r * bs + t1];
                 let bmax = sr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                if bmax == f32::NEG_INFINITY {
+                // `f32::max` skips NaN, so a max of -inf may also mean "masked and NaN logits
+                // only": only an all-masked block adds nothing; a NaN logit poisons its row
+                // (exp(NaN) below), as in the formula and the CUDA prefill kernels.
+                if bmax == f32::NEG_INFINITY && sr.iter().all(|&x| x == f32::NEG_INFINITY) {
                     sr.fill(0.0);
                     continue;
                 }

@@ -259,6 +259,7 @@ fn engine_thread(
     shared: &Arc<SharedArena>,
     queues: &Queues,
     worker: usize,
+    before_step: &mut dyn FnMut(u64) -> Result<(), BoxError>,
 ) -> Result<EngineLog, BoxError> {
     let (shape, heads) = models()[worker];
     let mut engine = Engine::<HostBackend<f32>>::host(shared, engine_config(), &shape, heads)?;
@@ -308,6 +309,7 @@ fn engine_thread(
             // Already finished or aborted: nothing to do.
             let _ = engine.abort(id);
         }
+        before_step(engine.steps())?;
         engine.step(&mut model)?;
         for f in engine.finished() {
             log.finished.insert(f.id, f.reason);
@@ -403,11 +405,43 @@ pub fn plans(cfg: &ServeConfig) -> Vec<Plan> {
     out
 }
 
-/// Runs the whole server once: arena, engines, queues, front end, shutdown.
-pub fn run(cfg: &ServeConfig) -> Result<ServeReport, BoxError> {
+/// The shared arena of both models: `pages` pages of 16 tokens of the larger model.
+pub fn arena(pages: u32) -> Result<Arc<SharedArena>, BoxError> {
     let shapes = models().map(|(s, _)| s);
     let page_bytes = page_bytes_for(&shapes, 16)?;
-    let shared = SharedArena::host(BudgetConfig::new(2, 256, cfg.pages), page_bytes)?;
+    Ok(SharedArena::host(
+        BudgetConfig::new(2, 256, pages),
+        page_bytes,
+    )?)
+}
+
+/// One engine's thread as [`run`] spawns it: [`engine_thread`] for `worker` (its model's
+/// engine on `shared`), with `before_step` called before each step (with the steps run so
+/// far; an error ends the engine like a failed step: `run` passes a no-op, the tests inject
+/// faults). If the engine fails, no client is left waiting on it.
+pub fn engine_worker(
+    shared: &Arc<SharedArena>,
+    queues: &Admission<StreamRequest, Result<(), SchedError>>,
+    worker: usize,
+    before_step: &mut dyn FnMut(u64) -> Result<(), BoxError>,
+) -> Result<EngineLog, BoxError> {
+    let log = engine_thread(shared, queues, worker, before_step);
+    if log.is_err() {
+        // Refuse the rest rather than leave clients waiting on this engine: the close refuses
+        // later submits, and the requests already queued here (or admitted while the close
+        // raced them) are dropped, which ends their tickets `Abandoned`. Nobody else pops
+        // this worker's queue: without this, their clients (and `run`) would wait forever.
+        queues.close();
+        while let Ok(job) = queues.pop_blocking(worker) {
+            drop(job);
+        }
+    }
+    log
+}
+
+/// Runs the whole server once: arena, engines, queues, front end, shutdown.
+pub fn run(cfg: &ServeConfig) -> Result<ServeReport, BoxError> {
+    let shared = arena(cfg.pages)?;
     let queues: Arc<Queues> = Arc::new(Admission::new(AdmissionConfig::new(
         2,
         16,
@@ -418,14 +452,7 @@ pub fn run(cfg: &ServeConfig) -> Result<ServeReport, BoxError> {
             let (shared, queues) = (shared.clone(), queues.clone());
             thread::Builder::new()
                 .name(format!("engine-{worker}"))
-                .spawn(move || {
-                    let log = engine_thread(&shared, &queues, worker);
-                    if log.is_err() {
-                        // Refuse the rest rather than leave clients waiting on this engine.
-                        queues.close();
-                    }
-                    log
-                })
+                .spawn(move || engine_worker(&shared, &queues, worker, &mut |_| Ok(())))
         })
         .collect::<Result<_, _>>()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -852,3 +852,93 @@ fn a_dropped_engines_cached_pages_do_not_serve_the_next_engine_on_its_id() {
         "B hit A's pages"
     );
 }
+
+/// A latency-critical request waiting for pages lent out asks the donor once per donor step,
+/// not once per own step: while the donor had not stepped, every (empty) step of the waiting
+/// engine asked for the same pages again, the requests added up, and the donor then shed them
+/// all: a one-page demand made it give back a page per step the requester had spun, down below
+/// its own share (a server's engine thread steps in a loop while it has work).
+#[test]
+fn a_waiting_request_asks_its_donor_once_per_donor_step() {
+    let mut shed = Vec::new();
+    for requester_steps in [1usize, 10] {
+        let (shared, mut engines) = build(32, PreemptionMode::Recompute);
+        // B (engine 1) fills the whole pool while A is idle.
+        for s in 0..8u64 {
+            add(&mut engines[1], request(100 + s, 40, 200));
+        }
+        for _ in 0..40 {
+            let (b, m) = &mut engines[1];
+            b.step(m).unwrap();
+        }
+        assert_eq!(shared.pool().free_count(), 0);
+        let mut urgent = request(1, 200, 4);
+        urgent.priority = Priority::LatencyCritical;
+        add(&mut engines[0], urgent);
+        let mut asked = 0;
+        for _ in 0..requester_steps {
+            let (a, m) = &mut engines[0];
+            asked += u32::from(a.step(m).unwrap().asked_donation);
+        }
+        assert_eq!(asked, 1, "asked again before the donor stepped");
+        let (b, m) = &mut engines[1];
+        shed.push(b.step(m).unwrap().pages_shed);
+    }
+    assert_eq!(
+        shed[0], shed[1],
+        "pages shed after 1 and 10 requester steps"
+    );
+}
+
+/// A sequence ended at the start of a step that then fails (a caller's finish, an abort) is
+/// still reported: the failed step's caller skips its results, and the next schedule, which
+/// discards the failed batch, reports it again. Before, that schedule cleared the report,
+/// and the stream of a sequence the caller had finished (a stop string) never got its end.
+#[test]
+fn a_sequence_ended_at_a_failed_step_is_reported_by_the_next() {
+    let (shared, engines) = build(64, PreemptionMode::Recompute);
+    let mut engines: Vec<_> = engines
+        .into_iter()
+        .map(|(e, m)| {
+            (
+                e,
+                FailingArmed {
+                    inner: m,
+                    armed: false,
+                },
+            )
+        })
+        .collect();
+    let (engine, model) = &mut engines[0];
+    for id in [1, 2] {
+        let req = request(id, 8, 50);
+        model.inner.prompt_len.insert(id, req.prompt.len());
+        engine.add(req).unwrap();
+    }
+    for _ in 0..4 {
+        engine.step(model).unwrap();
+    }
+    engine.finish_with(1, FinishReason::Caller(7)).unwrap();
+    // The step fails (seq 2's row): a server delivers nothing from it.
+    model.armed = true;
+    assert!(engine.step(model).is_err());
+    model.armed = false;
+    // It goes on: the next step discards the failed batch.
+    let mut ended = HashMap::new();
+    for _ in 0..3 {
+        engine.step(model).unwrap();
+        for u in &engine.results().updates {
+            if let Some(reason) = u.finished {
+                ended.insert(u.id, reason);
+            }
+        }
+        for f in engine.finished() {
+            assert_eq!(ended.get(&f.id), Some(&f.reason));
+        }
+    }
+    assert_eq!(ended.get(&1), Some(&FinishReason::Caller(7)), "{ended:?}");
+    engine.abort(2).unwrap();
+    engine.step(model).unwrap();
+    drop(engines);
+    assert_no_leak(&shared);
+}

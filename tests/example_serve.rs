@@ -11,7 +11,10 @@ use std::collections::HashSet;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use pagedkv::sched::FinishReason;
+use pagedkv::sched::admission::{
+    Admission, AdmissionConfig, AdmissionError, OverflowPolicy, Route, StreamRequest,
+};
+use pagedkv::sched::{FinishReason, Priority, SeqRequest, StopRules};
 use serve::{Outcome, ServeConfig};
 
 fn check(cfg: ServeConfig) {
@@ -84,4 +87,48 @@ fn two_models_stream_cancel_and_shut_down_clean() {
         }
         Err(mpsc::RecvTimeoutError::Timeout) => panic!("the server did not stop within 60 s"),
     }
+}
+
+/// An engine that fails leaves no client waiting on it. A request queued for it while its
+/// failing step ran was never popped: the close refused later submits only, so its client
+/// (and `run`, which waits for every client) waited forever.
+#[test]
+fn a_failed_engine_leaves_no_client_waiting() {
+    let shared = serve::arena(32).unwrap();
+    let queues = Admission::new(AdmissionConfig::new(2, 16, OverflowPolicy::Block)).unwrap();
+    let request = |id| {
+        StreamRequest::new(SeqRequest {
+            id,
+            prompt: vec![1; 8],
+            stop: StopRules {
+                max_new_tokens: 8,
+                eos: Vec::new(),
+                stop_sequences: Vec::new(),
+            },
+            priority: Priority::Throughput,
+        })
+        .unwrap()
+    };
+    let submit = |req| {
+        queues
+            .try_submit(req, Priority::Throughput, Route::Worker(0))
+            .unwrap_or_else(|r| panic!("{}", r.error))
+    };
+    let (first, _first_stream) = request(1);
+    let mut first = submit(first);
+    let mut late = None;
+    let log = serve::engine_worker(&shared, &queues, 0, &mut |_| {
+        // A client submits while the step runs; then the step fails.
+        let (req, stream) = request(3);
+        late = Some((submit(req), stream));
+        Err("injected fault".into())
+    });
+    assert!(log.is_err());
+    assert!(matches!(first.try_take(), Some(Ok(Ok(())))));
+    let (mut ticket, _stream) = late.expect("the engine stepped");
+    assert!(
+        matches!(ticket.try_take(), Some(Err(AdmissionError::Abandoned))),
+        "a client still waits on the failed engine"
+    );
+    assert_eq!(shared.pool().free_count(), shared.pool().total());
 }

@@ -87,7 +87,8 @@ pub struct StepReport {
 /// - **before scheduling**: pages lenders reclaim ([`BudgetCoordinator::reclaim_for`]) and
 ///   pages other engines asked for ([`SharedArena::take_donations`]) become a shed request
 ///   (the batcher preempts to give them back); latency-critical work that waits for pages lent
-///   out asks the lowest-priority engine for a donation;
+///   out asks the lowest-priority engine for a donation (once per step of that donor: the
+///   request is not repeated on each of this engine's steps while the donor has not taken it);
 /// - **after commit**: the engine publishes what preempting it would free (donor choice of the
 ///   others) and recomputes budgets as its [`RecomputePolicy`] says.
 ///
@@ -119,6 +120,10 @@ pub struct Engine<B: KvBackend> {
     /// rows may have written pages its swap-outs or copies read), only discarded by the next
     /// schedule.
     exec_failed: bool,
+    /// The donor last asked for pages and its count of takes read after asking
+    /// ([`SharedArena::donations_taken`]): it is asked again only once it has taken that
+    /// request.
+    donation_asked: Option<(EngineId, u64)>,
 }
 
 impl<B: KvBackend> Engine<B> {
@@ -201,6 +206,7 @@ impl<B: KvBackend> Engine<B> {
             demand_since: None,
             executed: true,
             exec_failed: false,
+            donation_asked: None,
         })
     }
 
@@ -291,7 +297,8 @@ impl<B: KvBackend> Engine<B> {
     }
 
     /// The last step's per-sequence results: sequences that ended at the start of the step
-    /// (aborts, caller finishes), then one entry per sampled row in row order.
+    /// (aborts, caller finishes; after a step that was not committed, its own come first: see
+    /// [`schedule`](Self::schedule)), then one entry per sampled row in row order.
     pub fn results(&self) -> &StepResults {
         &self.results
     }
@@ -315,9 +322,18 @@ impl<B: KvBackend> Engine<B> {
     /// failed, say, and an [`abort`](Self::abort) of the sequence at fault), it discards the
     /// uncommitted batch safely first ([`Batcher::schedule_into`]): its rows are scheduled
     /// again, and the sequences whose KV it was to swap or copy are preempted by recompute.
+    /// The sequences that ended at the discarded batch's schedule are reported again, first,
+    /// in this step's [`results`](Self::results) and [`finished`](Self::finished) (a failed
+    /// step's caller need not deliver them; one that did sees them twice).
     pub fn schedule(&mut self) -> &Batch {
-        self.results.clear();
-        self.finished.clear();
+        // A batch not committed (its execute or its commit failed) is discarded below. Its
+        // results hold only the sequences that ended at its schedule (a commit appends only
+        // once it succeeds), and the caller of a failed step does not deliver them: they are
+        // reported again with this step's, or those sequences' ends would be lost.
+        if !self.batcher.is_pending() {
+            self.results.clear();
+            self.finished.clear();
+        }
         self.report = StepReport::default();
         // An engine that just got its first requests reports itself active and, as the policy
         // allows, has the budgets recomputed now: its first step then gets tokens (without
@@ -328,9 +344,23 @@ impl<B: KvBackend> Engine<B> {
         }
         self.track_reclaim();
         self.steps += 1;
-        if let Some((donor, pages)) = self.donation_needed() {
-            self.shared.ask_donation(donor, pages);
-            self.report.asked_donation = true;
+        match self.donation_needed() {
+            // One request outstanding per donor: while the donor has not taken the last one
+            // (it has not stepped since), asking again on each of this engine's steps would
+            // pile up requests for the same pages, and the donor would shed them all.
+            Some((donor, pages))
+                if self.donation_asked.is_none_or(|(d, taken)| {
+                    d != donor || self.shared.donations_taken(donor) != taken
+                }) =>
+            {
+                self.shared.ask_donation(donor, pages);
+                // Read after asking: a take racing the ask may count as the one this request
+                // waits for (the next ask then waits a donor step longer), never the reverse.
+                self.donation_asked = Some((donor, self.shared.donations_taken(donor)));
+                self.report.asked_donation = true;
+            }
+            Some(_) => {}
+            None => self.donation_asked = None,
         }
         let shed = self
             .shared
@@ -341,8 +371,9 @@ impl<B: KvBackend> Engine<B> {
             self.batcher.request_shed(shed);
             self.report.pages_shed = shed;
         }
+        let ended_before = self.finished.len();
         self.batcher.schedule_into(&mut self.finished);
-        for f in &self.finished {
+        for f in &self.finished[ended_before..] {
             let at = self.results.tokens.len();
             self.results.updates.push(SeqUpdate {
                 id: f.id,
@@ -416,6 +447,10 @@ impl<B: KvBackend> Engine<B> {
 
     /// One whole step: [`schedule`](Self::schedule), [`execute`](Self::execute),
     /// [`commit`](Self::commit).
+    ///
+    /// On an error nothing of the batch is committed and the engine is not poisoned: abort the
+    /// sequence at fault (a step that fails for its input fails again) and step again; that
+    /// step discards the failed batch and reports the sequences that ended at its start.
     pub fn step<M: StepModel<B> + ?Sized>(
         &mut self,
         model: &mut M,

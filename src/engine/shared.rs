@@ -6,7 +6,7 @@ use crate::budget::{BudgetConfig, BudgetCoordinator};
 use crate::error::EngineError;
 use crate::kv::KvArena;
 use crate::prefix::{PrefixCache, PrefixConfig};
-use crate::sync::{Arc, AtomicU32, CachePadded, Ordering};
+use crate::sync::{Arc, AtomicU32, AtomicU64, CachePadded, Ordering};
 
 /// One device's shared KV state. Built once, then shared by every [`Engine`](super::Engine)
 /// through `Arc`. The pool and the arena are built together, so a page id from the pool always
@@ -24,6 +24,9 @@ pub struct SharedArena {
     /// Pages other engines asked each engine to give back for their latency-critical work,
     /// taken (and zeroed) by the engine at the start of its next step.
     donations: Box<[CachePadded<AtomicU32>]>,
+    /// How many times each engine took its donation requests (one per step): a requester
+    /// asks a donor again only once the donor has taken its last request.
+    donation_takes: Box<[CachePadded<AtomicU64>]>,
 }
 
 impl SharedArena {
@@ -76,6 +79,9 @@ impl SharedArena {
         let donations = (0..budget.max_engines)
             .map(|_| CachePadded::new(AtomicU32::new(0)))
             .collect();
+        let donation_takes = (0..budget.max_engines)
+            .map(|_| CachePadded::new(AtomicU64::new(0)))
+            .collect();
         Ok(Self {
             pool,
             coordinator,
@@ -85,6 +91,7 @@ impl SharedArena {
             page_bytes,
             prefix: None,
             donations,
+            donation_takes,
         })
     }
 
@@ -140,16 +147,39 @@ impl SharedArena {
     /// advisory, so a wrapped sum only makes the donor give back fewer pages.
     pub fn ask_donation(&self, donor: EngineId, pages: u32) {
         if let Some(slot) = self.donations.get(donor.index()) {
-            // Relaxed: a request count; the pages themselves are handed over through the pool.
-            slot.fetch_add(pages.min(self.pool.total()), Ordering::Relaxed);
+            // SeqCst, like the take's count and swap and the requester's read of the count
+            // after this (`donations_taken`): see `take_donations`. The pages themselves are
+            // handed over through the pool.
+            slot.fetch_add(pages.min(self.pool.total()), Ordering::SeqCst);
         }
     }
 
-    /// Takes the pages other engines asked `engine` to give back (one wait-free `swap`).
+    /// Takes the pages other engines asked `engine` to give back (one wait-free `swap`), and
+    /// counts the take ([`donations_taken`](Self::donations_taken)).
     pub fn take_donations(&self, engine: EngineId) -> u32 {
+        // Counted before the swap, and all four operations (the requester's ask and its read
+        // of the count after it, this count and this swap) SeqCst: if the requester's read
+        // comes before this count in their single total order, its ask comes before this
+        // swap, which takes it. So a requester that asks again only once the count moved past
+        // the one it read never has two requests outstanding with this donor.
+        if let Some(takes) = self.donation_takes.get(engine.index()) {
+            takes.fetch_add(1, Ordering::SeqCst);
+        }
         self.donations
             .get(engine.index())
-            // Relaxed: see `ask_donation`.
-            .map_or(0, |slot| slot.swap(0, Ordering::Relaxed))
+            .map_or(0, |slot| slot.swap(0, Ordering::SeqCst))
+    }
+
+    /// How many times `engine` took its donation requests
+    /// ([`take_donations`](Self::take_donations), once per step of an
+    /// [`Engine`](super::Engine)). A requester that reads this after
+    /// [`ask_donation`](Self::ask_donation) and asks again only once it changed has at most
+    /// one request outstanding with that donor: a waiting engine that steps faster than its
+    /// donor does not pile up requests for the same pages.
+    pub fn donations_taken(&self, engine: EngineId) -> u64 {
+        self.donation_takes
+            .get(engine.index())
+            // SeqCst: see `take_donations`.
+            .map_or(0, |slot| slot.load(Ordering::SeqCst))
     }
 }

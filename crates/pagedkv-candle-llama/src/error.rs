@@ -26,7 +26,7 @@ pub enum Error {
     #[error("unsupported model: {0}")]
     Unsupported(String),
     /// A request or a step's input the model cannot take (a token outside the vocabulary, a
-    /// position past the RoPE table).
+    /// negative position).
     #[error("bad input: {0}")]
     BadInput(String),
     /// The engine did not finish its requests within the step limit.

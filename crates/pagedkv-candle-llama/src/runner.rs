@@ -87,7 +87,8 @@ pub struct Generation {
     pub steps: u64,
     /// Tokens sampled (generated).
     pub generated: u64,
-    /// Prompt and recomputed tokens run through the model.
+    /// Tokens run through the model: prompts, recomputed tokens and every decode step's input
+    /// token.
     pub scheduled: u64,
     /// Wall time of the steps.
     pub elapsed: Duration,

@@ -25,9 +25,11 @@ query sees every key); torch's is_causal=True aligns it to the top left. Those p
 every way torch offers and report the fastest: torch.nn.attention.bias.causal_lower_right
 (which torch runs on its flash kernel whatever the backend order), and a materialized mask on
 the cuDNN backend and on torch's default choice. Should a way refuse grouped K/V, it runs with
-K/V expanded to the query heads instead. The record's note names the way that won, the others'
-times, and the CUDA kernels of one call of the winner (torch.profiler), so a table says which
-SDPA it beat.
+K/V expanded to the query heads instead. Each way's output is first checked against an explicit
+f32 softmax of a few query rows (the first, middle and last), and a way that differs is left out
+(logged): on the GPU the ways run other kernels than scripts/check-sdpa-ways.py checks on CPU.
+The record's note names the way that won, the others' times, and the CUDA kernels of one call of
+the winner (torch.profiler), so a table says which SDPA it beat.
 
     python3 benches/gpu_sdpa_baseline.py                 # table, default grids
     python3 benches/gpu_sdpa_baseline.py --jsonl ...     # one JSON record per line
@@ -144,13 +146,32 @@ def main():
     return run(a)
 
 
+def reference_rows(torch, q, k, v, cached, scale, rows):
+    """An explicit f32 softmax with the bottom-right causal mask for the query rows `rows` of
+    q [1, nh, chunk, d] over k, v [1, hkv, cached + chunk, d]: [nh, len(rows), d]."""
+    nh, hkv, d = q.shape[1], k.shape[1], q.shape[3]
+    r = nh // hkv
+    qr = q[0][:, rows].float().reshape(hkv, r, len(rows), d)
+    kf, vf = k[0].float(), v[0].float()
+    s = torch.einsum("hrqd,hkd->hrqk", qr, kf) * scale
+    seen = torch.tensor(rows, device=q.device)[:, None] + cached  # query i sees keys 0..=cached + i
+    keys = torch.arange(k.shape[2], device=q.device)[None, :]
+    s = s.masked_fill(keys > seen, float("-inf"))
+    return torch.einsum("hrqk,hkd->hrqd", torch.softmax(s, dim=-1), vf).reshape(nh, len(rows), d)
+
+
+# A way's output over the checked rows may differ from the f32 reference by bf16 rounding
+# (~1e-3 here); a mask aligned wrong moves the first row's output by ~1.
+WAY_TOLERANCE = 2e-2
+
+
 def prefill_ways(torch, F, sets, nh, hkv, chunk, cached, scale, log=lambda m: None):
     """The ways to run a prefill point on SDPA, as [(way, calls, note)]: calls[i] runs on
     sets[i] = (q [1, nh, chunk, d], k, v [1, hkv, cached + chunk, d]). Over no cached tokens the
     plain is_causal=True (top-left aligned, which is bottom-right on a square); over cached
     tokens every way torch offers a bottom-right causal mask. A way that refuses grouped K/V
-    runs with K/V expanded to the query heads (said in its note); a way that refuses the point
-    is left out (logged)."""
+    runs with K/V expanded to the query heads (said in its note); a way that refuses the point,
+    or whose output differs from reference_rows' on sets[0], is left out (logged)."""
     gqa = nh != hkv
     if cached == 0:
         return [("is_causal", [lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
@@ -173,6 +194,12 @@ def prefill_ways(torch, F, sets, nh, hkv, chunk, cached, scale, log=lambda m: No
 
     expanded = None
     ways = []
+    rows = sorted({0, chunk // 2, chunk - 1})
+    ref = reference_rows(torch, *sets[0], cached, scale, rows)
+
+    def differs(out):
+        err = (out[0][:, rows].float() - ref).abs().max().item()
+        return None if err <= WAY_TOLERANCE else err  # NaN differs too
     candidates = [("lower-right bias", via(lower_right, None)),
                   ("dense mask, cuDNN", via(dense, getattr(SDPBackend, "CUDNN_ATTENTION", None)))
                   if hasattr(SDPBackend, "CUDNN_ATTENTION") else None,
@@ -184,7 +211,7 @@ def prefill_ways(torch, F, sets, nh, hkv, chunk, cached, scale, log=lambda m: No
         q, k, v = sets[0]
         use, g, note = sets, gqa, None
         try:
-            attend(q, k, v, g)
+            out = attend(q, k, v, g)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
         except (RuntimeError, ValueError, NotImplementedError) as e:
@@ -199,12 +226,17 @@ def prefill_ways(torch, F, sets, nh, hkv, chunk, cached, scale, log=lambda m: No
             use, g = expanded, False
             note = f"{way}: K/V expanded to {nh} heads ({str(e).splitlines()[0][:60]})"
             try:
-                attend(*use[0], g)
+                out = attend(*use[0], g)
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
             except (RuntimeError, ValueError, NotImplementedError) as e2:
                 log(f"sdpa prefill {way}: refused ({str(e2).splitlines()[0][:80]})")
                 continue
+        err = differs(out)
+        if err is not None:
+            log(f"sdpa prefill {way}: left out, its output differs from an explicit softmax by {err:.3g}")
+            continue
+        del out
         ways.append((way, [lambda q=q, k=k, v=v, attend=attend, g=g: attend(q, k, v, g) for (q, k, v) in use],
                      note))
     return ways

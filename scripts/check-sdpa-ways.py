@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Checks, on CPU torch (no GPU), that every way benches/gpu_sdpa_baseline.py runs a prefill
 point computes the same attention as an explicit softmax with the bottom-right causal mask
-(GQA and MHA, over 0, 1 and 7 cached tokens). TORCH_PATH may name a --target install of torch.
+(GQA and MHA, over 0, 1 and 7 cached tokens), and that a way computing something else (a mask
+read top-left aligned) is left out by the peer's own check rather than timed. TORCH_PATH may name
+a --target install of torch.
 
     TORCH_PATH=/tmp/torchcpu python3 scripts/check-sdpa-ways.py
 """
@@ -32,3 +34,28 @@ for nh, hkv in [(4, 2), (4, 4)]:
                 err = (out - ref).abs().max().item()
                 assert err < 1e-4, (way, err)
 print("ok")
+
+# A way whose kernel computes something else (here: a materialized mask read as top-left
+# aligned, as a backend that mishandled it would) must be left out, not timed as SDPA: on the
+# GPU the ways run different kernels than here, so the peer checks each against an explicit
+# softmax of a few query rows before timing it.
+class WrongMask:
+    def __getattr__(self, k):
+        return getattr(F, k)
+
+    @staticmethod
+    def scaled_dot_product_attention(q, k, v, attn_mask=None, **kw):
+        if type(attn_mask) is torch.Tensor:  # not the CausalBias subclass
+            attn_mask = torch.ones_like(attn_mask).tril()  # top-left
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kw)
+
+logged = []
+for nh, hkv in [(4, 2), (4, 4)]:
+    chunk, cached, ctx = 5, 7, 12
+    sets = [(torch.randn(1, nh, chunk, d), torch.randn(1, hkv, ctx, d), torch.randn(1, hkv, ctx, d))]
+    ways = peer.prefill_ways(torch, WrongMask(), sets, nh, hkv, chunk, cached, 1 / math.sqrt(d), log=logged.append)
+    names = [w for w, _, _ in ways]
+    assert all("dense mask" not in w for w in names), (names, logged)
+    assert "lower-right bias" in names, (names, logged)
+assert any("differs" in m for m in logged), logged
+print("wrong ways left out: ok")

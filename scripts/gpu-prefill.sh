@@ -6,7 +6,9 @@
 # in $OUT/logs.tar.gz.
 #
 # Here:    BUNDLE='^bin-pagedkv$|^test-cuda_kernels$' scripts/gpu-bundle.sh
-# Device:  run with carry [".gpu"]:  bash scripts/gpu-prefill.sh   (DEADLINE_S, default 240;
+# Device:  run with carry [".gpu"]:  bash scripts/gpu-prefill.sh   (DEADLINE_S, default 240: the
+#          last stage ends by DEADLINE_S + 5 s and the logs are packed after every stage, so give
+#          run a timeout_s of DEADLINE_S + 30 or more;
 #          DIMS="64 128" (none: no grid), TILINGS=auto,32,..., SANITIZE=0 or memcheck, NCU=0,
 #          TESTS=0 (no kernel tests: a call of profiles alone) narrow it;
 #          NCU_TILINGS="wgmma128 wgmma128-persist" and NCU_POINTS="32:8/2048+0 32:8/512+0"
@@ -65,7 +67,15 @@ if [ "${SANITIZE:-1}" = 1 ]; then
   stage racecheck-prefill 90 compute-sanitizer --tool racecheck --error-exitcode 9 \
     "$bin/test-cuda_kernels" prefill_grid_bf16
 fi
-[ "${NCU:-1}" = 1 ] || { note done; pack "$PACK_TO"; exit 0; }
+# The end of every call: the tests', sanitizers' and probe's verdicts (also into the call's
+# output), the logs packed.
+finish() {
+  note done
+  grep -h -E "^test result|FAILED|panicked|ERROR SUMMARY|RACECHECK SUMMARY|wgmma layout|wgmma swizzled" \
+    "$OUT"/test-*.log "$OUT"/memcheck-*.log "$OUT"/racecheck-*.log 2>/dev/null | tail -20
+  pack "$PACK_TO"
+}
+[ "${NCU:-1}" = 1 ] || { finish; exit 0; }
 ncu_args=(--clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats
   --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SourceCounters)
 # One profile: stage NAME, kernels matching REGEX, of the command after them (its second
@@ -94,7 +104,4 @@ for point in ${NCU_POINTS:-32:8/2048+4096}; do
       --prefill-tiling "$tiling"
   done
 done
-note done
-grep -h -E "^test result|FAILED|panicked|ERROR SUMMARY|RACECHECK SUMMARY|wgmma layout|wgmma swizzled" \
-  "$OUT"/test-*.log "$OUT"/memcheck-*.log "$OUT"/racecheck-*.log | tail -20
-pack "$PACK_TO"
+finish

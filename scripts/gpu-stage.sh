@@ -20,8 +20,9 @@ stage() {
   note "end $name rc=$?"
   if [ -n "${PACK_TO:-}" ]; then pack "$PACK_TO" >/dev/null; fi
 }
-# The device call returns at most a few files: everything under $OUT in one archive.
-pack() { tar czf "$1" -C "$OUT" . && note "packed $(du -h "$1" | cut -f1)"; }
+# The device call returns at most a few files: everything under $OUT in one archive, written
+# beside it and renamed over it, so a call cut short while packing still returns the last one.
+pack() { tar czf "$1.part" -C "$OUT" . && mv -f "$1.part" "$1" && note "packed $(du -h "$1" | cut -f1)"; }
 # Unpacks scripts/gpu-bundle.sh's compressed binaries, puts the CUDA libraries in reach, makes
 # GPU tests fail instead of skipping, and shows the checkout at the path the tests were built
 # at (they find files through CARGO_MANIFEST_DIR).

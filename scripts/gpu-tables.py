@@ -8,8 +8,9 @@ sweep-*.log stages) and prints, in the units BENCHMARKS.md uses:
   * decode: one row per point, a graph-time column per table read (its log's name, mode and
     launch flags), SDPA's graph time (the first table's that has it), and each column over
     SDPA (its own process's where it ran the peer; the issue's <= 1.1x);
-  * prefill, per head dim: SDPA's graph time, then each tiling's time and its share of SDPA's
-    TFLOP/s (>= 70%), and which tiling Auto ran;
+  * prefill, per head dim: SDPA's graph time and which SDPA it was (the peer's note: the
+    fastest of the ways it timed, and its CUDA kernels), then each tiling's time and its share
+    of SDPA's TFLOP/s (>= 70%), and which tiling Auto ran;
   * the fastest decode column per point, where several were read (a split sweep).
 Nothing is computed that the bench did not time; a skipped cell says `skip`.
 """
@@ -20,7 +21,9 @@ import tarfile
 
 DECODE_HEAD = re.compile(r"^decode (\w+) d(\d+) bs(\d+) mode (.+?)((?:, [^;]+)?); times per call")
 PREFILL_HEAD = re.compile(r"^prefill (\w+) d(\d+) bs(\d+) tiling (\w+)(.*?), one sequence")
-AUTO_RAN = re.compile(r"^\s+\(Auto (?:ran (\w+)|: the f32 kernel)\)")
+AUTO_RAN = re.compile(r"^\s+\(Auto(?: ran (\w+)|: the f32 kernel)\)")
+# `peer note: POINT: NOTE`, printed after a process's tables.
+PEER_NOTE = re.compile(r"^peer note: (\S+): (.*)$")
 NUM = re.compile(r"^-?\d+(\.\d+)?%?$")
 # A grid point, `Q:KV/BATCHxCTX` or `Q:KV/CHUNK+CACHED` (the header's `heads/BxCTX` is not).
 POINT = re.compile(r"^\d+:\d+/\d+[x+]\d+$")
@@ -64,18 +67,43 @@ def cells(line):
     return head[0], our_t, peer_t
 
 
+def peer_way(note):
+    """Which SDPA a peer note says ran: the fastest way (where it timed several) and the CUDA
+    kernels of one call, `; `-joined."""
+    way, kernels = None, None
+    for part in note.split("; "):
+        if part.startswith("fastest of ") and ": " in part:
+            way = part.split(": ", 1)[1].split(" (others:")[0]
+        elif part.startswith("kernels: "):
+            kernels = part[len("kernels: "):]
+        elif ": K/V expanded" in part:
+            w = part.split(": K/V expanded")[0]
+            if way in (None, w):
+                way = w + " (K/V expanded)"
+    return "; ".join(x for x in (way, kernels) if x).replace("|", "/") or None
+
+
 def parse(paths):
-    """Tables read: a list of dicts {kind, dim, label, rows: {point: (ours, peer)}, auto}."""
+    """Tables read: a list of dicts {kind, dim, label, rows: {point: (ours, peer)}, auto,
+    notes: {point: the peer's way}} (notes shared by the tables of one log)."""
     tables = []
     for name, text in texts(paths):
         cur = None
         last_point = None
+        notes = {}
         for line in text.splitlines():
+            m = PEER_NOTE.match(line)
+            if m:
+                way = peer_way(m.group(2))
+                if way:
+                    notes[m.group(1)] = way
+                continue
             m = DECODE_HEAD.match(line)
             if m:
                 mode, flags = m.group(4), m.group(5).strip(", ")
                 label = f"{name} {mode}" + (f" ({flags})" if flags else "")
-                cur = {"kind": "decode", "dim": int(m.group(2)), "label": label, "rows": {}}
+                cur = {"kind": "decode", "dim": int(m.group(2)), "label": label, "rows": {},
+                       "notes": notes}
                 tables.append(cur)
                 continue
             m = PREFILL_HEAD.match(line)
@@ -83,7 +111,7 @@ def parse(paths):
                 flags = m.group(5).strip(", ")
                 label = m.group(4) + (f" ({flags})" if flags else "")
                 cur = {"kind": "prefill", "dim": int(m.group(2)), "label": label, "rows": {},
-                       "auto": {}, "log": name}
+                       "auto": {}, "log": name, "notes": notes}
                 tables.append(cur)
                 continue
             if cur is None:
@@ -106,17 +134,18 @@ def fmt(x):
 
 def by_dim(tables, kind):
     """Per head dim of the `kind` tables: its tables (the columns), their points in first-seen
-    order, and per point the peer's time of the first table that ran it."""
+    order, per point the peer's time of the first table that ran it, and that run's way."""
     of_kind = [t for t in tables if t["kind"] == kind]
     for dim in sorted({t["dim"] for t in of_kind}):
         cols = [t for t in of_kind if t["dim"] == dim]
         points = list(dict.fromkeys(p for t in cols for p in t["rows"]))
-        peer = {}
+        peer, way = {}, {}
         for t in cols:
             for p, (_, q) in t["rows"].items():
-                if q is not None:
-                    peer.setdefault(p, q)
-        yield dim, cols, points, peer
+                if q is not None and p not in peer:
+                    peer[p] = q
+                    way[p] = t["notes"].get(p, "-")
+        yield dim, cols, points, peer, way
 
 
 def point_cells(cols, p, peer, against):
@@ -139,7 +168,7 @@ def table_head(head):
 
 
 def decode_tables(tables):
-    for dim, cols, points, peer in by_dim(tables, "decode"):
+    for dim, cols, points, peer, _ in by_dim(tables, "decode"):
         print(f"\n**Decode d{dim}** (graph us; x: over SDPA)\n")
         table_head(["point"] + [t["label"] for t in cols] + ["SDPA"]
                    + (["fastest"] if len(cols) > 1 else []))
@@ -153,14 +182,14 @@ def decode_tables(tables):
 
 
 def prefill_tables(tables):
-    for dim, cols, points, peer in by_dim(tables, "prefill"):
+    for dim, cols, points, peer, way in by_dim(tables, "prefill"):
         auto = {}
         for t in cols:
             auto.update(t["auto"])
         print(f"\n**Prefill d{dim}** (graph us, % of SDPA's TFLOP/s)\n")
-        table_head(["point", "SDPA us"] + [t["label"] for t in cols] + ["Auto ran"])
+        table_head(["point", "SDPA us", "SDPA ran"] + [t["label"] for t in cols] + ["Auto ran"])
         for p in points:
-            row = [p, fmt(peer.get(p))] + point_cells(cols, p, peer, lambda o, q: f"{100 * q / o:.1f}%")
+            row = [p, fmt(peer.get(p)), way.get(p, "-")] + point_cells(cols, p, peer, lambda o, q: f"{100 * q / o:.1f}%")
             print("| " + " | ".join(row + [auto.get(p, "-")]) + " |")
 
 

@@ -457,6 +457,37 @@ pub fn parse_peer(text: &str) -> Result<PeerResults, PlanError> {
     Ok(r)
 }
 
+/// The peer's results from how its process ended and what it printed on stdout. A peer that
+/// failed (an exception, a crash, a kill) keeps the records it printed before (it flushes one per
+/// point as the point ends), less an unfinished last line, with a note saying how it ended; the
+/// points after them show as not run. `Err` says why there are none at all.
+///
+/// # Errors
+/// The reason, where the peer failed before its first record or printed a bad record.
+pub fn peer_results(success: bool, status: &str, stdout: &str) -> Result<PeerResults, String> {
+    if success {
+        return parse_peer(stdout).map_err(|e| e.to_string());
+    }
+    // An unfinished last line (the process ended mid-write) is not a record.
+    let complete = match stdout.rfind('\n') {
+        Some(i) if i + 1 < stdout.len() => &stdout[..=i],
+        Some(_) => stdout,
+        None => "",
+    };
+    let failed = format!("failed ({status})");
+    match parse_peer(complete) {
+        Ok(mut r) if !r.decode.is_empty() || !r.prefill.is_empty() => {
+            let n = r.decode.len() + r.prefill.len();
+            r.notes.push(format!(
+                "{failed} after {n} points' records: the points after them were not run by it"
+            ));
+            Ok(r)
+        }
+        Ok(_) => Err(failed),
+        Err(e) => Err(format!("{failed}; its output: {e}")),
+    }
+}
+
 /// Header of the decode table (two lines).
 pub fn decode_header() -> String {
     format!(

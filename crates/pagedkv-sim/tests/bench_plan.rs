@@ -382,3 +382,34 @@ fn python_peer_accounts_the_same_way() {
         assert_eq!(r["copies"].as_u64(), Some(*copies as u64), "{r}");
     }
 }
+
+/// A peer that fails part way (an exception at a later point, a crash in the profiler, a
+/// kill) keeps the points it timed before: `bench gpu` showed no SDPA column at all for any
+/// non-zero exit, losing every point the peer had already timed.
+#[test]
+fn a_peer_that_failed_keeps_the_points_it_timed() {
+    // Cut inside the skip record: the process ended mid-write.
+    let cut = PEER.find(r#"{"kind": "skip""#).unwrap() + 20;
+    let r = peer_results(false, "signal: 11 (SIGSEGV)", &PEER[..cut]).unwrap();
+    let p: DecodePoint = "32:8/64x4096".parse().unwrap();
+    let q: PrefillPoint = "32:8/2048+4096".parse().unwrap();
+    assert!(matches!(r.decode.get(&p), Some(Outcome::Timed(_))));
+    assert!(matches!(r.prefill.get(&q), Some(Outcome::Timed(_))));
+    assert_eq!(r.decode.len() + r.prefill.len(), 2);
+    assert!(
+        r.notes
+            .iter()
+            .any(|n| n.contains("failed (signal: 11 (SIGSEGV))")),
+        "{:?}",
+        r.notes
+    );
+    // Nothing timed before the failure: no results, and why.
+    let device_only = &PEER[..PEER.find(r#"{"kind": "decode""#).unwrap()];
+    let e = peer_results(false, "exit status: 1", device_only).unwrap_err();
+    assert!(e.contains("exit status: 1"), "{e}");
+    // A peer that succeeded parses as before; a bad record is still refused.
+    let ok = peer_results(true, "exit status: 0", PEER).unwrap();
+    assert_eq!(ok.decode.len() + ok.prefill.len(), 3);
+    assert!(ok.notes.iter().all(|n| !n.contains("failed")));
+    assert!(peer_results(true, "exit status: 0", "{\"kind\": \"decode\"}\n").is_err());
+}

@@ -3,7 +3,7 @@
 //! points, so one invocation prints both side by side. It runs to completion first: the two
 //! never share the GPU's time, and its memory is released before pagedkv allocates.
 
-use pagedkv_sim::gpu_bench::{parse_peer, DecodePoint, PeerResults, PrefillPoint};
+use pagedkv_sim::gpu_bench::{peer_results, DecodePoint, PeerResults, PrefillPoint};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
@@ -28,8 +28,9 @@ fn join<T: ToString>(v: &[T]) -> String {
     v.iter().map(T::to_string).collect::<Vec<_>>().join(",")
 }
 
-/// Runs the peer and parses its records; `Err` says why there are none (printed in the tables'
-/// place). The peer's stderr (progress, errors) passes through to ours.
+/// Runs the peer and parses its records (those of a peer that failed part way too, with a note);
+/// `Err` says why there are none (printed in the tables' place). The peer's stderr (progress,
+/// errors) passes through to ours.
 pub fn run(r: &PeerRequest<'_>) -> Result<PeerResults, String> {
     if !r.script.is_file() {
         return Err(format!(
@@ -52,13 +53,11 @@ pub fn run(r: &PeerRequest<'_>) -> Result<PeerResults, String> {
         .stderr(Stdio::inherit())
         .output()
         .map_err(|e| format!("cannot start {}: {e}", r.python))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{} {} failed ({})",
-            r.python,
-            r.script.display(),
-            out.status
-        ));
-    }
-    parse_peer(&String::from_utf8_lossy(&out.stdout)).map_err(|e| e.to_string())
+    // A peer that failed part way keeps the points it timed (peer_results).
+    peer_results(
+        out.status.success(),
+        &out.status.to_string(),
+        &String::from_utf8_lossy(&out.stdout),
+    )
+    .map_err(|e| format!("{} {}: {e}", r.python, r.script.display()))
 }

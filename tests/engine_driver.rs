@@ -942,3 +942,26 @@ fn a_sequence_ended_at_a_failed_step_is_reported_by_the_next() {
     drop(engines);
     assert_no_leak(&shared);
 }
+
+/// `StepResults` order (its docs said rows first, then the ends): the sequences that ended at
+/// the start of the step come first, with empty token ranges, then one entry per sampling row
+/// in row order.
+#[test]
+fn step_results_list_the_ended_sequences_before_the_rows() {
+    let (_shared, mut engines) = build(128, PreemptionMode::Recompute);
+    for id in 1..=3 {
+        add(&mut engines[0], request(id, 8, 50));
+    }
+    let (engine, model) = &mut engines[0];
+    for _ in 0..3 {
+        engine.step(model).unwrap();
+    }
+    engine.abort(2).unwrap();
+    engine.step(model).unwrap();
+    let r = engine.results();
+    let order: Vec<_> = r.updates.iter().map(|u| (u.id, u.finished)).collect();
+    assert_eq!(order[0], (2, Some(FinishReason::Aborted)), "{order:?}");
+    assert!(r.updates[0].tokens.is_empty());
+    let rows: Vec<SeqId> = r.updates[1..].iter().map(|u| u.id).collect();
+    assert_eq!(rows, engine.batch().seq_ids, "then the rows, in row order");
+}

@@ -12,8 +12,11 @@
 //!   (`Engine::cuda`) or a client's driver binding (`Engine::raw`)), with the caller's
 //!   [`StepModel`] supplying projections and sampling.
 //!
-//! Nothing in this module waits for another thread: an engine's step is its own work plus
-//! lock-free operations on the shared pool and coordinator.
+//! No engine waits for another: an engine's step is its own work plus lock-free operations on
+//! the shared pool and coordinator, with no lock. Its kernels do wait, on their own work only:
+//! the CPU kernels ([`HostBackend`]) fork and join on rayon's thread pool (which every engine
+//! of the process shares, so a busy pool slows them), and `RawBackend` waits for its stream at
+//! the end of a step.
 
 #[cfg(feature = "cuda")]
 mod device;

@@ -350,10 +350,12 @@ impl PrefixCache {
     /// thread holds its record right now: removing it, or an eviction that will put it back
     /// because someone else holds the page too).
     ///
-    /// Call it before rewriting a page that may be cached; once it returns (either way) no
-    /// lookup can hand the page out under its old hash, and if
-    /// [`BlockPool::is_shared`] is then `false` the caller holds the only reference and may
-    /// write in place.
+    /// Call it before rewriting a page that may be cached. After `true`, no lookup can hand the
+    /// page out under its old hash. After `false` the page may still be cached: an eviction
+    /// checking it right now sees the caller's reference and puts it back. Either way, if
+    /// [`BlockPool::is_shared`] is then `false`, the page is not cached (the cache would hold
+    /// a reference of its own), the caller holds the only reference and may write in place;
+    /// otherwise it must copy.
     pub fn forget(&self, id: BlockId) -> Result<bool, PrefixError> {
         // Validates the id (and that it is live).
         self.pool.ref_count(id)?;

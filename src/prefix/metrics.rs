@@ -53,12 +53,22 @@ impl EngineCounters {
 }
 
 /// One engine's prefix-cache figures, from [`PrefixCache::metrics`](super::PrefixCache::metrics).
-/// Hit rate over prompt tokens is `hit_tokens / lookup_tokens`.
+///
+/// They count calls of [`lookup`](super::PrefixCache::lookup): `hit_tokens / lookup_tokens` is
+/// the hit rate of lookups, not of prompts. A [`Batcher`](crate::sched::Batcher) looks up a
+/// waiting sequence's prefix on every step it tries to admit it, so a sequence that waits for
+/// pages is counted once per failed admission, hit and presented tokens alike; it presents
+/// only the full blocks of all but the last token (short prompts make no lookup at all); and
+/// it looks up again after a preemption by recompute, generated tokens included. For an
+/// engine's hit rate over prompt tokens use its
+/// [`BatcherStats`](crate::sched::BatcherStats): `prefix_hit_tokens / prefix_prompt_tokens`
+/// (each prompt counted once, on its first admission).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PrefixMetrics {
-    /// Lookups made.
+    /// Lookups made (every call, a batcher's repeated ones for a waiting sequence included).
     pub lookups: u64,
-    /// Tokens those lookups presented (full blocks and the partial tail).
+    /// Tokens those lookups presented (full blocks and any partial tail the caller passed; a
+    /// batcher passes full blocks only).
     pub lookup_tokens: u64,
     /// Blocks found (each handed out with a reference).
     pub hit_blocks: u64,

@@ -3,7 +3,12 @@
 use super::sequence::SeqId;
 
 /// One step's work, ready for the kernels. Buffers are reused across steps (cleared, never
-/// shrunk), so a steady-state step allocates nothing.
+/// shrunk), so filling the batch allocates nothing once they have grown to the step's size.
+/// A decode step as a whole still allocates now and then: each sequence's tokens (its
+/// request's prompt `Vec`, to which every sampled token is appended) grow by doubling. A
+/// prompt `Vec` given capacity for the request's output (`prompt.len() + max_new_tokens`)
+/// never grows, and a decode step of such sequences (no admission, end or preemption)
+/// allocates nothing (tests/doc_claims.rs).
 ///
 /// The caller runs, in this order: `swap_out`, `swap_in`, `copies`, then the model with
 /// `reshape_and_cache` over `slot_mapping` and attention over `block_tables` / `context_lens`.

@@ -1,6 +1,8 @@
-//! Continuous-batching scheduler and lock-free admission queues.
+//! Continuous-batching scheduler and admission queues without locks.
 //!
-//! - [`admission`]: lock-free per-worker priority queues where server threads hand requests in.
+//! - [`admission`]: per-worker priority queues where server threads hand requests in; no call
+//!   takes a lock, but the queues are not lock-free in the strict sense (a stalled submitter
+//!   holds up its queue, and a drop-oldest submit can wait for it: its "Progress" section).
 //! - [`Batcher`]: one engine's step loop scheduler, producing kernel-ready [`Batch`]es.
 //! - [`SeqRequest`], [`StopRules`], [`FinishedSeq`], [`StepResults`]: requests, stop rules and
 //!   results.

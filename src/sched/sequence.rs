@@ -96,9 +96,13 @@ pub struct SeqUpdate {
     pub finished: Option<FinishReason>,
 }
 
-/// Per-step results of one engine, in row order of the step's batch followed by sequences
-/// that ended at the start of the step (aborts and caller finishes). Cleared and refilled by
-/// each step; the buffers are reused, so a steady-state step allocates nothing.
+/// Per-step results of one engine: first the sequences that ended at the start of the step
+/// (aborts and caller finishes, with empty token ranges; after a step that was not committed,
+/// that step's ones come first), then one entry per sampling row of the step's batch, in row
+/// order ([`Engine::results`](crate::engine::Engine::results)). A [`Batcher`](crate::sched::Batcher)
+/// driven by hand appends only the rows ([`Batcher::commit_with_updates`](crate::sched::Batcher::commit_with_updates)).
+/// Cleared and refilled by each step; the two lists keep their capacity, so once they have
+/// grown to a step's size filling them allocates nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StepResults {
     /// One entry per sequence that got a token or ended this step.

@@ -536,8 +536,12 @@ impl<T, R> Admission<T, R> {
         self.workers[0].ring(priority).capacity()
     }
 
-    /// Admits `payload` without waiting. On a full queue: refused under `Block` and
-    /// `DropNewest`, the oldest request evicted under `DropOldest`.
+    /// Admits `payload` without waiting for room. On a full queue: refused under `Block` and
+    /// `DropNewest`, the oldest request evicted under `DropOldest`. Under `Block` and
+    /// `DropNewest` it never waits for another thread; under `DropOldest` it can: when the
+    /// slot it needs is held by a thread mid-way (a consumer reading it out, or the oldest
+    /// request's submitter still writing it), it spins and yields until that thread runs on
+    /// (module docs, "Progress").
     pub fn try_submit(
         &self,
         payload: T,

@@ -129,8 +129,10 @@ pub struct BatcherStats {
 /// 3. waiting sequences are admitted, latency-critical before throughput, first come first
 ///    served within a class, unless this step preempted (admitting then would only thrash).
 ///
-/// The cost of a step is O(scheduled sequences + their new tokens + their blocks), with no
-/// allocation in steady state: the [`Batch`] buffers and the scratch vectors are reused.
+/// The cost of a step is O(scheduled sequences + their new tokens + their blocks). The
+/// [`Batch`] buffers and the scratch vectors are reused; what a decode step still allocates is
+/// each sequence's token list growing (its request's prompt `Vec`, doubling as tokens are
+/// appended), unless the prompt was given capacity for its output ([`Batch`]'s docs).
 pub struct Batcher {
     cfg: BatcherConfig,
     pool: Arc<BlockPool>,
@@ -710,7 +712,10 @@ impl Batcher {
     }
 
     /// [`commit`](Self::commit), also appending to `results` one [`SeqUpdate`] per sampling
-    /// row (its token, and its finish reason if it ended), in row order: what a server streams.
+    /// row (its tokens: one, or a row with drafts its accepted drafts and one more; and its
+    /// finish reason if it ended), in row order: what a server streams. Sequences ended by
+    /// aborts are not listed here ([`schedule_into`](Self::schedule_into) reports them in
+    /// `finished`); [`Engine`](crate::engine::Engine) lists them first in its results.
     pub fn commit_with_updates(
         &mut self,
         sampled: &[u32],

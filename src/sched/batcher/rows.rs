@@ -160,13 +160,18 @@ impl Batcher {
     }
 
     /// Fills `batch.block_tables`. Rows persist across steps: a sequence scheduled in the same
-    /// row as last step (the common decode case) only writes the blocks it gained, so a step
-    /// costs O(new blocks), not O(all blocks of all sequences). The stride grows in steps of 16
-    /// (every row is rewritten then) and shrinks when the widest table has halved.
+    /// row as last step only writes the blocks it gained, so a step costs O(new blocks) while
+    /// rows keep their sequences. The stride is the widest table rounded up to a multiple of
+    /// 16; it grows when a table outgrows it and shrinks when a stride of half its width or
+    /// less would do (every row is rewritten then). A sequence that moves to another row (an
+    /// admission, a preemption or an end ahead of it in the priority order) rewrites its row.
     pub(super) fn write_block_tables(&mut self) {
         let needed = self.batch.max_blocks_per_seq;
         let rows = self.scheduled.len();
-        let relayout = needed > self.row_width || (needed * 2 < self.row_width && needed > 0);
+        // Shrink only to a stride of half the width or less: comparing the table itself with
+        // half the width relaid out every step while the widest table was under 8 blocks.
+        let relayout = needed > self.row_width
+            || (needed > 0 && needed.next_multiple_of(16) * 2 <= self.row_width);
         if relayout {
             self.row_width = needed.next_multiple_of(16);
             self.row_owner.clear();

@@ -382,7 +382,9 @@ async fn client(queues: Arc<Queues>, plan: Plan) -> Outcome {
 }
 
 /// The requests of a run: both models, mixed prompt and output lengths; every
-/// `cancel_every`-th one is long and cancelled after 3 tokens.
+/// `cancel_every`-th one is long and cancelled after 3 tokens. The long ones still fit one
+/// model's guaranteed share of a 24-page arena (12 pages, 192 tokens of the larger model):
+/// a longer one is refused, since it could finish only while the other model idles.
 pub fn plans(cfg: &ServeConfig) -> Vec<Plan> {
     let mut out = Vec::new();
     for i in 0..cfg.requests_per_model {
@@ -394,7 +396,7 @@ pub fn plans(cfg: &ServeConfig) -> Vec<Plan> {
                 model,
                 prompt_len: 5 + (id as u32 * 7) % 60,
                 max_new_tokens: if cancel {
-                    300
+                    120
                 } else {
                     8 + (id as u32 * 5) % 40
                 },

@@ -112,8 +112,10 @@ pub enum SchedError {
     /// A request with this id is already in the batcher.
     #[error("request {0} is already scheduled")]
     DuplicateId(u64),
-    /// The request can never fit: its prompt plus output needs more blocks than a sequence may
-    /// hold or than the whole pool has.
+    /// The request can never fit, or never surely: its prompt plus output needs more blocks than
+    /// a sequence may hold, than the whole pool has, or than the engine's guaranteed share of a
+    /// shared pool (see `EngineBudget::guaranteed_blocks`: pages it borrows beyond that are
+    /// taken back whenever the other engines have work).
     #[error("request {id} needs {blocks} KV blocks, more than the {limit} one sequence can get")]
     TooLong {
         /// The request's id.

@@ -965,3 +965,193 @@ fn step_results_list_the_ended_sequences_before_the_rows() {
     let rows: Vec<SeqId> = r.updates[1..].iter().map(|u| u.id).collect();
     assert_eq!(rows, engine.batch().seq_ids, "then the rows, in row order");
 }
+
+/// Engines of `weights` on `pages` pages (room for `max_engines`), with a block cap of `cap`
+/// per mille; no prefix cache.
+fn build_weighted(
+    pages: u32,
+    weights: &[u32],
+    max_engines: u16,
+    cap: u16,
+) -> (Arc<SharedArena>, Vec<Driven>) {
+    let shapes = shapes();
+    let page_bytes = page_bytes_for(&shapes.map(|(s, _)| s), 16).unwrap();
+    let shared = SharedArena::host(
+        BudgetConfig::new(max_engines, 128, pages).with_cap_permille(cap),
+        page_bytes,
+    )
+    .unwrap();
+    let engines = weights
+        .iter()
+        .map(|&w| weighted_engine(&shared, w, 0))
+        .collect();
+    (shared, engines)
+}
+
+/// An engine of weight `weight` and geometry `shapes()[shape]` on `shared`.
+fn weighted_engine(shared: &Arc<SharedArena>, weight: u32, shape: usize) -> Driven {
+    let (shape, heads) = shapes()[shape];
+    let mut cfg = engine_config(PreemptionMode::Recompute);
+    cfg.weight = weight;
+    cfg.prefix_cache = false;
+    let engine = Engine::host(shared, cfg, &shape, heads).unwrap();
+    (
+        engine,
+        ClosedForm::new(heads, shape.num_kv_heads, shape.head_dim),
+    )
+}
+
+/// Steps engine 0 and keeps every other engine fed with short requests (so it
+/// stays active and its share is never lent), until `id` ends on engine 0 or `steps` pass.
+/// Returns its finish reason. The fed requests take ids from `*next` on.
+fn run_beside_busy(
+    engines: &mut [Driven],
+    id: SeqId,
+    next: &mut SeqId,
+    steps: usize,
+) -> Option<FinishReason> {
+    for _ in 0..steps {
+        for other in engines.iter_mut().skip(1) {
+            let b = other.0.batcher();
+            if b.num_waiting() + b.num_running() < 4 {
+                *next += 1;
+                add(other, request(*next, 30, 20));
+            }
+            if other.0.has_work() {
+                let (eng, m) = other;
+                eng.step(m).unwrap();
+            }
+        }
+        let (a, m) = &mut engines[0];
+        a.step(m).unwrap();
+        if let Some(f) = a.finished().iter().find(|f| f.id == id) {
+            return Some(f.reason);
+        }
+    }
+    None
+}
+
+/// One sequence needing more pages than its engine's guaranteed share (its quota) could only
+/// ever run on pages lent by idle engines: beside an engine that keeps some work (a server's
+/// steady traffic; here it holds a few pages of its 24), the small engine's limit stays at its
+/// quota and the sequence was preempted by recompute again and again, never finishing and
+/// never refused (36 preemptions in 400 steps). It is refused at `add` now, with the quota as
+/// the limit, with two or three engines, and with a block cap alone; a request within the
+/// quota still finishes beside busy engines, and one engine's sequences together still borrow
+/// beyond its quota while the others idle.
+#[test]
+fn a_request_longer_than_the_engines_guaranteed_share_is_refused_not_preempted_forever() {
+    // (weights, pages, cap): engine 0's quota is 8 pages in each.
+    for (weights, pages, cap) in [
+        (vec![1u32, 3], 32u32, 1000u16),
+        (vec![1, 2, 1], 32, 1000),
+        (vec![1], 16, 500),
+    ] {
+        let (shared, mut engines) = build_weighted(pages, &weights, weights.len() as u16, cap);
+        let id0 = engines[0].0.id();
+        assert_eq!(shared.coordinator().block_quota(id0), 8);
+        // Engine 0 has 32 tokens per page: 300 + 20 - 1 tokens are 10 pages.
+        let long = request(1, 300, 20);
+        engines[0].1.prompt_len.insert(1, 300);
+        match engines[0].0.add(long) {
+            Err(SchedError::TooLong { blocks, limit, .. }) => assert_eq!((blocks, limit), (10, 8)),
+            Ok(()) => {
+                let ended = run_beside_busy(&mut engines, 1, &mut 10_000, 400);
+                panic!(
+                    "{weights:?} cap {cap}: a 10-page request on an 8-page share was accepted \
+                     and ended with {ended:?} after 400 steps ({} recompute preemptions)",
+                    engines[0].0.batcher().stats().preempted_recompute
+                );
+            }
+            Err(e) => panic!("{e}"),
+        }
+        // Within the quota (240 + 17 - 1 tokens: 8 pages) it finishes beside busy engines.
+        add(&mut engines[0], request(2, 240, 17));
+        assert_eq!(
+            run_beside_busy(&mut engines, 2, &mut 20_000, 400),
+            Some(FinishReason::MaxTokens),
+            "{weights:?} cap {cap}"
+        );
+        drop(engines);
+        assert_no_leak(&shared);
+    }
+    // Borrowing is untouched: three 6-page sequences run at once (18 pages on an 8-page
+    // quota) while the other engine idles.
+    let (shared, mut engines) = build_weighted(32, &[1, 3], 2, 1000);
+    for id in 1..=3 {
+        add(&mut engines[0], request(id, 170, 20));
+    }
+    let mut most = 0;
+    while engines[0].0.has_work() {
+        let (a, m) = &mut engines[0];
+        a.step(m).unwrap();
+        most = most.max(shared.coordinator().blocks_held(a.id()));
+        assert!(a.steps() < 400);
+    }
+    assert_eq!(most, 18);
+    drop(engines);
+    assert_no_leak(&shared);
+}
+
+/// A sequence accepted within its engine's share, which then shrinks below its need (a third
+/// engine registers), ends at the engine's next step with `FinishReason::TooLong`, its pages
+/// and budget given back; it was left to be preempted forever beside busy engines.
+#[test]
+fn a_sequence_its_engines_shrunk_share_cannot_hold_ends_with_too_long() {
+    let (shared, mut engines) = build_weighted(32, &[1, 1], 3, 1000);
+    let c = shared.coordinator().clone();
+    let id0 = engines[0].0.id();
+    assert_eq!(c.block_quota(id0), 16);
+    // 12 pages (372 + 13 - 1 tokens); a short one (2 pages) beside it.
+    add(&mut engines[0], request(1, 372, 13));
+    add(&mut engines[0], request(2, 40, 10));
+    // Until it holds more than the share will be.
+    while c.blocks_held(id0) <= 8 {
+        let (a, m) = &mut engines[0];
+        a.step(m).unwrap();
+        assert!(a.steps() < 100);
+    }
+    engines.push(weighted_engine(&shared, 2, 1));
+    assert_eq!(c.block_quota(id0), 8);
+    let mut ended = HashMap::new();
+    let mut too_long = None;
+    let mut next = 10_000;
+    for step in 0..400 {
+        let reason = run_beside_busy(&mut engines, u64::MAX, &mut next, 1);
+        assert!(reason.is_none());
+        let a = &engines[0].0;
+        for u in &a.results().updates {
+            if let Some(r) = u.finished {
+                ended.insert(u.id, r);
+            }
+        }
+        if too_long.is_none() && ended.contains_key(&1) {
+            too_long = Some(step);
+        }
+        if ended.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(
+        ended.get(&1),
+        Some(&FinishReason::TooLong),
+        "the 12-page sequence on an 8-page share: {ended:?}, {} recompute preemptions",
+        engines[0].0.batcher().stats().preempted_recompute
+    );
+    assert_eq!(
+        too_long,
+        Some(0),
+        "not ended at the first step after the share shrank"
+    );
+    assert_eq!(ended.get(&2), Some(&FinishReason::MaxTokens));
+    assert!(engines[0].0.batcher().stats().aborted >= 1);
+    // Requests needing more than the new share are refused.
+    let mut long = request(3, 372, 13);
+    long.priority = Priority::LatencyCritical;
+    assert!(matches!(
+        engines[0].0.add(long),
+        Err(SchedError::TooLong { limit: 8, .. })
+    ));
+    drop(engines);
+    assert_no_leak(&shared);
+}

@@ -56,7 +56,7 @@ fn check(cfg: ServeConfig) {
             .collect();
         assert_eq!(log.finished.keys().copied().collect::<HashSet<_>>(), ids);
         // ...and the cancelled ones were aborted when their streams were dropped (they ask
-        // for 300 tokens and are dropped after 3, so none can finish first in practice).
+        // for 120 tokens and are dropped after 3, so none can finish first in practice).
         let aborted: HashSet<_> = log.cancelled.iter().copied().collect();
         assert_eq!(aborted.len(), log.cancelled.len(), "one abort per sequence");
         assert_eq!(aborted, cancelled[model], "engine {model}");

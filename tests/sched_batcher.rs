@@ -995,3 +995,122 @@ fn the_oldest_swapped_sequence_comes_back_first() {
     assert_ne!(bt.phase(0), Some(SeqPhase::Swapped));
     p.free_n(&other).unwrap();
 }
+
+/// Through the coordinator link alone: engine A (weight 1) has a quota of 16 of 64 blocks, and
+/// B (weight 3) is active, so A's limit is its quota even while B holds nothing. A request of
+/// 20 blocks was accepted and preempted by recompute at every try, for as long as B stayed
+/// active (never finishing, never refused); it is refused now, with the quota as the limit.
+/// A request added before A's registration was published (no quota known yet) is accepted,
+/// and ended with `FinishReason::TooLong` at the first step that knows the quota.
+#[test]
+fn a_request_longer_than_the_engines_quota_is_refused_through_the_coordinator() {
+    use pagedkv::budget::{BudgetConfig, BudgetCoordinator};
+    use pagedkv::sched::EngineShare;
+    let c = Arc::new(BudgetCoordinator::new(BudgetConfig::new(2, 64, 64)).unwrap());
+    let a = c.register(1).unwrap();
+    // Before any publication: nothing is known of A's share, so nothing is refused on it.
+    let mut bt = Batcher::new(config(), pool(64)).unwrap();
+    bt.attach_budget(Box::new(EngineShare::new(c.clone(), a)));
+    bt.add(req(1, vec![7; 60], 21)).unwrap();
+    let b = c.register(3).unwrap();
+    EngineShare::new(c.clone(), b).set_active(true);
+    bt.sync_activity();
+    c.recompute();
+    assert_eq!((c.block_quota(a), c.block_limit(a)), (16, 16));
+    // 60 + 21 - 1 = 80 tokens: 20 blocks of 4.
+    match bt.add(req(2, vec![7; 60], 21)) {
+        Err(SchedError::TooLong { blocks, limit, .. }) => assert_eq!((blocks, limit), (20, 16)),
+        Ok(()) => {
+            let mut done = Vec::new();
+            for _ in 0..300 {
+                let n = bt.schedule_into(&mut done).num_samples();
+                bt.commit(&vec![9; n], &mut done).unwrap();
+                c.maybe_recompute();
+            }
+            panic!(
+                "a 20-block request on a 16-block quota was accepted; after 300 steps ended: \
+                 {:?}, {} recompute preemptions",
+                done.iter().map(|f| f.id).collect::<Vec<_>>(),
+                bt.stats().preempted_recompute
+            );
+        }
+        Err(e) => panic!("{e}"),
+    }
+    // Within the quota (16 blocks) it finishes; the early one ends with TooLong at once.
+    bt.add(req(3, vec![7; 60], 5)).unwrap();
+    let mut done = Vec::new();
+    for step in 0..300 {
+        if !bt.has_work() {
+            break;
+        }
+        let n = bt.schedule_into(&mut done).num_samples();
+        if step == 0 {
+            assert_eq!(
+                done.iter().map(|f| (f.id, f.reason)).collect::<Vec<_>>(),
+                vec![(1, FinishReason::TooLong)]
+            );
+        }
+        bt.commit(&vec![9; n], &mut done).unwrap();
+        c.maybe_recompute();
+    }
+    let ended: HashMap<u64, FinishReason> = done.iter().map(|f| (f.id, f.reason)).collect();
+    assert_eq!(
+        ended,
+        HashMap::from([(1, FinishReason::TooLong), (3, FinishReason::MaxTokens)]),
+        "after 300 steps ({} recompute preemptions)",
+        bt.stats().preempted_recompute
+    );
+    assert_eq!(bt.stats().aborted, 1);
+    drop(bt);
+    assert_eq!(c.blocks_in_use(), 0);
+}
+
+/// A request accepted while the guarantee was up (another engine had just left) is checked
+/// again when it drops back before the next step: the batcher had last seen the lower figure,
+/// so a drop back to it looked like no change.
+#[test]
+fn a_request_accepted_during_a_passing_rise_of_the_quota_is_ended_when_it_falls() {
+    use pagedkv::budget::{BudgetConfig, BudgetCoordinator};
+    use pagedkv::sched::EngineShare;
+    let c = Arc::new(BudgetCoordinator::new(BudgetConfig::new(3, 64, 64)).unwrap());
+    let a = c.register(1).unwrap();
+    let b = c.register(1).unwrap();
+    let third = c.register(2).unwrap();
+    // The others have work (so lend nothing) throughout.
+    c.set_active(b, true);
+    c.set_active(third, true);
+    c.recompute();
+    assert_eq!(c.block_quota(a), 16);
+    let mut bt = Batcher::new(config(), pool(64)).unwrap();
+    bt.attach_budget(Box::new(EngineShare::new(c.clone(), a)));
+    bt.add(req(1, vec![7; 8], 4)).unwrap();
+    let mut done = Vec::new();
+    let n = bt.schedule_into(&mut done).num_samples();
+    bt.commit(&vec![9; n], &mut done).unwrap();
+    // The third engine leaves: A's quota is 32, and a 24-block request (96 tokens) fits.
+    c.deregister(third).unwrap();
+    c.recompute();
+    assert_eq!(c.block_quota(a), 32);
+    bt.add(req(2, vec![7; 90], 7)).unwrap();
+    // It comes back before A's next step.
+    let third = c.register(2).unwrap();
+    c.set_active(third, true);
+    c.recompute();
+    assert_eq!((c.block_quota(a), c.block_limit(a)), (16, 16));
+    for _ in 0..300 {
+        if !bt.has_work() {
+            break;
+        }
+        let n = bt.schedule_into(&mut done).num_samples();
+        bt.commit(&vec![9; n], &mut done).unwrap();
+    }
+    let ended: HashMap<u64, FinishReason> = done.iter().map(|f| (f.id, f.reason)).collect();
+    assert_eq!(
+        ended,
+        HashMap::from([(1, FinishReason::MaxTokens), (2, FinishReason::TooLong)]),
+        "{} recompute preemptions",
+        bt.stats().preempted_recompute
+    );
+    drop(bt);
+    assert_eq!(c.blocks_in_use(), 0);
+}

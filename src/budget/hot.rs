@@ -224,6 +224,19 @@ impl BudgetCoordinator {
             .map_or(0, |s| s.block_quota.load(Ordering::Relaxed))
     }
 
+    /// The engine's quota once it is published: `None` for an unknown engine, or one whose
+    /// registration no publication has taken yet (its quota still reads 0). What the engine
+    /// is sure to get whatever the others do, so the most one of its sequences may need
+    /// ([`EngineShare`](crate::sched::EngineShare) refuses longer ones). Two loads.
+    #[inline]
+    pub fn guaranteed_blocks(&self, engine: EngineId) -> Option<u32> {
+        let slot = self.slot(engine).ok()?;
+        // Acquire: pairs with the publisher's AcqRel JOINING -> LIVE exchange, made after it
+        // wrote this engine's quota in the same round.
+        (slot.state.load(Ordering::Acquire) == LIVE)
+            .then(|| slot.block_quota.load(Ordering::Relaxed))
+    }
+
     /// What the engine may hold now: its quota plus what it may borrow. One load.
     #[inline]
     pub fn block_limit(&self, engine: EngineId) -> u32 {

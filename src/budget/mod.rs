@@ -39,7 +39,7 @@
 //!
 //! | call | atomic operations | progress |
 //! |---|---|---|
-//! | [`token_budget`], [`block_quota`], [`block_limit`], [`reclaim_for`] | 1–2 loads | wait-free |
+//! | [`token_budget`], [`block_quota`], [`guaranteed_blocks`], [`block_limit`], [`reclaim_for`] | 1–2 loads | wait-free |
 //! | [`set_active`] | 1 swap + (if it changed) 1 `fetch_or` | wait-free |
 //! | [`try_acquire_tokens`], [`acquire_tokens_up_to`] | 1 load, ≤ 6 `fetch_add`/`fetch_sub` | wait-free |
 //! | [`release_tokens`] | a CAS loop on the engine's token word, then 1 `fetch_sub` | lock-free |
@@ -147,9 +147,18 @@
 //! `blocks_in_use` counter bounds their sum by `total_blocks`, so an engine inside its quota can
 //! still be refused ([`BudgetError::BlocksExhausted`]) until borrowers give back.
 //!
+//! Only the quota is guaranteed: what an engine borrows lasts while the lenders stay idle, and
+//! while every engine is active each one's limit is its quota (the quotas use up the pool; a
+//! lender with one short sequence reserves its whole quota). So one sequence needing more than
+//! its engine's quota could finish only while others idle, and would otherwise be preempted
+//! again and again; the scheduler refuses such a request, and ends a queued one whose engine's
+//! quota shrank below its need (another engine registered, or weights changed), rather than
+//! let it spin ([`guaranteed_blocks`], [`EngineShare`](crate::sched::EngineShare)).
+//!
 //! [`token_budget`]: BudgetCoordinator::token_budget
 //! [`block_quota`]: BudgetCoordinator::block_quota
 //! [`block_limit`]: BudgetCoordinator::block_limit
+//! [`guaranteed_blocks`]: BudgetCoordinator::guaranteed_blocks
 //! [`reclaim_for`]: BudgetCoordinator::reclaim_for
 //! [`reclaim_orders`]: BudgetCoordinator::reclaim_orders
 //! [`set_active`]: BudgetCoordinator::set_active

@@ -162,8 +162,10 @@ impl<B: KvBackend> Engine<B> {
                 max_running: cfg.max_running,
                 max_batched_tokens: cfg.max_batched_tokens,
                 max_prefill_chunk: cfg.max_prefill_chunk,
-                // A sequence may grow past the engine's guaranteed share into pages others
-                // leave idle; reclaim orders preempt it when the lenders want them back.
+                // The engine's sequences together may grow past its guaranteed share into pages
+                // others leave idle (reclaim orders preempt them when the lenders want them
+                // back); one sequence alone is bounded by the share itself (the budget's
+                // `guaranteed_blocks`), or it could be preempted for as long as others work.
                 max_blocks_per_seq: cfg
                     .max_context
                     .div_ceil(block_size)
@@ -258,7 +260,11 @@ impl<B: KvBackend> Engine<B> {
     }
 
     /// Queues a request; refused at once if malformed or too long ever to fit (past
-    /// `max_context` tokens, or the pages one sequence can get).
+    /// `max_context` tokens, or the pages one sequence can get: the engine's guaranteed share
+    /// of the arena, its block quota, since pages borrowed beyond it are taken back whenever
+    /// the other engines have work). A queued sequence whose need the share no longer covers
+    /// (an engine registered, weights changed) ends with
+    /// [`FinishReason::TooLong`](crate::sched::FinishReason::TooLong) at the next step.
     pub fn add(&mut self, req: SeqRequest) -> Result<(), SchedError> {
         self.add_salted(req, 0)
     }

@@ -69,6 +69,14 @@ impl EngineBudget for EngineShare {
         self.coordinator.set_active(self.engine, active);
     }
 
+    /// The engine's block quota, once published ([`BudgetCoordinator::guaranteed_blocks`]):
+    /// what it gets whatever the other engines do. Borrowed pages last only while their
+    /// lenders idle, so a sequence needing more could be preempted for as long as any other
+    /// engine has work.
+    fn guaranteed_blocks(&self) -> Option<u32> {
+        self.coordinator.guaranteed_blocks(self.engine)
+    }
+
     fn block_quotas(&self) -> Vec<u32> {
         let c = &self.coordinator;
         (0..c.config().max_engines)

@@ -81,6 +81,11 @@ pub enum FinishReason {
     /// Finished by the caller with a code of its own, e.g. a stop string its detokenizer found
     /// in the text (distinct from an abort: the output is complete).
     Caller(u32),
+    /// Ended by the scheduler, output incomplete: the pages its engine is guaranteed dropped
+    /// below what the sequence needs at its longest (another engine registered on the device,
+    /// or the weights changed), so it could have been preempted forever. A request that long
+    /// is refused at `add` ([`SchedError::TooLong`](crate::error::SchedError::TooLong)).
+    TooLong,
 }
 
 /// What one sequence got from a step's commit: the tokens appended to it this step (a range of

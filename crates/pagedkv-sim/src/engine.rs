@@ -32,7 +32,8 @@ pub enum SimOutcome {
         /// Why it stopped.
         reason: FinishReason,
     },
-    /// The engine refused it: it could never fit the KV pool or a sequence's table.
+    /// The engine refused it: it could never fit the KV pool, a sequence's table, or the
+    /// engine's guaranteed share of the pool.
     TooLong,
 }
 

@@ -47,7 +47,8 @@ pub struct Refusals {
     pub queue_full: u64,
     /// Evicted from a full queue by a newer request (drop-oldest).
     pub evicted: u64,
-    /// Refused by the engine: could never fit a sequence's table or the pool.
+    /// Refused by the engine: could never fit a sequence's table, the pool, or its engine's
+    /// guaranteed share of the pool.
     pub too_long: u64,
     /// Still unfinished when the run's step limit was reached.
     pub timed_out: u64,

@@ -176,13 +176,15 @@ fn impossible_configurations_are_refused() {
     assert!(sim::run(&cfg, &|_| {}).is_err());
 }
 
-/// A sequence longer than its model's guaranteed share runs on an idle pool (it grows into
-/// pages lent by an idle model) instead of being refused as too long; when the lender's
-/// traffic arrives, the borrower gives the pages back within a bounded number of steps.
+/// A model's sequences together grow into pages lent by an idle model; when the lender's
+/// traffic arrives, the borrower gives the pages back within a bounded number of steps. One
+/// sequence longer than its model's guaranteed share is refused as too long, on an idle pool
+/// too: it could finish only while the lender idles, and beside a lender with steady traffic
+/// it was preempted again and again, never finishing.
 #[test]
 fn long_context_grows_into_borrowed_pages_and_is_reclaimed() {
-    let mut long = engine("long", 1, 4.0);
-    long.prompt_mean = 500.0;
+    let mut long = engine("long", 1, 8.0);
+    long.prompt_mean = 300.0;
     long.max_prompt = 640;
     long.output_mean = 64.0;
     long.max_context = 1024;
@@ -198,18 +200,19 @@ fn long_context_grows_into_borrowed_pages_and_is_reclaimed() {
         ..saturated()
     };
     // The long engine's guaranteed share is a quarter of 96 pages of 16 tokens = 384 tokens:
-    // its ~500-token prompts exceed it.
+    // its ~300-token prompts (heavy-tailed, up to 640) sometimes exceed it, and those are
+    // refused; the others, several at once, borrow.
     let idle = sim::run(&cfg, &|_| {}).unwrap();
     check_accounting(&idle);
     let e = &idle.engines[0];
-    assert_eq!(
-        e.refused.too_long, 0,
-        "long prompts refused on an idle pool"
+    assert!(
+        e.refused.too_long > 0 && e.finished > 0 && e.peak_borrowed > 0,
+        "{e:?}"
     );
-    assert!(e.finished > 0 && e.peak_borrowed > 0, "{e:?}");
 
-    // Now the lender has traffic: its demand makes the coordinator reclaim the lent pages.
-    lender.rate = 20.0;
+    // Now the lender has traffic: its demand makes the coordinator reclaim the lent pages
+    // (the long model borrows in the lender's idle gaps).
+    lender.rate = 6.0;
     cfg.engines = vec![long, lender];
     let busy = sim::run(&cfg, &|_| {}).unwrap();
     check_accounting(&busy);

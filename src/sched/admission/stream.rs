@@ -118,6 +118,7 @@ const END_ABORTED: u64 = 4;
 const END_CALLER: u64 = 5;
 const END_ABANDONED: u64 = 6;
 const END_LAGGED: u64 = 7;
+const END_TOO_LONG: u64 = 8;
 
 fn encode(reason: FinishReason) -> u64 {
     match reason {
@@ -126,6 +127,7 @@ fn encode(reason: FinishReason) -> u64 {
         FinishReason::StopSequence => END_STOP_SEQUENCE,
         FinishReason::Aborted => END_ABORTED,
         FinishReason::Caller(code) => END_CALLER | (u64::from(code) << 32),
+        FinishReason::TooLong => END_TOO_LONG,
     }
 }
 
@@ -137,6 +139,7 @@ fn decode(end: u64, capacity: usize) -> Result<StreamEvent, StreamError> {
         END_STOP_SEQUENCE => FinishReason::StopSequence,
         END_ABORTED => FinishReason::Aborted,
         END_CALLER => FinishReason::Caller((end >> 32) as u32),
+        END_TOO_LONG => FinishReason::TooLong,
         END_LAGGED => return Err(StreamError::Lagged { capacity }),
         // `END_ABANDONED`, and nothing else is ever stored.
         _ => return Err(StreamError::Abandoned),

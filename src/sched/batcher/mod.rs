@@ -65,6 +65,16 @@ pub trait EngineBudget: Send + Sync {
     fn record_step(&self, tokens: u32) {
         let _ = tokens;
     }
+    /// The most blocks this engine is sure to get whatever the other engines do (its block
+    /// quota), or `None` when unknown yet or unbounded (the default). One sequence needing more
+    /// could be preempted forever (what it borrows above this is taken back whenever a lender
+    /// has work), so the batcher refuses such a request at [`Batcher::add`]
+    /// ([`SchedError::TooLong`]), and when the figure drops below the need of a sequence it
+    /// holds (an engine registered, weights changed), ends that sequence at its next step with
+    /// [`FinishReason::TooLong`]. Called once per step: keep it a few loads.
+    fn guaranteed_blocks(&self) -> Option<u32> {
+        None
+    }
     /// Every engine's block quota (its weighted share of the pages), indexed by engine id:
     /// what prefix-cache eviction weighs engines by. Only called when the pool runs dry.
     fn block_quotas(&self) -> Vec<u32> {
@@ -91,7 +101,7 @@ pub struct BatcherStats {
     pub cow_copies: u64,
     /// Sequences finished (any reason but abort).
     pub finished: u64,
-    /// Sequences aborted.
+    /// Sequences aborted (by the caller, or ended with [`FinishReason::TooLong`]).
     pub aborted: u64,
     /// Prompt tokens of sequences admitted for the first time with a prefix cache attached.
     pub prefix_prompt_tokens: u64,
@@ -123,7 +133,11 @@ pub struct BatcherStats {
 ///    running sequence of lowest priority and latest arrival (by that order, never one
 ///    already in the batch) is preempted, by recompute or by swap. The oldest sequence is
 ///    never the victim while a younger one of its class runs, so a workload that fits one
-///    sequence at a time always finishes.
+///    sequence at a time always finishes. Under an attached budget "fits" means within the
+///    engine's guaranteed blocks ([`EngineBudget::guaranteed_blocks`]): a longer request is
+///    refused at [`add`](Batcher::add), and one the guarantee shrank below is ended at the
+///    start of the next step with [`FinishReason::TooLong`], so no sequence is preempted
+///    forever for want of pages that other engines' work keeps.
 /// 2. swapped sequences come back (latency-critical first, then oldest first) when their
 ///    blocks fit;
 /// 3. waiting sequences are admitted, latency-critical before throughput, first come first
@@ -180,6 +194,11 @@ pub struct Batcher {
     arrivals: u64,
     stats: BatcherStats,
     active_reported: bool,
+    /// At least the longest need of every sequence held: the budget's guaranteed blocks as
+    /// last checked, raised by each `add` to its request's need (`u32::MAX` until first
+    /// checked). A guarantee at or above it covers every sequence; only a lower one makes the
+    /// next step look at them.
+    guaranteed_seen: u32,
 }
 
 impl std::fmt::Debug for Batcher {
@@ -246,6 +265,7 @@ impl Batcher {
             arrivals: 0,
             stats: BatcherStats::default(),
             active_reported: false,
+            guaranteed_seen: u32::MAX,
         })
     }
 
@@ -314,12 +334,59 @@ impl Batcher {
             .map(|s| s.table.len())
     }
 
-    /// The most blocks a sequence can ever hold here: its table's capacity, or the whole pool.
+    /// The most blocks a sequence may need here: its table's capacity, the whole pool, or the
+    /// blocks the attached budget guarantees the engine, whichever is least.
     fn block_limit(&self) -> u64 {
-        u64::from(self.cfg.max_blocks_per_seq.min(self.pool.total()))
+        let guaranteed = self
+            .budget
+            .as_ref()
+            .and_then(|b| b.guaranteed_blocks())
+            .unwrap_or(u32::MAX);
+        u64::from(
+            self.cfg
+                .max_blocks_per_seq
+                .min(self.pool.total())
+                .min(guaranteed),
+        )
     }
 
-    /// Queues a request. Refused at once if it is malformed or could never fit.
+    /// Blocks a sequence holds at its longest (prompt and every output token but the last).
+    fn blocks_needed(&self, s: &Sequence) -> u64 {
+        (s.prompt_len as u64 + u64::from(s.stop.max_new_tokens))
+            .saturating_sub(1)
+            .div_ceil(u64::from(self.cfg.block_size))
+    }
+
+    /// Ends, at this step's start, every sequence whose longest need the budget's guaranteed
+    /// blocks no longer cover (the guarantee dropped below `guaranteed_seen`: an engine
+    /// registered, weights changed), with [`FinishReason::TooLong`]: left to run, it could be
+    /// preempted for as long as other engines keep their shares busy. Costs one budget read
+    /// unless the guarantee dropped.
+    fn end_unguaranteed(&mut self) {
+        let Some(g) = self.budget.as_ref().and_then(|b| b.guaranteed_blocks()) else {
+            return;
+        };
+        let seen = std::mem::replace(&mut self.guaranteed_seen, g);
+        if g >= seen {
+            return;
+        }
+        for slot in 0..self.seqs.len() {
+            let Some(s) = self.seqs[slot].as_ref() else {
+                continue;
+            };
+            let id = s.id;
+            if self.blocks_needed(s) > u64::from(g)
+                && !self.pending_aborts.iter().any(|&(p, _)| p == id)
+            {
+                self.pending_aborts.push((id, FinishReason::TooLong));
+            }
+        }
+    }
+
+    /// Queues a request. Refused at once if it is malformed or could never fit: longer than a
+    /// sequence's table, the pool, or the blocks the attached budget guarantees the engine
+    /// ([`EngineBudget::guaranteed_blocks`]; what it could borrow beyond them is not counted,
+    /// since it is taken back whenever the lenders have work).
     pub fn add(&mut self, req: SeqRequest) -> Result<(), SchedError> {
         self.add_salted(req, 0)
     }
@@ -347,13 +414,13 @@ impl Batcher {
         let blocks = req
             .max_cached_tokens()
             .div_ceil(u64::from(self.cfg.block_size));
-        if blocks > self.block_limit() {
-            return Err(SchedError::TooLong {
-                id,
-                blocks,
-                limit: self.block_limit(),
-            });
+        let limit = self.block_limit();
+        if blocks > limit {
+            return Err(SchedError::TooLong { id, blocks, limit });
         }
+        // At most the pool's total, so it fits. The guarantee read here may be above the one
+        // the next step reads (it can drop in between): that step must then look again.
+        self.guaranteed_seen = self.guaranteed_seen.max(blocks as u32);
         let seq = Sequence {
             id,
             priority: req.priority,
@@ -555,6 +622,7 @@ impl Batcher {
         // its swap-outs read (if no commit released them).
         self.host_free.append(&mut self.host_released);
         self.release_swapped_pages();
+        self.end_unguaranteed();
         self.apply_aborts(finished);
         let mut preempted = self.apply_shed();
 

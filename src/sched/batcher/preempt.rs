@@ -341,7 +341,7 @@ impl Batcher {
         self.host_released.extend_from_slice(&seq.host_blocks);
         self.index.remove(&seq.id);
         self.free_slots.push(slot);
-        if reason == FinishReason::Aborted {
+        if matches!(reason, FinishReason::Aborted | FinishReason::TooLong) {
             self.stats.aborted += 1;
         } else {
             self.stats.finished += 1;

@@ -15,12 +15,16 @@
 
 namespace pkv {
 
-// (m, l) += a split's (mo, lo): a running max and sum relative to it; an empty split (max
-// -inf) adds nothing.
+// (m, l) += a split's (mo, lo): a running max and sum relative to it; a split with max -inf
+// adds only its sum: 0 when empty, NaN when its only unmasked logits were NaN (fmaxf skips
+// them), which the sum keeps (NaN x 0 is NaN) and so poisons the output, as the formula does.
 __device__ __forceinline__ void lse_add(float &m, float &l, float mo, float lo) {
-  if (mo == -INFINITY) return;
+  if (mo == -INFINITY) {
+    l += lo;
+    return;
+  }
   if (mo > m) {
-    l = (m == -INFINITY ? 0.f : l * __expf(m - mo)) + lo;
+    l = l * (m == -INFINITY ? 0.f : __expf(m - mo)) + lo;
     m = mo;
   } else {
     l = fmaf(lo, __expf(mo - m), l);
@@ -145,7 +149,7 @@ __device__ __forceinline__ void decode_finish_split_weighted(const DecodeArgs &a
     const float r[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      out[g * D + d + e] = Elem<T>::from_f32(total > 0.f ? r[e] / total : 0.f);
+      out[g * D + d + e] = Elem<T>::from_f32(total == 0.f ? 0.f : r[e] / total);
   }
   decode_split_reset(a, b);
 }

@@ -104,8 +104,13 @@ __device__ void decode_merge_and_store(const DecodeArgs &a, const DecodeBlock &b
     float l = 0.f, o = 0.f;
 #pragma unroll
     for (int w = 0; w < DEC_WARPS; ++w) {
+      // A warp with max -inf adds only its sum: 0 when it had no unmasked token, NaN when its
+      // only unmasked logits were NaN (fmaxf skips them), which then poisons the row.
       const float mw = Mg::max_of(s, w)[g];
-      if (mw == -INFINITY) continue;  // a warp with no unmasked token: nothing to add
+      if (mw == -INFINITY) {
+        l += Mg::sum_of(s, w)[g];
+        continue;
+      }
       const float wt = __expf(mw - m);
       l = fmaf(Mg::sum_of(s, w)[g], wt, l);
       o = fmaf(Mg::acc_of(s, w, g)[d], wt, o);
@@ -118,17 +123,21 @@ __device__ void decode_merge_and_store(const DecodeArgs &a, const DecodeBlock &b
         a.tmp_sum[r] = l;
       }
     } else {
-      reinterpret_cast<T *>(a.out)[b.o0 + g * D + d] = Elem<T>::from_f32(l > 0.f ? o / l : 0.f);
+      reinterpret_cast<T *>(a.out)[b.o0 + g * D + d] = Elem<T>::from_f32(l == 0.f ? 0.f : o / l);
     }
   }
 }
 
 // (m, l, v) += split (mz, lz, x): the running (max, sum, weighted row) of one output piece
-// over the splits it has read, relative to its own max m; a split with max -inf (nothing
-// attended, its row never written) adds nothing.
+// over the splits it has read, relative to its own max m; a split with max -inf adds only its
+// sum: 0 when it attended nothing (its row never written), NaN when its only unmasked logits
+// were NaN (fmaxf skips them), which then poisons the output as the formula does.
 __device__ __forceinline__ void split_add(float &m, float &l, float4 &v, float mz, float lz,
                                           const float4 &x) {
-  if (mz == -INFINITY) return;
+  if (mz == -INFINITY) {
+    l += lz;
+    return;
+  }
   if (mz > m) {
     const float c = m == -INFINITY ? 0.f : __expf(m - mz);  // v and l are 0 while m is -inf
     l = fmaf(l, c, lz);
@@ -144,8 +153,8 @@ __device__ __forceinline__ void split_add(float &m, float &l, float4 &v, float m
 // split_add over N splits read together: one max over them and the running max, then their
 // weights e^(mz - M) all at once, so the exponents are independent of each other and only the
 // sums are a chain (split_add one split at a time made every split wait for the previous
-// one's compare and exponent: ~N x the exponent's latency). Splits with max -inf add nothing
-// (their rows may never have been written).
+// one's compare and exponent: ~N x the exponent's latency). Splits with max -inf add only
+// their sums, as in split_add (their rows may never have been written).
 template <int N>
 __device__ __forceinline__ void split_add_n(float &m, float &l, float4 &v, const float (&mz)[N],
                                             const float (&lz)[N], const float4 (&x)[N]) {
@@ -156,8 +165,7 @@ __device__ __forceinline__ void split_add_n(float &m, float &l, float4 &v, const
   for (int w = 1; w < N; w *= 2)  // a tree: log2(N) dependent steps, not N
 #pragma unroll
     for (int u = 0; u + w < N; u += 2 * w) mx[u] = fmaxf(mx[u], mx[u + w]);
-  const float M = fmaxf(m, mx[0]);
-  if (M == -INFINITY) return;  // nothing attended here or before
+  const float M = fmaxf(m, mx[0]);  // -inf: every split adds only its sum below
   if (m != M) {  // v and l are 0 while m is -inf
     const float c = m == -INFINITY ? 0.f : __expf(m - M);
     l *= c;
@@ -166,7 +174,10 @@ __device__ __forceinline__ void split_add_n(float &m, float &l, float4 &v, const
   }
 #pragma unroll
   for (int u = 0; u < N; ++u) {
-    if (mz[u] == -INFINITY) continue;
+    if (mz[u] == -INFINITY) {
+      l += lz[u];
+      continue;
+    }
     const float w = __expf(mz[u] - M);
     l = fmaf(lz[u], w, l);
     v = make_float4(fmaf(x[u].x, w, v.x), fmaf(x[u].y, w, v.y), fmaf(x[u].z, w, v.z),
@@ -288,7 +299,7 @@ __device__ __forceinline__ void decode_finish_split(const DecodeArgs &a, const D
     const int g = p / PIECES, d = (p % PIECES) * 4;
     const float o[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) out[g * D + d + e] = Elem<T>::from_f32(l > 0.f ? o[e] / l : 0.f);
+    for (int e = 0; e < 4; ++e) out[g * D + d + e] = Elem<T>::from_f32(l == 0.f ? 0.f : o[e] / l);
   }
   decode_split_reset(a, b);
 }

@@ -1459,3 +1459,100 @@ fn a_nan_key_alone_in_its_block_poisons_prefill_rows_on_both_sides() {
     run::<f16>();
     run::<bf16>();
 }
+
+/// A NaN key poisons every decode row that sees it, on each body (the CUDA-core one: f32, f16 /
+/// bf16 MHA; the tensor-core GQA one: 8- and 16-head blocks) and partitioning (one split;
+/// fixed splits, so that the NaN key is alone in its split, its warp's tiles or the whole
+/// context), as in the CPU oracle: a freed arena page is poisoned with 0xFF (NaN) so that a
+/// kernel reading a stale page shows it. The decode kernels gave 0 (`l > 0 ? o / l : 0` with a
+/// NaN sum) or dropped a warp or split whose max was -inf (`fmaxf` skips NaN) though its sum
+/// was NaN, a finite wrong row. The other KV head and a clean sequence still match the oracle,
+/// a sequence with no context still gives zeros, and a NaN key just outside the window is not
+/// seen.
+#[test]
+fn a_nan_key_poisons_every_decode_row_that_sees_it() {
+    fn run<T: Elem>(d: usize, group: usize) {
+        let (bs, hkv, layer) = (16, 2, 0);
+        let nh = hkv * group;
+        let mut rng = SmallRng::seed_from_u64(31 + (d * group) as u64);
+        // (context, NaN key position, window): the NaN key alone in the context; the query's
+        // own key, alone in its tile (with 16-token tiles warp 1's only one) and, at 7 splits
+        // (partitions of 16), in its split; among others in warp 0; alone in the last split of
+        // 7; mid-context; the first key; just inside and just outside a window.
+        let cases = [
+            (1, 0, 0),
+            (17, 16, 0),
+            (17, 3, 0),
+            (97, 96, 0),
+            (97, 40, 0),
+            (100, 0, 0),
+            (97, 77, 20),
+            (97, 76, 20),
+        ];
+        for (c, pos, window) in cases {
+            let ctx = [c, c, 0];
+            let b = make_batch(&mut rng, 1, hkv, d, bs, T::DTYPE, Page::Dense, &ctx);
+            let mut host = random_cache::<T>(&mut rng, b.cfg);
+            let block = b.tables[pos / bs] as usize; // sequence 0's table row
+            let off = b
+                .cfg
+                .offset(block, layer, pagedkv::kv::KvPart::Key, pos % bs, 0);
+            host.view_mut::<T>().expect("view").data_mut()[off..off + d]
+                .fill(T::from_f32(f32::NAN));
+            let mut params = AttnParams::new(nh, d);
+            params.sliding_window = window;
+            let query = random_vec::<T>(&mut rng, ctx.len() * nh * d);
+            let want = cpu_decode(&b, &host, layer, &query, &params);
+            let seen = window == 0 || c - 1 - pos < window;
+            // The oracle: NaN exactly in sequence 0's rows of KV head 0 when it sees the key,
+            // zeros for the empty sequence.
+            for (i, w) in want.iter().enumerate() {
+                let (seq, head) = (i / (nh * d), i / d % nh);
+                let x = w.to_f32();
+                let nan = seq == 0 && head < group && seen;
+                assert_eq!(x.is_nan(), nan, "oracle element {i} ctx {c} pos {pos}: {x}");
+                if seq == 2 {
+                    assert_eq!(x.to_bits(), 0, "oracle: empty sequence not zero");
+                }
+            }
+            let case = AttnCase::new(&b, &host, &query, &params);
+            let mut plans = vec![case.plan(ffi::PKV_DECODE_SINGLE).expect("plan")];
+            plans.push(case.plan(ffi::PKV_DECODE_SPLIT).expect("plan"));
+            for n in [2, 7] {
+                let p = DecodePlan::new(DecodeMode::Splits(n), 3, nh, hkv, d, 100, 0);
+                plans.push(*p.expect("fixed plan").as_ffi());
+            }
+            let (atol, rtol) = T::TOL;
+            for plan in &plans {
+                let (s, got) = case.decode_with::<T>(layer, plan);
+                let what = format!(
+                    "{} d{d} g{group} ctx {c} NaN key {pos} window {window} splits {}",
+                    T::DTYPE,
+                    plan.num_splits
+                );
+                expect_ok(&what, s);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let (g, w) = (g.to_f32(), w.to_f32());
+                    let (row, dim) = (i / d, i % d);
+                    if w.is_nan() {
+                        assert!(g.is_nan(), "{what}: row {row} dim {dim}: {g}, not NaN");
+                    } else if w == 0.0 && row >= 2 * nh {
+                        assert_eq!(g.to_bits(), 0, "{what}: empty row {row} dim {dim}: {g}");
+                    } else {
+                        assert!(
+                            (g - w).abs() <= atol + rtol * w.abs(),
+                            "{what}: row {row} dim {dim}: kernel {g} vs cpu {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    run::<f32>(64, 1); // CUDA cores, one head
+    run::<f32>(80, 4); // CUDA cores, four heads
+    run::<f16>(128, 1); // CUDA cores, MHA
+    run::<bf16>(64, 1);
+    run::<bf16>(128, 4); // tensor cores, 8-head blocks
+    run::<f16>(96, 2);
+    run::<bf16>(64, 12); // tensor cores, a 16-head block
+}

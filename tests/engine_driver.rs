@@ -943,6 +943,59 @@ fn a_sequence_ended_at_a_failed_step_is_reported_by_the_next() {
     assert_no_leak(&shared);
 }
 
+/// An end waiting to be reported again (its step failed) belongs to the sequence that ended,
+/// not to a new request the caller adds under the same id before the next step: reporting it
+/// then would end the new request's stream at once (found by fuzz target engine_ops).
+#[test]
+fn a_carried_end_is_not_reported_for_a_new_request_of_its_id() {
+    let (shared, engines) = build(64, PreemptionMode::Recompute);
+    let mut engines: Vec<_> = engines
+        .into_iter()
+        .map(|(e, m)| {
+            (
+                e,
+                FailingArmed {
+                    inner: m,
+                    armed: false,
+                },
+            )
+        })
+        .collect();
+    let (engine, model) = &mut engines[0];
+    for id in [1, 2] {
+        let req = request(id, 8, 50);
+        model.inner.prompt_len.insert(id, req.prompt.len());
+        engine.add(req).unwrap();
+    }
+    for _ in 0..4 {
+        engine.step(model).unwrap();
+    }
+    engine.abort(1).unwrap();
+    model.armed = true;
+    assert!(engine.step(model).is_err());
+    model.armed = false;
+    // The caller knows it aborted 1 and reuses the id.
+    let req = request(1, 8, 50);
+    model.inner.prompt_len.insert(1, req.prompt.len());
+    engine.add(req).unwrap();
+    for _ in 0..3 {
+        engine.step(model).unwrap();
+        for u in &engine.results().updates {
+            assert!(
+                u.id != 1 || u.finished.is_none(),
+                "the new request 1 was reported ended: {u:?}"
+            );
+        }
+        assert!(engine.finished().iter().all(|f| f.id != 1));
+    }
+    for id in [1, 2] {
+        engine.abort(id).unwrap();
+    }
+    engine.step(model).unwrap();
+    drop(engines);
+    assert_no_leak(&shared);
+}
+
 /// `StepResults` order (its docs said rows first, then the ends): the sequences that ended at
 /// the start of the step come first, with empty token ranges, then one entry per sampling row
 /// in row order.

@@ -265,6 +265,10 @@ impl<B: KvBackend> Engine<B> {
     /// the other engines have work). A queued sequence whose need the share no longer covers
     /// (an engine registered, weights changed) ends with
     /// [`FinishReason::TooLong`](crate::sched::FinishReason::TooLong) at the next step.
+    ///
+    /// An id may be reused once its sequence has ended. Reused while that end is still to be
+    /// reported again (its step failed: see [`schedule`](Self::schedule)), the id names the
+    /// new request from here on and the old end is dropped from the report.
     pub fn add(&mut self, req: SeqRequest) -> Result<(), SchedError> {
         self.add_salted(req, 0)
     }
@@ -281,7 +285,17 @@ impl<B: KvBackend> Engine<B> {
                 max_context: u64::from(self.cfg.max_context),
             });
         }
-        self.batcher.add_salted(req, salt)
+        let id = req.id;
+        self.batcher.add_salted(req, salt)?;
+        // The ends the next schedule reports again (this step's batch was not committed) are
+        // of sequences that ended: one of this id is over for the caller, who reuses the id,
+        // and reporting it now would end the new request's stream. (They have empty token
+        // ranges, so no other update's range moves.)
+        if self.batcher.is_pending() {
+            self.results.updates.retain(|u| u.id != id);
+            self.finished.retain(|f| f.id != id);
+        }
+        Ok(())
     }
 
     /// Ends a sequence at the start of the next step with [`FinishReason::Aborted`].

@@ -265,17 +265,21 @@ impl<B: KvBackend> Engine<B> {
     /// the other engines have work). A queued sequence whose need the share no longer covers
     /// (an engine registered, weights changed) ends with
     /// [`FinishReason::TooLong`](crate::sched::FinishReason::TooLong) at the next step.
-    ///
-    /// An id may be reused once its sequence has ended. Reused while that end is still to be
-    /// reported again (its step failed: see [`schedule`](Self::schedule)), the id names the
-    /// new request from here on and the old end is dropped from the report.
     pub fn add(&mut self, req: SeqRequest) -> Result<(), SchedError> {
         self.add_salted(req, 0)
     }
 
     /// [`add`](Self::add) with a prefix-cache salt (requests share cached blocks only with
     /// requests of the same salt, e.g. one per tenant).
+    ///
+    /// An id is taken until its sequence's end is reported: one that ended at the schedule of
+    /// a batch not yet committed (its step failed, say) is reported by the next step, and a new
+    /// request on it is refused ([`SchedError::DuplicateId`]) until then (its results would
+    /// otherwise hold the old sequence's end under the new one's id).
     pub fn add_salted(&mut self, req: SeqRequest, salt: u64) -> Result<(), SchedError> {
+        if self.batcher.is_pending() && self.finished.iter().any(|f| f.id == req.id) {
+            return Err(SchedError::DuplicateId(req.id));
+        }
         // The batcher's own limit is whole pages, which may hold more than max_context.
         let tokens = req.max_cached_tokens();
         if tokens > u64::from(self.cfg.max_context) {
@@ -285,17 +289,7 @@ impl<B: KvBackend> Engine<B> {
                 max_context: u64::from(self.cfg.max_context),
             });
         }
-        let id = req.id;
-        self.batcher.add_salted(req, salt)?;
-        // The ends the next schedule reports again (this step's batch was not committed) are
-        // of sequences that ended: one of this id is over for the caller, who reuses the id,
-        // and reporting it now would end the new request's stream. (They have empty token
-        // ranges, so no other update's range moves.)
-        if self.batcher.is_pending() {
-            self.results.updates.retain(|u| u.id != id);
-            self.finished.retain(|f| f.id != id);
-        }
-        Ok(())
+        self.batcher.add_salted(req, salt)
     }
 
     /// Ends a sequence at the start of the next step with [`FinishReason::Aborted`].

@@ -163,6 +163,9 @@ pub struct Batcher {
     /// victim choice only reaches the sequences not yet in the batch, so every one before them
     /// must be one preemption would spare).
     running: Vec<usize>,
+    /// Whether a push may have put `running` out of order (a latency-critical admission after
+    /// throughput ones, a swap-in, a fork): only then does the step sort it.
+    running_unsorted: bool,
     /// Swapped-out sequences, by priority, then arrival.
     swapped: VecDeque<usize>,
     /// Free host swap slots; `host_released` holds slots freed this step (reusable next step).
@@ -250,6 +253,7 @@ impl Batcher {
             index: HashMap::new(),
             waiting: [VecDeque::new(), VecDeque::new()],
             running: Vec::new(),
+            running_unsorted: false,
             swapped: VecDeque::new(),
             host_free: (0..cfg.swap_blocks).rev().collect(),
             host_released: Vec::new(),
@@ -565,8 +569,22 @@ impl Batcher {
         self.arrivals += 1;
         let child_slot = self.store(seq);
         self.index.insert(child, child_slot);
-        self.running.push(child_slot);
+        self.push_running(child_slot);
         Ok(())
+    }
+
+    /// The order of `running` and `swapped`: latency-critical first, then oldest first.
+    pub(super) fn order_key(&self, slot: usize) -> (Priority, u64) {
+        let s = self.seq(slot);
+        (s.priority, s.arrival)
+    }
+
+    /// Appends to `running`, noting when that breaks its order.
+    fn push_running(&mut self, slot: usize) {
+        if let Some(&last) = self.running.last() {
+            self.running_unsorted |= self.order_key(slot) < self.order_key(last);
+        }
+        self.running.push(slot);
     }
 
     /// Refuses a change (`propose`, `fork`) to a sequence whose row in the scheduled batch
@@ -630,13 +648,12 @@ impl Batcher {
         let mut budget = self.cfg.max_batched_tokens.min(external) as usize;
 
         // 1. Running sequences, most urgent and oldest first. Admissions, swap-ins and forks
-        // append; the sort puts them in place (a sorted list is one pass, with no allocation).
-        let mut running = std::mem::take(&mut self.running);
-        running.sort_unstable_by_key(|&s| {
-            let s = self.seq(s);
-            (s.priority, s.arrival)
-        });
-        self.running = running;
+        // append; when one of them broke the order, the sort puts it back (removals keep it).
+        if std::mem::take(&mut self.running_unsorted) {
+            let mut running = std::mem::take(&mut self.running);
+            running.sort_unstable_by_key(|&s| self.order_key(s));
+            self.running = running;
+        }
         let mut i = 0;
         while i < self.running.len() {
             let slot = self.running[i];
@@ -678,7 +695,7 @@ impl Batcher {
                 break;
             }
             self.swapped.pop_front();
-            self.running.push(slot);
+            self.push_running(slot);
         }
 
         // 3. Waiting sequences, latency-critical first, FCFS within a class.
@@ -698,7 +715,7 @@ impl Batcher {
                     self.count_prefix(slot, hit);
                     self.waiting[class.index()].pop_front();
                     self.seq_mut(slot).phase = SeqPhase::Prefilling;
-                    self.running.push(slot);
+                    self.push_running(slot);
                     self.emit(slot, n);
                     budget -= n;
                 }

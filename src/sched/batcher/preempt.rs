@@ -203,18 +203,15 @@ impl Batcher {
             let s = self.seq_mut(slot);
             s.host_blocks = host_blocks;
             s.phase = SeqPhase::Swapped;
-            let key = (s.priority, s.arrival);
             // Keep the pages (and their budget) until the swap-out has read them.
             self.hold_for_swap_out(slot);
             // In order of priority, then arrival: one step preempts the youngest first, but
             // the oldest comes back first.
+            let key = self.order_key(slot);
             let at = self
                 .swapped
                 .iter()
-                .position(|&o| {
-                    let o = self.seq(o);
-                    (o.priority, o.arrival) > key
-                })
+                .position(|&o| self.order_key(o) > key)
                 .unwrap_or(self.swapped.len());
             self.swapped.insert(at, slot);
             self.stats.preempted_swap += 1;

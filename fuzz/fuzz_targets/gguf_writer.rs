@@ -356,6 +356,21 @@ fuzz_target!(|input: Input| {
         // Only an offset overflow (an enormous alignment with enormous tensors) may refuse.
         return;
     };
+    // The producer hands over each deferred tensor whole: past 64 MiB for one tensor the
+    // harness, not the writer, would hold gigabytes (shapes multiply fuzzed dimensions), so
+    // such files are only sized above, not written.
+    let largest = model_tensors
+        .iter()
+        .filter(|t| t.deferred)
+        .map(|t| {
+            t.ty.bytes_for(t.shape.iter().product::<u64>())
+                .unwrap_or(u64::MAX)
+        })
+        .max()
+        .unwrap_or(0);
+    if largest > 1 << 26 {
+        return;
+    }
     // The deferred tensors' producer hands out the bytes of the right length.
     let produce = |i: usize, name: &str, buf: &mut Vec<u8>| {
         let t = model_tensors[i];

@@ -21,10 +21,16 @@ fn config() -> KvCacheConfig {
 
 /// A backend with room for 4 sequences but 1 token per step (its output buffer: 1 row).
 fn backend(arena: &EmuBuf) -> RawBackend<EmuDevice> {
+    backend_with(arena, 4, 1)
+}
+
+/// A backend over `arena` with room for `max_seqs` sequences (one token row, one block each)
+/// and `swap_pages` host swap pages.
+fn backend_with(arena: &EmuBuf, max_seqs: usize, swap_pages: usize) -> RawBackend<EmuDevice> {
     let cfg = config();
     assert!(arena.len() >= cfg.total_bytes());
     let caps = RawCaps {
-        max_seqs: 4,
+        max_seqs,
         max_tokens: 1,
         max_blocks_per_seq: 1,
         max_copies: 0,
@@ -32,7 +38,17 @@ fn backend(arena: &EmuBuf) -> RawBackend<EmuDevice> {
     // SAFETY: emulated device memory is host memory; `arena` holds the cache's pages and
     // outlives the backend; the batches below name pages nothing else uses, and the rows
     // handed to the backend are emulated buffers alive across each call.
-    unsafe { RawBackend::new(EmuDevice::new(8), arena.ptr() as u64, &cfg, HEADS, caps, 1) }.unwrap()
+    unsafe {
+        RawBackend::new(
+            EmuDevice::new(8),
+            arena.ptr() as u64,
+            &cfg,
+            HEADS,
+            caps,
+            swap_pages,
+        )
+    }
+    .unwrap()
 }
 
 /// Three sequences over one token row (empty rows pass the batch checks): decode would read
@@ -146,24 +162,7 @@ fn copy_and_swap_mappings_the_host_backend_refuses_are_refused() {
     b.end().unwrap();
 
     // Two swap slots: two pages out into slot 0, or slot 0 and 1 into one page.
-    let cfg = config();
-    // SAFETY: as in `backend`.
-    let mut b = unsafe {
-        RawBackend::new(
-            EmuDevice::new(8),
-            arena.ptr() as u64,
-            &cfg,
-            HEADS,
-            RawCaps {
-                max_seqs: 4,
-                max_tokens: 1,
-                max_blocks_per_seq: 1,
-                max_copies: 0,
-            },
-            2,
-        )
-    }
-    .unwrap();
+    let mut b = backend_with(&arena, 4, 2);
     let r = b.swap_out(&[(1, 0), (2, 0)]);
     assert!(
         matches!(
@@ -190,25 +189,8 @@ fn copy_and_swap_mappings_the_host_backend_refuses_are_refused() {
 /// past the decode plan's limit, and `begin` refused a batch that fits.
 #[test]
 fn growth_stays_within_the_kernels_limits() {
-    let cfg = config();
-    let arena = EmuBuf::zeroed(cfg.total_bytes()).unwrap();
-    // SAFETY: as in `backend`.
-    let mut b = unsafe {
-        RawBackend::new(
-            EmuDevice::new(8),
-            arena.ptr() as u64,
-            &cfg,
-            HEADS,
-            RawCaps {
-                max_seqs: 40_000,
-                max_tokens: 1,
-                max_blocks_per_seq: 1,
-                max_copies: 0,
-            },
-            1,
-        )
-    }
-    .unwrap();
+    let arena = EmuBuf::zeroed(config().total_bytes()).unwrap();
+    let mut b = backend_with(&arena, 40_000, 1);
     let n = 40_001;
     let mut query_start_loc = vec![1i32; n + 1];
     query_start_loc[0] = 0;

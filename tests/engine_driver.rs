@@ -447,24 +447,33 @@ impl StepModel<HostBackend<f32>> for FailingArmed {
     }
 }
 
-/// An execute that failed part-way is not run again (its rows may have written pages its
-/// swap-outs or copies read) and not committed; the next schedule discards the batch and every
-/// result stays exact. Failures are injected at steps with swaps or copies.
-#[test]
-fn a_failed_execute_is_discarded_not_retried() {
-    let (shared, engines) = build(24, PreemptionMode::Swap);
-    let mut engines: Vec<_> = engines
+/// An engine with a model that fails when armed.
+type Armed = (Engine<HostBackend<f32>>, FailingArmed);
+
+/// [`build`] with each model wrapped in a disarmed [`FailingArmed`].
+fn build_armed(pages: u32, preemption: PreemptionMode) -> (Arc<SharedArena>, Vec<Armed>) {
+    let (shared, engines) = build(pages, preemption);
+    let engines = engines
         .into_iter()
-        .map(|(e, m)| {
+        .map(|(e, inner)| {
             (
                 e,
                 FailingArmed {
-                    inner: m,
+                    inner,
                     armed: false,
                 },
             )
         })
         .collect();
+    (shared, engines)
+}
+
+/// An execute that failed part-way is not run again (its rows may have written pages its
+/// swap-outs or copies read) and not committed; the next schedule discards the batch and every
+/// result stays exact. Failures are injected at steps with swaps or copies.
+#[test]
+fn a_failed_execute_is_discarded_not_retried() {
+    let (shared, mut engines) = build_armed(24, PreemptionMode::Swap);
     for (e, (engine, model)) in engines.iter_mut().enumerate() {
         for req in small_arena_requests(e) {
             model.inner.prompt_len.insert(req.id, req.prompt.len());
@@ -896,19 +905,7 @@ fn a_waiting_request_asks_its_donor_once_per_donor_step() {
 /// and the stream of a sequence the caller had finished (a stop string) never got its end.
 #[test]
 fn a_sequence_ended_at_a_failed_step_is_reported_by_the_next() {
-    let (shared, engines) = build(64, PreemptionMode::Recompute);
-    let mut engines: Vec<_> = engines
-        .into_iter()
-        .map(|(e, m)| {
-            (
-                e,
-                FailingArmed {
-                    inner: m,
-                    armed: false,
-                },
-            )
-        })
-        .collect();
+    let (shared, mut engines) = build_armed(64, PreemptionMode::Recompute);
     let (engine, model) = &mut engines[0];
     for id in [1, 2] {
         let req = request(id, 8, 50);
@@ -1163,19 +1160,7 @@ fn a_sequence_its_engines_shrunk_share_cannot_hold_ends_with_too_long() {
 /// first token, and its tokens came after the end). The id is taken until the end is reported.
 #[test]
 fn an_id_whose_end_is_not_yet_reported_is_not_reused() {
-    let (shared, engines) = build(64, PreemptionMode::Recompute);
-    let mut engines: Vec<_> = engines
-        .into_iter()
-        .map(|(e, m)| {
-            (
-                e,
-                FailingArmed {
-                    inner: m,
-                    armed: false,
-                },
-            )
-        })
-        .collect();
+    let (shared, mut engines) = build_armed(64, PreemptionMode::Recompute);
     let (engine, model) = &mut engines[0];
     for id in [1, 2] {
         let req = request(id, 8, 50);

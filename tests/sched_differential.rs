@@ -5,14 +5,15 @@
 //! depends on the whole history, so a wrong position, slot, block table or logits index
 //! changes the output.
 
-use pagedkv::block::{BlockPool, EngineId, PoolConfig};
+#[path = "support/random_batcher.rs"]
+mod random_batcher;
 use pagedkv::sched::{
-    Batch, Batcher, BatcherConfig, EngineBudget, FinishReason, FinishedSeq, PreemptionMode,
-    Priority, SeqPhase, SeqRequest, StepResults, StopRules,
+    Batch, FinishReason, FinishedSeq, Priority, SeqPhase, SeqRequest, StepResults, StopRules,
 };
 use rand::{rngs::SmallRng, Rng, SeedableRng};
+use random_batcher::{random_batcher, RandomBatcher};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 const SEEDS: u64 = 1500;
@@ -56,30 +57,6 @@ fn reference(prompt: &[u32], stop: &StopRules) -> (Vec<u32>, FinishReason) {
             return (out.to_vec(), r);
         }
     }
-}
-
-struct Budget {
-    tokens: Arc<AtomicU32>,
-    quota: u32,
-    used: Arc<AtomicU32>,
-}
-impl EngineBudget for Budget {
-    fn token_budget(&self) -> u32 {
-        self.tokens.load(Ordering::Relaxed)
-    }
-    fn try_acquire_blocks(&self, n: u32) -> bool {
-        let prev = self.used.fetch_add(n, Ordering::Relaxed);
-        if prev + n > self.quota {
-            self.used.fetch_sub(n, Ordering::Relaxed);
-            return false;
-        }
-        true
-    }
-    fn release_blocks(&self, n: u32) {
-        let prev = self.used.fetch_sub(n, Ordering::Relaxed);
-        assert!(prev >= n, "budget released below zero");
-    }
-    fn set_active(&self, _: bool) {}
 }
 
 type Cell = Option<(u32, i32)>;
@@ -142,41 +119,16 @@ fn outputs_match_sequential_generation() {
 fn run(seed: u64) -> [u64; 4] {
     let mut draft_rows = 0;
     let mut rng = SmallRng::seed_from_u64(seed);
-    let bs: u32 = [1, 2, 3, 4, 8][rng.gen_range(0..5)];
-    let blocks: u32 = rng.gen_range(8..40);
-    let p = Arc::new(
-        BlockPool::new(PoolConfig {
-            device: 0,
-            num_blocks: blocks,
-            max_engines: 2,
-        })
-        .unwrap(),
-    );
-    let mode = if rng.gen_bool(0.5) {
-        PreemptionMode::Recompute
-    } else {
-        PreemptionMode::Swap
-    };
-    let swap_blocks = rng.gen_range(0..40);
-    let cfg = BatcherConfig {
-        engine: EngineId(0),
-        block_size: bs,
-        max_running: rng.gen_range(1..8),
-        max_batched_tokens: rng.gen_range(1..48),
-        max_prefill_chunk: rng.gen_range(1..16),
-        max_blocks_per_seq: 24,
-        preemption: mode,
-        swap_blocks,
-    };
-    let used = Arc::new(AtomicU32::new(0));
-    let tokens = Arc::new(AtomicU32::new(u32::MAX));
-    let quota = rng.gen_range(4..=blocks);
-    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
-    bt.attach_budget(Box::new(Budget {
-        tokens: tokens.clone(),
-        quota,
-        used: used.clone(),
-    }));
+    let RandomBatcher {
+        pool: p,
+        batcher: mut bt,
+        cfg,
+        blocks,
+        used,
+        tokens,
+        ..
+    } = random_batcher(&mut rng, &[1, 2, 3, 4, 8], 8..40);
+    let (bs, mode, swap_blocks) = (cfg.block_size, cfg.preemption, cfg.swap_blocks);
     let cache = Arc::new(pagedkv::prefix::PrefixCache::new(
         p.clone(),
         pagedkv::prefix::PrefixConfig { seed: Some(1) },

@@ -7,39 +7,15 @@
 //! must not read a page they write, the quota must match the pages in use, and nothing may
 //! leak or livelock.
 
-use pagedkv::block::{BlockPool, EngineId, PoolConfig};
-use pagedkv::sched::{
-    Batcher, BatcherConfig, EngineBudget, FinishedSeq, PreemptionMode, Priority, SeqPhase,
-    SeqRequest, StepResults, StopRules,
-};
+#[path = "support/random_batcher.rs"]
+mod random_batcher;
+use pagedkv::block::EngineId;
+use pagedkv::sched::{FinishedSeq, Priority, SeqPhase, SeqRequest, StepResults, StopRules};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
+use random_batcher::{random_batcher, RandomBatcher};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-
-/// A block quota that refuses past `quota`; a release below zero fails the test.
-struct Q {
-    quota: u32,
-    used: Arc<AtomicU32>,
-}
-impl EngineBudget for Q {
-    fn token_budget(&self) -> u32 {
-        u32::MAX
-    }
-    fn try_acquire_blocks(&self, n: u32) -> bool {
-        let prev = self.used.fetch_add(n, Ordering::Relaxed);
-        if prev + n > self.quota {
-            self.used.fetch_sub(n, Ordering::Relaxed);
-            return false;
-        }
-        true
-    }
-    fn release_blocks(&self, n: u32) {
-        let prev = self.used.fetch_sub(n, Ordering::Relaxed);
-        assert!(prev >= n, "budget released below zero");
-    }
-    fn set_active(&self, _: bool) {}
-}
 
 /// A KV slot of the shadow device or host: the token and position whose KV it holds.
 type Cell = Option<(u32, i32)>;
@@ -58,39 +34,16 @@ const SEEDS: u64 = 3000;
 /// One random workload; returns its copy-on-write count.
 fn run(seed: u64) -> u64 {
     let mut rng = SmallRng::seed_from_u64(seed);
-    let bs: u32 = [1, 2, 4, 3][rng.gen_range(0..4)];
-    let blocks: u32 = rng.gen_range(6..30);
-    let p = Arc::new(
-        BlockPool::new(PoolConfig {
-            device: 0,
-            num_blocks: blocks,
-            max_engines: 2,
-        })
-        .unwrap(),
-    );
-    let mode = if rng.gen_bool(0.5) {
-        PreemptionMode::Recompute
-    } else {
-        PreemptionMode::Swap
-    };
-    let swap_blocks = rng.gen_range(0..40);
-    let cfg = BatcherConfig {
-        engine: EngineId(0),
-        block_size: bs,
-        max_running: rng.gen_range(1..8),
-        max_batched_tokens: rng.gen_range(1..48),
-        max_prefill_chunk: rng.gen_range(1..16),
-        max_blocks_per_seq: 24,
-        preemption: mode,
-        swap_blocks,
-    };
-    let used = Arc::new(AtomicU32::new(0));
-    let quota = rng.gen_range(4..=blocks);
-    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
-    bt.attach_budget(Box::new(Q {
+    let RandomBatcher {
+        pool: p,
+        batcher: mut bt,
+        cfg,
+        blocks,
         quota,
-        used: used.clone(),
-    }));
+        used,
+        ..
+    } = random_batcher(&mut rng, &[1, 2, 4, 3], 6..30);
+    let (bs, mode, swap_blocks) = (cfg.block_size, cfg.preemption, cfg.swap_blocks);
     let prefix = rng.gen_bool(0.5);
     let cache = Arc::new(pagedkv::prefix::PrefixCache::new(
         p.clone(),

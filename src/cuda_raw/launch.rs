@@ -7,7 +7,6 @@ use super::check::{
 };
 use super::{ffi, AttnParamsRaw, CacheView, CuStream, DecodePlan, DevPtr, Rows, SeqTables};
 use super::{RawError, Workspace};
-use crate::error::KvError;
 use crate::kv::KvDtype;
 use std::ffi::c_void;
 
@@ -387,24 +386,6 @@ pub unsafe fn swap_blocks(
     if n == 0 {
         return Ok(());
     }
-    // The launcher's page checks, in its order, naming the page that fails (either side's).
-    if block_bytes > 0 {
-        for page_bytes in [dst_page_bytes, src_page_bytes] {
-            if page_bytes < block_bytes {
-                return Err(KvError::PageTooSmall {
-                    page_bytes,
-                    block_bytes,
-                }
-                .into());
-            }
-        }
-        for page_bytes in [dst_page_bytes, src_page_bytes] {
-            let align = ffi::PKV_PAGE_ALIGN as usize;
-            if page_bytes % align != 0 {
-                return Err(KvError::PageMisaligned { page_bytes, align }.into());
-            }
-        }
-    }
     // SAFETY: the caller vouches for both sides (this function's contract); `pairs` is a live
     // host slice of n [src, dst] i64 pairs (the layout of [n][2] i64), read during the call.
     let status = unsafe {
@@ -420,6 +401,22 @@ pub unsafe fn swap_blocks(
             stream,
         )
     };
-    // The page checks ran above: every refusal left is a status of its own.
-    check_status("pkv_swap_blocks", status, None)
+    // The launcher checks both pages; its status says which check failed, not which side:
+    // name the page that fails it.
+    let align = ffi::PKV_PAGE_ALIGN as usize;
+    let fails = |page_bytes: usize| {
+        if status == ffi::PKV_ERR_PAGE_STRIDE as i32 {
+            page_bytes < block_bytes
+        } else {
+            page_bytes % align != 0
+        }
+    };
+    let page = [dst_page_bytes, src_page_bytes]
+        .into_iter()
+        .find(|&p| fails(p))
+        .map(|page_bytes| PageArgs {
+            page_bytes,
+            block_bytes,
+        });
+    check_status("pkv_swap_blocks", status, page)
 }

@@ -1114,3 +1114,70 @@ fn a_request_accepted_during_a_passing_rise_of_the_quota_is_ended_when_it_falls(
     drop(bt);
     assert_eq!(c.blocks_in_use(), 0);
 }
+
+/// A sequence swapped out part-way through recomputing its generated tokens (preempted by
+/// recompute before, for want of host slots) comes back still recomputing: swap-in judged by
+/// the prompt alone marked it decoding, so the API reported a phase it was not in and its
+/// one-token recompute rows (under a tight token budget) went out as decode rows.
+#[test]
+fn a_sequence_swapped_mid_recompute_comes_back_prefilling() {
+    let mut cfg = config();
+    cfg.preemption = PreemptionMode::Swap;
+    cfg.swap_blocks = 2;
+    cfg.max_prefill_chunk = 4;
+    let mut bt = Batcher::new(cfg, pool(16)).unwrap();
+    let mut fin = Vec::new();
+    bt.add(req(1, vec![3; 8], 10)).unwrap();
+    // Prefill in two chunks, then decode until 12 tokens (3 pages).
+    for _ in 0..5 {
+        step(&mut bt, &mut fin);
+    }
+    assert_eq!(bt.blocks_of(1), Some(3));
+    assert_eq!(bt.phase(1), Some(SeqPhase::Decoding));
+    // Three pages, two host slots: preempted by recompute.
+    bt.request_shed(100);
+    step(&mut bt, &mut fin);
+    assert_eq!(bt.phase(1), Some(SeqPhase::Waiting));
+    // Readmitted: two chunks of 4 recompute the prompt; 4 generated tokens remain.
+    step(&mut bt, &mut fin);
+    step(&mut bt, &mut fin);
+    assert_eq!(bt.phase(1), Some(SeqPhase::Prefilling));
+    // Two pages now: swapped out, then back in.
+    bt.request_shed(100);
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.swap_out.len(), 2);
+    bt.commit(&[], &mut fin).unwrap();
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.swap_in.len(), 2);
+    bt.commit(&[], &mut fin).unwrap();
+    assert_eq!(bt.phase(1), Some(SeqPhase::Prefilling));
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(
+        b.num_tokens(),
+        4,
+        "the 4 generated tokens recomputed in one chunk"
+    );
+    assert_eq!(b.num_samples(), 1);
+    assert!(fin.is_empty());
+}
+
+/// A shed request counts the pages a preemption frees, not the pages its table lists: a fork
+/// shares its parent's pages, so preempting it alone frees none, and the engine stayed over
+/// the pages it was asked to give back.
+#[test]
+fn shedding_counts_the_pages_actually_freed() {
+    let p = pool(16);
+    let mut bt = Batcher::new(config(), p.clone()).unwrap();
+    let mut fin = Vec::new();
+    bt.add(req(1, (1..=8).collect(), 6)).unwrap();
+    step(&mut bt, &mut fin); // 2 pages, 9 tokens
+    bt.fork(1, 2).unwrap(); // shares both
+    assert_eq!(p.free_count(), 14);
+    bt.request_shed(2);
+    let n = bt.schedule_into(&mut fin).num_samples();
+    assert_eq!(n, 0, "both preempted");
+    assert_eq!(p.free_count(), 16, "the two pages asked for are free");
+    bt.commit(&[], &mut fin).unwrap();
+    fin.extend(drive(&mut bt, 100));
+    assert_eq!(fin.len(), 2);
+}

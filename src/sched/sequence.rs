@@ -172,6 +172,9 @@ pub(crate) struct Sequence {
     pub(crate) computed: usize,
     pub(crate) table: BlockTable,
     pub(crate) phase: SeqPhase,
+    /// The running phase it left when last swapped out (`Prefilling` or `Decoding`), restored
+    /// by its swap-in.
+    pub(crate) swapped_from: SeqPhase,
     /// Admission order; later arrivals are preempted first.
     pub(crate) arrival: u64,
     /// Host swap slots holding its blocks while swapped, in logical order.

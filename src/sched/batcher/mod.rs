@@ -438,6 +438,7 @@ impl Batcher {
                 self.cfg.max_blocks_per_seq,
             ),
             phase: SeqPhase::Waiting,
+            swapped_from: SeqPhase::Prefilling,
             arrival: self.arrivals,
             host_blocks: Vec::new(),
             preemptions: 0,
@@ -555,6 +556,7 @@ impl Batcher {
                 t
             },
             phase: p.phase,
+            swapped_from: SeqPhase::Prefilling,
             arrival: self.arrivals,
             host_blocks: Vec::new(),
             preemptions: 0,
@@ -743,8 +745,10 @@ impl Batcher {
         self.shed_request = self.shed_request.saturating_add(blocks);
     }
 
-    /// The lowest priority among running sequences, and the blocks that preempting every
-    /// running sequence of that priority would free; `None` when nothing runs.
+    /// The lowest priority among running sequences, and the blocks their tables hold;
+    /// `None` when nothing runs. A page two of them share (a fork) or the prefix cache also
+    /// holds is counted per table: an upper bound on what preempting them all frees, kept so
+    /// (O(running sequences) per step) rather than walking every page's count.
     pub fn preemptible_load(&self) -> Option<(Priority, u32)> {
         let lowest = self.running.iter().map(|&s| self.seq(s).priority).max()?;
         let blocks = self

@@ -18,9 +18,11 @@ impl Batcher {
                 })
                 .unwrap_or(0);
             let slot = self.running.remove(pos);
-            let blocks = self.seq(slot).table.len();
+            // The pages that leave this engine, not the table's length: pages a fork or the
+            // prefix cache shares stay (a swap-out's leave once the batch has read them).
+            let freed = self.pages_leaving(slot, 0);
             self.preempt(slot);
-            self.shed_request = self.shed_request.saturating_sub(blocks.max(1));
+            self.shed_request = self.shed_request.saturating_sub(freed);
             preempted = true;
         }
         self.shed_request = 0;
@@ -202,6 +204,7 @@ impl Batcher {
             }
             let s = self.seq_mut(slot);
             s.host_blocks = host_blocks;
+            s.swapped_from = s.phase;
             s.phase = SeqPhase::Swapped;
             // Keep the pages (and their budget) until the swap-out has read them.
             self.hold_for_swap_out(slot);
@@ -321,11 +324,9 @@ impl Batcher {
         self.scratch.clear();
         let s = self.seq_mut(slot);
         s.host_blocks = host_blocks;
-        s.phase = if s.computed < s.prompt_len {
-            SeqPhase::Prefilling
-        } else {
-            SeqPhase::Decoding
-        };
+        // As it left: one swapped out while recomputing its generated tokens is past its
+        // prompt but not decoding yet.
+        s.phase = s.swapped_from;
         self.stats.blocks_swapped_in += u64::from(n);
         true
     }

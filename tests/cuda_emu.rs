@@ -1556,3 +1556,79 @@ fn a_nan_key_poisons_every_decode_row_that_sees_it() {
     run::<f16>(96, 2);
     run::<bf16>(64, 12); // tensor cores, a 16-head block
 }
+
+/// A row whose every visible score is -inf (an infinite key against a query of the opposite
+/// sign) attends to nothing and is zero, as a sequence with no context is, in the oracle and
+/// on each decode body, partitioning and the prefill kernels: the oracle divided the empty sum
+/// and returned NaN where every kernel returned zeros. A -inf score among finite ones only
+/// takes no weight, on both sides.
+#[test]
+fn rows_whose_every_visible_score_is_minus_infinity_are_zero() {
+    fn run<T: Elem>(d: usize, group: usize) {
+        let (bs, hkv, layer) = (16, 2, 0);
+        let nh = hkv * group;
+        let mut rng = SmallRng::seed_from_u64(57 + (d * group) as u64);
+        // KV head 0's key: sequence 0's only one is infinite; sequence 1's infinite one is one
+        // of 17. KV head 1 sees finite keys only.
+        let ctx = [1, 17];
+        let b = make_batch(&mut rng, 1, hkv, d, bs, T::DTYPE, Page::Dense, &ctx);
+        let mut host = random_cache::<T>(&mut rng, b.cfg);
+        for (seq, pos) in [(0, 0), (1, 3)] {
+            let block = b.tables[seq * b.mbps + pos / bs] as usize;
+            let off = b
+                .cfg
+                .offset(block, layer, pagedkv::kv::KvPart::Key, pos % bs, 0);
+            host.view_mut::<T>().expect("view").data_mut()[off..off + d]
+                .fill(T::from_f32(f32::INFINITY));
+        }
+        // Negative queries: every score against the infinite key is -inf.
+        let query: Vec<T> = random_vec::<T>(&mut rng, ctx.len() * nh * d)
+            .iter()
+            .map(|x| T::from_f32(-x.to_f32().abs() - 0.25))
+            .collect();
+        let params = AttnParams::new(nh, d);
+        let (atol, rtol) = T::TOL;
+        let check = |what: &str, got: &[T], want: &[T]| {
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                let (g, w) = (g.to_f32(), w.to_f32());
+                if i < group * d {
+                    assert_eq!(w.to_bits(), 0, "{what}: oracle element {i}: {w}");
+                    assert_eq!(g.to_bits(), 0, "{what}: kernel element {i}: {g}");
+                } else {
+                    assert!(w.is_finite(), "{what}: oracle element {i}: {w}");
+                    let ok = (g - w).abs() <= atol + rtol * w.abs();
+                    assert!(ok, "{what}: element {i}: kernel {g} vs cpu {w}");
+                }
+            }
+        };
+        let case = AttnCase::new(&b, &host, &query, &params);
+        let want = cpu_decode(&b, &host, layer, &query, &params);
+        let mut plans = vec![case.plan(ffi::PKV_DECODE_SINGLE).expect("plan")];
+        plans.push(case.plan(ffi::PKV_DECODE_SPLIT).expect("plan"));
+        for n in [2, 7] {
+            let p = DecodePlan::new(DecodeMode::Splits(n), 2, nh, hkv, d, 32, 0);
+            plans.push(*p.expect("fixed plan").as_ffi());
+        }
+        for plan in &plans {
+            let what = format!(
+                "decode {} d{d} g{group} splits {}",
+                T::DTYPE,
+                plan.num_splits
+            );
+            let (s, got) = case.decode_with::<T>(layer, plan);
+            expect_ok(&what, s);
+            check(&what, &got, &want);
+        }
+        // Prefill: one query token per sequence (its last position).
+        let qsl = [0, 1, 2];
+        let want = cpu_prefill(&b, &host, layer, &query, &qsl, &params);
+        let (s, got) = case.prefill::<T>(layer, &qsl);
+        let what = format!("prefill {} d{d} g{group}", T::DTYPE);
+        expect_ok(&what, s);
+        check(&what, &got, &want);
+    }
+    run::<f32>(64, 1);
+    run::<f16>(128, 1);
+    run::<bf16>(128, 4); // tensor cores
+    run::<f16>(64, 8);
+}

@@ -622,7 +622,9 @@ fn attend_item_body<T: KvElem>(
         for ti in 0..tq {
             for gi in 0..g {
                 let r = ti * g + gi;
-                let inv = 1.0 / l[r];
+                // Every visible score -inf (an infinite key) leaves an empty sum: the row
+                // attends to nothing and is zero, as in the kernels (a NaN sum stays NaN).
+                let inv = if l[r] == 0.0 { 0.0 } else { 1.0 / l[r] };
                 let a = &mut acc[r * d..(r + 1) * d];
                 for x in a.iter_mut() {
                     *x *= inv;

@@ -27,8 +27,8 @@
 //! itself is always visible, so every softmax has at least one term; a decode sequence with
 //! `context_len == 0` (batch padding) gets an all-zero output row.
 //!
-//! Non-finite inputs: a NaN score (a NaN key or query) makes its row NaN. A score of -inf (an
-//! infinite key) takes no weight; a row whose every visible score is -inf has nothing to
+//! Non-finite inputs: a NaN or +inf score (a NaN key or query; an infinite key, inf - inf in
+//! the max trick) makes its row NaN. A score of -inf takes no weight; a row whose every visible score is -inf has nothing to
 //! attend to and is all zero, like padding, rather than the formula's 0 / 0. The CUDA kernels
 //! follow both rules.
 

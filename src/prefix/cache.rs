@@ -327,13 +327,16 @@ impl PrefixCache {
             self.give_back(id);
             return Ok(Inserted::NoRoom);
         }
-        rec.publish(busy, id.generation(), hash, engine);
+        // Counted and reported before the record is published: from the publish on, a forget
+        // or an eviction can remove the page and report that, and a sink must see a page's
+        // events in the order they happened (a mirror keyed by page keeps the last one).
         bump(&counters.inserts, 1);
         self.emit(CacheEvent::Stored {
             engine,
             hash,
             page: id,
         });
+        rec.publish(busy, id.generation(), hash, engine);
         Ok(Inserted::Inserted)
     }
 
@@ -387,16 +390,17 @@ impl PrefixCache {
         let rec = &self.records[page];
         let found = self.slots.remove(s.hash, page as u32);
         debug_assert!(found, "a CACHED page had no slot");
-        rec.end(busy);
         let id = self.id_at(page, s.state);
-        // After the record left CACHED (Release store above): see `take`, step 3.
-        let freed = self.give_back(id);
+        // Reported while this caller holds the record: once it is VACANT (and the page free)
+        // the page can be cached again, and its Stored must not overtake this Removed.
         self.emit(CacheEvent::Removed {
             engine: s.engine,
             hash: s.hash,
             page: id,
         });
-        freed
+        rec.end(busy);
+        // After the record left CACHED (Release store above): see `take`, step 3.
+        self.give_back(id)
     }
 
     fn emit(&self, event: CacheEvent) {

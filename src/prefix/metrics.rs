@@ -111,6 +111,11 @@ pub enum CacheEvent {
 /// Where the cache sends [`CacheEvent`]s. `offer` is called on the inserting / evicting thread
 /// and must not block: a bounded sink that is full drops the event and returns `false` (the
 /// cache counts drops; see [`PrefixCache::events_dropped`](super::PrefixCache::events_dropped)).
+///
+/// A page's events are offered in the order they happen (its Stored before the Removed of that
+/// content, a Removed before the page's next Stored), so a mirror keyed by page stays right;
+/// events of different pages interleave. `offer` runs while the cache holds the page's record
+/// (lookups of that page miss meanwhile): keep it short.
 pub trait EventSink: Send + Sync {
     /// Hands over one event without blocking; `false` if it was dropped.
     fn offer(&self, event: CacheEvent) -> bool;

@@ -8,7 +8,7 @@ use loom::sync::atomic::{AtomicU64, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 use pagedkv::block::{BlockId, BlockPool, EngineId, PoolConfig};
-use pagedkv::prefix::{Inserted, PrefixCache, PrefixConfig, PrefixKey};
+use pagedkv::prefix::{CacheEvent, EventSink, Inserted, PrefixCache, PrefixConfig, PrefixKey};
 
 const KEY: PrefixKey = PrefixKey {
     engine: EngineId(0),
@@ -300,6 +300,110 @@ fn a_held_hit_reads_as_cached_while_an_eviction_passes() {
                 cached,
                 "a page the cache holds a reference to read as not cached"
             );
+        }
+        w.cache.clear();
+        assert_eq!(w.pool.free_count(), 1);
+    });
+}
+
+/// Every event the cache sends, in the order the sink took them.
+#[derive(Clone, Default)]
+struct Log(Arc<loom::sync::Mutex<Vec<CacheEvent>>>);
+
+impl EventSink for Log {
+    fn offer(&self, event: CacheEvent) -> bool {
+        self.0.lock().unwrap().push(event);
+        true
+    }
+}
+
+/// A world whose cache sends its events to a log.
+fn world_with_log(pages: u32) -> (World, Log) {
+    let w = world(pages, true);
+    let log = Log::default();
+    let pool = w.pool.clone();
+    let cache = PrefixCache::new(pool.clone(), PrefixConfig { seed: Some(1) })
+        .with_events(Box::new(log.clone()));
+    let w = World {
+        pool,
+        cache: Arc::new(cache),
+        content: w.content,
+    };
+    (w, log)
+}
+
+/// A router mirrors the cache from its events, keyed by page: each page's events must arrive
+/// in the order they happened. An insert racing a forget of its page sent Stored after the
+/// forget's Removed (Stored went out after the record was published), so the mirror kept a
+/// page the cache no longer held.
+#[test]
+fn a_page_stored_then_forgotten_reports_in_that_order() {
+    loom::model(|| {
+        let (w, log) = world_with_log(1);
+        let id = w.pool.alloc(EngineId(0)).unwrap();
+        let h = hash_of(&w.cache, &OLD);
+        let forget = {
+            let cache = w.cache.clone();
+            thread::spawn(move || cache.forget(id).unwrap())
+        };
+        assert_eq!(w.cache.insert(EngineId(0), h, id), Ok(Inserted::Inserted));
+        let forgot = forget.join().unwrap();
+        let events = log.0.lock().unwrap().clone();
+        if forgot {
+            assert!(
+                matches!(
+                    events[..],
+                    [CacheEvent::Stored { .. }, CacheEvent::Removed { .. }]
+                ),
+                "out of order: {events:?}"
+            );
+        }
+        w.pool.release(id).unwrap();
+        w.cache.clear();
+        assert_eq!(w.pool.free_count(), 1);
+    });
+}
+
+/// An eviction's Removed must come before the Stored of the page's next content: it went out
+/// after the page was back on the free list, where another engine step could take it, rewrite
+/// it and cache it first, and a page-keyed mirror then dropped the new entry.
+#[test]
+fn an_evicted_page_reports_removed_before_its_next_store() {
+    loom::model(|| {
+        let (w, log) = world_with_log(1);
+        let id = w.pool.alloc(EngineId(0)).unwrap();
+        let h = hash_of(&w.cache, &OLD);
+        assert_eq!(w.cache.insert(EngineId(0), h, id), Ok(Inserted::Inserted));
+        w.pool.release(id).unwrap(); // cached-free
+        let reuse = {
+            let (cache, pool) = (w.cache.clone(), w.pool.clone());
+            let h = hash_of(&w.cache, &NEW);
+            thread::spawn(move || {
+                let again = pool.alloc(EngineId(0));
+                if let Ok(id) = again {
+                    assert_eq!(cache.insert(EngineId(0), h, id), Ok(Inserted::Inserted));
+                }
+                again
+            })
+        };
+        assert_eq!(w.cache.evict(EngineId(0), 1), Ok(1));
+        let again = reuse.join().unwrap();
+        let events = log.0.lock().unwrap().clone();
+        if again.is_ok() {
+            assert!(
+                matches!(
+                    events[..],
+                    [
+                        CacheEvent::Stored { .. },
+                        CacheEvent::Removed { .. },
+                        CacheEvent::Stored { .. }
+                    ]
+                ),
+                "out of order: {events:?}"
+            );
+        }
+        if let Ok(id) = again {
+            w.pool.release(id).unwrap();
         }
         w.cache.clear();
         assert_eq!(w.pool.free_count(), 1);

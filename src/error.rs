@@ -259,6 +259,17 @@ pub enum KvError {
         /// The arena's page size.
         page_bytes: usize,
     },
+    /// A tokens-per-page request that no model can get: not a power of two from `min` to `max`
+    /// (the block sizes the kernels take).
+    #[error("tokens per page {tokens_per_page} is not a power of two from {min} to {max}")]
+    TokensPerPage {
+        /// The refused count.
+        tokens_per_page: usize,
+        /// [`MIN_TOKENS_PER_PAGE`](crate::kv::MIN_TOKENS_PER_PAGE).
+        min: usize,
+        /// [`MAX_TOKENS_PER_PAGE`](crate::kv::MAX_TOKENS_PER_PAGE).
+        max: usize,
+    },
     /// A page size that would leave pages unaligned for the kernels' vector loads.
     #[error("page size {page_bytes} bytes is not a multiple of {align}")]
     PageMisaligned {

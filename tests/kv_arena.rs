@@ -8,6 +8,7 @@ use pagedkv::block::{BlockPool, EngineId, PoolConfig};
 use pagedkv::error::KvError;
 use pagedkv::kv::{
     page_bytes_for, ArenaView, HostKvCache, KvCacheConfig, KvDtype, KvElem, LayerKv, ModelKvShape,
+    MAX_TOKENS_PER_PAGE, MIN_TOKENS_PER_PAGE,
 };
 use pagedkv::kv::{AttnParams, PagedSeqs};
 use pagedkv::kv::{KvArena, POISON_BYTE};
@@ -509,4 +510,49 @@ fn a_shape_too_large_for_any_page_is_refused() {
         huge.tokens_per_page(1 << 20),
         Err(KvError::ModelDoesNotFit { .. })
     ));
+}
+
+/// `page_bytes_for` takes only the tokens per page a model can get: a power of two from
+/// `MIN_TOKENS_PER_PAGE` to `MAX_TOKENS_PER_PAGE` (12 sized a page on which the largest model
+/// got 8 tokens and left a third of every page unused; 1024 one on which it got 256 and left
+/// three quarters; 4 one that no model fits).
+#[test]
+fn page_bytes_for_refuses_tokens_per_page_no_model_can_get() {
+    let s = shape(2, 8, 64, KvDtype::F16); // 4096 B per token
+    for tpp in [1, 2, 4, 7, 9, 12, 24, 100, 255, 257, 512, 1024, usize::MAX] {
+        assert_eq!(
+            page_bytes_for(&[s], tpp),
+            Err(KvError::TokensPerPage {
+                tokens_per_page: tpp,
+                min: MIN_TOKENS_PER_PAGE,
+                max: MAX_TOKENS_PER_PAGE,
+            }),
+            "{tpp}"
+        );
+    }
+    let mut tpp = MIN_TOKENS_PER_PAGE;
+    while tpp <= MAX_TOKENS_PER_PAGE {
+        let page = page_bytes_for(&[s], tpp).unwrap();
+        assert_eq!(page, tpp * 4096);
+        // The largest model gets exactly the tokens asked for, and wastes nothing.
+        assert_eq!(s.tokens_per_page(page).unwrap(), tpp);
+        tpp *= 2;
+    }
+}
+
+/// A zero-size shape is refused wherever it sits in the list, as documented (only a list of
+/// nothing but zero-size shapes was: beside a real model one sized the page and failed later,
+/// at its view).
+#[test]
+fn page_bytes_for_refuses_a_zero_size_shape_beside_others() {
+    let good = shape(2, 8, 64, KvDtype::F16);
+    let empty = shape(0, 8, 64, KvDtype::F16);
+    for shapes in [[good, empty], [empty, good]] {
+        assert_eq!(
+            page_bytes_for(&shapes, 16),
+            Err(KvError::ZeroDimension {
+                what: "bytes per token"
+            })
+        );
+    }
 }

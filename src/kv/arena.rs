@@ -118,8 +118,8 @@ impl KvArena {
     }
 
     /// Overwrites pages with [`POISON_BYTE`], so that a later reader of bytes it never wrote
-    /// sees NaN. Engines call it on pages they free in debug and test builds; tests call it to
-    /// prove that no byte of a page's previous owner leaks into the next owner's results.
+    /// sees NaN. Tests call it on freed pages to prove that no byte of a page's previous owner
+    /// leaks into the next owner's results (engines do not poison the pages they free).
     ///
     /// # Errors
     /// [`KvError::BlockOutOfRange`] if a page is not in the arena (nothing is written).

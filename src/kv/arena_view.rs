@@ -100,13 +100,27 @@ impl ModelKvShape {
 /// The page size that gives the model with the largest per-token size `tokens_per_page`
 /// tokens per page (rounded up to [`PAGE_ALIGN`]).
 ///
+/// `tokens_per_page` must be a power of two from [`MIN_TOKENS_PER_PAGE`] to
+/// [`MAX_TOKENS_PER_PAGE`]: the only counts [`ModelKvShape::tokens_per_page`] gives a model
+/// (any other would size a page on which the largest model gets fewer tokens than asked and
+/// leaves the rest of every page unused, or none at all).
+///
 /// # Errors
-/// [`KvError::ZeroDimension`] for an empty list, a zero-size shape or `tokens_per_page == 0`;
-/// [`KvError::SizeOverflow`].
+/// [`KvError::TokensPerPage`] for any other `tokens_per_page`; [`KvError::ZeroDimension`] for
+/// an empty list or a zero-size shape; [`KvError::SizeOverflow`].
 pub fn page_bytes_for(shapes: &[ModelKvShape], tokens_per_page: usize) -> Result<usize, KvError> {
-    if tokens_per_page == 0 {
+    if !tokens_per_page.is_power_of_two()
+        || !(MIN_TOKENS_PER_PAGE..=MAX_TOKENS_PER_PAGE).contains(&tokens_per_page)
+    {
+        return Err(KvError::TokensPerPage {
+            tokens_per_page,
+            min: MIN_TOKENS_PER_PAGE,
+            max: MAX_TOKENS_PER_PAGE,
+        });
+    }
+    if shapes.iter().any(|s| s.bytes_per_token() == 0) {
         return Err(KvError::ZeroDimension {
-            what: "tokens_per_page",
+            what: "bytes per token",
         });
     }
     let largest = shapes
@@ -114,11 +128,6 @@ pub fn page_bytes_for(shapes: &[ModelKvShape], tokens_per_page: usize) -> Result
         .map(ModelKvShape::bytes_per_token)
         .max()
         .ok_or(KvError::ZeroDimension { what: "models" })?;
-    if largest == 0 {
-        return Err(KvError::ZeroDimension {
-            what: "bytes per token",
-        });
-    }
     largest
         .checked_mul(tokens_per_page)
         .and_then(|b| b.checked_next_multiple_of(PAGE_ALIGN))

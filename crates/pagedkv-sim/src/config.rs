@@ -64,8 +64,9 @@ pub struct SimConfig {
     pub step_ms: f64,
     /// KV blocks of the shared device pool.
     pub pool_blocks: u32,
-    /// Tokens per page (block) of the model with the largest per-token KV: it sizes the
-    /// arena's page; smaller models get more tokens per page (see [`pagedkv::kv::ArenaView`]).
+    /// Tokens per page (block) of the model with the largest per-token KV, a power of two from
+    /// 8 to 256: it sizes the arena's page; smaller models get more tokens per page (see
+    /// [`pagedkv::kv::ArenaView`]).
     pub block_size: u32,
     /// KV dtype.
     pub dtype: KvDtype,

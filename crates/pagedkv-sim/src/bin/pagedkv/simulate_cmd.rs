@@ -23,7 +23,7 @@ pub struct Args {
     /// KV blocks in the shared device pool.
     #[arg(long, default_value_t = 1536)]
     pool_blocks: u32,
-    /// Tokens per KV block.
+    /// Tokens per KV block of the largest model: a power of two from 8 to 256.
     #[arg(long, default_value_t = 16)]
     block_size: u32,
     /// Global tokens per step, split across engines by weight.

@@ -116,37 +116,45 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err(format!("prompt token {t} is outside the vocabulary of {vocab}").into());
     }
     let seqs = args.seqs.max(1);
-    let max_context = prompt.len() as u32 + args.max_new.max(1);
-    let pages = match args.pages {
-        0 => seqs * max_context.div_ceil(16),
-        n => n,
-    };
+    let max_new = args.max_new.max(1);
+    let (max_context, pages) = plan(prompt.len(), max_new, seqs, args.pages)?;
+    if max_context > p.context_length {
+        return Err(format!(
+            "a prompt of {} tokens and --max-new {max_new} need {max_context} positions, more \
+             than the model's context_length {}",
+            prompt.len(),
+            p.context_length
+        )
+        .into());
+    }
     let setup = EngineSetup {
-        tokens_per_page: 16,
+        tokens_per_page: TOKENS_PER_PAGE,
         pages,
         max_running: seqs,
         max_context,
         preemption: PreemptionMode::Recompute,
         ..EngineSetup::default()
     };
-    let requests: Vec<SeqRequest> = (0..seqs)
-        .map(|i| {
-            let mut prompt = prompt.clone();
-            if let Some(last) = prompt.last_mut() {
-                *last = (*last + i) % vocab;
-            }
-            SeqRequest {
-                id: u64::from(i),
-                prompt,
-                stop: StopRules {
-                    max_new_tokens: args.max_new.max(1),
-                    eos: eos.clone(),
-                    stop_sequences: Vec::new(),
-                },
-                priority: Priority::Throughput,
-            }
-        })
-        .collect();
+    let mut requests: Vec<SeqRequest> = Vec::new();
+    requests
+        .try_reserve_exact(seqs as usize)
+        .map_err(|e| format!("--seqs {seqs}: {e}"))?;
+    requests.extend((0..seqs).map(|i| {
+        let mut prompt = prompt.clone();
+        if let Some(last) = prompt.last_mut() {
+            *last = shifted(*last, i, vocab);
+        }
+        SeqRequest {
+            id: u64::from(i),
+            prompt,
+            stop: StopRules {
+                max_new_tokens: max_new,
+                eos: eos.clone(),
+                stop_sequences: Vec::new(),
+            },
+            priority: Priority::Throughput,
+        }
+    }));
     let gen = if args.cuda {
         run_cuda(
             &cfg,
@@ -186,6 +194,46 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if args.cuda { "CUDA" } else { "the CPU" }
     );
     Ok(())
+}
+
+/// Tokens per KV page.
+const TOKENS_PER_PAGE: usize = 16;
+
+/// The engine's `max_context` and arena pages for `seqs` sequences of a `prompt_len`-token
+/// prompt and `max_new` new tokens each, where `pages` pages were asked for (0: enough for
+/// every sequence's whole context at once). An error names the flags whose values do not fit
+/// in 32 bits (the sums wrapped, or panicked in a debug build).
+fn plan(prompt_len: usize, max_new: u32, seqs: u32, pages: u32) -> Result<(u32, u32), String> {
+    let max_context = u32::try_from(prompt_len)
+        .ok()
+        .and_then(|p| p.checked_add(max_new))
+        .ok_or_else(|| {
+            format!(
+                "a prompt of {prompt_len} tokens and --max-new {max_new} need more than {} \
+                 positions",
+                u32::MAX
+            )
+        })?;
+    let pages = match pages {
+        0 => max_context
+            .div_ceil(TOKENS_PER_PAGE as u32)
+            .checked_mul(seqs)
+            .ok_or_else(|| {
+                format!(
+                    "--seqs {seqs} of {max_context} tokens need more than {} pages of \
+                     {TOKENS_PER_PAGE} tokens: give --pages",
+                    u32::MAX
+                )
+            })?,
+        n => n,
+    };
+    Ok((max_context, pages))
+}
+
+/// Sequence `i`'s last prompt token: `last` shifted by `i` within the vocabulary (in 64 bits:
+/// the 32-bit sum wrapped for large `--seqs`).
+fn shifted(last: u32, i: u32, vocab: u32) -> u32 {
+    ((u64::from(last) + u64::from(i)) % u64::from(vocab)) as u32
 }
 
 #[cfg(feature = "candle-cuda")]
@@ -229,4 +277,34 @@ fn run_cuda(
     _requests: Vec<SeqRequest>,
 ) -> Result<pagedkv_candle_llama::Generation, Box<dyn std::error::Error>> {
     Err("--cuda needs the example built with --features candle-cuda".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plan_refuses_sizes_past_32_bits() {
+        assert_eq!(plan(3, 29, 2, 0), Ok((32, 4)));
+        assert_eq!(plan(3, 29, 2, 7), Ok((32, 7)));
+        // --max-new u32::MAX: the context wrapped to prompt_len - 1.
+        let e = plan(1, u32::MAX, 1, 0).unwrap_err();
+        assert!(e.contains("--max-new"), "{e}");
+        assert!(plan(usize::MAX, 1, 1, 0).is_err());
+        // --seqs past 2^28 of 256 tokens: the page count wrapped to 16.
+        let e = plan(1, 255, (1 << 28) + 1, 0).unwrap_err();
+        assert!(e.contains("--pages"), "{e}");
+        // An explicit page count needs no product.
+        assert_eq!(plan(1, 255, u32::MAX, 64), Ok((256, 64)));
+    }
+
+    #[test]
+    fn shifted_prompts_stay_in_the_vocabulary() {
+        assert_eq!(shifted(5, 3, 384), 8);
+        assert_eq!(
+            shifted(383, u32::MAX, 384),
+            ((383 + u64::from(u32::MAX)) % 384) as u32
+        );
+        assert!(shifted(u32::MAX, u32::MAX, 384) < 384);
+    }
 }

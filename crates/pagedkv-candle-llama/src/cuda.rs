@@ -152,13 +152,16 @@ impl Drop for DeviceArena {
 /// pages (zeroed), KV in `kv_dtype`, pagedkv's kernels on candle's stream.
 ///
 /// # Errors
-/// As [`build_engine`](crate::build_engine), plus the driver's refusals.
+/// As [`build_engine`](crate::build_engine) (a `max_context` over the model's
+/// `context_length` is refused before any device memory is taken), plus the driver's
+/// refusals.
 pub fn build_cuda_engine(
     cfg: &LlamaConfig,
     setup: &EngineSetup,
     device: &Device,
     kv_dtype: KvDtype,
 ) -> Result<CudaEngine> {
+    let engine_cfg = engine_config(cfg, setup)?;
     let dev = CandleCuda::new(device)?;
     let shape = pagedkv::kv::ModelKvShape {
         dtype: kv_dtype,
@@ -178,16 +181,8 @@ pub fn build_cuda_engine(
     // SAFETY: `arena` is `shared`'s pages in candle's context (pages x page_bytes bytes), kept
     // alive by the returned CudaEngine until after its engine is dropped; this engine is the
     // arena's only user; CandleCuda keeps RawDevice's contract.
-    let engine = unsafe {
-        Engine::raw(
-            &shared,
-            dev,
-            arena.ptr,
-            engine_config(setup),
-            &shape,
-            cfg.n_heads(),
-        )?
-    };
+    let engine =
+        unsafe { Engine::raw(&shared, dev, arena.ptr, engine_cfg, &shape, cfg.n_heads())? };
     Ok(CudaEngine {
         engine,
         _arena: arena,

@@ -29,6 +29,15 @@ pub enum Error {
     /// negative position).
     #[error("bad input: {0}")]
     BadInput(String),
+    /// The engine's longest sequence is longer than the model's `context_length` (the
+    /// positions its RoPE was trained for); build it with `max_context` at most that.
+    #[error("max_context {max_context} exceeds the model's context_length {context_length}")]
+    ContextTooLong {
+        /// The requested `max_context`.
+        max_context: u32,
+        /// The file's `{arch}.context_length`.
+        context_length: u32,
+    },
     /// The engine did not finish its requests within the step limit.
     #[error("the engine still had work after {0} steps")]
     StepLimit(u64),

@@ -5,7 +5,7 @@
 //! variance); quantized tensors are encoded by candle's quantizer (`QTensor::quantize`), so
 //! the file holds exactly the blocks llama.cpp would write for those values.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use pagedkv::gguf::{GgmlType, GgufWriter, MetaValue};
@@ -110,7 +110,14 @@ impl TinyLlama {
     }
 
     /// The file's bytes for weights drawn from `seed`.
+    ///
+    /// # Errors
+    /// [`Error::BadInput`] for a shape the file cannot describe (no heads, KV heads that do
+    /// not divide the heads, a width the heads do not divide, no projection types, a count
+    /// past 32 bits); candle's quantizer's and the writer's refusals (a zero size, a width
+    /// that is not a whole number of a type's blocks).
     pub fn write(&self, seed: u64) -> Result<Vec<u8>> {
+        self.check()?;
         let mut rng = SplitMix64(seed);
         let head_dim = self.dim / self.heads;
         let kv_dim = self.kv_heads * head_dim;
@@ -204,6 +211,41 @@ impl TinyLlama {
     }
 }
 
+impl TinyLlama {
+    /// Refuses what [`write`](Self::write) would divide by zero, index modulo zero, or
+    /// truncate in the metadata, before any weight is drawn.
+    fn check(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::BadInput(format!("tiny llama: {m}")));
+        if self.heads == 0 || self.kv_heads == 0 || self.heads % self.kv_heads != 0 {
+            return bad(format!(
+                "{} KV heads do not divide {} heads",
+                self.kv_heads, self.heads
+            ));
+        }
+        if self.dim % self.heads != 0 {
+            return bad(format!(
+                "{} heads do not divide the width {}",
+                self.heads, self.dim
+            ));
+        }
+        if self.proj_types.is_empty() {
+            return bad("no projection types".into());
+        }
+        for (what, n) in [
+            ("vocab", self.vocab),
+            ("dim", self.dim),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("ffn", self.ffn),
+        ] {
+            if u32::try_from(n).is_err() {
+                return bad(format!("{what} {n} does not fit in 32 bits"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The half-width of a uniform distribution of variance `1 / n`.
 fn unit(n: usize) -> f32 {
     (3.0 / n as f32).sqrt()
@@ -226,7 +268,7 @@ fn encode(ty: GgmlType, [n_out, n_in]: [usize; 2], v: &[f32]) -> Result<Vec<u8>>
         GgmlType::Q5_K => GgmlDType::Q5K,
         GgmlType::Q6_K => GgmlDType::Q6K,
         other => {
-            return Err(crate::error::Error::Unsupported(format!(
+            return Err(Error::Unsupported(format!(
                 "the fixture cannot encode {other:?}"
             )))
         }

@@ -16,7 +16,10 @@ use std::time::{Duration, Instant};
 /// The engine's shape and limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EngineSetup {
-    /// Tokens per KV page (block size).
+    /// Tokens per KV page (block size): a power of two from
+    /// [`MIN_TOKENS_PER_PAGE`](pagedkv::kv::MIN_TOKENS_PER_PAGE) to
+    /// [`MAX_TOKENS_PER_PAGE`](pagedkv::kv::MAX_TOKENS_PER_PAGE) (the block sizes the arena's
+    /// views and the kernels take); another is refused when the engine is built.
     pub tokens_per_page: usize,
     /// Pages in the arena: the KV memory of all sequences together.
     pub pages: u32,
@@ -26,11 +29,14 @@ pub struct EngineSetup {
     pub max_batched_tokens: u32,
     /// Most prompt tokens of one sequence in one step (chunked prefill).
     pub max_prefill_chunk: u32,
-    /// Longest sequence (prompt and output).
+    /// Longest sequence (prompt and output), at most the file's `llama.context_length` (the
+    /// positions the model was trained for): a longer one is refused when the engine is built
+    /// ([`Error::ContextTooLong`]), not capped.
     pub max_context: u32,
     /// What preemption does with a victim's KV.
     pub preemption: PreemptionMode,
-    /// Host swap slots for swap preemption.
+    /// Host swap slots for swap preemption; ignored (no swap space is allocated for them)
+    /// under [`PreemptionMode::Recompute`].
     pub swap_blocks: u32,
 }
 
@@ -50,32 +56,49 @@ impl Default for EngineSetup {
 }
 
 /// An engine for `cfg`'s model on a host arena of its own (f32 KV, pagedkv's CPU kernels).
+///
+/// # Errors
+/// [`Error::ContextTooLong`] if `setup.max_context` exceeds the model's
+/// `context_length`; [`KvError::TokensPerPage`](pagedkv::error::KvError::TokensPerPage) for
+/// a `tokens_per_page` that is not a block size; the engine's, arena's and geometry's
+/// refusals.
 pub fn build_engine(cfg: &LlamaConfig, setup: &EngineSetup) -> Result<Engine<HostBackend<f32>>> {
+    let engine_cfg = engine_config(cfg, setup)?;
     let shape = cfg.kv_shape();
     let page_bytes = page_bytes_for(&[shape], setup.tokens_per_page)?;
     let budget = BudgetConfig::new(1, setup.max_batched_tokens, setup.pages);
     let shared = SharedArena::host(budget, page_bytes)?;
-    Ok(Engine::host(
-        &shared,
-        engine_config(setup),
-        &shape,
-        cfg.n_heads(),
-    )?)
+    Ok(Engine::host(&shared, engine_cfg, &shape, cfg.n_heads())?)
 }
 
-/// The engine configuration of `setup` (one model, no prefix cache).
-pub(crate) fn engine_config(setup: &EngineSetup) -> EngineConfig {
-    EngineConfig {
+/// The engine configuration of `setup` for `cfg`'s model (one model, no prefix cache): no
+/// swap slots under recompute preemption (the backend's swap space is sized by them, and
+/// recompute never swaps).
+///
+/// # Errors
+/// [`Error::ContextTooLong`] if `setup.max_context` exceeds the model's `context_length`.
+pub(crate) fn engine_config(cfg: &LlamaConfig, setup: &EngineSetup) -> Result<EngineConfig> {
+    let context_length = cfg.params.context_length;
+    if setup.max_context > context_length {
+        return Err(Error::ContextTooLong {
+            max_context: setup.max_context,
+            context_length,
+        });
+    }
+    Ok(EngineConfig {
         weight: 1,
         max_running: setup.max_running,
         max_batched_tokens: setup.max_batched_tokens,
         max_prefill_chunk: setup.max_prefill_chunk,
         max_context: setup.max_context,
         preemption: setup.preemption,
-        swap_blocks: setup.swap_blocks,
+        swap_blocks: match setup.preemption {
+            PreemptionMode::Swap => setup.swap_blocks,
+            PreemptionMode::Recompute => 0,
+        },
         recompute: RecomputePolicy::SERVER,
         prefix_cache: false,
-    }
+    })
 }
 
 /// What [`generate`] produced.

@@ -2,7 +2,7 @@
 //! missing tensors, and tokens outside the vocabulary (before they are queued, and, if a
 //! caller bypasses the check, as a failed step).
 
-use pagedkv::error::EngineError;
+use pagedkv::error::{EngineError, KvError};
 use pagedkv::gguf::{Gguf, GgufError, GgufWriter, MetaValue};
 use pagedkv::sched::{PreemptionMode, Priority, SeqRequest, StopRules};
 use pagedkv_candle_llama::fixture::TinyLlama;
@@ -223,5 +223,110 @@ fn a_rope_base_or_epsilon_that_makes_nan_logits_is_refused() {
             "{key} = {bad}: {:?}",
             r.map(|_| "loaded")
         );
+    }
+}
+
+/// A context longer than the file's `llama.context_length` (the positions the model was
+/// trained for) is refused when the engine is built, with a typed error naming both; the
+/// file's own length is accepted.
+#[test]
+fn a_context_longer_than_the_files_is_refused() {
+    let model = load(&TinyLlama::f32().write(9).unwrap()).unwrap();
+    let trained = model.config().params.context_length;
+    assert_eq!(trained, TinyLlama::f32().context);
+    let setup = |max_context| EngineSetup {
+        max_context,
+        pages: trained.div_ceil(16),
+        ..EngineSetup::default()
+    };
+    for too_long in [trained + 1, u32::MAX] {
+        let r = build_engine(model.config(), &setup(too_long));
+        assert!(
+            matches!(
+                r,
+                Err(Error::ContextTooLong { max_context, context_length })
+                    if max_context == too_long && context_length == trained
+            ),
+            "max_context {too_long} over context_length {trained}: {:?}",
+            r.map(|_| "accepted")
+        );
+    }
+    build_engine(model.config(), &setup(trained)).unwrap();
+}
+
+/// The engine runs the tokens per page it was given: its pages were sized for
+/// `tokens_per_page`, but the arena's view picked the largest power of two up to 256 that
+/// fits, so 24 ran 16 tokens a page (a third of the KV memory unused) and 512 ran 256 (half).
+/// A size the views do not take is refused.
+#[test]
+fn tokens_per_page_is_the_engines_or_refused() {
+    let model = load(&TinyLlama::f32().write(9).unwrap()).unwrap();
+    for tpp in [8, 16, 256, 24, 48, 512, 1, 3] {
+        let setup = EngineSetup {
+            tokens_per_page: tpp,
+            ..EngineSetup::default()
+        };
+        match build_engine(model.config(), &setup) {
+            Ok(engine) => assert_eq!(engine.tokens_per_page() as usize, tpp),
+            Err(e) => {
+                assert!(
+                    matches!(e, Error::Kv(KvError::TokensPerPage { tokens_per_page, .. }) if tokens_per_page == tpp),
+                    "{tpp}: {e}"
+                );
+                assert!(![8, 16, 256].contains(&tpp), "{tpp} refused: {e}");
+            }
+        }
+    }
+}
+
+/// The fixture's writer refuses shapes it cannot write with a typed error, not a panic (no
+/// heads divided by zero, no projection types indexed modulo zero, no count truncated to
+/// 32 bits in the metadata).
+#[test]
+fn the_fixture_refuses_impossible_shapes() {
+    let f32 = TinyLlama::f32();
+    let bad = [
+        (
+            "no heads",
+            TinyLlama {
+                heads: 0,
+                ..f32.clone()
+            },
+        ),
+        (
+            "no KV heads",
+            TinyLlama {
+                kv_heads: 0,
+                ..f32.clone()
+            },
+        ),
+        (
+            "no projection types",
+            TinyLlama {
+                proj_types: vec![],
+                ..f32.clone()
+            },
+        ),
+        (
+            "ungrouped KV heads",
+            TinyLlama {
+                kv_heads: 3,
+                ..f32.clone()
+            },
+        ),
+        (
+            "vocab past 32 bits",
+            TinyLlama {
+                vocab: 1 << 32,
+                dim: 1,
+                heads: 1,
+                kv_heads: 1,
+                ..f32.clone()
+            },
+        ),
+    ];
+    for (what, spec) in bad {
+        let r = std::panic::catch_unwind(|| spec.write(1).map(|b| b.len()));
+        assert!(matches!(r, Ok(Err(_))), "{what}: {r:?}");
     }
 }

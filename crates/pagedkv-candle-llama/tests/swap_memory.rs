@@ -1,0 +1,105 @@
+//! Host swap memory is allocated only for swap preemption: under `PreemptionMode::Recompute`
+//! no block is ever swapped out, so `EngineSetup::swap_blocks` (64 by default) must cost
+//! nothing. Measured with a counting allocator (its own test binary: one test, so no other
+//! test's allocations are counted).
+
+use pagedkv::gguf::Gguf;
+use pagedkv::kv::page_bytes_for;
+use pagedkv::sched::{PreemptionMode, Priority, SeqRequest, StopRules};
+use pagedkv_candle_llama::fixture::TinyLlama;
+use pagedkv_candle_llama::{build_engine, generate, EngineSetup, MatMulMode, PagedLlama};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+// SAFETY: every call is forwarded to the system allocator unchanged; the counter is only
+// bookkeeping.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: the caller's contract is GlobalAlloc::alloc's, forwarded.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: as `alloc`.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: `ptr` came from this allocator (System) with `layout`.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
+        // SAFETY: as `dealloc` and `alloc`.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Bytes held by an engine built for `setup` (kept alive while measured).
+fn engine_bytes(model: &PagedLlama, setup: &EngineSetup) -> isize {
+    let before = LIVE.load(Ordering::Relaxed);
+    let engine = build_engine(model.config(), setup).unwrap();
+    let held = LIVE.load(Ordering::Relaxed) - before;
+    drop(engine);
+    held
+}
+
+#[test]
+fn recompute_preemption_allocates_no_swap_space() {
+    let bytes = TinyLlama::f32().write(9).unwrap();
+    let mut model =
+        PagedLlama::from_gguf(&Gguf::parse(&bytes).unwrap(), MatMulMode::Quantized).unwrap();
+    let setup = |preemption, swap_blocks| EngineSetup {
+        pages: 32,
+        preemption,
+        swap_blocks,
+        ..EngineSetup::default()
+    };
+    let page = page_bytes_for(&[model.config().kv_shape()], 16).unwrap() as isize;
+    let recompute_64 = engine_bytes(&model, &setup(PreemptionMode::Recompute, 64));
+    let recompute_0 = engine_bytes(&model, &setup(PreemptionMode::Recompute, 0));
+    let swap_64 = engine_bytes(&model, &setup(PreemptionMode::Swap, 64));
+    eprintln!(
+        "page {page} B; recompute with 64 swap blocks {recompute_64} B, with 0 {recompute_0} \
+         B; swap with 64 {swap_64} B"
+    );
+    // Under recompute the swap setting changes nothing (less than a page of difference).
+    assert!(
+        (recompute_64 - recompute_0).abs() < page,
+        "recompute preemption allocated {} bytes ({} pages) more for 64 swap blocks it never \
+         uses",
+        recompute_64 - recompute_0,
+        (recompute_64 - recompute_0) / page
+    );
+    // Under swap the space is still there, and the engine still runs.
+    assert!(
+        swap_64 - recompute_0 >= 63 * page,
+        "{swap_64} vs {recompute_0}"
+    );
+    for preemption in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+        let mut engine = build_engine(model.config(), &setup(preemption, 64)).unwrap();
+        let req = SeqRequest {
+            id: 1,
+            prompt: vec![1, 2, 3],
+            stop: StopRules {
+                max_new_tokens: 4,
+                eos: vec![],
+                stop_sequences: vec![],
+            },
+            priority: Priority::Throughput,
+        };
+        let out = generate(&mut engine, &mut model, [req], 100).unwrap();
+        assert_eq!(out.outputs[&1].len(), 4);
+    }
+}

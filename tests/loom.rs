@@ -21,3 +21,25 @@ mod prefix;
 mod stream;
 #[path = "loom/table.rs"]
 mod table;
+
+/// `loom::model(f)`, failing if loom ran `f` only once. A model whose threads loom never
+/// interleaves proves nothing, and loom's DPOR can miss a race entirely when the spawned
+/// thread's first access comes after the main thread's (four models here ran once each,
+/// green, until this check; see tests/loom/pool.rs). Every model goes through it.
+pub(crate) fn model<F>(f: F)
+where
+    F: Fn() + Sync + Send + 'static,
+{
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let runs = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    loom::model(move || {
+        counted.fetch_add(1, Ordering::Relaxed);
+        f();
+    });
+    let runs = runs.load(Ordering::Relaxed);
+    assert!(
+        runs > 1,
+        "loom explored {runs} interleaving: the model races nothing"
+    );
+}

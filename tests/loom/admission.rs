@@ -64,7 +64,7 @@ fn one_slot(policy: OverflowPolicy) -> Arc<Admission<u32, u32>> {
 
 #[test]
 fn drop_oldest_racing_pop() {
-    loom::model(|| {
+    crate::model(|| {
         let q = one_slot(OverflowPolicy::DropOldest);
         let mut ta = q.try_submit(1, P, W0).unwrap();
         let submitter = {
@@ -110,7 +110,7 @@ fn drop_oldest_racing_pop() {
 
 #[test]
 fn blocking_submit_is_woken_by_pop() {
-    loom::model(|| {
+    crate::model(|| {
         let q = one_slot(OverflowPolicy::Block);
         let _ta = q.try_submit(1, P, W0).unwrap();
         let submitter = {
@@ -133,7 +133,7 @@ fn blocking_submit_is_woken_by_pop() {
 
 #[test]
 fn close_wakes_blocked_submit() {
-    loom::model(|| {
+    crate::model(|| {
         let q = one_slot(OverflowPolicy::Block);
         let _ta = q.try_submit(1, P, W0).unwrap();
         let submitter = {
@@ -148,7 +148,7 @@ fn close_wakes_blocked_submit() {
 
 #[test]
 fn pop_wait_is_woken_by_submit() {
-    loom::model(|| {
+    crate::model(|| {
         let q = one_slot(OverflowPolicy::DropNewest);
         let worker = {
             let q = q.clone();
@@ -166,7 +166,7 @@ fn pop_wait_is_woken_by_submit() {
 
 #[test]
 fn ticket_oneshot_complete_races_poll_and_drop() {
-    loom::model(|| {
+    crate::model(|| {
         let q = one_slot(OverflowPolicy::DropNewest);
         let t1 = q.try_submit(1, P, W0).unwrap();
         let job = q.pop(0).unwrap().unwrap();
@@ -189,7 +189,7 @@ fn ticket_oneshot_complete_races_poll_and_drop() {
 
 #[test]
 fn abandoned_job_wakes_ticket() {
-    loom::model(|| {
+    crate::model(|| {
         let q = one_slot(OverflowPolicy::Block);
         let t = q.try_submit(1, P, W0).unwrap();
         let job = q.pop(0).unwrap().unwrap();
@@ -207,7 +207,7 @@ fn abandoned_job_wakes_ticket() {
 /// taking the other (the ring reports Busy, which a non-blocking submit reports as full).
 #[test]
 fn two_producers_multi_slot_ring() {
-    loom::model(|| {
+    crate::model(|| {
         let q = Arc::new(
             Admission::<u32, u32>::new(AdmissionConfig::new(1, 2, OverflowPolicy::DropNewest))
                 .unwrap(),
@@ -295,7 +295,7 @@ fn two_producers_multi_slot_ring() {
 /// eviction, if any, takes request 1 (the oldest of a full queue), never request 2.
 #[test]
 fn drop_oldest_evicts_only_a_full_queue() {
-    loom::model(|| {
+    crate::model(|| {
         let q = Arc::new(
             Admission::<u32, u32>::new(AdmissionConfig::new(1, 2, OverflowPolicy::DropOldest))
                 .unwrap(),
@@ -355,7 +355,7 @@ fn drop_oldest_evicts_only_a_full_queue() {
 /// second poll trusted the first registration, the worker would park forever (a loom deadlock).
 #[test]
 fn pop_wait_with_a_waker_replaced_between_polls() {
-    loom::model(|| {
+    crate::model(|| {
         let q = one_slot(OverflowPolicy::DropNewest);
         let worker = {
             let q = q.clone();
@@ -385,7 +385,7 @@ fn pop_wait_with_a_waker_replaced_between_polls() {
 /// one poll admitted it.
 #[test]
 fn withdrawn_submit_beside_a_waiting_one() {
-    loom::model(|| {
+    crate::model(|| {
         let q = one_slot(OverflowPolicy::Block);
         let _t1 = q.try_submit(1, P, W0).unwrap();
         let waiting = {
@@ -432,7 +432,7 @@ fn withdrawn_submit_beside_a_waiting_one() {
 /// An idle worker parked in `pop_wait` while the queue set is closed: woken, it ends `Closed`.
 #[test]
 fn pop_wait_against_close() {
-    loom::model(|| {
+    crate::model(|| {
         let q = one_slot(OverflowPolicy::Block);
         let worker = {
             let q = q.clone();
@@ -452,7 +452,7 @@ fn pop_wait_against_close() {
 /// in `join`.)
 #[test]
 fn submit_racing_close_is_refused_or_drained() {
-    loom::model(|| {
+    crate::model(|| {
         let q = one_slot(OverflowPolicy::DropNewest);
         let submitter = {
             let q = q.clone();

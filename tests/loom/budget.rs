@@ -21,7 +21,7 @@ fn active_engine(c: &BudgetCoordinator) -> EngineId {
 /// Two acquirers of 2 tokens against a budget of 3, one of them releasing: never both outstanding.
 #[test]
 fn token_acquirers_never_over_grant() {
-    loom::model(|| {
+    crate::model(|| {
         let c = Arc::new(coordinator(1, 3, 1));
         let e = active_engine(&c);
         let outstanding = Arc::new(AtomicU64::new(0));
@@ -57,7 +57,7 @@ fn token_acquirers_never_over_grant() {
 /// twice: the grant counts in exactly one step.
 #[test]
 fn begin_step_racing_acquirers() {
-    loom::model(|| {
+    crate::model(|| {
         let c = Arc::new(coordinator(1, 3, 1));
         let e = active_engine(&c);
         assert!(c.try_acquire_tokens(e, 2));
@@ -81,7 +81,7 @@ fn begin_step_racing_acquirers() {
 /// Two engines racing for the last blocks: per-engine limits and the pool total both hold.
 #[test]
 fn block_acquirers_respect_pool_total() {
-    loom::model(|| {
+    crate::model(|| {
         // Pool of 2; engine a active (quota 1 + borrows b's idle 1 = limit 2), b idle (limit 1).
         let c = Arc::new(coordinator(2, 2, 2));
         let a = c.register(1).unwrap();
@@ -110,7 +110,7 @@ fn block_acquirers_respect_pool_total() {
 /// is the water-filling of the final inputs.
 #[test]
 fn recompute_racing_acquire() {
-    loom::model(|| {
+    crate::model(|| {
         let c = Arc::new(coordinator(2, 4, 2));
         let a = c.register(1).unwrap();
         let b = c.register(1).unwrap();
@@ -141,7 +141,7 @@ fn recompute_racing_acquire() {
 /// returned, either the budgets reflect every change or the request is still marked dirty.
 #[test]
 fn concurrent_recomputes_lose_no_request() {
-    loom::model(|| {
+    crate::model(|| {
         let c = Arc::new(coordinator(2, 4, 2));
         let a = c.register(1).unwrap();
         let b = c.register(1).unwrap();
@@ -177,7 +177,7 @@ fn concurrent_recomputes_lose_no_request() {
 /// only after its figures are zeroed, and the final publication gives the survivor everything.
 #[test]
 fn register_deregister_racing_recompute() {
-    loom::model(|| {
+    crate::model(|| {
         let c = Arc::new(coordinator(2, 4, 4));
         let old = active_engine(&c);
         let t = {
@@ -219,7 +219,7 @@ fn register_deregister_racing_recompute() {
 /// (those writes after the slot was LEAVING) the new engine ended idle with its grant erased.
 #[test]
 fn deregister_does_not_touch_a_reused_slot() {
-    loom::model(|| {
+    crate::model(|| {
         let c = Arc::new(coordinator(1, 4, 4));
         let old = active_engine(&c);
         assert!(c.try_acquire_tokens(old, 2));
@@ -260,7 +260,7 @@ fn single(limit: u32) -> (Arc<BudgetCoordinator>, EngineId) {
 /// its own) cannot hide an over-grant of the engine's budget.
 #[test]
 fn bogus_token_release_never_lets_an_acquirer_over_grant() {
-    loom::model(|| {
+    crate::model(|| {
         let c = Arc::new(
             BudgetCoordinator::new(BudgetConfig::new(1, 20, 20).with_cap_permille(500)).unwrap(),
         );
@@ -288,7 +288,7 @@ fn bogus_token_release_never_lets_an_acquirer_over_grant() {
 /// took the pool's count below zero), and the acquirer of 6 must be refused.
 #[test]
 fn bogus_block_release_is_refused_and_never_over_grants() {
-    loom::model(|| {
+    crate::model(|| {
         let (c, e) = single(10);
         c.try_acquire_blocks(e, 5).unwrap();
         let failing = {
@@ -316,7 +316,7 @@ fn bogus_block_release_is_refused_and_never_over_grants() {
 /// grant in release (2 blocks held against a limit of 1).
 #[test]
 fn bogus_block_release_cannot_wrap_the_counter_into_a_grant() {
-    loom::model(|| {
+    crate::model(|| {
         // Two active engines of weight 1 over 2 blocks: limit 1 each.
         let c = Arc::new(coordinator(2, 2, 2));
         let a = c.register(1).unwrap();
@@ -326,10 +326,15 @@ fn bogus_block_release_cannot_wrap_the_counter_into_a_grant() {
         c.recompute();
         assert_eq!(c.block_limit(a), 1);
         c.try_acquire_blocks(a, 1).unwrap();
+        // A refused release and a refused acquire only read: the held block is also given
+        // back and taken again beside them, so that the counter moves under the bogus release
+        // (without those writes loom has one interleaving to run).
         let bogus = {
             let c = c.clone();
             thread::spawn(move || assert!(c.release_blocks(a, 2).is_err()))
         };
+        c.release_blocks(a, 1).unwrap();
+        c.try_acquire_blocks(a, 1).unwrap();
         assert!(
             c.try_acquire_blocks(a, 1).is_err(),
             "2 blocks held against a limit of 1"
@@ -345,7 +350,7 @@ fn bogus_block_release_cannot_wrap_the_counter_into_a_grant() {
 /// engines are at most 4 (before the fix b was granted at once: 5 of 4).
 #[test]
 fn global_token_cap_holds_across_a_step_reset() {
-    loom::model(|| {
+    crate::model(|| {
         let c = Arc::new(coordinator(2, 4, 2));
         let a = c.register(1).unwrap();
         let b = c.register(1).unwrap();
@@ -395,7 +400,7 @@ fn global_token_cap_holds_across_a_step_reset() {
 /// counters agree with the grants afterwards.
 #[test]
 fn partial_token_acquire_racing_a_reset() {
-    loom::model(|| {
+    crate::model(|| {
         let c = Arc::new(coordinator(2, 4, 2));
         let a = c.register(1).unwrap();
         let b = c.register(1).unwrap();
@@ -436,7 +441,7 @@ fn partial_token_acquire_racing_a_reset() {
 /// stayed set and every later recompute deferred.
 #[test]
 fn panicking_publisher_releases_and_keeps_deferred_requests() {
-    loom::model(|| {
+    crate::model(|| {
         let mut c = coordinator(2, 4, 2);
         let a = c.register(1).unwrap();
         let b = c.register(1).unwrap();
@@ -482,7 +487,7 @@ fn panicking_publisher_releases_and_keeps_deferred_requests() {
 /// to the grants, and the device counters to the engine's.
 #[test]
 fn release_retries_against_a_concurrent_acquire() {
-    loom::model(|| {
+    crate::model(|| {
         let (c, e) = single(4);
         assert!(c.try_acquire_tokens(e, 2));
         c.try_acquire_blocks(e, 2).unwrap();
@@ -517,7 +522,7 @@ fn release_retries_against_a_concurrent_acquire() {
 /// tokens of 4.
 #[test]
 fn global_token_cap_holds_under_a_concurrent_recompute() {
-    loom::model(|| {
+    crate::model(|| {
         let c = Arc::new(coordinator(2, 4, 2));
         let a = c.register(1).unwrap();
         let b = c.register(1).unwrap();

@@ -20,7 +20,7 @@ fn pool(n: u32) -> Arc<BlockPool> {
 /// none is lost.
 #[test]
 fn concurrent_alloc_free() {
-    loom::model(|| {
+    crate::model(|| {
         let p = pool(2);
         let handles: Vec<_> = (0..2u16)
             .map(|e| {
@@ -50,19 +50,21 @@ fn concurrent_alloc_free() {
 /// nothing, and the pool ends consistent either way.
 #[test]
 fn alloc_n_against_free_n() {
-    loom::model(|| {
+    crate::model(|| {
         let p = pool(3);
         let mut held = Vec::new();
         p.alloc_n(EngineId(0), 2, &mut held).unwrap();
-        let freer = {
+        // The grab on the spawned thread: the other way round loom ran one interleaving.
+        let grab = {
             let p = p.clone();
             thread::spawn(move || {
-                assert_eq!(p.free_n(&held), Ok(2));
+                let mut got = Vec::new();
+                let r = p.alloc_n(EngineId(1), 2, &mut got);
+                (r, got)
             })
         };
-        let mut got = Vec::new();
-        let r = p.alloc_n(EngineId(1), 2, &mut got);
-        freer.join().unwrap();
+        assert_eq!(p.free_n(&held), Ok(2));
+        let (r, got) = grab.join().unwrap();
         match r {
             Ok(()) => {
                 assert_eq!(got.len(), 2);
@@ -84,7 +86,7 @@ fn alloc_n_against_free_n() {
 /// once.
 #[test]
 fn share_release_race_to_zero() {
-    loom::model(|| {
+    crate::model(|| {
         let p = pool(1);
         let a = p.alloc(EngineId(0)).unwrap();
         p.share(a).unwrap();
@@ -105,7 +107,7 @@ fn share_release_race_to_zero() {
 /// reference) or it is refused (the block is free); never both.
 #[test]
 fn share_racing_last_release() {
-    loom::model(|| {
+    crate::model(|| {
         let p = pool(1);
         let a = p.alloc(EngineId(0)).unwrap();
         let sharer = {
@@ -159,7 +161,7 @@ fn drain_and_check(p: &BlockPool, held: &[BlockId]) {
 /// as the new top, and that block is handed out twice.
 #[test]
 fn pop_pop_push_aba() {
-    loom::model(|| {
+    crate::model(|| {
         let p = pool(3);
         let popper = {
             let p = p.clone();
@@ -177,7 +179,7 @@ fn pop_pop_push_aba() {
 /// and pushed back meanwhile must be discarded by the CAS.
 #[test]
 fn alloc_n_pop_pop_push_aba() {
-    loom::model(|| {
+    crate::model(|| {
         let p = pool(4);
         let taker = {
             let p = p.clone();
@@ -200,7 +202,7 @@ fn alloc_n_pop_pop_push_aba() {
 /// and the counts add up whichever order the three take.
 #[test]
 fn two_alloc_n_racing_free_n() {
-    loom::model(|| {
+    crate::model(|| {
         let p = pool(4);
         let mut held = Vec::new();
         p.alloc_n(EngineId(0), 2, &mut held).unwrap();
@@ -235,7 +237,7 @@ fn two_alloc_n_racing_free_n() {
 /// first block at zero references, off the free list).
 #[test]
 fn free_n_racing_a_double_release() {
-    loom::model(|| {
+    crate::model(|| {
         let p = pool(2);
         let mut ids = Vec::new();
         p.alloc_n(EngineId(0), 2, &mut ids).unwrap();
@@ -277,16 +279,17 @@ fn free_n_racing_a_double_release() {
 /// whatever the interleaving, no block is handed out twice and none is lost.
 #[test]
 fn magazine_pop_racing_push() {
-    loom::model(|| {
+    crate::model(|| {
         let p = pool(3);
         let mut held = Vec::new();
         p.alloc_n(EngineId(0), 2, &mut held).unwrap();
-        let freer = {
+        // The pop on the spawned thread: the other way round loom ran one interleaving.
+        let popper = {
             let p = p.clone();
-            thread::spawn(move || assert_eq!(p.free_n(&held), Ok(2)))
+            thread::spawn(move || p.alloc(EngineId(0)).unwrap())
         };
-        let got = p.alloc(EngineId(0)).unwrap();
-        freer.join().unwrap();
+        assert_eq!(p.free_n(&held), Ok(2));
+        let got = popper.join().unwrap();
         assert_eq!(p.held(EngineId(0)), 1);
         assert_eq!(p.free_count(), 2);
         drain_and_check(&p, &[got]);
@@ -298,7 +301,7 @@ fn magazine_pop_racing_push() {
 /// tag bump must fail the popper's CAS, or it would hand out a block the main thread holds.
 #[test]
 fn magazine_pop_pop_push_aba() {
-    loom::model(|| {
+    crate::model(|| {
         let p = pool(2);
         let mut two = Vec::new();
         p.alloc_n(EngineId(0), 2, &mut two).unwrap();
@@ -324,17 +327,21 @@ fn magazine_pop_pop_push_aba() {
 /// that really held fewer than two free blocks; once the free is done, the request succeeds.
 #[test]
 fn alloc_n_reaches_blocks_in_another_magazine() {
-    loom::model(|| {
+    crate::model(|| {
         let p = pool(2);
         let mut held = Vec::new();
         p.alloc_n(EngineId(0), 2, &mut held).unwrap();
-        let freer = {
+        // The request on the spawned thread: the other way round loom ran one interleaving.
+        let request = {
             let p = p.clone();
-            thread::spawn(move || assert_eq!(p.free_n(&held), Ok(2)))
+            thread::spawn(move || {
+                let mut got = Vec::new();
+                let first = p.alloc_n(EngineId(1), 2, &mut got);
+                (first, got)
+            })
         };
-        let mut got = Vec::new();
-        let first = p.alloc_n(EngineId(1), 2, &mut got);
-        freer.join().unwrap();
+        assert_eq!(p.free_n(&held), Ok(2));
+        let (first, mut got) = request.join().unwrap();
         match first {
             Ok(()) => assert_eq!(got.len(), 2),
             Err(PoolError::OutOfBlocks { requested: 2, free }) => {
@@ -357,7 +364,7 @@ fn alloc_n_reaches_blocks_in_another_magazine() {
 /// Without that, both would write the entry at the same count and one block would be lost.
 #[test]
 fn magazine_two_pushers() {
-    loom::model(|| {
+    crate::model(|| {
         let p = pool(2);
         let mut two = Vec::new();
         p.alloc_n(EngineId(0), 2, &mut two).unwrap();
@@ -380,7 +387,7 @@ fn magazine_two_pushers() {
 /// whichever way the race goes, and no block is lost or freed twice.
 #[test]
 fn free_n_fast_path_undo_racing_a_double_release() {
-    loom::model(|| {
+    crate::model(|| {
         let p = pool(2);
         let mut ids = Vec::new();
         p.alloc_n(EngineId(0), 2, &mut ids).unwrap();

@@ -80,7 +80,7 @@ fn spawn_lookup(w: &World) -> thread::JoinHandle<Option<u64>> {
 /// The owner of a cached page forgets it and, holding the only reference, rewrites it with
 /// NEW's content and caches it again, while a lookup for OLD runs.
 fn forget_and_rewrite(validate: bool) {
-    loom::model(move || {
+    crate::model(move || {
         let w = world(1, validate);
         let id = cached_old(&w);
         let lookup = spawn_lookup(&w);
@@ -117,7 +117,7 @@ fn without_the_recheck_a_stale_hit_is_found() {
 /// for OLD runs: the lookup either misses or holds the page before eviction could free it.
 #[test]
 fn lookup_racing_evict_and_reallocate() {
-    loom::model(|| {
+    crate::model(|| {
         let w = world(1, true);
         let id = cached_old(&w);
         w.pool.release(id).unwrap(); // cached-free
@@ -147,7 +147,7 @@ fn lookup_racing_evict_and_reallocate() {
 /// cache's reference from under the hit.
 #[test]
 fn lookup_racing_eviction_of_its_page() {
-    loom::model(|| {
+    crate::model(|| {
         let w = world(1, true);
         let id = cached_old(&w);
         w.pool.release(id).unwrap(); // cached-free
@@ -180,7 +180,7 @@ fn lookup_racing_eviction_of_its_page() {
 /// or not) fails this.
 #[test]
 fn lookup_racing_clear() {
-    loom::model(|| {
+    crate::model(|| {
         let w = world(1, true);
         let id = cached_old(&w);
         w.pool.release(id).unwrap(); // cached-free
@@ -215,7 +215,7 @@ fn lookup_racing_clear() {
 /// reference accounted for.
 #[test]
 fn lookup_racing_insert() {
-    loom::model(|| {
+    crate::model(|| {
         let w = world(1, true);
         let id = w.pool.alloc(EngineId(0)).unwrap();
         w.content[0].store(1, Ordering::Relaxed);
@@ -237,7 +237,7 @@ fn lookup_racing_insert() {
 /// finds one of them, and the cache's references match what it holds.
 #[test]
 fn racing_inserts_of_one_hash() {
-    loom::model(|| {
+    crate::model(|| {
         let w = world(2, true);
         let a = w.pool.alloc(EngineId(0)).unwrap();
         let b = w.pool.alloc(EngineId(0)).unwrap();
@@ -275,7 +275,7 @@ fn racing_inserts_of_one_hash() {
 /// of budget.
 #[test]
 fn a_held_hit_reads_as_cached_while_an_eviction_passes() {
-    loom::model(|| {
+    crate::model(|| {
         let w = world(1, true);
         let id = cached_old(&w);
         w.pool.release(id).unwrap(); // cached-free
@@ -338,7 +338,7 @@ fn world_with_log(pages: u32) -> (World, Log) {
 /// page the cache no longer held.
 #[test]
 fn a_page_stored_then_forgotten_reports_in_that_order() {
-    loom::model(|| {
+    crate::model(|| {
         let (w, log) = world_with_log(1);
         let id = w.pool.alloc(EngineId(0)).unwrap();
         let h = hash_of(&w.cache, &OLD);
@@ -369,7 +369,7 @@ fn a_page_stored_then_forgotten_reports_in_that_order() {
 /// it and cache it first, and a page-keyed mirror then dropped the new entry.
 #[test]
 fn an_evicted_page_reports_removed_before_its_next_store() {
-    loom::model(|| {
+    crate::model(|| {
         let (w, log) = world_with_log(1);
         let id = w.pool.alloc(EngineId(0)).unwrap();
         let h = hash_of(&w.cache, &OLD);

@@ -83,7 +83,7 @@ fn drain(rx: &mut TokenStream) -> (Vec<u32>, Result<StreamEvent, StreamError>) {
 
 #[test]
 fn sends_and_finish_racing_polls_deliver_everything_in_order() {
-    loom::model(|| {
+    crate::model(|| {
         let (mut tx, mut rx) = token_stream(3).unwrap();
         let sender = thread::spawn(move || {
             tx.send(&[1]).unwrap();
@@ -100,7 +100,7 @@ fn sends_and_finish_racing_polls_deliver_everything_in_order() {
 
 #[test]
 fn a_send_racing_the_read_that_frees_its_slot() {
-    loom::model(|| {
+    crate::model(|| {
         let (mut tx, mut rx) = token_stream(1).unwrap();
         let sender = thread::spawn(move || {
             tx.send(&[1]).unwrap();
@@ -129,7 +129,7 @@ fn a_send_racing_the_read_that_frees_its_slot() {
 
 #[test]
 fn the_readers_drop_racing_sends() {
-    loom::model(|| {
+    crate::model(|| {
         let (mut tx, mut rx) = token_stream(2).unwrap();
         let sender = thread::spawn(move || {
             let a = tx.send(&[1]);
@@ -162,7 +162,7 @@ fn the_readers_drop_racing_sends() {
 
 #[test]
 fn a_dropped_sender_wakes_the_reader_with_abandoned() {
-    loom::model(|| {
+    crate::model(|| {
         let (mut tx, mut rx) = token_stream(2).unwrap();
         let sender = thread::spawn(move || {
             tx.send(&[7]).unwrap();
@@ -184,7 +184,7 @@ fn a_repoll_with_a_new_waker_is_woken_through_it() {
             self.0.fetch_add(1, Ordering::Relaxed);
         }
     }
-    loom::model(|| {
+    crate::model(|| {
         let (mut tx, mut rx) = token_stream(2).unwrap();
         let sender = thread::spawn(move || {
             tx.send(&[4]).unwrap();

@@ -8,7 +8,7 @@ use pagedkv::block::{BlockId, BlockPool, BlockTable, EngineId, PoolConfig};
 /// snapshot is a state the table actually had.
 #[test]
 fn append_truncate_against_reader() {
-    loom::model(|| {
+    crate::model(|| {
         let pool = Arc::new(
             BlockPool::new(PoolConfig {
                 device: 0,
@@ -47,7 +47,7 @@ fn append_truncate_against_reader() {
 /// states the child had, and dropping every table returns every block.
 #[test]
 fn replace_racing_fork() {
-    loom::model(|| {
+    crate::model(|| {
         let pool = Arc::new(
             BlockPool::new(PoolConfig {
                 device: 0,
@@ -93,7 +93,7 @@ fn replace_racing_fork() {
 /// is one of the four states the writer passed through.
 #[test]
 fn replace_then_truncate_against_reader() {
-    loom::model(|| {
+    crate::model(|| {
         let pool = Arc::new(
             BlockPool::new(PoolConfig {
                 device: 0,
@@ -134,7 +134,7 @@ fn replace_then_truncate_against_reader() {
 /// a state). Fails if `replace` stores the slot without starting a new epoch.
 #[test]
 fn append_then_replace_against_reader() {
-    loom::model(|| {
+    crate::model(|| {
         let pool = Arc::new(
             BlockPool::new(PoolConfig {
                 device: 0,

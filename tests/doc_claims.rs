@@ -15,6 +15,7 @@ struct Counting;
 
 thread_local! {
     static ALLOCS: Cell<u64> = const { Cell::new(0) };
+    static BYTES: Cell<u64> = const { Cell::new(0) };
 }
 
 // SAFETY: forwards every call to the system allocator unchanged; the counter is a
@@ -22,6 +23,7 @@ thread_local! {
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
+        let _ = BYTES.try_with(|c| c.set(c.get() + l.size() as u64));
         // SAFETY: the caller's contract, passed on.
         unsafe { System.alloc(l) }
     }
@@ -31,6 +33,7 @@ unsafe impl GlobalAlloc for Counting {
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
         let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
+        let _ = BYTES.try_with(|c| c.set(c.get() + n as u64));
         // SAFETY: the caller's contract, passed on.
         unsafe { System.realloc(p, l, n) }
     }
@@ -41,6 +44,11 @@ static GLOBAL: Counting = Counting;
 
 fn allocs() -> u64 {
     ALLOCS.with(|c| c.get())
+}
+
+/// Bytes asked of the allocator on this thread so far.
+fn bytes() -> u64 {
+    BYTES.with(|c| c.get())
 }
 
 const BS: u32 = 16;
@@ -61,6 +69,10 @@ fn pool(blocks: u32) -> Arc<BlockPool> {
 }
 
 fn batcher_on(pool: Arc<BlockPool>) -> Batcher {
+    batcher_with_tables(pool, 64)
+}
+
+fn batcher_with_tables(pool: Arc<BlockPool>, max_blocks_per_seq: u32) -> Batcher {
     Batcher::new(
         BatcherConfig {
             engine: EngineId(0),
@@ -68,7 +80,7 @@ fn batcher_on(pool: Arc<BlockPool>) -> Batcher {
             max_running: 64,
             max_batched_tokens: 4096,
             max_prefill_chunk: 4096,
-            max_blocks_per_seq: 64,
+            max_blocks_per_seq,
             preemption: PreemptionMode::Recompute,
             swap_blocks: 0,
         },
@@ -161,4 +173,25 @@ fn prefix_metrics_count_every_lookup_and_batcher_stats_count_prompts() {
     assert_eq!((m.hit_tokens, m.lookup_tokens), (6 * 32, 32 + 6 * 32));
     let s = bt.stats();
     assert_eq!((s.prefix_hit_tokens, s.prefix_prompt_tokens), (32, 33 + 40));
+}
+
+/// `max_blocks_per_seq` is a limit ("most blocks one sequence may hold"), not a size: every
+/// request's block table was allocated at that capacity, 8 bytes a block, so a server that set
+/// it high to mean "no limit" (u32::MAX: 32 GiB) had each request abort the process. A table
+/// now holds what its request can reach at its longest.
+#[test]
+fn a_request_allocates_for_its_own_length_not_the_table_limit() {
+    let mut bt = batcher_with_tables(pool(64), 1 << 24);
+    let before = bytes();
+    bt.add(req(1, 40, 24)).unwrap(); // 63 tokens: 4 blocks
+    let added = bytes() - before;
+    assert!(added < 4096, "adding one request allocated {added} bytes");
+    // And it runs to its end within that table.
+    let mut fin = Vec::new();
+    while bt.has_work() {
+        let n = bt.schedule_into(&mut fin).num_samples();
+        bt.commit(&vec![7; n], &mut fin).unwrap();
+    }
+    assert_eq!(fin.len(), 1);
+    assert_eq!(fin[0].output.len(), 24);
 }

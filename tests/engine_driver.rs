@@ -1223,3 +1223,39 @@ fn an_id_whose_end_is_not_yet_reported_is_not_reused() {
     drop(engines);
     assert_no_leak(&shared);
 }
+
+/// A query-head count whose output rows overflow (heads x head dim past what the kernels index
+/// with 32 bits) is refused when the engine is built: it was accepted, and each step's output
+/// size then overflowed (a panic in debug, a wrapped size in release).
+#[test]
+fn query_heads_whose_rows_overflow_are_refused() {
+    let shape = ModelKvShape {
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 32,
+        dtype: KvDtype::F32,
+    };
+    let page_bytes = page_bytes_for(&[shape], 16).unwrap();
+    let shared = SharedArena::host(BudgetConfig::new(1, 128, 64), page_bytes).unwrap();
+    for heads in [usize::MAX, (i32::MAX as usize) / 32 + 1] {
+        let r: Result<Engine<HostBackend<f32>>, _> = Engine::host(
+            &shared,
+            engine_config(PreemptionMode::Recompute),
+            &shape,
+            heads,
+        );
+        assert!(
+            matches!(r, Err(EngineError::InvalidConfig(_))),
+            "{heads} query heads: {:?}",
+            r.map(|_| ())
+        );
+    }
+    let fits = (i32::MAX as usize) / 32;
+    let ok: Result<Engine<HostBackend<f32>>, _> = Engine::host(
+        &shared,
+        engine_config(PreemptionMode::Recompute),
+        &shape,
+        fits,
+    );
+    assert!(ok.is_ok(), "{:?}", ok.map(|_| ()));
+}

@@ -71,12 +71,24 @@ impl<T: KvElem> HostBackend<T> {
     }
 }
 
-/// Checks that `query_heads` is a positive multiple of the cache's KV heads.
+/// Checks that `query_heads` is a positive multiple of the cache's KV heads and that a
+/// token's query row (`query_heads x head_dim` elements) fits in an `i32`.
 pub(crate) fn check_heads(cfg: &KvCacheConfig, query_heads: usize) -> Result<(), EngineError> {
     if query_heads == 0 || query_heads % cfg.num_kv_heads() != 0 {
         return Err(EngineError::InvalidConfig(format!(
             "{query_heads} query heads is not a positive multiple of {} KV heads",
             cfg.num_kv_heads()
+        )));
+    }
+    // A token's query row is indexed with 32 bits by the kernels; bounded here, a step's
+    // output (tokens x row, tokens a u32) cannot overflow either.
+    if query_heads
+        .checked_mul(cfg.head_dim())
+        .is_none_or(|row| row > i32::MAX as usize)
+    {
+        return Err(EngineError::InvalidConfig(format!(
+            "{query_heads} query heads of {} dims: a token's row exceeds i32::MAX elements",
+            cfg.head_dim()
         )));
     }
     Ok(())

@@ -432,11 +432,10 @@ impl Batcher {
             prompt_len: req.prompt.len(),
             tokens: req.prompt,
             computed: 0,
-            table: BlockTable::new(
-                Arc::clone(&self.pool),
-                self.cfg.engine,
-                self.cfg.max_blocks_per_seq,
-            ),
+            // Sized for the longest the request can grow (checked above to be within the
+            // limit): `max_blocks_per_seq` bounds it, but allocating that (8 bytes a block)
+            // for every request made a generous limit cost gigabytes each.
+            table: BlockTable::new(Arc::clone(&self.pool), self.cfg.engine, blocks as u32),
             phase: SeqPhase::Waiting,
             swapped_from: SeqPhase::Prefilling,
             arrival: self.arrivals,

@@ -38,9 +38,16 @@ pub enum Error {
         /// The file's `{arch}.context_length`.
         context_length: u32,
     },
-    /// The engine did not finish its requests within the step limit.
-    #[error("the engine still had work after {0} steps")]
-    StepLimit(u64),
+    /// The engine did not finish its requests within the step limit. `partial` holds what
+    /// the steps produced: the outputs of the sequences that finished (the others are still
+    /// queued in the engine, which can be stepped on).
+    #[error("the engine still had work after {steps} steps")]
+    StepLimit {
+        /// The limit reached.
+        steps: u64,
+        /// The finished sequences' outputs and the counters of the steps run.
+        partial: Box<crate::Generation>,
+    },
 }
 
 impl Error {

@@ -147,7 +147,11 @@ pub fn generate<B: KvBackend, M: StepModel<B> + AsRef<PagedLlama> + ?Sized>(
     let start = Instant::now();
     while engine.has_work() {
         if gen.steps == max_steps {
-            return Err(Error::StepLimit(max_steps));
+            gen.elapsed = start.elapsed();
+            return Err(Error::StepLimit {
+                steps: max_steps,
+                partial: Box::new(gen),
+            });
         }
         let report = engine.step(model)?;
         gen.steps += 1;

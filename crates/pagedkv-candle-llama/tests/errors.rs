@@ -330,3 +330,28 @@ fn the_fixture_refuses_impossible_shapes() {
         assert!(matches!(r, Ok(Err(_))), "{what}: {r:?}");
     }
 }
+
+/// A generation cut off by its step limit hands back what it produced: the sequences that
+/// finished within the limit are in the error (the error carried only the limit, and their
+/// outputs, already taken from the engine, were lost), and the engine can be stepped on.
+#[test]
+fn a_step_limit_keeps_the_finished_outputs() {
+    let bytes = TinyLlama::f32().write(9).unwrap();
+    let mut model = load(&bytes).unwrap();
+    let mut engine = build_engine(model.config(), &EngineSetup::default()).unwrap();
+    let mut long = request(2, vec![4, 5, 6]);
+    long.stop.max_new_tokens = 60;
+    let short = request(1, vec![1, 2, 3]); // 4 tokens
+    let err = generate(&mut engine, &mut model, [short, long], 20).unwrap_err();
+    let Error::StepLimit { steps, partial } = err else {
+        panic!("{err}");
+    };
+    assert_eq!(steps, 20);
+    assert_eq!(partial.steps, 20);
+    assert_eq!(partial.outputs.len(), 1, "{:?}", partial.outputs);
+    assert_eq!(partial.outputs[&1].len(), 4);
+    assert!(partial.generated >= 4);
+    assert!(engine.has_work());
+    let rest = generate(&mut engine, &mut model, [], 200).unwrap();
+    assert_eq!(rest.outputs[&2].len(), 60);
+}

@@ -282,3 +282,31 @@ fn wait_after_try_take_is_an_error() {
     assert!(t.is_ready());
     assert_eq!(t.wait(), Err(pagedkv::error::AdmissionError::Taken));
 }
+
+/// Polling (awaiting) a ticket whose outcome `try_take` took says so, as `wait` does, instead
+/// of panicking: the poll never returned `Ready`, so the `Future` contract does not excuse it.
+#[test]
+fn poll_after_try_take_is_an_error() {
+    struct Noop;
+    impl Wake for Noop {
+        fn wake(self: Arc<Self>) {}
+    }
+    let q: Admission<u32, u32> =
+        Admission::new(AdmissionConfig::new(1, 4, OverflowPolicy::DropNewest)).unwrap();
+    let mut t = q
+        .try_submit(1, Priority::Throughput, Route::Worker(0))
+        .unwrap();
+    q.pop(0).unwrap().unwrap().complete(10);
+    assert_eq!(t.try_take(), Some(Ok(10)));
+    let waker = Waker::from(Arc::new(Noop));
+    let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        std::pin::Pin::new(&mut t).poll(&mut Context::from_waker(&waker))
+    }));
+    assert!(
+        matches!(
+            polled,
+            Ok(Poll::Ready(Err(pagedkv::error::AdmissionError::Taken)))
+        ),
+        "{polled:?}"
+    );
+}

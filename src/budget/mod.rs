@@ -49,7 +49,7 @@
 //! | [`publish_load`], [`clear_load`] | 1 store | wait-free |
 //! | [`pick_donor`] | O(max_engines) loads | wait-free |
 //! | [`reclaim_orders`] | O(max_engines) loads, allocates its result | bounded steps, but allocates |
-//! | [`snapshot`] | ≤ 8 passes of O(max_engines) loads, allocates its result | bounded steps, but allocates |
+//! | [`snapshot`], [`block_quotas`] | ≤ 8 passes of O(max_engines) loads, allocates its result | bounded steps, but allocates |
 //! | [`recompute`] (and [`register`], [`set_weight`], [`deregister`]) | ≤ [`MAX_ROUNDS`] rounds | bounded steps; may delegate |
 //!
 //! A release's loop retries only when its compare-exchange failed because another operation on
@@ -172,6 +172,7 @@
 //! [`acquire_tokens_up_to`]: BudgetCoordinator::acquire_tokens_up_to
 //! [`pick_donor`]: BudgetCoordinator::pick_donor
 //! [`snapshot`]: BudgetCoordinator::snapshot
+//! [`block_quotas`]: BudgetCoordinator::block_quotas
 //! [`recompute`]: BudgetCoordinator::recompute
 //! [`register`]: BudgetCoordinator::register
 //! [`set_weight`]: BudgetCoordinator::set_weight

@@ -1,4 +1,5 @@
-//! Observability: a snapshot of every engine's figures, read under the publication epoch.
+//! Observability: a snapshot of every engine's figures, and every engine's block quota, read
+//! under the publication epoch.
 
 use super::{unpack_load, BudgetCoordinator, EngineStats, Snapshot, JOINING, LIVE, USED_MASK};
 use crate::ids::EngineId;
@@ -57,5 +58,35 @@ impl BudgetCoordinator {
             }
             crate::sync::hint::spin_loop();
         }
+    }
+
+    /// Every slot's block quota, indexed by engine id (0 for a slot no engine holds): what
+    /// prefix-cache eviction weighs engines by ([`EngineShare`](crate::sched::EngineShare)).
+    /// Read under the publication epoch and retried like [`snapshot`](Self::snapshot), so the
+    /// quotas come from one publication: read slot by slot, they could pair one engine's
+    /// lowered quota with another's not yet raised (or, read before and after a whole
+    /// publication, an old quota with a new one). Only a publisher still writing through every
+    /// attempt leaves a mix, each quota then that of the publication before or of the one
+    /// being written.
+    pub fn block_quotas(&self) -> Vec<u32> {
+        const ATTEMPTS: u32 = 8;
+        let mut quotas = Vec::with_capacity(self.slots.len());
+        for attempt in 1..=ATTEMPTS {
+            quotas.clear();
+            // Acquire, and the fence below: as in `snapshot`.
+            let before = self.epoch.load(Ordering::Acquire);
+            quotas.extend(
+                self.slots
+                    .iter()
+                    .map(|slot| slot.block_quota.load(Ordering::Relaxed)),
+            );
+            fence(Ordering::Acquire);
+            let after = self.epoch.load(Ordering::Relaxed);
+            if (before == after && before % 2 == 0) || attempt == ATTEMPTS {
+                break;
+            }
+            crate::sync::hint::spin_loop();
+        }
+        quotas
     }
 }

@@ -77,11 +77,10 @@ impl EngineBudget for EngineShare {
         self.coordinator.guaranteed_blocks(self.engine)
     }
 
+    /// Every engine's quota, all from one publication
+    /// ([`BudgetCoordinator::block_quotas`]).
     fn block_quotas(&self) -> Vec<u32> {
-        let c = &self.coordinator;
-        (0..c.config().max_engines)
-            .map(|e| c.block_quota(EngineId(e)))
-            .collect()
+        self.coordinator.block_quotas()
     }
 
     /// Keeps the step's `tokens` and gives back the rest of what `token_budget` took, so that

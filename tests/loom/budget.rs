@@ -547,3 +547,32 @@ fn global_token_cap_holds_under_a_concurrent_recompute() {
         assert!(c.try_acquire_tokens(b, 2));
     });
 }
+
+/// Every engine's quotas read (`EngineShare::block_quotas`, what prefix-cache eviction weighs
+/// engines by) while a weight change republishes them: the publisher lowers a's quota before
+/// it raises b's, so reading the slots one by one can pair a's new quota with b's old one
+/// ([1, 2] of 4 blocks: b looks over its share, a publication that never existed). The
+/// figures must come from one publication.
+#[test]
+fn block_quotas_come_from_one_publication() {
+    use pagedkv::sched::{EngineBudget, EngineShare};
+    crate::model(|| {
+        let c = Arc::new(coordinator(2, 4, 4));
+        let a = c.register(1).unwrap();
+        let b = c.register(1).unwrap();
+        assert_eq!((c.block_quota(a), c.block_quota(b)), (2, 2));
+        let t = {
+            let c = c.clone();
+            thread::spawn(move || c.set_weight(b, 3).unwrap())
+        };
+        // Let the publisher start first too (loom's partial-order reduction does not move
+        // a load ahead of a store that the storing thread itself loaded just before).
+        thread::yield_now();
+        let quotas = EngineShare::new(c.clone(), a).block_quotas();
+        assert!(
+            quotas == [2, 2] || quotas == [1, 3],
+            "quotas {quotas:?} pair two publications"
+        );
+        t.join().unwrap();
+    });
+}

@@ -41,10 +41,13 @@
 //! - `submit(...).await` under [`OverflowPolicy::Block`] and `pop_wait` park the *task* (any
 //!   executor, or the thread with [`block_on`]) and are woken by the pop / submit that makes
 //!   room / work (register / `fence(SeqCst)` / re-check, so no wake-up is lost).
-//! - Under [`OverflowPolicy::DropOldest`] a submit **can block**: if the slot it needs is held
-//!   by a descheduled thread mid-way (a consumer reading it out, or the submitter of the oldest
-//!   request still writing it, so there is nothing to evict), it waits with `Backoff` (spinning,
-//!   then yielding its time slice) until that thread runs again.
+//! - Under [`OverflowPolicy::DropOldest`] a `try_submit` **can block**: if the slot it needs is
+//!   held by a descheduled thread mid-way (a consumer reading it out, or the submitter of the
+//!   oldest request still writing it, so there is nothing to evict), it waits with `Backoff`
+//!   (spinning, then yielding its time slice) until that thread runs again. A poll of
+//!   `submit(...)` does not wait there: it wakes its own task and returns `Pending`, and the
+//!   executor polls it again (no wait list serves this case, so the task is re-polled while
+//!   that thread stays descheduled).
 //!
 //! # Closing
 //!
@@ -364,6 +367,10 @@ enum Rejected<T, R> {
     Closed(Entry<T, R>),
     /// No usable slot now (`Block` and `DropNewest` only: drop-oldest evicts instead).
     Full(Entry<T, R>),
+    /// Drop-oldest, for a poll (`in_poll`): the slot the push needs, or the oldest request to
+    /// evict, is held by a thread mid-way. Only that thread's next step frees it, and no
+    /// wait list is woken by it, so the poll retries at its next one.
+    Busy(Entry<T, R>),
 }
 
 /// The closed flag in `WorkerCounters::submitting`; the bits below count attempts (at most one
@@ -461,7 +468,9 @@ impl Drop for Taken<'_> {
 enum Admit<T, R> {
     Admitted(Ticket<R>),
     Refused(Refused<T>),
-    /// The queue was full under [`OverflowPolicy::Block`]; the caller may wait.
+    /// The queue was full under [`OverflowPolicy::Block`]; the caller may wait. Or, for a
+    /// poll under [`OverflowPolicy::DropOldest`], a thread mid-way held the slot it needed
+    /// (`Rejected::Busy`); the caller retries at its next poll.
     Full {
         entry: Entry<T, R>,
         ticket: Ticket<R>,
@@ -559,8 +568,11 @@ impl<T, R> Admission<T, R> {
         }
     }
 
-    /// Admits `payload`, waiting for room under [`OverflowPolicy::Block`] (the other policies
-    /// resolve at the first poll, like `try_submit`). Runtime-agnostic: the returned future
+    /// Admits `payload`, waiting for room under [`OverflowPolicy::Block`] (`DropNewest` resolves
+    /// at the first poll, like `try_submit`; so does `DropOldest`, unless the slot it needs is
+    /// held by a thread mid-way: where `try_submit` then waits for that thread, the future
+    /// wakes its own task and returns `Pending`, to retry at its next poll; an eviction it made
+    /// before stays made). Runtime-agnostic: the returned future
     /// parks on the `Waker` it is polled with and is woken by the pop that frees room, or by
     /// [`Admission::close`] (then it resolves to `Closed`). Dropping it withdraws the request.
     pub fn submit(&self, payload: T, priority: Priority, route: Route) -> Submit<'_, T, R> {
@@ -575,7 +587,8 @@ impl<T, R> Admission<T, R> {
         }
     }
 
-    /// [`Admission::submit`], blocking the calling thread (parks it) instead of a task.
+    /// [`Admission::submit`], blocking the calling thread (parks it) instead of a task. Under
+    /// `DropNewest` and `DropOldest` it is [`try_submit`](Self::try_submit).
     #[cfg(not(loom))]
     pub fn submit_blocking(
         &self,
@@ -583,6 +596,12 @@ impl<T, R> Admission<T, R> {
         priority: Priority,
         route: Route,
     ) -> Result<Ticket<R>, Refused<T>> {
+        if self.policy != OverflowPolicy::Block {
+            // Nothing to park for: the other policies never wait for room. A drop-oldest
+            // submit can wait for a thread mid-way in its slot, which wakes nobody: the future
+            // re-polls itself (a busy loop here), `try_submit` backs off and yields.
+            return self.try_submit(payload, priority, route);
+        }
         block_on(self.submit(payload, priority, route))
     }
 
@@ -638,7 +657,7 @@ impl<T, R> Admission<T, R> {
         };
         let (tx, ticket) = oneshot::channel();
         let entry = Entry { payload, tx };
-        match self.enqueue(worker, priority, entry) {
+        match self.enqueue(worker, priority, entry, may_wait) {
             Ok(()) => Admit::Admitted(ticket),
             Err(Rejected::Closed(entry)) => Admit::Refused(self.refuse_closed(entry.payload)),
             Err(Rejected::Full(entry)) if may_wait && self.policy == OverflowPolicy::Block => {
@@ -648,6 +667,12 @@ impl<T, R> Admission<T, R> {
                     worker,
                 }
             }
+            // Only for a poll (`may_wait`), under drop-oldest.
+            Err(Rejected::Busy(entry)) => Admit::Full {
+                entry,
+                ticket,
+                worker,
+            },
             Err(Rejected::Full(entry)) => {
                 Counters::bump(&self.counters.workers[worker].rejected_full);
                 Admit::Refused(Refused {
@@ -680,11 +705,16 @@ impl<T, R> Admission<T, R> {
     /// lowering follows the push and is Release, the worker's load Acquire, so the worker's
     /// take then sees every admitted request. So `pop_wait` cannot report `Closed` while an
     /// admitted request is still on its way into the queue.
+    ///
+    /// `in_poll`: the caller is a poll, which must not wait for another thread; under
+    /// drop-oldest a slot held by a thread mid-way is then reported `Busy` instead of waited
+    /// for (`push_evicting`).
     fn enqueue(
         &self,
         worker: usize,
         priority: Priority,
         entry: Entry<T, R>,
+        in_poll: bool,
     ) -> Result<(), Rejected<T, R>> {
         let mut attempt = Attempt::start(self, worker);
         if attempt.closed {
@@ -693,7 +723,9 @@ impl<T, R> Admission<T, R> {
         attempt.count_load();
         let ring = self.workers[worker].ring(priority);
         match self.policy {
-            OverflowPolicy::DropOldest => self.push_evicting(worker, ring, entry),
+            OverflowPolicy::DropOldest => self
+                .push_evicting(worker, ring, entry, in_poll)
+                .map_err(Rejected::Busy)?,
             OverflowPolicy::Block | OverflowPolicy::DropNewest => ring
                 .try_push(entry)
                 .map_err(|e| Rejected::Full(e.into_inner()))?,
@@ -708,15 +740,25 @@ impl<T, R> Admission<T, R> {
     /// means no eviction. A round repeats without waiting only when another thread completed a
     /// step (a concurrent submit took the freed slot, or a pop made room), so that is lock-free;
     /// when the slot needed is held by a thread mid-way (`Busy`), evicting cannot help and this
-    /// waits with `Backoff` for that thread (documented in the module's progress section).
-    fn push_evicting(&self, worker: usize, ring: &Ring<Entry<T, R>>, mut entry: Entry<T, R>) {
+    /// waits with `Backoff` for that thread (documented in the module's progress section), or,
+    /// `in_poll`, gives the entry back at once.
+    fn push_evicting(
+        &self,
+        worker: usize,
+        ring: &Ring<Entry<T, R>>,
+        mut entry: Entry<T, R>,
+        in_poll: bool,
+    ) -> Result<(), Entry<T, R>> {
         let backoff = Backoff::new();
         loop {
             match ring.try_push(entry) {
-                Ok(()) => return,
+                Ok(()) => return Ok(()),
                 Err(PushError::Full(e)) => entry = e,
                 Err(PushError::Busy(e)) => {
                     // A consumer is handing back the very slot we need.
+                    if in_poll {
+                        return Err(e);
+                    }
                     entry = e;
                     backoff.snooze();
                     continue;
@@ -733,6 +775,7 @@ impl<T, R> Admission<T, R> {
                 // Not full any more: a pop made room; retry the push.
                 Pop::Empty => {}
                 // The oldest request is still being written by its submitter.
+                Pop::Busy if in_poll => return Err(entry),
                 Pop::Busy => backoff.snooze(),
             }
         }
@@ -1145,5 +1188,65 @@ mod tests {
                 Poll::Ready(Err(AdmissionError::Closed))
             ));
         });
+    }
+
+    /// A drop-oldest `submit` whose slot a consumer is still reading out (stopped between its
+    /// head CAS and its stamp store): the poll returns `Pending` at once, having woken its own
+    /// task, instead of waiting for the consumer (before the fix it spun and yielded its
+    /// thread until the consumer ran again: an executor thread blocked by another thread); the
+    /// next poll after the consumer finishes admits the request.
+    #[test]
+    fn a_drop_oldest_submit_poll_does_not_wait_for_a_stalled_consumer() {
+        let q: Arc<Admission<u32, u32>> = Arc::new(
+            Admission::new(AdmissionConfig::new(1, 1, OverflowPolicy::DropOldest)).unwrap(),
+        );
+        let first = q
+            .try_submit(1, Priority::Throughput, Route::Worker(0))
+            .unwrap();
+        let (stopped_tx, stopped) = channel();
+        let (resume, resume_rx) = channel();
+        let consumer = {
+            let q = q.clone();
+            std::thread::spawn(move || {
+                stall::once_at(Point::Taken, stopped_tx, resume_rx);
+                q.pop(0).unwrap().map(|job| job.complete(10))
+            })
+        };
+        stopped.recv().unwrap();
+        // The future borrows the queue set across threads: a leaked handle is `'static`.
+        let q2: &'static Admission<u32, u32> = Box::leak(Box::new(q.clone()));
+        let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            within(
+                "a drop-oldest submit poll with a stalled consumer",
+                move || {
+                    let count = Arc::new(Count(AtomicUsize::new(0)));
+                    let waker = Waker::from(count.clone());
+                    let mut cx = Context::from_waker(&waker);
+                    let mut fut = Box::pin(q2.submit(2, Priority::Throughput, Route::Worker(0)));
+                    let first_poll = fut.as_mut().poll(&mut cx).is_pending();
+                    (fut, first_poll, count.0.load(Ordering::SeqCst))
+                },
+            )
+        }));
+        resume.send(()).unwrap();
+        assert!(consumer.join().unwrap().is_some());
+        assert_eq!(first.wait(), Ok(10));
+        let (mut fut, pending, woken) = polled.expect("the poll waited for the consumer");
+        assert!(pending, "the slot is still being read out");
+        assert!(
+            woken >= 1,
+            "a pending poll that nothing else wakes wakes its own task"
+        );
+        let count = Waker::from(Arc::new(Count(AtomicUsize::new(0))));
+        let Poll::Ready(Ok(second)) = fut.as_mut().poll(&mut Context::from_waker(&count)) else {
+            panic!("the slot is free now")
+        };
+        drop(fut);
+        let job = q.pop(0).unwrap().expect("the second request");
+        assert_eq!(*job.payload(), 2);
+        job.complete(20);
+        assert_eq!(second.wait(), Ok(20));
+        assert_eq!(q.metrics().evicted_oldest, 0);
+        assert_eq!(q.in_flight(), 0);
     }
 }

@@ -176,13 +176,13 @@ impl<R> Ticket<R> {
 impl<R> Future for Ticket<R> {
     type Output = Result<R, AdmissionError>;
 
-    /// # Panics
-    ///
-    /// If polled again after it returned `Ready` (the `Future` contract).
+    /// Polled once the outcome was taken (by [`try_take`](Ticket::try_take), or by an earlier
+    /// poll that returned `Ready`), it resolves to [`AdmissionError::Taken`], as
+    /// [`wait`](Ticket::wait) does.
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         let Some(shared) = this.shared.as_ref() else {
-            panic!("Ticket polled after it completed");
+            return Poll::Ready(Err(AdmissionError::Taken));
         };
         // Acquire: pairs with the sender's Release `fetch_or(COMPLETE)`.
         let state = shared.state.load(Ordering::Acquire);

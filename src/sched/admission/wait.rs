@@ -5,7 +5,9 @@
 //! No poll ever waits for another thread: a poll makes at most two attempts (one before and one
 //! after registering its waker) and returns `Pending` if neither succeeds; the thread whose
 //! step would let it progress (a pop that frees a slot, a push that lands, a `close`, a push
-//! attempt ending on a closed queue set) wakes it.
+//! attempt ending on a closed queue set) wakes it. The one exception to the wake-up (not to the
+//! no-waiting): a drop-oldest `Submit` whose slot is held by a thread mid-way, which nothing
+//! wakes a waiter for, wakes its own task and is polled again.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -13,7 +15,10 @@ use std::task::{Context, Poll};
 
 use super::waitlist::Registration;
 use super::Job;
-use super::{Admission, AdmissionError, Admit, Entry, Priority, Refused, Rejected, Route, Ticket};
+use super::{
+    Admission, AdmissionError, Admit, Entry, OverflowPolicy, Priority, Refused, Rejected, Route,
+    Ticket,
+};
 use crate::sync::{fence, Ordering};
 
 pub(super) enum SubmitStage<T, R> {
@@ -53,7 +58,7 @@ impl<T, R> Future for Submit<'_, T, R> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         let adm = this.adm;
-        let (mut entry, ticket, worker, priority) =
+        let (mut entry, ticket, worker, priority, attempted) =
             match std::mem::replace(&mut this.stage, SubmitStage::Done) {
                 SubmitStage::Start {
                     payload,
@@ -66,16 +71,39 @@ impl<T, R> Future for Submit<'_, T, R> {
                         entry,
                         ticket,
                         worker,
-                    } => (entry, ticket, worker, priority),
+                    } => (entry, ticket, worker, priority, true),
                 },
                 SubmitStage::Waiting {
                     entry,
                     ticket,
                     worker,
                     priority,
-                } => (entry, ticket, worker, priority),
+                } => (entry, ticket, worker, priority, false),
                 SubmitStage::Done => panic!("Submit polled after it completed"),
             };
+        if adm.policy == OverflowPolicy::DropOldest {
+            // Drop-oldest never waits for room; what stopped it is a thread mid-way in the slot
+            // it needs (`Rejected::Busy`), which wakes no wait list. Waiting for that thread
+            // here would block the executor's thread: retry once per poll, and have the task
+            // polled again.
+            if !attempted {
+                match adm.enqueue(worker, priority, entry, true) {
+                    Ok(()) => return Poll::Ready(Ok(ticket)),
+                    Err(Rejected::Closed(e)) => {
+                        return Poll::Ready(Err(adm.refuse_closed(e.payload)))
+                    }
+                    Err(Rejected::Full(e) | Rejected::Busy(e)) => entry = e,
+                }
+            }
+            this.stage = SubmitStage::Waiting {
+                entry,
+                ticket,
+                worker,
+                priority,
+            };
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
         let room = adm.workers[worker].room(priority);
         // Two rounds: a plain retry, then (unless our wake-up is still owed) register and retry.
         for registered in [false, true] {
@@ -93,7 +121,7 @@ impl<T, R> Future for Submit<'_, T, R> {
             }
             // `enqueue`'s announcing RMW on the worker's `submitting` word comes after our
             // fence, so a `close` whose wake-up missed our registration is seen there.
-            match adm.enqueue(worker, priority, entry) {
+            match adm.enqueue(worker, priority, entry, true) {
                 Ok(()) => {
                     this.reg = None;
                     return Poll::Ready(Ok(ticket));
@@ -102,7 +130,8 @@ impl<T, R> Future for Submit<'_, T, R> {
                     this.reg = None;
                     return Poll::Ready(Err(adm.refuse_closed(e.payload)));
                 }
-                Err(Rejected::Full(e)) => entry = e,
+                // (`Busy` is drop-oldest's only.)
+                Err(Rejected::Full(e) | Rejected::Busy(e)) => entry = e,
             }
         }
         this.stage = SubmitStage::Waiting {

@@ -115,8 +115,10 @@
 //! touched only by the `BUSY` holder (an `UnsafeCell`, which the loom models check: letting two
 //! publishers in fails them). Because there is only ever one publisher, every published
 //! field has a single writer; the
-//! publisher writes lowered budgets before raised ones, so the sum of budgets is never above
-//! `tokens_per_step` even between two writes. Around its writes it bumps an epoch (odd while
+//! publisher writes lowered budgets before raised ones (in its program order: a reader loading
+//! budgets one by one, Relaxed, may still pair a raised one with another not yet seen lowered,
+//! so what enforces the device's cap is the acquire path's count of tokens in use, never a
+//! sum of budgets). Around its writes it bumps an epoch (odd while
 //! writing), so [`snapshot`](BudgetCoordinator::snapshot) can tell a consistent set of budgets
 //! from a torn one; readers never delay the publisher.
 //!

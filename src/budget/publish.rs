@@ -280,8 +280,10 @@ impl BudgetCoordinator {
     /// so the unwinding guard can run it again over a round that panicked inside it. Returns the
     /// new (even) epoch.
     fn write_round(&self, s: &Scratch) -> u64 {
-        // Publish under the sequence lock, lowered figures first so that the sum of budgets
-        // never exceeds the global one between two writes. Single writer (the BUSY holder):
+        // Publish under the sequence lock, lowered figures first (a reader checking under the
+        // epoch sees all or none; one loading figures one by one may still pair a raised figure
+        // with one not yet seen lowered: the caps are enforced by the acquire paths' counts, not
+        // by these figures' sums). Single writer (the BUSY holder):
         // the epoch is even unless a round of ours unwound inside this function.
         let epoch = self.epoch.load(Ordering::Relaxed) & !1;
         self.epoch.store(epoch + 1, Ordering::Relaxed);

@@ -21,7 +21,8 @@ use std::marker::PhantomData;
 #[derive(Debug)]
 pub struct HostBackend<T: KvElem> {
     view: ArenaView,
-    swap: SwapSpace,
+    /// `None` when built with no swap slots (recompute preemption never swaps).
+    swap: Option<SwapSpace>,
     heads: usize,
     ws: AttnWorkspace,
     out: Vec<T>,
@@ -30,7 +31,7 @@ pub struct HostBackend<T: KvElem> {
 
 impl<T: KvElem> HostBackend<T> {
     /// A backend over `view` for a model of `query_heads` heads, with a swap space of
-    /// `swap_blocks` pages of the view's shape (at least one).
+    /// `swap_blocks` pages of the view's shape (none for 0: recompute preemption never swaps).
     ///
     /// # Errors
     /// [`EngineError::InvalidConfig`] if `T` is not the view's dtype or `query_heads` is not a
@@ -56,7 +57,10 @@ impl<T: KvElem> HostBackend<T> {
         }
         check_heads(&cfg, query_heads)?;
         Ok(Self {
-            swap: SwapSpace::new(&cfg, swap_blocks.max(1))?,
+            swap: match swap_blocks {
+                0 => None,
+                n => Some(SwapSpace::new(&cfg, n)?),
+            },
             view,
             heads: query_heads,
             ws: AttnWorkspace::new(),
@@ -69,6 +73,17 @@ impl<T: KvElem> HostBackend<T> {
     pub fn view(&self) -> &ArenaView {
         &self.view
     }
+}
+
+/// A swap asked of a backend built without swap slots: nothing to do for no pairs, refused
+/// otherwise (its batcher, given no slots, never swaps).
+pub(crate) fn no_swap_space(pairs: &[(u32, u32)]) -> Result<(), EngineError> {
+    if pairs.is_empty() {
+        return Ok(());
+    }
+    Err(EngineError::InvalidConfig(
+        "a swap asked of a backend built with no swap slots".into(),
+    ))
 }
 
 /// Checks that `query_heads` is a positive multiple of the cache's KV heads and that a
@@ -114,16 +129,22 @@ impl<T: KvElem> KvBackend for HostBackend<T> {
     }
 
     fn swap_out(&mut self, pairs: &[(u32, u32)]) -> Result<(), EngineError> {
+        let Some(swap) = self.swap.as_mut() else {
+            return no_swap_space(pairs);
+        };
         // SAFETY: the sources are pages this engine swapped out this step; the batcher keeps
         // them allocated to this engine until the batch has run (`new`'s contract).
-        unsafe { self.view.swap_out(&mut self.swap, pairs)? };
+        unsafe { self.view.swap_out(swap, pairs)? };
         Ok(())
     }
 
     fn swap_in(&mut self, pairs: &[(u32, u32)]) -> Result<(), EngineError> {
+        let Some(swap) = self.swap.as_ref() else {
+            return no_swap_space(pairs);
+        };
         // SAFETY: the destinations were allocated to this engine this step and are held by its
         // sequences alone (`new`'s contract).
-        unsafe { self.view.swap_in(&self.swap, pairs)? };
+        unsafe { self.view.swap_in(swap, pairs)? };
         Ok(())
     }
 

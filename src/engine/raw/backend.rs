@@ -6,7 +6,7 @@ use crate::cuda_raw::{
     self, AttnParamsRaw, CacheView, DecodeMode, DecodePlan, DevPtr, Rows, SeqTables,
 };
 use crate::engine::exec::KvBackend;
-use crate::engine::host::check_heads;
+use crate::engine::host::{check_heads, no_swap_space};
 use crate::error::{AttnError, EngineError};
 use crate::kv::{
     check_block_mapping, check_len, check_query_starts, check_seqs, check_slots, KvArena,
@@ -33,8 +33,8 @@ pub struct RawBackend<D: RawDevice> {
     /// (or a growth) synchronised the stream.
     staging: Vec<u8>,
     /// Host swap space: `swap_blocks` pages of the arena's page size, a block at the start of
-    /// each.
-    swap: KvArena,
+    /// each (`None` for no swap slots: recompute preemption never swaps).
+    swap: Option<KvArena>,
     /// `[src, dst]` pairs of the current swap, reused.
     swap_pairs: Vec<[i64; 2]>,
     /// The current step's shape, set by `begin`.
@@ -100,7 +100,10 @@ impl<D: RawDevice> RawBackend<D> {
         let mode = DecodeMode::Auto;
         // Swap pages of the arena's page size (on the 16-byte grid; a block fills its start).
         // Made before the device buffers, which only `Drop` frees once `Self` exists.
-        let swap = KvArena::new(swap_blocks.max(1), config.page_bytes())?;
+        let swap = match swap_blocks {
+            0 => None,
+            n => Some(KvArena::new(n, config.page_bytes())?),
+        };
         let bufs = Buffers::allocate(&dev, &cache, query_heads, mode, caps)?;
         Ok(Self {
             staging: vec![0; bufs.layout.total],
@@ -195,7 +198,10 @@ impl<D: RawDevice> RawBackend<D> {
 
     fn swap(&mut self, pairs: &[(u32, u32)], to_host: bool) -> Result<(), EngineError> {
         let cfg = self.cache.config;
-        let (pages, slots) = (cfg.num_blocks(), self.swap.num_pages());
+        let Some(space) = &self.swap else {
+            return no_swap_space(pairs);
+        };
+        let (pages, slots) = (cfg.num_blocks(), space.num_pages());
         // The host backend's checks (pairs in range, distinct destinations), so both
         // backends refuse the same mappings.
         if to_host {
@@ -206,12 +212,12 @@ impl<D: RawDevice> RawBackend<D> {
         self.swap_pairs.clear();
         self.swap_pairs
             .extend(pairs.iter().map(|&(a, b)| [i64::from(a), i64::from(b)]));
-        let host = self.swap.base_ptr().cast::<std::ffi::c_void>();
+        let host = space.base_ptr().cast::<std::ffi::c_void>();
         let device = self.cache.base as usize as *mut std::ffi::c_void;
         let (dst, dst_page, src, src_page) = if to_host {
             (
                 host,
-                self.swap.page_bytes(),
+                space.page_bytes(),
                 device.cast_const(),
                 cfg.page_bytes(),
             )
@@ -220,7 +226,7 @@ impl<D: RawDevice> RawBackend<D> {
                 device,
                 cfg.page_bytes(),
                 host.cast_const(),
-                self.swap.page_bytes(),
+                space.page_bytes(),
             )
         };
         self.dev.bind()?;

@@ -39,19 +39,40 @@ fn block_on<F: Future>(f: F) -> F::Output {
 }
 
 /// [`block_on`] for a future that may have been polled before (with another waker).
+///
+/// A wake-up is noted in a plain std flag besides the unpark: loom's `yield_now` (which the
+/// library's `Backoff` calls under loom) drops a pending unpark, so a wake-up that lands while
+/// the poll is still running, before a backoff inside it, would otherwise be lost and the
+/// thread would park for good: a deadlock that std's `park` (whose token survives a yield)
+/// never has. With the flag, a poll woken while it ran polls again instead of parking.
 fn block_on_pinned<F: Future>(mut f: Pin<&mut F>) -> F::Output {
-    struct Unpark(thread::Thread);
+    use std::sync::atomic::{AtomicBool, Ordering};
+    struct Unpark {
+        thread: thread::Thread,
+        /// Bookkeeping of this executor, not part of the model: a plain std atomic.
+        woken: AtomicBool,
+    }
     impl Wake for Unpark {
         fn wake(self: std::sync::Arc<Self>) {
-            self.0.unpark();
+            self.woken.store(true, Ordering::Relaxed);
+            self.thread.unpark();
         }
     }
-    let waker = Waker::from(std::sync::Arc::new(Unpark(thread::current())));
+    let unpark = std::sync::Arc::new(Unpark {
+        thread: thread::current(),
+        woken: AtomicBool::new(false),
+    });
+    let waker = Waker::from(unpark.clone());
     loop {
         if let Poll::Ready(v) = f.as_mut().poll(&mut Context::from_waker(&waker)) {
             return v;
         }
-        thread::park();
+        // No loom operation between this check and `park`, so no other thread runs in
+        // between: a wake-up after the check finds this thread parked (or unparks it first).
+        if !unpark.woken.swap(false, Ordering::Relaxed) {
+            thread::park();
+            unpark.woken.store(false, Ordering::Relaxed);
+        }
     }
 }
 
@@ -401,14 +422,20 @@ fn withdrawn_submit_beside_a_waiting_one() {
                 id
             })
         };
-        // Withdrawn here: polled once, then dropped (registered unless the poll admitted it).
-        let admitted_3 = {
-            let mut fut = std::pin::pin!(q.submit(3, P, W0));
-            matches!(
-                fut.as_mut().poll(&mut Context::from_waker(Waker::noop())),
-                Poll::Ready(Ok(_))
-            )
+        // Withdrawn on a third thread: polled once, then dropped (registered unless the poll
+        // admitted it). On the main thread loom missed interleavings (it never had the waiter
+        // poll `Pending` three times beside an admitted request 3).
+        let withdrawn = {
+            let q = q.clone();
+            thread::spawn(move || {
+                let mut fut = std::pin::pin!(q.submit(3, P, W0));
+                matches!(
+                    fut.as_mut().poll(&mut Context::from_waker(Waker::noop())),
+                    Poll::Ready(Ok(_))
+                )
+            })
         };
+        let admitted_3 = withdrawn.join().unwrap();
         assert_eq!(worker.join().unwrap(), 1);
         let mut popped = Vec::new();
         let mut pop = || {
@@ -470,7 +497,14 @@ fn submit_racing_close_is_refused_or_drained() {
                 served
             })
         };
-        q.close();
+        // The close on a third thread: on the main thread loom missed interleavings (it never
+        // had the worker's `pop_wait` return `Pending` two or three times before serving an
+        // admitted request).
+        let closer = {
+            let q = q.clone();
+            thread::spawn(move || q.close())
+        };
+        closer.join().unwrap();
         let submitted = submitter.join().unwrap();
         let served = worker.join().unwrap();
         match submitted {

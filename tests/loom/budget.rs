@@ -117,6 +117,8 @@ fn recompute_racing_acquire() {
         c.set_active(a, true);
         c.recompute();
         assert_eq!(c.token_budget(a), 4);
+        // Both sides on spawned threads: with the acquire on the main thread loom never ran
+        // the publication first (the refused acquire, `got == false`, went unexplored).
         let t = {
             let c = c.clone();
             thread::spawn(move || {
@@ -124,12 +126,19 @@ fn recompute_racing_acquire() {
                 c.recompute()
             })
         };
-        let got = c.try_acquire_tokens(a, 3);
-        let s = c.snapshot();
-        if s.consistent {
-            let sum: u32 = s.engines.iter().map(|x| x.token_budget).sum();
-            assert!(sum <= 4);
-        }
+        let acquirer = {
+            let c = c.clone();
+            thread::spawn(move || {
+                let got = c.try_acquire_tokens(a, 3);
+                let s = c.snapshot();
+                if s.consistent {
+                    let sum: u32 = s.engines.iter().map(|x| x.token_budget).sum();
+                    assert!(sum <= 4);
+                }
+                got
+            })
+        };
+        let got = acquirer.join().unwrap();
         assert!(matches!(t.join().unwrap(), Publication::Published { .. }));
         assert_eq!((c.token_budget(a), c.token_budget(b)), (2, 2));
         assert_eq!(c.tokens_used(a), if got { 3 } else { 0 });
@@ -154,7 +163,13 @@ fn concurrent_recomputes_lose_no_request() {
                 c.recompute()
             })
         };
-        let mine = c.recompute();
+        // The plain recompute on a spawned thread too: on the main thread loom never had the
+        // other publisher take up its deferred request before it returned `Deferred`.
+        let plain = {
+            let c = c.clone();
+            thread::spawn(move || c.recompute())
+        };
+        let mine = plain.join().unwrap();
         let theirs = t.join().unwrap();
         assert!(
             matches!(mine, Publication::Published { .. })

@@ -242,12 +242,14 @@ fn racing_inserts_of_one_hash() {
         let a = w.pool.alloc(EngineId(0)).unwrap();
         let b = w.pool.alloc(EngineId(0)).unwrap();
         let h = hash_of(&w.cache, &OLD);
-        let other = {
+        // Both inserts on spawned threads: with one on the main thread loom only ever let the
+        // main thread's insert win (its `Duplicate` went unexplored).
+        let [ta, tb] = [a, b].map(|id| {
             let cache = w.cache.clone();
-            thread::spawn(move || cache.insert(EngineId(0), h, b).unwrap())
-        };
-        let ra = w.cache.insert(EngineId(0), h, a).unwrap();
-        let rb = other.join().unwrap();
+            thread::spawn(move || cache.insert(EngineId(0), h, id).unwrap())
+        });
+        let ra = ta.join().unwrap();
+        let rb = tb.join().unwrap();
         assert!(ra == Inserted::Inserted || rb == Inserted::Inserted);
         for (id, r) in [(a, ra), (b, rb)] {
             let cached = r == Inserted::Inserted;

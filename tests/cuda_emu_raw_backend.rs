@@ -213,3 +213,39 @@ fn growth_stays_within_the_kernels_limits() {
     );
     b.end().unwrap();
 }
+
+/// The capacities `Engine::raw` starts with (`RawCaps::for_engine`) for an engine of 256-token
+/// pages on a pool of 2^23 pages with a `max_context` past what a block table can name: a row
+/// per pool page is 2^31 tokens, past the decode plan's `i32` contexts, and construction failed
+/// (`Unsupported("max_context_capacity")`), although the backend's growth stops at `i32::MAX`
+/// tokens. Likewise `max_running` past the plan's 65535 sequences. No page is touched:
+/// nothing launches, so the arena address is never dereferenced.
+#[test]
+fn initial_capacities_stay_within_the_kernels_limits() {
+    use pagedkv::engine::{EngineConfig, RecomputePolicy};
+    use pagedkv::sched::PreemptionMode;
+    let engine = |max_running, max_context| EngineConfig {
+        weight: 1,
+        max_running,
+        max_batched_tokens: 1,
+        max_prefill_chunk: 1,
+        max_context,
+        preemption: PreemptionMode::Recompute,
+        swap_blocks: 1,
+        recompute: RecomputePolicy::CALLER,
+        prefix_cache: false,
+    };
+    let arena = EmuBuf::zeroed(16).unwrap();
+    for (bs, pages, running, context) in [(256, 1u32 << 23, 1, u32::MAX), (16, 8, 100_000, 64)] {
+        let kv = KvCacheConfig::new(1, KV_HEADS, D, bs, pages as usize, KvDtype::F32).unwrap();
+        let caps = RawCaps::for_engine(&engine(running, context), bs, pages);
+        // SAFETY: nothing is launched (the backend is only built): the arena is never used.
+        let b =
+            unsafe { RawBackend::new(EmuDevice::new(8), arena.ptr() as u64, &kv, HEADS, caps, 1) };
+        assert!(b.is_ok(), "{caps:?}: {:?}", b.err());
+        assert!(
+            caps.max_blocks_per_seq * bs <= i32::MAX as usize && caps.max_seqs <= 65_535,
+            "{caps:?}"
+        );
+    }
+}

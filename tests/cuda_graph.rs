@@ -261,3 +261,47 @@ fn decode_step_refuses_bad_metadata() {
         "a refused stage changed the staged batch"
     );
 }
+
+/// A step's cache write before its first `upload` skips every row: the device metadata starts
+/// as the staging does (slot -1, context 0). It used to start zeroed, and every row's K/V
+/// landed in slot 0 (page 0, which the step's sequences may not own).
+#[test]
+fn decode_step_before_its_first_upload_writes_nothing() {
+    let Some(g) = gpu("decode_step_before_its_first_upload_writes_nothing") else {
+        return;
+    };
+    let cfg = KvCacheConfig::new(1, 2, 64, 16, 4, bf16::DTYPE).expect("cfg");
+    let params = pagedkv::kv::AttnParams::new(4, 64);
+    let dparams = DeviceAttnParams::upload(&g, &cfg, &params).expect("params");
+    let step = DecodeStep::new(&g, &cfg, dparams, 4, 2, DecodeMode::Auto).expect("decode step");
+    let mut cache = DeviceKvCache::new(&g, cfg).expect("cache");
+    let row = cfg.token_stride();
+    let kv = g.upload(&vec![bf16::ONE; 4 * row]).expect("k/v");
+    step.reshape_and_cache(
+        &mut cache,
+        0,
+        pagedkv::cuda::TokenRows::dense(&kv, row),
+        pagedkv::cuda::TokenRows::dense(&kv, row),
+    )
+    .expect("cache write");
+    let q = g.upload(&vec![bf16::ONE; 4 * 4 * 64]).expect("q");
+    let mut out = g.upload(&vec![bf16::NAN; 4 * 4 * 64]).expect("out");
+    step.attention(
+        &cache,
+        0,
+        pagedkv::cuda::TokenRows::dense(&q, 4 * 64),
+        pagedkv::cuda::TokenRowsMut::dense(&mut out, 4 * 64),
+    )
+    .expect("attention");
+    let mut back = HostKvCache::new(cfg).expect("host");
+    cache.download_to(&g, &mut back).expect("download cache");
+    assert!(
+        back.as_bytes().iter().all(|&b| b == 0),
+        "a write before the first upload changed the cache"
+    );
+    let out = g.download(&out).expect("download");
+    assert!(
+        out.iter().all(|x| x.to_f32() == 0.0),
+        "padding rows not zero"
+    );
+}

@@ -1057,6 +1057,63 @@ fn typed_errors_before_launch() {
     assert!(r.is_err(), "layer out of range accepted");
 }
 
+/// Batch metadata validated for one geometry and launched over a cache of another: block 9 is
+/// in range of a 16-block geometry but not of this 4-block cache, and 40 tokens fit a row of
+/// two 32-token blocks but not of two of this cache's 16-token blocks. The CPU twin refuses
+/// both over this cache (`BlockOutOfRange`, `ContextLen`); the launches read past the arena
+/// or past the table row and returned no error.
+#[test]
+fn seqs_of_another_geometry_are_refused() {
+    use pagedkv::error::KvError;
+    let Some(g) = gpu("seqs_of_another_geometry_are_refused") else {
+        return;
+    };
+    let cfg = KvCacheConfig::new(1, 2, 64, 16, 4, KvDtype::F16).expect("cfg");
+    let dev = DeviceKvCache::new(&g, cfg).expect("dev");
+    let p = DeviceAttnParams::upload(&g, &cfg, &AttnParams::new(4, 64)).expect("params");
+    let q = g.upload(&vec![f16::ZERO; 4 * 64]).expect("q");
+    let more_blocks = cfg.with_num_blocks(16).expect("cfg");
+    let other_bs = KvCacheConfig::new(1, 2, 64, 32, 4, KvDtype::F16).expect("cfg");
+    let cases: [(&str, KvCacheConfig, &[i32], i32); 2] = [
+        ("16 blocks", more_blocks, &[0, 9], 20),
+        ("32-token blocks", other_bs, &[0, 1], 40),
+    ];
+    for (what, other, tables, ctx) in cases {
+        let seqs = PagedSeqs {
+            block_tables: tables,
+            max_blocks_per_seq: 2,
+            context_lens: &[ctx],
+        };
+        let ds = DeviceSeqs::upload(&g, &other, &seqs).expect("seqs");
+        let mut out = g.upload(&vec![f16::ZERO; 4 * 64]).expect("out");
+        let r =
+            dev.paged_attention_decode(&g, 0, &q, &ds, &p, &mut DecodeWorkspace::new(), &mut out);
+        assert!(
+            matches!(r, Err(CudaError::Kv(KvError::GeometryMismatch))),
+            "decode, seqs for {what}: {r:?}"
+        );
+        let ps = DeviceSeqs::upload_prefill(&g, &other, &seqs, &[0, 1]).expect("seqs");
+        let r = dev.paged_attention_prefill(&g, 0, &q, &ps, &p, &mut out);
+        assert!(
+            matches!(r, Err(CudaError::Kv(KvError::GeometryMismatch))),
+            "prefill, seqs for {what}: {r:?}"
+        );
+    }
+    // The same geometry, or one of fewer blocks, still runs.
+    let seqs = PagedSeqs {
+        block_tables: &[0, 1],
+        max_blocks_per_seq: 2,
+        context_lens: &[20],
+    };
+    for other in [cfg, cfg.with_num_blocks(2).expect("cfg")] {
+        let ds = DeviceSeqs::upload(&g, &other, &seqs).expect("seqs");
+        let mut out = g.upload(&vec![f16::ZERO; 4 * 64]).expect("out");
+        dev.paged_attention_decode(&g, 0, &q, &ds, &p, &mut DecodeWorkspace::new(), &mut out)
+            .expect("decode");
+    }
+    g.synchronize().expect("sync");
+}
+
 // ---- host-only: the launchers' argument checks (no GPU needed, run in CI) -----------------
 
 fn geom(head_dim: i32, block_size: i32, dtype: u32) -> ffi::pkv_cache_geometry {

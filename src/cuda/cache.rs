@@ -185,9 +185,11 @@ impl DeviceKvCache {
         Ok(())
     }
 
-    /// Swaps blocks out to pinned host memory: `(device block, swap block)` pairs, one call,
-    /// runs of consecutive blocks coalesced into one DMA copy each. Asynchronous; `swap`'s host
-    /// accessors wait for it.
+    /// Swaps blocks out to pinned host memory: `(device block, swap block)` pairs, one call.
+    /// For a dense cache (page stride = block bytes, as the swap space's), runs of consecutive
+    /// blocks are coalesced into one DMA copy each; a view with larger pages (a shared arena)
+    /// copies each block on its own (its blocks are not equally spaced on the two sides).
+    /// Asynchronous; `swap`'s host accessors wait for it.
     ///
     /// # Errors
     /// [`CudaError::Kv`] for a mapping out of range or a different block shape,
@@ -237,7 +239,8 @@ impl DeviceKvCache {
     }
 
     /// Swaps blocks back in from pinned host memory: `(swap block, device block)` pairs, one
-    /// call, runs coalesced. Asynchronous.
+    /// call, runs coalesced as in [`swap_out`](Self::swap_out) (dense caches only).
+    /// Asynchronous.
     ///
     /// # Errors
     /// As [`swap_out`](Self::swap_out).

@@ -15,7 +15,9 @@ use crate::kv::{AttnParams, PagedSeqs};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop};
 
 /// Batch metadata in device memory: block tables and context lengths (and, for prefill, the
-/// query start offsets), validated on the host with the CPU kernels' rules when uploaded.
+/// query start offsets), validated on the host with the CPU kernels' rules when uploaded, for
+/// the geometry given then: a launch takes them only over a cache of the same block size and
+/// at least as many blocks.
 #[derive(Debug)]
 pub struct DeviceSeqs {
     /// `[num_seqs][max_blocks_per_seq]` i32.
@@ -32,6 +34,10 @@ pub struct DeviceSeqs {
     max_query_len: usize,
     /// Tokens in the batch: `query_start_loc[num_seqs]` (prefill) or `num_seqs` (decode).
     num_tokens: usize,
+    /// Block size and block count of the geometry validated against (block ids are below
+    /// `num_blocks`, contexts within `max_blocks_per_seq * block_size`).
+    block_size: usize,
+    num_blocks: usize,
 }
 
 impl DeviceSeqs {
@@ -52,6 +58,8 @@ impl DeviceSeqs {
             max_context_len,
             max_query_len: 1,
             num_tokens: seqs.num_seqs(),
+            block_size: cfg.block_size(),
+            num_blocks: cfg.num_blocks(),
         })
     }
 
@@ -84,6 +92,8 @@ impl DeviceSeqs {
             max_context_len,
             max_query_len: max_q,
             num_tokens,
+            block_size: cfg.block_size(),
+            num_blocks: cfg.num_blocks(),
         })
     }
 
@@ -98,6 +108,17 @@ impl DeviceSeqs {
     /// Query tokens in the batch (`num_seqs` for decode).
     pub fn num_tokens(&self) -> usize {
         self.num_tokens
+    }
+
+    /// The metadata was validated for a geometry whose blocks `cfg` also has: the same block
+    /// size (each context fits its table row in `cfg`'s blocks too) and no more blocks (every
+    /// block id is in `cfg`'s range). A launch over another cache would read past a table row
+    /// or past the arena, with no error.
+    fn check_cache(&self, cfg: &KvCacheConfig) -> Result<(), CudaError> {
+        if self.block_size != cfg.block_size() || self.num_blocks > cfg.num_blocks() {
+            return Err(KvError::GeometryMismatch.into());
+        }
+        Ok(())
     }
 }
 
@@ -247,17 +268,17 @@ impl DecodeWorkspace {
     pub fn prepare(&mut self, gpu: &Gpu, plan: &cuda_raw::DecodePlan) -> Result<(), CudaError> {
         let (bytes, counters) = (plan.workspace_bytes(), plan.counter_bytes());
         // A workspace follows the device it is prepared for: one of another device's would be
-        // written through a foreign pointer. The new one is allocated below (zeroed).
-        if self
+        // written through a foreign pointer, so it is replaced (by a zeroed one). The new
+        // buffer is allocated before the old one is dropped: on failure the old one is kept.
+        let foreign = self
             .buf
             .as_ref()
-            .is_some_and(|b| b.ordinal() != gpu.info().ordinal)
-        {
-            self.buf = None;
-            self.zeroed = 0;
-        }
-        if bytes > self.capacity_bytes() {
-            self.buf = Some(gpu.alloc_zeros::<u8>(bytes)?);
+            .is_some_and(|b| b.ordinal() != gpu.info().ordinal);
+        if foreign || bytes > self.capacity_bytes() {
+            self.buf = match bytes {
+                0 => None,
+                n => Some(gpu.alloc_zeros::<u8>(n)?),
+            };
             self.zeroed = bytes;
         }
         if counters == 0 {
@@ -615,8 +636,10 @@ impl DeviceKvCache {
     /// [`DecodeStep`](super::DecodeStep)).
     ///
     /// # Errors
-    /// [`CudaError::Kv`] (dtype, layer), [`CudaError::Attn`] (lengths), [`CudaError::Driver`]
-    /// (workspace allocation), [`CudaError::Launch`] (a refused plan, the launch).
+    /// [`CudaError::Kv`] (dtype, layer; `GeometryMismatch` for `seqs` uploaded for a geometry
+    /// of another block size or more blocks than this cache's), [`CudaError::Attn`] (lengths),
+    /// [`CudaError::Driver`] (workspace allocation), [`CudaError::Launch`] (a refused plan,
+    /// the launch).
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention_decode<T: KvElem + DeviceRepr>(
         &self,
@@ -666,6 +689,7 @@ impl DeviceKvCache {
         let row = params.num_heads * cfg.head_dim();
         query.check(gpu, "query", seqs.num_seqs, row)?;
         out.check(gpu, "out", seqs.num_seqs, row)?;
+        seqs.check_cache(&cfg)?;
         same_device(gpu, &seqs.block_tables)?;
         self.check_device(gpu)?;
         if seqs.num_seqs == 0 {
@@ -693,7 +717,8 @@ impl DeviceKvCache {
         // by a guard until after the call: `q`/`o` seqs.num_seqs rows of num_heads*head_dim
         // elements of the cache dtype at their strides (checked), the arena `self` views
         // (alive through our Arc until the launch completes; read only), the tables and
-        // context lengths of seqs.num_seqs sequences (validated on upload), the slopes
+        // context lengths of seqs.num_seqs sequences (validated on upload against a geometry
+        // of this cache's block size and at most its blocks: check_cache), the slopes
         // num_heads f32 (validated), the workspace at least the plan's bytes (reserved). The
         // primary context is current (bind); the launch is queued on cudarc's stream after
         // earlier work on these buffers (cudarc's events).
@@ -769,6 +794,7 @@ impl DeviceKvCache {
         let row = params.num_heads * cfg.head_dim();
         query.check(gpu, "query", seqs.num_tokens, row)?;
         out.check(gpu, "out", seqs.num_tokens, row)?;
+        seqs.check_cache(&cfg)?;
         same_device(gpu, qsl)?;
         self.check_device(gpu)?;
         if seqs.num_seqs == 0 || seqs.num_tokens == 0 {

@@ -166,13 +166,15 @@ impl DecodeStep {
     /// `max_blocks_per_seq` blocks of `config` (so contexts up to `max_blocks_per_seq *
     /// block_size` tokens), attention `params` (owned: its slopes must outlive every replay),
     /// partitioned by a plan of `mode` for `gpu`'s SM count. Allocates everything the step
-    /// will ever use; staged metadata starts as `max_seqs` empty sequences.
+    /// will ever use; the staged metadata, and the device copy (uploaded here), start as
+    /// `max_seqs` empty sequences.
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] for a geometry without kernels or sizes beyond the C ABI,
     /// [`CudaError::Attn`] for heads that do not divide, [`CudaError::Launch`] for a plan the
     /// kernels refuse (e.g. more than `PKV_DECODE_MAX_SPLITS` splits),
-    /// [`CudaError::Driver`] / [`CudaError::HostAlloc`] for allocation failures.
+    /// [`CudaError::Driver`] / [`CudaError::HostAlloc`] for allocation (or first upload)
+    /// failures.
     pub fn new(
         gpu: &Gpu,
         config: &KvCacheConfig,
@@ -242,7 +244,7 @@ impl DecodeStep {
         let params_raw = params.raw(stream).0;
         let staged = gpu.context().new_event(None)?;
         fill_padding(&mut staging, &layout, max_seqs, 0);
-        Ok(Self {
+        let mut step = Self {
             gpu: gpu.clone(),
             config: *config,
             params,
@@ -258,7 +260,12 @@ impl DecodeStep {
             workspace_raw,
             staged,
             live: 0,
-        })
+        };
+        // The device block starts as the staging does (every row empty: slot -1, context 0),
+        // not as zeros: a launch before the first `upload` would otherwise write its rows'
+        // K/V into slot 0, a page the step's sequences may not own.
+        step.upload()?;
+        Ok(step)
     }
 
     /// The fixed plan.

@@ -44,7 +44,7 @@ pub struct RawBackend<D: RawDevice> {
 }
 
 /// The most sequences a decode plan (and so a launch) takes (`pkv_decode_plan_init`).
-const MAX_PLAN_SEQS: usize = 65535;
+pub(super) const MAX_PLAN_SEQS: usize = 65535;
 
 #[derive(Debug, Clone, Copy)]
 struct StepShape {

@@ -99,13 +99,16 @@ pub struct RawCaps {
 impl RawCaps {
     /// Capacities for an engine of `cfg` with `block_size` tokens per page on a pool of
     /// `pages`: its most sequences and tokens of a step, its longest context, a copy per
-    /// sequence.
+    /// sequence; within what a decode plan takes (65535 sequences, contexts of `i32::MAX`
+    /// tokens), the limits the backend's growth stops at too.
     pub fn for_engine(cfg: &super::EngineConfig, block_size: usize, pages: u32) -> Self {
-        let blocks = (cfg.max_context as usize).div_ceil(block_size.max(1));
+        let block_size = block_size.max(1);
+        let blocks = (cfg.max_context as usize).div_ceil(block_size);
+        let context_blocks = i32::MAX as usize / block_size;
         Self {
-            max_seqs: cfg.max_running.max(1) as usize,
+            max_seqs: (cfg.max_running as usize).clamp(1, backend::MAX_PLAN_SEQS),
             max_tokens: cfg.max_batched_tokens.max(1) as usize,
-            max_blocks_per_seq: blocks.clamp(1, pages.max(1) as usize),
+            max_blocks_per_seq: blocks.min(pages as usize).min(context_blocks).max(1),
             max_copies: cfg.max_running.max(1) as usize,
         }
     }

@@ -234,8 +234,10 @@ pub enum KvError {
         /// The block.
         block: u32,
     },
-    /// Swap between caches whose block shapes (layers, heads, head dim, block size, dtype) differ.
-    #[error("swap between caches of different block shapes")]
+    /// Two caches, or a cache and metadata validated for another one, whose block shapes
+    /// (layers, heads, head dim, block size, dtype, or block count) differ: a swap, an upload
+    /// or a launch between them.
+    #[error("a cache used with a cache or metadata of another block geometry")]
     GeometryMismatch,
     /// A model's block is larger than the arena's page.
     #[error(

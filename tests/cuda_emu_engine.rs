@@ -426,3 +426,29 @@ fn two_models_share_one_arena_through_raw_backends() {
         host_logs[1].batches.len()
     );
 }
+
+/// An engine that may run more sequences at once than a decode plan takes (65535) is refused
+/// when built: its capacities are clamped to the plan's limit, so it was built, and its first
+/// step past 65535 sequences failed instead.
+#[test]
+fn raw_engines_running_more_sequences_than_a_plan_takes_are_refused() {
+    let page_bytes = page_bytes_for(&[shape()], TOKENS_PER_PAGE).unwrap();
+    let shared = SharedArena::external(BudgetConfig::new(1, 96, PAGES), page_bytes).unwrap();
+    let arena = EmuBuf::zeroed(PAGES as usize * page_bytes).expect("guarded allocation");
+    let base = arena.ptr() as usize as u64;
+    for (max_running, ok) in [(65_535, true), (65_536, false), (u32::MAX, false)] {
+        let mut cfg = engine_config(PreemptionMode::Recompute);
+        cfg.max_running = max_running;
+        // SAFETY: under the emulation "device" memory is host memory: `arena` holds the pool's
+        // PAGES pages of page_bytes, alive until after the engine, its only user, is dropped.
+        let r = unsafe { Engine::raw(&shared, EmuDevice::new(8), base, cfg, &shape(), HEADS) };
+        match r {
+            Ok(_) => assert!(ok, "max_running {max_running} accepted"),
+            Err(e) => assert!(
+                !ok && matches!(e, EngineError::InvalidConfig(ref m) if m.contains("65535")),
+                "max_running {max_running}: {e}"
+            ),
+        }
+    }
+    drop(arena);
+}

@@ -121,7 +121,8 @@ impl<D: RawDevice> super::Engine<RawBackend<D>> {
     /// [`RawCaps::for_engine`].
     ///
     /// # Errors
-    /// As [`RawBackend::new`] and [`Engine::new`](super::Engine::new).
+    /// [`EngineError::InvalidConfig`] for a `max_running` over the 65535 sequences a decode
+    /// plan takes; as [`RawBackend::new`] and [`Engine::new`](super::Engine::new).
     ///
     /// # Safety
     /// `arena_base` is the device memory of `shared`'s arena: `shared.pool().total()` pages of
@@ -137,6 +138,13 @@ impl<D: RawDevice> super::Engine<RawBackend<D>> {
         shape: &crate::kv::ModelKvShape,
         query_heads: usize,
     ) -> Result<Self, EngineError> {
+        if cfg.max_running as usize > backend::MAX_PLAN_SEQS {
+            return Err(EngineError::InvalidConfig(format!(
+                "max_running {} is over the {} sequences a decode plan takes",
+                cfg.max_running,
+                backend::MAX_PLAN_SEQS
+            )));
+        }
         let (pages, page_bytes) = (shared.pool().total(), shared.page_bytes());
         let tokens = shape.tokens_per_page(page_bytes)?;
         let config = shape

@@ -163,6 +163,8 @@ fn copy_and_swap_mappings_the_host_backend_refuses_are_refused() {
 
     // Two swap slots: two pages out into slot 0, or slot 0 and 1 into one page.
     let mut b = backend_with(&arena, 4, 2);
+    // What `Engine::new` checks a swap-preempting engine's `swap_blocks` against.
+    assert_eq!(b.swap_slots(), Some(2));
     let r = b.swap_out(&[(1, 0), (2, 0)]);
     assert!(
         matches!(

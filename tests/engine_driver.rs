@@ -591,6 +591,51 @@ fn a_backend_over_another_pool_size_is_refused_and_leaves_no_registration() {
     assert!(a.is_ok() && b.is_ok());
 }
 
+/// A backend whose swap space is smaller than the engine's `swap_blocks` is refused under swap
+/// preemption: the batcher hands out swap slots up to `swap_blocks`, the backend refused each
+/// slot past its own, and every step that swapped into one failed (at run time, with a
+/// "block N is out of range" error).
+#[test]
+fn a_backend_with_less_swap_than_swap_blocks_is_refused_under_swap_preemption() {
+    let (shape, heads) = shapes()[0];
+    let page_bytes = page_bytes_for(&[shape], 16).unwrap();
+    let shared = SharedArena::host(BudgetConfig::new(1, 128, 32), page_bytes).unwrap();
+    let backend = |slots| {
+        let view =
+            pagedkv::kv::ArenaView::new(shared.host_arena().unwrap().clone(), &shape).unwrap();
+        // SAFETY: the view is of `shared`'s arena and only the engine below runs batches on
+        // the backend (its own batcher's, from `shared`'s pool).
+        unsafe { HostBackend::<f32>::new(view, heads, slots).unwrap() }
+    };
+    let swap = engine_config(PreemptionMode::Swap);
+    assert_eq!(backend(2).swap_slots(), Some(2));
+    let err = Engine::new(&shared, swap, backend(2)).unwrap_err();
+    assert!(err.to_string().contains("swap"), "{err}");
+    // Nothing was registered (one engine fits), and room enough, or recompute, is accepted.
+    let mut recompute = engine_config(PreemptionMode::Recompute);
+    recompute.swap_blocks = 64;
+    drop(Engine::new(&shared, recompute, backend(2)).unwrap());
+    let (mut engine, mut model) = (
+        Engine::new(&shared, swap, backend(swap.swap_blocks as usize)).unwrap(),
+        ClosedForm::new(heads, shape.num_kv_heads, shape.head_dim),
+    );
+    // The same workload swaps and runs clean over a big enough swap space.
+    for req in small_arena_requests(0) {
+        model.prompt_len.insert(req.id, req.prompt.len());
+        engine.add(req).unwrap();
+    }
+    let mut swapped = 0;
+    for _ in 0..2000 {
+        if !engine.has_work() {
+            break;
+        }
+        swapped += engine.step(&mut model).unwrap().exec.pages_moved;
+    }
+    assert!(!engine.has_work() && swapped > 0);
+    drop(engine);
+    assert_no_leak(&shared);
+}
+
 /// Drives `engines` to idle, proposing drafts (right or wrong, from `rng`) for decoding
 /// sequences before every step; checks page accounting after every step. Returns the
 /// (accepted, rejected) drafts seen.
@@ -896,6 +941,50 @@ fn a_waiting_request_asks_its_donor_once_per_donor_step() {
     assert_eq!(
         shed[0], shed[1],
         "pages shed after 1 and 10 requester steps"
+    );
+}
+
+/// A donation asked of an engine that is dropped before it steps dies with it: the next engine
+/// registered on its id used to take it at its first step and report pages shed that nobody
+/// had asked of it (`StepReport::pages_shed`), for a requester that was by then asking others.
+#[test]
+fn a_dropped_donors_pending_donation_does_not_pass_to_the_next_engine_on_its_id() {
+    let (shared, mut engines) = build(32, PreemptionMode::Recompute);
+    for s in 0..8u64 {
+        add(&mut engines[1], request(100 + s, 40, 200));
+    }
+    for _ in 0..40 {
+        let (b, m) = &mut engines[1];
+        b.step(m).unwrap();
+    }
+    assert_eq!(shared.pool().free_count(), 0);
+    let mut urgent = request(1, 200, 4);
+    urgent.priority = Priority::LatencyCritical;
+    add(&mut engines[0], urgent);
+    let (a, m) = &mut engines[0];
+    assert!(a.step(m).unwrap().asked_donation);
+    // The donor leaves before taking the request; a new engine gets its id.
+    let donor = engines.pop().unwrap();
+    let donor_id = donor.0.id();
+    drop(donor);
+    let (shape, heads) = shapes()[1];
+    let mut next = (
+        Engine::host(
+            &shared,
+            engine_config(PreemptionMode::Recompute),
+            &shape,
+            heads,
+        )
+        .unwrap(),
+        ClosedForm::new(heads, shape.num_kv_heads, shape.head_dim),
+    );
+    assert_eq!(next.0.id(), donor_id);
+    add(&mut next, request(300, 8, 4));
+    let (c, m) = &mut next;
+    assert_eq!(
+        c.step(m).unwrap().pages_shed,
+        0,
+        "the dead donor's request was taken"
     );
 }
 

@@ -132,7 +132,10 @@ impl<B: KvBackend> Engine<B> {
     ///
     /// The backend must work on `shared`'s arena: a [`HostBackend`](super::HostBackend) over a
     /// view of [`SharedArena::host_arena`] (see [`Engine::host`]) or a device backend over
-    /// `SharedArena::device_arena` (feature `cuda`).
+    /// `SharedArena::device_arena` (feature `cuda`). Refused ([`EngineError::InvalidConfig`]):
+    /// a backend whose cache has another page count than the pool, and under swap preemption
+    /// one whose swap space ([`KvBackend::swap_slots`]) holds fewer than `cfg.swap_blocks`
+    /// pages.
     pub fn new(
         shared: &Arc<SharedArena>,
         cfg: EngineConfig,
@@ -151,8 +154,22 @@ impl<B: KvBackend> Engine<B> {
                 shared.pool().total()
             )));
         }
+        // The batcher hands out swap slots 0..swap_blocks; a backend with fewer would refuse
+        // every swap-out into the others (each such step failing, found only at run time).
+        if let (PreemptionMode::Swap, Some(slots)) = (cfg.preemption, backend.swap_slots()) {
+            if cfg.swap_blocks as usize > slots {
+                return Err(EngineError::InvalidConfig(format!(
+                    "swap_blocks is {}, the backend's swap space {slots} pages",
+                    cfg.swap_blocks
+                )));
+            }
+        }
         let coordinator = shared.coordinator().clone();
         let id = coordinator.register(cfg.weight)?;
+        // Donations asked of an earlier engine on this id (dropped before it took them) are
+        // not this engine's to shed: discarded. None can be asked of this one yet: a donor is
+        // picked by the load it publishes, which it does first at a commit.
+        let _ = shared.take_donations(id);
         coordinator.recompute();
         let block_size = kv.block_size() as u32;
         let batcher = Batcher::new(

@@ -10,10 +10,11 @@ use crate::sched::Batch;
 /// (`RawBackend`, features `cuda` / `cuda-emu`).
 ///
 /// The executor calls, per step: [`swap_out`](Self::swap_out), [`swap_in`](Self::swap_in),
-/// [`copy_blocks`](Self::copy_blocks) (each only when the batch has such work), then
-/// [`begin`](Self::begin), and per layer [`reshape_and_cache`](Self::reshape_and_cache)
-/// followed by [`decode`](Self::decode) (every row one token) or [`prefill`](Self::prefill),
-/// and finally [`end`](Self::end).
+/// [`copy_blocks`](Self::copy_blocks) (each only when the batch has such work), then, when
+/// the batch has tokens, [`begin`](Self::begin), and per layer
+/// [`reshape_and_cache`](Self::reshape_and_cache) followed by [`decode`](Self::decode) (every
+/// row one token) or [`prefill`](Self::prefill); and finally [`end`](Self::end) (also for a
+/// batch of no tokens).
 pub trait KvBackend {
     /// The buffer type of projections and attention output: a host slice, a device slice.
     type Buf: ?Sized;
@@ -22,6 +23,14 @@ pub trait KvBackend {
     fn config(&self) -> &KvCacheConfig;
     /// Query heads of the model (a multiple of the cache's KV heads).
     fn query_heads(&self) -> usize;
+    /// Pages of the backend's host swap space: swap slots `0..swap_slots` are valid in
+    /// [`swap_out`](Self::swap_out) and [`swap_in`](Self::swap_in). `None` (the default):
+    /// not known. [`Engine::new`](super::Engine::new) refuses a swap-preempting engine whose
+    /// `swap_blocks` exceed a known count (its batcher would hand out slots the backend
+    /// refuses, failing every step that swaps into them).
+    fn swap_slots(&self) -> Option<usize> {
+        None
+    }
     /// Copies `(page, swap slot)` pairs from the cache to swap space (every layer).
     fn swap_out(&mut self, pairs: &[(u32, u32)]) -> Result<(), EngineError>;
     /// Copies `(swap slot, page)` pairs from swap space into the cache.

@@ -128,6 +128,10 @@ impl<T: KvElem> KvBackend for HostBackend<T> {
         self.heads
     }
 
+    fn swap_slots(&self) -> Option<usize> {
+        Some(self.swap.as_ref().map_or(0, |s| s.config().num_blocks()))
+    }
+
     fn swap_out(&mut self, pairs: &[(u32, u32)]) -> Result<(), EngineError> {
         let Some(swap) = self.swap.as_mut() else {
             return no_swap_space(pairs);

@@ -325,6 +325,10 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
         self.heads
     }
 
+    fn swap_slots(&self) -> Option<usize> {
+        Some(self.swap.as_ref().map_or(0, KvArena::num_pages))
+    }
+
     fn swap_out(&mut self, pairs: &[(u32, u32)]) -> Result<(), EngineError> {
         self.swap(pairs, true)
     }

@@ -507,8 +507,10 @@ impl<'a> TensorInfo<'a> {
 /// encoding an item can have), so a `Vec` is only ever reserved for items the file could hold.
 /// Strings and arrays are not copied: a [`Value`] borrows them from the input, and arrays are
 /// decoded lazily on iteration after one validating pass. The parse therefore allocates a
-/// bounded number of bytes per header entry, and each entry takes at least 12 bytes of the file:
-/// the allocation is a small multiple of the header's size whatever the counts say.
+/// bounded number of bytes per header entry, and each entry takes at least 9 bytes of the file
+/// (a version-1 metadata entry: 4-byte key length, empty key, type, one-byte value; 13 from
+/// version 2 on, and more for a tensor entry): the allocation is a small multiple of the
+/// header's size whatever the counts say.
 ///
 /// Nesting depth of arrays is bounded by [`MAX_ARRAY_DEPTH`], so recursion is bounded too, and
 /// every loop iteration consumes at least one byte of input, so the parse is linear time.

@@ -4,7 +4,8 @@
 //! order, tensor infos in insertion order with offsets packed in that order, zero padding to
 //! the alignment, then each tensor's bytes followed by zero padding to the alignment. So a file
 //! read by [`Gguf::parse`] and written back through [`GgufWriter::from_gguf`] is byte-identical
-//! to what gguf-py wrote, and gguf-py's `GGUFReader` reads ours.
+//! to what gguf-py wrote, and gguf-py's `GGUFReader` reads ours (versions 2 and 3: it refuses
+//! version 1, which [`GgufWriter::with_version`] can still write for older readers).
 
 use std::collections::HashSet;
 use std::io::Write;
@@ -232,7 +233,8 @@ impl<'d> GgufWriter<'d> {
         }
     }
 
-    /// Writes format `version` (1, 2 or 3) instead of 3.
+    /// Writes format `version` (1, 2 or 3) instead of 3. gguf-py's `GGUFReader` reads only
+    /// versions 2 and 3.
     pub fn with_version(mut self, version: u32) -> Result<Self, GgufError> {
         if !(1..=3).contains(&version) {
             return Err(GgufError::UnsupportedVersion(version));

@@ -134,6 +134,16 @@ __device__ __forceinline__ float fast_exp2(float x) {
 #endif
 }
 
+// a * b rounded to f32 on its own (never contracted into an FMA with a later add).
+__device__ __forceinline__ float mul_rn(float a, float b) {
+#ifdef PKV_CUDA_EMU
+  volatile float p = a * b;
+  return p;
+#else
+  return __fmul_rn(a, b);
+#endif
+}
+
 // Key t's K row (this layer and KV head) in cache block blk; nullptr where blk names no block.
 template <typename T>
 __device__ __forceinline__ const T *key_row(const PrefillArgs &a, const T *cache, int blk,
@@ -345,9 +355,10 @@ __device__ __forceinline__ void mask_tile(const PrefillArgs &a, float (&s)[NT][4
 // of probabilities (S accumulators 2h, 2h + 1 of n8 tile t) goes to emit(t, h, p0, p1) as it is
 // made. Maxima and sums run as 4 independent partials (chains of 4 dependent operations
 // instead of 16: a warp has few peers to hide latency behind). Returns whether some row's max
-// grew. Row h reads only accumulators 2h, 2h + 1, so emit may overwrite those of rows done.
+// grew. Row h reads only accumulators 2h, 2h + 1, so emit may overwrite those of rows done; a
+// row of huge logits has its accumulators replaced by the rounded logits (see below).
 template <int NT, typename Emit>
-__device__ __forceinline__ bool softmax_rows(const float (&s)[NT][4], float mul, float (&m)[2],
+__device__ __forceinline__ bool softmax_rows(float (&s)[NT][4], float mul, float (&m)[2],
                                              float (&l)[2], float (&alpha)[2], Emit emit) {
   bool grew = false;
 #pragma unroll
@@ -364,12 +375,29 @@ __device__ __forceinline__ bool softmax_rows(const float (&s)[NT][4], float mul,
     const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
     alpha[h] = fast_exp2(m[h] - m_use);
     m[h] = m_new;
+    // fmaf below subtracts m_use, a rounded product, from the exact product s * mul: the
+    // exponent of the row's largest p is that rounding error, up to half an ulp of m_use. Below
+    // 2^24 that is at most 1/2; past it 2^(ulp / 2) overflows (16 from 2^28: inf in f16; 128
+    // from 2^31: inf in f32, then inf / inf) or underflows (P zero: a zero row). There the row's
+    // logits are rounded first, as the oracle's are, so that every exponent is <= 0 and the
+    // largest 0 (rounding is monotonic: no rounded logit passes m_use). Such logits are far
+    // outside any model's range: the branch is not taken in practice, and the common path
+    // keeps its one FFMA per logit.
+    float mul_h = mul;
+    if (!(fabsf(m_use) < 0x1p24f) && mul != 1.f) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        s[t][2 * h] = mul_rn(s[t][2 * h], mul);
+        s[t][2 * h + 1] = mul_rn(s[t][2 * h + 1], mul);
+      }
+      mul_h = 1.f;
+    }
     float sp[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-      // mul = 1 (general tiles): s - m_use exactly as a subtraction.
-      const float p0 = fast_exp2(fmaf(s[t][2 * h], mul, -m_use));
-      const float p1 = fast_exp2(fmaf(s[t][2 * h + 1], mul, -m_use));
+      // mul_h = 1 (general tiles, huge logits): s - m_use exactly as a subtraction.
+      const float p0 = fast_exp2(fmaf(s[t][2 * h], mul_h, -m_use));
+      const float p1 = fast_exp2(fmaf(s[t][2 * h + 1], mul_h, -m_use));
       sp[t % 4] += p0;
       sp[t % 4] += p1;
       emit(t, h, p0, p1);
@@ -383,7 +411,7 @@ __device__ __forceinline__ bool softmax_rows(const float (&s)[NT][4], float mul,
 // softmax_rows with P rounded to T and packed as it is made (p[t][h]: the pair 2h, 2h + 1 of
 // tile t; half the registers of the f32 values).
 template <typename T, int NT>
-__device__ __forceinline__ bool softmax_tile(const float (&s)[NT][4], float mul, float (&m)[2],
+__device__ __forceinline__ bool softmax_tile(float (&s)[NT][4], float mul, float (&m)[2],
                                              float (&l)[2], float (&alpha)[2],
                                              uint32_t (&p)[NT][2]) {
   return softmax_rows(s, mul, m, l, alpha,

@@ -840,3 +840,71 @@ fn invalid_block_ids_mask_their_keys() {
         run::<f32>(&mut rng, group);
     }
 }
+
+/// Huge finite logits (a query of 49152s against keys of 1s at head dim 64: dot products of
+/// 3 145 728, scales 125 to 5000, logits 4e8 to 1.6e10) attend as the formula says: every key
+/// here has the same score, so each row is the mean of the values it sees. The scale-only and
+/// causal tiles fold the scale into the exponent, exp2(fma(s, scale * log2 e, -m)) with m the
+/// rounded product of the row's largest s: past 2^24 the fma kept that product's rounding
+/// error (here +-32, +256, -512) as the exponent of the row's largest probability, which
+/// overflowed (2^32 is inf in f16, 2^256 in f32: inf or NaN rows) or underflowed (2^-32 is 0
+/// in f16, 2^-512 in f32: zero rows), where the oracle and the f32 kernel give the mean. (At
+/// such magnitudes one ulp of a logit is a factor of 2^32 on its weight: the mean is exact here
+/// because every key's logit rounds alike on each path, general tiles included.)
+#[test]
+fn huge_logits_on_the_scale_only_path_stay_finite() {
+    fn run<T: Elem>(scale: f32) {
+        let (hkv, d, bs, layer) = (1, 64, 16, 0);
+        let nh = 2;
+        // (query tokens, context): one key alone (a causal tile), and a chunk over 130 keys
+        // (scale-only tiles before the diagonal).
+        let seqs = [(1, 1), (3, 130)];
+        let mut rng = SmallRng::seed_from_u64(61);
+        let ctx: Vec<usize> = seqs.iter().map(|&(_, c)| c).collect();
+        let b = make_batch(&mut rng, 1, hkv, d, bs, T::DTYPE, Page::Dense, &ctx);
+        let mut host = random_cache::<T>(&mut rng, b.cfg);
+        {
+            let mut v = host.view_mut::<T>().expect("view");
+            let data = v.data_mut();
+            for blk in 0..b.cfg.num_blocks() {
+                for t in 0..bs {
+                    let off = b.cfg.offset(blk, layer, pagedkv::kv::KvPart::Key, t, 0);
+                    data[off..off + d].fill(T::from_f32(1.0));
+                }
+            }
+        }
+        let qsl = query_start_loc(&seqs);
+        let tokens = *qsl.last().expect("qsl") as usize;
+        let query = vec![T::from_f32(49152.0); tokens * nh * d];
+        let mut params = AttnParams::new(nh, d);
+        params.scale = scale;
+        let want = cpu_prefill(&b, &host, layer, &query, &qsl, &params);
+        let tilings: &[u32] = if T::DTYPE == KvDtype::F32 {
+            &[ffi::PKV_PREFILL_TILING_AUTO]
+        } else {
+            &PREFILL_TILINGS
+        };
+        let row = nh * d;
+        for &tiling in tilings {
+            let (s, got) = launch(
+                &b,
+                host.as_bytes(),
+                layer,
+                &query,
+                (row, row),
+                &qsl,
+                &params,
+                tiling as i32,
+            );
+            let what = format!("prefill {} scale {scale} tiling {tiling}", T::DTYPE);
+            assert_eq!(s, ffi::PKV_OK as i32, "{what}: status {s}");
+            assert_close(&what, &got, &want, d);
+        }
+    }
+    // 125 / 126: the product's rounding error +32 / -32; 1000: +256; 5000: -512.
+    for scale in [125.0, 126.0, 1000.0, 5000.0] {
+        run::<f16>(scale);
+        run::<bf16>(scale);
+        run::<f32>(scale);
+    }
+}

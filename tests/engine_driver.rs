@@ -907,6 +907,24 @@ fn a_dropped_engines_cached_pages_do_not_serve_the_next_engine_on_its_id() {
     );
 }
 
+/// Two engines on 32 pages: B (engine 1) filled the whole pool while A was idle, and A then
+/// got a latency-critical request that needs pages B borrowed.
+fn lender_lent_out() -> (Arc<SharedArena>, Vec<Driven>) {
+    let (shared, mut engines) = build(32, PreemptionMode::Recompute);
+    for s in 0..8u64 {
+        add(&mut engines[1], request(100 + s, 40, 200));
+    }
+    for _ in 0..40 {
+        let (b, m) = &mut engines[1];
+        b.step(m).unwrap();
+    }
+    assert_eq!(shared.pool().free_count(), 0);
+    let mut urgent = request(1, 200, 4);
+    urgent.priority = Priority::LatencyCritical;
+    add(&mut engines[0], urgent);
+    (shared, engines)
+}
+
 /// A latency-critical request waiting for pages lent out asks the donor once per donor step,
 /// not once per own step: while the donor had not stepped, every (empty) step of the waiting
 /// engine asked for the same pages again, the requests added up, and the donor then shed them
@@ -916,19 +934,7 @@ fn a_dropped_engines_cached_pages_do_not_serve_the_next_engine_on_its_id() {
 fn a_waiting_request_asks_its_donor_once_per_donor_step() {
     let mut shed = Vec::new();
     for requester_steps in [1usize, 10] {
-        let (shared, mut engines) = build(32, PreemptionMode::Recompute);
-        // B (engine 1) fills the whole pool while A is idle.
-        for s in 0..8u64 {
-            add(&mut engines[1], request(100 + s, 40, 200));
-        }
-        for _ in 0..40 {
-            let (b, m) = &mut engines[1];
-            b.step(m).unwrap();
-        }
-        assert_eq!(shared.pool().free_count(), 0);
-        let mut urgent = request(1, 200, 4);
-        urgent.priority = Priority::LatencyCritical;
-        add(&mut engines[0], urgent);
+        let (_shared, mut engines) = lender_lent_out();
         let mut asked = 0;
         for _ in 0..requester_steps {
             let (a, m) = &mut engines[0];
@@ -949,18 +955,7 @@ fn a_waiting_request_asks_its_donor_once_per_donor_step() {
 /// had asked of it (`StepReport::pages_shed`), for a requester that was by then asking others.
 #[test]
 fn a_dropped_donors_pending_donation_does_not_pass_to_the_next_engine_on_its_id() {
-    let (shared, mut engines) = build(32, PreemptionMode::Recompute);
-    for s in 0..8u64 {
-        add(&mut engines[1], request(100 + s, 40, 200));
-    }
-    for _ in 0..40 {
-        let (b, m) = &mut engines[1];
-        b.step(m).unwrap();
-    }
-    assert_eq!(shared.pool().free_count(), 0);
-    let mut urgent = request(1, 200, 4);
-    urgent.priority = Priority::LatencyCritical;
-    add(&mut engines[0], urgent);
+    let (shared, mut engines) = lender_lent_out();
     let (a, m) = &mut engines[0];
     assert!(a.step(m).unwrap().asked_donation);
     // The donor leaves before taking the request; a new engine gets its id.

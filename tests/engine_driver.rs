@@ -962,17 +962,7 @@ fn a_dropped_donors_pending_donation_does_not_pass_to_the_next_engine_on_its_id(
     let donor = engines.pop().unwrap();
     let donor_id = donor.0.id();
     drop(donor);
-    let (shape, heads) = shapes()[1];
-    let mut next = (
-        Engine::host(
-            &shared,
-            engine_config(PreemptionMode::Recompute),
-            &shape,
-            heads,
-        )
-        .unwrap(),
-        ClosedForm::new(heads, shape.num_kv_heads, shape.head_dim),
-    );
+    let mut next = weighted_engine(&shared, 1, 1);
     assert_eq!(next.0.id(), donor_id);
     add(&mut next, request(300, 8, 4));
     let (c, m) = &mut next;

@@ -13,6 +13,10 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
+#[path = "support/random_batcher.rs"]
+mod random_batcher;
+use random_batcher::Quota;
+
 const BS: u32 = 4;
 
 fn pool(blocks: u32) -> Arc<BlockPool> {
@@ -410,49 +414,23 @@ fn latency_critical_admitted_first() {
     assert_eq!(bt.schedule_into(&mut fin).seq_ids, vec![2]);
 }
 
-struct QuotaBudget {
-    tokens: u32,
-    quota: u32,
-    used: AtomicU32,
-}
-
-struct Shared(Arc<QuotaBudget>);
-
-impl std::ops::Deref for Shared {
-    type Target = QuotaBudget;
-    fn deref(&self) -> &QuotaBudget {
-        &self.0
-    }
-}
-
-impl EngineBudget for Shared {
-    fn token_budget(&self) -> u32 {
-        self.tokens
-    }
-    fn try_acquire_blocks(&self, n: u32) -> bool {
-        let prev = self.used.fetch_add(n, Ordering::Relaxed);
-        if prev + n > self.quota {
-            self.used.fetch_sub(n, Ordering::Relaxed);
-            return false;
-        }
-        true
-    }
-    fn release_blocks(&self, n: u32) {
-        self.used.fetch_sub(n, Ordering::Relaxed);
-    }
-    fn set_active(&self, _active: bool) {}
+/// A quota of `quota` blocks and `tokens` tokens a step, and its counter of blocks in use.
+fn quota(tokens: u32, quota: u32) -> (Quota, Arc<AtomicU32>) {
+    let used = Arc::new(AtomicU32::new(0));
+    let q = Quota {
+        tokens: Arc::new(AtomicU32::new(tokens)),
+        quota,
+        used: used.clone(),
+    };
+    (q, used)
 }
 
 #[test]
 fn attached_budget_limits_tokens_and_blocks() {
     let p = pool(64);
-    let budget = Arc::new(QuotaBudget {
-        tokens: 5,
-        quota: 3,
-        used: AtomicU32::new(0),
-    });
+    let (budget, used) = quota(5, 3);
     let mut bt = Batcher::new(config(), p.clone()).unwrap();
-    bt.attach_budget(Box::new(Shared(budget.clone())));
+    bt.attach_budget(Box::new(budget));
     for id in 0..3 {
         bt.add(req(id, vec![1; 4], 6)).unwrap();
     }
@@ -463,17 +441,17 @@ fn attached_budget_limits_tokens_and_blocks() {
         }
         let b = bt.schedule_into(&mut fin);
         check_batch(b, 5);
-        assert!(budget.used.load(Ordering::Relaxed) <= 3, "quota exceeded");
+        assert!(used.load(Ordering::Relaxed) <= 3, "quota exceeded");
         assert_eq!(
             64 - p.free_count(),
-            budget.used.load(Ordering::Relaxed),
+            used.load(Ordering::Relaxed),
             "quota accounting drifted"
         );
         let s: Vec<u32> = (0..b.num_samples()).map(|k| (step + k) as u32).collect();
         bt.commit(&s, &mut fin).unwrap();
     }
     assert_eq!(fin.len(), 3);
-    assert_eq!(budget.used.load(Ordering::Relaxed), 0);
+    assert_eq!(used.load(Ordering::Relaxed), 0);
     assert_eq!(p.free_count(), 64);
 }
 
@@ -751,16 +729,12 @@ fn fork_waits_for_the_commit_of_the_parents_row() {
 #[test]
 fn sharing_sequences_swapped_out_together_give_their_budget_back() {
     let p = pool(16);
-    let budget = Arc::new(QuotaBudget {
-        tokens: 512,
-        quota: 16,
-        used: AtomicU32::new(0),
-    });
+    let (budget, used) = quota(512, 16);
     let mut cfg = config();
     cfg.preemption = PreemptionMode::Swap;
     cfg.swap_blocks = 16;
     let mut bt = Batcher::new(cfg, p.clone()).unwrap();
-    bt.attach_budget(Box::new(Shared(budget.clone())));
+    bt.attach_budget(Box::new(budget));
     bt.add(req(1, (1..=8).collect(), 6)).unwrap();
     let mut fin = Vec::new();
     step(&mut bt, &mut fin);
@@ -771,13 +745,13 @@ fn sharing_sequences_swapped_out_together_give_their_budget_back() {
     bt.commit(&[], &mut fin).unwrap();
     assert_eq!(
         16 - p.free_count(),
-        budget.used.load(Ordering::Relaxed),
+        used.load(Ordering::Relaxed),
         "budget held for pages no longer held"
     );
     fin.extend(drive(&mut bt, 200));
     assert_eq!(fin.len(), 2);
     assert_eq!(p.free_count(), 16);
-    assert_eq!(budget.used.load(Ordering::Relaxed), 0);
+    assert_eq!(used.load(Ordering::Relaxed), 0);
 }
 
 /// An engine whose work ran out holds none of the device's step tokens, though it is not

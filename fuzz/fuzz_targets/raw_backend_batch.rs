@@ -395,24 +395,14 @@ fn run<T: Elem>(input: &Input, heads: usize, kv_heads: usize, bs: usize) {
         Pre::Copy(p) => {
             let p = pairs(p, PAGES, PAGES);
             let raw = backend.copy_blocks(&p);
-            let oracle = host.copy_blocks(&p);
-            assert_eq!(
-                raw.is_ok(),
-                oracle.is_ok(),
-                "copy {p:?}: {raw:?} / {oracle:?}"
-            );
+            agree("copy", &p, &raw, &host.copy_blocks(&p));
             backend.end().expect("end");
             same(&arena, &host, "copy");
         }
         Pre::Swap { out, back } => {
             let out = pairs(out, PAGES, SWAP_SLOTS);
             let raw = backend.swap_out(&out);
-            let oracle = swap.swap_out(&host, &out);
-            assert_eq!(
-                raw.is_ok(),
-                oracle.is_ok(),
-                "swap out {out:?}: {raw:?} / {oracle:?}"
-            );
+            agree("swap out", &out, &raw, &swap.swap_out(&host, &out));
             // Back in only from slots written (the rest hold nothing defined), or one past
             // the swap space.
             let filled: Vec<u32> = if raw.is_ok() {
@@ -433,12 +423,7 @@ fn run<T: Elem>(input: &Input, heads: usize, kv_heads: usize, bs: usize) {
                 })
                 .collect();
             let raw = backend.swap_in(&back);
-            let oracle = swap.swap_in(&mut host, &back);
-            assert_eq!(
-                raw.is_ok(),
-                oracle.is_ok(),
-                "swap in {back:?}: {raw:?} / {oracle:?}"
-            );
+            agree("swap in", &back, &raw, &swap.swap_in(&mut host, &back));
             backend.end().expect("end");
             same(&arena, &host, "swap");
         }
@@ -564,6 +549,20 @@ fn rows<T: Elem>(heads: usize, n: usize, salt: usize, seed: u8) -> (EmuBuf, Vec<
         tokens: n,
     };
     (buf, data, view)
+}
+
+/// The raw backend accepts a copy or swap of `pairs` exactly when the host cache does.
+fn agree<A: std::fmt::Debug, B: std::fmt::Debug>(
+    what: &str,
+    pairs: &[(u32, u32)],
+    raw: &Result<(), A>,
+    oracle: &Result<(), B>,
+) {
+    assert_eq!(
+        raw.is_ok(),
+        oracle.is_ok(),
+        "{what} {pairs:?}: {raw:?} / {oracle:?}"
+    );
 }
 
 fn same(arena: &EmuBuf, host: &HostKvCache, what: &str) {

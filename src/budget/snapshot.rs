@@ -10,13 +10,8 @@ impl BudgetCoordinator {
     /// publication epoch and retried (a bounded number of times) until they come from one
     /// publication; counters are read as they are at that moment.
     pub fn snapshot(&self) -> Snapshot {
-        const ATTEMPTS: u32 = 8;
         let mut engines = Vec::with_capacity(self.slots.len());
-        let mut attempt = 0;
-        loop {
-            engines.clear();
-            // Acquire: pairs with the publisher's final Release store of the even epoch.
-            let before = self.epoch.load(Ordering::Acquire);
+        let (epoch, consistent) = self.read_published(&mut engines, |engines| {
             for (i, slot) in self.slots.iter().enumerate() {
                 let state = slot.state.load(Ordering::Acquire);
                 if state != JOINING && state != LIVE {
@@ -39,24 +34,15 @@ impl BudgetCoordinator {
                     load: unpack_load(slot.load.load(Ordering::Relaxed)),
                 });
             }
-            // Acquire fence: if we read any value written after the publisher's odd store, the
-            // re-read below sees an epoch past `before` (pairs with its Release fence).
-            fence(Ordering::Acquire);
-            let after = self.epoch.load(Ordering::Relaxed);
-            attempt += 1;
-            let consistent = before == after && before % 2 == 0;
-            if consistent || attempt == ATTEMPTS {
-                return Snapshot {
-                    epoch: after,
-                    consistent,
-                    tokens_per_step: self.config.tokens_per_step,
-                    total_blocks: self.config.total_blocks,
-                    blocks_in_use: self.blocks_in_use(),
-                    tokens_in_use: self.tokens_in_use(),
-                    engines,
-                };
-            }
-            crate::sync::hint::spin_loop();
+        });
+        Snapshot {
+            epoch,
+            consistent,
+            tokens_per_step: self.config.tokens_per_step,
+            total_blocks: self.config.total_blocks,
+            blocks_in_use: self.blocks_in_use(),
+            tokens_in_use: self.tokens_in_use(),
+            engines,
         }
     }
 
@@ -69,24 +55,42 @@ impl BudgetCoordinator {
     /// attempt leaves a mix, each quota then that of the publication before or of the one
     /// being written.
     pub fn block_quotas(&self) -> Vec<u32> {
-        const ATTEMPTS: u32 = 8;
         let mut quotas = Vec::with_capacity(self.slots.len());
-        for attempt in 1..=ATTEMPTS {
-            quotas.clear();
-            // Acquire, and the fence below: as in `snapshot`.
-            let before = self.epoch.load(Ordering::Acquire);
+        self.read_published(&mut quotas, |quotas| {
             quotas.extend(
                 self.slots
                     .iter()
                     .map(|slot| slot.block_quota.load(Ordering::Relaxed)),
             );
+        });
+        quotas
+    }
+
+    /// Fills `out` with `read` (loads of published figures) under the publication epoch, again
+    /// (at most 8 passes) until one pass saw a single publication. Returns the epoch after the
+    /// last pass and whether that pass was consistent.
+    fn read_published<T>(
+        &self,
+        out: &mut Vec<T>,
+        mut read: impl FnMut(&mut Vec<T>),
+    ) -> (u64, bool) {
+        const ATTEMPTS: u32 = 8;
+        let mut attempt = 0;
+        loop {
+            out.clear();
+            // Acquire: pairs with the publisher's final Release store of the even epoch.
+            let before = self.epoch.load(Ordering::Acquire);
+            read(out);
+            // Acquire fence: if we read any value written after the publisher's odd store, the
+            // re-read below sees an epoch past `before` (pairs with its Release fence).
             fence(Ordering::Acquire);
             let after = self.epoch.load(Ordering::Relaxed);
-            if (before == after && before % 2 == 0) || attempt == ATTEMPTS {
-                break;
+            attempt += 1;
+            let consistent = before == after && before % 2 == 0;
+            if consistent || attempt == ATTEMPTS {
+                return (after, consistent);
             }
             crate::sync::hint::spin_loop();
         }
-        quotas
     }
 }

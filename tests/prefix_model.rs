@@ -134,6 +134,15 @@ fn run(ops: Vec<Op>) {
                 let hit = cache.lookup(&key, &tokens, &mut ids).unwrap();
                 assert_eq!(ids, expect, "lookup");
                 assert_eq!(hit.tokens, expect.len() * BT as usize);
+                assert_eq!(hit.blocks, expect.len());
+                // The parent of the next block, and the hit pages only the cache held.
+                let root = cache.hasher().root(&key);
+                assert_eq!(
+                    hit.parent,
+                    expect.len().checked_sub(1).map_or(root, |i| chain[i])
+                );
+                let revived = expect.iter().filter(|&&id| m.seq_refs(id) == 0).count();
+                assert_eq!(hit.revived, revived, "revived");
                 let need = (chain.len() - ids.len()) as u32;
                 let mut fresh = Vec::new();
                 let usage = cache.usage(&[6, 6]);

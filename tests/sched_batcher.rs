@@ -1155,3 +1155,41 @@ fn shedding_counts_the_pages_actually_freed() {
     fin.extend(drive(&mut bt, 100));
     assert_eq!(fin.len(), 2);
 }
+
+/// A second prefix cache is refused while the first is attached: the budget's count of pages
+/// leaving it (`page_leaves`) asks only the attached cache whether a page is cached, so pages a
+/// running sequence held in the first cache never left the budget when the sequence ended
+/// (here 2 of the quota's blocks, for good), and the first cache kept this engine's pages
+/// past its drop.
+#[test]
+fn replacing_the_prefix_cache_leaks_no_budget() {
+    let p = pool(16);
+    let (budget, used) = quota(512, 16);
+    let mut bt = Batcher::new(config(), p.clone()).unwrap();
+    bt.attach_budget(Box::new(budget));
+    let first = Arc::new(PrefixCache::new(p.clone(), PrefixConfig { seed: Some(3) }));
+    bt.attach_prefix_cache(first.clone()).unwrap();
+    bt.add(req(1, (1..=8).collect(), 4)).unwrap();
+    let mut fin = Vec::new();
+    step(&mut bt, &mut fin); // the prompt's two full blocks are cached in `first`
+    assert_eq!(first.cached(EngineId(0)), 2);
+    bt.attach_prefix_cache(first.clone()).unwrap(); // the same cache again: a no-op
+    let second = Arc::new(PrefixCache::new(p.clone(), PrefixConfig { seed: Some(3) }));
+    assert!(matches!(
+        bt.attach_prefix_cache(second),
+        Err(SchedError::InvalidConfig(_))
+    ));
+    fin.extend(drive(&mut bt, 50));
+    assert_eq!(fin.len(), 1);
+    assert_eq!(
+        used.load(Ordering::Relaxed),
+        0,
+        "the engine's budget still counts pages it no longer holds"
+    );
+    drop(bt);
+    assert_eq!(
+        first.cached(EngineId(0)),
+        0,
+        "the dropped engine's pages stay cached"
+    );
+}

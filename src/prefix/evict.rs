@@ -173,12 +173,12 @@ impl PrefixCache {
     /// Advances `engine`'s CLOCK hand until it evicts one cached-free page of that engine, for
     /// at most two sweeps' worth of positions. Returns whether it evicted one.
     pub(super) fn evict_one(&self, engine: EngineId) -> bool {
-        let pages = self.records().len() as u32;
+        let pages = self.records().len() as u64;
         let counters = &self.counters()[engine.index()];
         if counters.cached() == 0 {
             return false;
         }
-        for _ in 0..2 * u64::from(pages) {
+        for _ in 0..2 * pages {
             // Relaxed: the hand only spreads evictors over positions; what a position holds is
             // read through the record's own protocol.
             let page = (counters.hand.fetch_add(1, Ordering::Relaxed) % pages) as usize;
@@ -203,5 +203,51 @@ impl PrefixCache {
             return true;
         }
         false
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use crate::block::{BlockPool, EngineId, PoolConfig};
+    use crate::prefix::{Inserted, PrefixCache, PrefixConfig};
+    use crate::sync::{Arc, Ordering};
+
+    /// The CLOCK hand wrapping past its integer type must not break "two sweeps' worth of
+    /// positions": with 3 pages and a `u32` hand at `u32::MAX`, the positions were 0, 0, 1, 2,
+    /// 0, 1 (2^32 is not a multiple of 3), so page 2 was seen once: its reference bit was
+    /// cleared and the only cached-free page of the engine was never taken.
+    #[test]
+    fn a_wrapping_hand_still_sweeps_every_page_twice() {
+        let pool = Arc::new(
+            BlockPool::new(PoolConfig {
+                device: 0,
+                num_blocks: 3,
+                max_engines: 1,
+            })
+            .unwrap(),
+        );
+        let cache = PrefixCache::new(pool.clone(), PrefixConfig { seed: Some(1) });
+        let e = EngineId(0);
+        let ids: Vec<_> = (0..3).map(|_| pool.alloc(e).unwrap()).collect();
+        let page2 = *ids.iter().find(|id| id.index() == 2).unwrap();
+        let key = crate::prefix::PrefixKey {
+            engine: e,
+            adapter: 0,
+            salt: 0,
+            block_tokens: 1,
+        };
+        let h = cache.hasher().block(cache.hasher().root(&key), &[7]);
+        assert_eq!(cache.insert(e, h, page2), Ok(Inserted::Inserted));
+        pool.free_n(&ids).unwrap();
+        assert_eq!(cache.reclaimable(Some(e)), 1);
+        cache.counters()[0]
+            .hand
+            .store(u32::MAX as _, Ordering::Relaxed);
+        assert_eq!(
+            cache.evict(e, 1),
+            Ok(1),
+            "the cached-free page was not evicted"
+        );
+        assert_eq!(pool.free_count(), 3);
     }
 }

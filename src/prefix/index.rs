@@ -134,7 +134,11 @@ impl SlotTable {
         let word = live_word(hash, page);
         for k in 0..self.window {
             let slot = self.slot(hash, k);
-            // Relaxed is enough to find our own entry: we wrote it (program order).
+            // Relaxed is enough to find the entry: its claim happens-before this load, though
+            // often on another thread (an evictor or forgetter removes what an inserter
+            // claimed). The inserter claimed before publishing the record (Release); the caller
+            // took the record with an AcqRel CAS from that state or a later one, so coherence
+            // shows it the claim's word, and only the record's owner changes a LIVE slot.
             if slot.load(Ordering::Relaxed) == word {
                 // A plain store: only the record's owner writes a LIVE slot naming its page.
                 // Release pairs with a later claimer's Acquire of the tomb.

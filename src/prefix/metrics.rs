@@ -1,7 +1,7 @@
 //! Per-engine counters and the optional event sink.
 
 use crate::block::{BlockId, EngineId};
-use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use crate::sync::{AtomicU64, Ordering};
 
 use super::hash::BlockHash;
 
@@ -15,8 +15,11 @@ pub(super) struct EngineCounters {
     pub(super) inserts: AtomicU64,
     pub(super) evictions: AtomicU64,
     pub(super) forgets: AtomicU64,
-    /// This engine's CLOCK hand over page indices (wraps; taken modulo the page count).
-    pub(super) hand: AtomicU32,
+    /// This engine's CLOCK hand over page indices, taken modulo the page count. 64 bits so it
+    /// never wraps in practice: a `u32` wrapped after 2^32 positions, and unless the page count
+    /// divides 2^32 the positions then jump, so "two sweeps' worth of positions" saw some
+    /// pages only once (a referenced cached-free page was passed and never taken).
+    pub(super) hand: AtomicU64,
 }
 
 #[inline]

@@ -35,9 +35,14 @@ impl Batcher {
     /// tokens (full blocks, at least its last token left to compute), and each block it
     /// completes is cached.
     ///
+    /// Attaching the cache already attached again does nothing.
+    ///
     /// # Errors
     /// [`SchedError::InvalidConfig`](crate::error::SchedError::InvalidConfig) if the cache
-    /// serves another pool.
+    /// serves another pool, or if another cache is already attached: the budget tells the
+    /// pages that leave it by asking the attached cache (see the module docs), so pages that
+    /// sequences hold in the first cache would never leave it, and the first cache would keep
+    /// this engine's pages after the batcher's drop.
     pub fn attach_prefix_cache(
         &mut self,
         cache: Arc<PrefixCache>,
@@ -45,6 +50,14 @@ impl Batcher {
         if !Arc::ptr_eq(cache.pool(), &self.pool) {
             return Err(crate::error::SchedError::InvalidConfig(
                 "the prefix cache serves another block pool",
+            ));
+        }
+        if let Some(link) = &self.prefix {
+            if Arc::ptr_eq(&link.cache, &cache) {
+                return Ok(());
+            }
+            return Err(crate::error::SchedError::InvalidConfig(
+                "another prefix cache is already attached",
             ));
         }
         self.prefix = Some(PrefixLink { cache });

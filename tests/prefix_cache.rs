@@ -321,6 +321,22 @@ fn inserts_dedup_and_refuse_bad_input() {
         })
     );
     assert_eq!(pool.ref_count(a), Ok(2));
+    // A page engine 0 allocated is not cached for engine 1 (its usage and its eviction would
+    // count against the wrong engine's budget); nothing changes.
+    let mut chain1 = Vec::new();
+    cache.hasher().chain(&key(1), &[1, 1, 2, 3], &mut chain1);
+    let (stats, cached) = (pool.stats(), cache.cached_total());
+    assert_eq!(
+        cache.insert(EngineId(1), chain1[0], c),
+        Err(PrefixError::NotOwner {
+            id: c,
+            owner: EngineId(0),
+            engine: EngineId(1)
+        })
+    );
+    assert_eq!((pool.stats(), cache.cached_total()), (stats, cached));
+    assert_eq!(pool.ref_count(c), Ok(1));
+    assert!(!cache.is_cached(c));
 
     let before = (pool.stats(), cache.cached_total());
     assert_eq!(

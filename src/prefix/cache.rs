@@ -283,6 +283,13 @@ impl PrefixCache {
     /// engine is `engine`, over the tokens whose KV the page holds, and must not write the
     /// page again while it is cached (a shared page is copied before writing; or
     /// [`forget`](Self::forget) it first).
+    ///
+    /// # Errors
+    /// [`PrefixError::UnknownEngine`]; [`PrefixError::Pool`] for an id the pool refuses;
+    /// [`PrefixError::NotOwner`] for a page another engine allocated (a page is cached only
+    /// for its owner, whose budget it returns to when evicted);
+    /// [`PrefixError::PageOfOtherEngine`] / [`PrefixError::PageHoldsOtherHash`] for a page
+    /// already cached for another engine or under another hash. Nothing changes on error.
     pub fn insert(
         &self,
         engine: EngineId,
@@ -293,6 +300,15 @@ impl PrefixCache {
         // Validates the id (pool, range, live generation) and takes the cache's reference
         // before anything is published.
         self.pool.share(id)?;
+        // Cannot fail while our reference keeps the id's generation live; refused cleanly if
+        // it did.
+        let owner = match self.pool.owner(id) {
+            Ok(owner) => owner,
+            Err(e) => {
+                self.give_back(id);
+                return Err(e.into());
+            }
+        };
         let page = id.index() as usize;
         let rec = &self.records[page];
         let busy = match rec.begin_vacant() {
@@ -317,6 +333,13 @@ impl PrefixCache {
                 };
             }
         };
+        // A page is cached for the engine that allocated it: eviction gives it back to that
+        // engine's budget and `usage` counts it there.
+        if owner != engine {
+            rec.end(busy);
+            self.give_back(id);
+            return Err(PrefixError::NotOwner { id, owner, engine });
+        }
         if self.find(engine, hash).is_some() {
             rec.end(busy);
             self.give_back(id);

@@ -33,6 +33,16 @@ pub enum PrefixError {
         /// The engine that asked.
         engine: EngineId,
     },
+    /// The page was allocated by another engine: a page is cached only for its owner.
+    #[error("{id:?} belongs to engine {owner:?}, not {engine:?}: it cannot be cached for it")]
+    NotOwner {
+        /// The refused id.
+        id: BlockId,
+        /// The engine that allocated it.
+        owner: EngineId,
+        /// The engine that asked.
+        engine: EngineId,
+    },
     /// The pool refused the id (foreign, out of range, free, stale, too many references).
     #[error(transparent)]
     Pool(#[from] PoolError),

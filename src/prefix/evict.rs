@@ -131,8 +131,10 @@ impl PrefixCache {
 
     /// Allocates `n` pages for `engine`, all or nothing: free pages first, and if there are too
     /// few, evicts the shortfall of cached-free pages by `choice` over `usage` and tries once
-    /// more. Appends the ids to `out`. The pool's error if that still is not enough (another
-    /// thread may take the evicted pages first).
+    /// more. Appends the ids to `out`. The pool's error if that still is not enough (too few
+    /// cached-free pages, or another thread took the evicted pages first): `out` is unchanged,
+    /// no page is lost, but the pages this call evicted stay evicted (free in the pool, their
+    /// cached content gone). A request larger than the whole pool evicts nothing.
     pub fn alloc_evicting(
         &self,
         engine: EngineId,

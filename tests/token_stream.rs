@@ -388,8 +388,9 @@ fn a_huge_max_new_tokens_gets_the_default_capacity() {
 }
 
 /// An update whose token range lies outside the results' tokens (results are plain public data
-/// a caller can build) delivers nothing and its sequence is listed for abort; dispatch used to
-/// panic on the slice. (Found by fuzz/fuzz_targets/stream_ops.rs.)
+/// a caller can build) delivers nothing, cuts its stream (`Abandoned`) and its sequence is
+/// listed for abort; dispatch used to panic on the slice. (Found by
+/// fuzz/fuzz_targets/stream_ops.rs.)
 #[test]
 fn dispatch_of_an_update_past_the_tokens_aborts_it() {
     let (tx, mut rx) = token_stream(8).unwrap();
@@ -406,7 +407,12 @@ fn dispatch_of_an_update_past_the_tokens_aborts_it() {
     let mut abort = Vec::new();
     router.dispatch(&results, &mut abort);
     assert_eq!(abort, vec![7]);
-    assert_eq!(rx.try_next(), Poll::Pending);
+    assert!(router.is_empty(), "the stream was cut");
+    assert_eq!(
+        rx.try_next(),
+        Poll::Ready(Some(Err(StreamError::Abandoned)))
+    );
+    // The engine's later report of the sequence finds no stream: skipped.
     let ok = StepResults {
         updates: vec![SeqUpdate {
             id: 7,
@@ -416,8 +422,62 @@ fn dispatch_of_an_update_past_the_tokens_aborts_it() {
         tokens: vec![42],
     };
     router.dispatch(&ok, &mut abort);
+    assert_eq!(abort, vec![7]);
+    assert_eq!(rx.try_next(), Poll::Ready(None));
+}
+
+/// A finishing update whose token range lies outside the results' tokens: its tokens cannot be
+/// delivered, so the reader must not be told the output is complete (`Finished`) with them
+/// missing. And a sequence whose update's tokens were lost must not go on to deliver later
+/// tokens (a silent gap in the middle of its output) or a `Finished` end: its stream is cut.
+#[test]
+fn undeliverable_tokens_cut_the_stream_instead_of_leaving_a_gap() {
+    // Finished in the bad update itself.
+    let (tx, mut rx) = token_stream(8).unwrap();
+    let mut router = StreamRouter::new();
+    router.insert(7, tx).unwrap();
+    let bad_end = StepResults {
+        updates: vec![update(7, 0..3, Some(FinishReason::Eos))],
+        tokens: vec![42],
+    };
+    let mut abort = Vec::new();
+    router.dispatch(&bad_end, &mut abort);
+    assert!(abort.is_empty(), "the sequence already ended");
+    assert!(router.is_empty());
     assert_eq!(
         rx.try_next(),
-        Poll::Ready(Some(Ok(StreamEvent::Tokens(vec![42]))))
+        Poll::Ready(Some(Err(StreamError::Abandoned))),
+        "three tokens were lost: the end must not say the output is complete"
+    );
+    // Lost in one step, a later step (the caller did not abort in time) finishes it.
+    let (tx, mut rx) = token_stream(8).unwrap();
+    router.insert(8, tx).unwrap();
+    let first = StepResults {
+        updates: vec![update(8, 0..1, None)],
+        tokens: vec![1],
+    };
+    router.dispatch(&first, &mut abort);
+    let bad = StepResults {
+        updates: vec![update(8, 0..3, None)],
+        tokens: vec![2],
+    };
+    router.dispatch(&bad, &mut abort);
+    assert_eq!(abort, vec![8]);
+    let later = StepResults {
+        updates: vec![update(8, 0..1, Some(FinishReason::Eos))],
+        tokens: vec![5],
+    };
+    router.dispatch(&later, &mut abort);
+    let mut items = Vec::new();
+    while let Poll::Ready(Some(item)) = rx.try_next() {
+        items.push(item);
+    }
+    assert_eq!(
+        items,
+        vec![
+            Ok(StreamEvent::Tokens(vec![1])),
+            Err(StreamError::Abandoned)
+        ],
+        "the tokens after the lost ones must not be delivered as if nothing was missing"
     );
 }

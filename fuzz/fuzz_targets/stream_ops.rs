@@ -349,7 +349,20 @@ fuzz_target!(|input: Input| {
                     let st = &mut streams[si];
                     let sent = match results.tokens.get(u.tokens.clone()) {
                         Some(t) => st.model_send(t),
-                        None => Err(SendError::Closed),
+                        None => {
+                            // Undeliverable tokens cut the stream: `Abandoned` (unless it had
+                            // ended), and the sequence's later updates find no stream, so the
+                            // reader never sees a gap followed by more tokens or `Finished`.
+                            routed.remove(&u.id);
+                            st.tx = Tx::Gone;
+                            if st.end.is_none() {
+                                st.set_end(End::Abandoned);
+                            }
+                            if u.finished.is_none() {
+                                want.push(u.id);
+                            }
+                            continue;
+                        }
                     };
                     if let Some(r) = u.finished {
                         routed.remove(&u.id);

@@ -7,7 +7,7 @@
 //! - `close` wakes a blocked submitter, which then gets `Closed`;
 //! - an idle `pop_wait` is woken by the submit that brings work;
 //! - the ticket one-shot: completion racing the ticket's poll, and the ticket's drop (loom's
-//!   `Arc` checks that nothing leaks);
+//!   `Arc` checks that nothing leaks); a ticket re-polled with a new waker while completing;
 //! - a multi-slot ring with two producers and a consumer, across a lap boundary: every admitted
 //!   request is taken exactly once, in each producer's order, at least two of four admitted;
 //! - drop-oldest evicts only from a full queue: a pop that frees a slot first means no eviction;
@@ -522,5 +522,26 @@ fn submit_racing_close_is_refused_or_drained() {
             }
         }
         assert_eq!(q.in_flight(), 0);
+    });
+}
+
+/// A ticket polled once with one waker, then waited on with another while the worker
+/// completes it (the one-shot's waker replacement: `fetch_and(!RX_WAKER)`, rewrite, `fetch_or`):
+/// the completion must wake the second waker or be seen by the poll; a completion that woke
+/// only the first (noop) waker would leave the waiter parked (a loom deadlock).
+#[test]
+fn ticket_polled_with_a_waker_replaced_while_completing() {
+    crate::model(|| {
+        let q = one_slot(OverflowPolicy::DropNewest);
+        let t = q.try_submit(3, P, W0).unwrap();
+        let job = q.pop(0).unwrap().unwrap();
+        let mut t = std::pin::pin!(t);
+        assert!(t
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()))
+            .is_pending());
+        let completer = thread::spawn(move || job.complete(33));
+        assert_eq!(block_on_pinned(t), Ok(33));
+        completer.join().unwrap();
     });
 }

@@ -263,8 +263,9 @@ impl Shared {
 /// - **Memory and lag**: the ring holds `capacity` tokens (4 bytes each, allocated here). A send
 ///   that does not fit in what the reader has not yet taken is refused whole
 ///   ([`SendError::Lagged`]) and ends the stream `Lagged` after the tokens already sent; no
-///   token is dropped silently. A capacity of the request's `max_new_tokens`
-///   ([`StreamRequest::new`]) never lags.
+///   token is dropped silently. A capacity of at least the request's `max_new_tokens` never
+///   lags; [`StreamRequest::new`] gives that only up to [`DEFAULT_STREAM_CAPACITY`] (past it,
+///   a reader that falls that many tokens behind gets `Lagged`).
 /// - **Cancel on drop**: dropping the reader makes [`StreamSender::is_closed`] true and later
 ///   sends fail [`SendError::Closed`] without writing; the engine aborts the sequence.
 /// - **Progress**: both ends are wait-free and the sender never waits for the reader (the
@@ -582,16 +583,29 @@ impl StreamRouter {
     /// delivered (reader dropped, or lagged): the caller aborts them in the engine, and their
     /// streams end when the engine reports them finished. Updates of sequences without a
     /// stream are skipped.
+    ///
+    /// An update whose token range lies outside `results.tokens` (the engine's results never
+    /// have one; results a caller builds can) has tokens nobody can deliver: its stream is cut
+    /// there (dropped, so its reader gets [`StreamError::Abandoned`] after the tokens sent
+    /// before, never a gap followed by more tokens or by a `Finished` that claims a complete
+    /// output), and the sequence, unless the update ends it, is listed for abort.
     pub fn dispatch(&mut self, results: &StepResults, abort: &mut Vec<SeqId>) {
         for u in &results.updates {
             let Some(tx) = self.open.get_mut(&u.id) else {
                 continue;
             };
-            // `results` may be built by the caller (its fields are public): an update whose
-            // range lies outside `tokens` delivers no token, and its sequence is aborted.
+            // `results` may be built by the caller (its fields are public).
             let sent = match results.tokens.get(u.tokens.clone()) {
                 Some(tokens) => tx.send(tokens),
-                None => Err(SendError::Closed),
+                None => {
+                    // Dropping the sender ends the stream `Abandoned` (unless it had ended);
+                    // later updates of the sequence find no stream and are skipped.
+                    self.open.remove(&u.id);
+                    if u.finished.is_none() {
+                        abort.push(u.id);
+                    }
+                    continue;
+                }
             };
             if let Some(reason) = u.finished {
                 if let Some(tx) = self.open.remove(&u.id) {

@@ -28,7 +28,9 @@
 //! Every operation of both ends is wait-free: a bounded number of steps, no lock, no CAS loop,
 //! no spinning; the engine thread never waits for the consumer. (A wake-up runs the executor's
 //! `Waker`, whose own cost is the executor's: tokio's, for one, may queue the task under a lock
-//! of its own.) One window remains, as in the futures crate's `AtomicWaker`: a poll that must
+//! of its own. Likewise the reader's events own their tokens: building one allocates a `Vec`
+//! through the global allocator, whose progress is its own; the sender never allocates.)
+//! One window remains, as in the futures crate's `AtomicWaker`: a poll that must
 //! register its waker while the producer sits between the two RMWs of a wake cannot store it,
 //! so it wakes its own task and the executor polls it again; no thread waits, but a task can be
 //! re-polled while a descheduled producer stays in that window.

@@ -3,16 +3,55 @@
 //! source and destination length. Checks: accepted exactly when the type can be dequantized and
 //! the source is whole blocks that fill the destination exactly, else a typed error with the
 //! destination untouched; the parallel result equals the serial one bit for bit; the narrow
-//! results are the serial f32 rounded, with every NaN the canonical one.
+//! results are the serial f32 rounded, with every NaN the canonical one; and for the plain and
+//! legacy block types (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) the serial result is bit
+//! for bit ggml's formula, written out here from the format's layout (the checks above all
+//! share the library's block decoders, so a wrong decoder passed them all).
 #![no_main]
 
 use arbitrary::Arbitrary;
 use half::{bf16, f16};
 use libfuzzer_sys::fuzz_target;
 use pagedkv::gguf::{
-    dequantize_into, dequantize_into_bf16, dequantize_into_f16, dequantize_into_serial, ALL_TYPES,
-    BF16_CANONICAL_NAN, F16_CANONICAL_NAN,
+    dequantize_into, dequantize_into_bf16, dequantize_into_f16, dequantize_into_serial, GgmlType,
+    ALL_TYPES, BF16_CANONICAL_NAN, F16_CANONICAL_NAN,
 };
+
+/// ggml's dequantization of one block of the simple types (ggml-quants.c), `None` for others.
+fn reference(ty: GgmlType, b: &[u8]) -> Option<Vec<f32>> {
+    let h = |i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
+    // Quant `j` of 32 from 16 bytes of nibbles: low nibbles are elements 0..16, high 16..32.
+    let nib = |qs: &[u8], j: usize| u32::from(if j < 16 { qs[j] & 15 } else { qs[j - 16] >> 4 });
+    let qh = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    Some(match ty {
+        GgmlType::F32 => vec![f32::from_le_bytes([b[0], b[1], b[2], b[3]])],
+        GgmlType::F16 => vec![h(0)],
+        GgmlType::BF16 => vec![f32::from_bits(
+            u32::from(u16::from_le_bytes([b[0], b[1]])) << 16,
+        )],
+        GgmlType::Q8_0 => (0..32).map(|j| f32::from(b[2 + j] as i8) * h(0)).collect(),
+        GgmlType::Q4_0 => (0..32)
+            .map(|j| (nib(&b[2..18], j) as i32 - 8) as f32 * h(0))
+            .collect(),
+        GgmlType::Q4_1 => (0..32)
+            .map(|j| h(0) * nib(&b[4..20], j) as f32 + h(2))
+            .collect(),
+        // The fifth bit of quant `j` is bit `j` of the 32-bit `qh`.
+        GgmlType::Q5_0 => (0..32)
+            .map(|j| {
+                let q = nib(&b[6..22], j) | ((qh(2) >> j) & 1) << 4;
+                (q as i32 - 16) as f32 * h(0)
+            })
+            .collect(),
+        GgmlType::Q5_1 => (0..32)
+            .map(|j| {
+                let q = nib(&b[8..24], j) | ((qh(4) >> j) & 1) << 4;
+                h(0) * q as f32 + h(2)
+            })
+            .collect(),
+        _ => return None,
+    })
+}
 
 #[derive(Debug, Arbitrary)]
 struct Input {
@@ -75,6 +114,18 @@ fuzz_target!(|input: Input| {
         );
         assert!(h.iter().all(|x| x.to_bits() == 0x1234) && b.iter().all(|x| x.to_bits() == 0x1234));
         return;
+    }
+    for (k, block) in src.chunks_exact(ts).enumerate() {
+        let Some(want) = reference(ty, block) else {
+            break;
+        };
+        for (j, w) in want.iter().enumerate() {
+            let got = ser[k * bs + j];
+            assert!(
+                got.to_bits() == w.to_bits() || (got.is_nan() && w.is_nan()),
+                "{ty:?} block {k} element {j}: {got} vs ggml's {w}"
+            );
+        }
     }
     for i in 0..dst_len {
         assert_eq!(

@@ -415,6 +415,36 @@ fn run<T: KvElem>(input: &Input) {
                                 "prefill output {x} outside {range:?}"
                             );
                         }
+                        // Causality, row by row: new token `j` of a sequence sits at position
+                        // `ctx - q_len + j` and must see exactly what a one-sequence decode
+                        // whose context ends there sees (same table row, same parameters).
+                        // The range check above passes a mask that lets a row see the keys
+                        // after it (still a convex combination of values); this does not.
+                        assert_eq!(n, tokens * hd);
+                        for (i, &c) in ctx.iter().enumerate() {
+                            let (q0, q1) = (qsl[i] as usize, qsl[i + 1] as usize);
+                            let row = &t[i * mbps..(i + 1) * mbps];
+                            for tok in q0..q1 {
+                                let pos = c as usize - (q1 - q0) + (tok - q0);
+                                let one = [pos as i32 + 1];
+                                let s1 = PagedSeqs {
+                                    block_tables: row,
+                                    max_blocks_per_seq: mbps,
+                                    context_lens: &one,
+                                };
+                                let q = &query[tok * hd..(tok + 1) * hd];
+                                let mut o = vec![sentinel; hd];
+                                cpu::paged_attention_decode(&mut ws, kv, q, &s1, &a, &mut o)
+                                    .expect("decode of one prefill row");
+                                for e in 0..hd {
+                                    let (x, y) = (out[tok * hd + e].to_f32(), o[e].to_f32());
+                                    assert!(
+                                        (x - y).abs() <= 1e-3 + 1e-2 * y.abs(),
+                                        "seq {i} token at {pos}: prefill {x} vs decode {y}"
+                                    );
+                                }
+                            }
+                        }
                     }
                 }
             }

@@ -1,5 +1,8 @@
 //! Fuzz the block pool and tables with arbitrary operation sequences, checking every step
-//! against a `Vec` model: counts exact, refused operations change nothing, no panic.
+//! against a `Vec` model: counts exact, refused operations change nothing, no panic. Each
+//! block's owner is the engine that allocated it (tables: the table's engine), and each
+//! engine's `held` is exactly the live blocks it owns (not just the sum over engines: a free
+//! that credits the wrong engine keeps the sum).
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -47,6 +50,9 @@ fuzz_target!(|input: Input| {
     };
     let mut refs: Vec<BlockId> = Vec::new();
     let mut tables: Vec<BlockTable> = Vec::new();
+    // The engine of each table in `tables`, and the owner of each live block.
+    let mut table_engines: Vec<u16> = Vec::new();
+    let mut owners: std::collections::HashMap<BlockId, u16> = Default::default();
     let mut scratch = Vec::new();
     let live = |refs: &Vec<BlockId>, tables: &Vec<BlockTable>| {
         let mut all = refs.clone();
@@ -59,6 +65,14 @@ fuzz_target!(|input: Input| {
     };
     for op in input.ops.into_iter().take(512) {
         let before = pool.stats();
+        // The engine a new block of this operation belongs to.
+        let allocating = match op {
+            Op::Alloc(e) | Op::AllocN(e, _) => Some(u16::from(e)),
+            Op::TableGrow(t, _) if !tables.is_empty() => {
+                Some(table_engines[t as usize % tables.len()])
+            }
+            _ => None,
+        };
         match op {
             Op::Alloc(e) => match pool.alloc(EngineId(u16::from(e))) {
                 Ok(id) => refs.push(id),
@@ -111,6 +125,7 @@ fuzz_target!(|input: Input| {
                         EngineId(u16::from(e)),
                         u32::from(cap),
                     ));
+                    table_engines.push(u16::from(e));
                 }
             }
             Op::TableGrow(t, k) if !tables.is_empty() => {
@@ -129,10 +144,12 @@ fuzz_target!(|input: Input| {
                 let i = t as usize % tables.len();
                 let f = tables[i].fork().unwrap();
                 tables.push(f);
+                table_engines.push(table_engines[i]);
             }
             Op::TableDrop(t) if !tables.is_empty() => {
                 let i = t as usize % tables.len();
                 tables.swap_remove(i);
+                table_engines.swap_remove(i);
             }
             Op::TableRow(t, width) if !tables.is_empty() => {
                 let i = t as usize % tables.len();
@@ -154,6 +171,16 @@ fuzz_target!(|input: Input| {
         for id in &distinct {
             let k = all.iter().filter(|x| *x == id).count() as u32;
             assert_eq!(pool.ref_count(*id), Ok(k));
+            let owner = *owners
+                .entry(*id)
+                .or_insert_with(|| allocating.expect("only an allocation makes a block live"));
+            assert_eq!(pool.owner(*id), Ok(EngineId(owner)));
+        }
+        owners.retain(|id, _| distinct.binary_search(id).is_ok());
+        let held = pool.stats().held;
+        for (e, &h) in held.iter().enumerate() {
+            let mine = owners.values().filter(|&&o| usize::from(o) == e).count();
+            assert_eq!(h as usize, mine, "engine {e} held");
         }
     }
     drop(tables);

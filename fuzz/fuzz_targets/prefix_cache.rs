@@ -3,6 +3,9 @@
 //! forgets, evictions by engine and by share, allocation with eviction, clears. Every call
 //! either succeeds or returns a typed error with the pool unchanged; after every step each
 //! page's reference count is its holders' plus one if cached, and nothing leaks at the end.
+//! A model of what is cached (each `Inserted` page under its engine and token prefix, dropped
+//! once the page leaves the cache) checks every lookup's pages: exactly the longest chain of
+//! cached full blocks of that engine, salt and block size, in order; nothing else.
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -31,10 +34,20 @@ enum Op {
         block_tokens: u8,
         tokens: Vec<u8>,
     },
-    /// Insert held reference `i` under the chain hash of `tokens`.
+    /// Look up the last `InsertHeld`'s tokens, then `more`, under its engine (or `engine`)
+    /// and salt (or `salt`): a likely hit, unless the key differs.
+    LookupAgain {
+        engine: Option<u8>,
+        salt: Option<u8>,
+        more: Vec<u8>,
+    },
+    /// Insert held reference `i` under the chain hash of `tokens` (salt 0 or 1); `whole`:
+    /// references `i..` under each of its blocks' hashes.
     InsertHeld {
         i: u8,
         engine: u8,
+        salt: bool,
+        whole: bool,
         tokens: Vec<u8>,
     },
     InsertRaw {
@@ -71,8 +84,23 @@ fuzz_target!(|input: Input| {
     );
     // References this harness holds, one entry per reference.
     let mut refs: Vec<BlockId> = Vec::new();
+    // Model of the cache: (engine, salt, token prefix) -> page, for pages inserted under the
+    // chain hash of `InsertHeld` (adapter 0, two tokens a block); pruned after every step of
+    // pages no longer cached.
+    let mut model: Vec<(u16, u64, Vec<u32>, BlockId)> = Vec::new();
+    // The last `InsertHeld`'s engine, salt and tokens.
+    let mut last: (u8, u8, Vec<u8>) = (0, 0, Vec::new());
     for op in input.ops.into_iter().take(256) {
         let before = pool.stats();
+        let op = match op {
+            Op::LookupAgain { engine, salt, more } => Op::Lookup {
+                engine: engine.unwrap_or(last.0),
+                salt: salt.unwrap_or(last.1),
+                block_tokens: 2,
+                tokens: last.2.iter().chain(&more).copied().collect(),
+            },
+            op => op,
+        };
         match op {
             Op::Alloc(e) => {
                 if let Ok(id) = pool.alloc(EngineId(u16::from(e))) {
@@ -89,42 +117,94 @@ fuzz_target!(|input: Input| {
                 block_tokens,
                 tokens,
             } => {
+                // Small engines, salts and block sizes, so lookups meet what was inserted
+                // (engines past the registry, salts and sizes never inserted still occur).
                 let key = PrefixKey {
-                    engine: EngineId(u16::from(engine)),
+                    engine: EngineId(u16::from(engine % 4)),
                     adapter: 0,
-                    salt: u64::from(salt),
-                    block_tokens: u32::from(block_tokens),
+                    salt: u64::from(salt % 3),
+                    block_tokens: u32::from(block_tokens % 4),
                 };
                 let tokens: Vec<u32> = tokens.iter().map(|&t| u32::from(t % 4)).collect();
+                // The model's hit: the model's pages for this key's leading full blocks, up to
+                // the first miss (only two tokens a block were ever inserted).
+                let mut want = Vec::new();
+                if key.block_tokens == 2 {
+                    for end in (2..=tokens.len()).step_by(2) {
+                        let Some(e) = model.iter().find(|(me, ms, mt, _)| {
+                            *me == key.engine.0 && *ms == key.salt && mt[..] == tokens[..end]
+                        }) else {
+                            break;
+                        };
+                        want.push(e.3);
+                    }
+                }
                 let mut got = Vec::new();
                 match cache.lookup(&key, &tokens, &mut got) {
                     Ok(hit) => {
+                        assert_eq!(got, want, "lookup {key:?} {tokens:?}");
+                        assert_eq!(hit.tokens, got.len() * key.block_tokens as usize);
                         assert_eq!(hit.blocks, got.len());
                         assert!(hit.tokens <= tokens.len());
                         refs.extend(got);
                     }
                     Err(_) => {
                         assert!(got.is_empty());
+                        assert!(
+                            want.is_empty(),
+                            "lookup {key:?} refused, model hits {want:?}"
+                        );
                         assert_eq!(pool.stats(), before);
                     }
                 }
             }
-            Op::InsertHeld { i, engine, tokens } if !refs.is_empty() => {
-                let id = refs[i as usize % refs.len()];
+            Op::InsertHeld {
+                i,
+                engine,
+                salt,
+                whole,
+                tokens,
+            } if !refs.is_empty() => {
+                last = (engine, u8::from(salt), tokens.clone());
                 let key = PrefixKey {
-                    engine: EngineId(u16::from(engine)),
+                    engine: EngineId(u16::from(engine % 4)),
                     adapter: 0,
-                    salt: 0,
+                    salt: u64::from(salt),
                     block_tokens: 2,
                 };
                 let tokens: Vec<u32> = tokens.iter().map(|&t| u32::from(t % 4)).collect();
                 let mut chain = Vec::new();
                 cache.hasher().chain(&key, &tokens, &mut chain);
-                let h = chain.last().copied().unwrap_or_default();
-                let was = cache.is_cached(id);
-                match cache.insert(key.engine, h, id) {
-                    Ok(Inserted::Inserted) => assert!(!was && cache.is_cached(id)),
-                    Ok(_) | Err(_) => assert_eq!(cache.is_cached(id), was),
+                // The last block's hash alone, or (`whole`, as a sequence caches its blocks)
+                // each block's on held references `i`, `i + 1`, ...
+                let blocks: Vec<usize> = if whole && !chain.is_empty() {
+                    (1..=chain.len()).collect()
+                } else {
+                    vec![chain.len()]
+                };
+                for (k, &nb) in blocks.iter().enumerate() {
+                    let id = refs[(i as usize + k) % refs.len()];
+                    let h = nb.checked_sub(1).map(|j| chain[j]).unwrap_or_default();
+                    let was = cache.is_cached(id);
+                    match cache.insert(key.engine, h, id) {
+                        Ok(Inserted::Inserted) => {
+                            assert!(!was && cache.is_cached(id));
+                            if nb > 0 {
+                                let end = nb * 2;
+                                // One page a (engine, hash): a second insert is a Duplicate.
+                                assert!(
+                                    !model.iter().any(|(e, s, t, _)| {
+                                        *e == key.engine.0
+                                            && *s == key.salt
+                                            && t[..] == tokens[..end]
+                                    }),
+                                    "{tokens:?} inserted twice"
+                                );
+                                model.push((key.engine.0, key.salt, tokens[..end].to_vec(), id));
+                            }
+                        }
+                        Ok(_) | Err(_) => assert_eq!(cache.is_cached(id), was),
+                    }
                 }
             }
             Op::InsertRaw {
@@ -200,6 +280,7 @@ fuzz_target!(|input: Input| {
             }
             _ => {}
         }
+        model.retain(|(_, _, _, id)| cache.is_cached(*id));
         // Every page's references: the harness's plus the cache's.
         let mut distinct = refs.clone();
         distinct.sort_unstable();

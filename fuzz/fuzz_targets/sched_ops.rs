@@ -1,14 +1,20 @@
 //! Fuzz the batcher with arbitrary submit / step / commit / abort / fork / discard (a batch
 //! scheduled and never committed) sequences: no panic,
 //! every batch consistent, the token budget respected, and at the end every request finished
-//! or refused and no block leaked.
+//! or refused and no block leaked. A model of each sequence's tokens (prompt, then every token
+//! committed to it, a fork starting from its parent's) checks what the batches feed and what
+//! comes out: every input token is the sequence's token at its position, a sampling row ends
+//! at the sequence's last token, a finished output is exactly the tokens committed to it, and a
+//! sequence ends exactly when its stop rules say (EOS, `max_new_tokens`) and not before.
 #![no_main]
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use pagedkv::block::{BlockPool, EngineId, PoolConfig};
-use pagedkv::sched::{Batcher, BatcherConfig, PreemptionMode, Priority, SeqRequest, StopRules};
-use std::collections::HashSet;
+use pagedkv::sched::{
+    Batcher, BatcherConfig, FinishReason, PreemptionMode, Priority, SeqRequest, StopRules,
+};
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 #[derive(Debug, Arbitrary)]
@@ -72,6 +78,8 @@ fuzz_target!(|input: Input| {
     let mut next_id = 0u64;
     let mut accepted = HashSet::new();
     let mut done = Vec::new();
+    // Model: each live sequence's tokens, prompt length and stop rules.
+    let mut model: HashMap<u64, (Vec<u32>, usize, StopRules)> = HashMap::new();
     for op in input.ops.into_iter().take(256) {
         match op {
             Op::Submit {
@@ -80,9 +88,11 @@ fuzz_target!(|input: Input| {
                 urgent,
                 eos,
             } => {
+                // Distinct tokens per position, so a token fed at the wrong position shows.
+                let prompt: Vec<u32> = (0..u32::from(prompt_len)).map(|i| 1000 + i).collect();
                 let req = SeqRequest {
                     id: next_id,
-                    prompt: vec![1; usize::from(prompt_len)],
+                    prompt: prompt.clone(),
                     stop: StopRules {
                         max_new_tokens: u32::from(max_new),
                         eos: eos.map(u32::from).into_iter().collect(),
@@ -94,13 +104,18 @@ fuzz_target!(|input: Input| {
                         Priority::Throughput
                     },
                 };
+                let stop = req.stop.clone();
                 if bt.add(req).is_ok() {
                     accepted.insert(next_id);
+                    model.insert(next_id, (prompt.clone(), prompt.len(), stop));
                 }
                 next_id += 1;
             }
             Op::Step { tokens } => {
+                let seen = done.len();
                 let b = bt.schedule_into(&mut done);
+                check_finished(&mut model, &done[seen..]);
+                check_inputs(&model, b);
                 assert!(b.num_tokens() <= cfg.max_batched_tokens as usize);
                 assert_eq!(b.query_start_loc.len(), b.num_seqs() + 1);
                 // Every token's slot lies in the block its row names for its position, and no
@@ -121,15 +136,28 @@ fuzz_target!(|input: Input| {
                 let sampled: Vec<u32> = (0..n)
                     .map(|i| u32::from(tokens.get(i).copied().unwrap_or(7)))
                     .collect();
+                let rows = sampling_rows(b);
+                let seen = done.len();
                 bt.commit(&sampled, &mut done).unwrap();
+                committed(&mut model, &rows, &sampled, &done[seen..]);
             }
             Op::StepWrongCount => {
-                let n = bt.schedule_into(&mut done).num_samples();
+                let seen = done.len();
+                let b = bt.schedule_into(&mut done);
+                check_finished(&mut model, &done[seen..]);
+                check_inputs(&model, b);
+                let n = b.num_samples();
+                let rows = sampling_rows(b);
                 assert!(bt.commit(&vec![1; n + 1], &mut done).is_err());
+                let seen = done.len();
                 bt.commit(&vec![1; n], &mut done).unwrap();
+                committed(&mut model, &rows, &vec![1; n], &done[seen..]);
             }
             Op::Discard => {
-                bt.schedule_into(&mut done);
+                let seen = done.len();
+                let b = bt.schedule_into(&mut done);
+                check_finished(&mut model, &done[seen..]);
+                check_inputs(&model, b);
             }
             Op::Abort(id) => {
                 let _ = bt.abort(u64::from(id));
@@ -137,6 +165,8 @@ fuzz_target!(|input: Input| {
             Op::Fork(id) => {
                 if bt.fork(u64::from(id), next_id).is_ok() {
                     accepted.insert(next_id);
+                    let parent = model[&u64::from(id)].clone();
+                    model.insert(next_id, parent);
                 }
                 next_id += 1;
             }
@@ -147,9 +177,21 @@ fuzz_target!(|input: Input| {
         if !bt.has_work() {
             break;
         }
-        let n = bt.schedule_into(&mut done).num_samples();
+        let seen = done.len();
+        let b = bt.schedule_into(&mut done);
+        check_finished(&mut model, &done[seen..]);
+        check_inputs(&model, b);
+        let n = b.num_samples();
+        let rows = sampling_rows(b);
+        let seen = done.len();
         bt.commit(&vec![7; n], &mut done).unwrap();
+        committed(&mut model, &rows, &vec![7; n], &done[seen..]);
     }
+    assert!(
+        model.is_empty(),
+        "unfinished in the model: {:?}",
+        model.keys()
+    );
     assert!(!bt.has_work(), "livelock: work left after draining");
     let finished: HashSet<u64> = done.iter().map(|f| f.id).collect();
     assert_eq!(
@@ -160,3 +202,95 @@ fuzz_target!(|input: Input| {
     drop(bt);
     assert_eq!(pool.free_count(), pool.total());
 });
+
+/// The ids of a batch's sampling rows, in row order (no drafts here: one sample each).
+fn sampling_rows(b: &pagedkv::sched::Batch) -> Vec<u64> {
+    (0..b.num_seqs())
+        .filter(|&s| b.samples[s])
+        .map(|s| b.seq_ids[s])
+        .collect()
+}
+
+/// Every row feeds its sequence's own tokens at their positions, and a sampling row ends at the
+/// sequence's last token.
+fn check_inputs(model: &HashMap<u64, (Vec<u32>, usize, StopRules)>, b: &pagedkv::sched::Batch) {
+    for s in 0..b.num_seqs() {
+        let id = b.seq_ids[s];
+        let (toks, _, _) = model.get(&id).expect("a scheduled sequence is live");
+        let (lo, hi) = (
+            b.query_start_loc[s] as usize,
+            b.query_start_loc[s + 1] as usize,
+        );
+        for t in lo..hi {
+            let pos = b.positions[t] as usize;
+            assert_eq!(b.input_tokens[t], toks[pos], "seq {id}: token at {pos}");
+        }
+        assert_eq!(b.context_lens[s] as usize, b.positions[hi - 1] as usize + 1);
+        if b.samples[s] {
+            assert_eq!(
+                b.context_lens[s] as usize,
+                toks.len(),
+                "seq {id}: samples early"
+            );
+        }
+    }
+}
+
+/// Why a sequence with these tokens must stop, if it must (the batcher's order: EOS first).
+fn must_stop(toks: &[u32], prompt: usize, stop: &StopRules) -> Option<FinishReason> {
+    let out = &toks[prompt..];
+    let last = *out.last()?;
+    if stop.eos.contains(&last) {
+        return Some(FinishReason::Eos);
+    }
+    (out.len() >= stop.max_new_tokens as usize).then_some(FinishReason::MaxTokens)
+}
+
+/// Ends reported outside a commit (aborts, or too long): the output is what was committed.
+fn check_finished(
+    model: &mut HashMap<u64, (Vec<u32>, usize, StopRules)>,
+    fin: &[pagedkv::sched::FinishedSeq],
+) {
+    for f in fin {
+        let (toks, p, _) = model.remove(&f.id).expect("finished once");
+        assert_eq!(f.output, toks[p..], "seq {}: output", f.id);
+        assert!(
+            matches!(f.reason, FinishReason::Aborted | FinishReason::TooLong),
+            "seq {}: {:?} outside a commit",
+            f.id,
+            f.reason
+        );
+    }
+}
+
+/// Applies a commit to the model and checks who ended: exactly the sequences whose stop rules
+/// say so, with that reason and their whole output (plus aborts and too-long ends).
+fn committed(
+    model: &mut HashMap<u64, (Vec<u32>, usize, StopRules)>,
+    rows: &[u64],
+    sampled: &[u32],
+    fin: &[pagedkv::sched::FinishedSeq],
+) {
+    for (id, &tok) in rows.iter().zip(sampled) {
+        model
+            .get_mut(id)
+            .expect("a sampled sequence is live")
+            .0
+            .push(tok);
+    }
+    for f in fin {
+        let (toks, p, stop) = model.remove(&f.id).expect("finished once");
+        assert_eq!(f.output, toks[p..], "seq {}: output", f.id);
+        match f.reason {
+            FinishReason::Aborted | FinishReason::TooLong => {}
+            r => assert_eq!(Some(r), must_stop(&toks, p, &stop), "seq {}: reason", f.id),
+        }
+    }
+    for (id, (toks, p, stop)) in model.iter() {
+        assert_eq!(
+            must_stop(toks, *p, stop),
+            None,
+            "seq {id} should have ended"
+        );
+    }
+}

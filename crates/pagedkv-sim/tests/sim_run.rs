@@ -96,10 +96,45 @@ fn check_accounting(r: &sim::Report) {
         "every engine's cache is a view"
     );
     assert_eq!(r.kv_pool_bytes, u64::from(r.pool_blocks) * r.page_bytes);
+    let sim_s = r.steps as f64 * r.step_ms / 1e3;
+    let mut generated = 0;
     for e in &r.engines {
         let e_refused = e.refused.queue_full + e.refused.evicted + e.refused.too_long;
         assert_eq!(e.finished + e_refused, e.requests, "engine {}", e.name);
+        // Latency samples are tokens: each finished request's first token gives one time to
+        // first token, each later one one inter-token latency (no drafts in the simulator),
+        // so a token counted twice or a sample lost shows here.
+        let (lc, tp) = (&e.latency_critical, &e.throughput);
+        assert_eq!(
+            (lc.ttft.count + tp.ttft.count) as u64,
+            e.finished,
+            "engine {}: one first token per finished request",
+            e.name
+        );
+        assert_eq!(
+            (lc.ttft.count + tp.ttft.count + lc.itl.count + tp.itl.count) as u64,
+            e.generated_tokens,
+            "engine {}: one latency sample per generated token",
+            e.name
+        );
+        assert!(e.generated_tokens >= e.finished);
+        assert!(
+            (e.tokens_per_s - e.generated_tokens as f64 / sim_s).abs() <= 1e-9 * e.tokens_per_s
+        );
+        for c in [lc, tp] {
+            assert!(c.ttft.p50_ms <= c.ttft.p99_ms && c.itl.p50_ms <= c.itl.p99_ms);
+            assert!(c.ttft.count == 0 || c.ttft.p50_ms > 0.0);
+            // Every token arrives at the end of a step: gaps between tokens are whole steps,
+            // at least one.
+            for x in [c.itl.p50_ms, c.itl.p99_ms] {
+                let steps = x / r.step_ms;
+                assert!((steps - steps.round()).abs() < 1e-6, "itl {x} ms");
+                assert!(c.itl.count == 0 || steps >= 1.0 - 1e-6, "itl {x} ms");
+            }
+        }
+        generated += e.generated_tokens;
     }
+    assert!((r.tokens_per_s - generated as f64 / sim_s).abs() <= 1e-9 * r.tokens_per_s);
 }
 
 #[test]
@@ -270,4 +305,30 @@ fn the_prefix_cache_hits_and_lowers_time_to_first_token() {
         r_off.ttft_p50_ms
     );
     assert!(r_on.engines.iter().all(|e| e.prefix_reused_tokens > 0));
+}
+
+/// The percentiles are nearest-rank (the smallest sample with at least p of the samples at or
+/// below it), checked against a count over the samples, not the same index formula; no run
+/// figure above can tell a rank off by one (a p99 that is the maximum, a p50 one sample high).
+#[test]
+fn percentiles_are_nearest_rank() {
+    for n in 1..=201usize {
+        // Samples out of order (the function sorts), with ties where 37 divides n.
+        let samples: Vec<f64> = (0..n).map(|i| ((i * 37) % n) as f64 + 0.5).collect();
+        let steps: Vec<u64> = samples.iter().map(|&x| x as u64).collect();
+        let lat = sim::Latency::of(&samples);
+        let st = sim::StepLatency::of(&steps);
+        assert_eq!((lat.count, st.count), (n, n));
+        for (p, got, got_steps) in [(0.50, lat.p50_ms, st.p50), (0.99, lat.p99_ms, st.p99)] {
+            // At least p of the samples are at or below it, and fewer below it.
+            let at_or_below = samples.iter().filter(|&&x| x <= got).count() as f64;
+            let below = samples.iter().filter(|&&x| x < got).count() as f64;
+            assert!(at_or_below >= p * n as f64 - 1e-9, "n {n}: p{p} = {got}");
+            assert!(below < p * n as f64 - 1e-9, "n {n}: p{p} = {got}");
+            assert_eq!(got_steps, got as u64, "n {n}: step p{p}");
+        }
+        assert_eq!(st.max, *steps.iter().max().unwrap());
+    }
+    assert_eq!(sim::Latency::of(&[]), sim::Latency::default());
+    assert_eq!(sim::StepLatency::of(&[]), sim::StepLatency::default());
 }

@@ -1333,3 +1333,81 @@ fn query_heads_whose_rows_overflow_are_refused() {
     );
     assert!(ok.is_ok(), "{:?}", ok.map(|_| ()));
 }
+
+/// ClosedForm whose sampling fails when armed (a device error while reading the logits back,
+/// say): called by every commit, a step of no rows included.
+struct FailingSample {
+    inner: ClosedForm,
+    armed: bool,
+}
+
+impl StepModel<HostBackend<f32>> for FailingSample {
+    fn qkv(
+        &mut self,
+        backend: &HostBackend<f32>,
+        layer: usize,
+        batch: &Batch,
+    ) -> Result<LayerQkv<'_, [f32]>, EngineError> {
+        self.inner.qkv(backend, layer, batch)
+    }
+    fn attended(&mut self, layer: usize, batch: &Batch, out: &[f32]) -> Result<(), EngineError> {
+        self.inner.attended(layer, batch, out)
+    }
+    fn sample(&mut self, batch: &Batch, out: &mut Vec<u32>) -> Result<(), EngineError> {
+        if self.armed {
+            return Err(EngineError::Model("injected sampling failure".into()));
+        }
+        self.inner.sample(batch, out)
+    }
+}
+
+/// A sequence ended at the start of a step that schedules no rows (its abort ended the
+/// engine's last sequence) and then fails is reported by the next step, as after a failed
+/// step with rows (`Engine::step`'s docs): before, the batch being empty, nothing was
+/// pending, the next schedule cleared the report, and the stream never got its end.
+#[test]
+fn an_end_at_a_failed_step_of_no_rows_is_reported_by_the_next() {
+    let (shared, engines) = build(64, PreemptionMode::Recompute);
+    let mut engines: Vec<_> = engines
+        .into_iter()
+        .map(|(e, inner)| {
+            (
+                e,
+                FailingSample {
+                    inner,
+                    armed: false,
+                },
+            )
+        })
+        .collect();
+    let (engine, model) = &mut engines[0];
+    let req = request(1, 8, 50);
+    model.inner.prompt_len.insert(1, req.prompt.len());
+    engine.add(req).unwrap();
+    for _ in 0..3 {
+        engine.step(model).unwrap();
+    }
+    engine.abort(1).unwrap();
+    model.armed = true;
+    assert!(engine.step(model).is_err());
+    assert!(engine.batch().is_empty(), "the failed step had no rows");
+    // The id's end is not reported yet: it is not taken by a new request meanwhile.
+    let again = request(1, 8, 50);
+    assert!(matches!(engine.add(again), Err(SchedError::DuplicateId(1))));
+    model.armed = false;
+    engine.step(model).unwrap();
+    let ends: Vec<_> = engine
+        .results()
+        .updates
+        .iter()
+        .map(|u| (u.id, u.finished))
+        .collect();
+    assert_eq!(ends, [(1, Some(FinishReason::Aborted))], "the end was lost");
+    assert_eq!(engine.finished().len(), 1);
+    // Reported once it was delivered: the next step does not repeat it.
+    engine.step(model).unwrap();
+    assert!(engine.results().updates.is_empty());
+    assert!(engine.finished().is_empty());
+    drop(engines);
+    assert_no_leak(&shared);
+}

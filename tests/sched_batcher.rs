@@ -1193,3 +1193,128 @@ fn replacing_the_prefix_cache_leaks_no_budget() {
         "the dropped engine's pages stay cached"
     );
 }
+
+/// A block budget whose limit the test lowers (a coordinator's reclaim order: a lender became
+/// active), and whose holdings it reads.
+struct Lowered {
+    limit: Arc<AtomicU32>,
+    used: Arc<AtomicU32>,
+}
+
+impl EngineBudget for Lowered {
+    fn token_budget(&self) -> u32 {
+        u32::MAX
+    }
+    fn try_acquire_blocks(&self, n: u32) -> bool {
+        let used = self.used.load(Ordering::Relaxed);
+        if used + n > self.limit.load(Ordering::Relaxed) {
+            return false;
+        }
+        self.used.store(used + n, Ordering::Relaxed);
+        true
+    }
+    fn release_blocks(&self, n: u32) {
+        let prev = self.used.fetch_sub(n, Ordering::Relaxed);
+        assert!(prev >= n, "budget released below zero");
+    }
+    fn set_active(&self, _: bool) {}
+}
+
+/// Pages shed on a reclaim order leave the engine, whatever the preemption mode: under swap
+/// preemption the victims' pages wait for their swap-out until the batch has run, and a
+/// running sequence of the same step took one of them for its next token without asking the
+/// budget, so the engine stayed over the limit the order was about (recompute preemption
+/// asks the budget for that page, which refuses it).
+#[test]
+fn pages_shed_by_swapping_out_are_not_taken_back_in_the_same_step() {
+    for preemption in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+        let p = pool(32);
+        let limit = Arc::new(AtomicU32::new(32));
+        let used = Arc::new(AtomicU32::new(0));
+        let mut bt = Batcher::new(
+            BatcherConfig {
+                preemption,
+                swap_blocks: 16,
+                ..config()
+            },
+            p.clone(),
+        )
+        .unwrap();
+        bt.attach_budget(Box::new(Lowered {
+            limit: limit.clone(),
+            used: used.clone(),
+        }));
+        // Two sequences of 8 prompt tokens (2 pages each): their next token needs a third.
+        bt.add(req(1, vec![1; 8], 10)).unwrap();
+        bt.add(req(2, vec![2; 8], 10)).unwrap();
+        let mut fin = Vec::new();
+        step(&mut bt, &mut fin);
+        assert_eq!(used.load(Ordering::Relaxed), 4);
+        // The order: 2 pages back (the limit drops to 2).
+        limit.store(2, Ordering::Relaxed);
+        bt.request_shed(2);
+        let n = bt.schedule_into(&mut fin).num_samples();
+        bt.commit(&vec![1000; n], &mut fin).unwrap();
+        assert!(
+            used.load(Ordering::Relaxed) <= 2,
+            "{preemption:?}: {} pages held after shedding down to a limit of 2",
+            used.load(Ordering::Relaxed)
+        );
+        assert_eq!(32 - p.free_count(), used.load(Ordering::Relaxed));
+        limit.store(32, Ordering::Relaxed);
+        fin.extend(drive(&mut bt, 200));
+        assert_eq!(fin.len(), 2);
+        assert_eq!(p.free_count(), 32);
+        assert_eq!(used.load(Ordering::Relaxed), 0);
+    }
+}
+
+/// A swapped-out throughput sequence that cannot come back yet does not hold back a
+/// latency-critical request that fits (swap preemption kept every waiting request out while
+/// anything was swapped out: a priority inversion recompute preemption, which queues its
+/// victims behind waiting latency-critical requests, does not have). Waiting throughput
+/// requests still wait behind it.
+#[test]
+fn a_swapped_throughput_sequence_does_not_hold_back_latency_critical_admissions() {
+    let mut cfg = config();
+    cfg.preemption = PreemptionMode::Swap;
+    cfg.swap_blocks = 16;
+    let p = pool(6);
+    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+    let mut fin = Vec::new();
+    bt.add(req(0, vec![1; 8], 4)).unwrap();
+    bt.add(req(1, vec![2; 8], 4)).unwrap();
+    step(&mut bt, &mut fin); // both prefill: 2 pages each
+    bt.request_shed(2);
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.swap_out.len(), 2, "the younger is swapped out");
+    let n = b.num_samples();
+    bt.commit(&vec![1000; n], &mut fin).unwrap();
+    assert_eq!(bt.phase(1), Some(SeqPhase::Swapped));
+    // 0 holds 3 pages. Another engine takes two of the three free: one left, too few for 1 to
+    // come back, enough for a latency-critical request of one page.
+    let mut other = Vec::new();
+    p.alloc_n(EngineId(1), 2, &mut other).unwrap();
+    let mut lc = req(2, vec![3; 4], 1);
+    lc.priority = Priority::LatencyCritical;
+    bt.add(lc).unwrap();
+    bt.add(req(3, vec![4; 4], 1)).unwrap();
+    let ids = bt.schedule_into(&mut fin).seq_ids.clone();
+    assert_eq!(bt.phase(1), Some(SeqPhase::Swapped));
+    assert_eq!(
+        ids,
+        vec![0, 2],
+        "the latency-critical request waited behind a swapped one"
+    );
+    assert_eq!(
+        bt.phase(3),
+        Some(SeqPhase::Waiting),
+        "throughput waits behind it"
+    );
+    let n = bt.batch().num_samples();
+    bt.commit(&vec![1000; n], &mut fin).unwrap();
+    p.free_n(&other).unwrap();
+    fin.extend(drive(&mut bt, 100));
+    assert_eq!(fin.len(), 4);
+    assert_eq!(p.free_count(), 6);
+}

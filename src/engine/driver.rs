@@ -120,6 +120,10 @@ pub struct Engine<B: KvBackend> {
     /// rows may have written pages its swap-outs or copies read), only discarded by the next
     /// schedule.
     exec_failed: bool,
+    /// Whether the last schedule's step was committed (its results handed over); false from a
+    /// schedule until its commit succeeds, whether or not the batch has rows: the ends that
+    /// schedule reported stay in `results` until then.
+    committed: bool,
     /// The donor last asked for pages and its count of takes read after asking
     /// ([`SharedArena::donations_taken`]): it is asked again only once it has taken that
     /// request.
@@ -225,6 +229,7 @@ impl<B: KvBackend> Engine<B> {
             demand_since: None,
             executed: true,
             exec_failed: false,
+            committed: true,
             donation_asked: None,
         })
     }
@@ -290,11 +295,11 @@ impl<B: KvBackend> Engine<B> {
     /// requests of the same salt, e.g. one per tenant).
     ///
     /// An id is taken until its sequence's end is reported: one that ended at the schedule of
-    /// a batch not yet committed (its step failed, say) is reported by the next step, and a new
-    /// request on it is refused ([`SchedError::DuplicateId`]) until then (its results would
-    /// otherwise hold the old sequence's end under the new one's id).
+    /// a step not yet committed (it failed, say, even with no rows) is reported by the next
+    /// step, and a new request on it is refused ([`SchedError::DuplicateId`]) until then (its
+    /// results would otherwise hold the old sequence's end under the new one's id).
     pub fn add_salted(&mut self, req: SeqRequest, salt: u64) -> Result<(), SchedError> {
-        if self.batcher.is_pending() && self.finished.iter().any(|f| f.id == req.id) {
+        if !self.committed && self.finished.iter().any(|f| f.id == req.id) {
             return Err(SchedError::DuplicateId(req.id));
         }
         // The batcher's own limit is whole pages, which may hold more than max_context.
@@ -353,15 +358,17 @@ impl<B: KvBackend> Engine<B> {
     /// failed, say, and an [`abort`](Self::abort) of the sequence at fault), it discards the
     /// uncommitted batch safely first ([`Batcher::schedule_into`]): its rows are scheduled
     /// again, and the sequences whose KV it was to swap or copy are preempted by recompute.
-    /// The sequences that ended at the discarded batch's schedule are reported again, first,
-    /// in this step's [`results`](Self::results) and [`finished`](Self::finished) (a failed
-    /// step's caller need not deliver them; one that did sees them twice).
+    /// The sequences that ended at the uncommitted step's schedule (one with no rows too) are
+    /// reported again, first, in this step's [`results`](Self::results) and
+    /// [`finished`](Self::finished) (a failed step's caller need not deliver them; one that did
+    /// sees them twice).
     pub fn schedule(&mut self) -> &Batch {
-        // A batch not committed (its execute or its commit failed) is discarded below. Its
+        // A step not committed (its execute or its commit failed) is discarded below. Its
         // results hold only the sequences that ended at its schedule (a commit appends only
         // once it succeeds), and the caller of a failed step does not deliver them: they are
-        // reported again with this step's, or those sequences' ends would be lost.
-        if !self.batcher.is_pending() {
+        // reported again with this step's, or those sequences' ends would be lost. A step of
+        // no rows too: its batch is not pending, but its ends were not delivered either.
+        if self.committed {
             self.results.clear();
             self.finished.clear();
         }
@@ -414,6 +421,7 @@ impl<B: KvBackend> Engine<B> {
         }
         self.executed = self.batcher.batch().is_empty();
         self.exec_failed = false;
+        self.committed = false;
         self.report.scheduled = self.batcher.batch().num_tokens() as u32;
         self.batcher.batch()
     }
@@ -462,6 +470,7 @@ impl<B: KvBackend> Engine<B> {
         self.report.sampled = self.sampled.len() as u32;
         self.batcher
             .commit_with_updates(&self.sampled, &mut self.finished, &mut self.results)?;
+        self.committed = true;
         let coordinator = self.shared.coordinator();
         match self.batcher.preemptible_load() {
             Some((class, pages)) => coordinator.publish_load(self.id, class.rank(), pages),

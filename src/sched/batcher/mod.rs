@@ -141,7 +141,10 @@ pub struct BatcherStats {
 /// 2. swapped sequences come back (latency-critical first, then oldest first) when their
 ///    blocks fit;
 /// 3. waiting sequences are admitted, latency-critical before throughput, first come first
-///    served within a class, unless this step preempted (admitting then would only thrash).
+///    served within a class, unless this step preempted (admitting then would only thrash);
+///    a swapped sequence comes back before any waiting one of its class or a less urgent one
+///    is admitted (but a swapped throughput sequence does not hold back latency-critical
+///    admissions).
 ///
 /// The cost of a step is O(scheduled sequences + their new tokens + their blocks). The
 /// [`Batch`] buffers and the scratch vectors are reused; what a decode step still allocates is
@@ -177,6 +180,12 @@ pub struct Batcher {
     /// every model, a page freed at schedule time could be written by another engine's kernels
     /// while this engine's swap-out copies it.
     swap_out_pending: Vec<BlockId>,
+    /// Leading entries of `swap_out_pending` held for swap-outs of this step's shed
+    /// ([`request_shed`](Batcher::request_shed)): pages given back on an order, which this
+    /// engine must not take again for its own sequences in the same step (only a page the
+    /// budget grants again may be; reusing one would keep the engine over the limit the order
+    /// was about). Reset when the held pages are released.
+    shed_held: usize,
     /// Aborts and caller finishes requested since the last step, applied at the start of the
     /// next one (the batch in flight may still reference their blocks).
     pending_aborts: Vec<(SeqId, FinishReason)>,
@@ -258,6 +267,7 @@ impl Batcher {
             host_free: (0..cfg.swap_blocks).rev().collect(),
             host_released: Vec::new(),
             swap_out_pending: Vec::new(),
+            shed_held: 0,
             pending_aborts: Vec::new(),
             shed_request: 0,
             batch: Batch::default(),
@@ -644,6 +654,9 @@ impl Batcher {
         self.end_unguaranteed();
         self.apply_aborts(finished);
         let mut preempted = self.apply_shed();
+        // What the shed swapped out is given back, not reusable this step (the list was empty
+        // before it: released above).
+        self.shed_held = self.swap_out_pending.len();
 
         let external = self.budget.as_ref().map_or(u32::MAX, |b| b.token_budget());
         let mut budget = self.cfg.max_batched_tokens.min(external) as usize;
@@ -699,9 +712,15 @@ impl Batcher {
             self.push_running(slot);
         }
 
-        // 3. Waiting sequences, latency-critical first, FCFS within a class.
-        if !preempted && self.swapped.is_empty() {
+        // 3. Waiting sequences, latency-critical first, FCFS within a class; a class only while
+        // no swapped sequence of it (or of a more urgent one) waits to come back (`swapped` is
+        // in priority order: its front is the most urgent).
+        let swapped_class = self.swapped.front().map(|&s| self.seq(s).priority);
+        if !preempted {
             'admit: for class in Priority::ALL {
+                if swapped_class.is_some_and(|p| p <= class) {
+                    break;
+                }
                 while let Some(&slot) = self.waiting[class.index()].front() {
                     if self.running.len() >= self.cfg.max_running as usize || budget == 0 {
                         break 'admit;

@@ -102,7 +102,8 @@ impl Batcher {
     /// Takes `n` pages for this engine into `self.scratch`, all or nothing: pages this step's
     /// swap-outs gave up first (still charged to this engine; the batch's swap-outs run
     /// before anything writes, so this engine may reuse them in the same step, and no other
-    /// engine can), then new ones from the budget and the pool. On failure nothing is taken.
+    /// engine can), except those its shed gave back, then new ones from the budget and the
+    /// pool. On failure nothing is taken.
     pub(super) fn take_pages(&mut self, n: u32) -> bool {
         self.scratch.clear();
         // Only pages the pending swap-outs hold alone may be reused: one another sequence still
@@ -110,14 +111,16 @@ impl Batcher {
         // rewritten. A stable partition puts the reusable ones last (only when swap-outs are
         // pending, which is rare). Nor may a page a copy of this batch reads: the copies run at
         // once, and a copy-on-write into it would make the list read a page it writes.
+        // Nor may a page a shed gave back (the leading `shed_held` entries, left in place).
         let mut reusable = 0;
-        if !self.swap_out_pending.is_empty() {
+        if self.swap_out_pending.len() > self.shed_held {
             let mut pending = std::mem::take(&mut self.swap_out_pending);
             let (pool, copies) = (&self.pool, &self.batch.copies);
             let free_to_reuse =
                 |id: BlockId| pool.ref_count(id) == Ok(1) && !is_copy_source(copies, id);
-            pending.sort_by_key(|&id| free_to_reuse(id));
-            reusable = pending
+            let own = &mut pending[self.shed_held..];
+            own.sort_by_key(|&id| free_to_reuse(id));
+            reusable = own
                 .iter()
                 .rev()
                 .take_while(|&&id| free_to_reuse(id))
@@ -155,6 +158,7 @@ impl Batcher {
 
     /// Drops the references `hold_for_swap_out` kept, freeing the pages and their budget.
     pub(super) fn release_swapped_pages(&mut self) {
+        self.shed_held = 0;
         if self.swap_out_pending.is_empty() {
             return;
         }

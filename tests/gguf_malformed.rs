@@ -366,6 +366,37 @@ fn tensor_shape_rules() {
     );
 }
 
+/// ggml stores a tensor's name in `char name[GGML_MAX_NAME]` (64, NUL included), and
+/// llama.cpp's gguf reader refuses a name of 64 bytes or more ("tensor name is too long"): a
+/// file with one is not a model any ggml program can load, and the writer must not make one.
+#[test]
+fn tensor_names_fit_ggml() {
+    let ok = "n".repeat(63);
+    let mut b = B::v3(1, 0);
+    b.tensor(&ok, &[1], 0, 0).data(32, 4);
+    b.parse().expect("a 63-byte name fits ggml's 64-byte field");
+    let long = "n".repeat(64);
+    let mut b = B::v3(1, 0);
+    b.tensor(&long, &[1], 0, 0).data(32, 4);
+    refused!(b, GgufError::TensorNameTooLong { len: 64, .. });
+
+    let data = [0u8; 4];
+    let mut w = GgufWriter::new();
+    w.add_tensor(&ok, pagedkv::gguf::GgmlType::F32, &[1], &data)
+        .expect("63 bytes");
+    let r = w.add_tensor(&long, pagedkv::gguf::GgmlType::F32, &[1], &data);
+    assert!(
+        matches!(r, Err(GgufError::TensorNameTooLong { len: 64, .. })),
+        "the writer accepted a name llama.cpp refuses: {:?}",
+        r.map(|_| ())
+    );
+    let r = w.add_tensor_deferred(&long, pagedkv::gguf::GgmlType::F32, &[1]);
+    assert!(matches!(r, Err(GgufError::TensorNameTooLong { .. })));
+    // The refusals left the writer as it was: one tensor, and the file parses.
+    let bytes = w.to_bytes().expect("write");
+    assert_eq!(Gguf::parse(&bytes).expect("parse").tensors().len(), 1);
+}
+
 #[test]
 fn tensor_type_ids() {
     refused!(

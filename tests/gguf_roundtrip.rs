@@ -193,3 +193,26 @@ fn deferred_tensors_stream_the_same_bytes() {
         .add_tensor_deferred("c", GgmlType::Q4_K, &[100])
         .is_err());
 }
+
+/// `write_to` cannot write a deferred tensor: it must say so before it writes anything, not
+/// after the header and the tensors before it (a truncated file left on disk behind the error).
+#[test]
+fn write_to_refuses_deferred_tensors_before_writing() {
+    let a = [0u8; 8];
+    let mut w = GgufWriter::new();
+    w.add("general.name", MetaValue::String("x".into()))
+        .expect("meta");
+    w.add_tensor("a", GgmlType::F32, &[2], &a).expect("a");
+    w.add_tensor_deferred("b", GgmlType::F32, &[2]).expect("b");
+    let mut out = Vec::new();
+    let r = w.write_to(&mut out);
+    assert!(
+        matches!(r, Err(pagedkv::gguf::GgufError::Unwritable(_))),
+        "{r:?}"
+    );
+    assert!(
+        out.is_empty(),
+        "write_to wrote {} bytes before refusing the deferred tensor",
+        out.len()
+    );
+}

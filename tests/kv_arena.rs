@@ -556,3 +556,24 @@ fn page_bytes_for_refuses_a_zero_size_shape_beside_others() {
         );
     }
 }
+
+/// The module docs' exact-fill claim holds only up to `MAX_TOKENS_PER_PAGE` tokens: a model with
+/// a power-of-two per-token size below 1/256 of the page (a draft model beside a large one) is
+/// capped at 256 tokens and leaves most of every page unused, which its view reports.
+#[test]
+fn a_model_below_a_256th_of_the_page_is_capped_and_reports_its_waste() {
+    let big = shape(32, 32, 128, KvDtype::F16); // 512 KiB per token
+    let draft = shape(2, 2, 64, KvDtype::F16); // 1 KiB per token
+    assert!(big.bytes_per_token().is_power_of_two() && draft.bytes_per_token().is_power_of_two());
+    let page = page_bytes_for(&[big, draft], 16).unwrap();
+    assert_eq!(page, 16 << 19);
+    let arena = Arc::new(KvArena::new(2, page).unwrap());
+    let v = ArenaView::new(arena.clone(), &big).unwrap();
+    assert_eq!(
+        (v.config().block_size(), v.wasted_bytes_per_page()),
+        (16, 0)
+    );
+    let v = ArenaView::new(arena, &draft).unwrap();
+    assert_eq!(v.config().block_size(), MAX_TOKENS_PER_PAGE);
+    assert_eq!(v.wasted_bytes_per_page(), page - MAX_TOKENS_PER_PAGE * 1024);
+}

@@ -66,9 +66,10 @@ struct Shared {
 /// those calls are **lock-free**, not wait-free (a call can retry only because another
 /// thread's pool operation succeeded).
 /// `grow` and `fork` allocate or share through the pool and are lock-free too. A reader's
-/// `snapshot_into` retries only when the writer completed a truncate or replace meanwhile, so
-/// it is lock-free, and it waits for nothing: a writer stalled half way leaves a state readers
-/// accept.
+/// `snapshot_into` retries only when the writer began a truncate or replace meanwhile (each
+/// bumps the epoch once, before anything else), so it is lock-free, and it waits for nothing:
+/// a writer stalled half way leaves a state readers accept (a reader retries across its bump
+/// once, then accepts).
 #[derive(Debug)]
 pub struct BlockTable {
     shared: Arc<Shared>,

@@ -115,6 +115,15 @@ pub enum GgufError {
     /// `general.alignment` is zero or not a power of two.
     #[error("general.alignment {0} is not a non-zero power of two")]
     BadAlignment(u64),
+    /// A tensor name of more than [`crate::gguf::MAX_TENSOR_NAME_BYTES`] bytes: ggml keeps a
+    /// tensor's name in a 64-byte field (NUL included), and llama.cpp refuses such a file.
+    #[error("tensor name {prefix:?}... is {len} bytes long (at most 63)")]
+    TensorNameTooLong {
+        /// The name's first bytes (at most 63, cut at a character boundary).
+        prefix: String,
+        /// Its length in bytes.
+        len: u64,
+    },
     /// A tensor with more than four dimensions.
     #[error("tensor {tensor:?}: {n_dims} dimensions (at most 4)")]
     TooManyDims {

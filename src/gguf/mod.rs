@@ -47,7 +47,7 @@ pub use llama::LlamaParams;
 pub use mmap::GgufBytes;
 pub use parse::{
     ArrayIter, ArrayValue, Gguf, TensorInfo, Value, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC,
-    MAX_ARRAY_DEPTH, MAX_DIMS,
+    MAX_ARRAY_DEPTH, MAX_DIMS, MAX_TENSOR_NAME_BYTES,
 };
 pub use types::{GgmlType, TypeId, ValueType, ALL_TYPES, QK_K};
 pub use write::{GgufWriter, MetaValue};

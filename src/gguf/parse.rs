@@ -11,6 +11,10 @@ pub const GGUF_MAGIC: [u8; 4] = *b"GGUF";
 pub const DEFAULT_ALIGNMENT: u64 = 32;
 /// Most dimensions a tensor may have (ggml's `GGML_MAX_DIMS`).
 pub const MAX_DIMS: usize = 4;
+/// Longest tensor name accepted, in bytes: ggml's `GGML_MAX_NAME` (64) less its NUL. llama.cpp
+/// refuses a file with a longer name ("tensor name is too long"), and so do the parser and the
+/// writer.
+pub const MAX_TENSOR_NAME_BYTES: usize = 63;
 /// Deepest nesting of arrays accepted (an array of arrays has depth 2).
 pub const MAX_ARRAY_DEPTH: u32 = 8;
 /// The metadata key that sets the alignment.
@@ -530,6 +534,22 @@ pub struct Gguf<'a> {
     tensor_index: HashMap<&'a str, usize>,
 }
 
+/// Refuses a tensor name longer than [`MAX_TENSOR_NAME_BYTES`] (the error keeps a prefix, not
+/// the whole name, which may be as long as the file).
+pub(crate) fn check_tensor_name(name: &str) -> Result<()> {
+    if name.len() <= MAX_TENSOR_NAME_BYTES {
+        return Ok(());
+    }
+    let mut end = MAX_TENSOR_NAME_BYTES;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    Err(GgufError::TensorNameTooLong {
+        prefix: name[..end].into(),
+        len: name.len() as u64,
+    })
+}
+
 /// Smallest encoding of a metadata entry: key length, empty key, type, a one-byte value.
 const fn min_kv_bytes(cw: u64) -> u64 {
     cw + 4 + 1
@@ -627,6 +647,7 @@ impl<'a> Gguf<'a> {
         let mut tensor_index = HashMap::with_capacity(n_tensors.min(PREALLOC_ENTRIES));
         for i in 0..n_tensors {
             let name = c.string("tensor name")?;
+            check_tensor_name(name)?;
             let n_dims = c.u32("tensor n_dims")?;
             if n_dims as usize > MAX_DIMS {
                 return Err(GgufError::TooManyDims {

@@ -5,14 +5,15 @@
 //! the alignment, then each tensor's bytes followed by zero padding to the alignment. So a file
 //! read by [`Gguf::parse`] and written back through [`GgufWriter::from_gguf`] is byte-identical
 //! to what gguf-py wrote, and gguf-py's `GGUFReader` reads ours (versions 2 and 3: it refuses
-//! version 1, which [`GgufWriter::with_version`] can still write for older readers).
+//! version 1, which [`GgufWriter::with_version`] can still write for older readers), except a
+//! Q8_1 tensor's data: gguf-py's type table gives Q8_1 40-byte blocks where ggml's are 36.
 
 use std::collections::HashSet;
 use std::io::Write;
 
 use super::parse::{
-    ArrayValue, Gguf, Value, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_ARRAY_DEPTH,
-    MAX_DIMS,
+    check_tensor_name, ArrayValue, Gguf, Value, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC,
+    MAX_ARRAY_DEPTH, MAX_DIMS,
 };
 use super::types::{GgmlType, ValueType};
 use super::GgufError;
@@ -279,7 +280,8 @@ impl<'d> GgufWriter<'d> {
     }
 
     /// Adds a tensor of type `ty` with `shape` (innermost dimension first) whose encoded bytes
-    /// are `data`.
+    /// are `data`. Its name is at most [`crate::gguf::MAX_TENSOR_NAME_BYTES`] bytes (what ggml
+    /// and llama.cpp take).
     pub fn add_tensor(
         &mut self,
         name: &str,
@@ -329,6 +331,7 @@ impl<'d> GgufWriter<'d> {
 
     /// Checks a new tensor's name and shape; returns its element count.
     fn check_tensor(&self, name: &str, ty: GgmlType, shape: &[u64]) -> Result<u64, GgufError> {
+        check_tensor_name(name)?;
         if self.names.contains(name) {
             return Err(GgufError::DuplicateTensor { name: name.into() });
         }
@@ -422,10 +425,21 @@ impl<'d> GgufWriter<'d> {
     /// Writes the file to `out`, returning the bytes written.
     ///
     /// # Errors
-    /// [`GgufError::Unwritable`] if a tensor was added with
+    /// [`GgufError::Unwritable`], before anything is written, if a tensor was added with
     /// [`GgufWriter::add_tensor_deferred`] (write those with [`GgufWriter::write_streaming`]);
     /// [`GgufError::Write`] when `out` fails.
     pub fn write_to<W: Write>(&self, out: W) -> Result<u64, GgufError> {
+        // Refused before the first byte is written, so `out` gets nothing rather than a
+        // truncated file.
+        if self
+            .tensors
+            .iter()
+            .any(|t| matches!(t.data, TensorBytes::Deferred(_)))
+        {
+            return Err(GgufError::Unwritable(
+                "a deferred tensor needs write_streaming",
+            ));
+        }
         self.write_streaming(out, |_, _, _| {
             Err(GgufError::Unwritable(
                 "a deferred tensor needs write_streaming",

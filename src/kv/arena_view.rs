@@ -11,8 +11,12 @@
 //! reported by [`ArenaView::wasted_bytes_per_page`]. [`page_bytes_for`] sizes the page so that
 //! the model with the largest tokens footprint gets the tokens per page asked for; when every
 //! per-token size is a power of two (as in most models: heads, head dims and layer counts are)
-//! every model then fills its pages exactly. A model whose smallest block does not fit a page
-//! is refused with [`KvError::ModelDoesNotFit`].
+//! every model then fills its pages exactly, unless it would need more than
+//! [`MAX_TOKENS_PER_PAGE`] tokens to: a model whose per-token size is below 1/256 of the page
+//! (a small draft model beside a large one: 1 KiB per token on a page sized for 16 tokens of
+//! 512 KiB) gets 256 tokens and leaves the rest of every page unused, as its
+//! [`ArenaView::wasted_bytes_per_page`] reports. A model whose smallest block does not fit a
+//! page is refused with [`KvError::ModelDoesNotFit`].
 //!
 //! Powers of two keep the kernels' `position / block_size` a shift, and the CUDA kernels accept
 //! exactly those from 8 to 256.

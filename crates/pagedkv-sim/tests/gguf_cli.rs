@@ -130,6 +130,40 @@ fn bad_input_is_a_one_line_error_and_a_failing_exit() {
     }
 }
 
+/// The table's key column was padded to the longest key: a key of 64 KiB or more panicked the
+/// formatter (widths stop at u16::MAX), and a shorter long key padded every other line to its
+/// length (a 2 MB file of one 1 MB key and 77,000 short ones would print 77 GB).
+#[test]
+fn inspect_table_stays_proportional_to_the_file() {
+    use pagedkv::gguf::{GgufWriter, MetaValue};
+    let dir = tempfile::tempdir().expect("tmp");
+    // 32 KiB: every line padded to it; 64 KiB: past the formatter's widest width.
+    for key_len in [32 << 10, 64 << 10] {
+        let mut w = GgufWriter::new();
+        w.add(&"k".repeat(key_len), MetaValue::U8(0))
+            .expect("long key");
+        for i in 0..2000 {
+            w.add(&format!("k{i}"), MetaValue::U8(1))
+                .expect("short key");
+        }
+        let bytes = w.to_bytes().expect("write");
+        let f = dir.path().join("long_key.gguf");
+        std::fs::write(&f, &bytes).expect("write");
+        let out = pagedkv(&["gguf", "inspect", f.to_str().expect("utf8")]);
+        assert!(
+            out.status.success(),
+            "key of {key_len} bytes: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.stdout.len() < 4 * bytes.len(),
+            "a {}-byte file printed a {}-byte table",
+            bytes.len(),
+            out.stdout.len()
+        );
+    }
+}
+
 // ---- pagedkv gguf synth ----------------------------------------------------------------------
 
 /// Runs `pagedkv gguf synth OUT` with a small shape plus `extra`; returns the file's bytes.

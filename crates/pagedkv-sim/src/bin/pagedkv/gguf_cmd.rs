@@ -185,6 +185,9 @@ fn value_short(v: &Value<'_>) -> String {
     }
 }
 
+/// Widest key or name column of the table.
+const COLUMN: usize = 64;
+
 fn to_table(g: &Gguf<'_>) -> String {
     let mut s = String::new();
     let total: u64 = g.total_tensor_bytes();
@@ -213,7 +216,16 @@ fn to_table(g: &Gguf<'_>) -> String {
         );
     }
     let _ = writeln!(s, "\nmetadata:");
-    let kw = g.metadata().iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    // Columns as wide as the longest key / name, up to COLUMN: a longer one overflows its
+    // column instead of padding every line to its length (a file's one 1 MB key made every
+    // line 1 MB, and a width past u16::MAX panics the formatter).
+    let kw = g
+        .metadata()
+        .iter()
+        .map(|(k, _)| k.len())
+        .max()
+        .unwrap_or(0)
+        .min(COLUMN);
     for (k, v) in g.metadata() {
         let _ = writeln!(
             s,
@@ -229,7 +241,7 @@ fn to_table(g: &Gguf<'_>) -> String {
         .map(|t| t.name().len())
         .max()
         .unwrap_or(4)
-        .max(4);
+        .clamp(4, COLUMN);
     let _ = writeln!(
         s,
         "  {:<nw$}  {:<7}  {:<24}  {:>14}  {:>14}",

@@ -69,6 +69,16 @@ pub enum PoolError {
         /// The table's capacity in blocks.
         capacity: u32,
     },
+    /// Logical blocks `from..end` of a block table were asked for, past its `len` blocks.
+    #[error("blocks {from}..{end} are past the block table's end ({len} blocks)")]
+    PastTableEnd {
+        /// First block asked for.
+        from: u32,
+        /// One past the last block asked for.
+        end: u64,
+        /// Blocks the table holds.
+        len: u32,
+    },
     /// A kernel block-table row is shorter than the table.
     #[error("block-table row too short: {needed} blocks, row of {row}")]
     RowTooShort {

@@ -80,6 +80,25 @@ fn fork_shares_and_copy_on_write_replaces() {
     assert!(b.is_shared(1).unwrap());
     // Copy-on-write of b's last block.
     let fresh = p.alloc(EngineId(0)).unwrap();
+    // Past the end: refused by what was asked (not "table full"), the caller keeps `fresh`.
+    assert_eq!(
+        b.replace(2, fresh),
+        Err(PoolError::PastTableEnd {
+            from: 2,
+            end: 3,
+            len: 2
+        })
+    );
+    let mut part = [0i32; 2];
+    assert_eq!(
+        b.write_indices(1, &mut part),
+        Err(PoolError::PastTableEnd {
+            from: 1,
+            end: 3,
+            len: 2
+        })
+    );
+    assert_eq!(p.ref_count(fresh), Ok(1));
     let old = b.replace(1, fresh).unwrap();
     assert_eq!(old, a.get(1).unwrap());
     assert!(!a.is_shared(1).unwrap());

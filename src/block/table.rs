@@ -224,8 +224,10 @@ impl BlockTable {
     /// into a fresh one). The table takes the caller's reference to `id` and releases its
     /// reference to the old block; returns the old id. Lock-free (the release is the pool's).
     pub fn replace(&mut self, i: u32, id: BlockId) -> Result<BlockId, PoolError> {
-        let old = self.get(i).ok_or(PoolError::TableFull {
-            capacity: self.capacity(),
+        let old = self.get(i).ok_or(PoolError::PastTableEnd {
+            from: i,
+            end: u64::from(i) + 1,
+            len: self.len,
         })?;
         // As in `push`: an id the table could not release later is refused now.
         self.pool.ref_count(id)?;
@@ -289,9 +291,10 @@ impl BlockTable {
         let start = from as usize;
         let end = start.saturating_add(dst.len());
         if end > self.len as usize {
-            return Err(PoolError::RowTooShort {
-                needed: self.len,
-                row: dst.len(),
+            return Err(PoolError::PastTableEnd {
+                from,
+                end: end as u64,
+                len: self.len,
             });
         }
         for (d, slot) in dst.iter_mut().zip(&self.shared.slots[start..end]) {

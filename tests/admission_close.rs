@@ -44,6 +44,10 @@ fn round(policy: OverflowPolicy, seed: u64) -> (usize, usize) {
     let q: Arc<Admission<u64, u64>> =
         Arc::new(Admission::new(AdmissionConfig::new(WORKERS, 8, policy)).unwrap());
     let go = Arc::new(AtomicBool::new(false));
+    // Set by the first admitted submit: every fourth round closes only after one, so the
+    // rounds admit something however the threads are scheduled (on a loaded machine the
+    // close could otherwise beat every submitter of all 400 rounds).
+    let admitted_one = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..WORKERS)
         .map(|w| {
             let q = q.clone();
@@ -60,7 +64,7 @@ fn round(policy: OverflowPolicy, seed: u64) -> (usize, usize) {
         .collect();
     let submitters: Vec<_> = (0..SUBMITTERS as u64)
         .map(|s| {
-            let (q, go) = (q.clone(), go.clone());
+            let (q, go, admitted_one) = (q.clone(), go.clone(), admitted_one.clone());
             thread::spawn(move || {
                 while !go.load(Ordering::Acquire) {
                     std::hint::spin_loop();
@@ -80,7 +84,10 @@ fn round(policy: OverflowPolicy, seed: u64) -> (usize, usize) {
                         q.try_submit(id, Priority::LatencyCritical, route)
                     };
                     match r {
-                        Ok(t) => tickets.push((id, t)),
+                        Ok(t) => {
+                            admitted_one.store(true, Ordering::Release);
+                            tickets.push((id, t));
+                        }
                         Err(refused) => match refused.error {
                             AdmissionError::Closed => {
                                 closed += 1;
@@ -105,6 +112,11 @@ fn round(policy: OverflowPolicy, seed: u64) -> (usize, usize) {
     // Close after a seed-dependent number of spins, to land at different points.
     for _ in 0..(seed * 7919 % 2000) {
         std::hint::spin_loop();
+    }
+    if seed % 4 == 0 {
+        while !admitted_one.load(Ordering::Acquire) {
+            thread::yield_now();
+        }
     }
     q.close();
     let served: usize = workers.into_iter().map(|h| h.join().unwrap()).sum();

@@ -897,3 +897,167 @@ fn a_nan_key_poisons_its_row_even_alone_in_a_block() {
         "prefill row 1: {out:?}"
     );
 }
+
+/// Naive dense reference of the documented formula for one query row of one head: keys
+/// `0..=qpos` of `k` / `v` (`[ctx][d]`, one KV head), scale only (no cap, bias or window),
+/// float64 softmax; a key whose weight is 0 (a `-inf` score) contributes nothing, whatever its
+/// value. `None` when some key with a non-zero weight has a non-finite value or score (the
+/// row is then not finite, and its exact value is not the point).
+fn dense_reference(q: &[f32], k: &[f32], v: &[f32], qpos: usize, scale: f32) -> Option<Vec<f64>> {
+    let d = q.len();
+    let logits: Vec<f64> = (0..=qpos)
+        .map(|j| {
+            let dot: f64 = (0..d).map(|i| q[i] as f64 * k[j * d + i] as f64).sum();
+            scale as f64 * dot
+        })
+        .collect();
+    if logits.iter().any(|x| x.is_nan() || *x == f64::INFINITY) {
+        return None;
+    }
+    let mx = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let w: Vec<f64> = logits
+        .iter()
+        .map(|&x| {
+            if x == f64::NEG_INFINITY {
+                0.0
+            } else {
+                (x - mx).exp()
+            }
+        })
+        .collect();
+    let z: f64 = w.iter().sum();
+    let mut out = vec![0f64; d];
+    for j in 0..=qpos {
+        if w[j] == 0.0 {
+            continue;
+        }
+        if v[j * d..(j + 1) * d].iter().any(|x| !x.is_finite()) {
+            return None;
+        }
+        for i in 0..d {
+            out[i] += w[j] / z * v[j * d + i] as f64;
+        }
+    }
+    Some(out)
+}
+
+/// One f32 sequence of `ctx` tokens, one KV head of head dim 8, 16-token blocks in table order;
+/// returns the cache and the table.
+fn dense_cache(k: &[f32], v: &[f32], ctx: usize) -> (HostKvCache, Vec<i32>) {
+    let bs = 16;
+    let nb = ctx.div_ceil(bs);
+    let cfg = KvCacheConfig::new(1, 1, 8, bs, nb, KvDtype::F32).unwrap();
+    let mut cache = HostKvCache::new(cfg).unwrap();
+    let slots: Vec<i64> = (0..ctx as i64).collect();
+    let mut view = cache.view_mut::<f32>().unwrap();
+    reshape_and_cache(view.layer_mut(0).unwrap(), k, v, &slots).unwrap();
+    (cache, (0..nb as i32).collect())
+}
+
+/// Causality holds for non-finite values too: a token of a prefill chunk whose value
+/// overflowed (inf, as an f16 activation past 65504 does) must not reach the rows of the
+/// tokens before it, which do not see it. The kernel packed four query rows into one
+/// `acc += p * v` and skipped it only when all four weights were 0, so a row that does not
+/// see the key got `0 * inf = NaN` from the rows after it in the same tile, depending on the
+/// thread count (which sizes the tiles).
+#[test]
+fn a_masked_key_with_an_infinite_value_does_not_reach_the_rows_before_it() {
+    let (ctx, d, bad) = (64, 8, 13);
+    let mut rng = SmallRng::seed_from_u64(71);
+    let k: Vec<f32> = rand_vals(&mut rng, ctx * d);
+    let mut v: Vec<f32> = rand_vals(&mut rng, ctx * d);
+    v[bad * d..(bad + 1) * d].fill(f32::INFINITY);
+    let (cache, table) = dense_cache(&k, &v, ctx);
+    let ctxs = [ctx as i32];
+    let seqs = PagedSeqs {
+        block_tables: &table,
+        max_blocks_per_seq: table.len(),
+        context_lens: &ctxs,
+    };
+    let q: Vec<f32> = rand_vals(&mut rng, ctx * d);
+    let p = AttnParams::new(1, d);
+    let view = cache.view::<f32>().unwrap();
+    for threads in [1, 2, 4] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let mut out = vec![f32::NAN; ctx * d];
+        pool.install(|| {
+            paged_attention_prefill(
+                &mut AttnWorkspace::new(),
+                view.layer(0).unwrap(),
+                &q,
+                &[0, ctx as i32],
+                &seqs,
+                &p,
+                &mut out,
+            )
+            .unwrap()
+        });
+        for row in 0..bad {
+            let want = dense_reference(&q[row * d..(row + 1) * d], &k, &v, row, p.scale)
+                .expect("rows before the infinite value are finite");
+            check_row(
+                &out[row * d..(row + 1) * d],
+                &want,
+                &format!("{threads} threads, row {row}"),
+            );
+        }
+    }
+}
+
+/// A score of -inf takes no weight (crate::attn), whatever the key's value, and a head's
+/// output does not depend on the other heads of its group: a token whose key and value both
+/// overflowed to +inf, against a head whose query is negative (score -inf), left that head
+/// finite with no other query head, but NaN beside three heads that score it +inf (their
+/// rows are NaN, as documented), because the four rows shared one `acc += p * v`.
+#[test]
+fn a_minus_infinity_score_takes_no_weight_beside_heads_that_see_the_key() {
+    let (ctx, d, bad) = (5, 8, 3);
+    let mut rng = SmallRng::seed_from_u64(72);
+    let mut k: Vec<f32> = rand_vals(&mut rng, ctx * d);
+    let mut v: Vec<f32> = rand_vals(&mut rng, ctx * d);
+    k[bad * d..(bad + 1) * d].fill(f32::INFINITY);
+    v[bad * d..(bad + 1) * d].fill(f32::INFINITY);
+    let (cache, table) = dense_cache(&k, &v, ctx);
+    let ctxs = [ctx as i32];
+    let seqs = PagedSeqs {
+        block_tables: &table,
+        max_blocks_per_seq: table.len(),
+        context_lens: &ctxs,
+    };
+    let view = cache.view::<f32>().unwrap();
+    // Head 0 negative (score -inf against the infinite key), heads 1..3 positive (+inf).
+    let q: Vec<f32> = rand_vals::<f32>(&mut rng, 4 * d)
+        .iter()
+        .enumerate()
+        .map(|(i, x)| if i < d { -x.abs() } else { x.abs() })
+        .collect();
+    let want = dense_reference(&q[..d], &k, &v, ctx - 1, 1.0 / (d as f32).sqrt())
+        .expect("head 0 gives the infinite key no weight");
+    let mut ws = AttnWorkspace::new();
+    for heads in [1, 4] {
+        let p = AttnParams::new(heads, d);
+        let mut out = vec![f32::NAN; heads * d];
+        let qh = &q[..heads * d];
+        paged_attention_decode(&mut ws, view.layer(0).unwrap(), qh, &seqs, &p, &mut out).unwrap();
+        check_row(&out[..d], &want, &format!("decode, {heads} heads: head 0"));
+        assert!(
+            out[d..].iter().all(|x| x.is_nan()),
+            "heads 1.. see +inf: {out:?}"
+        );
+        let mut out = vec![f32::NAN; heads * d];
+        paged_attention_prefill(
+            &mut ws,
+            view.layer(0).unwrap(),
+            qh,
+            &[0, 1],
+            &seqs,
+            &p,
+            &mut out,
+        )
+        .unwrap();
+        check_row(&out[..d], &want, &format!("prefill, {heads} heads: head 0"));
+    }
+}

@@ -599,14 +599,25 @@ fn attend_item_body<T: KvElem>(
                 l[r] += sum;
             }
             // Weighted values, four rows at a time (each V element loaded once per four rows).
+            // A weight of 0 (masked key, -inf score, underflow) adds nothing, row by row: a
+            // shared `p * v` would give a row that does not see an infinite or NaN value
+            // `0 * inf = NaN` from the rows beside it (later tokens of its tile, other heads).
             for t in t0..t1 {
                 let vo = vbase + t * ts;
                 let v = widen(ctx.kv.head(vo, d), kbuf);
                 let mut r = 0;
                 while r + 4 <= rows {
                     let p = [0, 1, 2, 3].map(|i| scores[(r + i) * bs + t]);
-                    if p != [0.0; 4] {
+                    if !p.contains(&0.0) {
                         axpy4(&mut acc[r * d..(r + 4) * d], p, v);
+                    } else {
+                        // Same per-element arithmetic as `axpy4`, so results do not depend
+                        // on which path a row took.
+                        for (i, &pi) in p.iter().enumerate() {
+                            if pi != 0.0 {
+                                axpy(&mut acc[(r + i) * d..(r + i + 1) * d], pi, v);
+                            }
+                        }
                     }
                     r += 4;
                 }

@@ -30,7 +30,13 @@
 //! Non-finite inputs: a NaN or +inf score (a NaN key or query; an infinite key, inf - inf in
 //! the max trick) makes its row NaN. A score of -inf takes no weight; a row whose every visible score is -inf has nothing to
 //! attend to and is all zero, like padding, rather than the formula's 0 / 0. The CUDA kernels
-//! follow both rules.
+//! follow both rules. A key of weight 0 (masked, a -inf score, or a weight that underflows)
+//! contributes nothing whatever its value, row by row: an infinite or NaN value reaches only
+//! the rows that give it weight, never the tokens before it in a prefill chunk nor a head that
+//! scores it -inf. The CUDA kernels do not follow this one yet: the prefill kernels multiply
+//! every key of a loaded tile by its weight, masked ones included, and every kernel a key of
+//! -inf score, `0 * inf = NaN` (tests/cuda_emu.rs,
+//! `a_key_of_weight_zero_with_an_infinite_value_leaves_the_row_as_the_oracle_has_it`, ignored).
 
 pub mod cpu;
 

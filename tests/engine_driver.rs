@@ -1411,3 +1411,43 @@ fn an_end_at_a_failed_step_of_no_rows_is_reported_by_the_next() {
     drop(engines);
     assert_no_leak(&shared);
 }
+
+/// The same end, lost to a caller that steps while `has_work()` (the candle runner, the serve
+/// example): the failed step's schedule ended the engine's last sequence, so before, the
+/// engine reported no work, no step came, and the end (due with the next step) never came.
+#[test]
+fn an_engine_with_an_end_still_to_report_has_work() {
+    let (shared, engines) = build(64, PreemptionMode::Recompute);
+    let mut engines: Vec<_> = engines
+        .into_iter()
+        .map(|(e, inner)| {
+            (
+                e,
+                FailingSample {
+                    inner,
+                    armed: false,
+                },
+            )
+        })
+        .collect();
+    let (engine, model) = &mut engines[0];
+    let req = request(1, 8, 50);
+    model.inner.prompt_len.insert(1, req.prompt.len());
+    engine.add(req).unwrap();
+    engine.step(model).unwrap();
+    engine.abort(1).unwrap();
+    model.armed = true;
+    assert!(engine.step(model).is_err());
+    model.armed = false;
+    let mut ends = Vec::new();
+    let mut steps = 0;
+    while engine.has_work() && steps < 10 {
+        engine.step(model).unwrap();
+        steps += 1;
+        ends.extend(engine.results().updates.iter().map(|u| (u.id, u.finished)));
+    }
+    assert_eq!(ends, [(1, Some(FinishReason::Aborted))], "the end was lost");
+    assert!(!engine.has_work(), "reported: nothing is left");
+    drop(engines);
+    assert_no_leak(&shared);
+}

@@ -6,6 +6,14 @@
 //! a refused `add` changes nothing; every step's results index their tokens and stream exactly
 //! each finished sequence's output and reason; the budget's invariants hold after each step;
 //! and at the end every engine drains, and the pool and the coordinator are back to empty.
+//!
+//! Against an independent record (`Expect`, built from the requests, the model's own samples
+//! and the stop rules, never from the engine's results): every batch the model sees feeds each
+//! sequence its prompt followed by its committed outputs at their positions, drafts only as
+//! proposed and right after the last token, and asks for logits exactly where a new token is
+//! due; every commit accepts exactly the drafts its samples confirm; and what is streamed is
+//! what the samples and the stop rules (max_new_tokens, eos, stop sequences) or the caller's
+//! end say, no token more or less, ended exactly when they say.
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -17,7 +25,7 @@ use pagedkv::engine::{
 use pagedkv::error::EngineError;
 use pagedkv::kv::{page_bytes_for, KvDtype, ModelKvShape};
 use pagedkv::sched::{Batch, FinishReason, PreemptionMode, Priority, SeqId, SeqRequest, StopRules};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 #[derive(Debug, Arbitrary)]
@@ -74,6 +82,10 @@ enum Op {
         e: u8,
         id: u8,
         drafts: Vec<u8>,
+        /// Draft what the model will sample next (as if it were the only sampling row of the
+        /// next step) where a draft byte is not a multiple of 4: arbitrary drafts are almost
+        /// never all accepted, and the bonus token after them would go untested.
+        peek: bool,
     },
     Step {
         e: u8,
@@ -120,6 +132,19 @@ struct Model {
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
+    /// The batch of the last `sample` call and the tokens it returned: what the harness's
+    /// record commits (the engine's own account of them is what is under test).
+    drawn: Option<(Batch, Vec<u32>)>,
+}
+
+impl Model {
+    /// The token the `i`-th next sample will be.
+    fn upcoming(&self, i: usize) -> u32 {
+        match self.samples.len() {
+            0 => 0,
+            len => u32::from(self.samples[(self.at + i) % len] % 16),
+        }
+    }
 }
 
 impl StepModel<HostBackend<f32>> for Model {
@@ -175,16 +200,221 @@ impl StepModel<HostBackend<f32>> for Model {
         if let Fail::SampleCount(d) = self.fail {
             n = (n + i64::from(d)).max(0);
         }
+        let first = out.len();
         for _ in 0..n {
-            let b = if self.samples.is_empty() {
-                0
-            } else {
-                self.samples[self.at % self.samples.len()]
-            };
+            out.push(self.upcoming(0));
             self.at += 1;
-            out.push(u32::from(b % 16));
         }
+        self.drawn = Some((batch.clone(), out[first..].to_vec()));
         Ok(())
+    }
+}
+
+/// The harness's own record of one sequence: its request, the tokens the model sampled for it
+/// that a commit must have kept, and its end, derived here from the stop rules and the
+/// caller's calls alone.
+#[derive(Debug)]
+struct Expect {
+    prompt: Vec<u32>,
+    stop: StopRules,
+    /// Committed output: the model's samples at this sequence's logits, as accepted.
+    out: Vec<u32>,
+    /// Its end: a stop rule at a commit, the caller's at the schedule after it, or `TooLong`
+    /// (the engine's call, which depends on the budget: taken from the stream, see
+    /// `check_streams`).
+    end: Option<FinishReason>,
+    /// The first abort or `finish_with` accepted while it ran: applied at the next schedule.
+    pending_end: Option<FinishReason>,
+    /// The last accepted proposal, until a commit of one of its rows consumes it (the engine
+    /// may drop it earlier, on preemption or a short token budget: a row may then have none).
+    proposal: Vec<u32>,
+}
+
+impl Expect {
+    /// Prompt then committed output: the tokens the model must be fed, by position.
+    fn token_at(&self, pos: usize) -> Option<u32> {
+        match pos.checked_sub(self.prompt.len()) {
+            None => Some(self.prompt[pos]),
+            Some(i) => self.out.get(i).copied(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.prompt.len() + self.out.len()
+    }
+
+    /// The end `StopRules` documents after `out` got its last token: an eos token, the
+    /// output (not the prompt) ending with a stop sequence, or `max_new_tokens` generated.
+    fn stop_after_token(&self) -> Option<FinishReason> {
+        let last = *self.out.last()?;
+        if self.stop.eos.contains(&last) {
+            Some(FinishReason::Eos)
+        } else if self
+            .stop
+            .stop_sequences
+            .iter()
+            .any(|s| !s.is_empty() && self.out.ends_with(s))
+        {
+            Some(FinishReason::StopSequence)
+        } else if self.out.len() >= self.stop.max_new_tokens as usize {
+            Some(FinishReason::MaxTokens)
+        } else {
+            None
+        }
+    }
+}
+
+/// What a scheduled batch asks of its commit, as the record computed it: every row's
+/// sequence, and for each sampling row (row order) its drafts.
+#[derive(Debug, Default)]
+struct Plan {
+    rows: Vec<SeqId>,
+    sampling: Vec<(SeqId, Vec<u32>)>,
+}
+
+/// A schedule applies the ends callers asked for since the last one (aborts, `finish_with`),
+/// before it builds rows. Repeated schedules (after an uncommitted step) apply nothing new.
+fn on_schedule(expect: &mut HashMap<SeqId, Expect>) {
+    for e in expect.values_mut() {
+        if e.end.is_none() {
+            e.end = e.pending_end.take();
+        }
+    }
+}
+
+/// Checks the batch the model is given against the record, and returns what its commit must
+/// do. Each row: a live sequence (once), consecutive positions, each known token the one at
+/// its position (prompt, then committed output: after a preemption by recompute the outputs
+/// are fed again like a prompt, and only the token after the last is sampled); drafts only as
+/// last proposed, after exactly the last token; logits exactly at each row that reaches the
+/// last token (its last token, and the tokens its drafts follow).
+fn check_batch(expect: &HashMap<SeqId, Expect>, batch: &Batch) -> Plan {
+    let rows = batch.seq_ids.len();
+    assert_eq!(batch.input_tokens.len(), batch.positions.len());
+    assert_eq!(batch.query_start_loc.len(), rows + 1);
+    assert_eq!(batch.query_start_loc[0], 0);
+    assert_eq!(batch.samples.len(), rows);
+    assert_eq!(batch.drafts.len(), rows);
+    assert_eq!(batch.context_lens.len(), rows);
+    let mut plan = Plan::default();
+    let mut logits = Vec::new();
+    let mut seen = HashSet::new();
+    let mut start = 0usize;
+    for row in 0..rows {
+        let id = batch.seq_ids[row];
+        assert!(seen.insert(id), "seq {id} has two rows");
+        let e = expect
+            .get(&id)
+            .unwrap_or_else(|| panic!("row for unknown seq {id}"));
+        assert!(
+            e.end.is_none(),
+            "row for seq {id}, which ended ({:?})",
+            e.end
+        );
+        let end = batch.query_start_loc[row + 1] as usize;
+        assert!(
+            start < end && end <= batch.input_tokens.len(),
+            "seq {id}: empty row"
+        );
+        let first = batch.positions[start] as usize;
+        for (k, t) in (start..end).enumerate() {
+            assert_eq!(
+                batch.positions[t] as usize,
+                first + k,
+                "seq {id}: positions"
+            );
+        }
+        let last = first + (end - start) - 1;
+        assert_eq!(
+            batch.context_lens[row] as usize,
+            last + 1,
+            "seq {id}: context length"
+        );
+        let d = batch.drafts[row] as usize;
+        let known = (end - start)
+            .checked_sub(d)
+            .expect("more drafts than tokens");
+        for t in start..start + known {
+            let pos = batch.positions[t] as usize;
+            let want = e.token_at(pos).unwrap_or_else(|| {
+                panic!("seq {id}: position {pos} past its {} known tokens", e.len())
+            });
+            assert_eq!(
+                batch.input_tokens[t], want,
+                "seq {id}: token at position {pos}"
+            );
+        }
+        let drafts = batch.input_tokens[start + known..end].to_vec();
+        let samples = first + known == e.len();
+        assert_eq!(batch.samples[row], samples, "seq {id}: sampling row");
+        if d > 0 {
+            assert_eq!(drafts, e.proposal, "seq {id}: drafts not the ones proposed");
+            assert!(
+                known == 1 && samples,
+                "seq {id}: drafts not right after its last token"
+            );
+        }
+        if samples {
+            logits.extend((end - 1 - d..end).map(|i| i as i32));
+            plan.sampling.push((id, drafts));
+        }
+        plan.rows.push(id);
+        start = end;
+    }
+    assert_eq!(start, batch.input_tokens.len(), "tokens outside every row");
+    assert_eq!(batch.logits_indices, logits, "logits indices");
+    plan
+}
+
+/// Commits `drawn` (the model's samples, row order) as the record says: per sampling row the
+/// drafts its samples confirm, then one sampled token, stopping at the first token that ends
+/// the sequence. Every scheduled row's proposal is consumed.
+fn on_commit(expect: &mut HashMap<SeqId, Expect>, plan: &Plan, drawn: &[u32]) {
+    let want: usize = plan.sampling.iter().map(|(_, d)| d.len() + 1).sum();
+    assert_eq!(
+        drawn.len(),
+        want,
+        "a commit succeeded on a wrong sample count"
+    );
+    let mut k = 0;
+    for (id, drafts) in &plan.sampling {
+        let samples = &drawn[k..k + drafts.len() + 1];
+        k += samples.len();
+        // Draft i stands if the sample at the token it follows is draft i.
+        let accepted = drafts
+            .iter()
+            .zip(samples)
+            .take_while(|(d, s)| d == s)
+            .count();
+        let e = expect.get_mut(id).unwrap();
+        for &t in &samples[..=accepted] {
+            e.out.push(t);
+            e.end = e.stop_after_token();
+            if e.end.is_some() {
+                break;
+            }
+        }
+    }
+    for id in &plan.rows {
+        expect.get_mut(id).unwrap().proposal.clear();
+    }
+}
+
+/// After the engine's results were recorded: every sequence streamed exactly its recorded
+/// output and end. A `TooLong` end the record cannot predict (it depends on the coordinator's
+/// guarantee) is taken from the stream, but only for a sequence no caller ended first.
+fn check_streams(slot: &mut Slot) {
+    for (id, e) in &mut slot.expect {
+        let (tokens, end) = slot.streamed.get(id).cloned().unwrap_or_default();
+        if e.end.is_none() && e.pending_end.is_none() && end == Some(FinishReason::TooLong) {
+            e.end = end;
+        }
+        assert_eq!(
+            tokens, e.out,
+            "seq {id}: streamed tokens, prompt {:?}",
+            e.prompt
+        );
+        assert_eq!(end, e.end, "seq {id}: streamed end, output {:?}", e.out);
     }
 }
 
@@ -205,6 +435,10 @@ struct Slot {
     /// Whether the current `results()` came from a schedule that followed an uncommitted
     /// step (they may repeat ends already recorded): what a commit's `record` is told.
     repeat: bool,
+    /// The independent record of every sequence added since the engine was created.
+    expect: HashMap<SeqId, Expect>,
+    /// What the scheduled batch's commit must do, until a commit succeeds.
+    plan: Option<Plan>,
 }
 
 fn shape_of(s: (u8, u8, u8, u8)) -> (ModelKvShape, usize) {
@@ -272,6 +506,72 @@ fn record(slot: &mut Slot, repeat: bool) {
     }
 }
 
+/// An accepted abort or `finish_with`: the first one since the sequence's last schedule wins
+/// and ends it at the next schedule.
+fn caller_end(slot: &mut Slot, id: SeqId, reason: FinishReason) {
+    let e = slot
+        .expect
+        .get_mut(&id)
+        .expect("an end accepted for an unknown seq");
+    assert!(
+        e.end.is_none(),
+        "seq {id}: an end accepted after it ended ({:?})",
+        e.end
+    );
+    e.pending_end.get_or_insert(reason);
+}
+
+/// Applies a successful commit to the record: the scheduled batch's plan with the samples the
+/// model drew for it. A second commit of the same batch (no schedule between) commits nothing:
+/// its sampling fields are cleared, so the model drew nothing.
+fn commit_record(slot: &mut Slot) {
+    let (batch, drawn) = slot
+        .model
+        .drawn
+        .take()
+        .expect("a commit succeeded without sampling");
+    match slot.plan.take() {
+        Some(plan) => {
+            assert_eq!(
+                batch.seq_ids, plan.rows,
+                "committed another batch than scheduled"
+            );
+            on_commit(&mut slot.expect, &plan, &drawn);
+        }
+        None => assert!(drawn.is_empty(), "a repeated commit took samples"),
+    }
+}
+
+/// One whole step, checked against the record: its schedule applies the callers' ends, the
+/// batch the model was given is checked, and if the step succeeded its commit is applied to
+/// the record and its results are recorded and compared with it. A failed step commits
+/// nothing, and a server delivers nothing of it: what it reported comes again with the next.
+fn step_checked(slot: &mut Slot) -> Result<(), EngineError> {
+    slot.seen = 0;
+    let repeat = slot.uncommitted;
+    slot.repeat = repeat;
+    slot.model.drawn = None;
+    let engine = slot.engine.as_mut().unwrap();
+    let r = engine.step(&mut slot.model);
+    slot.model.fail = Fail::None;
+    on_schedule(&mut slot.expect);
+    // The batch the model was given: as sampled (the commit then cleared its sampling
+    // fields), or, for a failed step, as it still stands.
+    let batch = match (&r, &slot.model.drawn) {
+        (Ok(_), Some((b, _))) => b,
+        (Ok(_), None) => panic!("a step committed without sampling"),
+        (Err(_), _) => engine.batch(),
+    };
+    slot.plan = Some(check_batch(&slot.expect, batch));
+    slot.uncommitted = r.is_err();
+    if r.is_ok() {
+        commit_record(slot);
+        record(slot, repeat);
+        check_streams(slot);
+    }
+    r.map(|_| ())
+}
+
 fn check_shared(shared: &SharedArena) {
     let c = shared.coordinator();
     assert!(c.blocks_in_use() <= u64::from(shared.pool().total()));
@@ -322,6 +622,7 @@ fuzz_target!(|input: Input| {
                     q: vec![],
                     k: vec![],
                     v: vec![],
+                    drawn: None,
                 },
                 shape,
                 cfg: cfg_of(input.configs[i]),
@@ -330,6 +631,8 @@ fuzz_target!(|input: Input| {
                 seen: 0,
                 uncommitted: false,
                 repeat: false,
+                expect: HashMap::new(),
+                plan: None,
             }
         })
         .collect();
@@ -343,6 +646,8 @@ fuzz_target!(|input: Input| {
                 slot.repeat = false;
                 slot.streamed.clear();
                 slot.ids.clear();
+                slot.expect.clear();
+                slot.plan = None;
             }
             Err(_) => {
                 // A refused engine leaves no registration behind.
@@ -392,8 +697,21 @@ fuzz_target!(|input: Input| {
                 let id = req.id;
                 let free = shared.pool().free_count();
                 let work = engine.has_work();
+                let expect = Expect {
+                    prompt: req.prompt.clone(),
+                    stop: req.stop.clone(),
+                    out: Vec::new(),
+                    end: None,
+                    pending_end: None,
+                    proposal: Vec::new(),
+                };
                 match engine.add_salted(req, u64::from(salt % 2)) {
                     Ok(()) => {
+                        // An id is refused until its last sequence's end was reported.
+                        if let Some(old) = slot.expect.get(&id) {
+                            assert!(old.end.is_some(), "seq {id} added twice while it runs");
+                        }
+                        slot.expect.insert(id, expect);
                         slot.streamed.remove(&id);
                         slot.ids.push(id);
                     }
@@ -410,43 +728,65 @@ fuzz_target!(|input: Input| {
             Op::Abort { e, id } => {
                 let slot = &mut slots[usize::from(e % 2)];
                 if let Some(engine) = slot.engine.as_mut() {
-                    let _ = engine.abort(u64::from(id % 16));
+                    let id = u64::from(id % 16);
+                    if engine.abort(id).is_ok() {
+                        caller_end(slot, id, FinishReason::Aborted);
+                    }
                 }
             }
             Op::Finish { e, id, code } => {
                 let slot = &mut slots[usize::from(e % 2)];
                 if let Some(engine) = slot.engine.as_mut() {
-                    let _ =
-                        engine.finish_with(u64::from(id % 16), FinishReason::Caller(code.into()));
+                    let (id, reason) = (u64::from(id % 16), FinishReason::Caller(code.into()));
+                    if engine.finish_with(id, reason).is_ok() {
+                        caller_end(slot, id, reason);
+                    }
                 }
             }
-            Op::Propose { e, id, drafts } => {
+            Op::Propose {
+                e,
+                id,
+                drafts,
+                peek,
+            } => {
                 let slot = &mut slots[usize::from(e % 2)];
                 if let Some(engine) = slot.engine.as_mut() {
-                    let d: Vec<u32> = drafts.iter().take(8).map(|&t| u32::from(t % 16)).collect();
-                    let _ = engine.propose(u64::from(id % 16), &d);
+                    let d: Vec<u32> = drafts
+                        .iter()
+                        .take(8)
+                        .enumerate()
+                        .map(|(i, &t)| match peek && t % 4 != 0 {
+                            true => slot.model.upcoming(i),
+                            false => u32::from(t % 16),
+                        })
+                        .collect();
+                    let id = u64::from(id % 16);
+                    if engine.propose(id, &d).is_ok() {
+                        let e = slot
+                            .expect
+                            .get_mut(&id)
+                            .expect("proposal for an unknown seq");
+                        // Room for every draft and the token after them.
+                        assert!(
+                            e.out.len() + d.len() < e.stop.max_new_tokens as usize,
+                            "seq {id}: {} drafts accepted with {} of {} tokens generated",
+                            d.len(),
+                            e.out.len(),
+                            e.stop.max_new_tokens
+                        );
+                        e.proposal = d;
+                    }
                 }
             }
             Op::Step { e, fail } => {
                 let slot = &mut slots[usize::from(e % 2)];
-                let Some(engine) = slot.engine.as_mut() else {
+                if slot.engine.is_none() {
                     continue;
-                };
-                slot.model.fail = fail;
-                slot.seen = 0;
-                let repeat = slot.uncommitted;
-                slot.repeat = repeat;
-                let r = engine.step(&mut slot.model);
-                slot.model.fail = Fail::None;
-                slot.uncommitted = r.is_err();
-                if fail == Fail::None {
-                    r.as_ref()
-                        .expect("a step with a well-behaved model succeeds");
                 }
-                // A server delivers nothing of a failed step: what it reported must come again
-                // (checked at the end: every accepted request's stream ends).
-                if r.is_ok() {
-                    record(slot, repeat);
+                slot.model.fail = fail;
+                let r = step_checked(slot);
+                if fail == Fail::None {
+                    r.expect("a step with a well-behaved model succeeds");
                 }
             }
             Op::Schedule { e } => {
@@ -458,9 +798,11 @@ fuzz_target!(|input: Input| {
                 let repeat = slot.uncommitted;
                 slot.repeat = repeat;
                 let batch = engine.schedule();
-                assert_eq!(batch.input_tokens.len(), batch.positions.len());
+                on_schedule(&mut slot.expect);
+                slot.plan = Some(check_batch(&slot.expect, batch));
                 slot.uncommitted = true;
                 record(slot, repeat);
+                check_streams(slot);
             }
             Op::Execute { e, fail } => {
                 let slot = &mut slots[usize::from(e % 2)];
@@ -477,12 +819,15 @@ fuzz_target!(|input: Input| {
                     continue;
                 };
                 slot.model.fail = fail;
+                slot.model.drawn = None;
                 let r = engine.commit(&mut slot.model);
                 slot.model.fail = Fail::None;
                 if r.is_ok() {
                     slot.uncommitted = false;
+                    commit_record(slot);
                     let repeat = slot.repeat;
                     record(slot, repeat);
+                    check_streams(slot);
                 }
             }
             Op::Drop { e } => {
@@ -500,11 +845,13 @@ fuzz_target!(|input: Input| {
 
     // Drain: abort everything, step each engine until idle.
     for slot in &mut slots {
-        let Some(engine) = slot.engine.as_mut() else {
+        if slot.engine.is_none() {
             continue;
-        };
-        for &id in &slot.ids {
-            let _ = engine.abort(id);
+        }
+        for id in slot.ids.clone() {
+            if slot.engine.as_mut().unwrap().abort(id).is_ok() {
+                caller_end(slot, id, FinishReason::Aborted);
+            }
         }
         let mut steps = 0;
         while slot.engine.as_ref().unwrap().has_work() {
@@ -513,14 +860,7 @@ fuzz_target!(|input: Input| {
                 steps <= 64,
                 "engine did not drain after aborting everything"
             );
-            slot.seen = 0;
-            let repeat = std::mem::replace(&mut slot.uncommitted, false);
-            slot.engine
-                .as_mut()
-                .unwrap()
-                .step(&mut slot.model)
-                .expect("drain step");
-            record(slot, repeat);
+            step_checked(slot).expect("drain step");
         }
         for id in &slot.ids {
             assert!(
@@ -528,6 +868,8 @@ fuzz_target!(|input: Input| {
                 "seq {id}: its end was never delivered"
             );
         }
+        // And each stream is the record's: its tokens, and the end its rules or caller gave.
+        check_streams(slot);
         let id = slot.engine.as_ref().unwrap().id();
         assert_eq!(
             shared.coordinator().blocks_held(id),

@@ -276,9 +276,12 @@ impl<B: KvBackend> Engine<B> {
         self.steps
     }
 
-    /// Whether the engine has sequences (waiting, running or swapped).
+    /// Whether the engine has sequences (waiting, running or swapped), or ends still to
+    /// report: those of a step that was not committed (it failed), which the next step reports
+    /// ([`schedule`](Self::schedule)). A caller that steps while this holds delivers every end,
+    /// also when the failed step's schedule ended the engine's last sequence.
     pub fn has_work(&self) -> bool {
-        self.batcher.has_work()
+        self.batcher.has_work() || (!self.committed && !self.finished.is_empty())
     }
 
     /// Queues a request; refused at once if malformed or too long ever to fit (past

@@ -104,20 +104,23 @@ extern "C" int pkv_reshape_and_cache(void *cache, const pkv_cache_geometry *geom
   const int64_t slots = (int64_t)geom->num_blocks * geom->block_size;
   const int64_t lo = (int64_t)layer * st.layer;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  // Through launch_kernel, whose status is the launch's own: cudaGetLastError after a
+  // triple-chevron launch also returns an earlier runtime call's unread error (a refused
+  // prefill's shared-memory opt-in, a failed swap copy), reporting this write as failed after
+  // it ran.
   PKV_DISPATCH_DTYPE(geom->dtype, {
     T *c = static_cast<T *>(cache);
     const T *k = static_cast<const T *>(key);
     const T *v = static_cast<const T *>(value);
     if (vec)
-      reshape_and_cache_kernel<T, true><<<num_tokens, RC_THREADS, 0, s>>>(
-          c, k, v, slot_mapping, key_token_stride, value_token_stride, st, lo, slots,
-          geom->block_size);
-    else
-      reshape_and_cache_kernel<T, false><<<num_tokens, RC_THREADS, 0, s>>>(
-          c, k, v, slot_mapping, key_token_stride, value_token_stride, st, lo, slots,
-          geom->block_size);
+      return launch_kernel(reshape_and_cache_kernel<T, true>, dim3(num_tokens), dim3(RC_THREADS),
+                           0, s, 0, c, k, v, slot_mapping, key_token_stride,
+                           value_token_stride, st, lo, slots, (int)geom->block_size);
+    return launch_kernel(reshape_and_cache_kernel<T, false>, dim3(num_tokens), dim3(RC_THREADS),
+                         0, s, 0, c, k, v, slot_mapping, key_token_stride, value_token_stride,
+                         st, lo, slots, (int)geom->block_size);
   });
-  return status_of(cudaGetLastError());
+  return PKV_ERR_DTYPE;
 }
 
 extern "C" int pkv_copy_blocks(void *cache, const pkv_cache_geometry *geom, const int32_t *pairs,
@@ -142,9 +145,10 @@ extern "C" int pkv_copy_blocks(void *cache, const pkv_cache_geometry *geom, cons
   if (y > want) y = want < 1 ? 1 : want;
   if (y > 65535) y = 65535;
   const dim3 grid(num_pairs, (unsigned)y);
-  copy_blocks_kernel<<<grid, CB_THREADS, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<uint4 *>(cache), pairs, vecs, page_vecs, geom->num_blocks);
-  return status_of(cudaGetLastError());
+  // The launch's own status (see pkv_reshape_and_cache).
+  return launch_kernel(copy_blocks_kernel, grid, dim3(CB_THREADS), 0,
+                       static_cast<cudaStream_t>(stream), 0, static_cast<uint4 *>(cache), pairs,
+                       vecs, page_vecs, (int32_t)geom->num_blocks);
 }
 
 extern "C" int pkv_swap_blocks(void *dst, size_t dst_page_bytes, const void *src,

@@ -215,8 +215,8 @@ int launch_kernel(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStrea
                   A... args) {
 #ifdef PKV_CUDA_EMU
   (void)flags;
-  ::emu::launch((const void *)k, [=]() { k(args...); }, grid, block, smem, s);
-  return status_of(cudaGetLastError());
+  // The launch's own status, as cudaLaunchKernelEx returns it (not an earlier call's error).
+  return status_of(::emu::launch((const void *)k, [=]() { k(args...); }, grid, block, smem, s));
 #else
   cudaLaunchAttribute attr[1];
   cudaLaunchConfig_t cfg = {};

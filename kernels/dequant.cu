@@ -296,17 +296,21 @@ int launch_out(const uint8_t *src, uint16_t *dst, int ty, int64_t n, cudaStream_
   const int64_t want = (tiles + DQ_THREADS / 32 - 1) / (DQ_THREADS / 32);
   const int64_t cap = (int64_t)sms * DQ_BLOCKS_PER_SM;
   const dim3 grid((unsigned)(want < cap ? want : cap));
+  // Through launch_kernel, whose status is the launch's own (cudaGetLastError after a
+  // triple-chevron launch also returns an earlier runtime call's unread error).
+  const auto go = [&](void (*k)(const uint8_t *, uint16_t *, int64_t)) {
+    return launch_kernel(k, grid, dim3(DQ_THREADS), 0, stream, 0, src, dst, n);
+  };
   switch (ty) {
-    case T_F32: dequant_kernel<T_F32, OUT><<<grid, DQ_THREADS, 0, stream>>>(src, dst, n); break;
-    case T_F16: dequant_kernel<T_F16, OUT><<<grid, DQ_THREADS, 0, stream>>>(src, dst, n); break;
-    case T_BF16: dequant_kernel<T_BF16, OUT><<<grid, DQ_THREADS, 0, stream>>>(src, dst, n); break;
-    case T_Q4_0: dequant_kernel<T_Q4_0, OUT><<<grid, DQ_THREADS, 0, stream>>>(src, dst, n); break;
-    case T_Q8_0: dequant_kernel<T_Q8_0, OUT><<<grid, DQ_THREADS, 0, stream>>>(src, dst, n); break;
-    case T_Q4_K: dequant_kernel<T_Q4_K, OUT><<<grid, DQ_THREADS, 0, stream>>>(src, dst, n); break;
-    case T_Q6_K: dequant_kernel<T_Q6_K, OUT><<<grid, DQ_THREADS, 0, stream>>>(src, dst, n); break;
+    case T_F32: return go(dequant_kernel<T_F32, OUT>);
+    case T_F16: return go(dequant_kernel<T_F16, OUT>);
+    case T_BF16: return go(dequant_kernel<T_BF16, OUT>);
+    case T_Q4_0: return go(dequant_kernel<T_Q4_0, OUT>);
+    case T_Q8_0: return go(dequant_kernel<T_Q8_0, OUT>);
+    case T_Q4_K: return go(dequant_kernel<T_Q4_K, OUT>);
+    case T_Q6_K: return go(dequant_kernel<T_Q6_K, OUT>);
     default: return PKV_ERR_DTYPE;
   }
-  return status_of(cudaGetLastError());
 }
 
 }  // namespace

@@ -434,6 +434,35 @@ bool wgmma_overlapped(int32_t t) {
 }
 bool wgmma_persistent(int32_t t) { return t == PKV_PREFILL_TILING_WGMMA128_PERSISTENT; }
 
+// The dynamic shared memory of the 128-row mma.sync kernel (WARP32) at `head_dim` (0: no
+// instance, above 128).
+size_t warp32_smem(int head_dim) {
+  switch (head_dim) {
+    case 64: return pfmma::Cfg<64, 2>::smem_bytes;
+    case 80: return pfmma::Cfg<80, 2>::smem_bytes;
+    case 96: return pfmma::Cfg<96, 2>::smem_bytes;
+    case 112: return pfmma::Cfg<112, 2>::smem_bytes;
+    case 128: return pfmma::Cfg<128, 2>::smem_bytes;
+    default: return 0;
+  }
+}
+
+// Whether WARP32 fits the shared memory one block may opt in to on the current device: head
+// dim 128 asks 105,984 bytes, more than the 99 KiB of compute capability 8.6 / 8.9 / 12.x
+// (which run the sm_80 SASS or JIT the PTX), where cudaFuncSetAttribute refused it and the
+// prefill failed. The device is asked only for a kernel above those 99 KiB; a failed query
+// answers yes (the launch then reports the device's own refusal).
+bool warp32_fits(int head_dim) {
+  const size_t smem = warp32_smem(head_dim);
+  if (smem <= 99 * 1024) return true;
+  int dev = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+          cudaSuccess)
+    return true;
+  return smem <= (size_t)optin;
+}
+
 bool known_prefill_tiling(int32_t t) {
   return t == PKV_PREFILL_TILING_AUTO || t == PKV_PREFILL_TILING_WARP16 ||
          t == PKV_PREFILL_TILING_WARP32 || wgmma_warpgroups(t) > 0;
@@ -461,7 +490,7 @@ int prefill_tiling_run(int32_t tiling, int32_t dtype, int group, int hkv, int he
     return PKV_OK;
   }
   if (tiling == PKV_PREFILL_TILING_WARP32) {
-    *run = PKV_PREFILL_TILING_WARP32;
+    *run = warp32_fits(head_dim) ? PKV_PREFILL_TILING_WARP32 : PKV_PREFILL_TILING_WARP16;
     return PKV_OK;
   }
   // Auto. The device is asked for its SM count (both rules need it).
@@ -492,7 +521,8 @@ int prefill_tiling_run(int32_t tiling, int32_t dtype, int group, int hkv, int he
   static_assert(pfmma::Cfg<64, 2>::MIN_BLOCKS == 2 && pfmma::Cfg<128, 2>::MIN_BLOCKS == 2,
                 "WARP32's launch bounds promise 2 blocks per SM at every head dim it has");
   constexpr int64_t per_sm = 2;
-  *run = blocks >= per_sm * sm_count ? PKV_PREFILL_TILING_WARP32 : PKV_PREFILL_TILING_WARP16;
+  *run = blocks >= per_sm * sm_count && warp32_fits(head_dim) ? PKV_PREFILL_TILING_WARP32
+                                                                : PKV_PREFILL_TILING_WARP16;
   return PKV_OK;
 }
 }  // namespace

@@ -346,7 +346,8 @@ int pkv_paged_attention_prefill(void *out, int64_t out_token_stride, const void 
 #define PKV_PREFILL_TILING_WARP16 16
 /** Two m16 tiles per warp (mma.sync), 128 rows per thread block: each K / V fragment loaded
  *  from shared memory feeds two tensor-core instructions. Head dims up to 128; 256 runs
- *  PKV_PREFILL_TILING_WARP16. */
+ *  PKV_PREFILL_TILING_WARP16, and so does head dim 128 on a device whose blocks may not opt in
+ *  to its 105,984 bytes of shared memory (99 KiB: compute capability 8.6, 8.9, 12.x). */
 #define PKV_PREFILL_TILING_WARP32 32
 /** Hopper's warpgroup instruction (wgmma, reading K and V straight from shared memory), one
  *  warpgroup of 64 rows per thread block: on a device of compute capability 9.0 in a build
@@ -388,8 +389,8 @@ int pkv_paged_attention_prefill_tiled(void *out, int64_t out_token_stride, const
  * _WGMMA, _WGMMA128, _WGMMA_OVERLAP, _WGMMA128_OVERLAP, _WGMMA128_PERSISTENT, or
  * PKV_PREFILL_TILING_AUTO (0) for an
  * f32 cache, whose one kernel has no tilings. A tiling the launch cannot run is WARP16 (WARP32
- * above head dim 128; the wgmma ones without an sm_90 build, off a compute capability 9.0
- * device, or above head dim 128).
+ * above head dim 128 or above the current device's opt-in shared memory per block; the wgmma
+ * ones without an sm_90 build, off a compute capability 9.0 device, or above head dim 128).
  *
  * Auto counts the 128-row thread blocks a launch has, num_kv_heads x ceil(max_query_len x
  * group / 128) x num_seqs. Where the wgmma kernel runs (f16 / bf16, head dim up to 128,
@@ -401,7 +402,9 @@ int pkv_paged_attention_prefill_tiled(void *out, int64_t out_token_stride, const
  * that 64 would use; H100: chunks of 2048 run 1.29-1.33x faster at WARP32, chunks of 512
  * 1.10-1.43x slower). BENCHMARKS.md has the grid.
  *
- * sm_count <= 0: the device current on this thread is asked. Host only, no launch.
+ * sm_count <= 0: the device current on this thread is asked. Where WARP32's shared memory
+ * passes 99 KiB (head dim 128), that device is asked whether a block may opt in to it, whatever
+ * sm_count (a failed query counts as yes). Host only, no launch.
  * Returns PKV_ERR_NULL_POINTER, PKV_ERR_INVALID_ARG (an unknown tiling, a non-positive size
  * or num_heads not a multiple of num_kv_heads; num_seqs or max_query_len may be 0),
  * PKV_ERR_HEAD_DIM, PKV_ERR_DTYPE, or a cudaError_t if a device query fails; *chosen is

@@ -202,6 +202,7 @@ __global__ void __launch_bounds__(128) wgmma_probe_kernel(int32_t *mismatches) {
 
 extern "C" int pkv_wgmma_layout_probe(int32_t *mismatches, void *stream) {
   if (mismatches == nullptr) return PKV_ERR_NULL_POINTER;
-  pkv::wgmma_probe_kernel<<<1, 128, 0, static_cast<cudaStream_t>(stream)>>>(mismatches);
-  return pkv::status_of(cudaGetLastError());
+  // The launch's own status (see pkv_reshape_and_cache).
+  return pkv::launch_kernel(pkv::wgmma_probe_kernel, dim3(1), dim3(128), 0,
+                            static_cast<cudaStream_t>(stream), 0, mismatches);
 }

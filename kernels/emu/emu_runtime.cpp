@@ -44,6 +44,18 @@ void set_error(cudaError_t e) {
   if (tl_error == cudaSuccess) tl_error = e;
 }
 
+// The most shared memory one block may use with the opt-in attribute on a device of this
+// thread's compute capability (cudaDevAttrMaxSharedMemoryPerBlockOptin): 227 KiB on 9.x and
+// 10.x, 163 KiB on 8.0 and 8.7, 99 KiB on the other 8.x (8.6, 8.9) and 12.x, 96 KiB on 7.0 /
+// 7.2, 64 KiB on 7.5. A launcher asking its device for more fails at cudaFuncSetAttribute.
+size_t optin_smem_limit() {
+  const int major = tl_cc_major, minor = tl_cc_minor;
+  if (major == 8) return minor == 0 || minor == 7 ? 163 * 1024 : 99 * 1024;
+  if (major == 12) return 99 * 1024;
+  if (major == 7) return minor == 5 ? 64 * 1024 : 96 * 1024;
+  return MAX_DYNAMIC_SMEM;
+}
+
 // ---- kernel attributes (process-wide, as function attributes are) ------------------------
 
 std::mutex g_attr_mutex;
@@ -55,10 +67,13 @@ struct SmemLimits {
   size_t dynamic, total;
 };
 SmemLimits smem_limits_of(const void *kernel) {
+  const size_t optin = optin_smem_limit();
   std::lock_guard<std::mutex> lock(g_attr_mutex);
   auto it = g_max_dynamic_smem.find(kernel);
   if (it == g_max_dynamic_smem.end()) return {DEFAULT_DYNAMIC_SMEM, DEFAULT_DYNAMIC_SMEM};
-  return {it->second, MAX_DYNAMIC_SMEM};
+  // The attribute is process-wide (set on a thread of another compute capability, maybe):
+  // no launch gets more than this thread's device allows.
+  return {it->second < optin ? it->second : optin, optin};
 }
 
 // ---- guarded memory ------------------------------------------------------------------------
@@ -737,15 +752,37 @@ void account_static_shared(const void *addr, size_t bytes) {
 }
 
 cudaError_t func_set_max_dynamic_smem(const void *kernel, int bytes) {
-  if (kernel == nullptr || bytes < 0 || (size_t)bytes > MAX_DYNAMIC_SMEM)
+  if (kernel == nullptr || bytes < 0 || (size_t)bytes > optin_smem_limit()) {
+    set_error(cudaErrorInvalidValue);  // a failed runtime call is the last error too
     return cudaErrorInvalidValue;
+  }
   std::lock_guard<std::mutex> lock(g_attr_mutex);
   g_max_dynamic_smem[kernel] = (size_t)bytes;
   return cudaSuccess;
 }
 
-void launch_erased(const void *kernel, void (*call)(const void *), const void *body, dim3 grid,
-                   dim3 block, size_t smem) {
+namespace {
+void launch_run(const void *kernel, void (*call)(const void *), const void *body, dim3 grid,
+                dim3 block, size_t smem);
+}
+
+cudaError_t launch_erased(const void *kernel, void (*call)(const void *), const void *body,
+                          dim3 grid, dim3 block, size_t smem) {
+  // The launch's own status, as cudaLaunchKernelEx returns it; the thread's last error
+  // (cudaGetLastError) becomes it when it failed and stays what it was when it did not, so a
+  // triple-chevron launch followed by cudaGetLastError reads an earlier call's unread error,
+  // as on a GPU.
+  const cudaError_t before = tl_error;
+  tl_error = cudaSuccess;
+  launch_run(kernel, call, body, grid, block, smem);
+  const cudaError_t own = tl_error;
+  if (own == cudaSuccess) tl_error = before;
+  return own;
+}
+
+namespace {
+void launch_run(const void *kernel, void (*call)(const void *), const void *body, dim3 grid,
+                dim3 block, size_t smem) {
   const uint64_t threads = (uint64_t)block.x * block.y * block.z;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 ||
       grid.z > 65535 || threads == 0 || threads > 1024 || block.z > 64) {
@@ -813,6 +850,7 @@ void launch_erased(const void *kernel, void (*call)(const void *), const void *b
   tl_stats.threads += blocks * threads;
   if (smem > tl_stats.max_dynamic_smem) tl_stats.max_dynamic_smem = smem;
 }
+}  // namespace
 
 }  // namespace emu
 
@@ -825,18 +863,26 @@ cudaError_t cudaGetLastError() {
 }
 
 cudaError_t cudaGetDevice(int *dev) {
-  if (dev == nullptr) return cudaErrorInvalidValue;
+  if (dev == nullptr) {
+    emu::set_error(cudaErrorInvalidValue);
+    return cudaErrorInvalidValue;
+  }
   *dev = 0;
   return cudaSuccess;
 }
 
 cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev) {
-  if (value == nullptr || dev != 0) return cudaErrorInvalidValue;
-  switch (attr) {
-    case cudaDevAttrMultiProcessorCount: *value = emu::tl_sm_count; return cudaSuccess;
-    case cudaDevAttrComputeCapabilityMajor: *value = emu::tl_cc_major; return cudaSuccess;
-    case cudaDevAttrComputeCapabilityMinor: *value = emu::tl_cc_minor; return cudaSuccess;
+  if (value != nullptr && dev == 0) {
+    switch (attr) {
+      case cudaDevAttrMultiProcessorCount: *value = emu::tl_sm_count; return cudaSuccess;
+      case cudaDevAttrComputeCapabilityMajor: *value = emu::tl_cc_major; return cudaSuccess;
+      case cudaDevAttrComputeCapabilityMinor: *value = emu::tl_cc_minor; return cudaSuccess;
+      case cudaDevAttrMaxSharedMemoryPerBlockOptin:
+        *value = (int)emu::optin_smem_limit();
+        return cudaSuccess;
+    }
   }
+  emu::set_error(cudaErrorInvalidValue);
   return cudaErrorInvalidValue;
 }
 
@@ -863,14 +909,21 @@ const char *cudaGetErrorString(cudaError_t e) {
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t stream) {
   (void)stream;
-  if ((int)kind < 0 || (int)kind > 4) return cudaErrorInvalidValue;
+  if ((int)kind < 0 || (int)kind > 4 || (bytes != 0 && (dst == nullptr || src == nullptr))) {
+    emu::set_error(cudaErrorInvalidValue);  // a failed runtime call is the last error too
+    return cudaErrorInvalidValue;
+  }
   if (bytes == 0) return cudaSuccess;
-  if (dst == nullptr || src == nullptr) return cudaErrorInvalidValue;
+  // The copy's own status; the last error as after a launch (launch_erased).
+  const cudaError_t before = emu::tl_error;
+  emu::tl_error = cudaSuccess;
   emu::tl_in_kernel = 1;  // an overrun of a guarded buffer is reported like a kernel's
   memmove(dst, src, bytes);
   emu::tl_in_kernel = 0;
   emu::check_global_slack("cudaMemcpyAsync");
-  return emu::tl_error == cudaSuccess ? cudaSuccess : cudaGetLastError();
+  const cudaError_t own = emu::tl_error;
+  if (own == cudaSuccess) emu::tl_error = before;
+  return own;
 }
 
 // ---- the controls of pagedkv_emu.h --------------------------------------------------------

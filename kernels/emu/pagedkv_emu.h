@@ -58,7 +58,9 @@ void pkv_emu_set_sm_count(int32_t sms);
 
 /**
  * The compute capability cudaDeviceGetAttribute reports on this thread (default 9.0, an H100:
- * the emulated wgmma kernels run; another makes the launchers choose as they would there).
+ * the emulated wgmma kernels run; another makes the launchers choose as they would there),
+ * and the opt-in shared memory a block may use there (cudaFuncSetAttribute refuses more:
+ * 227 KiB on 9.x, 163 KiB on 8.0 / 8.7, 99 KiB on 8.6 / 8.9 and 12.x).
  */
 void pkv_emu_set_compute_capability(int32_t major, int32_t minor);
 /** Where this OS thread's emulated cp.async copies land: 0 (the default) at the

@@ -21,7 +21,9 @@ pub enum PrefillTiling {
     /// One m16 tile per warp (mma.sync), 64 rows per thread block.
     WarpRows16,
     /// Two m16 tiles per warp (mma.sync), 128 rows per thread block: every K / V fragment a
-    /// warp loads from shared memory feeds two tensor-core instructions (head dims up to 128).
+    /// warp loads from shared memory feeds two tensor-core instructions (head dims up to 128,
+    /// and where the device lets a block opt in to its shared memory: not head dim 128 on
+    /// compute capability 8.6 / 8.9 / 12.x, whose 99 KiB it passes).
     WarpRows32,
     /// Hopper's warpgroup instruction (wgmma), which reads K and V straight from shared
     /// memory, one warpgroup of 64 rows per thread block: on a device of compute capability
@@ -59,7 +61,9 @@ impl PrefillTiling {
     /// `num_seqs` sequences and `max_query_len` runs when `self` is asked
     /// (`pkv_prefill_tiling_choice`): never [`PrefillTiling::Auto`], and `None` for an f32
     /// cache, whose one kernel has no tilings. `sm_count` 0 asks the device current on this
-    /// thread (Auto's choice depends on it); host only, no launch.
+    /// thread (Auto's choice depends on it); at head dim 128, whether
+    /// [`PrefillTiling::WarpRows32`] fits its shared memory is asked of that device too. Host
+    /// only, no launch.
     ///
     /// # Errors
     /// [`RawError::Unsupported`] for a head dim without a kernel or a size the C ABI cannot

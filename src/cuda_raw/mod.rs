@@ -128,9 +128,10 @@ impl Rows {
 /// [`PagedSeqs`](crate::kv::PagedSeqs)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SeqTables {
-    /// Device `[num_seqs][max_blocks_per_seq]` i32 physical block ids; entries past a
-    /// sequence's `ceil(context_len / block_size)` are not read, ids outside the cache mask
-    /// their tokens.
+    /// Device `[num_seqs][max_blocks_per_seq]` i32 physical block ids, every entry readable
+    /// memory; entries past a sequence's `ceil(context_len / block_size)` do not change the
+    /// result (decode does not read them; prefill may read a row's first entries ahead of its
+    /// context, then ignore them), ids outside the cache mask their tokens.
     pub block_tables: DevPtr,
     /// Entries per block table row (>= 1).
     pub max_blocks_per_seq: usize,

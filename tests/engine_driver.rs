@@ -1451,3 +1451,107 @@ fn an_engine_with_an_end_still_to_report_has_work() {
     drop(engines);
     assert_no_leak(&shared);
 }
+
+/// An engine that does not use the arena's prefix cache beside one that does: the other's
+/// cached-free pages count as free in the coordinator (lendable, the README's "Prefix cache"),
+/// so they must be evictable for it too. It could not evict (no prefix link), its budget
+/// granted the pages and the pool refused them, and its request waited forever once the
+/// caching engine went idle with the pool full of its cached pages.
+#[test]
+fn an_engine_without_the_prefix_cache_gets_pages_the_others_cache_holds() {
+    let (shared, mut engines) = build_with(32, PreemptionMode::Recompute, true);
+    // Engine 0 caches its prompts' pages until the pool is full of cached-free pages.
+    for s in 0..6u64 {
+        // Distinct prompts: one salt each.
+        engines[0].1.prompt_len.insert(s, 250);
+        engines[0].0.add_salted(request(s, 250, 2), s).unwrap();
+        run_to_idle(&mut engines[..1]);
+    }
+    assert!(
+        shared.pool().free_count() < 8,
+        "free {}",
+        shared.pool().free_count()
+    );
+    assert_eq!(shared.coordinator().blocks_in_use(), 0);
+    // Engine 1 without the cache.
+    drop(engines.pop());
+    let mut cfg = engine_config(PreemptionMode::Recompute);
+    cfg.prefix_cache = false;
+    let (shape, heads) = shapes()[1];
+    let mut b = (
+        Engine::host(&shared, cfg, &shape, heads).unwrap(),
+        ClosedForm::new(heads, shape.num_kv_heads, shape.head_dim),
+    );
+    add(&mut b, request(1000, 200, 4));
+    for _ in 0..50 {
+        if !b.0.has_work() {
+            break;
+        }
+        let (e, m) = &mut b;
+        e.step(m).unwrap();
+    }
+    assert!(
+        !b.0.has_work(),
+        "the request never ran: {} pages free in the pool, {} in use in the coordinator",
+        shared.pool().free_count(),
+        shared.coordinator().blocks_in_use()
+    );
+    // It only evicts: nothing of its own is looked up or cached.
+    assert_eq!(b.0.batcher().stats().prefix_prompt_tokens, 0);
+    assert_eq!(shared.prefix_cache().unwrap().cached(b.0.id()), 0);
+    drop(b);
+    drop(engines);
+    assert_no_leak(&shared);
+}
+
+/// A borrower told to give pages back (a lender became active) whose caller ends some of its
+/// sequences before its next step (aborts: dropped streams) gets those pages back from the
+/// ends: the shed is what is still owed after them. It preempted the full order on top of
+/// the ends, throwing away running sequences' KV that nobody needed.
+#[test]
+fn pages_freed_by_aborts_count_toward_a_reclaim_order() {
+    let (shared, mut engines) = build_weighted(32, &[1, 1], 2, 1000);
+    let c = shared.coordinator().clone();
+    // Engine 1 borrows engine 0's share: four sequences (14 pages at most each).
+    let b_id = engines[1].0.id();
+    for id in 1..=4 {
+        add(&mut engines[1], request(id, 60, 150));
+    }
+    while c.blocks_held(b_id) < 26 {
+        let (b, m) = &mut engines[1];
+        b.step(m).unwrap();
+        assert!(b.steps() < 400);
+    }
+    // Engine 0 becomes active: engine 1's limit drops to its quota.
+    add(&mut engines[0], request(100, 40, 4));
+    let (a, m) = &mut engines[0];
+    a.step(m).unwrap();
+    let owed = c.reclaim_for(b_id);
+    assert!(owed > 0, "no reclaim order");
+    // Engine 1's caller ends its two oldest sequences before its next step: they hold more
+    // than the order.
+    let held = c.blocks_held(b_id);
+    engines[1].0.abort(1).unwrap();
+    engines[1].0.abort(2).unwrap();
+    let before = engines[1].0.batcher().stats();
+    let (b, m) = &mut engines[1];
+    let report = b.step(m).unwrap();
+    let after = b.batcher().stats();
+    let freed = held - c.blocks_held(b_id);
+    assert!(
+        u64::from(owed) <= freed,
+        "the order was not met: {owed} owed, {freed} freed"
+    );
+    assert_eq!(
+        (
+            after.preempted_recompute - before.preempted_recompute,
+            after.aborted - before.aborted
+        ),
+        (0, 2),
+        "{owed} pages owed, shed {}: the aborts freed enough ({} running)",
+        report.pages_shed,
+        b.batcher().num_running()
+    );
+    drop(engines);
+    assert_no_leak(&shared);
+}

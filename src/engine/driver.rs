@@ -56,7 +56,9 @@ pub struct EngineConfig {
     pub swap_blocks: u32,
     /// When the engine recomputes the coordinator's budgets.
     pub recompute: RecomputePolicy,
-    /// Whether the engine uses the arena's prefix cache (if the arena has one).
+    /// Whether the engine uses the arena's prefix cache (if the arena has one). An engine that
+    /// does not still evicts the others' cached-free pages when the pool runs dry (they count
+    /// as free in the coordinator).
     pub prefix_cache: bool,
 }
 
@@ -206,8 +208,16 @@ impl<B: KvBackend> Engine<B> {
             }
         };
         batcher.attach_budget(Box::new(EngineShare::new(coordinator.clone(), id)));
-        if let (true, Some(cache)) = (cfg.prefix_cache, shared.prefix_cache()) {
-            if let Err(e) = batcher.attach_prefix_cache(cache.clone()) {
+        // An engine that does not use the arena's cache still evicts from it: the other
+        // engines' cached-free pages count as free in the coordinator (lendable), so without
+        // eviction its budget would grant pages the pool never hands out.
+        if let Some(cache) = shared.prefix_cache() {
+            let attached = if cfg.prefix_cache {
+                batcher.attach_prefix_cache(cache.clone())
+            } else {
+                batcher.attach_prefix_cache_for_eviction(cache.clone())
+            };
+            if let Err(e) = attached {
                 drop(batcher);
                 let _ = coordinator.deregister(id);
                 coordinator.recompute();

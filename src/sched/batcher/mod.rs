@@ -759,6 +759,8 @@ impl Batcher {
 
     /// Asks the batcher to give back `blocks` blocks at the start of its next step by
     /// preempting running sequences (lowest priority, latest arrival first). Requests add up.
+    /// Pages that the sequences ended at that step's start (aborts, caller finishes, requests
+    /// grown too long for the engine's share) give back count toward it.
     pub fn request_shed(&mut self, blocks: u32) {
         self.shed_request = self.shed_request.saturating_add(blocks);
     }
@@ -849,7 +851,7 @@ impl Batcher {
         for row in 0..self.scheduled.len() {
             let (slot, n, drafts) = self.scheduled[row];
             let samples = self.batch.samples[row];
-            let caching = self.prefix.is_some();
+            let caching = self.reuses_prefixes();
             let seq = self.seq_mut(slot);
             if !samples || drafts == 0 {
                 // The common rows: a prefill chunk, or one token. Proposals are for one step:

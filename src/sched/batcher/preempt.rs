@@ -29,8 +29,9 @@ impl Batcher {
         preempted
     }
 
-    /// Frees a sequence's blocks, giving them back to the budget too.
-    pub(super) fn release_table(&mut self, slot: usize) {
+    /// Frees a sequence's blocks, giving them back to the budget too. Returns how many left
+    /// the budget.
+    pub(super) fn release_table(&mut self, slot: usize) -> u32 {
         let leaving = self.pages_leaving(slot, 0);
         let s = self.seq_mut(slot);
         s.table.clear();
@@ -39,6 +40,7 @@ impl Batcher {
         if let Some(b) = &self.budget {
             b.release_blocks(leaving);
         }
+        leaving
     }
 
     /// After rejected drafts: frees the pages past the sequence's computed tokens (their KV is
@@ -335,10 +337,16 @@ impl Batcher {
         true
     }
 
-    pub(super) fn finish(&mut self, slot: usize, reason: FinishReason, out: &mut Vec<FinishedSeq>) {
-        self.release_table(slot);
+    /// Ends a sequence, freeing its pages; returns how many left the budget.
+    pub(super) fn finish(
+        &mut self,
+        slot: usize,
+        reason: FinishReason,
+        out: &mut Vec<FinishedSeq>,
+    ) -> u32 {
+        let leaving = self.release_table(slot);
         let Some(seq) = self.seqs[slot].take() else {
-            return;
+            return leaving;
         };
         self.host_released.extend_from_slice(&seq.host_blocks);
         self.index.remove(&seq.id);
@@ -354,12 +362,17 @@ impl Batcher {
             reason,
             preemptions: seq.preemptions,
         });
+        leaving
     }
 
+    /// Ends the sequences aborted or finished by the caller (and those `end_unguaranteed`
+    /// found too long). The pages they give back count toward a pending shed request: it asks
+    /// for pages back, and these are back, so only the rest is preempted for.
     pub(super) fn apply_aborts(&mut self, finished: &mut Vec<FinishedSeq>) {
         if self.pending_aborts.is_empty() {
             return;
         }
+        let mut freed = 0u32;
         let aborts = std::mem::take(&mut self.pending_aborts);
         for &(id, reason) in &aborts {
             let Some(&slot) = self.index.get(&id) else {
@@ -373,8 +386,9 @@ impl Batcher {
                 SeqPhase::Swapped => self.swapped.retain(|&s| s != slot),
                 SeqPhase::Prefilling | SeqPhase::Decoding => self.running.retain(|&s| s != slot),
             }
-            self.finish(slot, reason, finished);
+            freed = freed.saturating_add(self.finish(slot, reason, finished));
         }
+        self.shed_request = self.shed_request.saturating_sub(freed);
         self.pending_aborts = aborts;
         self.pending_aborts.clear();
     }

@@ -27,6 +27,10 @@ use crate::sync::Arc;
 #[derive(Debug)]
 pub(super) struct PrefixLink {
     pub(super) cache: Arc<PrefixCache>,
+    /// Whether this batcher looks prefixes up and caches its blocks; `false`: it only evicts
+    /// the other engines' cached-free pages when the pool runs dry
+    /// ([`attach_prefix_cache_for_eviction`](Batcher::attach_prefix_cache_for_eviction)).
+    pub(super) reuse: bool,
 }
 
 impl Batcher {
@@ -35,7 +39,8 @@ impl Batcher {
     /// tokens (full blocks, at least its last token left to compute), and each block it
     /// completes is cached.
     ///
-    /// Attaching the cache already attached again does nothing.
+    /// Attaching the cache already attached again does nothing (or, if it was attached for
+    /// eviction only, turns its reuse on).
     ///
     /// # Errors
     /// [`SchedError::InvalidConfig`](crate::error::SchedError::InvalidConfig) if the cache
@@ -47,20 +52,49 @@ impl Batcher {
         &mut self,
         cache: Arc<PrefixCache>,
     ) -> Result<(), crate::error::SchedError> {
+        self.link_prefix_cache(cache, true)
+    }
+
+    /// Attaches `cache` (shared by other engines of this batcher's pool) for eviction only:
+    /// this batcher neither looks prefixes up nor caches its blocks, but when the pool runs
+    /// dry it evicts the other engines' cached-free pages like a batcher that uses the cache.
+    /// Those pages count as free in the budget (see the module docs), so a batcher on a pool
+    /// whose cache it cannot evict from would be granted pages by its budget that the pool
+    /// never hands out, for as long as the engines that cached them stay idle.
+    ///
+    /// Attaching the cache already attached (either way) does nothing.
+    ///
+    /// # Errors
+    /// As [`attach_prefix_cache`](Self::attach_prefix_cache).
+    pub fn attach_prefix_cache_for_eviction(
+        &mut self,
+        cache: Arc<PrefixCache>,
+    ) -> Result<(), crate::error::SchedError> {
+        self.link_prefix_cache(cache, false)
+    }
+
+    fn link_prefix_cache(
+        &mut self,
+        cache: Arc<PrefixCache>,
+        reuse: bool,
+    ) -> Result<(), crate::error::SchedError> {
         if !Arc::ptr_eq(cache.pool(), &self.pool) {
             return Err(crate::error::SchedError::InvalidConfig(
                 "the prefix cache serves another block pool",
             ));
         }
-        if let Some(link) = &self.prefix {
+        if let Some(link) = &mut self.prefix {
             if Arc::ptr_eq(&link.cache, &cache) {
+                // Reuse only ever switches on: pages this batcher's sequences hold are then
+                // cached as they complete, and leave its budget as any cached page does.
+                link.reuse |= reuse;
                 return Ok(());
             }
             return Err(crate::error::SchedError::InvalidConfig(
                 "another prefix cache is already attached",
             ));
         }
-        self.prefix = Some(PrefixLink { cache });
+        self.prefix = Some(PrefixLink { cache, reuse });
         Ok(())
     }
 
@@ -80,7 +114,9 @@ impl Batcher {
     /// attached (0: none); [`detach_cached_prefix`](Self::detach_cached_prefix) undoes it if
     /// the admission then fails, [`count_prefix`](Self::count_prefix) counts it once it holds.
     pub(super) fn attach_cached_prefix(&mut self, slot: usize) -> usize {
-        let Some(link) = &self.prefix else { return 0 };
+        let Some(link) = self.prefix.as_ref().filter(|l| l.reuse) else {
+            return 0;
+        };
         let cache = link.cache.clone();
         let s = self.seq(slot);
         if s.computed != 0 || !s.table.is_empty() {
@@ -150,7 +186,7 @@ impl Batcher {
     /// admission (not on each step it waited, nor after a preemption), and the `hit` tokens
     /// attached.
     pub(super) fn count_prefix(&mut self, slot: usize, hit: usize) {
-        if self.prefix.is_none() {
+        if !self.reuses_prefixes() {
             return;
         }
         let s = self.seq(slot);
@@ -160,6 +196,11 @@ impl Batcher {
             self.stats.prefix_prompt_tokens += prompt_len as u64;
             self.stats.prefix_hit_tokens += hit.min(prompt_len) as u64;
         }
+    }
+
+    /// Whether a prefix cache is attached for reuse (not for eviction only).
+    pub(super) fn reuses_prefixes(&self) -> bool {
+        self.prefix.as_ref().is_some_and(|l| l.reuse)
     }
 
     fn give_back_pages(&self, ids: &[BlockId]) {
@@ -174,7 +215,9 @@ impl Batcher {
     pub(super) fn cache_completed_blocks(&mut self, slot: usize) {
         // Disjoint fields: the cache is read while the sequence is written (no `Arc` clone, two
         // atomic RMWs fewer per completed block).
-        let Some(link) = &self.prefix else { return };
+        let Some(link) = self.prefix.as_ref().filter(|l| l.reuse) else {
+            return;
+        };
         let Some(s) = self.seqs[slot].as_mut() else {
             return;
         };

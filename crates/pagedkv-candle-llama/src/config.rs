@@ -7,7 +7,8 @@ use pagedkv::kv::{KvDtype, ModelKvShape};
 
 /// Architectures this client runs: llama's GGUF layout with llama.cpp's "NORM" RoPE (adjacent
 /// pairs rotated), which is what candle's `quantized_llama` runs for them (it reads `llama.*`
-/// keys whatever the architecture). NEOX-RoPE families (qwen2, phi3, ...) are refused.
+/// keys whatever the architecture). NEOX-RoPE families (qwen2, phi3, ...) are refused, and so
+/// is a scaled RoPE (see `check_unscaled_rope`).
 const SUPPORTED_ARCHS: [&str; 1] = ["llama"];
 
 /// A llama's hyperparameters.
@@ -22,6 +23,43 @@ pub struct LlamaConfig {
     pub tied_embeddings: bool,
 }
 
+/// Refuses a file whose RoPE is scaled: llama.cpp rotates such a model by other angles than
+/// the plain `pos * base^(-2i/d)` this client applies (and candle's `quantized_llama`, which
+/// reads none of these entries either), so running it would give wrong logits silently.
+/// Scaled are: a `{arch}.rope.scaling.factor` or legacy `{arch}.rope.scale_linear` other than
+/// 1 (0 is llama.cpp's "unset"), a `{arch}.rope.scaling.type` other than "none" or "linear"
+/// (YaRN, LongRoPE, ...), and a `rope_freqs.weight` tensor (llama 3.1's per-frequency
+/// factors).
+fn check_unscaled_rope(g: &Gguf<'_>, arch: &str) -> Result<()> {
+    let k_type = format!("{arch}.rope.scaling.type");
+    if g.get(&k_type).is_some() {
+        let ty = g.get_str(&k_type)?;
+        if !matches!(ty, "none" | "linear") {
+            return Err(Error::Unsupported(format!(
+                "{k_type} {ty:?}: only an unscaled RoPE is supported"
+            )));
+        }
+    }
+    for key in ["rope.scaling.factor", "rope.scale_linear"] {
+        let key = format!("{arch}.{key}");
+        if g.get(&key).is_some() {
+            let factor = g.get_f32(&key)?;
+            if factor != 0.0 && factor != 1.0 {
+                return Err(Error::Unsupported(format!(
+                    "{key} {factor}: only an unscaled RoPE is supported"
+                )));
+            }
+        }
+    }
+    if g.tensor("rope_freqs.weight").is_some() {
+        return Err(Error::Unsupported(
+            "rope_freqs.weight (per-frequency RoPE factors): only an unscaled RoPE is supported"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 impl LlamaConfig {
     /// Reads and checks the hyperparameters.
     ///
@@ -29,7 +67,8 @@ impl LlamaConfig {
     /// `{arch}.rope.dimension_count` and `{arch}.attention.layer_norm_rms_epsilon` and takes the
     /// head dimension as `embedding_length / head_count`; a file where the RoPE covers part of
     /// a head, or whose key length differs from that quotient, is refused here rather than run
-    /// differently from the oracle.
+    /// differently from the oracle; so is a scaled RoPE (linear or YaRN scaling, llama3
+    /// frequency factors), which both would run as if unscaled.
     pub fn from_gguf(g: &Gguf<'_>) -> Result<Self> {
         let params = g.llama_params()?;
         let arch = params.architecture.as_str();
@@ -56,6 +95,7 @@ impl LlamaConfig {
                 params.head_dim
             )));
         }
+        check_unscaled_rope(g, arch)?;
         let embd = g.require_tensor("token_embd.weight")?;
         let vocab_size = match embd.shape() {
             [d, v] if *d == u64::from(params.embedding_length) => *v as usize,

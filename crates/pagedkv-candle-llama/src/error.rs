@@ -22,7 +22,7 @@ pub enum Error {
     #[error(transparent)]
     Kv(#[from] KvError),
     /// The file describes a model this client does not run (another architecture, a RoPE
-    /// that covers part of a head, a tensor of the wrong shape or type).
+    /// that covers part of a head or is scaled, a tensor of the wrong shape or type).
     #[error("unsupported model: {0}")]
     Unsupported(String),
     /// A request or a step's input the model cannot take (a token outside the vocabulary, a

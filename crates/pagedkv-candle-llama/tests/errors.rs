@@ -3,7 +3,7 @@
 //! caller bypasses the check, as a failed step).
 
 use pagedkv::error::{EngineError, KvError};
-use pagedkv::gguf::{Gguf, GgufError, GgufWriter, MetaValue};
+use pagedkv::gguf::{GgmlType, Gguf, GgufError, GgufWriter, MetaValue};
 use pagedkv::sched::{PreemptionMode, Priority, SeqRequest, StopRules};
 use pagedkv_candle_llama::fixture::TinyLlama;
 use pagedkv_candle_llama::{build_engine, generate, EngineSetup, Error, MatMulMode, PagedLlama};
@@ -69,6 +69,84 @@ fn a_neox_rope_architecture_is_refused() {
         None,
     );
     assert!(matches!(load(&bytes), Err(Error::Unsupported(m)) if m.contains("qwen2")));
+}
+
+/// The tiny F32 file with the metadata entries `extra` and the F32 tensors `tensors` added.
+fn with_extra(extra: &[(&str, MetaValue)], tensors: &[(&str, Vec<f32>)]) -> Vec<u8> {
+    let bytes = TinyLlama::f32().write(9).unwrap();
+    let g = Gguf::parse(&bytes).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in g.metadata() {
+        w.add(k, MetaValue::from_value(v)).unwrap();
+    }
+    for (k, v) in extra {
+        w.add(k, v.clone()).unwrap();
+    }
+    for t in g.tensors() {
+        w.add_tensor(t.name(), t.ty(), t.shape(), t.data()).unwrap();
+    }
+    let data: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    for ((name, values), data) in tensors.iter().zip(&data) {
+        w.add_tensor(name, GgmlType::F32, &[values.len() as u64], data)
+            .unwrap();
+    }
+    w.to_bytes().unwrap()
+}
+
+/// A RoPE the file scales (linear or YaRN scaling, a legacy `rope.scale_linear`, llama3's
+/// per-frequency factors in `rope_freqs.weight`) rotates by other angles than the plain one
+/// this client (and candle's `quantized_llama`) applies: it is refused, not run with wrong
+/// logits. A scaling that changes nothing (type "none", factor 1) still loads.
+#[test]
+fn a_scaled_rope_is_refused() {
+    let refused = |extra: &[(&str, MetaValue)], tensors: &[(&str, Vec<f32>)], what: &str| {
+        let r = load(&with_extra(extra, tensors));
+        assert!(
+            matches!(&r, Err(Error::Unsupported(m)) if m.contains("rope")),
+            "{what}: {r:?}"
+        );
+    };
+    let linear = MetaValue::String("linear".into());
+    refused(
+        &[
+            ("llama.rope.scaling.type", linear.clone()),
+            ("llama.rope.scaling.factor", MetaValue::F32(4.0)),
+        ],
+        &[],
+        "linear x4",
+    );
+    refused(
+        &[("llama.rope.scaling.factor", MetaValue::F32(2.0))],
+        &[],
+        "a factor without a type (llama.cpp's default type is linear)",
+    );
+    refused(
+        &[("llama.rope.scale_linear", MetaValue::F32(2.0))],
+        &[],
+        "legacy scale_linear",
+    );
+    refused(
+        &[
+            ("llama.rope.scaling.type", MetaValue::String("yarn".into())),
+            ("llama.rope.scaling.factor", MetaValue::F32(4.0)),
+        ],
+        &[],
+        "yarn",
+    );
+    // llama 3.1's files: the llama3 frequency factors, one per rotated pair.
+    refused(&[], &[("rope_freqs.weight", vec![1.0; 16])], "rope_freqs");
+    for extra in [
+        vec![("llama.rope.scaling.type", MetaValue::String("none".into()))],
+        vec![
+            ("llama.rope.scaling.type", linear.clone()),
+            ("llama.rope.scaling.factor", MetaValue::F32(1.0)),
+        ],
+    ] {
+        assert!(load(&with_extra(&extra, &[])).is_ok(), "{extra:?}");
+    }
 }
 
 #[test]

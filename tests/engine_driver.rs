@@ -1361,14 +1361,13 @@ impl StepModel<HostBackend<f32>> for FailingSample {
     }
 }
 
-/// A sequence ended at the start of a step that schedules no rows (its abort ended the
-/// engine's last sequence) and then fails is reported by the next step, as after a failed
-/// step with rows (`Engine::step`'s docs): before, the batch being empty, nothing was
-/// pending, the next schedule cleared the report, and the stream never got its end.
-#[test]
-fn an_end_at_a_failed_step_of_no_rows_is_reported_by_the_next() {
+/// `build(64, Recompute)`'s engines, each model wrapped in a disarmed `FailingSample`.
+fn failing_sample_engines() -> (
+    Arc<SharedArena>,
+    Vec<(Engine<HostBackend<f32>>, FailingSample)>,
+) {
     let (shared, engines) = build(64, PreemptionMode::Recompute);
-    let mut engines: Vec<_> = engines
+    let engines = engines
         .into_iter()
         .map(|(e, inner)| {
             (
@@ -1380,6 +1379,16 @@ fn an_end_at_a_failed_step_of_no_rows_is_reported_by_the_next() {
             )
         })
         .collect();
+    (shared, engines)
+}
+
+/// A sequence ended at the start of a step that schedules no rows (its abort ended the
+/// engine's last sequence) and then fails is reported by the next step, as after a failed
+/// step with rows (`Engine::step`'s docs): before, the batch being empty, nothing was
+/// pending, the next schedule cleared the report, and the stream never got its end.
+#[test]
+fn an_end_at_a_failed_step_of_no_rows_is_reported_by_the_next() {
+    let (shared, mut engines) = failing_sample_engines();
     let (engine, model) = &mut engines[0];
     let req = request(1, 8, 50);
     model.inner.prompt_len.insert(1, req.prompt.len());
@@ -1417,19 +1426,7 @@ fn an_end_at_a_failed_step_of_no_rows_is_reported_by_the_next() {
 /// engine reported no work, no step came, and the end (due with the next step) never came.
 #[test]
 fn an_engine_with_an_end_still_to_report_has_work() {
-    let (shared, engines) = build(64, PreemptionMode::Recompute);
-    let mut engines: Vec<_> = engines
-        .into_iter()
-        .map(|(e, inner)| {
-            (
-                e,
-                FailingSample {
-                    inner,
-                    armed: false,
-                },
-            )
-        })
-        .collect();
+    let (shared, mut engines) = failing_sample_engines();
     let (engine, model) = &mut engines[0];
     let req = request(1, 8, 50);
     model.inner.prompt_len.insert(1, req.prompt.len());

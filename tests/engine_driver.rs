@@ -1341,6 +1341,9 @@ struct FailingSample {
     armed: bool,
 }
 
+/// An engine and its model that can fail to sample.
+type FailingDriven = (Engine<HostBackend<f32>>, FailingSample);
+
 impl StepModel<HostBackend<f32>> for FailingSample {
     fn qkv(
         &mut self,
@@ -1362,10 +1365,7 @@ impl StepModel<HostBackend<f32>> for FailingSample {
 }
 
 /// `build(64, Recompute)`'s engines, each model wrapped in a disarmed `FailingSample`.
-fn failing_sample_engines() -> (
-    Arc<SharedArena>,
-    Vec<(Engine<HostBackend<f32>>, FailingSample)>,
-) {
+fn failing_sample_engines() -> (Arc<SharedArena>, Vec<FailingDriven>) {
     let (shared, engines) = build(64, PreemptionMode::Recompute);
     let engines = engines
         .into_iter()

@@ -175,6 +175,14 @@ impl WaitList {
             if let Err(panic) = woke {
                 first_panic.get_or_insert(panic);
             }
+            // Dropping our reference may drop the waker (its registrant is gone): foreign code
+            // too, whose panic must not strand the rest of the list either.
+            let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                drop(node);
+            }));
+            if let Err(panic) = dropped {
+                first_panic.get_or_insert(panic);
+            }
         }
         first_panic
     }
@@ -261,6 +269,40 @@ mod tests {
         let _regs = [list.register(&wa), list.register(&wb), list.register(&wc)];
         assert!(list.wake_all_catching().is_some());
         for p in [&a, &b, &c] {
+            assert_eq!(p.woken.load(Ordering::SeqCst), 1);
+        }
+        assert!(!list.has_waiters());
+    }
+
+    /// Panics when dropped (a waker whose destructor is foreign code that panics).
+    struct PanicsOnDrop;
+
+    impl Drop for PanicsOnDrop {
+        fn drop(&mut self) {
+            panic!("this waker's drop panics");
+        }
+    }
+
+    impl Wake for PanicsOnDrop {
+        fn wake(self: Arc<Self>) {}
+    }
+
+    /// A waker whose registrant has gone is dropped by the wake-up: its destructor's panic
+    /// reaches the caller, and the waiters after it in the list are still woken.
+    #[test]
+    fn a_waker_whose_drop_panics_does_not_strand_the_rest_of_the_list() {
+        let list = WaitList::new();
+        let (after, w_after) = probe(false);
+        let _kept = list.register(&w_after);
+        // The last reference to this waker is its node's: registration and waker dropped.
+        drop(list.register(&Waker::from(Arc::new(PanicsOnDrop))));
+        let (before, w_before) = probe(false);
+        let _kept2 = list.register(&w_before);
+        assert!(
+            list.wake_all_catching().is_some(),
+            "the drop's panic is reported"
+        );
+        for p in [&before, &after] {
             assert_eq!(p.woken.load(Ordering::SeqCst), 1);
         }
         assert!(!list.has_waiters());

@@ -12,7 +12,8 @@ use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use pagedkv::block::{BlockPool, EngineId, PoolConfig};
 use pagedkv::sched::{
-    Batcher, BatcherConfig, FinishReason, PreemptionMode, Priority, SeqRequest, StopRules,
+    Batch, Batcher, BatcherConfig, FinishReason, FinishedSeq, PreemptionMode, Priority, SeqRequest,
+    StopRules,
 };
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -79,7 +80,7 @@ fuzz_target!(|input: Input| {
     let mut accepted = HashSet::new();
     let mut done = Vec::new();
     // Model: each live sequence's tokens, prompt length and stop rules.
-    let mut model: HashMap<u64, (Vec<u32>, usize, StopRules)> = HashMap::new();
+    let mut model: Model = HashMap::new();
     for op in input.ops.into_iter().take(256) {
         match op {
             Op::Submit {
@@ -112,10 +113,7 @@ fuzz_target!(|input: Input| {
                 next_id += 1;
             }
             Op::Step { tokens } => {
-                let seen = done.len();
-                let b = bt.schedule_into(&mut done);
-                check_finished(&mut model, &done[seen..]);
-                check_inputs(&model, b);
+                let b = schedule_checked(&mut bt, &mut done, &mut model);
                 assert!(b.num_tokens() <= cfg.max_batched_tokens as usize);
                 assert_eq!(b.query_start_loc.len(), b.num_seqs() + 1);
                 // Every token's slot lies in the block its row names for its position, and no
@@ -136,28 +134,15 @@ fuzz_target!(|input: Input| {
                 let sampled: Vec<u32> = (0..n)
                     .map(|i| u32::from(tokens.get(i).copied().unwrap_or(7)))
                     .collect();
-                let rows = sampling_rows(b);
-                let seen = done.len();
-                bt.commit(&sampled, &mut done).unwrap();
-                committed(&mut model, &rows, &sampled, &done[seen..]);
+                commit_checked(&mut bt, &mut done, &mut model, &sampled);
             }
             Op::StepWrongCount => {
-                let seen = done.len();
-                let b = bt.schedule_into(&mut done);
-                check_finished(&mut model, &done[seen..]);
-                check_inputs(&model, b);
-                let n = b.num_samples();
-                let rows = sampling_rows(b);
+                let n = schedule_checked(&mut bt, &mut done, &mut model).num_samples();
                 assert!(bt.commit(&vec![1; n + 1], &mut done).is_err());
-                let seen = done.len();
-                bt.commit(&vec![1; n], &mut done).unwrap();
-                committed(&mut model, &rows, &vec![1; n], &done[seen..]);
+                commit_checked(&mut bt, &mut done, &mut model, &vec![1; n]);
             }
             Op::Discard => {
-                let seen = done.len();
-                let b = bt.schedule_into(&mut done);
-                check_finished(&mut model, &done[seen..]);
-                check_inputs(&model, b);
+                schedule_checked(&mut bt, &mut done, &mut model);
             }
             Op::Abort(id) => {
                 let _ = bt.abort(u64::from(id));
@@ -177,15 +162,8 @@ fuzz_target!(|input: Input| {
         if !bt.has_work() {
             break;
         }
-        let seen = done.len();
-        let b = bt.schedule_into(&mut done);
-        check_finished(&mut model, &done[seen..]);
-        check_inputs(&model, b);
-        let n = b.num_samples();
-        let rows = sampling_rows(b);
-        let seen = done.len();
-        bt.commit(&vec![7; n], &mut done).unwrap();
-        committed(&mut model, &rows, &vec![7; n], &done[seen..]);
+        let n = schedule_checked(&mut bt, &mut done, &mut model).num_samples();
+        commit_checked(&mut bt, &mut done, &mut model, &vec![7; n]);
     }
     assert!(
         model.is_empty(),
@@ -203,8 +181,38 @@ fuzz_target!(|input: Input| {
     assert_eq!(pool.free_count(), pool.total());
 });
 
+/// Per live sequence: its tokens (prompt, then what was committed), its prompt length and its
+/// stop rules.
+type Model = HashMap<u64, (Vec<u32>, usize, StopRules)>;
+
+/// Schedules a step and checks the ends it reported and every row's inputs against `model`.
+fn schedule_checked<'a>(
+    bt: &'a mut Batcher,
+    done: &mut Vec<FinishedSeq>,
+    model: &mut Model,
+) -> &'a Batch {
+    let seen = done.len();
+    let b = bt.schedule_into(done);
+    check_finished(model, &done[seen..]);
+    check_inputs(model, b);
+    b
+}
+
+/// Commits the scheduled batch with `sampled` and applies it to `model`, checking who ended.
+fn commit_checked(
+    bt: &mut Batcher,
+    done: &mut Vec<FinishedSeq>,
+    model: &mut Model,
+    sampled: &[u32],
+) {
+    let rows = sampling_rows(bt.batch());
+    let seen = done.len();
+    bt.commit(sampled, done).unwrap();
+    committed(model, &rows, sampled, &done[seen..]);
+}
+
 /// The ids of a batch's sampling rows, in row order (no drafts here: one sample each).
-fn sampling_rows(b: &pagedkv::sched::Batch) -> Vec<u64> {
+fn sampling_rows(b: &Batch) -> Vec<u64> {
     (0..b.num_seqs())
         .filter(|&s| b.samples[s])
         .map(|s| b.seq_ids[s])
@@ -213,7 +221,7 @@ fn sampling_rows(b: &pagedkv::sched::Batch) -> Vec<u64> {
 
 /// Every row feeds its sequence's own tokens at their positions, and a sampling row ends at the
 /// sequence's last token.
-fn check_inputs(model: &HashMap<u64, (Vec<u32>, usize, StopRules)>, b: &pagedkv::sched::Batch) {
+fn check_inputs(model: &Model, b: &Batch) {
     for s in 0..b.num_seqs() {
         let id = b.seq_ids[s];
         let (toks, _, _) = model.get(&id).expect("a scheduled sequence is live");
@@ -247,10 +255,7 @@ fn must_stop(toks: &[u32], prompt: usize, stop: &StopRules) -> Option<FinishReas
 }
 
 /// Ends reported outside a commit (aborts, or too long): the output is what was committed.
-fn check_finished(
-    model: &mut HashMap<u64, (Vec<u32>, usize, StopRules)>,
-    fin: &[pagedkv::sched::FinishedSeq],
-) {
+fn check_finished(model: &mut Model, fin: &[FinishedSeq]) {
     for f in fin {
         let (toks, p, _) = model.remove(&f.id).expect("finished once");
         assert_eq!(f.output, toks[p..], "seq {}: output", f.id);
@@ -265,12 +270,7 @@ fn check_finished(
 
 /// Applies a commit to the model and checks who ended: exactly the sequences whose stop rules
 /// say so, with that reason and their whole output (plus aborts and too-long ends).
-fn committed(
-    model: &mut HashMap<u64, (Vec<u32>, usize, StopRules)>,
-    rows: &[u64],
-    sampled: &[u32],
-    fin: &[pagedkv::sched::FinishedSeq],
-) {
+fn committed(model: &mut Model, rows: &[u64], sampled: &[u32], fin: &[FinishedSeq]) {
     for (id, &tok) in rows.iter().zip(sampled) {
         model
             .get_mut(id)

@@ -1,7 +1,8 @@
 //! Host swap memory is allocated only for swap preemption: under `PreemptionMode::Recompute`
 //! no block is ever swapped out, so `EngineSetup::swap_blocks` (64 by default) must cost
-//! nothing. Measured with a counting allocator (its own test binary: one test, so no other
-//! test's allocations are counted).
+//! nothing. Measured with a counting allocator that counts the calling thread's allocations
+//! only: the test harness's own thread allocates while the test runs (CI once saw 3.7 KB of it
+//! land inside one measurement), and the engine is built on the test's thread.
 
 use pagedkv::gguf::Gguf;
 use pagedkv::kv::page_bytes_for;
@@ -9,35 +10,45 @@ use pagedkv::sched::{PreemptionMode, Priority, SeqRequest, StopRules};
 use pagedkv_candle_llama::fixture::TinyLlama;
 use pagedkv_candle_llama::{build_engine, generate, EngineSetup, MatMulMode, PagedLlama};
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
+use std::cell::Cell;
 
 struct Counting;
 
-static LIVE: AtomicIsize = AtomicIsize::new(0);
+thread_local! {
+    /// Bytes live from this thread's allocations (a const-initialised Cell: no destructor, no
+    /// lazy allocation, so the allocator may touch it).
+    static LIVE: Cell<isize> = const { Cell::new(0) };
+}
+
+/// Adds `delta` to this thread's count (ignored while the thread's locals are torn down).
+fn count(delta: isize) {
+    let _ = LIVE.try_with(|live| live.set(live.get() + delta));
+}
+
+fn live() -> isize {
+    LIVE.with(Cell::get)
+}
 
 // SAFETY: every call is forwarded to the system allocator unchanged; the counter is only
 // bookkeeping.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        count(layout.size() as isize);
         // SAFETY: the caller's contract is GlobalAlloc::alloc's, forwarded.
         unsafe { System.alloc(layout) }
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        count(layout.size() as isize);
         // SAFETY: as `alloc`.
         unsafe { System.alloc_zeroed(layout) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        count(-(layout.size() as isize));
         // SAFETY: `ptr` came from this allocator (System) with `layout`.
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(
-            new_size as isize - layout.size() as isize,
-            Ordering::Relaxed,
-        );
+        count(new_size as isize - layout.size() as isize);
         // SAFETY: as `dealloc` and `alloc`.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
@@ -48,9 +59,9 @@ static GLOBAL: Counting = Counting;
 
 /// Bytes held by an engine built for `setup` (kept alive while measured).
 fn engine_bytes(model: &PagedLlama, setup: &EngineSetup) -> isize {
-    let before = LIVE.load(Ordering::Relaxed);
+    let before = live();
     let engine = build_engine(model.config(), setup).unwrap();
-    let held = LIVE.load(Ordering::Relaxed) - before;
+    let held = live() - before;
     drop(engine);
     held
 }

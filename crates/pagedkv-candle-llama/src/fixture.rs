@@ -42,6 +42,12 @@ pub struct TinyLlama {
     pub proj_types: Vec<GgmlType>,
     /// Type of `output.weight`, or `None` for tied embeddings (no `output.weight`).
     pub output_type: Option<GgmlType>,
+    /// A linear RoPE scaling: `llama.rope.scaling.type` "linear" and this
+    /// `llama.rope.scaling.factor` (`None`: neither key).
+    pub rope_scaling_factor: Option<f32>,
+    /// llama3-style RoPE frequency factors, written as the F32 tensor `rope_freqs.weight`
+    /// (one per rotated pair: `head_dim / 2` values; `None`: no tensor).
+    pub rope_freqs: Option<Vec<f32>>,
 }
 
 impl TinyLlama {
@@ -62,6 +68,8 @@ impl TinyLlama {
             embd_type: GgmlType::F32,
             proj_types: vec![GgmlType::F32],
             output_type: None,
+            rope_scaling_factor: None,
+            rope_freqs: None,
         }
     }
 
@@ -201,11 +209,22 @@ impl TinyLlama {
             MetaValue::F32(self.rms_eps),
         )?;
         w.add("llama.vocab_size", u32_(self.vocab))?;
+        if let Some(factor) = self.rope_scaling_factor {
+            w.add(
+                "llama.rope.scaling.type",
+                MetaValue::String("linear".into()),
+            )?;
+            w.add("llama.rope.scaling.factor", MetaValue::F32(factor))?;
+        }
         for ((name, ty, [n_out, n_in], _), bytes) in tensors.iter().zip(&encoded) {
             w.add_tensor(name, *ty, &[*n_in as u64, *n_out as u64], bytes)?;
         }
         for ((name, _), bytes) in norms.iter().zip(&norm_bytes) {
             w.add_tensor(name, GgmlType::F32, &[self.dim as u64], bytes)?;
+        }
+        if let Some(f) = &self.rope_freqs {
+            let bytes: &[u8] = bytemuck::cast_slice(f);
+            w.add_tensor("rope_freqs.weight", GgmlType::F32, &[f.len() as u64], bytes)?;
         }
         Ok(w.to_bytes()?)
     }

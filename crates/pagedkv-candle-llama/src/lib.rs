@@ -37,7 +37,7 @@ mod rope;
 mod runner;
 mod weights;
 
-pub use config::LlamaConfig;
+pub use config::{LlamaConfig, RopeScaling};
 #[cfg(feature = "candle-cuda")]
 pub use cuda::{build_cuda_engine, CandleCuda, CudaEngine};
 pub use error::{Error, Result};

@@ -70,7 +70,12 @@ impl PagedLlama {
         let cfg = LlamaConfig::from_gguf(g)?;
         let weights = Weights::load(g, &cfg, mode, device)?;
         let device = device.clone();
-        let rope = Rope::new(cfg.head_dim(), cfg.params.rope_freq_base, &device)?;
+        let rope = Rope::new(
+            cfg.head_dim(),
+            cfg.params.rope_freq_base,
+            &cfg.rope_scaling,
+            &device,
+        )?;
         Ok(Self {
             cfg,
             weights,

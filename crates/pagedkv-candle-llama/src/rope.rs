@@ -1,11 +1,14 @@
 //! Rotary position embedding as candle's `quantized_llama` applies it to a llama: llama.cpp's
-//! "NORM" variant, which rotates adjacent pairs `(x[2i], x[2i+1])` by `pos * base^(-2i/d)`.
+//! "NORM" variant, which rotates adjacent pairs `(x[2i], x[2i+1])` by `pos * base^(-2i/d)`;
+//! with the file's scaling (which candle ignores) by `pos * freq_scale * base^(-2i/d) / f[i]`
+//! as llama.cpp does ([`RopeScaling`]).
 //!
 //! candle precomputes a table for positions `0..4096` as `positions (n, 1) x theta (1, d/2)`
 //! (one f32 product per entry) and takes its `cos`/`sin`; here the same products are computed
 //! for the step's positions only, one row per token, so each token of a mixed batch gets its
 //! own position with no table and no length limit, and every value equals candle's table row.
 
+use crate::config::RopeScaling;
 use candle_core::{Device, Tensor};
 
 /// The inverse frequencies of one head.
@@ -16,10 +19,28 @@ pub(crate) struct Rope {
 }
 
 impl Rope {
-    pub(crate) fn new(head_dim: usize, base: f32, device: &Device) -> candle_core::Result<Self> {
+    /// The inverse frequencies `freq_scale * base^(-i/head_dim) / factors[i/2]` (even `i`).
+    /// Unscaled, each is candle's f32 `1 / base^(i/head_dim)` exactly (no multiply or divide
+    /// is applied), so the angles are bit-identical to `quantized_llama`'s.
+    pub(crate) fn new(
+        head_dim: usize,
+        base: f32,
+        scaling: &RopeScaling,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
         let theta: Vec<f32> = (0..head_dim)
             .step_by(2)
-            .map(|i| 1f32 / base.powf(i as f32 / head_dim as f32))
+            .enumerate()
+            .map(|(pair, i)| {
+                let mut t = 1f32 / base.powf(i as f32 / head_dim as f32);
+                if scaling.freq_scale != 1.0 {
+                    t *= scaling.freq_scale;
+                }
+                if let Some(f) = &scaling.freq_factors {
+                    t /= f[pair];
+                }
+                t
+            })
             .collect();
         let half = theta.len();
         Ok(Self {

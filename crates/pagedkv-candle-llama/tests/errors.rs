@@ -96,12 +96,13 @@ fn with_extra(extra: &[(&str, MetaValue)], tensors: &[(&str, Vec<f32>)]) -> Vec<
     w.to_bytes().unwrap()
 }
 
-/// A RoPE the file scales (linear or YaRN scaling, a legacy `rope.scale_linear`, llama3's
-/// per-frequency factors in `rope_freqs.weight`) rotates by other angles than the plain one
-/// this client (and candle's `quantized_llama`) applies: it is refused, not run with wrong
-/// logits. A scaling that changes nothing (type "none", factor 1) still loads.
+/// A RoPE scaling this client does not run (YaRN, LongRoPE, an attention factor) is refused,
+/// not run with wrong logits, and so are unusable scale factors and malformed llama3
+/// frequency factors; linear scaling (new or legacy key, with or without a type), llama3
+/// factors and scalings that change nothing load, with the `RopeScaling` llama.cpp reads.
 #[test]
-fn a_scaled_rope_is_refused() {
+fn rope_scalings_are_read_as_llama_cpp_reads_them() {
+    let pairs = 16; // head_dim 32
     let refused = |extra: &[(&str, MetaValue)], tensors: &[(&str, Vec<f32>)], what: &str| {
         let r = load(&with_extra(extra, tensors));
         assert!(
@@ -109,44 +110,49 @@ fn a_scaled_rope_is_refused() {
             "{what}: {r:?}"
         );
     };
-    let linear = MetaValue::String("linear".into());
+    let ty = |t: &str| ("llama.rope.scaling.type", MetaValue::String(t.into()));
+    let factor = |f: f32| ("llama.rope.scaling.factor", MetaValue::F32(f));
+    refused(&[ty("yarn"), factor(4.0)], &[], "yarn");
+    refused(&[ty("longrope")], &[], "longrope");
     refused(
-        &[
-            ("llama.rope.scaling.type", linear.clone()),
-            ("llama.rope.scaling.factor", MetaValue::F32(4.0)),
-        ],
+        &[("llama.rope.scaling.attn_factor", MetaValue::F32(1.2))],
         &[],
-        "linear x4",
+        "attention factor",
     );
-    refused(
-        &[("llama.rope.scaling.factor", MetaValue::F32(2.0))],
-        &[],
-        "a factor without a type (llama.cpp's default type is linear)",
-    );
-    refused(
-        &[("llama.rope.scale_linear", MetaValue::F32(2.0))],
-        &[],
-        "legacy scale_linear",
-    );
-    refused(
-        &[
-            ("llama.rope.scaling.type", MetaValue::String("yarn".into())),
-            ("llama.rope.scaling.factor", MetaValue::F32(4.0)),
-        ],
-        &[],
-        "yarn",
-    );
-    // llama 3.1's files: the llama3 frequency factors, one per rotated pair.
-    refused(&[], &[("rope_freqs.weight", vec![1.0; 16])], "rope_freqs");
-    for extra in [
-        vec![("llama.rope.scaling.type", MetaValue::String("none".into()))],
-        vec![
-            ("llama.rope.scaling.type", linear.clone()),
-            ("llama.rope.scaling.factor", MetaValue::F32(1.0)),
-        ],
-    ] {
-        assert!(load(&with_extra(&extra, &[])).is_ok(), "{extra:?}");
+    for f in [-2.0, f32::NAN, f32::INFINITY, 1e-45] {
+        refused(&[factor(f)], &[], &format!("factor {f}"));
     }
+    refused(
+        &[],
+        &[("rope_freqs.weight", vec![1.0; pairs + 1])],
+        "factors of the wrong length",
+    );
+    for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+        let mut f = vec![1.0; pairs];
+        f[3] = bad;
+        refused(&[], &[("rope_freqs.weight", f)], &format!("factor {bad}"));
+    }
+
+    let scaling = |extra: &[(&str, MetaValue)], tensors: &[(&str, Vec<f32>)]| {
+        let model = load(&with_extra(extra, tensors)).unwrap();
+        let s = &model.config().rope_scaling;
+        (s.freq_scale, s.freq_factors.clone())
+    };
+    assert_eq!(scaling(&[], &[]), (1.0, None));
+    assert_eq!(scaling(&[ty("linear"), factor(4.0)], &[]), (0.25, None));
+    // llama.cpp's default type is linear: a factor alone scales.
+    assert_eq!(scaling(&[factor(2.0)], &[]), (0.5, None));
+    let legacy = ("llama.rope.scale_linear", MetaValue::F32(2.0));
+    assert_eq!(scaling(std::slice::from_ref(&legacy), &[]), (0.5, None));
+    // The new key wins over the legacy one; 0 is "unset"; type "none" never scales.
+    assert_eq!(scaling(&[factor(4.0), legacy], &[]), (0.25, None));
+    assert_eq!(scaling(&[factor(0.0)], &[]), (1.0, None));
+    assert_eq!(scaling(&[ty("none"), factor(4.0)], &[]), (1.0, None));
+    let llama3: Vec<f32> = (0..pairs).map(|i| 1.0 + i as f32 / 2.0).collect();
+    assert_eq!(
+        scaling(&[], &[("rope_freqs.weight", llama3.clone())]),
+        (1.0, Some(llama3))
+    );
 }
 
 #[test]

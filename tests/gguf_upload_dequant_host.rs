@@ -432,6 +432,52 @@ fn registered_uploads_match_the_file_and_the_cpu() {
     assert_eq!(e.probe().live_registrations(), 0);
 }
 
+/// `StagingTooSmall::needed` is "bytes one unit of the largest cut needs", on both paths: the
+/// registered path reported the first tensor whose unit did not fit (here F16's 512 bytes), so a
+/// caller who grew the area to that size was refused again (F32 needs 1024). And both paths
+/// refuse a type the device cannot convert before they look at the staging size.
+#[test]
+fn registered_staging_refusal_names_the_largest_unit_like_the_ring() {
+    let host = vec![0u8; 144 + 512 + 1024 + 176];
+    let typed = [
+        (GgmlType::Q4_K, 0..144),
+        (GgmlType::F16, 144..656),
+        (GgmlType::F32, 656..1680),
+    ];
+    let slices: Vec<(GgmlType, &[u8])> =
+        typed.iter().map(|(t, r)| (*t, &host[r.clone()])).collect();
+    let (mut r, _probe) = ring(2, 300, 0, HostConfig::default());
+    let staged = r
+        .upload_slices_dequantized(&slices, DequantTo::F16, |_, _| {})
+        .map(|v| v.len());
+    let mut e = HostEngine::new(HostConfig::default());
+    let registered =
+        upload_registered_dequantized(&mut e, &host, &typed, DequantTo::F16, nz(300), |_, _| {})
+            .map(|v| v.len());
+    let want = Err(RingError::StagingTooSmall {
+        needed: 1024,
+        have: 300,
+    });
+    assert_eq!(staged, want, "staged");
+    assert_eq!(registered, want, "registered");
+    // A Q5_K tensor after one whose unit does not fit: both refuse the type.
+    let typed = [(GgmlType::F32, 0..1024), (GgmlType::Q5_K, 1024..1200)];
+    let slices: Vec<(GgmlType, &[u8])> =
+        typed.iter().map(|(t, r)| (*t, &host[r.clone()])).collect();
+    let staged = r
+        .upload_slices_dequantized(&slices, DequantTo::F16, |_, _| {})
+        .map(|v| v.len());
+    let registered =
+        upload_registered_dequantized(&mut e, &host, &typed, DequantTo::F16, nz(300), |_, _| {})
+            .map(|v| v.len());
+    let want = Err(RingError::NotDequantizable {
+        tensor: 1,
+        ty: GgmlType::Q5_K,
+    });
+    assert_eq!(staged, want, "staged");
+    assert_eq!(registered, want, "registered");
+}
+
 #[test]
 fn registered_faults_at_every_call() {
     let bytes = sweep_file();

@@ -70,16 +70,18 @@ pub fn upload_registered_dequantized<E: RegisterEngine + DequantEngine>(
 ) -> Result<Vec<E::Dst>, RingError<E::Error>> {
     let ranges: Vec<Range<usize>> = tensors.iter().map(|t| t.1.clone()).collect();
     check_ranges(host.len(), &ranges)?;
+    // Every tensor's type and length first, then the area against the largest unit (as the
+    // staged path does): `needed` is what the area must grow to, not the first unit too big.
     let mut granules = Vec::with_capacity(tensors.len());
     for (i, (ty, r)) in tensors.iter().enumerate() {
-        let g = dequant_granule(i, *ty, r.len())?;
-        if g > staging_bytes.get() {
-            return Err(RingError::StagingTooSmall {
-                needed: g,
-                have: staging_bytes.get(),
-            });
-        }
-        granules.push(g);
+        granules.push(dequant_granule(i, *ty, r.len())?);
+    }
+    let needed = granules.iter().copied().max().unwrap_or(1);
+    if needed > staging_bytes.get() {
+        return Err(RingError::StagingTooSmall {
+            needed,
+            have: staging_bytes.get(),
+        });
     }
     let mut dst = Vec::with_capacity(tensors.len());
     for (ty, r) in tensors {

@@ -60,9 +60,10 @@ use crate::gguf::GgmlType;
 /// What the progress callback is told.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UploadProgress<'a> {
-    /// Bytes now in device memory.
+    /// Bytes of the file's tensors now in device memory (a dequantizing upload counts the
+    /// file's bytes it has converted, not the f16/bf16 bytes they became).
     pub done: u64,
-    /// Bytes of all tensors.
+    /// Bytes of all tensors in the file.
     pub total: u64,
     /// The tensor the last completed piece belongs to.
     pub tensor: &'a str,

@@ -34,8 +34,8 @@ pub enum UploadPath {
 pub struct UploadOptions {
     /// The path.
     pub path: UploadPath,
-    /// Pinned buffers in the staged ring, 2 to [`MAX_STAGING_BUFFERS`] (allocated for the
-    /// registered path too, but not pinned there: checked only when staged).
+    /// Pinned buffers in the staged ring, 2 to [`MAX_STAGING_BUFFERS`] (the registered path
+    /// allocates no ring and ignores it: checked only when staged).
     pub staging_buffers: usize,
     /// Bytes per staging buffer, 64 KiB to 2 GiB: the largest single DMA of the staged path;
     /// also the size of the registered path's device staging area when dequantizing.

@@ -170,6 +170,17 @@ impl LlamaConfig {
                 params.head_dim
             )));
         }
+        let k_experts = format!("{arch}.expert_count");
+        if g.get(&k_experts).is_some() {
+            let experts = g.get_u32(&k_experts)?;
+            if experts > 0 {
+                // A Mixtral-style file: its layers have routed experts (ffn_gate_inp,
+                // ffn_*_exps) in place of the dense MLP this client runs.
+                return Err(Error::Unsupported(format!(
+                    "{k_experts} {experts}: mixture-of-experts layers are not supported"
+                )));
+            }
+        }
         let rope_scaling = RopeScaling::from_gguf(g, arch, params.head_dim)?;
         let embd = g.require_tensor("token_embd.weight")?;
         let vocab_size = match embd.shape() {

@@ -155,6 +155,25 @@ fn rope_scalings_are_read_as_llama_cpp_reads_them() {
     );
 }
 
+/// A Mixtral-style llama (routed experts instead of the dense MLP) is refused as such, not as
+/// a missing `ffn_gate` tensor; `expert_count` 0 is a dense model.
+#[test]
+fn a_mixture_of_experts_file_is_refused() {
+    let r = load(&with_extra(
+        &[("llama.expert_count", MetaValue::U32(8))],
+        &[],
+    ));
+    assert!(
+        matches!(&r, Err(Error::Unsupported(m)) if m.contains("mixture-of-experts")),
+        "{r:?}"
+    );
+    assert!(load(&with_extra(
+        &[("llama.expert_count", MetaValue::U32(0))],
+        &[]
+    ))
+    .is_ok());
+}
+
 #[test]
 fn a_partial_rope_is_refused() {
     let bytes = rewritten(

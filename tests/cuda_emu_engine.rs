@@ -452,3 +452,87 @@ fn raw_engines_running_more_sequences_than_a_plan_takes_are_refused() {
     }
     drop(arena);
 }
+
+/// An engine whose prefill rows may be longer than a prefill launch takes is refused when
+/// built. The launch's row tiles (`max_query_len x group` rows, 32 a tile for f32) must fit
+/// grid y (65535): with 64 query heads on one KV head, 32767 tokens. An engine whose
+/// `max_prefill_chunk`, `max_batched_tokens` and `max_context` all allow 32768-token rows was
+/// built, and every step prefilling a full chunk failed (`OverCapacity`) for as long as such
+/// a prompt waited: a configuration no step could serve, found only at run time.
+#[test]
+fn raw_engines_whose_prefill_chunks_pass_the_launch_limit_are_refused() {
+    use pagedkv::engine::KvBackend;
+    use pagedkv::error::RawError;
+    let mqa = ModelKvShape {
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 64,
+        dtype: KvDtype::F32,
+    };
+    let heads = 64;
+    let limit = 65_535 * 32 / heads; // 32767 tokens
+    let pages = (limit as u32 + 1).div_ceil(TOKENS_PER_PAGE as u32) + 1;
+    let page_bytes = page_bytes_for(&[mqa], TOKENS_PER_PAGE).unwrap();
+    let shared = SharedArena::external(BudgetConfig::new(1, 1 << 16, pages), page_bytes).unwrap();
+    let arena = EmuBuf::zeroed(pages as usize * page_bytes).expect("guarded allocation");
+    let base = arena.ptr() as usize as u64;
+    let config = |chunk: u32| {
+        let mut cfg = engine_config(PreemptionMode::Recompute);
+        cfg.max_running = 1;
+        cfg.max_prefill_chunk = chunk;
+        cfg.max_batched_tokens = chunk;
+        cfg.max_context = chunk + 16;
+        cfg
+    };
+
+    // What such an engine's backend does with a full chunk: refused at the launch.
+    let cfg = mqa
+        .config(TOKENS_PER_PAGE, pages as usize)
+        .unwrap()
+        .with_page_stride(page_bytes)
+        .unwrap();
+    let caps = RawCaps::for_engine(&config(limit as u32 + 1), TOKENS_PER_PAGE, pages);
+    // SAFETY: `arena` holds the pool's pages; the batch below names pages of it only, and the
+    // query rows are refused before any launch reads them.
+    let mut backend =
+        unsafe { RawBackend::new(EmuDevice::new(8), base, &cfg, heads, caps, 0) }.unwrap();
+    let n = limit + 1;
+    let blocks = n.div_ceil(TOKENS_PER_PAGE);
+    let batch = Batch {
+        seq_ids: vec![1],
+        input_tokens: vec![1; n],
+        positions: (0..n as i32).collect(),
+        query_start_loc: vec![0, n as i32],
+        context_lens: vec![n as i32],
+        slot_mapping: (0..n as i64).collect(),
+        block_tables: (0..blocks as i32).collect(),
+        max_blocks_per_seq: blocks,
+        ..Batch::default()
+    };
+    backend.begin(&batch).unwrap();
+    let query = DeviceRows {
+        rows: Rows::dense(base, heads, 64),
+        tokens: n,
+    };
+    let err = backend.prefill(0, &query, &batch).unwrap_err();
+    assert!(
+        matches!(err, EngineError::Raw(RawError::OverCapacity { .. })),
+        "{err}"
+    );
+    backend.end().unwrap();
+    drop(backend);
+
+    for (chunk, ok) in [(limit as u32, true), (limit as u32 + 1, false)] {
+        // SAFETY: nothing is launched (the engines are only built): the arena is never used.
+        let r =
+            unsafe { Engine::raw(&shared, EmuDevice::new(8), base, config(chunk), &mqa, heads) };
+        match r {
+            Ok(_) => assert!(ok, "a max_prefill_chunk of {chunk} accepted"),
+            Err(e) => assert!(
+                !ok && matches!(e, EngineError::InvalidConfig(ref m) if m.contains("prefill")),
+                "max_prefill_chunk {chunk}: {e}"
+            ),
+        }
+    }
+    drop(arena);
+}

@@ -212,13 +212,8 @@ pub unsafe fn paged_attention_prefill(
             found: n as usize,
         });
     }
-    let tile_rows = if cache.config.dtype() == KvDtype::F32 {
-        32
-    } else {
-        64
-    };
     let group = params.num_heads / cache.config.num_kv_heads();
-    let max_rows = 65535 * tile_rows / group;
+    let max_rows = prefill_max_query_len(cache.config.dtype(), group);
     if max_query_len > max_rows {
         return Err(RawError::OverCapacity {
             what: "prefill max_query_len (row tiles in grid y)",
@@ -255,6 +250,15 @@ pub unsafe fn paged_attention_prefill(
         status,
         Some(PageArgs::of(&cache.config)),
     )
+}
+
+/// The longest query (tokens of one sequence) a prefill launch takes over a cache of `dtype`
+/// with `group` query heads per KV head: its `max_query_len * group` rows, in tiles of the
+/// fewest rows a kernel of that dtype has (64 for f16 / bf16, 32 for f32), must fit grid y
+/// (65535 tiles).
+pub(crate) fn prefill_max_query_len(dtype: KvDtype, group: usize) -> usize {
+    let tile_rows = if dtype == KvDtype::F32 { 32 } else { 64 };
+    65535 * tile_rows / group.max(1)
 }
 
 /// Writes the K and V of `num_tokens` new tokens into their slots of layer `layer` (the CUDA

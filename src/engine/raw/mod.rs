@@ -122,7 +122,10 @@ impl<D: RawDevice> super::Engine<RawBackend<D>> {
     ///
     /// # Errors
     /// [`EngineError::InvalidConfig`] for a `max_running` over the 65535 sequences a decode
-    /// plan takes; as [`RawBackend::new`] and [`Engine::new`](super::Engine::new).
+    /// plan takes, or prefill rows (`max_prefill_chunk`, `max_batched_tokens` and
+    /// `max_context`, whichever is least) longer than a prefill launch takes
+    /// ([`paged_attention_prefill`](crate::cuda_raw::paged_attention_prefill)'s
+    /// `OverCapacity`); as [`RawBackend::new`] and [`Engine::new`](super::Engine::new).
     ///
     /// # Safety
     /// `arena_base` is the device memory of `shared`'s arena: `shared.pool().total()` pages of
@@ -143,6 +146,22 @@ impl<D: RawDevice> super::Engine<RawBackend<D>> {
                 "max_running {} is over the {} sequences a decode plan takes",
                 cfg.max_running,
                 backend::MAX_PLAN_SEQS
+            )));
+        }
+        // A row of a step is at most a prefill chunk, the step's tokens and the context
+        // (`tokens_wanted`); one longer than a prefill launch takes would fail every step
+        // that schedules it, so such a configuration is refused here, not at run time.
+        let longest = cfg
+            .max_prefill_chunk
+            .min(cfg.max_batched_tokens)
+            .min(cfg.max_context) as usize;
+        let group = query_heads / shape.num_kv_heads.max(1);
+        let limit = crate::cuda_raw::prefill_max_query_len(shape.dtype, group);
+        if longest > limit {
+            return Err(EngineError::InvalidConfig(format!(
+                "prefill rows of up to {longest} tokens (max_prefill_chunk, max_batched_tokens \
+                 and max_context) are over the {limit} a prefill launch takes with {group} \
+                 query heads per KV head"
             )));
         }
         let (pages, page_bytes) = (shared.pool().total(), shared.page_bytes());

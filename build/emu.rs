@@ -96,6 +96,10 @@ pub fn build() {
         .define("PKV_HAVE_WGMMA", "1")
         // The kernels read 16-byte vectors of half/bf16 elements through casts, as CUDA allows.
         .flag("-fno-strict-aliasing")
+        // Signed int arithmetic wraps, as the GPU's does (PTX add.s32 / mul.lo.s32): without
+        // this the C++ compiler may assume no overflow and fold `t + n > x` into a test the
+        // GPU does not make, so a wrap the GPU would show passes here.
+        .flag("-fwrapv")
         .flag_if_supported("-Wno-unknown-pragmas")
         .warnings(false)
         .file("kernels/emu/emu_runtime.cpp");

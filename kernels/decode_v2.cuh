@@ -341,7 +341,11 @@ template <int TILE> struct DecodeTile {
 #pragma unroll
     for (int h = 0; h < HALVES; ++h) {
       const int t0 = x.base + 8 * h, n = TILE < 8 ? TILE : 8;
-      const int blk = (t0 < b.end && t0 + n > b.begin) ? btab[t0 >> a.block_shift] : -1;
+      // The half's end compared as t0 > begin - n (begin >= 0: no overflow): t0 + n passes
+      // INT_MAX for a context's last half at 2^31 - 8, which wrapped negative on the GPU and
+      // masked the context's last tokens, the query's own included. (A tile past `last` near
+      // 2^31 has a base wrapped negative: below begin - n, masked as it must be.)
+      const int blk = (t0 < b.end && t0 > b.begin - n) ? btab[t0 >> a.block_shift] : -1;
       x.valid[h] = decode_block_ok(a, blk);
       x.off[h] = decode_k_row<D>(a, b, x.valid[h] ? blk : 0, t0);
     }

@@ -1296,6 +1296,32 @@ fn table_capacity_beyond_i32_does_not_wrap() {
             assert_close(&what, &got, &want, d);
         }
     }
+
+    // Decode of the same context in bf16 through both 16-bit bodies, the tensor-core one (a
+    // group of 4) and the one-head CUDA-core one (MHA): their 16-token tiles put the
+    // context's last 8-token half at 2^31 - 8, whose end (t0 + 8) passed i32::MAX and wrapped
+    // on the GPU (and here, under -fwrapv), masking the last 7 tokens, the query's own
+    // included (the f32 body's 8-token tiles above likewise).
+    for heads in [nh, hkv] {
+        let windowed = attn_params(
+            heads,
+            d,
+            Features {
+                window: 64,
+                ..Features::PLAIN
+            },
+            &[],
+        );
+        let q = random_vec::<bf16>(&mut rng, heads * d);
+        let want = cpu_decode(&one16, &host16, 0, &q, &windowed);
+        let mut case = AttnCase::new(&one16, &host16, &q, &windowed);
+        for mode in [ffi::PKV_DECODE_SINGLE, ffi::PKV_DECODE_AUTO] {
+            let (s, got) = case.decode::<bf16>(0, mode);
+            let what = format!("decode bf16, {heads} heads, mode {mode}, context 2^31 - 1");
+            expect_ok(&what, s);
+            assert_close(&what, &got, &want, d);
+        }
+    }
 }
 
 /// Launch flags other than `PKV_LAUNCH_PROGRAMMATIC` are refused by both attention launchers

@@ -507,7 +507,7 @@ impl BudgetCoordinator {
 
     /// Marks the inputs changed. `Release`: the change the caller made before (weight,
     /// activity, slot state) is visible to the publisher whose `Acquire` RMW on `ctl` reads this
-    /// value or a later one in the RMW chain (`recompute_with`).
+    /// value or a later one in the RMW chain ([`recompute`](Self::recompute)).
     #[inline]
     fn mark_dirty(&self) {
         self.ctl.fetch_or(DIRTY, Ordering::Release);

@@ -591,3 +591,110 @@ fn block_quotas_come_from_one_publication() {
         t.join().unwrap();
     });
 }
+
+/// A publisher racing a registration, with an observer asking for the new engine's guaranteed
+/// blocks (what the scheduler refuses over-long requests by): once the engine reads as joined,
+/// its quota is the one its publication wrote, never the 0 the slot held before. Checks two
+/// orderings no other model needed: `register`'s Release store of JOINING (without it the
+/// publisher may read the slot JOINING with its weight still 0, publish a quota of 0 and make
+/// it LIVE) and `guaranteed_blocks`' Acquire load of LIVE (without it the observer may see LIVE
+/// before the quota written ahead of it).
+#[test]
+fn guaranteed_blocks_of_a_joining_engine_are_its_published_quota() {
+    crate::model(|| {
+        let c = Arc::new(coordinator(1, 4, 4));
+        let registrar = {
+            let c = c.clone();
+            thread::spawn(move || c.register(1).unwrap())
+        };
+        let publisher = {
+            let c = c.clone();
+            thread::spawn(move || {
+                c.recompute();
+            })
+        };
+        let observer = {
+            let c = c.clone();
+            thread::spawn(move || c.guaranteed_blocks(EngineId(0)))
+        };
+        if let Some(q) = observer.join().unwrap() {
+            assert_eq!(q, 4, "a joined engine's quota read as {q}");
+        }
+        let e = registrar.join().unwrap();
+        publisher.join().unwrap();
+        c.maybe_recompute();
+        assert_eq!(c.guaranteed_blocks(e), Some(4));
+    });
+}
+
+/// A slot freed by a deregister's publication and reused by a register on another thread: the
+/// new engine starts idle, so right after `register` returns its token budget reads 0 and it
+/// is granted nothing, whichever publication it came after. Checks `register`'s Acquire claim
+/// of the FREE slot (pairing with the publisher's Release store of FREE, made after it zeroed
+/// the old engine's figures): without it the new engine may still read the old engine's budget
+/// and be granted tokens it never had.
+#[test]
+fn a_reused_slot_starts_with_the_old_engines_figures_zeroed() {
+    crate::model(|| {
+        let c = Arc::new(coordinator(1, 4, 4));
+        let old = active_engine(&c);
+        assert_eq!(c.token_budget(old), 4);
+        let leaver = {
+            let c = c.clone();
+            thread::spawn(move || c.deregister(old).unwrap())
+        };
+        let joiner = {
+            let c = c.clone();
+            thread::spawn(move || {
+                let e = c.register(1).ok()?;
+                Some((c.token_budget(e), c.try_acquire_tokens(e, 1)))
+            })
+        };
+        leaver.join().unwrap();
+        if let Some((budget, granted)) = joiner.join().unwrap() {
+            assert_eq!(
+                budget, 0,
+                "the new, idle engine read the old engine's budget"
+            );
+            assert!(!granted, "the new, idle engine was granted tokens");
+        }
+    });
+}
+
+/// An engine marks itself active and then only calls `maybe_recompute` (the once-a-step call),
+/// while another thread's `recompute` runs: the change is either published or still marked.
+/// Checks the pairing of `mark_dirty`'s Release with the publisher's Acquire on `ctl`: without
+/// it the publisher may take the DIRTY bit and clear it, read the activity as it was before,
+/// and publish that; the engine's `maybe_recompute` then finds nothing to do and the engine
+/// stays at a budget of 0 until some unrelated change.
+#[test]
+fn an_activity_change_is_published_or_left_marked() {
+    crate::model(|| {
+        let c = Arc::new(coordinator(2, 4, 2));
+        let a = c.register(1).unwrap();
+        let b = c.register(1).unwrap();
+        c.set_active(a, true);
+        c.recompute();
+        let engine = {
+            let c = c.clone();
+            thread::spawn(move || {
+                c.set_active(b, true);
+                c.maybe_recompute();
+            })
+        };
+        let publisher = {
+            let c = c.clone();
+            thread::spawn(move || {
+                c.recompute();
+            })
+        };
+        engine.join().unwrap();
+        publisher.join().unwrap();
+        assert!(
+            c.is_dirty() || (c.token_budget(a), c.token_budget(b)) == (2, 2),
+            "b's activity was lost: budgets ({}, {}), nothing marked",
+            c.token_budget(a),
+            c.token_budget(b)
+        );
+    });
+}

@@ -87,6 +87,27 @@ impl Client {
     /// Collects outcomes of earlier requests, then submits every request that arrived by
     /// `end_ms`, each to its model's admission queue.
     fn step(&mut self, admission: &Admission<SimRequest, SimOutcome>, end_ms: f64) {
+        self.collect();
+        while self.next < self.mine.len() && self.mine[self.next].arrival_ms < end_ms {
+            let r = self.mine[self.next].clone();
+            let (engine, priority) = (r.engine, r.priority);
+            match admission.try_submit(r, priority, Route::Worker(engine)) {
+                Ok(ticket) => {
+                    self.pending += 1;
+                    self.tickets.push((engine, ticket));
+                }
+                Err(_) => {
+                    self.tally.refused[engine].queue_full += 1;
+                    self.resolved += 1;
+                }
+            }
+            self.next += 1;
+        }
+    }
+
+    /// Collects the outcomes of the requests resolved so far (finished, or refused with a
+    /// reason); the tickets of the others stay.
+    fn collect(&mut self) {
         let (tally, resolved, pending) = (&mut self.tally, &mut self.resolved, &mut self.pending);
         self.tickets.retain_mut(|(engine, t)| match t.try_take() {
             None => true,
@@ -105,21 +126,6 @@ impl Client {
                 false
             }
         });
-        while self.next < self.mine.len() && self.mine[self.next].arrival_ms < end_ms {
-            let r = self.mine[self.next].clone();
-            let (engine, priority) = (r.engine, r.priority);
-            match admission.try_submit(r, priority, Route::Worker(engine)) {
-                Ok(ticket) => {
-                    self.pending += 1;
-                    self.tickets.push((engine, ticket));
-                }
-                Err(_) => {
-                    self.tally.refused[engine].queue_full += 1;
-                    self.resolved += 1;
-                }
-            }
-            self.next += 1;
-        }
     }
 }
 
@@ -396,10 +402,13 @@ pub fn run_on(
             break;
         }
     }
-    // Requests still unresolved at a forced stop time out.
+    // Requests still unresolved at a forced stop time out. Outcomes of the last step (a
+    // request finished or refused in it) are collected first: they are not time-outs, and a
+    // finished one would otherwise count twice.
     let tallies: Vec<ClientTally> = clients
         .into_iter()
         .map(|mut c| {
+            c.collect();
             for (engine, _) in &c.tickets {
                 c.tally.refused[*engine].timed_out += 1;
             }

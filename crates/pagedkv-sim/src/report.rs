@@ -15,7 +15,8 @@ pub struct Latency {
 }
 
 impl Latency {
-    /// Percentiles of `samples` (nearest rank).
+    /// Percentiles of `samples` (nearest rank); all zero, with `count` 0, for no sample (the
+    /// text report prints "-" then).
     pub fn of(samples: &[f64]) -> Self {
         if samples.is_empty() {
             return Self::default();
@@ -254,7 +255,7 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "{:.0} s of arrivals at {} ms per step: {} steps; {} requests, {} finished, refused: {} queue full, {} evicted, {} too long, {} timed out",
+            "{} s of arrivals at {} ms per step: {} steps; {} requests, {} finished, refused: {} queue full, {} evicted, {} too long, {} timed out",
             self.duration_s,
             self.step_ms,
             self.steps,
@@ -283,10 +284,15 @@ impl Report {
         let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
         let _ = writeln!(
             s,
-            "KV arena {:.1} MiB ({} pages of {} KiB); KV bytes allocated by all engines {:.1} MiB ({:.2}x the arena); reclaim latency p50/p99/max {}/{}/{} steps over {} lender demands",
+            "KV arena {:.1} MiB ({} pages of {}); KV bytes allocated by all engines {:.1} MiB ({:.2}x the arena); reclaim latency p50/p99/max {}/{}/{} steps over {} lender demands",
             mib(self.kv_pool_bytes),
             self.pool_blocks,
-            self.page_bytes / 1024,
+            // Exact: a page of a small model is less than a KiB, or not a whole number of KiB.
+            if self.page_bytes % 1024 == 0 {
+                format!("{} KiB", self.page_bytes / 1024)
+            } else {
+                format!("{} B", self.page_bytes)
+            },
             mib(self.kv_bytes_allocated),
             self.kv_bytes_allocated as f64 / self.kv_pool_bytes.max(1) as f64,
             self.reclaim_steps.p50,
@@ -303,7 +309,14 @@ impl Report {
         for e in &self.engines {
             let refused =
                 e.refused.queue_full + e.refused.evicted + e.refused.too_long + e.refused.timed_out;
-            let lat = |l: &Latency| format!("{:.0}/{:.0}", l.p50_ms, l.p99_ms);
+            // A class without a sample has no latency (not 0 ms).
+            let lat = |l: &Latency| {
+                if l.count == 0 {
+                    "-".to_owned()
+                } else {
+                    format!("{:.0}/{:.0}", l.p50_ms, l.p99_ms)
+                }
+            };
             let _ = writeln!(
                 s,
                 "{:<10} {:>6} {:>5.1}% {:>6} {:>5} {:>6} {:>6.0} {:>8} {:>7} {:>7} | {:>17} {:>17} | {:>17} {:>17}",
@@ -337,7 +350,7 @@ impl Report {
             };
             let _ = writeln!(
                 s,
-                "   {:<10} saturated {}  weight {:>5.1}% | blocks: peak held {:>5}, peak borrowed {:>4}, given back {:>4}, donations asked {} | {:>3} tokens/page, {} B/page unused, reclaim p50/max {}/{} steps ({}) | prefix hit {:>5.1}%, ttft p50 {:.0} ms",
+                "   {:<10} saturated {}  weight {:>5.1}% | blocks: peak held {:>5}, peak borrowed {:>4}, given back {:>4}, donations asked {} | {:>3} tokens/page, {} B/page unused, reclaim p50/max {}/{} steps ({}) | prefix hit {:>5.1}%, ttft p50 {}",
                 e.name,
                 saturated,
                 100.0 * e.weight_share,
@@ -351,7 +364,11 @@ impl Report {
                 e.reclaim_steps.max,
                 e.reclaim_steps.count,
                 100.0 * e.prefix_hit_rate,
-                e.ttft_p50_ms
+                if e.latency_critical.ttft.count + e.throughput.ttft.count == 0 {
+                    "-".to_owned()
+                } else {
+                    format!("{:.0} ms", e.ttft_p50_ms)
+                }
             );
         }
         let _ = writeln!(

@@ -169,3 +169,104 @@ fn library_configs_that_panic_in_generate_are_refused() {
         );
     }
 }
+
+/// A run stopped at its step limit: every request is counted once, finished or refused with
+/// a reason. One-token prompts and outputs at one token per step finish one request per step,
+/// so a request finishes in the very last step: its client had not collected the outcome yet,
+/// and it was counted as finished and as timed out.
+#[test]
+fn forced_stop_counts_each_request_once() {
+    let mut e = SimConfig::default().engines[0].clone();
+    e.rate = 200_000.0;
+    e.burst = None;
+    e.system_prompt = 0;
+    e.max_prompt = 1;
+    e.prompt_mean = 1.0;
+    e.max_output = 1;
+    e.output_mean = 1.0;
+    let cfg = SimConfig {
+        duration_s: 0.025,
+        tokens_per_step: 1,
+        cap_permille: 1000,
+        queue_capacity: 8192,
+        prefix_cache: false,
+        engines: vec![e],
+        ..SimConfig::default()
+    };
+    let r = sim::run(&cfg, &|_| {}).unwrap();
+    assert!(r.refused.timed_out > 0, "the run was not cut short: {r:?}");
+    let refused =
+        r.refused.queue_full + r.refused.evicted + r.refused.too_long + r.refused.timed_out;
+    assert_eq!(
+        r.finished + refused,
+        r.requests,
+        "finished {} + refused {:?} vs {} requests",
+        r.finished,
+        r.refused,
+        r.requests
+    );
+    let e = &r.engines[0];
+    let e_refused =
+        e.refused.queue_full + e.refused.evicted + e.refused.too_long + e.refused.timed_out;
+    assert_eq!(e.finished + e_refused, e.requests);
+    assert_eq!(r.leaked_blocks, 0);
+}
+
+/// The text report prints what was measured: half a second of arrivals is not "0 s" (nor a
+/// second and a half "2 s"), and a class with no request has no latency, not 0 ms.
+#[test]
+fn text_report_prints_the_duration_and_no_latency_for_an_empty_class() {
+    let mut cfg = SimConfig {
+        duration_s: 0.5,
+        ..SimConfig::default()
+    };
+    cfg.engines.truncate(1);
+    cfg.engines[0].latency_fraction = 0.0;
+    let r = sim::run(&cfg, &|_| {}).unwrap();
+    let e = &r.engines[0];
+    assert!(
+        e.finished > 0 && e.latency_critical.ttft.count == 0,
+        "{e:?}"
+    );
+    let text = r.to_text();
+    assert!(text.contains("0.5 s of arrivals"), "{text}");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(&e.name))
+        .unwrap_or_else(|| panic!("no line for {}: {text}", e.name));
+    let lc = line.split('|').nth(1).unwrap();
+    assert!(
+        !lc.contains("0/0"),
+        "no latency-critical request, yet latencies of 0 ms: {line}"
+    );
+    // An engine without a request: no time to first token either.
+    cfg.engines.push(cfg.engines[0].clone());
+    cfg.engines[1].name = "idle".into();
+    cfg.engines[1].rate = 0.0;
+    let text = sim::run(&cfg, &|_| {}).unwrap().to_text();
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("idle") && l.contains("ttft p50"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(line.ends_with("ttft p50 -"), "{line}");
+}
+
+/// A page smaller than a KiB (a small model in f16) is not "0 KiB": the size is printed
+/// exactly.
+#[test]
+fn text_report_prints_a_small_page_size() {
+    let mut cfg = SimConfig {
+        duration_s: 0.2,
+        dtype: pagedkv::kv::KvDtype::F16,
+        block_size: 8,
+        ..SimConfig::default()
+    };
+    cfg.engines.truncate(1);
+    let e = &mut cfg.engines[0];
+    (e.layers, e.heads, e.kv_heads, e.head_dim) = (1, 2, 1, 8);
+    let r = sim::run(&cfg, &|_| {}).unwrap();
+    // 8 tokens x (K and V) x 1 KV head x 8 dims x 2 bytes.
+    assert_eq!(r.page_bytes, 256);
+    let text = r.to_text();
+    assert!(text.contains("pages of 256 B)"), "{text}");
+}

@@ -103,3 +103,43 @@ fn bad_arguments_fail_clearly() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
 }
+
+/// `--model` engines take the built-in engines' traffic in turn, bursts included: the third
+/// model gets no request in the first 8 s. `--help` says so (a user who gave three files and
+/// `--duration 5` saw one model never used, with nothing telling why).
+#[test]
+fn model_engines_traffic_is_documented() {
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/gguf/all_types.gguf"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let out = pagedkv(&[
+        "simulate",
+        "--model",
+        fixture,
+        "--model",
+        fixture,
+        "--model",
+        fixture,
+        "--duration",
+        "2",
+        "--quiet",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(
+        report["engines"][2]["requests"], 0,
+        "the third model is silent for 8 s"
+    );
+    let help = pagedkv(&["simulate", "--help"]);
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("silent for the first 8 s"), "{help}");
+}

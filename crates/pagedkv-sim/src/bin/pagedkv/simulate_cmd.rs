@@ -54,7 +54,9 @@ pub struct Args {
     #[arg(long, default_value_t = 1.0)]
     load: f64,
     /// Size an engine from a GGUF model file's hyperparameters (repeat for several models;
-    /// replaces the three built-in engines).
+    /// replaces the three built-in engines). The n-th model takes the traffic of built-in
+    /// engine n modulo 3 (rate, lengths, system prompt, burst): the second one's rate is
+    /// 5x from 6 to 10 s, the third one is silent for the first 8 s.
     #[arg(long = "model", value_name = "FILE.gguf")]
     models: Vec<PathBuf>,
     /// Share weights of the `--model` engines, comma-separated (default: 1 each).

@@ -525,6 +525,9 @@ fn fused_qkv_views_match_dense() {
     // Head counts whose sum overflows: no view (the sum wrapped to a zero stride before).
     assert!(Rows::fused(0, &[usize::MAX, 1], 0, 64, 2).is_none());
     assert!(Rows::fused(0, &[usize::MAX, 1], 1, 64, 2).is_none());
+    // A dense view whose stride overflows saturates (it wrapped to 0, and panicked in a debug
+    // build), so the launch's stride check refuses it.
+    assert_eq!(Rows::dense(16, 1 << 33, 1 << 31).token_stride, usize::MAX);
 }
 
 /// The split policy: one split when the batch fills the device, enough splits to fill it

@@ -92,11 +92,13 @@ pub struct Rows {
 }
 
 impl Rows {
-    /// A dense `[tokens][heads][head_dim]` tensor at `ptr`.
+    /// A dense `[tokens][heads][head_dim]` tensor at `ptr`. A product past `usize` saturates
+    /// (no panic here): the launch that takes the view refuses such a stride
+    /// ([`RawError::Unsupported`]).
     pub fn dense(ptr: DevPtr, heads: usize, head_dim: usize) -> Self {
         Self {
             ptr,
-            token_stride: heads * head_dim,
+            token_stride: heads.saturating_mul(head_dim),
         }
     }
 

@@ -50,8 +50,9 @@ pub struct BatcherConfig {
 /// The budget a batcher draws against besides its own limits: an engine's share of a global
 /// coordinator (see [`crate::budget`]). Every call runs inside the step, so none may block: no
 /// lock, no waiting for another thread. A call may retry only when another thread's operation
-/// succeeded (lock-free); the coordinator's link is wait-free except its releases, which are
-/// lock-free ([`EngineShare`](crate::sched::EngineShare)).
+/// succeeded, or when a weak compare-exchange failed spuriously (LL/SC machines allow that,
+/// x86 never does): lock-free; the coordinator's link is wait-free except its releases, which
+/// are lock-free ([`EngineShare`](crate::sched::EngineShare)).
 pub trait EngineBudget: Send + Sync {
     /// Tokens this engine may schedule this step.
     fn token_budget(&self) -> u32;

@@ -132,7 +132,9 @@ pub enum GgufError {
         /// Its dimension count.
         n_dims: u64,
     },
-    /// A tensor dimension of zero.
+    /// A tensor dimension of zero. Refused deliberately, though ggml's reader accepts an empty
+    /// tensor: no model tensor is empty, and every consumer here (upload, dequant, views)
+    /// would otherwise have a zero-byte case to get right.
     #[error("tensor {tensor:?}: dimension {index} is zero")]
     ZeroDim {
         /// The tensor.

@@ -341,11 +341,14 @@ template <int TILE> struct DecodeTile {
 #pragma unroll
     for (int h = 0; h < HALVES; ++h) {
       const int t0 = x.base + 8 * h, n = TILE < 8 ? TILE : 8;
-      // The half's end compared as t0 > begin - n (begin >= 0: no overflow): t0 + n passes
-      // INT_MAX for a context's last half at 2^31 - 8, which wrapped negative on the GPU and
-      // masked the context's last tokens, the query's own included. (A tile past `last` near
-      // 2^31 has a base wrapped negative: below begin - n, masked as it must be.)
-      const int blk = (t0 < b.end && t0 > b.begin - n) ? btab[t0 >> a.block_shift] : -1;
+      // The half's last token, t0 + n - 1, against begin (not its end t0 + n against it: t0
+      // is a multiple of n, so t0 + n - 1 <= INT_MAX, whereas t0 + n passed INT_MAX for a
+      // context's last half at 2^31 - 8, wrapped negative on the GPU and masked the context's
+      // last tokens, the query's own included). The same add-and-compare as before, so the
+      // same registers (ptxas, sm_90). A tile past `last` near 2^31 has a base wrapped
+      // negative: its last token is below begin, masked as it must be.
+      const int blk =
+          (t0 < b.end && t0 + (n - 1) >= b.begin) ? btab[t0 >> a.block_shift] : -1;
       x.valid[h] = decode_block_ok(a, blk);
       x.off[h] = decode_k_row<D>(a, b, x.valid[h] ? blk : 0, t0);
     }

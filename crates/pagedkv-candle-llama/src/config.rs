@@ -48,11 +48,6 @@ impl RopeScaling {
         }
     }
 
-    /// Whether the angles are the plain ones.
-    pub fn is_none(&self) -> bool {
-        self.freq_scale == 1.0 && self.freq_factors.is_none()
-    }
-
     /// Reads the scaling from the file (for `head_dim`-wide heads). Refused
     /// ([`Error::Unsupported`]): a `{arch}.rope.scaling.type` other than "none" or "linear"
     /// (YaRN, LongRoPE, ... rotate by other formulas), an attention factor

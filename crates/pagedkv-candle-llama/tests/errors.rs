@@ -151,7 +151,34 @@ fn rope_scalings_are_read_as_llama_cpp_reads_them() {
     let llama3: Vec<f32> = (0..pairs).map(|i| 1.0 + i as f32 / 2.0).collect();
     assert_eq!(
         scaling(&[], &[("rope_freqs.weight", llama3.clone())]),
+        (1.0, Some(llama3.clone()))
+    );
+    // A new key that is present wins even at 0 ("unset"): the legacy key is not read.
+    let legacy = ("llama.rope.scale_linear", MetaValue::F32(2.0));
+    assert_eq!(scaling(&[factor(0.0), legacy], &[]), (1.0, None));
+    // "none" forces freq_scale to 1 but llama.cpp still loads rope_freqs for every type
+    // other than longrope, and divides by it.
+    assert_eq!(
+        scaling(
+            &[ty("none"), factor(4.0)],
+            &[("rope_freqs.weight", llama3.clone())]
+        ),
         (1.0, Some(llama3))
+    );
+    // An attention factor of exactly 1 changes nothing; the YaRN-only keys (original
+    // context length, finetuned) feed only the YaRN ramp, which a linear type never runs.
+    let attn_one = ("llama.rope.scaling.attn_factor", MetaValue::F32(1.0));
+    let orig_ctx = (
+        "llama.rope.scaling.original_context_length",
+        MetaValue::U32(2048),
+    );
+    let finetuned = ("llama.rope.scaling.finetuned", MetaValue::Bool(true));
+    assert_eq!(
+        scaling(
+            &[ty("linear"), factor(4.0), attn_one, orig_ctx, finetuned],
+            &[]
+        ),
+        (0.25, None)
     );
 }
 

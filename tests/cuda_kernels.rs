@@ -330,6 +330,89 @@ fn decode_long_contexts_and_odd_groups() {
     );
 }
 
+/// One decode of `b` (layer 0) on the device in each of `modes`, against the CPU oracle.
+fn decode_batch<T: Elem>(
+    g: &Gpu,
+    b: &Batch,
+    host: &HostKvCache,
+    query: &[T],
+    params: &AttnParams,
+    modes: &[DecodeMode],
+    what: &str,
+) {
+    let want = cpu_decode(b, host, 0, query, params);
+    assert!(
+        want.iter().any(|x| x.to_f32() != 0.0),
+        "{what}: the oracle attends"
+    );
+    let mut dev = DeviceKvCache::new(g, b.cfg).expect("device cache");
+    dev.upload_from(g, host).expect("upload");
+    let dseqs = DeviceSeqs::upload(g, &b.cfg, &b.seqs()).expect("seqs");
+    let mut dparams = DeviceAttnParams::upload(g, &b.cfg, params).expect("params");
+    let dq = g.upload(query).expect("q");
+    let mut ws = DecodeWorkspace::new();
+    for &mode in modes {
+        dparams.mode = mode;
+        let mut out = g
+            .upload(&vec![T::from_f32(f32::NAN); query.len()])
+            .expect("out");
+        dev.paged_attention_decode(g, 0, &dq, &dseqs, &dparams, &mut ws, &mut out)
+            .unwrap_or_else(|e| panic!("{what} {mode:?}: {e}"));
+        g.synchronize().expect("sync");
+        let got = g.download(&out).expect("download");
+        assert_close(&format!("{what} {mode:?}"), &got, &want, b.cfg.head_dim());
+    }
+}
+
+/// A context of 2^31 - 1 tokens under a 64-token window, in a table row of 2^23 + 1
+/// 256-token blocks whose last block is the only one read: the decode tiles' last 8-token
+/// half starts at 2^31 - 8, and its end computed as `t0 + 8` wrapped negative on the GPU and
+/// masked the context's last tokens (found on the emulation under -fwrapv; this is the
+/// device's check). The f32 body (a group of 4), the bf16 tensor-core body (4) and the bf16
+/// one-head body (1).
+#[test]
+fn decode_at_context_i32_max() {
+    let Some(g) = gpu("decode_at_context_i32_max") else {
+        return;
+    };
+    let mut rng = SmallRng::seed_from_u64(31);
+    let (d, bs, hkv) = (64, 256, 1);
+    let mbps = (1usize << 23) + 1;
+    let last = (i32::MAX as usize - 1) / bs;
+    let windowed = |nh| {
+        attn_params(
+            nh,
+            d,
+            Features {
+                window: 64,
+                ..Features::PLAIN
+            },
+            &[],
+        )
+    };
+    let huge = |rng: &mut SmallRng, dtype| {
+        let mut b = make_batch(rng, 1, hkv, d, bs, dtype, Page::Pad(1), &[300]);
+        let mut table = vec![0i32; mbps];
+        table[last] = b.tables[0];
+        b.tables = table;
+        b.mbps = mbps;
+        b.ctx = vec![i32::MAX];
+        b
+    };
+    let modes = [DecodeMode::SinglePass, DecodeMode::Auto];
+    let b = huge(&mut rng, KvDtype::F32);
+    let host = random_cache::<f32>(&mut rng, b.cfg);
+    let q = random_vec::<f32>(&mut rng, 4 * d);
+    decode_batch(&g, &b, &host, &q, &windowed(4), &modes, "f32 group 4");
+    let b = huge(&mut rng, KvDtype::Bf16);
+    let host = random_cache::<bf16>(&mut rng, b.cfg);
+    for group in [4, 1] {
+        let q = random_vec::<bf16>(&mut rng, group * d);
+        let what = format!("bf16 group {group}");
+        decode_batch(&g, &b, &host, &q, &windowed(group), &modes, &what);
+    }
+}
+
 fn prefill_grid<T: Elem>(seed: u64) {
     let Some(g) = gpu(&format!("prefill_grid_{}", T::DTYPE)) else {
         return;

@@ -37,11 +37,11 @@ struct Args {
     /// Prompt token ids, comma-separated (default: the file's BOS id, or 1).
     #[arg(long, value_delimiter = ',')]
     prompt: Vec<u32>,
-    /// Tokens to generate per sequence.
+    /// Tokens to generate per sequence (at least 1).
     #[arg(long, default_value_t = 32)]
     max_new: u32,
-    /// Sequences run together (each prompt is the given one with its last token shifted by
-    /// the sequence's index, so they differ).
+    /// Sequences run together, at least 1 (each prompt is the given one with its last token
+    /// shifted by the sequence's index, so they differ).
     #[arg(long, default_value_t = 1)]
     seqs: u32,
     /// Multiply quantized tensors dequantized in f32 instead of with candle's quantized matmul.
@@ -74,6 +74,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let Some(path) = &args.path else {
         return Err("give a GGUF path (or --write-tiny PATH)".into());
     };
+    check_counts(args.seqs, args.max_new)?;
     let load = Instant::now();
     let file = GgufBytes::read(path)?;
     let g = Gguf::parse(file.bytes())?;
@@ -115,8 +116,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(&t) = prompt.iter().find(|&&t| t >= vocab) {
         return Err(format!("prompt token {t} is outside the vocabulary of {vocab}").into());
     }
-    let seqs = args.seqs.max(1);
-    let max_new = args.max_new.max(1);
+    let (seqs, max_new) = (args.seqs, args.max_new);
     let (max_context, pages) = plan(prompt.len(), max_new, seqs, args.pages)?;
     if max_context > p.context_length {
         return Err(format!(
@@ -198,6 +198,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 /// Tokens per KV page.
 const TOKENS_PER_PAGE: usize = 16;
+
+/// Refuses `--seqs 0` and `--max-new 0` (they were silently run as 1).
+fn check_counts(seqs: u32, max_new: u32) -> Result<(), String> {
+    if seqs == 0 {
+        return Err("--seqs 0: run at least 1 sequence".into());
+    }
+    if max_new == 0 {
+        return Err("--max-new 0: generate at least 1 token".into());
+    }
+    Ok(())
+}
 
 /// The engine's `max_context` and arena pages for `seqs` sequences of a `prompt_len`-token
 /// prompt and `max_new` new tokens each, where `pages` pages were asked for (0: enough for
@@ -296,6 +307,13 @@ mod tests {
         assert!(e.contains("--pages"), "{e}");
         // An explicit page count needs no product.
         assert_eq!(plan(1, 255, u32::MAX, 64), Ok((256, 64)));
+    }
+
+    #[test]
+    fn zero_counts_are_refused() {
+        assert_eq!(check_counts(1, 1), Ok(()));
+        assert!(check_counts(0, 32).unwrap_err().contains("--seqs"));
+        assert!(check_counts(8, 0).unwrap_err().contains("--max-new"));
     }
 
     #[test]

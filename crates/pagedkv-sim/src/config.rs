@@ -86,7 +86,7 @@ pub struct SimConfig {
     pub preemption: PreemptionMode,
     /// Host swap blocks per engine.
     pub swap_blocks: u32,
-    /// Most requests an engine takes from its queue per step.
+    /// Most requests an engine takes from its queue per step (at least 1).
     pub admit_per_step: usize,
     /// Whether the engines share a prefix cache on the arena.
     pub prefix_cache: bool,

@@ -24,7 +24,8 @@ use std::str::FromStr;
 /// A point, peer line or argument the bench cannot use.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PlanError {
-    /// A grid point (or head configuration) that does not parse or has a zero size.
+    /// A grid point (or head configuration) that does not parse, has a zero size or one past
+    /// [`MAX_POINT_COUNT`].
     #[error("grid point `{text}`: {why}")]
     BadPoint {
         /// The text given.
@@ -49,11 +50,27 @@ fn bad(text: &str, why: &'static str) -> PlanError {
     }
 }
 
+/// The largest count a point may hold (heads, sequences, tokens, and a prefill point's whole
+/// context): the kernels take them as `i32`.
+pub const MAX_POINT_COUNT: usize = i32::MAX as usize;
+
+const TOO_LARGE: &str = "sizes are at most 2147483647 (the kernels count in i32)";
+
 fn positive(text: &str, s: &str, why: &'static str) -> Result<usize, PlanError> {
     match s.trim().parse::<usize>() {
+        Ok(v) if v > MAX_POINT_COUNT => Err(bad(text, TOO_LARGE)),
         Ok(v) if v > 0 => Ok(v),
         _ => Err(bad(text, why)),
     }
+}
+
+/// The product of `factors` in u64, saturating at `u64::MAX` (a point that large is over any
+/// budget; wrapping made it look small).
+fn saturating_product(factors: &[usize]) -> u64 {
+    factors
+        .iter()
+        .try_fold(1u64, |acc, &f| acc.checked_mul(f as u64))
+        .unwrap_or(u64::MAX)
 }
 
 /// Query and KV heads, written `query:kv` (e.g. `32:8`).
@@ -94,7 +111,7 @@ impl FromStr for Heads {
 }
 
 /// A decode point: `batch` sequences of `ctx` tokens each, one query token per sequence,
-/// written `32:8/64x4096`.
+/// written `32:8/64x4096`. Parsing refuses counts over [`MAX_POINT_COUNT`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DecodePoint {
     /// Head configuration.
@@ -121,16 +138,20 @@ impl FromStr for DecodePoint {
         let (b, c) = rest
             .split_once('x')
             .ok_or_else(|| bad(s, "expected BATCHxCTX after the heads"))?;
-        Ok(Self {
-            heads,
-            batch: positive(s, b, "batch must be a positive integer")?,
-            ctx: positive(s, c, "context must be a positive integer")?,
-        })
+        let batch = positive(s, b, "batch must be a positive integer")?;
+        let ctx = positive(s, c, "context must be a positive integer")?;
+        // The bench holds `batch x ctx` tokens and `batch x query` query rows: counts that
+        // must not wrap (on a 32-bit host they could).
+        if batch.checked_mul(ctx).is_none() || batch.checked_mul(heads.query).is_none() {
+            return Err(bad(s, "batch x context (or x query heads) overflows"));
+        }
+        Ok(Self { heads, batch, ctx })
     }
 }
 
 /// A prefill point: one sequence whose `chunk` new query tokens follow `cached` tokens already
-/// in the cache (causal over all `cached + chunk`), written `32:8/2048+32768`.
+/// in the cache (causal over all `cached + chunk`), written `32:8/2048+32768`. Parsing refuses
+/// counts, and a context `cached + chunk`, over [`MAX_POINT_COUNT`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PrefillPoint {
     /// Head configuration.
@@ -161,9 +182,19 @@ impl FromStr for PrefillPoint {
             .trim()
             .parse::<usize>()
             .map_err(|_| bad(s, "cached tokens must be a non-negative integer"))?;
+        let chunk = positive(s, c, "chunk must be a positive integer")?;
+        if cached > MAX_POINT_COUNT - chunk {
+            return Err(bad(
+                s,
+                "chunk + cached tokens is at most 2147483647 (the kernels count in i32)",
+            ));
+        }
+        if chunk.checked_mul(heads.query).is_none() {
+            return Err(bad(s, "chunk x query heads overflows"));
+        }
         Ok(Self {
             heads,
-            chunk: positive(s, c, "chunk must be a positive integer")?,
+            chunk,
             cached,
         })
     }
@@ -187,61 +218,76 @@ pub struct Shape {
 }
 
 impl Shape {
-    /// Bytes of one token's K and V over `kv_heads` heads.
-    fn kv_token_bytes(&self, kv_heads: usize) -> u64 {
-        (2 * kv_heads * self.head_dim * self.elem_bytes) as u64
+    /// Bytes of `tokens` tokens' K and V over `kv_heads` heads (saturating).
+    fn kv_bytes(&self, tokens: usize, kv_heads: usize) -> u64 {
+        saturating_product(&[2, tokens, kv_heads, self.head_dim, self.elem_bytes])
     }
 }
+
+// The byte counts below saturate at `u64::MAX` instead of wrapping (the fields are public and
+// the shape's head dim is anyone's): a point too large to count is over every budget.
 
 impl DecodePoint {
     /// K and V bytes a call must read: every context token of every sequence, every KV head,
     /// once (the GQA group shares them).
     pub fn kv_bytes(&self, s: Shape) -> u64 {
-        (self.batch * self.ctx) as u64 * s.kv_token_bytes(self.heads.kv)
+        saturating_product(&[
+            2,
+            self.batch,
+            self.ctx,
+            self.heads.kv,
+            s.head_dim,
+            s.elem_bytes,
+        ])
     }
     /// Query read plus output written.
     pub fn io_bytes(&self, s: Shape) -> u64 {
-        (2 * self.batch * self.heads.query * s.head_dim * s.elem_bytes) as u64
+        saturating_product(&[2, self.batch, self.heads.query, s.head_dim, s.elem_bytes])
     }
     /// The bytes a call moves at least (what GB/s is computed from) and what one copy of its
     /// inputs occupies (what the L2 rotation counts).
     pub fn bytes(&self, s: Shape) -> u64 {
-        self.kv_bytes(s) + self.io_bytes(s)
+        self.kv_bytes(s).saturating_add(self.io_bytes(s))
     }
     /// Multiply-adds of q.k and p.v, two FLOPs each.
     pub fn flops(&self, s: Shape) -> f64 {
-        4.0 * (self.batch * self.heads.query * self.ctx * s.head_dim) as f64
+        4.0 * self.batch as f64 * self.heads.query as f64 * self.ctx as f64 * s.head_dim as f64
     }
 }
 
 impl PrefillPoint {
     /// Tokens of the sequence after the chunk.
+    /// (Saturating at `usize::MAX`; a parsed point's is at most [`MAX_POINT_COUNT`].)
     pub fn context(&self) -> usize {
-        self.cached + self.chunk
+        self.cached.saturating_add(self.chunk)
     }
     /// (query, key) pairs of the causal region: query `i` of the chunk sits at position
-    /// `cached + i` and attends `cached + i + 1` keys, so `chunk * cached + chunk (chunk + 1) / 2`.
+    /// `cached + i` and attends `cached + i + 1` keys, so `chunk * cached + chunk (chunk + 1) / 2`
+    /// (saturating at `u64::MAX`).
     pub fn causal_pairs(&self) -> u64 {
-        let (c, k) = (self.chunk as u64, self.cached as u64);
-        c * k + c * (c + 1) / 2
+        let (c, k) = (self.chunk as u128, self.cached as u128);
+        let pairs = c
+            .saturating_mul(k)
+            .saturating_add(c.saturating_mul(c + 1) / 2);
+        u64::try_from(pairs).unwrap_or(u64::MAX)
     }
     /// FLOPs of the causal region: per pair and query head, `head_dim` multiply-adds for q.k
     /// and as many for p.v, two FLOPs each. Masked-out pairs are not counted, whatever a kernel
     /// computes and throws away.
     pub fn flops(&self, s: Shape) -> f64 {
-        4.0 * self.causal_pairs() as f64 * (self.heads.query * s.head_dim) as f64
+        4.0 * self.causal_pairs() as f64 * self.heads.query as f64 * s.head_dim as f64
     }
     /// K and V bytes of the whole context (each read at least once).
     pub fn kv_bytes(&self, s: Shape) -> u64 {
-        self.context() as u64 * s.kv_token_bytes(self.heads.kv)
+        s.kv_bytes(self.context(), self.heads.kv)
     }
     /// Query read plus output written.
     pub fn io_bytes(&self, s: Shape) -> u64 {
-        (2 * self.chunk * self.heads.query * s.head_dim * s.elem_bytes) as u64
+        saturating_product(&[2, self.chunk, self.heads.query, s.head_dim, s.elem_bytes])
     }
     /// One copy of the inputs and output (what the L2 rotation counts).
     pub fn bytes(&self, s: Shape) -> u64 {
-        self.kv_bytes(s) + self.io_bytes(s)
+        self.kv_bytes(s).saturating_add(self.io_bytes(s))
     }
 }
 

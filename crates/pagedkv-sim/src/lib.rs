@@ -233,6 +233,20 @@ pub fn validate(cfg: &SimConfig) -> Result<(), SimError> {
     if cfg.block_size == 0 || cfg.tokens_per_step == 0 || cfg.prefill_chunk == 0 {
         return bad("block size, tokens per step and prefill chunk must be at least 1".into());
     }
+    // No engine would take a request from its queue: every request timed out at the step
+    // limit, and the run reported that as a result.
+    if cfg.admit_per_step == 0 {
+        return bad("admissions per step must be at least 1".into());
+    }
+    if cfg.queue_capacity == 0 {
+        return bad("admission queue capacity must be at least 1".into());
+    }
+    if !(1..=1000).contains(&cfg.cap_permille) {
+        return bad(format!(
+            "one engine's cap is {} per mille; it must be 1 to 1000",
+            cfg.cap_permille
+        ));
+    }
     for e in &cfg.engines {
         if e.weight == 0 {
             return bad(format!("engine {}: weight must be at least 1", e.name));
@@ -255,7 +269,13 @@ pub fn validate(cfg: &SimConfig) -> Result<(), SimError> {
                 e.name
             ));
         }
-        if e.kv_heads == 0 || e.heads % e.kv_heads != 0 {
+        if e.layers == 0 || e.head_dim == 0 {
+            return bad(format!(
+                "engine {}: layers and head dim must be at least 1",
+                e.name
+            ));
+        }
+        if e.heads == 0 || e.kv_heads == 0 || e.heads % e.kv_heads != 0 {
             return bad(format!(
                 "engine {}: {} query heads is not a multiple of {} KV heads",
                 e.name, e.heads, e.kv_heads

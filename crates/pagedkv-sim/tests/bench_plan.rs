@@ -413,3 +413,62 @@ fn a_peer_that_failed_keeps_the_points_it_timed() {
     assert!(ok.notes.iter().all(|n| !n.contains("failed")));
     assert!(peer_results(true, "exit status: 0", "{\"kind\": \"decode\"}\n").is_err());
 }
+
+/// Counts past i32 are refused when a point is parsed (the bench hands them to the kernels as
+/// i32: `ctx as i32` truncated a context of 2^32 + 1 to 1), and the byte and FLOP counts of a
+/// point too large to count saturate instead of wrapping: `32:8/4294967296x4294967296` parsed,
+/// its K/V bytes wrapped to 0 in a release build, and the wrapped total passed the budget check
+/// before a batch-long allocation.
+#[test]
+fn huge_points_are_refused_and_their_sizes_do_not_wrap() {
+    for bad in [
+        "32:8/4294967296x4294967296",
+        "32:8/1x2147483648",
+        "32:8/2147483648x1",
+        "4294967296:1/1x1",
+    ] {
+        assert!(
+            matches!(bad.parse::<DecodePoint>(), Err(PlanError::BadPoint { .. })),
+            "{bad} accepted"
+        );
+    }
+    let max = i32::MAX as usize;
+    assert_eq!(
+        "32:8/1x2147483647".parse::<DecodePoint>().map(|p| p.ctx),
+        Ok(max)
+    );
+    for bad in [
+        "32:8/2147483648+0",
+        "32:8/1+2147483647",
+        "32:8/2048+18446744073709551615",
+    ] {
+        assert!(
+            matches!(bad.parse::<PrefillPoint>(), Err(PlanError::BadPoint { .. })),
+            "{bad} accepted"
+        );
+    }
+    assert_eq!(
+        "32:8/1+2147483646"
+            .parse::<PrefillPoint>()
+            .map(|p| p.context()),
+        Ok(max)
+    );
+    // Built by hand (the fields are public): 2^32 x 2^32 tokens.
+    let p = DecodePoint {
+        heads: heads(32, 8),
+        batch: 1 << 32,
+        ctx: 1 << 32,
+    };
+    assert_eq!(p.kv_bytes(BF16_D128), u64::MAX);
+    assert_eq!(p.bytes(BF16_D128), u64::MAX);
+    assert!(p.flops(BF16_D128) > 1e23, "{}", p.flops(BF16_D128));
+    let p = PrefillPoint {
+        heads: heads(32, 8),
+        chunk: 1 << 33,
+        cached: usize::MAX - 1,
+    };
+    assert_eq!(p.context(), usize::MAX);
+    assert_eq!(p.causal_pairs(), u64::MAX);
+    assert_eq!(p.bytes(BF16_D128), u64::MAX);
+    assert!(p.flops(BF16_D128) > 1e23, "{}", p.flops(BF16_D128));
+}

@@ -310,3 +310,99 @@ fn synth_weights_option_and_refusals() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+/// Sizes synth cannot hold in memory are refused before anything is built: `--layers
+/// 4294967295` built 9 x 2^32 tensor entries first (out of memory), `--vocab 4294967295`
+/// generated a 32 TiB embedding in one buffer (allocation abort). Run under a 4 GiB
+/// address-space limit, so that a binary without the bounds fails fast instead of taking the
+/// machine's memory.
+#[cfg(unix)]
+#[test]
+fn synth_refuses_sizes_it_cannot_hold_in_memory() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let out = dir.path().join("x.gguf");
+    let o = out.to_str().expect("utf8");
+    for (extra, needle) in [
+        (&["--layers", "4294967295"][..], "--layers 4294967295"),
+        (&["--layers", "4097"][..], "--layers 4097"),
+        (
+            &["--layers", "1", "--vocab", "4294967295"][..],
+            "token_embd.weight",
+        ),
+        (
+            &[
+                "--layers",
+                "1",
+                "--dim",
+                "1048576",
+                "--vocab",
+                "300",
+                "--heads",
+                "1",
+                "--kv-heads",
+                "1",
+            ][..],
+            "blk.0.attn_q.weight",
+        ),
+    ] {
+        let r = Command::new("sh")
+            .args(["-c", "ulimit -v 4194304 && exec \"$@\"", "sh"])
+            .arg(env!("CARGO_BIN_EXE_pagedkv"))
+            .args(["gguf", "synth", o])
+            .args(extra)
+            .output()
+            .expect("run pagedkv");
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(1), "{extra:?}: {:?} {err}", r.status);
+        assert!(err.contains(needle), "{extra:?}: {err}");
+        assert!(!err.contains("memory allocation"), "{extra:?}: {err}");
+    }
+}
+
+/// `inspect` prints a crafted file's metadata keys, string values and tensor names with their
+/// control characters escaped: printed raw, an ESC (or a C1 CSI, U+009B) in them drove the
+/// terminal. `--json` escapes them as `\uXXXX`, so the JSON values are unchanged.
+#[test]
+fn inspect_escapes_control_characters() {
+    use pagedkv::gguf::{GgmlType, GgufWriter, MetaValue};
+    let key = "evil\u{1b}]0;pwned\u{7}.key";
+    let value = "red \u{9b}31m \u{7f} \u{202e}txt \u{1b}[2J";
+    let name = "t\u{1b}[31m";
+    let data = [0u8; 16];
+    let mut w = GgufWriter::new();
+    w.add(key, MetaValue::String(value.into())).expect("key");
+    w.add("list", MetaValue::strings(["a\u{1b}[5m\u{85}"]))
+        .expect("list");
+    w.add_tensor(name, GgmlType::F32, &[4], &data)
+        .expect("tensor");
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().join("evil.gguf");
+    std::fs::write(&path, w.to_bytes().expect("bytes")).expect("write");
+    let p = path.to_str().expect("utf8");
+    for json in [false, true] {
+        let args: &[&str] = if json {
+            &["gguf", "inspect", "--json", p]
+        } else {
+            &["gguf", "inspect", p]
+        };
+        let out = pagedkv(args);
+        assert!(out.status.success(), "{json}");
+        let text = String::from_utf8(out.stdout).expect("utf8");
+        for raw in ['\u{1b}', '\u{7}', '\u{9b}', '\u{7f}', '\u{85}', '\u{202e}'] {
+            assert!(
+                !text.contains(raw),
+                "json {json}: {raw:?} printed raw: {text:?}"
+            );
+        }
+        if json {
+            let j: serde_json::Value = serde_json::from_str(&text).expect("json");
+            assert_eq!(j["metadata"][key], value);
+            assert_eq!(j["metadata"]["list"][0], "a\u{1b}[5m\u{85}");
+            assert_eq!(j["tensors"][0]["name"], name);
+        } else {
+            assert!(text.contains("evil\\u{1b}]0;pwned\\u{7}.key"), "{text}");
+            assert!(text.contains("t\\u{1b}[31m"), "{text}");
+            assert!(text.contains("\\u{9b}31m"), "{text}");
+        }
+    }
+}

@@ -270,3 +270,51 @@ fn text_report_prints_a_small_page_size() {
     let text = r.to_text();
     assert!(text.contains("pages of 256 B)"), "{text}");
 }
+
+/// Zero sizes that make a run meaningless are refused by `validate`: with `admit_per_step: 0`
+/// no engine took a request, the run spun to its step limit and reported every request timed
+/// out. The others (a zero queue capacity or cap, an engine with no heads, layers or head dim)
+/// were accepted by `validate` and refused only once the run had generated its workload.
+#[test]
+fn zeros_that_make_a_run_meaningless_are_refused_by_validate() {
+    for case in 0..6 {
+        let mut cfg = SimConfig {
+            duration_s: 0.5,
+            ..SimConfig::default()
+        };
+        let what = match case {
+            0 => {
+                cfg.admit_per_step = 0;
+                "admit_per_step"
+            }
+            1 => {
+                cfg.queue_capacity = 0;
+                "queue_capacity"
+            }
+            2 => {
+                cfg.cap_permille = 0;
+                "cap_permille"
+            }
+            3 => {
+                cfg.engines[1].heads = 0;
+                "heads"
+            }
+            4 => {
+                cfg.engines[1].layers = 0;
+                "layers"
+            }
+            _ => {
+                cfg.engines[1].head_dim = 0;
+                "head_dim"
+            }
+        };
+        assert!(
+            matches!(
+                sim::validate(&cfg),
+                Err(sim::error::SimError::InvalidConfig(_))
+            ),
+            "{what}: 0 accepted"
+        );
+        assert!(sim::run(&cfg, &|_| {}).is_err(), "{what}: 0 ran");
+    }
+}

@@ -201,18 +201,35 @@ impl<'g> Bench<'g> {
             .collect()
     }
 
-    /// A decode point's device inputs (`Err(bytes)`: over the budget, skipped).
+    /// Bytes of one copy of a point's inputs and output: a cache of `blocks` blocks of `kv_heads`
+    /// heads plus `io_bytes` (saturating: a point too large to count is over every budget).
+    fn copy_bytes(&self, blocks: Option<usize>, kv_heads: usize, io_bytes: u64) -> u64 {
+        let elem = self.shape.elem_bytes;
+        blocks
+            .and_then(|b| {
+                [b, self.block_size, 2, kv_heads, self.shape.head_dim, elem]
+                    .into_iter()
+                    .try_fold(1u64, |acc, x| acc.checked_mul(x as u64))
+            })
+            .map_or(u64::MAX, |cache| cache.saturating_add(io_bytes))
+    }
+
+    /// A decode point's device inputs (`Err(bytes)`: over the budget, skipped). Sizes are
+    /// counted before anything is built, without wrapping: a wrapped count passed the budget
+    /// check and then allocated a batch-long table.
     fn decode_inputs(&mut self, p: &DecodePoint) -> Result<Result<DecodeInputs, u64>, BoxErr> {
         let (nh, hkv, d) = (p.heads.query, p.heads.kv, self.shape.head_dim);
         let per_seq = p.ctx.div_ceil(self.block_size);
-        let cfg = self.config(hkv, p.batch * per_seq)?;
-        let bytes = (cfg.total_bytes() + 2 * p.batch * nh * d * 2) as u64;
-        if bytes > self.budget {
+        let blocks = p.batch.checked_mul(per_seq);
+        let bytes = self.copy_bytes(blocks, hkv, p.io_bytes(self.shape));
+        let (Some(blocks), true) = (blocks, bytes <= self.budget) else {
             return Ok(Err(bytes));
-        }
+        };
+        let ctx = i32::try_from(p.ctx).map_err(|_| format!("decode {p}: context over i32"))?;
+        let cfg = self.config(hkv, blocks)?;
         let n = rotation_copies(bytes, self.l2_bytes, self.budget);
         let tables = self.tables(p.batch, per_seq);
-        let ctx_lens = vec![p.ctx as i32; p.batch];
+        let ctx_lens = vec![ctx; p.batch];
         let dseqs = DeviceSeqs::upload(self.gpu, &cfg, &paged(&tables, per_seq, &ctx_lens))?;
         let attn = AttnParams::new(nh, d);
         let mut params = DeviceAttnParams::upload(self.gpu, &cfg, &attn)?;
@@ -320,15 +337,18 @@ impl<'g> Bench<'g> {
     pub fn prefill(&mut self, p: &PrefillPoint) -> Result<Measured, BoxErr> {
         let (nh, hkv, d) = (p.heads.query, p.heads.kv, self.shape.head_dim);
         let per_seq = p.context().div_ceil(self.block_size);
-        let cfg = self.config(hkv, per_seq)?;
-        let bytes = (cfg.total_bytes() + 2 * p.chunk * nh * d * 2) as u64;
+        let bytes = self.copy_bytes(Some(per_seq), hkv, p.io_bytes(self.shape));
         if bytes > self.budget {
             return Ok(skipped(bytes));
         }
+        let (Ok(context), Ok(chunk)) = (i32::try_from(p.context()), i32::try_from(p.chunk)) else {
+            return Err(format!("prefill {p}: context over i32").into());
+        };
+        let cfg = self.config(hkv, per_seq)?;
         let n = rotation_copies(bytes, self.l2_bytes, self.budget);
         let tables = self.tables(1, per_seq);
-        let ctx_lens = [p.context() as i32];
-        let qsl = [0, p.chunk as i32];
+        let ctx_lens = [context];
+        let qsl = [0, chunk];
         let seqs = PagedSeqs {
             block_tables: &tables,
             max_blocks_per_seq: per_seq,
@@ -371,11 +391,13 @@ impl<'g> Bench<'g> {
 }
 
 fn skipped(bytes: u64) -> Measured {
+    let why = if bytes == u64::MAX {
+        "needs more than 2^64 bytes".to_string()
+    } else {
+        format!("needs {:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+    };
     Measured {
-        outcome: Outcome::Skipped(format!(
-            "needs {:.1} GiB",
-            bytes as f64 / (1u64 << 30) as f64
-        )),
+        outcome: Outcome::Skipped(why),
         check: None,
     }
 }

@@ -324,7 +324,8 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
         for p in &prefill {
             let m = bench.prefill(p)?;
             println!("{}", prefill_row(p, shape, &m.outcome, pr.prefill.get(p)));
-            if tiling == PrefillTiling::Auto {
+            // (A skipped point may not even make a cache configuration.)
+            if tiling == PrefillTiling::Auto && matches!(m.outcome, Outcome::Timed(_)) {
                 match bench.prefill_runs(p)? {
                     Some(t) => println!("                  (Auto ran {t:?})"),
                     None => println!("                  (Auto: the f32 kernel)"),

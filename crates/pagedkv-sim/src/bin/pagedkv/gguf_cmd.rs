@@ -1,6 +1,7 @@
 //! `pagedkv gguf`: inspect a GGUF file, dequantize one of its tensors to raw f32, write a
 //! synthetic one (gguf_synth_cmd.rs), or bench the device upload (gguf_upload_cmd.rs).
 
+use std::borrow::Cow;
 use std::fmt::Write as _;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -106,6 +107,48 @@ fn map(file: &Path) -> Result<GgufBytes> {
     Ok(unsafe { GgufBytes::map(file) }?)
 }
 
+/// Whether printing `c` raw could drive the terminal or garble what follows: C0, DEL and C1
+/// controls (ESC starts an escape sequence, U+009B is a CSI) and the bidirectional embeddings,
+/// overrides and isolates. A crafted file's keys, strings and tensor names may hold any of them.
+fn unsafe_to_print(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// `s` for the table: the characters of [`unsafe_to_print`] written as `\u{..}` escapes.
+fn printable(s: &str) -> Cow<'_, str> {
+    if !s.chars().any(unsafe_to_print) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if unsafe_to_print(c) {
+            let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// `v` as JSON text with the characters of [`unsafe_to_print`] as `\uXXXX` escapes: the same
+/// JSON value (serde_json escapes only U+0000 to U+001F itself, and in its output such
+/// characters occur only inside strings, all of them in the Basic Multilingual Plane).
+fn json_text(v: &Json) -> String {
+    let text = v.to_string();
+    if !text.chars().any(unsafe_to_print) {
+        return text;
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if unsafe_to_print(c) {
+            let _ = write!(out, "\\u{:04x}", u32::from(c));
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 fn value_json(v: &Value<'_>) -> Json {
     match *v {
         Value::U8(x) => x.into(),
@@ -139,9 +182,9 @@ fn to_json(g: &Gguf<'_>) -> String {
         if i > 0 {
             s.push(',');
         }
-        s.push_str(&Json::from(*k).to_string());
+        s.push_str(&json_text(&Json::from(*k)));
         s.push(':');
-        s.push_str(&value_json(v).to_string());
+        s.push_str(&json_text(&value_json(v)));
     }
     s.push_str("},\"tensors\":[");
     for (i, t) in g.tensors().iter().enumerate() {
@@ -151,7 +194,7 @@ fn to_json(g: &Gguf<'_>) -> String {
         let _ = write!(
             s,
             "{{\"name\":{},\"type\":\"{}\",\"shape\":{},\"offset\":{},\"n_bytes\":{}}}",
-            Json::from(t.name()),
+            json_text(&Json::from(t.name())),
             t.ty().name(),
             Json::from(t.shape()),
             t.offset(),
@@ -205,7 +248,7 @@ fn to_table(g: &Gguf<'_>) -> String {
         let _ = writeln!(
             s,
             "{}: {} layers, {} heads, {} KV heads, head dim {}, context {}, rope base {}, norm eps {:e}",
-            p.architecture,
+            printable(&p.architecture),
             p.n_layers,
             p.n_heads,
             p.n_kv_heads,
@@ -219,26 +262,28 @@ fn to_table(g: &Gguf<'_>) -> String {
     // Columns as wide as the longest key / name, up to COLUMN: a longer one overflows its
     // column instead of padding every line to its length (a file's one 1 MB key made every
     // line 1 MB, and a width past u16::MAX panics the formatter).
+    // Keys, names and strings are printed with control characters escaped (`printable`).
     let kw = g
         .metadata()
         .iter()
-        .map(|(k, _)| k.len())
+        .map(|(k, _)| printable(k).len())
         .max()
         .unwrap_or(0)
         .min(COLUMN);
     for (k, v) in g.metadata() {
         let _ = writeln!(
             s,
-            "  {k:<kw$}  {:<7}  {}",
+            "  {:<kw$}  {:<7}  {}",
+            printable(k),
             v.value_type().name(),
-            value_short(v)
+            printable(&value_short(v))
         );
     }
     let _ = writeln!(s, "\ntensors:");
     let nw = g
         .tensors()
         .iter()
-        .map(|t| t.name().len())
+        .map(|t| printable(t.name()).len())
         .max()
         .unwrap_or(4)
         .clamp(4, COLUMN);
@@ -252,7 +297,7 @@ fn to_table(g: &Gguf<'_>) -> String {
         let _ = writeln!(
             s,
             "  {:<nw$}  {:<7}  {:<24}  {:>14}  {:>14}",
-            t.name(),
+            printable(t.name()),
             t.ty().name(),
             shape,
             t.offset(),

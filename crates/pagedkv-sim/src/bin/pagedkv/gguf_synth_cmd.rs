@@ -13,7 +13,8 @@
 //! dequantized value is finite). Everything comes from a SplitMix64 stream per 1 MiB chunk,
 //! seeded from `--seed`, the tensor and the chunk: the same arguments give the same bytes on
 //! any machine, and chunks are generated in parallel. Tensors are produced one at a time while
-//! the file is written (`GgufWriter::write_streaming`), so memory stays at one tensor.
+//! the file is written (`GgufWriter::write_streaming`), so memory stays at one tensor (at most
+//! 16 GiB: larger ones are refused, as are more than 4096 layers).
 
 use half::{bf16, f16};
 use pagedkv::gguf::{GgmlType, GgufWriter, MetaValue};
@@ -26,7 +27,7 @@ use std::path::PathBuf;
 pub struct Args {
     /// The file to write (replaced if it exists).
     out: PathBuf,
-    /// Transformer layers (8 gives the 2.45 GB file of the upload bench).
+    /// Transformer layers, 1 to 4096 (8 gives the 2.45 GB file of the upload bench).
     #[arg(long)]
     layers: u32,
     /// Model width (a multiple of 256, for the K-quant blocks).
@@ -57,6 +58,13 @@ pub struct Args {
 }
 
 type BoxErr = Box<dyn std::error::Error>;
+
+/// Most layers: the file's tensor list (9 tensors a layer) is built in memory before anything
+/// is written, so an absurd count ran out of memory instead of being refused. Far above any
+/// real model's.
+const MAX_LAYERS: u32 = 4096;
+/// Largest tensor, bytes: each tensor is generated whole in memory while it is written.
+const MAX_TENSOR_BYTES: u64 = 16 << 30;
 
 /// The types synth can generate blocks of.
 const TYPES: [GgmlType; 7] = [
@@ -92,8 +100,12 @@ pub fn run(a: Args) -> Result<(), BoxErr> {
             Some(ty)
         }
     };
-    if a.layers == 0 {
-        return Err("--layers must be at least 1".into());
+    if a.layers == 0 || a.layers > MAX_LAYERS {
+        return Err(format!(
+            "--layers {}: must be 1 to {MAX_LAYERS} (the tensor list is built in memory)",
+            a.layers
+        )
+        .into());
     }
     for (what, v) in [("--dim", a.dim), ("--ffn", a.ffn)] {
         if v == 0 || v % 256 != 0 {
@@ -119,6 +131,25 @@ pub fn run(a: Args) -> Result<(), BoxErr> {
     };
 
     let specs = specs(&a, weights, kv_dim);
+    for s in &specs {
+        let bytes = s
+            .shape
+            .iter()
+            .try_fold(1u64, |n, &d| n.checked_mul(d))
+            .and_then(|n| s.ty.bytes_for(n))
+            .filter(|&b| b <= MAX_TENSOR_BYTES);
+        if bytes.is_none() {
+            return Err(format!(
+                "{} ({} of {:?}) is over {} GiB, the most synth generates in memory at once: \
+                 lower --dim, --ffn or --vocab",
+                s.name,
+                s.ty,
+                s.shape,
+                MAX_TENSOR_BYTES >> 30
+            )
+            .into());
+        }
+    }
     let mut w = GgufWriter::new();
     let meta = [
         ("general.architecture", MetaValue::String("llama".into())),

@@ -16,7 +16,9 @@
 //!   the other waiter is still admitted once there is room;
 //! - `pop_wait` against `close`: an idle worker is woken and ends with `Closed`;
 //! - a submit racing `close`: refused `Closed`, or admitted and drained by the worker's
-//!   `pop_wait` loop before it sees `Closed` (its ticket resolves).
+//!   `pop_wait` loop before it sees `Closed` (its ticket resolves);
+//! - a blocking submit re-polled with a new waker while a pop makes room: woken through it;
+//! - `close` racing a blocked submit and the worker's drain loop: refused or drained.
 //!
 //! CI runs these with `LOOM_MAX_PREEMPTIONS=2`.
 
@@ -543,5 +545,73 @@ fn ticket_polled_with_a_waker_replaced_while_completing() {
         let completer = thread::spawn(move || job.complete(33));
         assert_eq!(block_on_pinned(t), Ok(33));
         completer.join().unwrap();
+    });
+}
+
+/// A blocking submit polled once with one waker, then again with another, while the pop that
+/// makes room runs: the second poll gives up the first registration and must be woken through
+/// the new waker (else a loom deadlock), and its request lands behind the popped one.
+#[test]
+fn blocking_submit_repolled_with_a_new_waker() {
+    crate::model(|| {
+        let q = one_slot(OverflowPolicy::Block);
+        let t1 = q.try_submit(1, P, W0).unwrap();
+        let sub = {
+            let q = q.clone();
+            thread::spawn(move || {
+                let mut fut = std::pin::pin!(q.submit(2, P, W0));
+                let first = fut.as_mut().poll(&mut Context::from_waker(Waker::noop()));
+                match first {
+                    Poll::Ready(r) => r,
+                    Poll::Pending => block_on_pinned(fut),
+                }
+                .map_err(|r| r.error)
+            })
+        };
+        let job = q.pop(0).unwrap().expect("1 queued");
+        job.complete(10);
+        let _t2 = sub.join().unwrap().expect("admitted");
+        assert_eq!(*q.pop(0).unwrap().unwrap().payload(), 2);
+        drop(t1);
+    });
+}
+
+/// `close` racing a submit blocked on a full queue and the worker's drain loop
+/// (`while let Ok(job) = pop_wait`): the submit is refused `Closed`, or admitted and drained
+/// before the worker sees `Closed`; nobody parks forever and nothing stays in flight.
+#[test]
+fn close_racing_a_blocked_submit_and_the_drain() {
+    crate::model(|| {
+        let q = one_slot(OverflowPolicy::Block);
+        let _t1 = q.try_submit(1, P, W0).unwrap();
+        let sub = {
+            let q = q.clone();
+            thread::spawn(move || block_on(q.submit(2, P, W0)).map_err(|r| r.error))
+        };
+        let worker = {
+            let q = q.clone();
+            thread::spawn(move || {
+                let mut got = Vec::new();
+                while let Ok(job) = block_on(q.pop_wait(0)) {
+                    got.push(*job.payload());
+                    job.complete(0);
+                }
+                got
+            })
+        };
+        q.close();
+        let r2 = sub.join().unwrap();
+        let got = worker.join().unwrap();
+        match r2 {
+            Ok(mut t) => {
+                assert_eq!(got, vec![1, 2]);
+                assert_eq!(t.try_take(), Some(Ok(0)));
+            }
+            Err(e) => {
+                assert_eq!(e, AdmissionError::Closed);
+                assert_eq!(got, vec![1]);
+            }
+        }
+        assert_eq!(q.in_flight(), 0);
     });
 }

@@ -125,19 +125,36 @@ impl<T> Ring<T> {
     /// A ring of `cap` slots, or `None` if the allocator refuses their memory (a capacity
     /// that cannot fit, refused up front rather than aborting the process).
     pub(crate) fn try_new(cap: usize) -> Option<Self> {
+        Self::try_new_from(cap, false)
+    }
+
+    /// A ring of `cap` slots whose positions start two laps before they wrap around `usize`,
+    /// so that a test reaches the wrap (from lap 0 it takes 2^64 / `one_lap` laps).
+    #[cfg(test)]
+    pub(crate) fn new_near_wrap(cap: usize) -> Self {
+        Self::try_new_from(cap, true).unwrap_or_else(|| panic!("no memory for {cap} slots"))
+    }
+
+    /// `try_new`; `near_wrap`: the first position is index 0 of the last lap but one.
+    fn try_new_from(cap: usize, near_wrap: bool) -> Option<Self> {
         debug_assert!((1..=usize::MAX / 4).contains(&cap));
         let one_lap = (cap + 1).next_power_of_two();
+        let start = if near_wrap {
+            (usize::MAX & !(one_lap - 1)).wrapping_sub(one_lap)
+        } else {
+            0
+        };
         let mut slots = Vec::new();
         slots.try_reserve_exact(cap).ok()?;
         slots.extend((0..cap).map(|i| Slot {
-            // Lap 0: slot `i` waits for the producer of position `i`.
-            stamp: AtomicUsize::new(i),
+            // The first lap: slot `i` waits for the producer of position `start + i`.
+            stamp: AtomicUsize::new(start + i),
             value: UnsafeCell::new(MaybeUninit::uninit()),
         }));
         let slots = slots.into_boxed_slice();
         Some(Self {
-            head: CachePadded::new(AtomicUsize::new(0)),
-            tail: CachePadded::new(AtomicUsize::new(0)),
+            head: CachePadded::new(AtomicUsize::new(start)),
+            tail: CachePadded::new(AtomicUsize::new(start)),
             slots,
             cap,
             one_lap,
@@ -469,8 +486,20 @@ mod tests {
 
     #[test]
     fn fifo_wraps_and_reports_full_and_empty() {
+        fifo_laps(Ring::new);
+    }
+
+    /// The same laps from two laps before the positions wrap around `usize`: `head`, `tail`
+    /// and the stamps cross from the last lap to lap 0 (the lap arithmetic is modular: no
+    /// comparison of positions may assume they only grow).
+    #[test]
+    fn fifo_across_the_position_wrap() {
+        fifo_laps(Ring::new_near_wrap);
+    }
+
+    fn fifo_laps(new: fn(usize) -> Ring<u32>) {
         for cap in [1usize, 2, 3, 5, 8, 13] {
-            let r = Ring::new(cap);
+            let r = new(cap);
             assert_eq!(r.try_pop(), Pop::Empty);
             assert_eq!(r.evict_if_full(), Pop::Empty);
             let mut next_in = 0u32;

@@ -2,8 +2,9 @@
 //! room), [`PopWait`] (an idle worker parked until a submit brings work) and [`block_on`].
 //! Both futures use the wait-list handshake of the `waitlist` module.
 //!
-//! No poll ever waits for another thread: a poll makes at most two attempts (one before and one
-//! after registering its waker) and returns `Pending` if neither succeeds; the thread whose
+//! No poll ever waits for another thread: a poll makes a bounded number of attempts (one before
+//! and one after registering its waker; a blocking `Submit`'s first poll makes one more, its
+//! initial admission) and returns `Pending` if none succeeds; the thread whose
 //! step would let it progress (a pop that frees a slot, a push that lands, a `close`, a push
 //! attempt ending on a closed queue set) wakes it. The one exception to the wake-up (not to the
 //! no-waiting): a drop-oldest `Submit` whose slot is held by a thread mid-way, which nothing

@@ -931,6 +931,61 @@ fn raw_launches_refuse_bad_input_before_launch() {
         assert!(ok, "{what}: {r:?}");
         assert!(!r.to_string().is_empty());
     }
+    // ALiBi slopes off their f32 alignment, and a prefill with no query heads (no plan there
+    // to refuse a head count): typed errors, no launch.
+    let slopes = buf(&vec![0f32; 2 * nh]);
+    let r = decode(
+        &cache,
+        0,
+        dense(&q),
+        dense(&out),
+        &seqs,
+        &AttnParamsRaw {
+            alibi_slopes: ptr(&slopes) + 2,
+            ..params
+        },
+        &plan,
+        good_ws,
+    );
+    assert!(
+        matches!(
+            r,
+            Err(RawError::Misaligned {
+                what: "alibi_slopes",
+                align: 4
+            })
+        ),
+        "{r:?}"
+    );
+    let _ = cuda_emu::take_stats();
+    // SAFETY: refused by the host checks before any launch (asserted below).
+    let r = unsafe {
+        cuda_raw::paged_attention_prefill(
+            &cache,
+            0,
+            dense(&q),
+            dense(&out),
+            &seqs,
+            ptr(&ctx),
+            4,
+            &AttnParamsRaw {
+                num_heads: 0,
+                ..params
+            },
+            null_stream(),
+        )
+    };
+    assert!(
+        matches!(
+            r,
+            Err(RawError::Attn(AttnError::HeadsNotMultiple {
+                num_heads: 0,
+                ..
+            }))
+        ),
+        "{r:?}"
+    );
+    assert_eq!(cuda_emu::take_stats().launches, 0, "launched with no heads");
     // A geometry without kernels, and the cache write's own checks.
     let cfg72 = KvCacheConfig::new(1, 1, 72, 16, 4, KvDtype::F16).expect("cfg");
     let c72 = CacheView {

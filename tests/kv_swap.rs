@@ -117,6 +117,60 @@ fn bad_mappings_and_shapes_copy_nothing() {
     swap.swap_in(&mut cache, &[]).unwrap();
 }
 
+/// A host cache whose pages are wider than its blocks (`with_page_stride`): block copies move
+/// every block of a consecutive run, swaps copy block by block between the padded cache and the
+/// dense swap space, and `block_bytes` reads each page's leading `bytes_per_block` bytes. Every
+/// other page (padding included) is left alone.
+#[test]
+fn padded_cache_copies_and_swaps_whole_blocks() {
+    let dense = KvCacheConfig::new(2, 1, 8, 4, 16, KvDtype::F32).unwrap();
+    let bpb = dense.bytes_per_block();
+    let page = bpb + 128;
+    let cfg = dense.with_page_stride(page).unwrap();
+    assert_eq!(cfg.page_bytes(), page);
+    let mut cache = random_cache(cfg, 7);
+    let raw = |c: &HostKvCache, b: u32| {
+        let at = b as usize * page;
+        c.as_bytes()[at..at + bpb].to_vec()
+    };
+    for b in 0..16u32 {
+        assert_eq!(block(&cache, b), raw(&cache, b), "block_bytes of page {b}");
+    }
+    // Copy-on-write copies: a run of three, then a single.
+    let before = cache.as_bytes().to_vec();
+    let pairs = [(0u32, 8u32), (1, 9), (2, 10), (5, 3)];
+    cache.copy_blocks(&pairs).unwrap();
+    for b in 0..16u32 {
+        let src = pairs.iter().find(|p| p.1 == b).map_or(b, |p| p.0);
+        let at = src as usize * page;
+        assert_eq!(raw(&cache, b), &before[at..at + bpb], "copy into page {b}");
+    }
+    // Swap a run and a single out, scramble the cache, swap them into other pages.
+    let mut swap = SwapSpace::new(&cfg, 4).unwrap();
+    let out_map = [(3u32, 0u32), (4, 1), (5, 2), (11, 3)];
+    let saved: Vec<Vec<u8>> = out_map.iter().map(|&(c, _)| raw(&cache, c)).collect();
+    swap.swap_out(&cache, &out_map).unwrap();
+    for (i, &(_, s)) in out_map.iter().enumerate() {
+        assert_eq!(
+            swap.storage().block_bytes(s as usize).unwrap(),
+            &saved[i][..]
+        );
+    }
+    SmallRng::seed_from_u64(8).fill(cache.as_bytes_mut());
+    let scrambled = cache.as_bytes().to_vec();
+    let in_map = [(0u32, 12u32), (1, 13), (2, 14), (3, 1)];
+    swap.swap_in(&mut cache, &in_map).unwrap();
+    let mut expect = scrambled;
+    for (i, &(_, d)) in in_map.iter().enumerate() {
+        let at = d as usize * page;
+        expect[at..at + bpb].copy_from_slice(&saved[i]);
+    }
+    assert!(
+        cache.as_bytes() == &expect[..],
+        "swap-in wrote outside its blocks"
+    );
+}
+
 proptest! {
     /// Random swap sets: out then in (to a random permutation of free blocks) restores every
     /// swapped block exactly and leaves every other block alone; the mapping check agrees with

@@ -224,6 +224,35 @@ fn eviction_order_is_clock_with_second_chance() {
     assert_eq!(cache.metrics(EngineId(0)).evictions, 4);
 }
 
+/// An insertion gives its page a second chance like a hit does: a page cached after the hand
+/// cleared the older pages' bits is passed once, and the older page ahead of it goes first.
+#[test]
+fn a_fresh_insertion_outlives_an_older_page_the_hand_already_passed() {
+    let (pool, cache) = setup(8, 1);
+    let x = one_block(&cache, 0);
+    let y = pool.alloc(EngineId(0)).unwrap(); // in use, not cached yet
+    let z = one_block(&cache, 2);
+    assert!(
+        x.index() < y.index() && y.index() < z.index(),
+        "{x:?} {y:?} {z:?}"
+    );
+    release(&pool, &[x, z]);
+    // The sweep clears x's and z's bits and takes x; the hand stops at y.
+    assert_eq!(cache.evict(EngineId(0), 1), Ok(1));
+    assert!(!cache.is_cached(x) && cache.is_cached(z));
+    // y is cached now, after that sweep.
+    let h = cache.hasher();
+    let hash = h.block(h.root(&key(0)), &[5, 1, 2, 3]);
+    assert_eq!(cache.insert(EngineId(0), hash, y), Ok(Inserted::Inserted));
+    release(&pool, &[y]);
+    assert_eq!(cache.evict(EngineId(0), 1), Ok(1));
+    assert!(
+        cache.is_cached(y),
+        "the page just inserted was evicted first"
+    );
+    assert!(!cache.is_cached(z));
+}
+
 #[test]
 fn no_stale_hit_after_eviction_and_reallocation() {
     let (pool, cache) = setup(1, 1);

@@ -649,6 +649,116 @@ fn a_proposal_while_its_row_is_uncommitted_is_refused() {
     assert_eq!(b.input_tokens, [9, 4]);
 }
 
+/// Drafts that fit the row's limit exactly are scheduled: a decode token and two drafts under
+/// a prefill chunk of three are one row of three tokens, three samples.
+#[test]
+fn drafts_that_exactly_fill_the_chunk_limit_are_scheduled() {
+    let cfg = BatcherConfig {
+        max_prefill_chunk: 3,
+        ..config()
+    };
+    let mut bt = Batcher::new(cfg, pool(16)).unwrap();
+    bt.add(req(1, vec![1, 2, 3], 10)).unwrap();
+    let mut fin = Vec::new();
+    step(&mut bt, &mut fin);
+    bt.propose(1, &[7, 8]).unwrap();
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.input_tokens, [1000, 7, 8]);
+    assert_eq!(b.num_samples(), 3);
+}
+
+/// Runs `bt` to idle (at most 500 steps) with `check` after each schedule.
+fn drive_checked(bt: &mut Batcher, fin: &mut Vec<FinishedSeq>, mut check: impl FnMut(&Batcher)) {
+    for step in 0..500 {
+        if !bt.has_work() {
+            return;
+        }
+        let n = bt.schedule_into(fin).num_samples();
+        check(bt);
+        let s: Vec<u32> = (0..n).map(|k| (step + k) as u32).collect();
+        bt.commit(&s, fin).unwrap();
+    }
+    panic!("not idle after 500 steps");
+}
+
+/// A budget wider than the pool: a page the budget grants but the pool cannot give is handed
+/// back to the budget, so the budget always counts exactly the pages the engine holds.
+#[test]
+fn pages_the_pool_refuses_go_back_to_the_budget() {
+    let p = pool(6);
+    let (budget, used) = quota(512, 64);
+    let mut bt = Batcher::new(config(), p.clone()).unwrap();
+    bt.attach_budget(Box::new(budget));
+    for id in 0..3 {
+        bt.add(req(id, vec![1; 6], 10)).unwrap();
+    }
+    let mut fin = Vec::new();
+    drive_checked(&mut bt, &mut fin, |_| {
+        assert_eq!(
+            6 - p.free_count(),
+            used.load(Ordering::Relaxed),
+            "the budget counts pages the engine does not hold"
+        );
+    });
+    assert_eq!(fin.len(), 3);
+    assert!(
+        bt.stats().preempted_recompute > 0,
+        "the pool never ran short"
+    );
+    assert_eq!(used.load(Ordering::Relaxed), 0);
+}
+
+/// Host swap slots come back: after a swapped sequence is swapped in, and when a swapped
+/// sequence is aborted. Later preemptions then still find room to swap instead of falling
+/// back to recompute.
+#[test]
+fn host_swap_slots_are_reused_after_swap_in_and_abort() {
+    let swap_cfg = |swap_blocks| BatcherConfig {
+        preemption: PreemptionMode::Swap,
+        swap_blocks,
+        ..config()
+    };
+    // More blocks pass through the swap space than it holds: the slots a swap-in freed are
+    // reused.
+    let mut bt = Batcher::new(swap_cfg(6), pool(6)).unwrap();
+    for id in 0..3 {
+        bt.add(req(id, vec![1; 6], 10)).unwrap();
+    }
+    let mut fin = Vec::new();
+    drive_checked(&mut bt, &mut fin, |_| {});
+    assert_eq!(fin.len(), 3);
+    let st = bt.stats();
+    assert!(st.blocks_swapped_out > 6, "{st:?}");
+    assert_eq!(st.preempted_recompute, 0, "host slots leaked: {st:?}");
+    // A swapped sequence aborted: its slots serve the next swap.
+    let mut bt = Batcher::new(swap_cfg(4), pool(6)).unwrap();
+    for id in 0..3 {
+        bt.add(req(id, vec![1; 6], 10)).unwrap();
+    }
+    let mut at_abort = None;
+    for step in 0..500u32 {
+        if !bt.has_work() {
+            break;
+        }
+        let n = bt.schedule_into(&mut fin).num_samples();
+        let s: Vec<u32> = (0..n as u32).map(|k| step + k).collect();
+        bt.commit(&s, &mut fin).unwrap();
+        if at_abort.is_none() {
+            if let Some(id) = (0..3).find(|&id| bt.phase(id) == Some(SeqPhase::Swapped)) {
+                bt.abort(id).unwrap();
+                at_abort = Some(bt.stats());
+            }
+        }
+    }
+    let before = at_abort.expect("nothing was swapped out");
+    let st = bt.stats();
+    assert!(st.preempted_swap > before.preempted_swap, "{st:?}");
+    assert_eq!(
+        st.preempted_recompute, before.preempted_recompute,
+        "the aborted sequence's host slots leaked: {st:?}"
+    );
+}
+
 /// A batch not committed when the batcher schedules again is discarded: its rows come again
 /// (nothing was computed), an abort made meanwhile applies (the way out of a batch whose
 /// execution failed), and no page is lost.

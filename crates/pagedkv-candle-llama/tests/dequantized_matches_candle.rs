@@ -26,16 +26,5 @@ fn dequantized_matches_candle_dequantize_all() {
         F32_TOL,
         false,
     );
-    println!(
-        "{} rows, max |diff| {:.3e}, mean |diff| {:.3e}, max |logit| {:.2}, min top-2 gap {:.3e}, \
-         {} greedy ties, {} preemptions; candle against itself (prompt chunked) max |diff| {:.3e}",
-        c.rows,
-        c.max_abs_diff,
-        c.mean_abs_diff,
-        c.max_abs_logit,
-        c.min_top2_gap,
-        c.greedy_ties,
-        c.preempted,
-        c.candle_self_noise
-    );
+    println!("{c}");
 }

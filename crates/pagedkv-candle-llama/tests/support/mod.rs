@@ -226,6 +226,26 @@ pub struct Compared {
     pub preempted: u64,
 }
 
+impl std::fmt::Display for Compared {
+    /// The comparison's figures, as the tests print them.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} rows, max |diff| {:.3e}, mean |diff| {:.3e}, max |logit| {:.2}, min top-2 gap \
+             {:.3e}, {} greedy ties, {} preemptions; candle against itself (prompt chunked) max \
+             |diff| {:.3e}",
+            self.rows,
+            self.max_abs_diff,
+            self.mean_abs_diff,
+            self.max_abs_logit,
+            self.min_top2_gap,
+            self.greedy_ties,
+            self.preempted,
+            self.candle_self_noise
+        )
+    }
+}
+
 /// Logits agree when every `|ours - candle| <= atol + rtol * |candle|` and the mean of
 /// `|ours - candle|` over every compared logit is at most `mean`.
 #[derive(Debug, Clone, Copy)]

@@ -17,10 +17,11 @@ use crate::kv::KvDtype;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DecodeMode {
     /// One split when the batch capacity alone gives every SM `PKV_DECODE_CTAS_PER_SM` thread
-    /// blocks (`PKV_DECODE_CTAS_PER_SM_MHA` for MHA), else enough splits to do so (partitions of at least `PKV_DECODE_MIN_PART`
-    /// tokens at capacity, `PKV_DECODE_MIN_PART_MHA` for MHA); GQA fills every resident block
-    /// slot in one wave where partitions keep `PKV_DECODE_FILL_PART` tokens; then up to 3 more
-    /// splits when that leaves a fuller last wave (the default; kernels/pagedkv.h).
+    /// blocks (`PKV_DECODE_CTAS_PER_SM_MHA` for MHA), else enough splits to do so (partitions
+    /// of at least `PKV_DECODE_MIN_PART` tokens at capacity, `PKV_DECODE_MIN_PART_MHA` for
+    /// MHA); GQA fills every resident block slot in one wave where partitions keep
+    /// `PKV_DECODE_FILL_PART` tokens; then up to 3 more splits when that leaves a fuller last
+    /// wave (the default; kernels/pagedkv.h).
     #[default]
     Auto,
     /// One split per (sequence, KV head), no split merge and no workspace, whatever the context

@@ -114,20 +114,28 @@ fn unsafe_to_print(c: char) -> bool {
     c.is_control() || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }
 
-/// `s` for the table: the characters of [`unsafe_to_print`] written as `\u{..}` escapes.
-fn printable(s: &str) -> Cow<'_, str> {
+/// `s` with the characters of [`unsafe_to_print`] escaped: as `\u{..}` for the table, or as
+/// JSON's `\uXXXX` (`json`). Unchanged (borrowed) when it has none.
+fn escape_unsafe(s: &str, json: bool) -> Cow<'_, str> {
     if !s.chars().any(unsafe_to_print) {
         return Cow::Borrowed(s);
     }
-    let mut out = String::with_capacity(s.len() + 8);
+    let mut out = String::with_capacity(s.len() + 16);
     for c in s.chars() {
-        if unsafe_to_print(c) {
-            let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
-        } else {
+        if !unsafe_to_print(c) {
             out.push(c);
+        } else if json {
+            let _ = write!(out, "\\u{:04x}", u32::from(c));
+        } else {
+            let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
         }
     }
     Cow::Owned(out)
+}
+
+/// `s` for the table (see [`escape_unsafe`]).
+fn printable(s: &str) -> Cow<'_, str> {
+    escape_unsafe(s, false)
 }
 
 /// `v` as JSON text with the characters of [`unsafe_to_print`] as `\uXXXX` escapes: the same
@@ -135,18 +143,10 @@ fn printable(s: &str) -> Cow<'_, str> {
 /// characters occur only inside strings, all of them in the Basic Multilingual Plane).
 fn json_text(v: &Json) -> String {
     let text = v.to_string();
-    if !text.chars().any(unsafe_to_print) {
-        return text;
+    if let Cow::Owned(escaped) = escape_unsafe(&text, true) {
+        return escaped;
     }
-    let mut out = String::with_capacity(text.len() + 16);
-    for c in text.chars() {
-        if unsafe_to_print(c) {
-            let _ = write!(out, "\\u{:04x}", u32::from(c));
-        } else {
-            out.push(c);
-        }
-    }
-    out
+    text
 }
 
 fn value_json(v: &Value<'_>) -> Json {

@@ -4,7 +4,7 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use crossbeam_queue::ArrayQueue;
-use pagedkv::block::{BlockId, BlockPool, EngineId, PoolConfig};
+use pagedkv::block::{BlockId, BlockPool, BlockTable, EngineId, PoolConfig};
 use std::collections::VecDeque;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
@@ -368,9 +368,72 @@ fn alloc_n_contended(c: &mut Criterion) {
     g.finish();
 }
 
+/// A thread's table (made on its first iteration, reused: a table's slots are allocated once)
+/// and `grow`'s scratch.
+#[derive(Default)]
+struct TableScratch {
+    table: Option<BlockTable>,
+    ids: Vec<BlockId>,
+}
+
+impl Clone for TableScratch {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+/// A sequence's pages as the engine's batcher handles them: two threads, each one engine's
+/// scheduler (engines 0 and 1 on one pool), each growing a [`BlockTable`] by 16 pages and
+/// clearing it (a sequence admitted and finished); one iteration is one such pair on each
+/// thread. `release_each` is the same pair with each page released alone (`alloc_n` +
+/// 16 x `release`: how tables gave pages back before they went through `free_n`, every page
+/// a CAS on the shared head); the kapsl mutex does `alloc_n` + `free_n` under its lock.
+fn table_contended(c: &mut Criterion) {
+    const N: u32 = 16;
+    let mut g = c.benchmark_group("table_contended");
+    g.throughput(Throughput::Elements(u64::from(2 * N)));
+    let pool = Arc::new(Pagedkv::new().pool);
+    g.bench_function(BenchmarkId::new("pagedkv_table", N), |b| {
+        b.iter_custom(|iters| {
+            run_contended_with(iters, TableScratch::default(), |s, thread| {
+                let table = s
+                    .table
+                    .get_or_insert_with(|| BlockTable::new(Arc::clone(&pool), EngineId(thread), N));
+                table.grow(N, &mut s.ids).unwrap();
+                black_box(table.clear());
+            })
+        })
+    });
+    assert_eq!(pool.free_count(), BLOCKS);
+    g.bench_function(BenchmarkId::new("release_each", N), |b| {
+        b.iter_custom(|iters| {
+            run_contended_with(iters, Vec::with_capacity(N as usize), |ids, thread| {
+                ids.clear();
+                pool.alloc_n(EngineId(thread), N, ids).unwrap();
+                for &id in ids.iter() {
+                    pool.release(black_box(id)).unwrap();
+                }
+            })
+        })
+    });
+    assert_eq!(pool.free_count(), BLOCKS);
+    let m = Arc::new(KapslMutexVecDeque::new());
+    g.bench_function(BenchmarkId::new("mutex_vecdeque", N), |b| {
+        b.iter_custom(|iters| {
+            run_contended_with(iters, Vec::with_capacity(N as usize), |out, _| {
+                out.clear();
+                assert!(m.alloc_n(N as usize, out));
+                m.free_n(black_box(out));
+            })
+        })
+    });
+    assert_eq!(m.free_count(), BLOCKS as usize);
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
-    targets = alloc_free, contended, alloc_n, alloc_n_contended
+    targets = alloc_free, contended, alloc_n, alloc_n_contended, table_contended
 }
 criterion_main!(benches);

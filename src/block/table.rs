@@ -20,6 +20,10 @@ fn state_epoch(state: u64) -> u32 {
     (state >> 32) as u32
 }
 
+/// Blocks a truncation hands the pool per `free_n` call: the pool's largest recycled chain and a
+/// magazine's capacity, and few enough to keep on the writer's stack.
+const RELEASE_BATCH: usize = 64;
+
 #[derive(Debug)]
 struct Shared {
     /// `epoch (32) | len (32)`; written only by the table's single writer.
@@ -200,17 +204,28 @@ impl BlockTable {
     /// Keeps the first `new_len` blocks and releases the rest through the pool. Returns how many
     /// blocks went back to the free list (shared ones only lose a reference). Lock-free: the
     /// releases are the pool's CAS loops (see the module's Progress section).
+    ///
+    /// The blocks go back in batches of up to 64 through [`BlockPool::free_n`], so a sequence's unshared pages refill its engine's magazine (the
+    /// engine's next `alloc_n` takes them without the pool's shared head) instead of being
+    /// pushed one CAS on the shared head at a time.
     pub fn truncate(&mut self, new_len: u32) -> u32 {
         if new_len >= self.len {
             return 0;
         }
         let old_len = self.len;
         self.bump_epoch(new_len);
+        let mut batch = [BlockId::from_bits(0); RELEASE_BATCH];
         let mut freed = 0;
-        for i in new_len..old_len {
-            // Relaxed: the writer reads its own writes.
-            let id = BlockId::from_bits(self.shared.slots[i as usize].load(Ordering::Relaxed));
-            freed += u32::from(self.release_owned(id));
+        let mut start = new_len;
+        while start < old_len {
+            let n = (old_len - start).min(RELEASE_BATCH as u32);
+            for (k, dst) in batch[..n as usize].iter_mut().enumerate() {
+                // Relaxed: the writer reads its own writes.
+                let slot = &self.shared.slots[start as usize + k];
+                *dst = BlockId::from_bits(slot.load(Ordering::Relaxed));
+            }
+            freed += self.release_batch(&batch[..n as usize]);
+            start += n;
         }
         freed
     }
@@ -335,6 +350,26 @@ impl BlockTable {
         let result = self.pool.release(id);
         debug_assert!(result.is_ok(), "block table held an invalid id: {result:?}");
         result.unwrap_or(false)
+    }
+
+    /// Releases one reference to each block of `ids` (a slice of the table's own slots) with
+    /// one `free_n`; returns how many went back to the free list. As for
+    /// [`release_owned`](Self::release_owned) the pool cannot refuse the table's ids; if its
+    /// checks did (the pool unchanged), each id is released alone, so the others still go back.
+    fn release_batch(&self, ids: &[BlockId]) -> u32 {
+        match self.pool.free_n(ids) {
+            Ok(freed) => freed,
+            Err(PoolError::ConcurrentDoubleFree { freed, .. }) => {
+                debug_assert!(false, "a block table's reference was released by another");
+                freed
+            }
+            Err(e) => {
+                debug_assert!(false, "block table held an invalid id: {e:?}");
+                ids.iter()
+                    .map(|&id| u32::from(self.release_owned(id)))
+                    .sum()
+            }
+        }
     }
 }
 

@@ -421,3 +421,36 @@ fn push_and_replace_refuse_ids_the_table_could_not_release() {
     assert_eq!(a.free_count(), 4);
     assert_eq!(b.ref_count(from_b), Ok(1), "the caller kept its reference");
 }
+
+/// A table's pages go back to its engine's magazine, not the shared stack: another engine's
+/// allocation right after is served from the shared stack (other blocks), and the same engine's
+/// next allocation gets its own pages back. (Tables released page by page onto the shared head,
+/// where the other engine's allocation took exactly those pages and the magazine stayed empty.)
+#[test]
+fn a_cleared_table_refills_its_engines_magazine() {
+    let p = pool(64);
+    let mut scratch = Vec::new();
+    let mut t = BlockTable::new(p.clone(), EngineId(1), 16);
+    t.grow(16, &mut scratch).unwrap();
+    let mut mine: Vec<BlockId> = Vec::new();
+    t.ids_into(&mut mine);
+    assert_eq!(t.clear(), 16);
+    assert_eq!(p.free_count(), 64, "parked pages count as free");
+    let mut other = Vec::new();
+    p.alloc_n(EngineId(0), 16, &mut other).unwrap();
+    let taken: Vec<u32> = mine.iter().map(|id| id.index()).collect();
+    assert!(
+        other.iter().all(|id| !taken.contains(&id.index())),
+        "engine 0 took engine 1's pages from the shared stack: {other:?}"
+    );
+    let mut again = Vec::new();
+    p.alloc_n(EngineId(1), 16, &mut again).unwrap();
+    let mut back: Vec<u32> = again.iter().map(|id| id.index()).collect();
+    back.sort_unstable();
+    let mut want = taken.clone();
+    want.sort_unstable();
+    assert_eq!(back, want, "engine 1 gets its own pages back from its magazine");
+    p.free_n(&other).unwrap();
+    p.free_n(&again).unwrap();
+    assert_eq!(p.free_count(), 64);
+}

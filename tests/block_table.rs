@@ -449,7 +449,10 @@ fn a_cleared_table_refills_its_engines_magazine() {
     back.sort_unstable();
     let mut want = taken.clone();
     want.sort_unstable();
-    assert_eq!(back, want, "engine 1 gets its own pages back from its magazine");
+    assert_eq!(
+        back, want,
+        "engine 1 gets its own pages back from its magazine"
+    );
     p.free_n(&other).unwrap();
     p.free_n(&again).unwrap();
     assert_eq!(p.free_count(), 64);

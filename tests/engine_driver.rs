@@ -1552,3 +1552,53 @@ fn pages_freed_by_aborts_count_toward_a_reclaim_order() {
     drop(engines);
     assert_no_leak(&shared);
 }
+
+/// A caller's end asked while the sequence's last row waits for its commit (an abort between
+/// schedule and commit), and that commit ends it by its stop rules: its end is reported once
+/// (by the commit), and its id is free at once for a new request, as for any reported end.
+/// The caller's pending end stayed queued, and a new request on the id was refused
+/// (`DuplicateId`) until the next step.
+#[test]
+fn an_id_ended_at_a_commit_with_a_caller_end_pending_is_free_at_once() {
+    let (shared, mut engines) = build(64, PreemptionMode::Recompute);
+    let driven = &mut engines[0];
+    add(driven, request(1, 8, 2));
+    let (engine, model) = driven;
+    engine.step(model).unwrap();
+    assert_eq!(engine.results().updates.len(), 1);
+    // Its last token's step: the caller aborts it while the step runs.
+    engine.schedule();
+    engine.execute(model).unwrap();
+    engine.abort(1).unwrap();
+    engine.commit(model).unwrap();
+    let ends: Vec<_> = engine
+        .results()
+        .updates
+        .iter()
+        .map(|u| u.finished)
+        .collect();
+    assert_eq!(ends, [Some(FinishReason::MaxTokens)]);
+    // Its end was reported: the id is free.
+    model.prompt_len.insert(1, 4);
+    engine.add(request(1, 4, 3)).unwrap();
+    let mut streamed = Vec::new();
+    for _ in 0..10 {
+        if !engine.has_work() {
+            break;
+        }
+        engine.step(model).unwrap();
+        let results = engine.results();
+        for u in &results.updates {
+            assert_eq!(u.id, 1);
+            streamed.extend_from_slice(results.tokens_of(u));
+            if let Some(reason) = u.finished {
+                // The new sequence runs to its own end: the old one's abort is not applied
+                // to it.
+                assert_eq!(reason, FinishReason::MaxTokens);
+            }
+        }
+    }
+    assert_eq!(streamed.len(), 3);
+    drop(engines);
+    assert_no_leak(&shared);
+}

@@ -209,6 +209,14 @@ fn run(seed: u64) -> u64 {
             assert_eq!(&h[h.len() - f.output.len()..], &f.output[..]);
         }
         assert!(used.load(Ordering::Relaxed) <= quota);
+        // With the cache, cached-free pages have left the budget.
+        if prefix {
+            assert_eq!(
+                used.load(Ordering::Relaxed),
+                blocks - p.free_count() - cache.reclaimable(None),
+                "seed {seed} step {step}: budget drifted (prefix)"
+            );
+        }
         // Without the cache, the quota counts exactly the pages in use.
         if !prefix {
             assert_eq!(

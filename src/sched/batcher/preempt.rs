@@ -350,6 +350,14 @@ impl Batcher {
         };
         self.host_released.extend_from_slice(&seq.host_blocks);
         self.index.remove(&seq.id);
+        // An end the caller asked for that has not come yet (a commit's stop rules ended the
+        // sequence first) is moot: dropped, or it would keep the reported id taken
+        // (`id_taken`) until the next step. (`apply_aborts` holds the list apart while it
+        // ends sequences, so this finds nothing there.)
+        if !self.pending_aborts.is_empty() {
+            let id = seq.id;
+            self.pending_aborts.retain(|&(p, _)| p != id);
+        }
         self.free_slots.push(slot);
         if matches!(reason, FinishReason::Aborted | FinishReason::TooLong) {
             self.stats.aborted += 1;

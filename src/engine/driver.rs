@@ -95,9 +95,11 @@ pub struct StepReport {
 ///   others) and recomputes budgets as its [`RecomputePolicy`] says.
 ///
 /// Nothing here waits for another engine: each call is the engine's own work plus wait-free or
-/// lock-free operations on the shared state. [`step`](Self::step) is
-/// [`schedule`](Self::schedule) + [`execute`](Self::execute) + [`commit`](Self::commit); a
-/// caller that interleaves engines (a simulation with a deterministic order) calls them apart.
+/// lock-free operations on the shared state, except that a [`HostBackend`](super::HostBackend)'s
+/// kernels run on rayon's pool, shared with every other engine's (module docs).
+/// [`step`](Self::step) is [`schedule`](Self::schedule) + [`execute`](Self::execute) +
+/// [`commit`](Self::commit); a caller that interleaves engines (a simulation with a
+/// deterministic order) calls them apart.
 ///
 /// [`BudgetCoordinator::reclaim_for`]: crate::budget::BudgetCoordinator::reclaim_for
 #[derive(Debug)]

@@ -12,11 +12,14 @@
 //!   (`Engine::cuda`) or a client's driver binding (`Engine::raw`)), with the caller's
 //!   [`StepModel`] supplying projections and sampling.
 //!
-//! No engine waits for another: an engine's step is its own work plus lock-free operations on
-//! the shared pool and coordinator, with no lock. Its kernels do wait, on their own work only:
-//! the CPU kernels ([`HostBackend`]) fork and join on rayon's thread pool (which every engine
-//! of the process shares, so a busy pool slows them), and `RawBackend` waits for its stream at
-//! the end of a step.
+//! No engine waits for another in the crate's own protocols: an engine's step is its own work
+//! plus lock-free operations on the shared pool and coordinator, with no lock. Its kernels do
+//! wait: `RawBackend` for its own stream at the end of a step, and the CPU kernels
+//! ([`HostBackend`]) on rayon's global thread pool, which every engine of the process shares.
+//! There the step thread (outside the pool) hands its tasks to rayon and blocks on rayon's
+//! latch, a mutex and condition variable inside rayon-core, until they ran; waking a sleeping
+//! worker takes that worker's mutex too, and tasks queue behind other engines' tasks, so a
+//! busy pool delays an engine's step by other engines' kernels: a mutex on the CPU step path.
 
 #[cfg(feature = "cuda")]
 mod device;

@@ -37,7 +37,9 @@ const KIND_MASK: u64 = 0b11;
 const PAGE_SHIFT: u32 = 2;
 const PAGE_MASK: u64 = (1 << 24) - 1;
 const TAG_SHIFT: u32 = 26;
-/// Slots probed per hash: bounds every lookup, insert and removal to this many loads.
+/// Slots probed per hash: bounds every lookup and removal to this many loads, and an insert to
+/// this many slots (an insert whose CAS on a slot lost to another insert looks at that slot
+/// again: lock-free, not a bound on its loads).
 const WINDOW: usize = 32;
 
 #[inline]

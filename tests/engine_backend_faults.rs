@@ -24,6 +24,9 @@ fn value(pos: i32, layer: usize, d: usize, token: u32) -> f32 {
     pos as f32 * 0.25 + layer as f32 * 3.0 + d as f32 * 0.01 + (token % 97) as f32 * 0.125
 }
 
+/// A sequence's streamed tokens and its reported end.
+type Streamed = (Vec<u32>, Option<FinishReason>);
+
 /// A HostBackend whose operations fail when `fail` names them: a list op does its first half.
 struct Flaky {
     inner: HostBackend<f32>,
@@ -275,8 +278,7 @@ fn run(op: &'static str, prefix: bool) {
                 .unwrap();
         }
     }
-    let mut streamed: Vec<HashMap<SeqId, (Vec<u32>, Option<FinishReason>)>> =
-        vec![HashMap::new(); 2];
+    let mut streamed: Vec<HashMap<SeqId, Streamed>> = vec![HashMap::new(); 2];
     let mut failed = 0;
     let mut n = 0u64;
     for _ in 0..4000 {

@@ -3,7 +3,7 @@
 
 use pagedkv::block::{BlockPool, EngineId, PoolConfig};
 use pagedkv::error::SchedError;
-use pagedkv::prefix::{PrefixCache, PrefixConfig};
+use pagedkv::prefix::{PrefixCache, PrefixConfig, PrefixKey};
 use pagedkv::sched::{
     Batch, Batcher, BatcherConfig, EngineBudget, FinishReason, FinishedSeq, PreemptionMode,
     Priority, SeqPhase, SeqRequest, StopRules,
@@ -1437,4 +1437,49 @@ fn a_swapped_throughput_sequence_does_not_hold_back_latency_critical_admissions(
     fin.extend(drive(&mut bt, 100));
     assert_eq!(fin.len(), 4);
     assert_eq!(p.free_count(), 6);
+}
+
+/// An engine id registered again after its engine left (another model) finds none of the old
+/// model's KV: a page the old engine's drop could not uncache (a router's `lookup` held it at
+/// that instant) is uncached when the next batcher on the id attaches the cache. (It stayed
+/// cached under the id, and the new model's first request with the same tokens was served the
+/// old model's KV.)
+#[test]
+fn an_engine_id_registered_again_finds_none_of_the_old_models_kv() {
+    let p = pool(16);
+    let cache = Arc::new(PrefixCache::new(p.clone(), PrefixConfig { seed: Some(5) }));
+    let prompt: Vec<u32> = (1..=9).collect();
+    let mut old = Batcher::new(config(), p.clone()).unwrap();
+    old.attach_prefix_cache(cache.clone()).unwrap();
+    old.add(req(1, prompt.clone(), 2)).unwrap();
+    let fin = drive(&mut old, 50);
+    assert_eq!(fin.len(), 1);
+    assert_eq!(cache.cached(EngineId(0)), 2, "the prompt's two full blocks");
+    // A router probes the old engine's key and holds the pages while the engine leaves.
+    let key = PrefixKey {
+        engine: EngineId(0),
+        adapter: 0,
+        salt: 0,
+        block_tokens: BS,
+    };
+    let mut held = Vec::new();
+    assert_eq!(cache.lookup(&key, &prompt, &mut held).unwrap().blocks, 2);
+    drop(old);
+    for id in held {
+        p.release(id).unwrap();
+    }
+    // Another model on the same id, same block size, same tokens.
+    let mut new = Batcher::new(config(), p.clone()).unwrap();
+    new.attach_prefix_cache(cache.clone()).unwrap();
+    assert_eq!(
+        cache.cached(EngineId(0)),
+        0,
+        "the old model's pages are still cached"
+    );
+    new.add(req(2, prompt.clone(), 2)).unwrap();
+    let mut fin = Vec::new();
+    let n = new.schedule_into(&mut fin).num_tokens();
+    assert_eq!(n, prompt.len(), "the new model computes its whole prompt");
+    drop(new);
+    assert_eq!(p.free_count(), 16);
 }

@@ -42,6 +42,11 @@ impl Batcher {
     /// Attaching the cache already attached again does nothing (or, if it was attached for
     /// eviction only, turns its reuse on).
     ///
+    /// When reuse begins, pages cached under this batcher's engine id that no one holds are
+    /// uncached: they are the id's previous engine's (another model, perhaps), left by a
+    /// holder such as a router's [`lookup`](PrefixCache::lookup) when that engine's drop
+    /// uncached its pages. A page such a holder still holds at this call stays cached.
+    ///
     /// # Errors
     /// [`SchedError::InvalidConfig`](crate::error::SchedError::InvalidConfig) if the cache
     /// serves another pool, or if another cache is already attached: the budget tells the
@@ -87,12 +92,22 @@ impl Batcher {
             if Arc::ptr_eq(&link.cache, &cache) {
                 // Reuse only ever switches on: pages this batcher's sequences hold are then
                 // cached as they complete, and leave its budget as any cached page does.
+                if reuse && !link.reuse {
+                    link.cache.clear_engine(self.cfg.engine);
+                }
                 link.reuse |= reuse;
                 return Ok(());
             }
             return Err(crate::error::SchedError::InvalidConfig(
                 "another prefix cache is already attached",
             ));
+        }
+        if reuse {
+            // Pages cached for this id before this batcher reused the cache are another
+            // model's (the id's previous engine): its drop uncached those no one else held,
+            // and these are the ones a holder (a router's lookup) kept past it. Pages still
+            // held right now stay; the hash keys cannot tell the two models apart.
+            cache.clear_engine(self.cfg.engine);
         }
         self.prefix = Some(PrefixLink { cache, reuse });
         Ok(())

@@ -173,7 +173,9 @@ __global__ void __launch_bounds__(PF_THREADS) prefill_kernel(const PrefillArgs a
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int q0 = a.query_start_loc[seq];
   const int qlen = a.query_start_loc[seq + 1] - q0;
-  const int ctx = min(a.context_lens[seq], a.table_tokens);
+  // Clamped to [0, table_tokens] (decode_seq_ctx's rule): a context near INT_MIN made
+  // ctx - 1 and ctx - qlen wrap to ~2^31, walking the table row far past its end.
+  const int ctx = min(max(a.context_lens[seq], 0), a.table_tokens);
   const int rows_total = qlen * a.group;
   const int rbase = tile * PF_ROWS;
   if (qlen <= 0 || rbase >= rows_total) return;

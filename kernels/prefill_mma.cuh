@@ -242,7 +242,9 @@ struct PrefillBlock {
     seq = seq_;
     q0 = a.query_start_loc[seq];
     qlen = a.query_start_loc[seq + 1] - q0;
-    ctx = min(a.context_lens[seq], a.table_tokens);
+    // Clamped to [0, table_tokens], as decode_seq_ctx: a context near INT_MIN made ctx - 1
+    // and ctx - qlen wrap to ~2^31 (klast >= -1 below relies on ctx >= 0).
+    ctx = min(max(a.context_lens[seq], 0), a.table_tokens);
     rbase = rbase_;
     const int rows_total = qlen * a.group;
     if (qlen <= 0 || rbase >= rows_total) return false;

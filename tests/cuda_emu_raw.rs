@@ -1175,3 +1175,72 @@ fn swap_page_errors_name_the_offending_page() {
         "{r:?}"
     );
 }
+
+/// A context length near `i32::MIN` in device memory is an empty sequence to prefill, as to
+/// decode (the module docs: device context lengths cannot make a kernel leave the buffers;
+/// `<= 0` is empty). Prefill clamped it only from above (`min(ctx, table_tokens)`), so
+/// `ctx - 1` and `ctx - q_len` wrapped to ~2^31: the key loop walked the block table row far
+/// past its end (a fault, here: the table is a guarded buffer).
+#[test]
+fn prefill_with_a_context_near_i32_min_reads_nothing() {
+    fn check<T: Elem>(rng: &mut SmallRng, ctx: i32, tiling: PrefillTiling) {
+        let (hkv, group, d, bs, mbps) = (1, 2, 64, 8, 2);
+        let nh = hkv * group;
+        let cfg = KvCacheConfig::new(1, hkv, d, bs, 4, T::DTYPE).expect("config");
+        let host = random_cache::<T>(rng, cfg);
+        let dev_cache = buf(host.as_bytes());
+        let cache = CacheView {
+            base: ptr(&dev_cache),
+            config: cfg,
+        };
+        let tables = buf(&[0i32, 1]);
+        let ctx_lens = buf(&[ctx]);
+        let qsl = buf(&[0i32, 1]);
+        let query = buf(&random_vec::<T>(rng, nh * d));
+        let out = poisoned::<T>(nh * d);
+        let seqs = SeqTables {
+            block_tables: ptr(&tables),
+            max_blocks_per_seq: mbps,
+            context_lens: ptr(&ctx_lens),
+            num_seqs: 1,
+        };
+        let mut raw = AttnParamsRaw::new(nh, d);
+        raw.prefill_tiling = tiling;
+        // SAFETY: every buffer holds what the launch reads and writes (one sequence of one
+        // query token, a 2-entry table row, a 4-block cache); the emulated launch is synchronous.
+        // The context breaks the prefill contract's `q_len <= context_len` on purpose: the
+        // module docs promise that no context length in device memory makes a kernel leave the
+        // buffers (the emulation would report it as an illegal address), which is the point.
+        let r = unsafe {
+            cuda_raw::paged_attention_prefill(
+                &cache,
+                0,
+                Rows::dense(ptr(&query), nh, d),
+                Rows::dense(ptr(&out), nh, d),
+                &seqs,
+                ptr(&qsl),
+                1,
+                &raw,
+                null_stream(),
+            )
+        };
+        let what = format!("{} ctx {ctx} {tiling:?}", T::DTYPE);
+        assert!(
+            r.is_ok(),
+            "{what}: {r:?}; fault: {:?}",
+            cuda_emu::last_fault()
+        );
+        let zero = T::from_f32(0.0);
+        assert!(
+            out.as_slice::<T>().iter().all(|x| *x == zero),
+            "{what}: an empty sequence's rows are zero"
+        );
+    }
+    let mut rng = SmallRng::seed_from_u64(53);
+    for ctx in [i32::MIN, i32::MIN + 1] {
+        check::<f32>(&mut rng, ctx, PrefillTiling::Auto);
+        for tiling in [PrefillTiling::WarpRows16, PrefillTiling::Wgmma] {
+            check::<bf16>(&mut rng, ctx, tiling);
+        }
+    }
+}

@@ -136,7 +136,13 @@
 //! `⌊tokens_per_step · cap_permille / 1000⌋`; what a capped engine cannot take flows to the
 //! others by weight; the integer remainder goes by largest remainder, ties to the lower engine
 //! id. The budgets sum to exactly `tokens_per_step` when `active · cap ≥ tokens_per_step`, and
-//! never above it; each is within one token of its exact share. Idle engines get zero.
+//! never above it; each is within one token of its exact share. Idle engines get zero. Then,
+//! when the device has a token for every active engine (`tokens_per_step ≥ active` and a cap
+//! of at least one token), an active engine whose share rounded to 0 takes one token from the
+//! engine then holding the most (ties to the lower id): otherwise a share below one token
+//! (weights 1000:1:1 over 512 tokens: 510.98, 0.51, 0.51, rounded to 511, 1, 0) stays 0 for as
+//! long as the others have work, and the engine's requests never run, however little the
+//! others use. Only those donors can end up more than one token below their exact shares.
 //!
 //! Blocks: every registered engine's **quota** is its water-filled share of `total_blocks`
 //! (all registered engines, active or not, with the same per-mille cap), so a lender's share is

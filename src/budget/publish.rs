@@ -1,7 +1,7 @@
 //! Recomputation: the delegated single publisher, the water-filling of one round, and its
 //! publication under the epoch (module docs).
 
-use super::waterfill::{water_fill, Claim, FillScratch};
+use super::waterfill::{lift_zeros, water_fill, Claim, FillScratch};
 use super::{
     BudgetCoordinator, Publication, BUSY, DIRTY, FREE, JOINING, LEAVING, LIVE, MAX_ROUNDS,
 };
@@ -29,6 +29,8 @@ pub(super) struct Scratch {
     idx: Vec<usize>,
     out: Vec<u64>,
     fill: FillScratch,
+    /// Donor heap of [`lift_zeros`].
+    lift: Vec<(u64, std::cmp::Reverse<u32>)>,
     /// The registry the cached quotas were computed for: each slot's weight, 0 if not live.
     quota_key: Vec<u32>,
     /// Block quotas per slot for `quota_key` (they depend on nothing else). `quota_key` is
@@ -212,6 +214,9 @@ impl BudgetCoordinator {
         // Tokens: active engines, uniform cap.
         let token_cap = self.config.token_cap();
         self.fill(s, self.config.tokens_per_step, |r| r.active, |_| token_cap);
+        // Every active engine gets at least one token when the device has one for each: a
+        // share rounded down to 0 would otherwise stay 0 while the others have work.
+        lift_zeros(&mut s.out, token_cap, &mut s.lift);
         for k in 0..s.idx.len() {
             s.rows[s.idx[k]].token_budget = s.out[k] as u32;
         }

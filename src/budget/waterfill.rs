@@ -151,6 +151,51 @@ pub(crate) fn water_fill(
     total
 }
 
+/// Gives one unit to every claim that got none, each taken from the claim then holding the
+/// most (ties to the lower index), when every claim can hold one: `Σ out ≥ out.len()` and a
+/// cap of at least 1. Otherwise leaves `out` as it is. The sum is unchanged, no claim goes
+/// above its cap (a lifted claim gets 1 ≤ cap, a donor only loses), and a donor always keeps
+/// at least one (while a claim holds 0 and the sum is at least the count, the largest holds
+/// at least 2).
+///
+/// Largest-remainder rounding alone gives a claim whose exact share is below one unit 0 for
+/// as long as the inputs stay the same, and, between equal remainders, always to the same
+/// (lower) index: an active engine whose weighted share of a step's tokens is below one token
+/// (weights 1000:1:1 over 512 tokens gives 511, 1, 0) would get nothing for as long as the
+/// others have any work, however little they use. O(n + z log n) for `z` lifted claims;
+/// `heap` is reused scratch.
+pub(crate) fn lift_zeros(out: &mut [u64], cap: u32, heap: &mut Vec<(u64, std::cmp::Reverse<u32>)>) {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let n = out.len() as u64;
+    if cap == 0 || !out.contains(&0) || out.iter().sum::<u64>() < n {
+        return;
+    }
+    heap.clear();
+    heap.extend(
+        out.iter()
+            .enumerate()
+            .filter(|&(_, &x)| x >= 2)
+            .map(|(i, &x)| (x, Reverse(i as u32))),
+    );
+    let mut donors = BinaryHeap::from(std::mem::take(heap));
+    for k in 0..out.len() {
+        if out[k] != 0 {
+            continue;
+        }
+        // Non-empty: see above.
+        let Some((x, Reverse(j))) = donors.pop() else {
+            break;
+        };
+        out[j as usize] = x - 1;
+        out[k] = 1;
+        if x > 2 {
+            donors.push((x - 1, Reverse(j)));
+        }
+    }
+    *heap = donors.into_vec();
+}
+
 /// Division of many `u64` numerators by one divisor through a multiply: `m = ⌊2^64 / d⌋`
 /// computed once, then `q̂ = ⌊n·m / 2^64⌋` is at most 1 below `⌊n / d⌋` (because
 /// `n·m / 2^64 > n/d − n/2^64 ≥ n/d − 1`) and never above it, so one correction step is exact.
@@ -269,6 +314,25 @@ mod tests {
             let n = next() >> (next() % 64);
             assert_eq!(Reciprocal::new(d).div_rem(n), (n / d, n % d), "{n} / {d}");
         }
+    }
+
+    fn lifted(mut out: Vec<u64>, cap: u32) -> Vec<u64> {
+        lift_zeros(&mut out, cap, &mut Vec::new());
+        out
+    }
+
+    #[test]
+    fn claims_below_one_unit_get_one_when_every_claim_can() {
+        // Weights 1000:1:1 over 512: 510.98, 0.51, 0.51 -> 511, 1, 0 -> 510, 1, 1.
+        let out = fill(512, &[(1000, 512), (1, 512), (1, 512)]);
+        assert_eq!(out, vec![511, 1, 0]);
+        assert_eq!(lifted(out, 512), vec![510, 1, 1]);
+        // Donors by largest amount, ties to the lower index; sums kept.
+        assert_eq!(lifted(vec![0, 3, 3, 0, 0], 9), vec![1, 1, 2, 1, 1]);
+        // Not enough for one each, or a cap of 0: unchanged.
+        assert_eq!(lifted(vec![2, 0, 0], 5), vec![2, 0, 0]);
+        assert_eq!(lifted(vec![0, 0], 0), vec![0, 0]);
+        assert_eq!(lifted(vec![], 1), Vec::<u64>::new());
     }
 
     #[test]

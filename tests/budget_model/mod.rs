@@ -94,6 +94,32 @@ pub fn water_fill(total: u64, claims: &[(u64, u64)]) -> (ExactShares, Vec<u64>) 
     (ExactShares { shares }, out)
 }
 
+/// The token budgets' floor: when the claims of weight > 0 can each hold one unit (their
+/// amounts sum to at least their count and the cap is at least 1), each of them that got 0
+/// takes one, in index order, from the claim of weight > 0 then holding the most (ties to the
+/// lower index).
+pub fn lift_zeros(amounts: &mut [u64], claims: &[(u64, u64)]) {
+    let live: Vec<usize> = (0..claims.len()).filter(|&i| claims[i].0 > 0).collect();
+    let sum: u64 = live.iter().map(|&i| amounts[i]).sum();
+    if live.is_empty() || claims[live[0]].1 == 0 || sum < live.len() as u64 {
+        return;
+    }
+    for &k in &live {
+        if amounts[k] != 0 {
+            continue;
+        }
+        let mut donor = live[0];
+        for &j in &live {
+            if amounts[j] > amounts[donor] {
+                donor = j;
+            }
+        }
+        assert!(amounts[donor] >= 2, "no donor: {amounts:?}");
+        amounts[donor] -= 1;
+        amounts[k] = 1;
+    }
+}
+
 /// One engine slot of the model.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SlotModel {
@@ -371,7 +397,8 @@ impl Model {
                 (if s.active { u64::from(s.weight) } else { 0 }, token_cap)
             })
             .collect();
-        let (_, tokens) = water_fill(u64::from(self.tokens_per_step), &claims);
+        let (_, mut tokens) = water_fill(u64::from(self.tokens_per_step), &claims);
+        lift_zeros(&mut tokens, &claims);
         let claims: Vec<(u64, u64)> = live
             .iter()
             .map(|&i| (u64::from(self.slots[i].weight), block_cap))

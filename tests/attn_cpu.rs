@@ -1061,3 +1061,72 @@ fn a_minus_infinity_score_takes_no_weight_beside_heads_that_see_the_key() {
         check_row(&out[..d], &want, &format!("prefill, {heads} heads: head 0"));
     }
 }
+
+/// A key whose weight underflows contributes nothing whatever its value (crate::attn), also
+/// when the walk reached it before the larger score that makes its weight 0. Key 0 scores 0
+/// and has an infinite value, key 1 scores 200: key 0's f32 weight exp(-200) is 0, and the
+/// row is key 1's value. With one key per block the kernel weighted key 0 by 1 in block 0,
+/// then rescaled the accumulator by exp(-200) = 0 when block 1 raised the max: `inf * 0`, a
+/// NaN row, and a result that depended on the block size (2 put both keys in one block, whose
+/// max is taken first, and gave the value). The split-K CUDA decode merges partitions the
+/// documented way, so the oracle flagged a correct kernel.
+#[test]
+fn an_infinite_value_whose_weight_underflows_later_contributes_nothing() {
+    let d = 8;
+    let big = vec![25f32; d]; // q . k = 200 with q = 1 and scale 1
+    let vbig: Vec<f32> = (0..d).map(|i| i as f32).collect();
+    let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for bs in [1, 2] {
+        for inf_first in [true, false] {
+            let (mut k, mut v) = (Vec::new(), Vec::new());
+            for first in [inf_first, !inf_first] {
+                if first {
+                    k.extend(vec![0f32; d]);
+                    v.extend(vec![f32::INFINITY; d]);
+                } else {
+                    k.extend(&big);
+                    v.extend(&vbig);
+                }
+            }
+            let cfg = KvCacheConfig::new(1, 1, d, bs, 2, KvDtype::F32).unwrap();
+            let mut cache = HostKvCache::new(cfg).unwrap();
+            let mut view = cache.view_mut::<f32>().unwrap();
+            reshape_and_cache(view.layer_mut(0).unwrap(), &k, &v, &[0, 1]).unwrap();
+            let seqs = PagedSeqs {
+                block_tables: &[0, 1],
+                max_blocks_per_seq: 2,
+                context_lens: &[2],
+            };
+            let p = AttnParams {
+                scale: 1.0,
+                ..AttnParams::new(1, d)
+            };
+            let view = cache.view::<f32>().unwrap();
+            let kv = view.layer(0).unwrap();
+            let mut ws = AttnWorkspace::new();
+            let mut out = vec![0f32; d];
+            paged_attention_decode(&mut ws, kv, &vec![1f32; d], &seqs, &p, &mut out).unwrap();
+            assert_eq!(
+                bits(&out),
+                bits(&vbig),
+                "decode, bs {bs}, inf first {inf_first}"
+            );
+            let mut pre = vec![0f32; 2 * d];
+            paged_attention_prefill(
+                &mut ws,
+                kv,
+                &vec![1f32; 2 * d],
+                &[0, 2],
+                &seqs,
+                &p,
+                &mut pre,
+            )
+            .unwrap();
+            assert_eq!(
+                bits(&pre[d..]),
+                bits(&vbig),
+                "prefill, bs {bs}, inf first {inf_first}"
+            );
+        }
+    }
+}

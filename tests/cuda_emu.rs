@@ -1747,3 +1747,67 @@ fn a_key_of_weight_zero_with_an_infinite_value_leaves_the_row_as_the_oracle_has_
     run::<bf16>(128, 4); // tensor cores
     run::<f16>(64, 8);
 }
+
+/// A value whose weight underflows after the walk reached it contributes nothing (crate::attn):
+/// token 0 (score 0) has an infinite value, token `bs` (next block) scores 200, so token 0's
+/// weight is exp(-200) = 0 and the oracle's rows are finite. The kernels weighted token 0
+/// before the larger score and then rescale their running sums by exp(-200) = 0: `inf * 0 =
+/// NaN` (the split decode's merge skips a partition of weight 0, and matches when token 0 is
+/// alone in its partition). Documented in crate::attn; ignored until the kernels drop a
+/// running sum whose rescale factor is 0.
+#[test]
+#[ignore = "kernels rescale a running sum by an underflowing factor: inf * 0 = NaN (crate::attn)"]
+fn a_value_whose_weight_underflows_later_leaves_the_row_as_the_oracle_has_it() {
+    fn finite<T: Elem>(x: &[T]) -> bool {
+        x.iter().all(|x| x.to_f32().is_finite())
+    }
+    fn run<T: Elem>(d: usize, group: usize, bs: usize) {
+        let layer = 0;
+        let mut rng = SmallRng::seed_from_u64(5);
+        let ctx = [bs + 1];
+        let b = make_batch(&mut rng, 1, 1, d, bs, T::DTYPE, Page::Dense, &ctx);
+        let mut host = random_cache::<T>(&mut rng, b.cfg);
+        {
+            let mut v = host.view_mut::<T>().expect("view");
+            let data = v.data_mut();
+            for t in 0..ctx[0] {
+                let blk = b.tables[t / bs] as usize;
+                let ko = b.cfg.offset(blk, layer, KvPart::Key, t % bs, 0);
+                let vo = b.cfg.offset(blk, layer, KvPart::Value, t % bs, 0);
+                let k = if t == bs { 25.0 } else { 0.0 };
+                data[ko..ko + d].fill(T::from_f32(k));
+                let v = if t == 0 { f32::INFINITY } else { 0.5 };
+                data[vo..vo + d].fill(T::from_f32(v));
+            }
+        }
+        // q . k = 200 against token `bs`, 0 against the others.
+        let q = |rows: usize| vec![T::from_f32(8.0 / d as f32); rows * group * d];
+        let mut params = AttnParams::new(group, d);
+        params.scale = 1.0;
+        let query = q(1);
+        let want = cpu_decode(&b, &host, layer, &query, &params);
+        assert!(finite(&want), "oracle");
+        let case = AttnCase::new(&b, &host, &query, &params);
+        for mode in [ffi::PKV_DECODE_SINGLE, ffi::PKV_DECODE_SPLIT] {
+            let plan = case.plan(mode).expect("plan");
+            let (s, got) = case.decode_with::<T>(layer, &plan);
+            let what = format!("decode {} d{d} g{group} bs{bs} mode {mode}", T::DTYPE);
+            expect_ok(&what, s);
+            assert!(finite(&got), "{what}: {:?}", got[0].to_f32());
+        }
+        let query = q(ctx[0]);
+        let qsl = [0, ctx[0] as i32];
+        let want = cpu_prefill(&b, &host, layer, &query, &qsl, &params);
+        assert!(finite(&want), "oracle");
+        let case = AttnCase::new(&b, &host, &query, &params);
+        let (s, got) = case.prefill_tiled::<T>(layer, &qsl, ffi::PKV_PREFILL_TILING_AUTO);
+        let what = format!("prefill {} d{d} g{group} bs{bs}", T::DTYPE);
+        expect_ok(&what, s);
+        assert!(finite(&got), "{what}");
+    }
+    for bs in [8, 16] {
+        run::<f32>(64, 1, bs);
+        run::<f16>(64, 1, bs);
+        run::<bf16>(128, 4, bs);
+    }
+}

@@ -584,8 +584,17 @@ fn attend_item_body<T: KvElem>(
                 }
                 if bmax > m[r] {
                     let corr = (m[r] - bmax).exp(); // exp(-inf) = 0 on the first block
-                    for a in &mut acc[r * d..(r + 1) * d] {
-                        *a *= corr;
+                    let a = &mut acc[r * d..(r + 1) * d];
+                    if corr == 0.0 {
+                        // Every key so far now has weight 0 (exp underflows): it contributes
+                        // nothing, whatever its value; `inf * 0` would make the row NaN, and
+                        // the result depend on where block boundaries fall. (`l` keeps a NaN
+                        // of a NaN score: that row stays NaN.)
+                        a.fill(0.0);
+                    } else {
+                        for a in a.iter_mut() {
+                            *a *= corr;
+                        }
                     }
                     l[r] *= corr;
                     m[r] = bmax;

@@ -15,7 +15,7 @@
 //! ```text
 //! s      = scale * dot(q[h], K[kh][k_pos])          f32 accumulation
 //! s      = softcap * tanh(s / softcap)              only if softcap > 0
-//! s      = s + alibi_slopes[h] * (k_pos - q_pos)    only with ALiBi (bias <= 0)
+//! s      = s + alibi_slopes[h] * (k_pos - q_pos)    only with ALiBi (bias <= 0 for the usual positive slopes)
 //! key visible iff k_pos <= q_pos and (window == 0 or q_pos - k_pos < window)
 //! p      = softmax over visible keys of s           f32, max-subtracted
 //! out[h] = sum over visible keys of p * V[kh][k_pos]   f32, rounded once to the dtype
@@ -33,10 +33,14 @@
 //! follow both rules. A key of weight 0 (masked, a -inf score, or a weight that underflows)
 //! contributes nothing whatever its value, row by row: an infinite or NaN value reaches only
 //! the rows that give it weight, never the tokens before it in a prefill chunk nor a head that
-//! scores it -inf. The CUDA kernels do not follow this one yet: the prefill kernels multiply
-//! every key of a loaded tile by its weight, masked ones included, and every kernel a key of
-//! -inf score, `0 * inf = NaN` (tests/cuda_emu.rs,
-//! `a_key_of_weight_zero_with_an_infinite_value_leaves_the_row_as_the_oracle_has_it`, ignored).
+//! scores it -inf, nor a row whose later, larger score (more than ~104 above its own) makes
+//! its weight underflow after the walk has reached it (the CPU kernels then drop the
+//! accumulated sum instead of rescaling it by 0). The CUDA kernels do not follow this one yet:
+//! the prefill kernels multiply every key of a loaded tile by its weight, masked ones included,
+//! every kernel a key of -inf score, and every kernel rescales its running sum by a factor
+//! that underflows to 0 (the split decode's merge excepted), `0 * inf = NaN` (tests/cuda_emu.rs,
+//! `a_key_of_weight_zero_with_an_infinite_value_leaves_the_row_as_the_oracle_has_it` and
+//! `a_value_whose_weight_underflows_later_leaves_the_row_as_the_oracle_has_it`, ignored).
 
 pub mod cpu;
 

@@ -11,7 +11,9 @@
 //! (the library imposes no wait between engines):
 //!
 //! 1. **clients** (in parallel) collect outcomes of earlier requests and submit every request
-//!    that arrived by the end of the step, each to its model's admission queue;
+//!    that arrived before the step began, each to its model's admission queue (a step's batch
+//!    is formed at its start: a request arriving during it waits for the next one, so no
+//!    first token comes sooner than one step after its request);
 //! 2. **engines schedule** in engine order (block grants are then the same on every run):
 //!    each takes requests from its queue and runs the driver's `schedule`;
 //! 3. **engines execute** their kernels in parallel on the shared arena, then **commit** in
@@ -84,11 +86,11 @@ struct Client {
 }
 
 impl Client {
-    /// Collects outcomes of earlier requests, then submits every request that arrived by
-    /// `end_ms`, each to its model's admission queue.
-    fn step(&mut self, admission: &Admission<SimRequest, SimOutcome>, end_ms: f64) {
+    /// Collects outcomes of earlier requests, then submits every request that arrived before
+    /// `start_ms`, the start of the step, each to its model's admission queue.
+    fn step(&mut self, admission: &Admission<SimRequest, SimOutcome>, start_ms: f64) {
         self.collect();
-        while self.next < self.mine.len() && self.mine[self.next].arrival_ms < end_ms {
+        while self.next < self.mine.len() && self.mine[self.next].arrival_ms < start_ms {
             let r = self.mine[self.next].clone();
             let (engine, priority) = (r.engine, r.priority);
             match admission.try_submit(r, priority, Route::Worker(engine)) {
@@ -217,6 +219,15 @@ pub fn validate(cfg: &SimConfig) -> Result<(), SimError> {
         return bad(format!(
             "{} s of arrivals at {} ms per step is {arrival_steps:.3e} steps; at most {MAX_ARRIVAL_STEPS}",
             cfg.duration_s, cfg.step_ms
+        ));
+    }
+    // Every simulated time (a step's end, a latency, the chart's axis) must be finite: an
+    // infinite end made latencies inf and NaN, and the chart's time axis hung `--plot`.
+    if !(step_limit(cfg) as f64 * cfg.step_ms).is_finite() {
+        return bad(format!(
+            "{:e} ms per step: the run's step limit ({} steps) ends past the largest finite time",
+            cfg.step_ms,
+            step_limit(cfg)
         ));
     }
     let expected: f64 = cfg
@@ -362,7 +373,7 @@ pub fn run_on(
             pending: 0,
         })
         .collect();
-    let max_steps = ((cfg.duration_s * 1e3 / cfg.step_ms).ceil() as u64) * 6 + 4000;
+    let max_steps = step_limit(cfg);
 
     let started = Instant::now();
     let mut timeline = Vec::new();
@@ -376,10 +387,10 @@ pub fn run_on(
     // engine order (block grants are then the same on every run), engines execute and commit
     // concurrently on the shared arena, pool and coordinator; then the coordinator recomputes.
     for t in 0..max_steps {
-        let end_ms = (t + 1) as f64 * cfg.step_ms;
+        let (start_ms, end_ms) = (t as f64 * cfg.step_ms, (t + 1) as f64 * cfg.step_ms);
         clients
             .par_iter_mut()
-            .for_each(|c| c.step(&admission, end_ms));
+            .for_each(|c| c.step(&admission, start_ms));
         for (idx, rt) in engines.iter_mut().enumerate() {
             rt.admit(&admission, idx)?;
             rt.schedule();
@@ -608,6 +619,11 @@ pub fn run_on(
         timeline,
         wall,
     })
+}
+
+/// Most steps a run simulates: its arrivals six times over, then 4000 steps to drain.
+fn step_limit(cfg: &SimConfig) -> u64 {
+    ((cfg.duration_s * 1e3 / cfg.step_ms).ceil() as u64) * 6 + 4000
 }
 
 fn ratio(part: u64, whole: u64) -> f64 {

@@ -118,7 +118,8 @@ pub struct EngineReport {
     /// Tokens attached from the prefix cache on any admission (re-admissions after a
     /// preemption included): prefill computation saved.
     pub prefix_reused_tokens: u64,
-    /// Time to first token over all of this engine's requests, median.
+    /// Time to first token over all of this engine's requests that got one, median (0 when
+    /// none did: the class counts tell; the text report prints "-").
     pub ttft_p50_ms: f64,
 }
 
@@ -230,7 +231,8 @@ pub struct Report {
     /// Prompt tokens found in the prefix cache / prompt tokens, over every engine's first
     /// admissions.
     pub prefix_hit_rate: f64,
-    /// Time to first token over all requests, median, simulated ms.
+    /// Time to first token over all requests that got one, median, simulated ms (0 when none
+    /// did: the engines' class counts tell; the text report prints "-").
     pub ttft_p50_ms: f64,
     /// Per engine.
     pub engines: Vec<EngineReport>,
@@ -274,12 +276,22 @@ impl Report {
             self.saturated_ticks,
             self.leaked_blocks
         );
+        // No request got a first token: no latency (not 0 ms), as for a class or an engine.
+        let first_tokens: usize = self
+            .engines
+            .iter()
+            .map(|e| e.latency_critical.ttft.count + e.throughput.ttft.count)
+            .sum();
         let _ = writeln!(
             s,
-            "prefix cache {}: {:.1}% of prompt tokens hit; ttft p50 {:.0} ms over all requests",
+            "prefix cache {}: {:.1}% of prompt tokens hit; ttft p50 {} over all requests",
             if self.prefix_cache { "on" } else { "off" },
             100.0 * self.prefix_hit_rate,
-            self.ttft_p50_ms
+            if first_tokens == 0 {
+                "-".to_owned()
+            } else {
+                format!("{:.0} ms", self.ttft_p50_ms)
+            }
         );
         let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
         let _ = writeln!(

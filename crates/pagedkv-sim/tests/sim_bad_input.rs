@@ -318,3 +318,63 @@ fn zeros_that_make_a_run_meaningless_are_refused_by_validate() {
         assert!(sim::run(&cfg, &|_| {}).is_err(), "{what}: 0 ran");
     }
 }
+
+/// A run in which no request got a first token (every prompt longer than the engine's
+/// context) has no time to first token: the headline printed "ttft p50 0 ms over all
+/// requests", as if every request had been answered at once.
+#[test]
+fn headline_ttft_without_a_first_token_is_not_0_ms() {
+    let mut cfg = SimConfig {
+        duration_s: 0.5,
+        ..SimConfig::default()
+    };
+    cfg.engines.truncate(1);
+    cfg.engines[0].max_context = 16;
+    let r = sim::run(&cfg, &|_| {}).unwrap();
+    assert!(
+        r.requests > 0 && r.refused.too_long == r.requests,
+        "{:?}",
+        r.refused
+    );
+    let text = r.to_text();
+    let line = text
+        .lines()
+        .find(|l| l.contains("over all requests"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(line.ends_with("ttft p50 - over all requests"), "{line}");
+}
+
+/// A step so long that the step limit's simulated end overflows to infinity: the first
+/// token times came out as inf ms, the inter-token gaps as NaN (inf - inf), and `--plot`
+/// hung on the infinite time axis. Refused by `validate` instead.
+#[test]
+fn a_step_whose_simulated_end_overflows_is_refused() {
+    let cfg = SimConfig {
+        duration_s: 1.0,
+        step_ms: 1e308,
+        ..SimConfig::default()
+    };
+    match sim::run(&cfg, &|_| {}) {
+        Err(sim::error::SimError::InvalidConfig(_)) => {}
+        Err(e) => panic!("another error: {e}"),
+        Ok(r) => {
+            let lat: Vec<f64> = r
+                .engines
+                .iter()
+                .flat_map(|e| [&e.latency_critical, &e.throughput])
+                .flat_map(|c| [c.ttft.p50_ms, c.ttft.p99_ms, c.itl.p50_ms, c.itl.p99_ms])
+                .collect();
+            panic!(
+                "accepted; latencies {lat:?}, timeline ends at {:?} s",
+                r.timeline.last().map(|p| p.t_s)
+            );
+        }
+    }
+    // A long step whose limit stays finite is still accepted.
+    let ok = SimConfig {
+        duration_s: 0.2,
+        step_ms: 1e304,
+        ..SimConfig::default()
+    };
+    sim::validate(&ok).unwrap();
+}

@@ -367,3 +367,30 @@ fn a_shape_whose_slots_cannot_fit_is_refused() {
         );
     }
 }
+
+/// The documented limits are inclusive: `MAX_WORKERS` workers and `MAX_QUEUE_CAPACITY`-slot
+/// queues are accepted, one more is refused (only the over-limit values were checked before).
+#[test]
+fn config_limits_are_inclusive() {
+    use pagedkv::sched::admission::{MAX_QUEUE_CAPACITY, MAX_WORKERS};
+    let check = |w, c| AdmissionConfig::new(w, c, OverflowPolicy::Block).validate();
+    assert_eq!(check(MAX_WORKERS, 1), Ok(()));
+    assert_eq!(check(1, MAX_QUEUE_CAPACITY), Ok(()));
+    for (w, c) in [(MAX_WORKERS + 1, 1), (1, MAX_QUEUE_CAPACITY + 1)] {
+        assert!(matches!(check(w, c), Err(AdmissionError::InvalidConfig(_))));
+    }
+    let q: Admission<u32, u32> = Admission::new(AdmissionConfig::new(
+        MAX_WORKERS,
+        1,
+        OverflowPolicy::DropNewest,
+    ))
+    .unwrap();
+    assert_eq!(q.workers(), MAX_WORKERS);
+    let last = MAX_WORKERS - 1;
+    let mut t = q.try_submit(7, LO, Route::Worker(last)).unwrap();
+    q.pop(last)
+        .unwrap()
+        .expect("routed to the last worker")
+        .complete(8);
+    assert_eq!(t.try_take(), Some(Ok(8)));
+}

@@ -1602,3 +1602,53 @@ fn an_id_ended_at_a_commit_with_a_caller_end_pending_is_free_at_once() {
     drop(engines);
     assert_no_leak(&shared);
 }
+
+/// A configuration the batcher refuses (no running slots) is refused by `Engine::new` without
+/// leaving the engine's budget registration behind: the coordinator still has room for as
+/// many engines as before (the path that deregisters was not exercised).
+#[test]
+fn a_config_the_batcher_refuses_leaves_no_registration() {
+    let (shape, heads) = shapes()[0];
+    let page_bytes = page_bytes_for(&[shape], 16).unwrap();
+    let shared = SharedArena::host(BudgetConfig::new(2, 128, 32), page_bytes).unwrap();
+    let mut bad = engine_config(PreemptionMode::Recompute);
+    bad.max_running = 0;
+    for _ in 0..2 {
+        let err = Engine::<HostBackend<f32>>::host(&shared, bad, &shape, heads).unwrap_err();
+        assert!(matches!(err, EngineError::Sched(_)), "{err}");
+    }
+    let good = engine_config(PreemptionMode::Recompute);
+    let a = Engine::<HostBackend<f32>>::host(&shared, good, &shape, heads);
+    let b = Engine::<HostBackend<f32>>::host(&shared, good, &shape, heads);
+    assert!(
+        a.is_ok() && b.is_ok(),
+        "a refused engine kept its registration"
+    );
+}
+
+/// `StepReport::reclaim_closed_after` counts the steps from the one that first saw the demand
+/// for lent-out pages to the one that found them free: the requester steps `n` times while
+/// the donor has not stepped, the donor sheds, and the requester's next step reports `n`
+/// (no other test checks the figure).
+#[test]
+fn a_reclaim_reports_the_steps_it_took() {
+    for requester_steps in [1u64, 3] {
+        let (_shared, mut engines) = lender_lent_out();
+        for _ in 0..requester_steps {
+            let (a, m) = &mut engines[0];
+            assert_eq!(
+                a.step(m).unwrap().reclaim_closed_after,
+                None,
+                "still lent out"
+            );
+        }
+        let (b, m) = &mut engines[1];
+        assert!(b.step(m).unwrap().pages_shed > 0);
+        let (a, m) = &mut engines[0];
+        assert_eq!(
+            a.step(m).unwrap().reclaim_closed_after,
+            Some(requester_steps),
+            "the demand seen first {requester_steps} steps before"
+        );
+    }
+}

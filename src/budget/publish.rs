@@ -368,7 +368,7 @@ fn put(cell: &AtomicU32, value: u32, lowering: bool) {
 #[cfg(test)]
 mod tests {
     use super::super::{BudgetConfig, BudgetCoordinator, Publication, PublishFault};
-    use super::{BUSY, FREE, LIVE};
+    use super::{BUSY, FREE, JOINING, LIVE};
     use crate::ids::EngineId;
     use crate::sync::Ordering;
     use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -501,5 +501,36 @@ mod tests {
         );
         c.set_active(b, true);
         check_still_works(&c, a, b);
+    }
+
+    /// An engine whose joining round unwound before writing stays `JOINING` until the next
+    /// round: registered, so the snapshot lists it (weight, zero figures), and its quota is not
+    /// yet a guarantee (`guaranteed_blocks` is `None` until a publication makes it `LIVE`).
+    #[test]
+    fn a_joining_engine_is_listed_but_not_yet_guaranteed() {
+        let c = BudgetCoordinator::new(BudgetConfig::new(3, 12, 40)).unwrap();
+        let a = c.register(1).unwrap();
+        let mut c = c;
+        c.fail_next_publication(PublishFault::Computing);
+        expect_injected_panic(|| c.register(3));
+        assert_recovered(&c);
+        let b = EngineId(1);
+        assert_eq!(state(&c, b), JOINING);
+        assert!(c.is_registered(b));
+        let s = c.snapshot();
+        let listed: Vec<_> = s.engines.iter().map(|x| (x.engine, x.weight)).collect();
+        assert_eq!(listed, vec![(a, 1), (b, 3)], "a joining engine left out");
+        assert_eq!(c.guaranteed_blocks(a), Some(40));
+        assert_eq!(
+            c.guaranteed_blocks(b),
+            None,
+            "an unpublished quota read as guaranteed"
+        );
+        c.recompute();
+        assert_eq!(state(&c, b), LIVE);
+        assert_eq!(
+            (c.guaranteed_blocks(a), c.guaranteed_blocks(b)),
+            (Some(10), Some(30))
+        );
     }
 }

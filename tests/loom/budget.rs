@@ -698,3 +698,64 @@ fn an_activity_change_is_published_or_left_marked() {
         );
     });
 }
+
+/// Two requests deferred to one publisher (an activity change marked during its round, and a
+/// recompute that found it busy): the publisher runs the rounds they need (within
+/// `MAX_ROUNDS`), so once both calls returned nothing is left marked and the budgets are the
+/// final ones. A publisher that returned after one round whatever was marked meanwhile left
+/// the deferred request to some later caller.
+#[test]
+fn a_deferred_request_is_served_before_the_publisher_returns() {
+    crate::model(|| {
+        let c = Arc::new(coordinator(2, 4, 2));
+        let a = c.register(1).unwrap();
+        let b = c.register(1).unwrap();
+        c.set_active(a, true);
+        c.recompute();
+        let t = {
+            let c = c.clone();
+            thread::spawn(move || {
+                c.set_active(b, true);
+                c.recompute()
+            })
+        };
+        let plain = {
+            let c = c.clone();
+            thread::spawn(move || c.recompute())
+        };
+        plain.join().unwrap();
+        t.join().unwrap();
+        assert!(!c.is_dirty(), "a deferred request was left marked");
+        assert_eq!((c.token_budget(a), c.token_budget(b)), (2, 2));
+    });
+}
+
+/// A deregister racing a publisher that read the engine live, and a register that reuses the
+/// slot: the slot is freed only by a round that read it as leaving (and so wrote its figures
+/// to zero), so the new engine never reads the old engine's budget nor is granted under it.
+#[test]
+fn a_slot_is_freed_only_by_a_round_that_zeroed_it() {
+    crate::model(|| {
+        let c = Arc::new(coordinator(1, 4, 4));
+        let old = active_engine(&c);
+        let publisher = {
+            let c = c.clone();
+            thread::spawn(move || {
+                c.recompute();
+            })
+        };
+        let joiner = {
+            let c = c.clone();
+            thread::spawn(move || {
+                let e = c.register(1).ok()?;
+                Some((c.token_budget(e), c.try_acquire_tokens(e, 1)))
+            })
+        };
+        c.deregister(old).unwrap();
+        publisher.join().unwrap();
+        if let Some((budget, granted)) = joiner.join().unwrap() {
+            assert_eq!(budget, 0, "the new engine read the old engine's budget");
+            assert!(!granted, "the new, idle engine was granted tokens");
+        }
+    });
+}

@@ -205,9 +205,10 @@ impl BlockTable {
     /// blocks went back to the free list (shared ones only lose a reference). Lock-free: the
     /// releases are the pool's CAS loops (see the module's Progress section).
     ///
-    /// The blocks go back in batches of up to 64 through [`BlockPool::free_n`], so a sequence's unshared pages refill its engine's magazine (the
-    /// engine's next `alloc_n` takes them without the pool's shared head) instead of being
-    /// pushed one CAS on the shared head at a time.
+    /// The blocks go back in batches of up to 64 through [`BlockPool::free_n`], so a
+    /// sequence's unshared pages refill its engine's magazine (the engine's next `alloc_n`
+    /// takes them without the pool's shared head) instead of being pushed one CAS on the
+    /// shared head at a time.
     pub fn truncate(&mut self, new_len: u32) -> u32 {
         if new_len >= self.len {
             return 0;

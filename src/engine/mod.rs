@@ -16,10 +16,10 @@
 //! plus lock-free operations on the shared pool and coordinator, with no lock. Its kernels do
 //! wait: `RawBackend` for its own stream at the end of a step, and the CPU kernels
 //! ([`HostBackend`]) on rayon's global thread pool, which every engine of the process shares.
-//! There the step thread (outside the pool) hands its tasks to rayon and blocks on rayon's
-//! latch, a mutex and condition variable inside rayon-core, until they ran; waking a sleeping
-//! worker takes that worker's mutex too, and tasks queue behind other engines' tasks, so a
-//! busy pool delays an engine's step by other engines' kernels: a mutex on the CPU step path.
+//! There the step thread (outside the pool) hands its tasks to rayon and blocks until they ran
+//! on rayon's latch, a mutex and condition variable inside rayon-core (waking a sleeping worker
+//! takes that worker's mutex too), and its tasks queue behind other engines': the one mutex on
+//! a step path, and a busy pool delays an engine's step by other engines' kernels.
 
 #[cfg(feature = "cuda")]
 mod device;

@@ -56,6 +56,28 @@ struct Eng {
     next_id: u64,
 }
 
+/// A random batcher configuration for engine `e` with a block size from `sizes`; also returns
+/// the block size and the swap blocks.
+fn random_config(rng: &mut SmallRng, e: u16, sizes: &[u32]) -> (BatcherConfig, u32, u32) {
+    let bs = sizes[rng.gen_range(0..sizes.len())];
+    let swap_blocks = rng.gen_range(0..30);
+    let cfg = BatcherConfig {
+        engine: EngineId(e),
+        block_size: bs,
+        max_running: rng.gen_range(1..6),
+        max_batched_tokens: rng.gen_range(1..40),
+        max_prefill_chunk: rng.gen_range(1..16),
+        max_blocks_per_seq: 48,
+        preemption: if rng.gen_bool(0.5) {
+            PreemptionMode::Recompute
+        } else {
+            PreemptionMode::Swap
+        },
+        swap_blocks,
+    };
+    (cfg, bs, swap_blocks)
+}
+
 #[test]
 fn two_engines_share_a_cache_without_mixing_kv() {
     let mut tot = [0u64; 5];
@@ -87,22 +109,7 @@ fn run(seed: u64) -> [u64; 5] {
     let mut mirror: HashMap<u32, (u16, pagedkv::prefix::BlockHash)> = HashMap::new();
     let mut engs: Vec<Eng> = (0..2u16)
         .map(|e| {
-            let bs = [1u32, 2, 3, 4, 8][rng.gen_range(0..5)];
-            let swap_blocks = rng.gen_range(0..30);
-            let cfg = BatcherConfig {
-                engine: EngineId(e),
-                block_size: bs,
-                max_running: rng.gen_range(1..6),
-                max_batched_tokens: rng.gen_range(1..40),
-                max_prefill_chunk: rng.gen_range(1..16),
-                max_blocks_per_seq: 48,
-                preemption: if rng.gen_bool(0.5) {
-                    PreemptionMode::Recompute
-                } else {
-                    PreemptionMode::Swap
-                },
-                swap_blocks,
-            };
+            let (cfg, bs, swap_blocks) = random_config(&mut rng, e, &[1, 2, 3, 4, 8]);
             let used = Arc::new(AtomicU32::new(0));
             let mut bt = Batcher::new(cfg, pool.clone()).unwrap();
             bt.attach_budget(Box::new(Quota {
@@ -361,22 +368,7 @@ fn run_threads(seed: u64) {
         let tseed = seed * 2 + u64::from(e);
         handles.push(std::thread::spawn(move || {
             let mut rng = SmallRng::seed_from_u64(tseed);
-            let bs = [1u32, 2, 4, 8][rng.gen_range(0..4)];
-            let swap_blocks = rng.gen_range(0..30);
-            let cfg = BatcherConfig {
-                engine: EngineId(e),
-                block_size: bs,
-                max_running: rng.gen_range(1..6),
-                max_batched_tokens: rng.gen_range(1..40),
-                max_prefill_chunk: rng.gen_range(1..16),
-                max_blocks_per_seq: 48,
-                preemption: if rng.gen_bool(0.5) {
-                    PreemptionMode::Recompute
-                } else {
-                    PreemptionMode::Swap
-                },
-                swap_blocks,
-            };
+            let (cfg, bs, swap_blocks) = random_config(&mut rng, e, &[1, 2, 4, 8]);
             let used = Arc::new(AtomicU32::new(0));
             let mut bt = Batcher::new(cfg, pool.clone()).unwrap();
             bt.attach_budget(Box::new(Quota {

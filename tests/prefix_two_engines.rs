@@ -11,37 +11,17 @@
 use pagedkv::block::{BlockPool, EngineId, PoolConfig};
 use pagedkv::prefix::{PrefixCache, PrefixConfig};
 use pagedkv::sched::{
-    Batcher, BatcherConfig, EngineBudget, FinishedSeq, PreemptionMode, Priority, SeqPhase,
-    SeqRequest, StepResults, StopRules,
+    Batcher, BatcherConfig, FinishedSeq, PreemptionMode, Priority, SeqPhase, SeqRequest,
+    StepResults, StopRules,
 };
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-struct Quota {
-    quota: u32,
-    used: Arc<AtomicU32>,
-}
-
-impl EngineBudget for Quota {
-    fn token_budget(&self) -> u32 {
-        u32::MAX
-    }
-    fn try_acquire_blocks(&self, n: u32) -> bool {
-        let prev = self.used.fetch_add(n, Ordering::Relaxed);
-        if prev + n > self.quota {
-            self.used.fetch_sub(n, Ordering::Relaxed);
-            return false;
-        }
-        true
-    }
-    fn release_blocks(&self, n: u32) {
-        let prev = self.used.fetch_sub(n, Ordering::Relaxed);
-        assert!(prev >= n, "budget released below zero");
-    }
-    fn set_active(&self, _: bool) {}
-}
+#[path = "support/random_batcher.rs"]
+mod random_batcher;
+use random_batcher::Quota;
 
 /// (engine, token, position) whose KV a slot holds.
 type Cell = Option<(u16, u32, i32)>;
@@ -76,6 +56,30 @@ fn random_config(rng: &mut SmallRng, e: u16, sizes: &[u32]) -> (BatcherConfig, u
         swap_blocks,
     };
     (cfg, bs, swap_blocks)
+}
+
+/// Commits `n` random samples (tokens 0..3) and keeps each live sequence's history: the
+/// tokens appended, a finished sequence's history dropped.
+fn commit_random(
+    bt: &mut Batcher,
+    rng: &mut SmallRng,
+    n: usize,
+    res: &mut StepResults,
+    fin: &mut Vec<FinishedSeq>,
+    hist: &mut HashMap<u64, Vec<u32>>,
+) {
+    let sampled: Vec<u32> = (0..n).map(|_| rng.gen_range(0..3)).collect();
+    res.clear();
+    fin.clear();
+    bt.commit_with_updates(&sampled, fin, res).unwrap();
+    for u in &res.updates {
+        hist.get_mut(&u.id)
+            .unwrap()
+            .extend_from_slice(res.tokens_of(u));
+    }
+    for f in fin.iter() {
+        hist.remove(&f.id);
+    }
 }
 
 #[test]
@@ -113,6 +117,7 @@ fn run(seed: u64) -> [u64; 5] {
             let used = Arc::new(AtomicU32::new(0));
             let mut bt = Batcher::new(cfg, pool.clone()).unwrap();
             bt.attach_budget(Box::new(Quota {
+                tokens: Arc::new(AtomicU32::new(u32::MAX)),
                 quota: rng.gen_range(4..=blocks),
                 used: used.clone(),
             }));
@@ -260,20 +265,8 @@ fn run(seed: u64) -> [u64; 5] {
             if discard {
                 continue;
             }
-            let sampled: Vec<u32> = (0..b.num_samples()).map(|_| rng.gen_range(0..3)).collect();
-            res.clear();
-            fin.clear();
-            g.bt.commit_with_updates(&sampled, &mut fin, &mut res)
-                .unwrap();
-            for u in &res.updates {
-                g.hist
-                    .get_mut(&u.id)
-                    .unwrap()
-                    .extend_from_slice(res.tokens_of(u));
-            }
-            for f in &fin {
-                g.hist.remove(&f.id);
-            }
+            let n = b.num_samples();
+            commit_random(&mut g.bt, &mut rng, n, &mut res, &mut fin, &mut g.hist);
         }
         // Each engine's quota: the pages it holds, less its cached-free ones (between steps,
         // after both commits: no swap-out pending).
@@ -372,6 +365,7 @@ fn run_threads(seed: u64) {
             let used = Arc::new(AtomicU32::new(0));
             let mut bt = Batcher::new(cfg, pool.clone()).unwrap();
             bt.attach_budget(Box::new(Quota {
+                tokens: Arc::new(AtomicU32::new(u32::MAX)),
                 quota: rng.gen_range(6..=blocks),
                 used: used.clone(),
             }));
@@ -474,19 +468,8 @@ fn run_threads(seed: u64) {
                     }
                 }
                 std::thread::yield_now();
-                let sampled: Vec<u32> = (0..b.num_samples()).map(|_| rng.gen_range(0..3)).collect();
-                res.clear();
-                fin.clear();
-                bt.commit_with_updates(&sampled, &mut fin, &mut res)
-                    .unwrap();
-                for u in &res.updates {
-                    hist.get_mut(&u.id)
-                        .unwrap()
-                        .extend_from_slice(res.tokens_of(u));
-                }
-                for f in &fin {
-                    hist.remove(&f.id);
-                }
+                let n = b.num_samples();
+                commit_random(&mut bt, &mut rng, n, &mut res, &mut fin, &mut hist);
                 if next_id >= 40 && !bt.has_work() {
                     break;
                 }

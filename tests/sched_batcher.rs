@@ -1483,3 +1483,53 @@ fn an_engine_id_registered_again_finds_none_of_the_old_models_kv() {
     drop(new);
     assert_eq!(p.free_count(), 16);
 }
+
+/// A batcher on 4 pages whose two 6-token requests of `class` ran until the younger one (2
+/// pages) was swapped out; nothing waits.
+fn one_swapped_out(class: Priority) -> Batcher {
+    let mut bt = Batcher::new(
+        BatcherConfig {
+            preemption: PreemptionMode::Swap,
+            swap_blocks: 16,
+            ..config()
+        },
+        pool(4),
+    )
+    .unwrap();
+    for id in 0..2 {
+        let mut r = req(id, vec![1; 6], 10);
+        r.priority = class;
+        bt.add(r).unwrap();
+    }
+    let mut fin = Vec::new();
+    while bt.num_swapped() == 0 {
+        assert!(bt.has_work(), "the workload swapped nothing out");
+        step(&mut bt, &mut fin);
+    }
+    assert_eq!(bt.num_waiting_in(Priority::LatencyCritical), 0);
+    assert_eq!(bt.num_waiting_in(Priority::Throughput), 0);
+    bt
+}
+
+/// A swapped-out sequence is what the batcher admits next (it comes back before any waiting
+/// one of its class or a less urgent one), so it is the next admission's need: before, only
+/// waiting sequences were read, and an engine whose latency-critical sequence was swapped out
+/// (a running one that finds no page swaps itself out under swap preemption) asked no
+/// donation for it, where the same sequence preempted by recompute (waiting) did.
+#[test]
+fn a_swapped_sequence_is_the_next_admission_need() {
+    let lc = Priority::LatencyCritical;
+    let mut bt = one_swapped_out(lc);
+    assert_eq!(bt.next_admission_need(), Some((lc, 2)));
+    // A waiting throughput request does not come before it ...
+    bt.add(req(7, vec![1; 9], 1)).unwrap();
+    assert_eq!(bt.next_admission_need(), Some((lc, 2)));
+    // ... and a waiting latency-critical one (9 tokens: 3 pages) comes before a swapped
+    // throughput one.
+    let mut tp = one_swapped_out(Priority::Throughput);
+    assert_eq!(tp.next_admission_need(), Some((Priority::Throughput, 2)));
+    let mut urgent = req(9, vec![1; 9], 1);
+    urgent.priority = lc;
+    tp.add(urgent).unwrap();
+    assert_eq!(tp.next_admission_need(), Some((lc, 3)));
+}

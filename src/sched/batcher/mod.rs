@@ -787,15 +787,27 @@ impl Batcher {
         self.waiting[class.index()].len()
     }
 
-    /// Blocks the first waiting sequence of the most urgent non-empty class needs for its next
-    /// chunk, with that class; `None` when nothing waits.
+    /// The pages the sequence a step admits next needs, with its class; `None` when nothing
+    /// waits or is swapped out. That sequence is, as [`schedule_into`](Self::schedule_into)
+    /// orders them, the first swapped-out one (all its pages) unless a waiting one of a more
+    /// urgent class comes first, else the first waiting one of the most urgent non-empty class
+    /// (the pages of its next chunk).
     pub fn next_admission_need(&self) -> Option<(Priority, u32)> {
-        Priority::ALL.into_iter().find_map(|class| {
+        let waiting = Priority::ALL.into_iter().find_map(|class| {
             let &slot = self.waiting[class.index()].front()?;
             let s = self.seq(slot);
             let n = (s.tokens.len() - s.computed).min(self.cfg.max_prefill_chunk as usize);
             Some((class, n.div_ceil(self.cfg.block_size as usize) as u32))
-        })
+        });
+        let swapped = self.swapped.front().map(|&slot| {
+            let s = self.seq(slot);
+            (s.priority, s.host_blocks.len() as u32)
+        });
+        match (swapped, waiting) {
+            (Some((sc, _)), Some((wc, need))) if wc < sc => Some((wc, need)),
+            (Some(s), _) => Some(s),
+            (None, w) => w,
+        }
     }
 
     /// The last scheduled batch.

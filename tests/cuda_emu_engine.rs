@@ -15,7 +15,9 @@ use engine_workload::*;
 use pagedkv::budget::BudgetConfig;
 use pagedkv::cuda_emu::{EmuBuf, EmuDevice};
 use pagedkv::cuda_raw::Rows;
-use pagedkv::engine::{DeviceRows, Engine, LayerQkv, RawBackend, RawCaps, SharedArena, StepModel};
+use pagedkv::engine::{
+    DeviceRows, Engine, KvBackend, LayerQkv, RawBackend, RawCaps, SharedArena, StepModel,
+};
 use pagedkv::error::EngineError;
 use pagedkv::kv::{page_bytes_for, KvDtype, ModelKvShape};
 use pagedkv::sched::{Batch, PreemptionMode};
@@ -95,6 +97,12 @@ fn run_raw(preemption: PreemptionMode) -> Run {
         )
     }
     .unwrap();
+    // Swap space (pinned host memory on a device) only where the engine swaps.
+    let swap_pages = match preemption {
+        PreemptionMode::Swap => engine_config(preemption).swap_blocks as usize,
+        PreemptionMode::Recompute => 0,
+    };
+    assert_eq!(engine.backend().swap_slots(), Some(swap_pages));
     // The swap run's attention as programmatic dependent launches: the same outputs.
     let programmatic = matches!(preemption, PreemptionMode::Swap);
     engine.set_programmatic_launch(programmatic);
@@ -267,7 +275,6 @@ fn raw_backend_refuses_bad_rows_and_bad_capacities() {
 /// error naming the problem, and the backend serves the next good batch as if nothing happened.
 #[test]
 fn raw_backend_refuses_malformed_batches_and_stays_usable() {
-    use pagedkv::engine::KvBackend;
     let shared = shared();
     let caps = RawCaps::for_engine(&engine_config(PreemptionMode::Swap), TOKENS_PER_PAGE, PAGES);
     let mut backend = emu_backend(&shared, HEADS, caps).unwrap();
@@ -461,7 +468,6 @@ fn raw_engines_running_more_sequences_than_a_plan_takes_are_refused() {
 /// a prompt waited: a configuration no step could serve, found only at run time.
 #[test]
 fn raw_engines_whose_prefill_chunks_pass_the_launch_limit_are_refused() {
-    use pagedkv::engine::KvBackend;
     use pagedkv::error::RawError;
     let mqa = ModelKvShape {
         num_layers: 1,

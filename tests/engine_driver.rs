@@ -636,6 +636,27 @@ fn a_backend_with_less_swap_than_swap_blocks_is_refused_under_swap_preemption() 
     assert_no_leak(&shared);
 }
 
+/// An engine under recompute preemption never swaps, so its constructors allocate no swap
+/// space whatever `swap_blocks` says: before, `Engine::host` (and `Engine::raw`, with pinned
+/// host memory) allocated `swap_blocks` pages that nothing would ever use.
+#[test]
+fn an_engine_under_recompute_preemption_allocates_no_swap_space() {
+    let (shape, heads) = shapes()[0];
+    let page_bytes = page_bytes_for(&[shape], 16).unwrap();
+    let shared = SharedArena::host(BudgetConfig::new(1, 128, 32), page_bytes).unwrap();
+    for (mode, slots) in [(PreemptionMode::Recompute, 0), (PreemptionMode::Swap, 64)] {
+        let cfg = engine_config(mode);
+        assert_eq!(cfg.swap_blocks, 64);
+        assert_eq!(cfg.swap_space_pages(), slots);
+        let engine = Engine::<HostBackend<f32>>::host(&shared, cfg, &shape, heads).unwrap();
+        assert_eq!(
+            engine.backend().swap_slots(),
+            Some(slots as usize),
+            "{mode:?}"
+        );
+    }
+}
+
 /// Drives `engines` to idle, proposing drafts (right or wrong, from `rng`) for decoding
 /// sequences before every step; checks page accounting after every step. Returns the
 /// (accepted, rejected) drafts seen.

@@ -52,7 +52,9 @@ pub struct EngineConfig {
     pub max_context: u32,
     /// What preemption does with a victim's KV.
     pub preemption: PreemptionMode,
-    /// Host swap slots (pages) for swap preemption.
+    /// Host swap slots (pages) for swap preemption; under recompute preemption nothing is
+    /// swapped, and the engine's constructors allocate no swap space whatever this says
+    /// ([`swap_space_pages`](Self::swap_space_pages)).
     pub swap_blocks: u32,
     /// When the engine recomputes the coordinator's budgets.
     pub recompute: RecomputePolicy,
@@ -81,6 +83,18 @@ pub struct StepReport {
     /// (the next admission fits this engine's limit but not the pool's free pages, because
     /// pages of its share are lent out) to the pages being free.
     pub reclaim_closed_after: Option<u64>,
+}
+
+impl EngineConfig {
+    /// The swap space the engine's constructors allocate: `swap_blocks` pages under swap
+    /// preemption, none under recompute (its batcher never swaps, and a device backend's swap
+    /// space is pinned host memory).
+    pub fn swap_space_pages(&self) -> u32 {
+        match self.preemption {
+            PreemptionMode::Swap => self.swap_blocks,
+            PreemptionMode::Recompute => 0,
+        }
+    }
 }
 
 /// One model's engine on a shared arena: a continuous-batching [`Batcher`], its share of the
@@ -196,7 +210,7 @@ impl<B: KvBackend> Engine<B> {
                     .div_ceil(block_size)
                     .min(shared.pool().total()),
                 preemption: cfg.preemption,
-                swap_blocks: cfg.swap_blocks,
+                swap_blocks: cfg.swap_space_pages(),
             },
             shared.pool().clone(),
         );
@@ -591,7 +605,7 @@ impl<T: crate::kv::KvElem> Engine<super::HostBackend<T>> {
         // pool, which hands out exactly this arena's pages; every other engine built here
         // keeps the same rule (`HostBackend::new`'s contract).
         let backend =
-            unsafe { super::HostBackend::new(view, query_heads, cfg.swap_blocks as usize)? };
+            unsafe { super::HostBackend::new(view, query_heads, cfg.swap_space_pages() as usize)? };
         Self::new(shared, cfg, backend)
     }
 }

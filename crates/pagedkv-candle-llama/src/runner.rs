@@ -92,10 +92,8 @@ pub(crate) fn engine_config(cfg: &LlamaConfig, setup: &EngineSetup) -> Result<En
         max_prefill_chunk: setup.max_prefill_chunk,
         max_context: setup.max_context,
         preemption: setup.preemption,
-        swap_blocks: match setup.preemption {
-            PreemptionMode::Swap => setup.swap_blocks,
-            PreemptionMode::Recompute => 0,
-        },
+        // The engine allocates swap space only under swap preemption.
+        swap_blocks: setup.swap_blocks,
         recompute: RecomputePolicy::SERVER,
         prefix_cache: false,
     })

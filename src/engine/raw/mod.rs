@@ -180,7 +180,7 @@ impl<D: RawDevice> super::Engine<RawBackend<D>> {
                 &config,
                 query_heads,
                 caps,
-                cfg.swap_blocks as usize,
+                cfg.swap_space_pages() as usize,
             )?
         };
         Self::new(shared, cfg, backend)

@@ -1533,3 +1533,29 @@ fn a_swapped_sequence_is_the_next_admission_need() {
     tp.add(urgent).unwrap();
     assert_eq!(tp.next_admission_need(), Some((lc, 3)));
 }
+
+/// Swap slots past `MAX_BLOCKS` are refused: no host swap space holds more (`SwapSpace`, the
+/// raw backend's, the pinned one all refuse them), and the batcher listed every slot up front,
+/// 4 bytes each: `swap_blocks: u32::MAX` (a caller's "unlimited") allocated 16 GiB in `new`.
+#[test]
+fn swap_blocks_past_max_blocks_are_refused() {
+    use pagedkv::block::MAX_BLOCKS;
+    let mut cfg = config();
+    cfg.preemption = PreemptionMode::Swap;
+    cfg.swap_blocks = MAX_BLOCKS;
+    assert!(Batcher::new(cfg, pool(16)).is_ok());
+    for swap_blocks in [MAX_BLOCKS + 1, u32::MAX] {
+        cfg.swap_blocks = swap_blocks;
+        // Under recompute too: the slots were listed whatever the mode.
+        for preemption in [PreemptionMode::Swap, PreemptionMode::Recompute] {
+            cfg.preemption = preemption;
+            assert!(
+                matches!(
+                    Batcher::new(cfg, pool(16)),
+                    Err(SchedError::InvalidConfig(_))
+                ),
+                "swap_blocks {swap_blocks} ({preemption:?}) accepted"
+            );
+        }
+    }
+}

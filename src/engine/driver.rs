@@ -87,8 +87,7 @@ pub struct StepReport {
 
 impl EngineConfig {
     /// The swap space the engine's constructors allocate: `swap_blocks` pages under swap
-    /// preemption, none under recompute (its batcher never swaps, and a device backend's swap
-    /// space is pinned host memory).
+    /// preemption, none under recompute (its batcher never swaps).
     pub fn swap_space_pages(&self) -> u32 {
         match self.preemption {
             PreemptionMode::Swap => self.swap_blocks,

@@ -43,7 +43,8 @@ pub struct BatcherConfig {
     pub max_blocks_per_seq: u32,
     /// Preemption by recompute or swap.
     pub preemption: PreemptionMode,
-    /// Host swap slots (blocks) available to this batcher.
+    /// Host swap slots (blocks) available to this batcher; at most
+    /// [`MAX_BLOCKS`](crate::block::MAX_BLOCKS), as many as a swap space holds.
     pub swap_blocks: u32,
 }
 
@@ -246,6 +247,13 @@ impl Batcher {
         if cfg.max_blocks_per_seq == 0 {
             return Err(SchedError::InvalidConfig(
                 "max_blocks_per_seq must be at least 1",
+            ));
+        }
+        // No host swap space holds more slots (`SwapSpace`, the raw backend's, the pinned one
+        // refuse them), and every slot is listed here, 4 bytes each: `u32::MAX` was 16 GiB.
+        if cfg.swap_blocks > crate::ids::MAX_BLOCKS {
+            return Err(SchedError::InvalidConfig(
+                "swap_blocks must be at most MAX_BLOCKS",
             ));
         }
         if cfg.engine.0 >= pool.max_engines() {

@@ -443,6 +443,38 @@ fn stats_are_cleared_by_an_upload_that_fails_before_its_first_fill() {
 }
 
 #[test]
+fn stats_are_cleared_by_an_upload_that_fails_at_its_first_wait_or_copy() {
+    use pagedkv::gguf::upload::FillStats;
+    // One 10-byte tensor through 2 buffers: an upload makes 3 waits (one before its only fill,
+    // one per buffer at the end) and 1 copy. Fail the second upload's first wait (before it
+    // hands out a fill) or its only copy (before its fill is queued).
+    let bytes = file_of_sizes(&[10], 5);
+    let g = Gguf::parse(&bytes).expect("parse");
+    for fault in [
+        HostFault {
+            op: HostOp::Wait,
+            call: 3,
+        },
+        HostFault {
+            op: HostOp::Copy,
+            call: 1,
+        },
+    ] {
+        let config = HostConfig {
+            fault: Some(fault),
+            ..HostConfig::default()
+        };
+        let (mut r, probe) = ring_with(2, 128, 2, config);
+        r.upload(&g, |_| {}).expect("first upload");
+        assert_eq!(r.last_stats().threads, 2);
+        assert!(r.upload(&g, |_| {}).is_err(), "{fault:?}");
+        // last_stats: "all zero ... after one that failed before its first fill".
+        assert_eq!(r.last_stats(), FillStats::default(), "{fault:?}");
+        drop_clean(r, &probe, "stats");
+    }
+}
+
+#[test]
 fn panicking_progress_leaves_a_safe_ring() {
     let sizes = sizes_around(100);
     let bytes = file_of_sizes(&sizes, 21);

@@ -268,7 +268,7 @@ impl<E: CopyEngine> StagingRing<E> {
             ..
         } = self;
         *stats = FillStats::default();
-        std::thread::scope(|scope| {
+        let result = std::thread::scope(|scope| {
             let (done_tx, done_rx) = mpsc::channel::<Done<E::Staging>>();
             let mut jobs = Vec::with_capacity(threads);
             for attempt in 0..threads {
@@ -320,7 +320,13 @@ impl<E: CopyEngine> StagingRing<E> {
             )
             // `fleet` drops here, before the scope joins the fill threads: it takes back every
             // buffer still out and closes the job channels, so the threads exit.
-        })
+        });
+        // An upload that failed before its first fill was queued reports all zero (as
+        // `last_stats` says), not the fill threads it spawned for nothing.
+        if result.is_err() && self.stats.fills == 0 {
+            self.stats = FillStats::default();
+        }
+        result
     }
 }
 

@@ -186,3 +186,19 @@ extern "C" int pkv_swap_blocks(void *dst, size_t dst_page_bytes, const void *src
   }
   return PKV_OK;
 }
+
+extern "C" int pkv_host_register(void *ptr, size_t bytes) {
+  if (ptr == nullptr) return PKV_ERR_NULL_POINTER;
+  if (bytes == 0) return PKV_ERR_INVALID_ARG;
+  const cudaError_t e = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
+  // The caller goes on with pageable memory: the failure must not read as the next launch's.
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  return status_of(e);
+}
+
+extern "C" int pkv_host_unregister(void *ptr) {
+  if (ptr == nullptr) return PKV_ERR_NULL_POINTER;
+  const cudaError_t e = cudaHostUnregister(ptr);
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  return status_of(e);
+}

@@ -472,8 +472,8 @@ int pkv_copy_blocks(void *cache, const pkv_cache_geometry *geom, const int32_t *
  * page sizes every block is its own copy. Host memory must be pinned (page-locked) for the
  * copies to be asynchronous and at full PCIe bandwidth.
  *
- * dst, src           the destination and source bases (device arena -> pinned host swap space
- *                    for swap-out, the reverse for swap-in)
+ * dst, src           the destination and source bases (device arena -> host swap space for
+ *                    swap-out, the reverse for swap-in; pinned by pkv_host_register, say)
  * dst_page_bytes, src_page_bytes  bytes from one block to the next on each side: at least
  *                    block_bytes (else PKV_ERR_PAGE_STRIDE) and multiples of PKV_PAGE_ALIGN
  *                    (else PKV_ERR_PAGE_ALIGN)
@@ -486,6 +486,27 @@ int pkv_copy_blocks(void *cache, const pkv_cache_geometry *geom, const int32_t *
 int pkv_swap_blocks(void *dst, size_t dst_page_bytes, const void *src, size_t src_page_bytes,
                     size_t block_bytes, const int64_t *pairs, int32_t num_pairs, int32_t to_host,
                     void *stream);
+
+/**
+ * Page-locks (pins) the `bytes` of host memory at `ptr` for every device context
+ * (cudaHostRegisterPortable), so that pkv_swap_blocks' copies to and from it are asynchronous
+ * DMA at full PCIe bandwidth instead of staged, host-blocking copies of pageable memory. Needs a
+ * current context (the caller binds its device first). On failure (too much locked memory, say)
+ * the memory stays pageable and usable, and the runtime's last error is cleared, so the next
+ * launch's status is not this call's.
+ *
+ * ptr, bytes   host memory the caller allocated (not already registered), bytes > 0
+ * Returns PKV_OK, PKV_ERR_NULL_POINTER / PKV_ERR_INVALID_ARG for a null pointer or 0 bytes, or
+ * the runtime's cudaError_t.
+ */
+int pkv_host_register(void *ptr, size_t bytes);
+
+/**
+ * Unpins memory pinned by pkv_host_register (before it is freed; no queued copy may still use
+ * it). Needs a current context; clears the runtime's last error on failure, as above.
+ * Returns PKV_OK, PKV_ERR_NULL_POINTER, or the runtime's cudaError_t (e.g. not registered).
+ */
+int pkv_host_unregister(void *ptr);
 
 /**
  * Checks that the runtime works on the current device and that this build holds a kernel image

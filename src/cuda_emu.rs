@@ -160,6 +160,20 @@ pub fn set_copies_at_issue(at_issue: bool) {
     unsafe { emu_ffi::pkv_emu_set_copies_at_issue(i32::from(at_issue)) }
 }
 
+/// Makes this OS thread's later `cudaHostRegister` calls fail (as a GPU over its locked-memory
+/// limit would), or succeed again.
+pub fn set_host_register_fails(fails: bool) {
+    // SAFETY: sets a thread-local flag; no preconditions.
+    unsafe { emu_ffi::pkv_emu_set_host_register_fails(i32::from(fails)) }
+}
+
+/// Bytes this OS thread pinned at exactly the address `addr` with `cudaHostRegister` and nobody
+/// unpinned since (0: none).
+pub fn host_registered(addr: usize) -> usize {
+    // SAFETY: a lookup by address under the emulation's lock; the pointer is not dereferenced.
+    unsafe { emu_ffi::pkv_emu_host_registered(addr as *const std::ffi::c_void) }
+}
+
 /// Sets the compute capability the emulated device reports on this OS thread (default 9.0:
 /// the wgmma prefill tilings run; another, e.g. 8.0, makes the launchers fall back and choose
 /// as they would on such a device).

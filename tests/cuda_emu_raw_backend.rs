@@ -251,3 +251,60 @@ fn initial_capacities_stay_within_the_kernels_limits() {
         );
     }
 }
+
+/// The host swap space is pinned (page-locked: swaps are then asynchronous DMA, not staged
+/// copies that block the engine's thread) while the backend lives, and unpinned before it is
+/// freed. Where the device refuses to pin it, it stays pageable, swaps move the same bytes, and
+/// the backend's launches run as before.
+#[test]
+fn the_swap_space_is_pinned_while_the_backend_lives() {
+    use pagedkv::cuda_emu::{host_registered, set_host_register_fails};
+    let cfg = config();
+    let page = cfg.block_stride();
+    for refused in [false, true] {
+        let mut arena = EmuBuf::zeroed(cfg.total_bytes()).unwrap();
+        for (i, x) in arena.as_mut_slice::<f32>()[page..2 * page]
+            .iter_mut()
+            .enumerate()
+        {
+            *x = 1.0 + i as f32;
+        }
+        set_host_register_fails(refused);
+        let mut b = backend_with(&arena, 4, 2);
+        set_host_register_fails(false);
+        let space = b.swap_space().unwrap();
+        let (base, bytes) = (space.base_ptr() as usize, space.total_bytes());
+        assert_eq!(b.swap_pinned(), !refused);
+        assert_eq!(host_registered(base), if refused { 0 } else { bytes });
+        // Page 1 out to slot 1 and back into page 3, then a launch.
+        b.swap_out(&[(1, 1)]).unwrap();
+        b.end().unwrap();
+        b.swap_in(&[(1, 3)]).unwrap();
+        let batch = Batch {
+            seq_ids: vec![1],
+            input_tokens: vec![7],
+            positions: vec![0],
+            query_start_loc: vec![0, 1],
+            context_lens: vec![1],
+            slot_mapping: vec![(5 * BS) as i64],
+            block_tables: vec![5],
+            max_blocks_per_seq: 1,
+            ..Batch::default()
+        };
+        b.begin(&batch).unwrap();
+        let k = EmuBuf::from_slice(&vec![2.0f32; KV_HEADS * D]).unwrap();
+        let rows = DeviceRows {
+            rows: Rows::dense(k.ptr() as u64, KV_HEADS, D),
+            tokens: 1,
+        };
+        b.reshape_and_cache(0, &rows, &rows, &batch)
+            .unwrap_or_else(|e| panic!("a launch after the pinning (refused: {refused}): {e}"));
+        b.end().unwrap();
+        drop(b);
+        assert_eq!(host_registered(base), 0, "still pinned after the drop");
+        let cache = arena.as_slice::<f32>();
+        assert_eq!(cache[page..2 * page], cache[3 * page..4 * page]);
+        assert_eq!(cache[5 * page], 2.0);
+    }
+    assert!(!backend_with(&EmuBuf::zeroed(cfg.total_bytes()).unwrap(), 4, 0).swap_pinned());
+}

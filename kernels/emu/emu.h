@@ -99,6 +99,8 @@ enum cudaError_t {
   cudaErrorInvalidDeviceFunction = 98,
   cudaErrorIllegalAddress = 700,
   cudaErrorLaunchOutOfResources = 701,
+  cudaErrorHostMemoryAlreadyRegistered = 712,
+  cudaErrorHostMemoryNotRegistered = 713,
   cudaErrorMisalignedAddress = 716,
   cudaErrorLaunchFailure = 719,
 };
@@ -132,6 +134,9 @@ cudaError_t cudaRuntimeGetVersion(int *version);
 const char *cudaGetErrorString(cudaError_t e);
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t stream);
+constexpr unsigned int cudaHostRegisterPortable = 1;
+cudaError_t cudaHostRegister(void *ptr, size_t bytes, unsigned int flags);
+cudaError_t cudaHostUnregister(void *ptr);
 
 namespace emu {
 

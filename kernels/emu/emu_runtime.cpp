@@ -11,7 +11,9 @@
 
 #include <algorithm>
 #include <array>
+#include <iterator>
 #include <map>
+#include <thread>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -36,6 +38,7 @@ thread_local std::string tl_fault_message;
 thread_local int tl_sm_count = 132;
 thread_local int tl_cc_major = 9, tl_cc_minor = 0;
 thread_local bool tl_copies_at_issue = false;
+thread_local bool tl_host_register_fails = false;
 thread_local int tl_policy = PKV_EMU_SCHEDULE_FORWARD;
 thread_local uint64_t tl_seed = 0;
 thread_local pkv_emu_stats tl_stats = {0, 0, 0, 0};
@@ -86,6 +89,14 @@ struct Mapping {
 };
 std::mutex g_alloc_mutex;
 std::map<void *, Mapping> g_allocs;
+// cudaHostRegister's ranges by base (process-wide, as the driver's), with the registering
+// thread (pkv_emu_host_registered answers for the caller's own: tests run in parallel).
+struct Pinned {
+  size_t bytes;
+  std::thread::id owner;
+};
+std::mutex g_pinned_mutex;
+std::map<const char *, Pinned> g_pinned;
 
 size_t page_size() {
   static const size_t p = (size_t)sysconf(_SC_PAGESIZE);
@@ -901,6 +912,10 @@ const char *cudaGetErrorString(cudaError_t e) {
     case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
     case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
     case cudaErrorMisalignedAddress: return "misaligned address";
+    case cudaErrorHostMemoryAlreadyRegistered:
+      return "part or all of the requested memory range is already mapped";
+    case cudaErrorHostMemoryNotRegistered:
+      return "pointer does not correspond to a registered memory region";
     case cudaErrorLaunchFailure: return "unspecified launch failure";
   }
   return "unknown error";
@@ -924,6 +939,36 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpy
   const cudaError_t own = emu::tl_error;
   if (own == cudaSuccess) emu::tl_error = before;
   return own;
+}
+
+// Pinning changes nothing the emulation can see (its copies are memmoves either way); what it
+// checks is the calls' contract: no overlapping registrations, unregistering only a base.
+cudaError_t cudaHostRegister(void *ptr, size_t bytes, unsigned int flags) {
+  if (ptr == nullptr || bytes == 0 || flags > 0xf || emu::tl_host_register_fails) {
+    emu::set_error(cudaErrorInvalidValue);
+    return cudaErrorInvalidValue;
+  }
+  const char *lo = static_cast<const char *>(ptr);
+  std::lock_guard<std::mutex> lock(emu::g_pinned_mutex);
+  auto next = emu::g_pinned.lower_bound(lo);
+  const bool overlaps_next = next != emu::g_pinned.end() && next->first < lo + bytes;
+  const bool overlaps_prev =
+      next != emu::g_pinned.begin() && std::prev(next)->first + std::prev(next)->second.bytes > lo;
+  if (overlaps_next || overlaps_prev) {
+    emu::set_error(cudaErrorHostMemoryAlreadyRegistered);
+    return cudaErrorHostMemoryAlreadyRegistered;
+  }
+  emu::g_pinned[lo] = emu::Pinned{bytes, std::this_thread::get_id()};
+  return cudaSuccess;
+}
+
+cudaError_t cudaHostUnregister(void *ptr) {
+  std::lock_guard<std::mutex> lock(emu::g_pinned_mutex);
+  if (emu::g_pinned.erase(static_cast<const char *>(ptr)) == 0) {
+    emu::set_error(cudaErrorHostMemoryNotRegistered);
+    return cudaErrorHostMemoryNotRegistered;
+  }
+  return cudaSuccess;
 }
 
 // ---- the controls of pagedkv_emu.h --------------------------------------------------------
@@ -952,6 +997,17 @@ extern "C" void pkv_emu_free(void *ptr) {
 }
 
 extern "C" void pkv_emu_set_sm_count(int32_t sms) { emu::tl_sm_count = sms; }
+
+extern "C" void pkv_emu_set_host_register_fails(int32_t fails) {
+  emu::tl_host_register_fails = fails != 0;
+}
+
+extern "C" size_t pkv_emu_host_registered(const void *ptr) {
+  std::lock_guard<std::mutex> lock(emu::g_pinned_mutex);
+  auto it = emu::g_pinned.find(static_cast<const char *>(ptr));
+  const bool mine = it != emu::g_pinned.end() && it->second.owner == std::this_thread::get_id();
+  return mine ? it->second.bytes : 0;
+}
 
 extern "C" void pkv_emu_set_copies_at_issue(int32_t at_issue) {
   emu::tl_copies_at_issue = at_issue != 0;

@@ -69,6 +69,16 @@ void pkv_emu_set_compute_capability(int32_t major, int32_t minor);
  *  copy queued into shared memory that another warp still reads. */
 void pkv_emu_set_copies_at_issue(int32_t at_issue);
 
+/** Whether this thread's later cudaHostRegister calls fail (nonzero: with
+ *  cudaErrorInvalidValue, as a GPU over its locked-memory limit would), for the callers'
+ *  fallback to pageable memory. */
+void pkv_emu_set_host_register_fails(int32_t fails);
+
+/** Bytes this thread registered by cudaHostRegister at exactly `ptr` and nobody unregistered
+ *  since (0: none). The registrations are process-wide, as on a GPU; the answer is per thread
+ *  so that tests running in parallel do not see each other's. */
+size_t pkv_emu_host_registered(const void *ptr);
+
 /** The scheduling policy (PKV_EMU_SCHEDULE_*) and seed of this thread's later launches. */
 void pkv_emu_set_schedule(int32_t policy, uint64_t seed);
 

@@ -43,6 +43,7 @@
 
 mod check;
 pub mod ffi;
+mod host_pin;
 mod launch;
 mod plan;
 mod tiling;
@@ -51,6 +52,7 @@ pub use crate::error::RawError;
 #[cfg(feature = "cuda")]
 pub(crate) use check::check_status;
 pub use check::{geometry, status_message, SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS, VIEW_ALIGN};
+pub use host_pin::{host_register, host_unregister};
 pub(crate) use launch::prefill_max_query_len;
 pub use launch::{
     copy_blocks, paged_attention_decode, paged_attention_prefill, reshape_and_cache, swap_blocks,

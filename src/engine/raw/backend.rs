@@ -35,6 +35,9 @@ pub struct RawBackend<D: RawDevice> {
     /// Host swap space: `swap_blocks` pages of the arena's page size, a block at the start of
     /// each (`None` for no swap slots: recompute preemption never swaps).
     swap: Option<KvArena>,
+    /// Whether `swap` is pinned (`cuda_raw::host_register`): its copies are then asynchronous
+    /// DMA; pageable, a swap-out blocks the engine's thread until its copies have run.
+    swap_pinned: bool,
     /// `[src, dst]` pairs of the current swap, reused.
     swap_pairs: Vec<[i64; 2]>,
     /// The current step's shape, set by `begin`.
@@ -105,7 +108,7 @@ impl<D: RawDevice> RawBackend<D> {
             n => Some(KvArena::new(n, config.page_bytes())?),
         };
         let bufs = Buffers::allocate(&dev, &cache, query_heads, mode, caps)?;
-        Ok(Self {
+        let mut backend = Self {
             staging: vec![0; bufs.layout.total],
             dev,
             cache,
@@ -114,13 +117,47 @@ impl<D: RawDevice> RawBackend<D> {
             mode,
             bufs,
             swap,
+            swap_pinned: false,
             swap_pairs: Vec::new(),
             step: None,
             out: DeviceRows {
                 rows: Rows::dense(0, query_heads, config.head_dim()),
                 tokens: 0,
             },
-        })
+        };
+        backend.pin_swap_space();
+        Ok(backend)
+    }
+
+    /// Pins the swap space, if any; where the device refuses (a locked-memory limit, say) it
+    /// stays pageable: slower swaps, the same results.
+    fn pin_swap_space(&mut self) {
+        let Some(space) = &self.swap else { return };
+        if self.dev.bind().is_err() {
+            return;
+        }
+        // SAFETY: the swap space is this backend's own host allocation of `total_bytes`,
+        // registered nowhere else; `Drop` unregisters it before the allocation is freed.
+        let pinned = unsafe {
+            cuda_raw::host_register(
+                space.base_ptr().cast::<std::ffi::c_void>(),
+                space.total_bytes(),
+            )
+        };
+        self.swap_pinned = pinned.is_ok();
+    }
+
+    /// The host swap space (`None` without swap slots).
+    pub fn swap_space(&self) -> Option<&KvArena> {
+        self.swap.as_ref()
+    }
+
+    /// Whether the host swap space is pinned (page-locked), so swaps are asynchronous copies at
+    /// full PCIe bandwidth; `false` without swap space, or where the device refused to pin it
+    /// (the swaps then copy pageable memory: correct, slower, and a swap-out waits for its
+    /// copies).
+    pub fn swap_pinned(&self) -> bool {
+        self.swap_pinned
     }
 
     /// The device handle.
@@ -306,6 +343,20 @@ impl<D: RawDevice> Drop for RawBackend<D> {
         if self.dev.synchronize().is_ok() {
             // SAFETY: the stream is idle; the buffers came from this device and are freed once.
             unsafe { free_buffers(&self.dev, &self.bufs) };
+            if let (true, Some(space)) = (self.swap_pinned, &self.swap) {
+                // SAFETY: `pin_swap_space` registered exactly this base; the stream is idle, so
+                // no copy still uses it; it is freed (the field's drop) only after this.
+                let unpinned = self.dev.bind().is_ok()
+                    && unsafe { cuda_raw::host_unregister(space.base_ptr().cast()) }.is_ok();
+                if !unpinned {
+                    // Still registered: freeing it could hand the driver's pinned pages back
+                    // to the allocator; leaked instead.
+                    std::mem::forget(self.swap.take());
+                }
+            }
+        } else if self.swap_pinned {
+            // A copy may still be under way into the pinned swap space: leaked, as the buffers.
+            std::mem::forget(self.swap.take());
         }
     }
 }

@@ -4,6 +4,7 @@
 // the template instance for (dtype, head_dim, group size), launches on the caller's stream and
 // returns the launch status; none synchronizes. The decode split policy lives in decode_plan
 // (the only place that chooses num_splits; the kernels derive partitions on the device).
+#include <cmath>
 #include <type_traits>
 
 #include "attention.cuh"
@@ -94,8 +95,10 @@ int common_attn_checks(const void *out, int64_t out_stride, const void *query, i
   if (params->num_heads <= 0 || params->num_heads % geom->num_kv_heads != 0)
     return PKV_ERR_INVALID_ARG;
   if (max_blocks_per_seq <= 0) return PKV_ERR_INVALID_ARG;
-  if (!(params->scale == params->scale) || !(params->softcap == params->softcap))
-    return PKV_ERR_INVALID_ARG;  // NaN
+  // NaN or infinite: the CPU oracle and the Rust API refuse them (a soft-cap of +inf made
+  // every logit inf * tanh(s / inf) = NaN).
+  if (!std::isfinite(params->scale) || !std::isfinite(params->softcap))
+    return PKV_ERR_INVALID_ARG;
   if ((params->launch_flags & ~allowed_flags) != 0) return PKV_ERR_INVALID_ARG;
   const int64_t row = (int64_t)params->num_heads * geom->head_dim;
   const int es = dtype_size(geom->dtype);

@@ -145,9 +145,9 @@ typedef struct pkv_cache_geometry {
 typedef struct pkv_attn_params {
   /** Query heads; a positive multiple of num_kv_heads. */
   int32_t num_heads;
-  /** Multiplies q.k (typically 1/sqrt(head_dim)). */
+  /** Multiplies q.k (typically 1/sqrt(head_dim)); finite (else PKV_ERR_INVALID_ARG). */
   float scale;
-  /** Logit soft-cap; <= 0 turns it off. */
+  /** Logit soft-cap; <= 0 turns it off; finite (else PKV_ERR_INVALID_ARG). */
   float softcap;
   /** Sliding window in tokens; <= 0 turns it off. */
   int32_t sliding_window;

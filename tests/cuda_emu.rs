@@ -1811,3 +1811,40 @@ fn a_value_whose_weight_underflows_later_leaves_the_row_as_the_oracle_has_it() {
         run::<bf16>(128, 4, bs);
     }
 }
+
+/// An infinite scale or soft-cap is refused (`PKV_ERR_INVALID_ARG`) by both attention
+/// launchers, as the Rust API and the CPU oracle refuse it (`BadParam`): the launchers refused
+/// only NaN, and a soft-cap of +inf (a cap "too large to matter") computed inf * tanh(s / inf)
+/// = inf * 0 = NaN for every logit, an all-NaN output with status OK.
+#[test]
+fn infinite_scale_or_softcap_is_refused() {
+    let mut rng = SmallRng::seed_from_u64(41);
+    let b = make_batch(&mut rng, 1, 1, 64, 16, KvDtype::F32, Page::Dense, &[20]);
+    let host = random_cache::<f32>(&mut rng, b.cfg);
+    let params = attn_params(1, 64, Features::PLAIN, &[]);
+    let query = random_vec::<f32>(&mut rng, 64);
+    let bad = ffi::PKV_ERR_INVALID_ARG as i32;
+    for (scale, softcap) in [
+        (f32::INFINITY, 0.0),
+        (f32::NEG_INFINITY, 0.0),
+        (0.125, f32::INFINITY),
+    ] {
+        let mut case = AttnCase::new(&b, &host, &query, &params);
+        case.params.scale = scale;
+        case.params.softcap = softcap;
+        let (status, out) = case.decode::<f32>(0, ffi::PKV_DECODE_SINGLE);
+        assert_eq!(
+            status,
+            bad,
+            "decode, scale {scale} softcap {softcap}: NaN outputs {}",
+            out.iter().filter(|x| x.is_nan()).count()
+        );
+        let (status, out) = case.prefill::<f32>(0, &[0, 1]);
+        assert_eq!(
+            status,
+            bad,
+            "prefill, scale {scale} softcap {softcap}: NaN outputs {}",
+            out.iter().filter(|x| x.is_nan()).count()
+        );
+    }
+}

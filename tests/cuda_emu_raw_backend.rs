@@ -308,3 +308,36 @@ fn the_swap_space_is_pinned_while_the_backend_lives() {
     }
     assert!(!backend_with(&EmuBuf::zeroed(cfg.total_bytes()).unwrap(), 4, 0).swap_pinned());
 }
+
+/// An arena base the kernels cannot take (null, or off the 16-byte grid every launch checks
+/// the cache base against) is refused when the backend is built: it was accepted, and then
+/// every step with tokens failed at its first cache write (`Misaligned` / `NullPointer`; a
+/// misaligned base still ran swap-only steps). Nothing launches here: the base is never used.
+#[test]
+fn an_arena_base_the_kernels_refuse_is_refused_at_construction() {
+    use pagedkv::cuda_raw::RawError;
+    use pagedkv::error::EngineError;
+    let cfg = config();
+    let arena = EmuBuf::zeroed(cfg.total_bytes() + 16).unwrap();
+    let caps = RawCaps {
+        max_seqs: 1,
+        max_tokens: 1,
+        max_blocks_per_seq: 1,
+        max_copies: 0,
+    };
+    for base in [0, arena.ptr() as u64 + 8] {
+        // SAFETY: the construction is refused or, on the old code, builds a backend that is
+        // dropped without a launch: the base is never dereferenced.
+        let b = unsafe { RawBackend::new(EmuDevice::new(8), base, &cfg, HEADS, caps, 0) };
+        assert!(
+            matches!(
+                b,
+                Err(EngineError::Raw(
+                    RawError::NullPointer { .. } | RawError::Misaligned { .. }
+                ))
+            ),
+            "arena base {base:#x}: {:?}",
+            b.map(|b| b.caps())
+        );
+    }
+}

@@ -7,7 +7,7 @@ use crate::cuda_raw::{
 };
 use crate::engine::exec::KvBackend;
 use crate::engine::host::{check_heads, no_swap_space};
-use crate::error::{AttnError, EngineError};
+use crate::error::{AttnError, EngineError, RawError};
 use crate::kv::{
     check_block_mapping, check_len, check_query_starts, check_seqs, check_slots, KvArena,
     KvCacheConfig, PagedSeqs,
@@ -65,9 +65,9 @@ impl<D: RawDevice> RawBackend<D> {
     /// swap space of `swap_blocks` blocks.
     ///
     /// # Errors
-    /// [`EngineError::Raw`] for a geometry without kernels or a plan the kernels refuse,
-    /// [`EngineError::InvalidConfig`] for heads that do not divide or empty capacities, and
-    /// `dev`'s allocation errors.
+    /// [`EngineError::Raw`] for a geometry without kernels, a plan the kernels refuse, or an
+    /// `arena_base` that is null or not 16-byte aligned, [`EngineError::InvalidConfig`] for
+    /// heads that do not divide or empty capacities, and `dev`'s allocation errors.
     ///
     /// # Safety
     /// `arena_base` is device memory of `dev`'s context holding `config.num_blocks()` pages of
@@ -90,6 +90,18 @@ impl<D: RawDevice> RawBackend<D> {
     ) -> Result<Self, EngineError> {
         cuda_raw::geometry(config)?;
         check_heads(config, query_heads)?;
+        // Every launch refuses a cache base that is null or off the 16-byte grid: refused
+        // here, not by every step's first cache write.
+        if arena_base == 0 {
+            return Err(RawError::NullPointer { what: "arena_base" }.into());
+        }
+        if arena_base % cuda_raw::VIEW_ALIGN as u64 != 0 {
+            return Err(RawError::Misaligned {
+                what: "arena_base",
+                align: cuda_raw::VIEW_ALIGN,
+            }
+            .into());
+        }
         if caps.max_seqs == 0 || caps.max_tokens == 0 || caps.max_blocks_per_seq == 0 {
             return Err(EngineError::InvalidConfig(format!(
                 "raw backend capacities must be positive: {caps:?}"

@@ -212,12 +212,15 @@ fn check_counts(seqs: u32, max_new: u32) -> Result<(), String> {
 
 /// The engine's `max_context` and arena pages for `seqs` sequences of a `prompt_len`-token
 /// prompt and `max_new` new tokens each, where `pages` pages were asked for (0: enough for
-/// every sequence's whole context at once). An error names the flags whose values do not fit
-/// in 32 bits (the sums wrapped, or panicked in a debug build).
+/// every sequence's whole context at once). The context is the positions the model runs: the
+/// prompt and every output token but the last, which is sampled and never fed back (the
+/// engine's own measure, `SeqRequest::max_cached_tokens`). An error names the flags whose
+/// values do not fit in 32 bits (the sums wrapped, or panicked in a debug build).
 fn plan(prompt_len: usize, max_new: u32, seqs: u32, pages: u32) -> Result<(u32, u32), String> {
-    let max_context = u32::try_from(prompt_len)
+    let max_context = u64::try_from(prompt_len)
         .ok()
-        .and_then(|p| p.checked_add(max_new))
+        .and_then(|p| p.checked_add(u64::from(max_new)))
+        .and_then(|n| u32::try_from(n.saturating_sub(1)).ok())
         .ok_or_else(|| {
             format!(
                 "a prompt of {prompt_len} tokens and --max-new {max_new} need more than {} \
@@ -294,19 +297,30 @@ fn run_cuda(
 mod tests {
     use super::*;
 
+    /// The positions a generation runs are the prompt's and every output token's but the last
+    /// (it is sampled, never fed back): a prompt of 1 token and --max-new 2048 fit a
+    /// context_length of 2048 (the engine takes them), where the plan asked for 2049 and the
+    /// example refused them.
+    #[test]
+    fn plan_counts_the_positions_the_engine_runs() {
+        assert_eq!(plan(1, 2048, 1, 0), Ok((2048, 128)));
+        assert_eq!(plan(16, 17, 2, 0), Ok((32, 4)));
+    }
+
     #[test]
     fn plan_refuses_sizes_past_32_bits() {
-        assert_eq!(plan(3, 29, 2, 0), Ok((32, 4)));
-        assert_eq!(plan(3, 29, 2, 7), Ok((32, 7)));
-        // --max-new u32::MAX: the context wrapped to prompt_len - 1.
-        let e = plan(1, u32::MAX, 1, 0).unwrap_err();
+        assert_eq!(plan(3, 29, 2, 0), Ok((31, 4)));
+        assert_eq!(plan(3, 29, 2, 7), Ok((31, 7)));
+        // --max-new u32::MAX after 2 prompt tokens: the context wrapped to prompt_len - 2.
+        assert_eq!(plan(1, u32::MAX, 1, 64), Ok((u32::MAX, 64)));
+        let e = plan(2, u32::MAX, 1, 0).unwrap_err();
         assert!(e.contains("--max-new"), "{e}");
         assert!(plan(usize::MAX, 1, 1, 0).is_err());
         // --seqs past 2^28 of 256 tokens: the page count wrapped to 16.
-        let e = plan(1, 255, (1 << 28) + 1, 0).unwrap_err();
+        let e = plan(1, 256, (1 << 28) + 1, 0).unwrap_err();
         assert!(e.contains("--pages"), "{e}");
         // An explicit page count needs no product.
-        assert_eq!(plan(1, 255, u32::MAX, 64), Ok((256, 64)));
+        assert_eq!(plan(1, 256, u32::MAX, 64), Ok((256, 64)));
     }
 
     #[test]

@@ -138,7 +138,8 @@ impl LlamaConfig {
     /// a head, or whose key length differs from that quotient, is refused here rather than run
     /// differently from the oracle. A linear scaling and llama3's frequency factors are run as
     /// llama.cpp runs them (candle's reader ignores both: [`RopeScaling`]); other scalings
-    /// (YaRN, LongRoPE) are refused.
+    /// (YaRN, LongRoPE), mixture-of-experts layers and bias tensors (`*.bias`, which
+    /// llama.cpp adds to the projections and candle's reader ignores) are refused.
     pub fn from_gguf(g: &Gguf<'_>) -> Result<Self> {
         let params = g.llama_params()?;
         let arch = params.architecture.as_str();
@@ -175,6 +176,16 @@ impl LlamaConfig {
                     "{k_experts} {experts}: mixture-of-experts layers are not supported"
                 )));
             }
+        }
+        // llama.cpp's llama graph adds the projections' optional biases
+        // (`blk.N.attn_{q,k,v,output}.bias`, `blk.N.ffn_{gate,up,down}.bias`) when the file
+        // has them; this client has none (nor has candle's `quantized_llama`), and would run
+        // such a file with them left out.
+        if let Some(t) = g.tensors().iter().find(|t| t.name().ends_with(".bias")) {
+            return Err(Error::Unsupported(format!(
+                "tensor {}: bias terms are not supported",
+                t.name()
+            )));
         }
         let rope_scaling = RopeScaling::from_gguf(g, arch, params.head_dim)?;
         let embd = g.require_tensor("token_embd.weight")?;

@@ -22,7 +22,8 @@ pub enum Error {
     #[error(transparent)]
     Kv(#[from] KvError),
     /// The file describes a model this client does not run (another architecture, a RoPE
-    /// that covers part of a head or is scaled, a tensor of the wrong shape or type).
+    /// that covers part of a head or is scaled other than linearly or by llama3 factors,
+    /// mixture-of-experts layers, projection biases, a tensor of the wrong shape or type).
     #[error("unsupported model: {0}")]
     Unsupported(String),
     /// A request or a step's input the model cannot take (a token outside the vocabulary, a
@@ -46,6 +47,17 @@ pub enum Error {
         /// The limit reached.
         steps: u64,
         /// The finished sequences' outputs and the counters of the steps run.
+        partial: Box<crate::Generation>,
+    },
+    /// A step of [`generate`](crate::generate) failed (`source`: the engine's or the model's
+    /// refusal). `partial` holds what the steps before it produced: the outputs of the
+    /// sequences that finished (the others are still queued in the engine, which can be
+    /// stepped on once the sequence at fault is aborted).
+    #[error("step {} of the generation failed: {source}", partial.steps + 1)]
+    StepFailed {
+        /// Why the step failed.
+        source: EngineError,
+        /// The finished sequences' outputs and the counters of the steps that succeeded.
         partial: Box<crate::Generation>,
     },
 }

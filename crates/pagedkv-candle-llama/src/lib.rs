@@ -6,7 +6,10 @@
 //! pagedkv's arena, attention is pagedkv's paged attention, and pagedkv's engine (continuous
 //! batching, chunked prefill, preemption) decides what runs each step. It computes what
 //! candle-transformers' `quantized_llama` computes from the same file (its tests check every
-//! sampled row's logits against it), so it is a real client of the engine loop, not a stand-in.
+//! sampled row's logits against it), so it is a real client of the engine loop, not a
+//! stand-in; a RoPE scaling, which candle ignores, is run as llama.cpp runs it
+//! ([`RopeScaling`]), and what neither runs the same (another RoPE, experts, projection
+//! biases) is refused with [`Error::Unsupported`].
 //!
 //! ```no_run
 //! use pagedkv::gguf::{Gguf, GgufBytes};

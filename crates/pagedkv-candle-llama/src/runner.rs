@@ -29,9 +29,11 @@ pub struct EngineSetup {
     pub max_batched_tokens: u32,
     /// Most prompt tokens of one sequence in one step (chunked prefill).
     pub max_prefill_chunk: u32,
-    /// Longest sequence (prompt and output), at most the file's `llama.context_length` (the
-    /// positions the model was trained for): a longer one is refused when the engine is built
-    /// ([`Error::ContextTooLong`]), not capped.
+    /// Most positions one sequence runs: its prompt and every output token but the last
+    /// (sampled, never fed back: [`SeqRequest::max_cached_tokens`]), so a prompt of `p` tokens
+    /// may ask for up to `max_context + 1 - p` new ones. At most the file's
+    /// `llama.context_length` (the positions the model was trained for): a longer one is
+    /// refused when the engine is built ([`Error::ContextTooLong`]), not capped.
     pub max_context: u32,
     /// What preemption does with a victim's KV.
     pub preemption: PreemptionMode,
@@ -127,7 +129,8 @@ impl Generation {
 ///
 /// Every request is checked ([`PagedLlama::check_request`]) before any is queued; if the
 /// engine then refuses one (a duplicate id, a prompt longer than its context), the requests
-/// before it stay queued.
+/// before it stay queued. A step that fails ends the generation with
+/// [`Error::StepFailed`], which keeps the outputs of the sequences finished before it.
 pub fn generate<B: KvBackend, M: StepModel<B> + AsRef<PagedLlama> + ?Sized>(
     engine: &mut Engine<B>,
     model: &mut M,
@@ -151,7 +154,18 @@ pub fn generate<B: KvBackend, M: StepModel<B> + AsRef<PagedLlama> + ?Sized>(
                 partial: Box::new(gen),
             });
         }
-        let report = engine.step(model)?;
+        let report = match engine.step(model) {
+            Ok(report) => report,
+            Err(source) => {
+                // The outputs already taken from the engine are returned, not dropped with
+                // the error: their sequences are gone from the engine.
+                gen.elapsed = start.elapsed();
+                return Err(Error::StepFailed {
+                    source,
+                    partial: Box::new(gen),
+                });
+            }
+        };
         gen.steps += 1;
         gen.generated += u64::from(report.sampled);
         gen.scheduled += u64::from(report.scheduled);

@@ -485,3 +485,59 @@ fn a_step_limit_keeps_the_finished_outputs() {
     let rest = generate(&mut engine, &mut model, [], 200).unwrap();
     assert_eq!(rest.outputs[&2].len(), 60);
 }
+
+/// A llama file with bias tensors (llama.cpp's llama graph adds the optional
+/// `blk.N.attn_{q,k,v,output}.bias` and `blk.N.ffn_{gate,up,down}.bias` it finds) is refused:
+/// the client has no biases, so it loaded such a file and ran it with every bias left out
+/// (candle's `quantized_llama` ignores them too, so the oracle agreed with the wrong logits).
+#[test]
+fn a_file_with_bias_tensors_is_refused() {
+    for (name, len) in [
+        ("blk.0.attn_q.bias", 256),
+        ("blk.1.attn_k.bias", 64),
+        ("blk.0.attn_output.bias", 256),
+        ("blk.1.ffn_down.bias", 256),
+        ("blk.0.ffn_up.bias", 512),
+    ] {
+        let r = load(&with_extra(&[], &[(name, vec![0.5; len])]));
+        assert!(
+            matches!(&r, Err(Error::Unsupported(m)) if m.contains(name)),
+            "{name}: {:?}",
+            r.map(|_| "loaded")
+        );
+    }
+}
+
+/// A generation whose step fails hands back what it produced, as a step limit does: the
+/// sequences that finished before the failure are in the error (the error was the engine's
+/// alone, and their outputs, already taken from the engine, were lost), and the engine can be
+/// stepped on once the sequence at fault is aborted.
+#[test]
+fn a_failed_step_keeps_the_finished_outputs() {
+    let bytes = TinyLlama::f32().write(9).unwrap();
+    let mut model = load(&bytes).unwrap();
+    let vocab = model.config().vocab_size as u32;
+    let setup = EngineSetup {
+        max_running: 1,
+        ..EngineSetup::default()
+    };
+    let mut engine = build_engine(model.config(), &setup).unwrap();
+    // Queued past the check (as a server adding requests itself would): one at a time, the
+    // good one runs to its end before the bad one's first step fails.
+    engine.add(request(1, vec![1, 2, 3])).unwrap();
+    engine.add(request(2, vec![vocab + 1])).unwrap();
+    let err = generate(&mut engine, &mut model, [], 100).unwrap_err();
+    let Error::StepFailed { source, partial } = err else {
+        panic!("{err}");
+    };
+    assert!(
+        matches!(source, EngineError::Model(ref m) if m.contains("vocabulary")),
+        "{source}"
+    );
+    assert_eq!(partial.outputs.len(), 1, "{:?}", partial.outputs);
+    assert_eq!(partial.outputs[&1].len(), 4);
+    engine.abort(2).unwrap();
+    let rest = generate(&mut engine, &mut model, [], 100).unwrap();
+    assert!(!engine.has_work());
+    assert!(!rest.outputs.contains_key(&1), "{:?}", rest.outputs);
+}

@@ -78,7 +78,9 @@ pub struct SimConfig {
     pub prefill_chunk: u32,
     /// Client threads submitting requests.
     pub clients: usize,
-    /// Capacity of each engine's admission queue, per priority class.
+    /// Capacity of each engine's admission queue, per priority class. A capacity above the
+    /// requests an engine gets in a class never fills: it is not allocated, and any such value
+    /// (up to `usize::MAX`) runs as an unbounded queue.
     pub queue_capacity: usize,
     /// What a full admission queue does.
     pub overflow: OverflowPolicy,

@@ -346,19 +346,24 @@ pub const MAX_COPIES: usize = 256;
 
 /// Distinct copies of a point's inputs to cycle through: `ceil(L2_MULTIPLE * l2 / bytes)`,
 /// at least 1, at most [`MAX_COPIES`] and at most what `budget` bytes hold (never below 1:
-/// whether one copy fits is the caller's skip decision).
+/// whether one copy fits is the caller's skip decision). `L2_MULTIPLE * l2` saturates (an L2
+/// that large asks for the most copies; wrapping asked for one).
 pub fn rotation_copies(bytes: u64, l2_bytes: u64, budget: u64) -> usize {
     let bytes = bytes.max(1);
-    let want = (L2_MULTIPLE * l2_bytes).div_ceil(bytes);
+    let want = L2_MULTIPLE.saturating_mul(l2_bytes).div_ceil(bytes);
     let fit = budget / bytes;
     want.min(fit).clamp(1, MAX_COPIES as u64) as usize
 }
 
 /// Launches per timing: at least `min_launches`, a whole number of rotations (each copy used
-/// equally often), at least one rotation.
+/// equally often), at least one rotation; where that whole number passes `usize::MAX`, the
+/// most whole rotations `usize` holds (wrapping gave a handful of launches).
 pub fn launches(min_launches: usize, copies: usize) -> usize {
     let copies = copies.max(1);
-    copies * min_launches.max(1).div_ceil(copies)
+    let rotations = min_launches.max(1).div_ceil(copies);
+    copies
+        .checked_mul(rotations)
+        .unwrap_or(usize::MAX / copies * copies)
 }
 
 /// The median of `xs` (the upper one of an even count), `None` when empty; sorts `xs`.

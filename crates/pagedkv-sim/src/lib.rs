@@ -353,8 +353,26 @@ pub fn run_on(
     for (index, spec) in cfg.engines.iter().enumerate() {
         engines.push(EngineRuntime::new(cfg, spec, index, &shared, device)?);
     }
-    let admission: Admission<SimRequest, SimOutcome> =
-        Admission::new(AdmissionConfig::new(n, cfg.queue_capacity, cfg.overflow))?;
+    // Every queue's slots are allocated up front, but a queue never holds more requests than
+    // its engine gets in its class over the whole run: a larger capacity behaves the same, so
+    // it is not allocated (`--queue-capacity 100000000`, meant as "no limit", took 20 GB).
+    let mut per_class = vec![[0usize; 2]; n];
+    for r in &requests {
+        per_class[r.engine][r.priority.index()] += 1;
+    }
+    let capacity = |class: Priority| {
+        let most = per_class
+            .iter()
+            .map(|c| c[class.index()])
+            .max()
+            .unwrap_or(0);
+        cfg.queue_capacity.min(most.max(1))
+    };
+    let admission: Admission<SimRequest, SimOutcome> = Admission::new(AdmissionConfig {
+        high_capacity: capacity(Priority::LatencyCritical),
+        low_capacity: capacity(Priority::Throughput),
+        ..AdmissionConfig::new(n, cfg.queue_capacity, cfg.overflow)
+    })?;
     // Client c serves engines c, c + clients, ... (a client beyond the engines would serve none).
     let n_clients = cfg.clients.min(n);
     let mut clients: Vec<Client> = (0..n_clients)

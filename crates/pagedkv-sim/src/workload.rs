@@ -15,8 +15,11 @@ pub struct SimRequest {
     pub engine: usize,
     /// Arrival time, in simulated milliseconds.
     pub arrival_ms: f64,
-    /// Session the request belongs to (a conversation).
+    /// Session the request belongs to (a user's chat: its conversations one after another).
     pub session: u64,
+    /// Conversation of the session the request belongs to (0: the session's first). A
+    /// conversation that starts over is a new one: new messages, none of the last one's text.
+    pub conversation: u32,
     /// Priority class.
     pub priority: Priority,
     /// Prompt tokens: the model's system prompt, then the session's earlier turns (resent as
@@ -34,19 +37,28 @@ pub struct SimRequest {
 }
 
 impl SimRequest {
-    /// The prompt's tokens: deterministic in the engine (system prompt) and the session and
-    /// turn (messages), so that a conversation's next turn starts with the tokens of the
-    /// last one and every prompt of a model starts with its system prompt.
+    /// The prompt's tokens: deterministic in the engine (system prompt) and the session,
+    /// conversation and turn (messages), so that a conversation's next turn starts with the
+    /// tokens of the last one, every prompt of a model starts with its system prompt, and a
+    /// new conversation shares nothing else with the session's earlier ones.
     pub fn prompt(&self) -> Vec<u32> {
         let mut out = Vec::with_capacity(self.prompt_len as usize);
         let system = 0x5157_u64 << 40 | self.engine as u64;
         out.extend((0..self.system_len).map(|i| token(system, i)));
+        let conversation = mix(self.session ^ mix(u64::from(self.conversation) + 1));
         for (t, &len) in self.turns.iter().enumerate() {
-            let key = self.session ^ (t as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let key = conversation ^ (t as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
             out.extend((0..len).map(|i| token(key, i)));
         }
         out
     }
+}
+
+/// SplitMix64's finalizer: distinct inputs give distinct, well-spread outputs.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }
 
 /// A token in `1..32000` (never the simulated EOS, 0) from a key and a position.
@@ -94,8 +106,9 @@ pub fn generate(cfg: &SimConfig) -> Vec<SimRequest> {
             continue;
         }
         let gap = Exp::new(peak / 1e3).unwrap_or_else(|_| unreachable!("positive rate"));
-        // Each session's messages so far: a request resends them all as history.
-        let mut history: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+        // Each session's conversation (how many it had before) and that conversation's
+        // messages so far: a request resends them all as history.
+        let mut history: std::collections::HashMap<u64, (u32, Vec<u32>)> = Default::default();
         loop {
             t += gap.sample(&mut rng);
             if t >= horizon_ms {
@@ -116,11 +129,14 @@ pub fn generate(cfg: &SimConfig) -> Vec<SimRequest> {
             // A message is half a prompt on average: with the history resent, a conversation's
             // prompts average about the model's prompt mean over its first few turns.
             let message = heavy_tailed(&mut rng, spec.prompt_mean / 2.0, room);
-            let turns = history.entry(session).or_default();
+            let (conversation, turns) = history.entry(session).or_default();
             // A conversation ends after a turn with probability 1/3 (3 turns on average), and
-            // starts over where it would outgrow half the prompt limit.
+            // starts over where it would outgrow half the prompt limit: the next one is new.
             let history_len = turns.iter().sum::<u32>();
             if rng.gen_bool(1.0 / 3.0) || history_len + message > room / 2 {
+                if !turns.is_empty() {
+                    *conversation += 1;
+                }
                 turns.clear();
             }
             turns.push(message);
@@ -129,6 +145,7 @@ pub fn generate(cfg: &SimConfig) -> Vec<SimRequest> {
                 engine: e,
                 arrival_ms: t,
                 session,
+                conversation: *conversation,
                 priority,
                 prompt_len: system_len + turns.iter().sum::<u32>(),
                 system_len,

@@ -162,6 +162,9 @@ fn rotation_spans_three_l2s_within_budget() {
     // The memory budget caps it, but never below one copy.
     assert_eq!(rotation_copies(2 * MIB, l2, 20 * MIB), 10);
     assert_eq!(rotation_copies(2 * MIB, l2, MIB), 1);
+    // `--l2-bytes` past u64::MAX / 3: the most copies (the peer's exact rule), not the one
+    // copy a wrapped `3 x l2` (2 bytes) asked for.
+    assert_eq!(rotation_copies(1024, u64::MAX / 3 + 1, 1 << 40), MAX_COPIES);
     // Every point of the default decode grid on an H100: small points rotate, large do not.
     let budget = 64 << 30;
     let copies: Vec<usize> = default_decode_grid()
@@ -178,6 +181,9 @@ fn launches_cover_whole_rotations() {
     assert_eq!(launches(20, 3), 21);
     assert_eq!(launches(20, 10), 20);
     assert_eq!(launches(0, 0), 1);
+    // `--launches` near `usize::MAX`: the most whole rotations, not a wrapped handful.
+    assert_eq!(launches(usize::MAX, 75), usize::MAX / 75 * 75);
+    assert_eq!(launches(usize::MAX, 1), usize::MAX);
     for c in 1..100 {
         let n = launches(20, c);
         assert!(n >= 20 && n >= c && n % c == 0 && n < 20 + c, "{c}: {n}");

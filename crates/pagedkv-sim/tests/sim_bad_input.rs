@@ -378,3 +378,32 @@ fn a_step_whose_simulated_end_overflows_is_refused() {
     };
     sim::validate(&ok).unwrap();
 }
+
+/// Every admission queue's slots are allocated up front: `--queue-capacity 100000000` (a
+/// user's "no limit") made the run allocate 20 GB before its first step, and a larger one was
+/// refused. A queue never holds more than its engine's requests of its class, so any capacity
+/// above that runs as an unbounded queue: the same report as a capacity that just covers them.
+#[test]
+fn a_huge_queue_capacity_runs_as_an_unbounded_queue() {
+    let cfg = |queue_capacity| SimConfig {
+        duration_s: 0.5,
+        queue_capacity,
+        ..SimConfig::default()
+    };
+    let covering = sim::run(&cfg(4096), &|_| {}).unwrap();
+    assert!(covering.requests > 0 && covering.requests < 4096);
+    for huge in [1 << 30, usize::MAX] {
+        let r =
+            sim::run(&cfg(huge), &|_| {}).unwrap_or_else(|e| panic!("queue capacity {huge}: {e}"));
+        assert_eq!(
+            (r.requests, r.finished, &r.refused, r.steps),
+            (
+                covering.requests,
+                covering.finished,
+                &covering.refused,
+                covering.steps
+            ),
+            "queue capacity {huge}"
+        );
+    }
+}

@@ -44,7 +44,8 @@ pub struct Args {
     /// Full admission queue: drop-newest, drop-oldest.
     #[arg(long, default_value = "drop-newest", value_parser = parse_overflow)]
     overflow: OverflowPolicy,
-    /// Capacity of each engine's admission queue per class.
+    /// Capacity of each engine's admission queue per class (any capacity above the requests
+    /// an engine gets in a class runs as an unbounded queue and costs no memory beyond them).
     #[arg(long, default_value_t = 64)]
     queue_capacity: usize,
     /// Client threads submitting requests.

@@ -214,10 +214,21 @@ pub fn status_string(s: i32) -> String {
         .into_owned()
 }
 
+thread_local! {
+    /// The sources of this thread's copies to the emulated device since its last
+    /// synchronize: address and the bytes copied.
+    static QUEUED_SOURCES: std::cell::RefCell<Vec<(usize, Vec<u8>)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// The emulated device as a [`RawDevice`](crate::engine::RawDevice): "device" memory is
 /// guarded host memory ([`EmuBuf`]'s allocator), copies are `memcpy`, the stream is ignored
 /// (every emulated launch completes before it returns), and the SM count is this value (also
 /// set for the calling thread's launches by [`set_sm_count`] when the device is made).
+///
+/// A copy is done when `copy_to_device` returns, but a GPU's may still read its source until
+/// the stream is synchronised: the device keeps each copy's source bytes (per OS thread) and
+/// `synchronize` fails if a caller changed one before it, breaking `RawDevice`'s contract.
 #[derive(Debug, Clone, Copy)]
 pub struct EmuDevice {
     sms: usize,
@@ -274,10 +285,24 @@ unsafe impl crate::engine::RawDevice for EmuDevice {
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), dst as usize as *mut u8, src.len());
         }
+        QUEUED_SOURCES.with(|q| q.borrow_mut().push((src.as_ptr() as usize, src.to_vec())));
         Ok(())
     }
 
     fn synchronize(&self) -> Result<(), crate::error::EngineError> {
+        let queued = QUEUED_SOURCES.with(|q| std::mem::take(&mut *q.borrow_mut()));
+        for (at, bytes) in queued {
+            // SAFETY: `RawDevice::copy_to_device`'s contract keeps the source allocated (and
+            // unmodified, which this checks) until this synchronize.
+            let now = unsafe { std::slice::from_raw_parts(at as *const u8, bytes.len()) };
+            if now != bytes {
+                return Err(crate::error::EngineError::InvalidConfig(format!(
+                    "the {} host bytes at {at:#x} of a queued copy changed before the stream was \
+                     synchronised (a GPU may copy the new bytes, or some of each)",
+                    bytes.len()
+                )));
+            }
+        }
         Ok(())
     }
 }

@@ -341,3 +341,30 @@ fn an_arena_base_the_kernels_refuse_is_refused_at_construction() {
         );
     }
 }
+
+/// A second `begin` or `copy_blocks` before `end` (the executor makes one of each per step, but
+/// the methods are safe to call in any order) rewrote the host staging bytes a queued copy may
+/// still read on a GPU (`RawDevice::copy_to_device`'s contract: unmodified until synchronize),
+/// so the kernels could read the new step's metadata, or some of each. The emulated device
+/// checks the contract at synchronize; the backend now waits before rewriting.
+#[test]
+fn a_second_begin_or_copy_in_one_step_waits_for_the_queued_copy() {
+    let arena = EmuBuf::zeroed(config().total_bytes()).unwrap();
+    let mut b = backend_with(&arena, 4, 0);
+    let batch = |page: i32| Batch {
+        seq_ids: vec![1],
+        input_tokens: vec![7],
+        positions: vec![0],
+        query_start_loc: vec![0, 1],
+        context_lens: vec![1],
+        slot_mapping: vec![i64::from(page) * BS as i64],
+        block_tables: vec![page],
+        max_blocks_per_seq: 1,
+        ..Batch::default()
+    };
+    b.copy_blocks(&[(1, 2)]).unwrap();
+    b.copy_blocks(&[(3, 4)]).unwrap();
+    b.begin(&batch(5)).unwrap();
+    b.begin(&batch(6)).unwrap();
+    b.end().unwrap();
+}

@@ -32,6 +32,11 @@ pub struct RawBackend<D: RawDevice> {
     /// Host staging of the metadata block (`bufs.layout.total` bytes); free again once `end`
     /// (or a growth) synchronised the stream.
     staging: Vec<u8>,
+    /// Whether a copy from the staging's step region (`begin`'s) or its copy-pairs region
+    /// (`copy_blocks`') is queued and not yet synchronised: [`RawDevice::copy_to_device`]
+    /// may read its source until then, so a second `begin` or `copy_blocks` in one step (the
+    /// trait's order has one of each, but its methods are safe to call in any) waits first.
+    staged: Staged,
     /// Host swap space: `swap_blocks` pages of the arena's page size, a block at the start of
     /// each (`None` for no swap slots: recompute preemption never swaps).
     swap: Option<KvArena>,
@@ -130,6 +135,7 @@ impl<D: RawDevice> RawBackend<D> {
             bufs,
             swap,
             swap_pinned: false,
+            staged: Staged::default(),
             swap_pairs: Vec::new(),
             step: None,
             out: DeviceRows {
@@ -170,6 +176,13 @@ impl<D: RawDevice> RawBackend<D> {
     /// copies).
     pub fn swap_pinned(&self) -> bool {
         self.swap_pinned
+    }
+
+    /// Waits for the stream: every queued copy has read its staging bytes.
+    fn settle(&mut self) -> Result<(), EngineError> {
+        self.dev.synchronize()?;
+        self.staged = Staged::default();
+        Ok(())
     }
 
     /// The device handle.
@@ -232,6 +245,7 @@ impl<D: RawDevice> RawBackend<D> {
             max_copies: grow(have.max_copies, need.max_copies, usize::MAX),
         };
         self.dev.synchronize()?;
+        self.staged = Staged::default();
         let bufs = Buffers::allocate(&self.dev, &self.cache, self.heads, self.mode, caps)?;
         let old = std::mem::replace(&mut self.bufs, bufs);
         // SAFETY: the stream is idle (synchronised above), so nothing uses the old buffers;
@@ -411,6 +425,9 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
             ..self.bufs.caps
         };
         self.reserve(need)?;
+        if self.staged.copies {
+            self.settle()?;
+        }
         let at = self.bufs.layout.copies;
         for (i, &(a, b)) in pairs.iter().enumerate() {
             // Pages are below MAX_BLOCKS (2^24), so they fit an i32.
@@ -421,13 +438,14 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
         let dst = self.bufs.meta + at as u64;
         self.dev.bind()?;
         // SAFETY: `dst` is the copies region of the metadata block (max_copies >= pairs.len()
-        // pairs); the staging bytes are not written again before `end` synchronises (begin
-        // writes other regions; the next copy_blocks comes after this step's end). The pairs
+        // pairs); the staging bytes are not written again before the stream is synchronised
+        // (begin writes other regions; a second copy_blocks settles first: `staged`). The pairs
         // name pages of the arena, destinations distinct and none also a source (checked), so
         // no two thread blocks touch one page but to read it; destinations are fresh pages
         // this engine holds alone and sources are held (`new`'s contract).
         unsafe {
             self.dev.copy_to_device(dst, bytes)?;
+            self.staged.copies = true;
             cuda_raw::copy_blocks(&self.cache, dst, pairs.len(), self.dev.stream())?;
         }
         Ok(())
@@ -462,6 +480,9 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
             max_blocks_per_seq: mbps.max(1),
             max_copies: 0,
         })?;
+        if self.staged.step {
+            self.settle()?;
+        }
         let l = self.bufs.layout;
         let s = &mut self.staging;
         for (i, &slot) in batch.slot_mapping.iter().enumerate() {
@@ -481,11 +502,12 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
         let len = l.tables + 4 * batch.block_tables.len();
         self.dev.bind()?;
         // SAFETY: the metadata block holds layout.total >= len bytes; the staging bytes stay
-        // unmodified until `end` synchronises the stream.
+        // unmodified until the stream is synchronised (a second begin settles first: `staged`).
         unsafe {
             self.dev
                 .copy_to_device(self.bufs.meta, &self.staging[..len])?
         };
+        self.staged.step = true;
         let max_query_len = batch
             .query_start_loc
             .windows(2)
@@ -597,6 +619,15 @@ impl<D: RawDevice> KvBackend for RawBackend<D> {
 
     fn end(&mut self) -> Result<(), EngineError> {
         self.step = None;
-        self.dev.synchronize()
+        self.settle()
     }
+}
+
+/// Which regions of a [`RawBackend`]'s staging buffer a queued copy may still read.
+#[derive(Debug, Clone, Copy, Default)]
+struct Staged {
+    /// `begin`'s region (slot mapping, query starts, contexts, block tables).
+    step: bool,
+    /// `copy_blocks`' pairs.
+    copies: bool,
 }

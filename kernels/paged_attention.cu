@@ -253,6 +253,9 @@ extern "C" int pkv_decode_plan_init_dtype(pkv_decode_plan *plan, int32_t mode, i
                                           int32_t num_kv_heads, int32_t head_dim,
                                           int32_t max_context_capacity, int32_t sm_count) {
   if (plan == nullptr) return PKV_ERR_NULL_POINTER;
+  // The fixed mode's split count is pkv_decode_plan_init_splits' argument: here `sm_count`
+  // would be taken for it.
+  if (mode == PKV_DECODE_FIXED) return PKV_ERR_INVALID_ARG;
   pkv_decode_plan p{};
   const int st = decode_plan(mode, dtype, num_seqs_capacity, num_heads, num_kv_heads, head_dim,
                              max_context_capacity, sm_count, &p);

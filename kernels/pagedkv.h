@@ -224,9 +224,9 @@ typedef struct pkv_decode_plan {
  *
  * plan     host, written on success only
  * Returns PKV_ERR_INVALID_ARG for a non-positive size, num_heads not a multiple of
- * num_kv_heads, num_seqs_capacity above 65535, or a capacity needing more than
- * PKV_DECODE_MAX_SPLITS splits; PKV_ERR_HEAD_DIM for an unsupported head_dim; a cudaError_t if
- * the SM query fails.
+ * num_kv_heads, num_seqs_capacity above 65535, a capacity needing more than
+ * PKV_DECODE_MAX_SPLITS splits, or mode PKV_DECODE_FIXED (pkv_decode_plan_init_splits makes
+ * those); PKV_ERR_HEAD_DIM for an unsupported head_dim; a cudaError_t if the SM query fails.
  */
 int pkv_decode_plan_init(pkv_decode_plan *plan, int32_t mode, int32_t num_seqs_capacity,
                          int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,

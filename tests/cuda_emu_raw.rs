@@ -669,6 +669,33 @@ fn decode_plan_policy() {
             .num_splits(),
         33
     );
+    // The fixed mode through the C plan calls that take an SM count: refused (its split
+    // count is pkv_decode_plan_init_splits' argument); the SM count was taken for it, so 132
+    // SMs made 132 splits and a count <= 0 (the header's "ask the device") was refused.
+    for dtype in [cuda_raw::ffi::PKV_DTYPE_BF16, cuda_raw::ffi::PKV_DTYPE_F32] {
+        let mut raw = cuda_raw::ffi::pkv_decode_plan::default();
+        let fixed = cuda_raw::ffi::PKV_DECODE_FIXED as i32;
+        // SAFETY: `raw` is a live local the call may write; the rest are integers.
+        let status = unsafe {
+            cuda_raw::ffi::pkv_decode_plan_init_dtype(
+                &mut raw,
+                fixed,
+                dtype as i32,
+                8,
+                32,
+                8,
+                128,
+                4096,
+                132,
+            )
+        };
+        assert_eq!(
+            status,
+            cuda_raw::ffi::PKV_ERR_INVALID_ARG as i32,
+            "dtype {dtype}"
+        );
+        assert_eq!(raw.num_splits, 0, "the plan was written");
+    }
 }
 
 /// Every host check refuses its input with a typed error, and nothing launches.

@@ -100,7 +100,8 @@ extern "C" int pkv_reshape_and_cache(void *cache, const pkv_cache_geometry *geom
   if ((reinterpret_cast<uintptr_t>(cache) & 15u) != 0) return PKV_ERR_INVALID_ARG;
   const int es = dtype_size(geom->dtype);
   const bool vec = ((reinterpret_cast<uintptr_t>(key) | reinterpret_cast<uintptr_t>(value)) & 15u) == 0 &&
-                   (key_token_stride * es) % 16 == 0 && (value_token_stride * es) % 16 == 0;
+                   ((uint64_t)key_token_stride * es) % 16 == 0 &&
+                   ((uint64_t)value_token_stride * es) % 16 == 0;  // unsigned: no overflow
   const int64_t slots = (int64_t)geom->num_blocks * geom->block_size;
   const int64_t lo = (int64_t)layer * st.layer;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -141,7 +142,7 @@ extern "C" int pkv_copy_blocks(void *cache, const pkv_cache_geometry *geom, cons
   // model is megabytes), but not more than its vectors need.
   const int64_t per_cta = (int64_t)CB_THREADS * CB_UNROLL;
   int64_t y = (vecs + per_cta - 1) / per_cta;
-  const int64_t want = (1024 + num_pairs - 1) / num_pairs;
+  const int64_t want = (1024 + (int64_t)num_pairs - 1) / num_pairs;
   if (y > want) y = want < 1 ? 1 : want;
   if (y > 65535) y = 65535;
   const dim3 grid(num_pairs, (unsigned)y);

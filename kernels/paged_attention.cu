@@ -75,9 +75,11 @@ inline bool decode_workspace_layout(int64_t rows, int64_t groups, int head_dim, 
   return true;
 }
 
-// A query/out view: 16-byte aligned pointer and stride, stride >= one row.
+// A query/out view: 16-byte aligned pointer and stride, stride >= one row. (The byte stride
+// in unsigned arithmetic: a stride past 2^61 elements overflowed the signed product; modulo
+// 2^64 the remainder by 16 is the same.)
 inline bool rows_ok(const void *p, int64_t stride, int64_t row, int elem) {
-  return aligned16(p) && stride >= row && (stride * elem) % 16 == 0;
+  return aligned16(p) && stride >= row && ((uint64_t)stride * (uint64_t)elem) % 16 == 0;
 }
 
 int common_attn_checks(const void *out, int64_t out_stride, const void *query, int64_t q_stride,

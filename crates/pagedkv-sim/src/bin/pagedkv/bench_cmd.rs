@@ -417,6 +417,12 @@ fn cache_ops(gpu: &Gpu, clock: &Clock<'_>, a: &GpuArgs, d2d: f64) -> Result<(), 
     let pin_bw = gbps(bytes as f64, ms_pin);
     let ms_pin_in = time(&mut || Ok(stream.memcpy_htod(&host_pinned, &mut dev_buf)?))?;
     let pin_in_bw = gbps(bytes as f64, ms_pin_in);
+    // The same copies from and to pageable memory: what a swap space the device refused to pin
+    // (`RawBackend::swap_pinned` false) costs.
+    let mut host_pageable = vec![0u8; bytes];
+    let ms_page = time(&mut || Ok(stream.memcpy_dtoh(&dev_buf, &mut host_pageable)?))?;
+    let ms_page_in = time(&mut || Ok(stream.memcpy_htod(&host_pageable, &mut dev_buf)?))?;
+    let (page_bw, page_in_bw) = (gbps(bytes as f64, ms_page), gbps(bytes as f64, ms_page_in));
     // Blocks in runs of 4 (scattered runs, as a preempted sequence's blocks are).
     let mapping: Vec<(u32, u32)> = (0..swap_blocks as u32)
         .map(|i| ((i / 4) * 8 + i % 4, i))
@@ -427,6 +433,12 @@ fn cache_ops(gpu: &Gpu, clock: &Clock<'_>, a: &GpuArgs, d2d: f64) -> Result<(), 
     println!(
         "pinned copy {:.1} MB: d2h {pin_bw:.1} GB/s, h2d {pin_in_bw:.1} GB/s",
         bytes as f64 / 1e6
+    );
+    println!(
+        "pageable copy {:.1} MB: d2h {page_bw:.1} GB/s ({:.1}% of pinned), h2d {page_in_bw:.1} GB/s ({:.1}%)",
+        bytes as f64 / 1e6,
+        100.0 * page_bw / pin_bw,
+        100.0 * page_in_bw / pin_in_bw
     );
     println!(
         "swap_out {} blocks (runs of 4): {ms:.4} ms, {bw:.1} GB/s, {:.1}% of pinned d2h",

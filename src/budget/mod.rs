@@ -50,7 +50,7 @@
 //! | [`pick_donor`] | O(max_engines) loads | wait-free |
 //! | [`reclaim_orders`] | O(max_engines) loads, allocates its result | bounded steps, but allocates |
 //! | [`snapshot`], [`block_quotas`] | ≤ 8 passes of O(max_engines) loads, allocates its result | bounded steps, but allocates |
-//! | [`recompute`] (and [`register`], [`set_weight`], [`deregister`]) | ≤ [`MAX_ROUNDS`] rounds | bounded steps; may delegate |
+//! | [`recompute`] (and [`register`], [`set_weight`], [`deregister`]) | ≤ [`MAX_ROUNDS`] rounds (a [`register`] that finds no free slot while one is leaving: two recomputes) | bounded steps; may delegate |
 //!
 //! A release's loop retries only when its compare-exchange failed because another operation on
 //! the same word succeeded (an acquire, a release or a step reset of that engine), so some call
@@ -124,11 +124,13 @@
 //!
 //! **Registry.** Engines live in `max_engines` fixed slots. A slot moves
 //! `FREE → CLAIMED → JOINING → LIVE → LEAVING → FREE`: `register` claims a free slot with one
-//! compare-exchange per slot it tries (never retried: a bounded scan), fills it and marks it
-//! `JOINING`; `deregister` marks it `LEAVING`. Only the publisher turns `JOINING` into `LIVE`
-//! and `LEAVING` into `FREE` (after zeroing the slot's budgets), so a slot is never reused while
-//! a publisher could still write an old engine's figures into it. No memory is ever reclaimed
-//! (slots live as long as the coordinator), so there is no ABA or reclamation hazard.
+//! compare-exchange per slot it tries (never retried: a bounded scan; when none is free but one
+//! is `LEAVING`, it recomputes first, in case that slot's freeing was left pending, and scans
+//! once more), fills it and marks it `JOINING`; `deregister` marks it `LEAVING`. Only the
+//! publisher turns `JOINING` into `LIVE` and `LEAVING` into `FREE` (after zeroing the slot's
+//! budgets), so a slot is never reused while a publisher could still write an old engine's
+//! figures into it. No memory is ever reclaimed (slots live as long as the coordinator), so
+//! there is no ABA or reclamation hazard.
 //!
 //! # Water-filling
 //!

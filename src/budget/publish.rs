@@ -368,7 +368,7 @@ fn put(cell: &AtomicU32, value: u32, lowering: bool) {
 #[cfg(test)]
 mod tests {
     use super::super::{BudgetConfig, BudgetCoordinator, Publication, PublishFault};
-    use super::{BUSY, FREE, JOINING, LIVE};
+    use super::{BUSY, FREE, JOINING, LEAVING, LIVE};
     use crate::ids::EngineId;
     use crate::sync::Ordering;
     use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -532,5 +532,26 @@ mod tests {
             (c.guaranteed_blocks(a), c.guaranteed_blocks(b)),
             (Some(10), Some(30))
         );
+    }
+
+    /// A departed engine's slot is freed by a publication. When the request for one is left
+    /// pending with no publisher running (a round that unwound, as here, or a publisher that
+    /// ran out of rounds and left `DIRTY` for the next caller), a full registry's `register`
+    /// serves it and reuses the slot rather than refusing with `TooManyEngines` until some
+    /// other call happens to recompute.
+    #[test]
+    fn register_serves_a_pending_departure_before_refusing() {
+        let c = BudgetCoordinator::new(BudgetConfig::new(1, 12, 40)).unwrap();
+        let a = c.register(1).unwrap();
+        let mut c = c;
+        c.fail_next_publication(PublishFault::Computing);
+        expect_injected_panic(|| c.deregister(a));
+        assert_recovered(&c);
+        assert_eq!(state(&c, a), LEAVING);
+        assert!(!c.is_registered(a));
+        let b = c.register(2);
+        assert_eq!(b, Ok(a), "the departed engine's slot was not reused");
+        assert_eq!(state(&c, a), LIVE);
+        assert_eq!(c.guaranteed_blocks(a), Some(40));
     }
 }

@@ -13,6 +13,33 @@ impl BudgetCoordinator {
         if weight == 0 {
             return Err(BudgetError::ZeroWeight);
         }
+        if let Some(id) = self.claim_slot(weight) {
+            return Ok(id);
+        }
+        // A departed engine's slot is freed only by a publication, and the one its `deregister`
+        // asked for may still be pending with no publisher running (a publisher that took the
+        // request ran out of rounds, or unwound, leaving `DIRTY` for the next caller). Serve it
+        // here and scan once more, rather than refuse until some other call recomputes. (If
+        // another thread is publishing, it takes the request and the slot may still be
+        // `LEAVING`: refused as before.) Bounded: at most one recompute and two scans.
+        if self
+            .slots
+            .iter()
+            .any(|slot| slot.state.load(Ordering::Relaxed) == LEAVING)
+        {
+            self.recompute();
+            if let Some(id) = self.claim_slot(weight) {
+                return Ok(id);
+            }
+        }
+        Err(BudgetError::TooManyEngines {
+            max_engines: self.config.max_engines,
+        })
+    }
+
+    /// Claims the lowest free slot for an engine of `weight` and publishes it (see
+    /// [`register`](Self::register)); `None` when no slot is free.
+    fn claim_slot(&self, weight: u32) -> Option<EngineId> {
         for (i, slot) in self.slots.iter().enumerate() {
             // One compare-exchange per slot, never retried: a bounded scan. `Acquire` on success
             // pairs with the publisher's `Release` store of `FREE`, so its zeroing of the slot is
@@ -35,11 +62,9 @@ impl BudgetCoordinator {
             slot.state.store(JOINING, Ordering::Release);
             self.mark_dirty();
             self.recompute();
-            return Ok(EngineId(i as u16));
+            return Some(EngineId(i as u16));
         }
-        Err(BudgetError::TooManyEngines {
-            max_engines: self.config.max_engines,
-        })
+        None
     }
 
     /// Changes an engine's share weight (≥ 1) and republishes.

@@ -1625,8 +1625,8 @@ fn an_id_ended_at_a_commit_with_a_caller_end_pending_is_free_at_once() {
 }
 
 /// A configuration the batcher refuses (no running slots) is refused by `Engine::new` without
-/// leaving the engine's budget registration behind: the coordinator still has room for as
-/// many engines as before (the path that deregisters was not exercised).
+/// leaving the engine's budget registration behind, or ever making one: the coordinator still
+/// has room for as many engines as before, and published nothing.
 #[test]
 fn a_config_the_batcher_refuses_leaves_no_registration() {
     let (shape, heads) = shapes()[0];
@@ -1634,10 +1634,19 @@ fn a_config_the_batcher_refuses_leaves_no_registration() {
     let shared = SharedArena::host(BudgetConfig::new(2, 128, 32), page_bytes).unwrap();
     let mut bad = engine_config(PreemptionMode::Recompute);
     bad.max_running = 0;
+    let epoch = shared.coordinator().epoch();
     for _ in 0..2 {
         let err = Engine::<HostBackend<f32>>::host(&shared, bad, &shape, heads).unwrap_err();
         assert!(matches!(err, EngineError::Sched(_)), "{err}");
     }
+    // Refused before registering: registering and deregistering again published two rounds of
+    // shares in between, and an engine stepping meanwhile saw its guaranteed pages drop (it
+    // could end sequences with TooLong, or shed pages, for an engine that never ran).
+    assert_eq!(
+        shared.coordinator().epoch(),
+        epoch,
+        "a refused engine published shares"
+    );
     let good = engine_config(PreemptionMode::Recompute);
     let a = Engine::<HostBackend<f32>>::host(&shared, good, &shape, heads);
     let b = Engine::<HostBackend<f32>>::host(&shared, good, &shape, heads);

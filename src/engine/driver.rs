@@ -185,34 +185,36 @@ impl<B: KvBackend> Engine<B> {
                 )));
             }
         }
+        let block_size = kv.block_size() as u32;
+        let mut batcher_cfg = BatcherConfig {
+            engine: EngineId(0), // the registered id, below
+            block_size,
+            max_running: cfg.max_running,
+            max_batched_tokens: cfg.max_batched_tokens,
+            max_prefill_chunk: cfg.max_prefill_chunk,
+            // The engine's sequences together may grow past its guaranteed share into pages
+            // others leave idle (reclaim orders preempt them when the lenders want them
+            // back); one sequence alone is bounded by the share itself (the budget's
+            // `guaranteed_blocks`), or it could be preempted for as long as others work.
+            max_blocks_per_seq: cfg
+                .max_context
+                .div_ceil(block_size)
+                .min(shared.pool().total()),
+            preemption: cfg.preemption,
+            swap_blocks: cfg.swap_space_pages(),
+        };
+        // Refused before registering: a registration publishes new shares, and the other
+        // engines would shed or end sequences for an engine that never runs.
+        batcher_cfg.check()?;
         let coordinator = shared.coordinator().clone();
         let id = coordinator.register(cfg.weight)?;
+        batcher_cfg.engine = id;
         // Donations asked of an earlier engine on this id (dropped before it took them) are
         // not this engine's to shed: discarded. None can be asked of this one yet: a donor is
         // picked by the load it publishes, which it does first at a commit.
         let _ = shared.take_donations(id);
         coordinator.recompute();
-        let block_size = kv.block_size() as u32;
-        let batcher = Batcher::new(
-            BatcherConfig {
-                engine: id,
-                block_size,
-                max_running: cfg.max_running,
-                max_batched_tokens: cfg.max_batched_tokens,
-                max_prefill_chunk: cfg.max_prefill_chunk,
-                // The engine's sequences together may grow past its guaranteed share into pages
-                // others leave idle (reclaim orders preempt them when the lenders want them
-                // back); one sequence alone is bounded by the share itself (the budget's
-                // `guaranteed_blocks`), or it could be preempted for as long as others work.
-                max_blocks_per_seq: cfg
-                    .max_context
-                    .div_ceil(block_size)
-                    .min(shared.pool().total()),
-                preemption: cfg.preemption,
-                swap_blocks: cfg.swap_space_pages(),
-            },
-            shared.pool().clone(),
-        );
+        let batcher = Batcher::new(batcher_cfg, shared.pool().clone());
         let mut batcher = match batcher {
             Ok(b) => b,
             Err(e) => {

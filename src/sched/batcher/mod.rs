@@ -233,9 +233,14 @@ enum Reserve {
     NoBlocks,
 }
 
-impl Batcher {
-    /// A batcher for `cfg.engine`, drawing blocks from `pool`.
-    pub fn new(cfg: BatcherConfig, pool: Arc<BlockPool>) -> Result<Self, SchedError> {
+impl BatcherConfig {
+    /// Checks what [`Batcher::new`] refuses but the engine id (which `new` checks against its
+    /// pool): an engine validates its configuration with this before it registers for an id.
+    ///
+    /// # Errors
+    /// [`SchedError::InvalidConfig`] naming the first field out of range.
+    pub fn check(&self) -> Result<(), SchedError> {
+        let cfg = self;
         if cfg.block_size == 0 {
             return Err(SchedError::InvalidConfig("block_size must be at least 1"));
         }
@@ -256,6 +261,18 @@ impl Batcher {
                 "swap_blocks must be at most MAX_BLOCKS",
             ));
         }
+        Ok(())
+    }
+}
+
+impl Batcher {
+    /// A batcher for `cfg.engine`, drawing blocks from `pool`.
+    ///
+    /// # Errors
+    /// As [`BatcherConfig::check`], and [`SchedError::InvalidConfig`] for an engine id the pool
+    /// does not serve.
+    pub fn new(cfg: BatcherConfig, pool: Arc<BlockPool>) -> Result<Self, SchedError> {
+        cfg.check()?;
         if cfg.engine.0 >= pool.max_engines() {
             return Err(SchedError::InvalidConfig(
                 "engine id is not served by the pool",

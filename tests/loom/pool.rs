@@ -425,3 +425,61 @@ fn free_n_fast_path_undo_racing_a_double_release() {
         drain_and_check(&p, &[]);
     });
 }
+
+/// `held` racing a flush of the engine's magazine (another engine's allocation moving the
+/// parked blocks to the shared stack): engine 0 owns one block throughout, so `held` must
+/// read at least 1 (the flushed blocks may count as held while they move: 3).
+#[test]
+fn held_racing_a_magazine_flush() {
+    crate::model(|| {
+        let p = pool(3);
+        let mut ids = Vec::new();
+        p.alloc_n(EngineId(0), 3, &mut ids).unwrap();
+        assert_eq!(p.free_n(&ids[1..]), Ok(2));
+        assert_eq!(p.held(EngineId(0)), 1);
+        let other = {
+            let p = p.clone();
+            thread::spawn(move || {
+                let mut got = Vec::new();
+                p.alloc_n(EngineId(1), 2, &mut got).unwrap();
+                got
+            })
+        };
+        let held = p.held(EngineId(0));
+        assert!(
+            held == 1 || held == 3,
+            "engine 0 holds 1 block, held read {held}"
+        );
+        let got = other.join().unwrap();
+        assert_eq!(p.held(EngineId(0)), 1);
+        let mut all = got;
+        all.push(ids[0]);
+        drain_and_check(&p, &all);
+    });
+}
+
+/// `free_count` racing blocks that go round through engine 0's magazine and back to the shared
+/// stack at other depths: the count it returns must be one the pool had (3, or 1 while a grab
+/// or a flush has blocks in hand, or 0 at the end), never a mix of two states (2: a block's
+/// depth from after the flush with the magazine's count from before it).
+#[test]
+fn free_count_racing_a_round_trip_through_a_magazine() {
+    crate::model(|| {
+        let p = pool(3);
+        // The count on the spawned thread: the other way round loom ran one interleaving.
+        let counter = {
+            let p = p.clone();
+            thread::spawn(move || p.free_count())
+        };
+        let mut two = Vec::new();
+        p.alloc_n(EngineId(0), 2, &mut two).unwrap();
+        // Reversed: the flush pushes them back in the other order, at other depths.
+        assert_eq!(p.free_n(&[two[1], two[0]]), Ok(2));
+        let mut all = Vec::new();
+        p.alloc_n(EngineId(1), 3, &mut all).unwrap();
+        let free = counter.join().unwrap();
+        assert!(matches!(free, 0 | 1 | 3), "free_count read {free}");
+        p.free_n(&all).unwrap();
+        assert_eq!(p.free_count(), 3);
+    });
+}

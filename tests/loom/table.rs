@@ -166,3 +166,103 @@ fn append_then_replace_against_reader() {
         assert_eq!(pool.free_count(), 3);
     });
 }
+
+/// Every block still free taken at once by engine 1, checked distinct from `held` and equal to
+/// the free count; then everything freed.
+fn drain_all(pool: &BlockPool, held: &[BlockId]) {
+    let free = pool.free_count();
+    let mut all = Vec::new();
+    pool.alloc_n(EngineId(1), free, &mut all).unwrap();
+    all.extend_from_slice(held);
+    let mut idx: Vec<u32> = all.iter().map(|b| b.index()).collect();
+    idx.sort_unstable();
+    idx.dedup();
+    assert_eq!(
+        idx.len(),
+        pool.total() as usize,
+        "a block lost or held twice: {all:?}"
+    );
+    pool.free_n(&all).unwrap();
+    assert_eq!(pool.free_count(), pool.total());
+    assert_eq!(pool.stats().held, vec![0, 0]);
+}
+
+/// A table of engine 0 clears (its pages go to engine 0's magazine through `free_n`) while
+/// engine 1 asks for two pages, more than the shared stack holds: a refusal is made on an
+/// instant with fewer than two free, and no page is lost or handed out twice.
+#[test]
+fn clear_racing_another_engines_alloc_n() {
+    crate::model(|| {
+        let pool = Arc::new(
+            BlockPool::new(PoolConfig {
+                device: 0,
+                num_blocks: 3,
+                max_engines: 2,
+            })
+            .unwrap(),
+        );
+        let mut t = BlockTable::new(pool.clone(), EngineId(0), 2);
+        let mut scratch = Vec::new();
+        t.grow(2, &mut scratch).unwrap();
+        let other = {
+            let pool = pool.clone();
+            thread::spawn(move || {
+                let mut got = Vec::new();
+                let r = pool.alloc_n(EngineId(1), 2, &mut got);
+                (r, got)
+            })
+        };
+        assert_eq!(t.clear(), 2);
+        let (r, mut got) = other.join().unwrap();
+        match r {
+            Ok(()) => assert_eq!(got.len(), 2),
+            Err(pagedkv::error::PoolError::OutOfBlocks { requested: 2, free }) => {
+                assert!(free < 2, "refused with {free} free");
+                assert!(got.is_empty());
+                pool.alloc_n(EngineId(1), 2, &mut got).unwrap();
+            }
+            Err(e) => panic!("unexpected {e}"),
+        }
+        assert_eq!(pool.held(EngineId(0)), 0);
+        assert_eq!(pool.held(EngineId(1)), 2);
+        assert_eq!(pool.free_count(), 1);
+        drain_all(&pool, &got);
+    });
+}
+
+/// A table of engine 1 holding a page of engine 0 (shared) and one of its own truncates while
+/// engine 0's thread releases its reference to the shared page and allocates: the batch mixes
+/// owners and a page whose count another thread changes. Every page ends free or held once.
+#[test]
+fn mixed_owner_truncate_racing_release_and_alloc() {
+    crate::model(|| {
+        let pool = Arc::new(
+            BlockPool::new(PoolConfig {
+                device: 0,
+                num_blocks: 3,
+                max_engines: 2,
+            })
+            .unwrap(),
+        );
+        let shared = pool.alloc(EngineId(0)).unwrap();
+        pool.share(shared).unwrap();
+        let own = pool.alloc(EngineId(1)).unwrap();
+        let mut t = BlockTable::new(pool.clone(), EngineId(1), 2);
+        t.push(shared).unwrap();
+        t.push(own).unwrap();
+        let other = {
+            let pool = pool.clone();
+            thread::spawn(move || {
+                let mut got = Vec::new();
+                pool.free_n(&[shared]).unwrap();
+                let _ = pool.alloc_n(EngineId(0), 2, &mut got);
+                got
+            })
+        };
+        t.clear();
+        let got = other.join().unwrap();
+        assert_eq!(pool.held(EngineId(0)), got.len() as u32);
+        assert_eq!(pool.held(EngineId(1)), 0);
+        drain_all(&pool, &got);
+    });
+}

@@ -188,8 +188,11 @@ impl BlockPool {
             let k = m.pop_all(&mut buf);
             if k > 0 {
                 self.push_chain(&buf[..k as usize]);
-                // Relaxed: a statistic (see `acct`); until here `held` counts these blocks.
-                acct.fetch_sub(k, Ordering::Relaxed);
+                // Until here `held` counts these blocks. Release: a `held` that reads this
+                // count (Acquire) then sees the magazine's pop above, so it cannot pair the
+                // lowered count with the magazine's word from before the pop (a count k too
+                // low: blocks the engine owns would read as not held).
+                acct.fetch_sub(k, Ordering::Release);
             }
         }
     }

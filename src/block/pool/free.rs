@@ -42,6 +42,11 @@ impl BlockPool {
             return;
         };
         let k = chain.len() as u32;
+        // Release fence before the link stores below: a reader whose Relaxed load of a link
+        // sees one of them (a snapshot reading the depth of a top it loaded earlier) and then
+        // passes an Acquire fence also sees every head update that came before this push,
+        // among them the pop that took these blocks off the stack (see `snapshot_free`).
+        fence(Ordering::Release);
         let backoff = Backoff::new();
         // Acquire: we read the top's depth, published by its pusher's Release CAS.
         let mut head = self.head.load(Ordering::Acquire);

@@ -7,7 +7,7 @@ mod free;
 use super::ids::{self, BlockId, EngineId, INDEX_BITS, INDEX_MASK, MAX_BLOCKS};
 use super::magazine::{count_of, Magazine, MAG_CAP};
 use crate::error::PoolError;
-use crate::sync::{global, AtomicU32, AtomicU64, Backoff, CachePadded, Ordering};
+use crate::sync::{fence, global, AtomicU32, AtomicU64, Backoff, CachePadded, Ordering};
 
 /// End-of-list marker in a link or the head (all index bits set).
 const NIL: u32 = MAX_BLOCKS;
@@ -365,6 +365,15 @@ impl BlockPool {
                 *w = m.word();
                 free += count_of(*w);
             }
+            // Acquire fence, paired with the Release fence at the start of `push_chain`: if the
+            // Relaxed read of the top's depth above saw a link written by a later push (the
+            // top was popped and pushed again since our first head load), the head load below
+            // sees that pop, and the collect is retried. Without it the memory model lets the
+            // second load return the old head too, and the count mixes a depth from after a
+            // push with magazine counts from before it (loom
+            // `free_count_racing_a_round_trip_through_a_magazine`: 2 of 3 blocks free, a state
+            // the pool never had).
+            fence(Ordering::Acquire);
             let same = self.head.load(Ordering::Acquire) == head
                 && words
                     .iter()
@@ -396,8 +405,12 @@ impl BlockPool {
         let backoff = Backoff::new();
         loop {
             let word = m.word();
-            // Relaxed: see above.
-            let owned_or_parked = acct.load(Ordering::Relaxed);
+            // Acquire pairs with the Release subtraction of a magazine flush: having read the
+            // count after a flush moved parked blocks out, the second read of the word sees
+            // that move, so a lowered count is never paired with the word from before it
+            // (with Relaxed the memory model allows it: `held` read k too low, loom
+            // `held_racing_a_magazine_flush`).
+            let owned_or_parked = acct.load(Ordering::Acquire);
             if m.word() == word {
                 return owned_or_parked.saturating_sub(count_of(word));
             }

@@ -1130,3 +1130,62 @@ fn an_infinite_value_whose_weight_underflows_later_contributes_nothing() {
         }
     }
 }
+
+/// As above, but the max reaches the infinite value's key in steps that each stay below the
+/// ~104 that underflow a rescale to 0: key 0 scores 0 (value inf), key 1 scores 60 (value 0),
+/// key 2 scores 120 (value `vbig`). Key 0's f32 weight exp(-120) is 0, so the row is key 2's
+/// value (key 1's weight exp(-60) adds 0 to it and nothing to the sum). With one key per block
+/// the walk weighted key 0 by 1, then rescaled `inf` by exp(-60) twice: `inf`, not 0, and a
+/// row of inf where the formula has `vbig` (with 3 keys per block it gave `vbig`).
+#[test]
+fn an_infinite_value_whose_weight_underflows_over_several_rescales_contributes_nothing() {
+    let d = 8;
+    let vbig: Vec<f32> = (0..d).map(|i| i as f32).collect();
+    let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut k = Vec::new();
+    for s in [0f32, 60.0, 120.0] {
+        k.extend(vec![s / d as f32; d]); // q . k = s with q = 1 and scale 1
+    }
+    let mut v = vec![f32::INFINITY; d];
+    v.extend(vec![0f32; d]);
+    v.extend(&vbig);
+    for bs in [1, 3] {
+        let blocks = 3usize.div_ceil(bs);
+        let cfg = KvCacheConfig::new(1, 1, d, bs, blocks, KvDtype::F32).unwrap();
+        let mut cache = HostKvCache::new(cfg).unwrap();
+        let mut view = cache.view_mut::<f32>().unwrap();
+        reshape_and_cache(view.layer_mut(0).unwrap(), &k, &v, &[0, 1, 2]).unwrap();
+        let table: Vec<i32> = (0..blocks as i32).collect();
+        let seqs = PagedSeqs {
+            block_tables: &table,
+            max_blocks_per_seq: blocks,
+            context_lens: &[3],
+        };
+        let p = AttnParams {
+            scale: 1.0,
+            ..AttnParams::new(1, d)
+        };
+        let view = cache.view::<f32>().unwrap();
+        let kv = view.layer(0).unwrap();
+        let mut ws = AttnWorkspace::new();
+        let mut out = vec![0f32; d];
+        paged_attention_decode(&mut ws, kv, &vec![1f32; d], &seqs, &p, &mut out).unwrap();
+        assert_eq!(bits(&out), bits(&vbig), "decode, bs {bs}: {out:?}");
+        let mut pre = vec![0f32; 3 * d];
+        paged_attention_prefill(
+            &mut ws,
+            kv,
+            &vec![1f32; 3 * d],
+            &[0, 3],
+            &seqs,
+            &p,
+            &mut pre,
+        )
+        .unwrap();
+        assert_eq!(
+            bits(&pre[2 * d..]),
+            bits(&vbig),
+            "prefill, bs {bs}: {pre:?}"
+        );
+    }
+}

@@ -521,6 +521,22 @@ fn attend_item_body<T: KvElem>(
         acc.fill(0.0);
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
+        // A raw (scaled) `q·k` of row `r` and key position `kpos`, capped, biased and masked.
+        let finish = |raw: f32, kpos: i64, r: usize| -> f32 {
+            let qpos = qpos_first + (r / g) as i64;
+            let visible = kpos <= qpos && (window == 0 || qpos - kpos < window);
+            if !visible {
+                return f32::NEG_INFINITY;
+            }
+            let mut s = raw;
+            if softcap > 0.0 {
+                s = softcap * (s / softcap).tanh();
+            }
+            if let Some(slopes) = ctx.params.alibi_slopes {
+                s += slopes[kvh * g + r % g] * (kpos - qpos) as f32;
+            }
+            s
+        };
 
         let first_block = (lo as usize) / bs;
         let last_block = (hi as usize - 1) / bs;
@@ -554,21 +570,8 @@ fn attend_item_body<T: KvElem>(
                     scores[r * bs + t] = dot(&q32[r * d..(r + 1) * d], k);
                 }
                 for r in 0..rows {
-                    let qpos = qpos_first + (r / g) as i64;
-                    let visible = kpos <= qpos && (window == 0 || qpos - kpos < window);
                     let x = &mut scores[r * bs + t];
-                    *x = if visible {
-                        let mut s = *x;
-                        if softcap > 0.0 {
-                            s = softcap * (s / softcap).tanh();
-                        }
-                        if let Some(slopes) = ctx.params.alibi_slopes {
-                            s += slopes[kvh * g + r % g] * (kpos - qpos) as f32;
-                        }
-                        s
-                    } else {
-                        f32::NEG_INFINITY
-                    };
+                    *x = finish(*x, kpos, r);
                 }
             }
             // Online softmax update, once per block and row.
@@ -637,6 +640,43 @@ fn attend_item_body<T: KvElem>(
                     }
                 }
             }
+        }
+        // A row left non-finite may hold a value whose weight the walk gave before larger
+        // scores made it underflow in several rescales, none 0 on its own (`inf * 1e-26` is
+        // still inf): the row is recomputed with every key's final weight `exp(s - max)`, so
+        // a key of weight 0 contributes nothing however the max grew. Rare (an infinite or
+        // overflowing value), so the second walk costs nothing in practice; a NaN sum (a NaN
+        // or +inf score) stays NaN, as the formula has it.
+        for r in 0..rows {
+            let (mr, a) = (m[r], &mut acc[r * d..(r + 1) * d]);
+            if !(l[r].is_finite() && mr.is_finite()) || a.iter().all(|x| x.is_finite()) {
+                continue;
+            }
+            a.fill(0.0);
+            let q = &q32[r * d..(r + 1) * d];
+            let mut sum = 0.0;
+            for (j, &block) in table
+                .iter()
+                .enumerate()
+                .take(last_block + 1)
+                .skip(first_block)
+            {
+                let jb = (j * bs) as i64;
+                let t0 = (lo.max(jb) - jb) as usize;
+                let t1 = (hi.min(jb + bs as i64) - jb) as usize;
+                let kbase = cfg.offset(block as usize, ctx.layer, KvPart::Key, 0, kvh);
+                let vbase = kbase + cfg.kv_stride();
+                let ts = cfg.token_stride();
+                for t in t0..t1 {
+                    let raw = dot(q, widen(ctx.kv.head(kbase + t * ts, d), kbuf));
+                    let w = (finish(raw, jb + t as i64, r) - mr).exp();
+                    if w != 0.0 {
+                        axpy(a, w, widen(ctx.kv.head(vbase + t * ts, d), kbuf));
+                        sum += w;
+                    }
+                }
+            }
+            l[r] = sum;
         }
         // Normalise and store rows of this KV head.
         for ti in 0..tq {

@@ -35,10 +35,12 @@
 //! the rows that give it weight, never the tokens before it in a prefill chunk nor a head that
 //! scores it -inf, nor a row whose later, larger score (more than ~104 above its own) makes
 //! its weight underflow after the walk has reached it (the CPU kernels then drop the
-//! accumulated sum instead of rescaling it by 0). The CUDA kernels do not follow this one yet:
-//! the prefill kernels multiply every key of a loaded tile by its weight, masked ones included,
-//! every kernel a key of -inf score, and every kernel rescales its running sum by a factor
-//! that underflows to 0 (the split decode's merge excepted), `0 * inf = NaN` (tests/cuda_emu.rs,
+//! accumulated sum instead of rescaling it by 0, and recompute a row that rescales left
+//! non-finite with each key's final weight, for a max that grew in several smaller steps).
+//! The CUDA kernels do not follow this one yet: the prefill kernels multiply every key of a
+//! loaded tile by its weight, masked ones included, every kernel a key of -inf score, and
+//! every kernel rescales its running sum by a factor that underflows to 0 (the split decode's
+//! merge excepted), `0 * inf = NaN` (tests/cuda_emu.rs,
 //! `a_key_of_weight_zero_with_an_infinite_value_leaves_the_row_as_the_oracle_has_it` and
 //! `a_value_whose_weight_underflows_later_leaves_the_row_as_the_oracle_has_it`, ignored).
 

@@ -172,6 +172,12 @@ impl PrefixCache {
         n
     }
 
+    /// Positions `engine`'s CLOCK hand has passed so far (tests: how far evictions swept).
+    #[cfg(test)]
+    pub(crate) fn clock_hand(&self, engine: EngineId) -> u64 {
+        self.counters()[engine.index()].hand.load(Ordering::Relaxed)
+    }
+
     /// Advances `engine`'s CLOCK hand until it evicts one cached-free page of that engine, for
     /// at most two sweeps' worth of positions. Returns whether it evicted one.
     pub(super) fn evict_one(&self, engine: EngineId) -> bool {

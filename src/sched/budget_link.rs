@@ -83,6 +83,14 @@ impl EngineBudget for EngineShare {
         self.coordinator.block_quotas()
     }
 
+    /// Every engine's blocks held ([`BudgetCoordinator::blocks_held`]), one load each.
+    fn blocks_held(&self) -> Vec<u32> {
+        let c = &self.coordinator;
+        (0..c.config().max_engines)
+            .map(|e| c.blocks_held(EngineId(e)).min(u64::from(u32::MAX)) as u32)
+            .collect()
+    }
+
     /// Keeps the step's `tokens` and gives back the rest of what `token_budget` took, so that
     /// `tokens_used` reads as this step's usage until the next one starts.
     fn record_step(&self, tokens: u32) {

@@ -82,6 +82,16 @@ pub trait EngineBudget: Send + Sync {
     fn block_quotas(&self) -> Vec<u32> {
         Vec::new()
     }
+    /// Every engine's blocks held against its budget (the pages its sequences reference and
+    /// its pending swap-outs read), indexed by engine id. Beside the pool's count of the pages
+    /// an engine owns, it bounds the engine's cached-free pages, so that prefix-cache eviction
+    /// tries first the engines that may have some: a sweep over an engine whose cached pages
+    /// are all in use reads every page's record twice and finds nothing. Only called when the
+    /// pool runs dry. Empty (the default): unknown, every engine with cached pages is tried in
+    /// share order.
+    fn blocks_held(&self) -> Vec<u32> {
+        Vec::new()
+    }
 }
 
 /// Counters of a batcher's life.
@@ -148,7 +158,10 @@ pub struct BatcherStats {
 ///    is admitted (but a swapped throughput sequence does not hold back latency-critical
 ///    admissions).
 ///
-/// The cost of a step is O(scheduled sequences + their new tokens + their blocks). The
+/// The cost of a step is O(scheduled sequences + their new tokens + their blocks), plus, with
+/// a prefix cache on a pool run dry, the eviction's walk over page records (CLOCK: up to two
+/// laps of the pool per engine it tries, the engines likely to have cached-free pages first,
+/// see [`EngineBudget::blocks_held`]). The
 /// [`Batch`] buffers and the scratch vectors are reused; what a decode step still allocates is
 /// each sequence's token list growing (its request's prompt `Vec`, doubling as tokens are
 /// appended), unless the prompt was given capacity for its output ([`Batch`]'s docs).

@@ -141,7 +141,7 @@ impl Batcher {
             if taken.is_err() {
                 // Short of free pages: cached-free pages may be evicted for them.
                 let short = fresh.saturating_sub(self.pool.free_count());
-                if self.evict_for(short.max(1)) {
+                if self.evict_for(short.max(1), fresh) {
                     taken = self.pool.alloc_n(self.cfg.engine, fresh, &mut self.scratch);
                 }
             }

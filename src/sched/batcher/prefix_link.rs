@@ -284,17 +284,45 @@ impl Batcher {
     }
 
     /// When the pool is short of `n` free pages: evicts cached-free pages, taken first from the
-    /// engines most over their shares. Returns whether any page was evicted.
-    pub(super) fn evict_for(&self, n: u32) -> bool {
+    /// engines most over their shares. `in_flight`: the pages this engine's budget just granted
+    /// for the allocation that fell short (held there, not in the pool). Returns whether any
+    /// page was evicted.
+    ///
+    /// An engine owns in the pool the pages its sequences hold and its cached pages; its budget
+    /// holds the former ([`EngineBudget::blocks_held`](super::EngineBudget::blocks_held)), so an
+    /// engine that owns no more pages than its budget holds has no cached-free page (short of a
+    /// count read mid-change). Such engines are tried only if the others did not give `n`
+    /// pages: the engine most over its share is typically the busiest, whose cached pages are
+    /// the completed blocks its sequences still hold, and an eviction tried on it first swept
+    /// every page's record twice for nothing on each allocation the dry pool refused.
+    pub(super) fn evict_for(&self, n: u32, in_flight: u32) -> bool {
         let Some(link) = &self.prefix else {
             return false;
         };
-        let shares = self
+        let (shares, in_use) = self
             .budget
             .as_ref()
-            .map(|b| b.block_quotas())
+            .map(|b| (b.block_quotas(), b.blocks_held()))
             .unwrap_or_default();
         let usage = link.cache.usage(&shares);
-        link.cache.evict_by(&usage, n, &mut MostOverShare) > 0
+        if in_use.is_empty() {
+            return link.cache.evict_by(&usage, n, &mut MostOverShare) > 0;
+        }
+        let (likely, rest): (Vec<_>, Vec<_>) = usage.into_iter().partition(|u| {
+            let mut held = in_use.get(u.engine.index()).copied().unwrap_or(0);
+            if u.engine == self.cfg.engine {
+                held = held.saturating_sub(in_flight);
+            }
+            u.held > held
+        });
+        let done = link.cache.evict_by(&likely, n, &mut MostOverShare);
+        // Engines tried above and not exhausted gave what was asked; those exhausted would
+        // find nothing again.
+        let rest_done = if done < n {
+            link.cache.evict_by(&rest, n - done, &mut MostOverShare)
+        } else {
+            0
+        };
+        done + rest_done > 0
     }
 }

@@ -4,19 +4,24 @@ use loom::sync::Arc;
 use loom::thread;
 use pagedkv::block::{BlockId, BlockPool, BlockTable, EngineId, PoolConfig};
 
+/// A pool of `blocks` blocks for `engines` engines.
+fn pool(blocks: u32, engines: u16) -> Arc<BlockPool> {
+    Arc::new(
+        BlockPool::new(PoolConfig {
+            device: 0,
+            num_blocks: blocks,
+            max_engines: engines,
+        })
+        .unwrap(),
+    )
+}
+
 /// The writer appends, truncates and appends again while a reader takes snapshots: every
 /// snapshot is a state the table actually had.
 #[test]
 fn append_truncate_against_reader() {
     crate::model(|| {
-        let pool = Arc::new(
-            BlockPool::new(PoolConfig {
-                device: 0,
-                num_blocks: 3,
-                max_engines: 1,
-            })
-            .unwrap(),
-        );
+        let pool = pool(3, 1);
         let mut t = BlockTable::new(pool.clone(), EngineId(0), 2);
         let reader = t.reader();
         let a = pool.alloc(EngineId(0)).unwrap();
@@ -48,14 +53,7 @@ fn append_truncate_against_reader() {
 #[test]
 fn replace_racing_fork() {
     crate::model(|| {
-        let pool = Arc::new(
-            BlockPool::new(PoolConfig {
-                device: 0,
-                num_blocks: 2,
-                max_engines: 1,
-            })
-            .unwrap(),
-        );
+        let pool = pool(2, 1);
         let mut parent = BlockTable::new(pool.clone(), EngineId(0), 1);
         parent.push(pool.alloc(EngineId(0)).unwrap()).unwrap();
         let shared = parent.get(0).unwrap();
@@ -94,14 +92,7 @@ fn replace_racing_fork() {
 #[test]
 fn replace_then_truncate_against_reader() {
     crate::model(|| {
-        let pool = Arc::new(
-            BlockPool::new(PoolConfig {
-                device: 0,
-                num_blocks: 4,
-                max_engines: 1,
-            })
-            .unwrap(),
-        );
+        let pool = pool(4, 1);
         let mut t = BlockTable::new(pool.clone(), EngineId(0), 2);
         let a = pool.alloc(EngineId(0)).unwrap();
         let b = pool.alloc(EngineId(0)).unwrap();
@@ -135,14 +126,7 @@ fn replace_then_truncate_against_reader() {
 #[test]
 fn append_then_replace_against_reader() {
     crate::model(|| {
-        let pool = Arc::new(
-            BlockPool::new(PoolConfig {
-                device: 0,
-                num_blocks: 3,
-                max_engines: 1,
-            })
-            .unwrap(),
-        );
+        let pool = pool(3, 1);
         let mut t = BlockTable::new(pool.clone(), EngineId(0), 2);
         let a = pool.alloc(EngineId(0)).unwrap();
         t.push(a).unwrap();
@@ -193,14 +177,7 @@ fn drain_all(pool: &BlockPool, held: &[BlockId]) {
 #[test]
 fn clear_racing_another_engines_alloc_n() {
     crate::model(|| {
-        let pool = Arc::new(
-            BlockPool::new(PoolConfig {
-                device: 0,
-                num_blocks: 3,
-                max_engines: 2,
-            })
-            .unwrap(),
-        );
+        let pool = pool(3, 2);
         let mut t = BlockTable::new(pool.clone(), EngineId(0), 2);
         let mut scratch = Vec::new();
         t.grow(2, &mut scratch).unwrap();
@@ -236,14 +213,7 @@ fn clear_racing_another_engines_alloc_n() {
 #[test]
 fn mixed_owner_truncate_racing_release_and_alloc() {
     crate::model(|| {
-        let pool = Arc::new(
-            BlockPool::new(PoolConfig {
-                device: 0,
-                num_blocks: 3,
-                max_engines: 2,
-            })
-            .unwrap(),
-        );
+        let pool = pool(3, 2);
         let shared = pool.alloc(EngineId(0)).unwrap();
         pool.share(shared).unwrap();
         let own = pool.alloc(EngineId(1)).unwrap();

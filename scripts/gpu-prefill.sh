@@ -15,7 +15,8 @@
 #          choose the profiles (default: 32, wgmma-ovl, wgmma128-ovl at 32:8/2048+4096);
 #          NCU_SOURCE=1 adds, per profile, the per-instruction stall samples of the SASS as CSV;
 #          NCU_DECODE_POINTS="32:8/1x4096" profiles decode points too;
-#          DECODE=1 times the decode grid beside SDPA first;
+#          DECODE=1 times the decode grid beside SDPA first; CACHE_OPS=1 the cache ops (swaps
+#          beside pinned and pageable copies);
 #          SWEEP_SPLITS="8 16 33" times Auto's plan and each fixed split count on SWEEP_POINTS
 #          (default: the batch-1 points), to read Auto's choice against its neighbours)
 # Then:    python3 scripts/gpu-tables.py <the call's files_at>/logs.tar.gz  (the BENCHMARKS tables)
@@ -34,6 +35,11 @@ note_machine
 # call, ~20 s).
 if [ "${DECODE:-0}" = 1 ]; then
   stage bench-decode 120 "$bin/bin-pagedkv" bench gpu --no-cache-ops --prefill none
+fi
+# The cache ops alone (CACHE_OPS=1, ~10 s): reshape_and_cache, copy_blocks, and the swaps
+# beside pinned and pageable host copies.
+if [ "${CACHE_OPS:-0}" = 1 ]; then
+  stage bench-cache-ops 60 "$bin/bin-pagedkv" bench gpu --decode none --prefill none --peer none
 fi
 # Decode split counts around Auto's (SWEEP_SPLITS): each process times the same points, without
 # the peer (its rows are in bench-decode).

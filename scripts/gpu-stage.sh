@@ -47,4 +47,9 @@ kernel_tests() {
   stage test-cuda_kernels 90 "$bin/test-cuda_kernels"
   grep -q "^test result: ok" "$OUT/test-cuda_kernels.log" ||
     stage test-cuda_kernels-serial 120 "$bin/test-cuda_kernels" --test-threads 1
+  # The engine on the GPU (its swap space pinned or not is in the log), when bundled
+  # (BUNDLE='...|^test-cuda_raw_engine$').
+  if [ -x "$bin/test-cuda_raw_engine" ]; then
+    stage test-cuda_raw_engine 90 "$bin/test-cuda_raw_engine" --nocapture
+  fi
 }

@@ -168,6 +168,14 @@ fn run_gpu(gpu: &Gpu, preemption: PreemptionMode) -> Run {
     // The swap run's attention as programmatic dependent launches, each over its layer's cache
     // write (compute capability 9.0+): the same outputs as the host backend's.
     engine.set_programmatic_launch(matches!(preemption, PreemptionMode::Swap));
+    // Swap space only under swap preemption, pinned unless the device refused (said, not
+    // asserted: a locked-memory limit is the machine's, and the swaps are right either way).
+    let swap = engine.backend().swap_space().map(|s| s.total_bytes());
+    assert_eq!(swap.is_some(), matches!(preemption, PreemptionMode::Swap));
+    println!(
+        "{preemption:?}: swap space {swap:?} bytes, pinned: {}",
+        engine.backend().swap_pinned()
+    );
     let (outputs, pages_moved) = drive(&mut engine, &mut model);
     drop(engine);
     drop(arena);

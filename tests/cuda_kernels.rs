@@ -364,6 +364,47 @@ fn decode_batch<T: Elem>(
     }
 }
 
+/// A decode batch of empty sequences whose block table rows have no entries (every context 0):
+/// the CPU kernels take it and write zero rows; the device wrapper took it on upload and then
+/// launched it with rows of width 0, which the launcher refuses (`max_blocks_per_seq` 0).
+#[test]
+fn decode_of_empty_sequences_with_empty_table_rows_writes_zeros() {
+    let Some(g) = gpu("decode_of_empty_sequences_with_empty_table_rows_writes_zeros") else {
+        return;
+    };
+    let (d, nh, n) = (64, 4, 3);
+    let cfg = KvCacheConfig::new(1, 2, d, 16, 4, KvDtype::F32).expect("config");
+    let seqs = PagedSeqs {
+        block_tables: &[],
+        max_blocks_per_seq: 0,
+        context_lens: &[0; 3],
+    };
+    let params = AttnParams::new(nh, d);
+    let query = vec![1.0f32; n * nh * d];
+    let mut want = vec![f32::NAN; query.len()];
+    let host = HostKvCache::new(cfg).expect("host cache");
+    let view = host.view::<f32>().expect("view");
+    cpu::paged_attention_decode(
+        &mut pagedkv::attn::AttnWorkspace::new(),
+        view.layer(0).expect("layer"),
+        &query,
+        &seqs,
+        &params,
+        &mut want,
+    )
+    .expect("the CPU kernels take the batch");
+    assert!(want.iter().all(|&x| x == 0.0));
+    let dev = DeviceKvCache::new(&g, cfg).expect("device cache");
+    let dseqs = DeviceSeqs::upload(&g, &cfg, &seqs).expect("seqs");
+    let dparams = DeviceAttnParams::upload(&g, &cfg, &params).expect("params");
+    let dq = g.upload(&query).expect("q");
+    let mut out = g.upload(&vec![f32::NAN; query.len()]).expect("out");
+    let mut dws = DecodeWorkspace::new();
+    dev.paged_attention_decode(&g, 0, &dq, &dseqs, &dparams, &mut dws, &mut out)
+        .expect("the device takes what the CPU kernels take");
+    assert_eq!(g.download(&out).expect("download"), want);
+}
+
 /// A context of 2^31 - 1 tokens under a 64-token window, in a table row of 2^23 + 1
 /// 256-token blocks whose last block is the only one read: the decode tiles' last 8-token
 /// half starts at 2^31 - 8, and its end computed as `t0 + 8` wrapped negative on the GPU and

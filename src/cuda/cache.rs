@@ -313,12 +313,14 @@ impl DeviceKvCache {
 }
 
 /// Page-locked host memory holding swapped-out blocks, in the cache layout (so a swapped block
-/// is the same bytes as on the device). Allocated with `cuMemHostAlloc` (portable, cached: the
-/// host reads it efficiently, unlike write-combined memory).
+/// is the same bytes as on the device). Allocated with `cuMemHostAlloc`, flags 0: pinned for
+/// the context of the [`Gpu`] it was made on (not `CU_MEMHOSTALLOC_PORTABLE`: a swap on
+/// another device's stream is refused, with the driver's `CUDA_ERROR_INVALID_CONTEXT`, before
+/// any copy), host-cached (the host reads it efficiently, unlike write-combined memory).
 ///
 /// Host access ([`as_bytes`](Self::as_bytes), [`as_bytes_mut`](Self::as_bytes_mut), drop)
 /// first waits for the swaps that used it (each swap is queued behind the previous one, on
-/// whatever stream), so a DMA never races a host access or another swap's DMA.
+/// whatever stream of the device), so a DMA never races a host access or another swap's DMA.
 #[derive(Debug)]
 pub struct PinnedSwapSpace {
     /// Geometry of the swap space (the cache's block shape, its own block count).

@@ -49,12 +49,13 @@ impl DeviceSeqs {
     /// [`CudaError::Driver`] if the upload fails.
     pub fn upload(gpu: &Gpu, cfg: &KvCacheConfig, seqs: &PagedSeqs<'_>) -> Result<Self, CudaError> {
         let max_context_len = validate_seqs(cfg, seqs)?;
+        let (block_tables, max_blocks_per_seq) = upload_tables(gpu, seqs)?;
         Ok(Self {
-            block_tables: upload_nonempty(gpu, seqs.block_tables)?,
+            block_tables,
             context_lens: upload_nonempty(gpu, seqs.context_lens)?,
             query_start_loc: None,
             num_seqs: seqs.num_seqs(),
-            max_blocks_per_seq: seqs.max_blocks_per_seq,
+            max_blocks_per_seq,
             max_context_len,
             max_query_len: 1,
             num_tokens: seqs.num_seqs(),
@@ -83,12 +84,13 @@ impl DeviceSeqs {
             .map(|w| (w[1] - w[0]) as usize)
             .max()
             .unwrap_or(0);
+        let (block_tables, max_blocks_per_seq) = upload_tables(gpu, seqs)?;
         Ok(Self {
-            block_tables: upload_nonempty(gpu, seqs.block_tables)?,
+            block_tables,
             context_lens: upload_nonempty(gpu, seqs.context_lens)?,
             query_start_loc: Some(gpu.upload(query_start_loc)?),
             num_seqs: n,
-            max_blocks_per_seq: seqs.max_blocks_per_seq,
+            max_blocks_per_seq,
             max_context_len,
             max_query_len: max_q,
             num_tokens,
@@ -130,6 +132,20 @@ fn upload_nonempty(gpu: &Gpu, host: &[i32]) -> Result<CudaSlice<i32>, CudaError>
     } else {
         gpu.upload(host)
     }
+}
+
+/// The block tables and their row width as the launches take them. Rows of no entries (every
+/// context 0, which the CPU kernels accept) become rows of one never-read entry: the launchers
+/// refuse a width of 0, and every entry of a row they are given must be readable memory.
+fn upload_tables(gpu: &Gpu, seqs: &PagedSeqs<'_>) -> Result<(CudaSlice<i32>, usize), CudaError> {
+    if seqs.max_blocks_per_seq == 0 {
+        let rows = vec![0i32; seqs.num_seqs()];
+        return Ok((upload_nonempty(gpu, &rows)?, 1));
+    }
+    Ok((
+        upload_nonempty(gpu, seqs.block_tables)?,
+        seqs.max_blocks_per_seq,
+    ))
 }
 
 /// The kernel contract's batch checks (the same the CPU kernels run), plus the sizes the C ABI

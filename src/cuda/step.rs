@@ -576,6 +576,20 @@ impl DecodeStep {
     }
 }
 
+impl Drop for DecodeStep {
+    fn drop(&mut self) {
+        // Every launch and replay queued on the step's stream reads the ALiBi slopes through
+        // `params_raw`, an address cudarc does not track, and the slopes' buffer is freed on the
+        // stream that uploaded it (possibly another stream of the device), ordered only after
+        // the read recorded at construction. So the read is recorded again at the end of the
+        // step's stream (the slice's drop waits on it before the free), and the stream is
+        // waited for before the fields drop (the staging buffer's drop waits for it anyway;
+        // an error cannot be reported from drop).
+        drop(self.params.raw(self.gpu.stream()));
+        let _ = self.gpu.synchronize();
+    }
+}
+
 /// A captured decode step (a CUDA graph and its executable instance), replayed with
 /// [`DecodeStep::replay`].
 pub struct DecodeGraph {

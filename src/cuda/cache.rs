@@ -231,8 +231,12 @@ impl DeviceKvCache {
         };
         swap.staging = pairs;
         // Recorded even when the launcher failed: copies it queued before failing are waited
-        // for too.
+        // for too. Where the record itself fails, nothing would wait for them: the stream is
+        // waited for here, before the pinned memory can be read, rewritten or freed.
         let recorded = swap.pending.record(gpu.stream());
+        if recorded.is_err() {
+            let _ = gpu.synchronize();
+        }
         r?;
         recorded?;
         Ok(())
@@ -278,8 +282,12 @@ impl DeviceKvCache {
         };
         swap.staging = pairs;
         // Recorded even when the launcher failed: copies it queued before failing are waited
-        // for too.
+        // for too. Where the record itself fails, nothing would wait for them: the stream is
+        // waited for here, before the pinned memory can be read, rewritten or freed.
         let recorded = swap.pending.record(gpu.stream());
+        if recorded.is_err() {
+            let _ = gpu.synchronize();
+        }
         r?;
         recorded?;
         Ok(())

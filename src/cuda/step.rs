@@ -385,7 +385,7 @@ impl DecodeStep {
             )
         }?;
         if stream.capture_status()? == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
-            self.staged.record(stream)?;
+            self.record_staged()?;
         }
         Ok(())
     }
@@ -571,8 +571,18 @@ impl DecodeStep {
     /// [`CudaError::Driver`] if the launch fails.
     pub unsafe fn replay(&mut self, graph: &DecodeGraph) -> Result<(), CudaError> {
         graph.graph.launch()?;
-        self.staged.record(self.gpu.stream())?;
-        Ok(())
+        self.record_staged()
+    }
+
+    /// Marks the staging buffer read by the work queued so far (the next `stage` waits for
+    /// it); where the record fails, waits for the stream instead, so that `stage` cannot
+    /// rewrite bytes a queued copy has yet to read.
+    fn record_staged(&mut self) -> Result<(), CudaError> {
+        let recorded = self.staged.record(self.gpu.stream());
+        if recorded.is_err() {
+            let _ = self.gpu.synchronize();
+        }
+        Ok(recorded?)
     }
 }
 

@@ -252,8 +252,30 @@ fn engine_config() -> EngineConfig {
     }
 }
 
-/// One engine's thread: takes requests from its admission queue (parked while idle), aborts
-/// sequences whose streams were dropped, steps, and routes each step's results to the streams.
+/// Whether the engine takes another request from its queue now. Its batcher's waiting list
+/// has no bound of its own: taking every queued request at each step would move them all
+/// there (each with its prompt and stream buffer), so the queue would never fill, `Block`
+/// would never hold a submitter back, and memory would grow with the overload. So a request
+/// is taken only while fewer than a batch (`max_running`) wait to start; a latency-critical
+/// one (the next one taken, if any is queued) while fewer than a batch of its class wait, so
+/// it does not queue behind throughput work. (A pop that finds that request still being
+/// written takes the next throughput one instead: one past the bound, for a race.) The rest
+/// wait in the admission queue, where the overflow policy applies.
+fn has_room(
+    engine: &Engine<HostBackend<f32>>,
+    queues: &Queues,
+    worker: usize,
+) -> Result<bool, AdmissionError> {
+    let backlog = engine.config().max_running as usize;
+    let batcher = engine.batcher();
+    Ok(batcher.num_waiting() < backlog
+        || (batcher.num_waiting_in(Priority::LatencyCritical) < backlog
+            && queues.depth(worker, Priority::LatencyCritical)? > 0))
+}
+
+/// One engine's thread: takes requests from its admission queue as its backlog allows
+/// ([`has_room`]; parked while idle), aborts sequences whose streams were dropped, steps, and
+/// routes each step's results to the streams.
 /// Returns when the queue set is closed and the engine is idle.
 fn engine_thread(
     shared: &Arc<SharedArena>,
@@ -268,9 +290,13 @@ fn engine_thread(
     let mut log = EngineLog::default();
     let mut abort = Vec::new();
     loop {
-        // New requests: whatever is queued while the engine has work, else park for one.
+        // New requests: while the engine has work, what is queued as long as its batcher's
+        // backlog has room (see `has_room`), else park for one.
         loop {
             let job = if engine.has_work() {
+                if !has_room(&engine, queues, worker)? {
+                    break;
+                }
                 match queues.pop(worker)? {
                     Some(job) => job,
                     None => break,
@@ -420,15 +446,20 @@ pub fn arena(pages: u32) -> Result<Arc<SharedArena>, BoxError> {
 /// One engine's thread as [`run`] spawns it: [`engine_thread`] for `worker` (its model's
 /// engine on `shared`), with `before_step` called before each step (with the steps run so
 /// far; an error ends the engine like a failed step: `run` passes a no-op, the tests inject
-/// faults). If the engine fails, no client is left waiting on it.
+/// faults). If the engine fails (an error or a panic, which is then resumed), no client is
+/// left waiting on it.
 pub fn engine_worker(
     shared: &Arc<SharedArena>,
     queues: &Admission<StreamRequest, Result<(), SchedError>>,
     worker: usize,
     before_step: &mut dyn FnMut(u64) -> Result<(), BoxError>,
 ) -> Result<EngineLog, BoxError> {
-    let log = engine_thread(shared, queues, worker, before_step);
-    if log.is_err() {
+    // A panic (the model's, say) unwinds out of `engine_thread` first, dropping its engine
+    // (the pages go back) and its router (the running requests' streams end `Abandoned`).
+    let log = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        engine_thread(shared, queues, worker, before_step)
+    }));
+    if !matches!(log, Ok(Ok(_))) {
         // Refuse the rest rather than leave clients waiting on this engine: the close refuses
         // later submits, and the requests already queued here (or admitted while the close
         // raced them) are dropped, which ends their tickets `Abandoned`. Nobody else pops
@@ -438,7 +469,7 @@ pub fn engine_worker(
             drop(job);
         }
     }
-    log
+    log.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 /// Runs the whole server once: arena, engines, queues, front end, shutdown.

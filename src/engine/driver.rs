@@ -48,7 +48,9 @@ pub struct EngineConfig {
     pub max_batched_tokens: u32,
     /// Most prompt tokens of one sequence in one step (chunked prefill).
     pub max_prefill_chunk: u32,
-    /// Longest sequence, in tokens (prompt and output).
+    /// Most positions one sequence runs, in tokens: its prompt and every output token but the
+    /// last (sampled, never fed back: [`SeqRequest::max_cached_tokens`]), so a prompt of `p`
+    /// tokens may ask for up to `max_context + 1 - p` new ones.
     pub max_context: u32,
     /// What preemption does with a victim's KV.
     pub preemption: PreemptionMode,

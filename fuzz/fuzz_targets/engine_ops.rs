@@ -4,7 +4,9 @@
 //! split schedule / execute / commit, with a model that may fail or return the wrong number of
 //! samples, engines dropped and re-created. Checks: no panic; every refusal is a typed error;
 //! a refused `add` changes nothing; every step's results index their tokens and stream exactly
-//! each finished sequence's output and reason; the budget's invariants hold after each step;
+//! each finished sequence's output and reason; the budget's invariants hold after each step,
+//! and each engine owns in the pool exactly the pages its budget holds plus its cached-free
+//! ones (an id no live engine has, none);
 //! and at the end every engine drains, and the pool and the coordinator are back to empty.
 //!
 //! Against an independent record (`Expect`, built from the requests, the model's own samples
@@ -572,11 +574,38 @@ fn step_checked(slot: &mut Slot) -> Result<(), EngineError> {
     r.map(|_| ())
 }
 
-fn check_shared(shared: &SharedArena) {
+fn check_shared(shared: &SharedArena, slots: &[Slot]) {
     let c = shared.coordinator();
     assert!(c.blocks_in_use() <= u64::from(shared.pool().total()));
     assert!(c.tokens_in_use() <= u64::from(c.config().tokens_per_step));
     assert!(c.snapshot().consistent);
+    // Page accounting between calls: an engine owns in the pool exactly the pages its budget
+    // holds (its sequences' and its swap-outs in flight) plus its cached-free pages; an id no
+    // live engine has owns none.
+    let held = shared.pool().stats().held;
+    let mut live = vec![false; held.len()];
+    for slot in slots {
+        let Some(engine) = slot.engine.as_ref() else {
+            continue;
+        };
+        let e = engine.id();
+        live[e.index()] = true;
+        let cached_free = shared
+            .prefix_cache()
+            .map_or(0, |cache| cache.reclaimable(Some(e)));
+        assert_eq!(
+            u64::from(held[e.index()]),
+            c.blocks_held(e) + u64::from(cached_free),
+            "engine {e:?}: pool pages vs budget ({}) + cached-free ({cached_free})",
+            c.blocks_held(e)
+        );
+    }
+    for (e, &h) in held.iter().enumerate() {
+        assert!(
+            live[e] || h == 0,
+            "engine id {e} owns {h} pages, no engine has it"
+        );
+    }
 }
 
 fuzz_target!(|input: Input| {
@@ -840,7 +869,7 @@ fuzz_target!(|input: Input| {
                 }
             }
         }
-        check_shared(&shared);
+        check_shared(&shared, &slots);
     }
 
     // Drain: abort everything, step each engine until idle.

@@ -9,7 +9,9 @@
 //! before and after); an accepted copy moves exactly the blocks it names (compared with a
 //! snapshot); an accepted cache write puts each key and value in its slot; an accepted
 //! attention output is finite and within the range of the values (softmax weights are a convex
-//! combination), and decode agrees with prefill of one token per sequence.
+//! combination), decode agrees with prefill of one token per sequence (and prefill, row by
+//! row, with decode), and decode agrees with a dense float64 reference written from the
+//! `AttnParams` contract (the other checks share the kernels' inner loop).
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -109,6 +111,11 @@ fn params<'a>(
     }
     if let Some(s) = &p.alibi {
         *slopes = s.iter().map(|&x| f32::from(x) / 64.0).collect();
+        // Mostly one slope per head (cycled), so that ALiBi reaches the kernels; otherwise the
+        // length as given (mostly refused).
+        if s.first().is_some_and(|&x| x % 4 != 0) && a.num_heads <= 64 {
+            *slopes = (0..a.num_heads).map(|h| slopes[h % slopes.len()]).collect();
+        }
         if p.weird % 16 == 6 && !slopes.is_empty() {
             slopes[0] = f32::INFINITY;
         }
@@ -145,6 +152,69 @@ fn table(s: &Seqs, cfg: &KvCacheConfig) -> (Vec<i32>, Vec<i32>, usize) {
 
 fn val<T: KvElem>(i: usize, seed: u8) -> T {
     T::from_f32(((i as f32) * 0.37 + f32::from(seed)).sin())
+}
+
+/// Absolute tolerance of an attention output (values within [-1, 1]) against the float64
+/// reference: the element type's rounding of the output, plus f32 accumulation.
+fn tol<T: KvElem>() -> f64 {
+    match T::DTYPE {
+        pagedkv::kv::KvDtype::F32 => 1e-4,
+        pagedkv::kv::KvDtype::F16 => 4e-3,
+        pagedkv::kv::KvDtype::Bf16 => 2e-2,
+    }
+}
+
+/// Dense float64 decode of one sequence of context `c` (query at position `c - 1`), written
+/// from `AttnParams`' contract: kv head `h / group`; key `k` visible iff `q_pos - k_pos <
+/// window` (0: all); logit `softcap(scale * q.k) + slope[h] * (k_pos - q_pos)`; softmax; sum of
+/// the values. The keys and values are read through `row` (the sequence's block table).
+fn naive_decode<T: KvElem>(
+    data: &[T],
+    cfg: &KvCacheConfig,
+    layer: usize,
+    row: &[i32],
+    c: usize,
+    q: &[T],
+    a: &AttnParams,
+) -> Vec<f64> {
+    let (d, bs) = (cfg.head_dim(), cfg.block_size());
+    let nh = a.num_heads;
+    let g = nh / cfg.num_kv_heads();
+    let qpos = c - 1;
+    let mut out = vec![0f64; nh * d];
+    for h in 0..nh {
+        let kvh = h / g;
+        let qh = &q[h * d..(h + 1) * d];
+        let mut logits = Vec::new();
+        for kpos in 0..c {
+            if a.sliding_window != 0 && qpos - kpos >= a.sliding_window {
+                continue;
+            }
+            let b = row[kpos / bs] as usize;
+            let ko = cfg.offset(b, layer, KvPart::Key, kpos % bs, kvh);
+            let dot: f64 = (0..d)
+                .map(|e| f64::from(qh[e].to_f32()) * f64::from(data[ko + e].to_f32()))
+                .sum();
+            let mut x = f64::from(a.scale) * dot;
+            if a.softcap > 0.0 {
+                let s = f64::from(a.softcap);
+                x = s * (x / s).tanh();
+            }
+            if let Some(sl) = a.alibi_slopes {
+                x += f64::from(sl[h]) * (kpos as f64 - qpos as f64);
+            }
+            logits.push((cfg.offset(b, layer, KvPart::Value, kpos % bs, kvh), x));
+        }
+        let mx = logits.iter().map(|l| l.1).fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = logits.iter().map(|l| (l.1 - mx).exp()).sum();
+        for &(vo, x) in &logits {
+            let w = (x - mx).exp() / z;
+            for e in 0..d {
+                out[h * d + e] += w * f64::from(data[vo + e].to_f32());
+            }
+        }
+    }
+    out
 }
 
 fn snapshot(c: &HostKvCache) -> Vec<u8> {
@@ -336,6 +406,28 @@ fn run<T: KvElem>(input: &Input) {
                                 x.is_finite() && x >= range.0 && x <= range.1,
                                 "decode output {x} outside {range:?}"
                             );
+                        }
+                        // Against a dense reference from the contract alone: the checks here
+                        // (range, decode vs prefill, prefill vs decode) all run the kernels'
+                        // shared inner loop, so a wrong logit, mask or softmax there passed them.
+                        for (i, &c) in ctx.iter().enumerate().filter(|&(_, &c)| c > 0) {
+                            let row = &t[i * mbps..(i + 1) * mbps];
+                            let want = naive_decode(
+                                view.data(),
+                                &cfg,
+                                layer,
+                                row,
+                                c as usize,
+                                &query[i * hd..(i + 1) * hd],
+                                &a,
+                            );
+                            for (e, w) in want.iter().enumerate() {
+                                let x = f64::from(out[i * hd + e].to_f32());
+                                assert!(
+                                    (x - w).abs() <= tol::<T>(),
+                                    "seq {i} element {e}: decode {x} vs reference {w}"
+                                );
+                            }
                         }
                         // Prefill of one token per live sequence attends the same keys.
                         let mut qsl = vec![0i32];

@@ -6,14 +6,22 @@
 //! comes out: every input token is the sequence's token at its position, a sampling row ends
 //! at the sequence's last token, a finished output is exactly the tokens committed to it, and a
 //! sequence ends exactly when its stop rules say (EOS, `max_new_tokens`) and not before.
+//!
+//! Page accounting after every operation (`check_pages`): the batcher lists exactly the live
+//! sequences of the model; a waiting or swapped sequence holds no pages; a running one holds at
+//! most the pages its tokens cover; after a commit each row still running holds at least the
+//! pages its context covers, and the pool holds exactly the pages the live tables hold (while
+//! no fork family is live: forks share pages); and once drained, before the batcher is
+//! dropped, every page is back in the pool (a page kept by a finished sequence until the
+//! batcher's drop is a leak for its whole life).
 #![no_main]
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use pagedkv::block::{BlockPool, EngineId, PoolConfig};
 use pagedkv::sched::{
-    Batch, Batcher, BatcherConfig, FinishReason, FinishedSeq, PreemptionMode, Priority, SeqRequest,
-    StopRules,
+    Batch, Batcher, BatcherConfig, FinishReason, FinishedSeq, PreemptionMode, Priority, SeqPhase,
+    SeqRequest, StopRules,
 };
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -81,6 +89,8 @@ fuzz_target!(|input: Input| {
     let mut done = Vec::new();
     // Model: each live sequence's tokens, prompt length and stop rules.
     let mut model: Model = HashMap::new();
+    // Ids of forked sequences and their parents: while one is live, pages may be shared.
+    let mut family: HashSet<u64> = HashSet::new();
     for op in input.ops.into_iter().take(256) {
         match op {
             Op::Submit {
@@ -135,11 +145,13 @@ fuzz_target!(|input: Input| {
                     .map(|i| u32::from(tokens.get(i).copied().unwrap_or(7)))
                     .collect();
                 commit_checked(&mut bt, &mut done, &mut model, &sampled);
+                check_committed(&bt, &pool, &model, &family);
             }
             Op::StepWrongCount => {
                 let n = schedule_checked(&mut bt, &mut done, &mut model).num_samples();
                 assert!(bt.commit(&vec![1; n + 1], &mut done).is_err());
                 commit_checked(&mut bt, &mut done, &mut model, &vec![1; n]);
+                check_committed(&bt, &pool, &model, &family);
             }
             Op::Discard => {
                 schedule_checked(&mut bt, &mut done, &mut model);
@@ -152,10 +164,13 @@ fuzz_target!(|input: Input| {
                     accepted.insert(next_id);
                     let parent = model[&u64::from(id)].clone();
                     model.insert(next_id, parent);
+                    family.insert(u64::from(id));
+                    family.insert(next_id);
                 }
                 next_id += 1;
             }
         }
+        check_pages(&bt, &pool, &model, &family);
     }
     // Drain: a workload that fits one sequence at a time always finishes.
     for _ in 0..100_000 {
@@ -164,6 +179,7 @@ fuzz_target!(|input: Input| {
         }
         let n = schedule_checked(&mut bt, &mut done, &mut model).num_samples();
         commit_checked(&mut bt, &mut done, &mut model, &vec![7; n]);
+        check_committed(&bt, &pool, &model, &family);
     }
     assert!(
         model.is_empty(),
@@ -177,9 +193,80 @@ fuzz_target!(|input: Input| {
         "every accepted request finishes exactly once"
     );
     assert_eq!(finished.len(), done.len());
+    // Drained: every page is back now, not only once the batcher is dropped.
+    assert_eq!(
+        pool.free_count(),
+        pool.total(),
+        "pages held by a drained batcher"
+    );
     drop(bt);
     assert_eq!(pool.free_count(), pool.total());
 });
+
+/// After any operation: the batcher lists exactly the model's live sequences, a waiting or
+/// swapped one holds no pages, a running one no more than its tokens cover, and the pool holds
+/// at least the pages of the live tables (exactly, but for swap-outs in flight, while no fork
+/// family is live).
+fn check_pages(bt: &Batcher, pool: &BlockPool, model: &Model, family: &HashSet<u64>) {
+    let bs = bt.config().block_size as usize;
+    assert_eq!(
+        bt.num_waiting() + bt.num_running() + bt.num_swapped(),
+        model.len(),
+        "live sequences"
+    );
+    let mut sum = 0u64;
+    for (&id, (toks, _, _)) in model {
+        let phase = bt.phase(id).expect("a live sequence has a phase");
+        let blocks = bt.blocks_of(id).expect("a live sequence has a table");
+        match phase {
+            SeqPhase::Waiting | SeqPhase::Swapped => {
+                assert_eq!(blocks, 0, "seq {id}: {phase:?} yet holds pages")
+            }
+            SeqPhase::Prefilling | SeqPhase::Decoding => assert!(
+                blocks as usize <= toks.len().div_ceil(bs),
+                "seq {id}: {blocks} pages for {} tokens",
+                toks.len()
+            ),
+        }
+        sum += u64::from(blocks);
+    }
+    let held = u64::from(pool.total() - pool.free_count());
+    assert_eq!(u64::from(pool.stats().held[0]), held);
+    if !model.keys().any(|id| family.contains(id)) {
+        // Swap-outs in flight hold their pages until the batch has run.
+        assert!(held >= sum, "pool holds {held} pages, the tables {sum}");
+    }
+}
+
+/// Right after a commit (no swap-out in flight): [`check_pages`], each committed row still
+/// running holds at least the pages its context covers, and the pool exactly the tables' pages
+/// while no fork family is live.
+fn check_committed(bt: &Batcher, pool: &BlockPool, model: &Model, family: &HashSet<u64>) {
+    check_pages(bt, pool, model, family);
+    let bs = bt.config().block_size as usize;
+    let b = bt.batch();
+    for s in 0..b.num_seqs() {
+        let id = b.seq_ids[s];
+        if !model.contains_key(&id) {
+            continue;
+        }
+        // At least: pages a discarded batch reserved beyond it stay (the sequence grows into
+        // them; `check_pages` bounds them by its tokens).
+        assert!(
+            bt.blocks_of(id).unwrap() as usize >= (b.context_lens[s] as usize).div_ceil(bs),
+            "seq {id}: pages after a commit of context {}",
+            b.context_lens[s]
+        );
+    }
+    if !model.keys().any(|id| family.contains(id)) {
+        let sum: u64 = model
+            .keys()
+            .map(|&id| u64::from(bt.blocks_of(id).unwrap()))
+            .sum();
+        let held = u64::from(pool.total() - pool.free_count());
+        assert_eq!(held, sum, "pool holds {held} pages, the live tables {sum}");
+    }
+}
 
 /// Per live sequence: its tokens (prompt, then what was committed), its prompt length and its
 /// stop rules.

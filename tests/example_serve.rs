@@ -12,7 +12,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use pagedkv::sched::admission::{
-    Admission, AdmissionConfig, AdmissionError, OverflowPolicy, Route, StreamRequest,
+    Admission, AdmissionConfig, AdmissionError, OverflowPolicy, Route, StreamRequest, TokenStream,
 };
 use pagedkv::sched::{FinishReason, Priority, SeqRequest, StopRules};
 use serve::{Outcome, ServeConfig};
@@ -99,6 +99,21 @@ fn two_models_stream_cancel_and_shut_down_clean() {
     }
 }
 
+/// A throughput request of an 8-token prompt for `max_new_tokens`, and its stream.
+fn throughput_request(id: u64, max_new_tokens: u32) -> (StreamRequest, TokenStream) {
+    StreamRequest::new(SeqRequest {
+        id,
+        prompt: vec![1; 8],
+        stop: StopRules {
+            max_new_tokens,
+            eos: Vec::new(),
+            stop_sequences: Vec::new(),
+        },
+        priority: Priority::Throughput,
+    })
+    .unwrap()
+}
+
 /// An engine that fails leaves no client waiting on it. A request queued for it while its
 /// failing step ran was never popped: the close refused later submits only, so its client
 /// (and `run`, which waits for every client) waited forever.
@@ -106,19 +121,7 @@ fn two_models_stream_cancel_and_shut_down_clean() {
 fn a_failed_engine_leaves_no_client_waiting() {
     let shared = serve::arena(32).unwrap();
     let queues = Admission::new(AdmissionConfig::new(2, 16, OverflowPolicy::Block)).unwrap();
-    let request = |id| {
-        StreamRequest::new(SeqRequest {
-            id,
-            prompt: vec![1; 8],
-            stop: StopRules {
-                max_new_tokens: 8,
-                eos: Vec::new(),
-                stop_sequences: Vec::new(),
-            },
-            priority: Priority::Throughput,
-        })
-        .unwrap()
-    };
+    let request = |id| throughput_request(id, 8);
     let submit = |req| {
         queues
             .try_submit(req, Priority::Throughput, Route::Worker(0))
@@ -151,19 +154,7 @@ fn a_failed_engine_leaves_no_client_waiting() {
 fn a_panicking_engine_leaves_no_client_waiting() {
     let shared = serve::arena(32).unwrap();
     let queues = Admission::new(AdmissionConfig::new(2, 16, OverflowPolicy::Block)).unwrap();
-    let request = |id| {
-        StreamRequest::new(SeqRequest {
-            id,
-            prompt: vec![1; 8],
-            stop: StopRules {
-                max_new_tokens: 8,
-                eos: Vec::new(),
-                stop_sequences: Vec::new(),
-            },
-            priority: Priority::Throughput,
-        })
-        .unwrap()
-    };
+    let request = |id| throughput_request(id, 8);
     let submit = |req| {
         queues
             .try_submit(req, Priority::Throughput, Route::Worker(0))
@@ -207,19 +198,7 @@ fn a_panicking_engine_leaves_no_client_waiting() {
 fn an_overloaded_engine_pushes_back_at_its_queue() {
     let shared = serve::arena(32).unwrap();
     let queues = Admission::new(AdmissionConfig::new(2, 16, OverflowPolicy::Block)).unwrap();
-    let request = |id| {
-        StreamRequest::new(SeqRequest {
-            id,
-            prompt: vec![1; 8],
-            stop: StopRules {
-                max_new_tokens: 64,
-                eos: Vec::new(),
-                stop_sequences: Vec::new(),
-            },
-            priority: Priority::Throughput,
-        })
-        .unwrap()
-    };
+    let request = |id| throughput_request(id, 64);
     // One request to wake the idle engine.
     let (req, first_stream) = request(1);
     let first = queues

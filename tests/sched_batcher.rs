@@ -667,6 +667,30 @@ fn drafts_that_exactly_fill_the_chunk_limit_are_scheduled() {
     assert_eq!(b.num_samples(), 3);
 }
 
+/// Drafts are optional: when the pages they need are short, they are dropped (the row is a
+/// plain decode), never paid for by a preemption. Before, the older sequence's two drafts
+/// needing a second page preempted the younger sequence by recompute (its KV thrown away) so
+/// that the speculative tokens could run; a younger sequence's drafts preempted itself.
+#[test]
+fn drafts_short_of_pages_are_dropped_not_paid_for_by_a_preemption() {
+    for proposer in [1, 2] {
+        let mut bt = Batcher::new(config(), pool(2)).unwrap();
+        bt.add(req(1, vec![1, 2, 3], 5)).unwrap(); // 7 tokens at most: 2 pages over its life
+        bt.add(req(2, vec![4, 5, 6], 5)).unwrap();
+        let mut fin = Vec::new();
+        step(&mut bt, &mut fin); // both prefilled: one page each, the pool is dry
+        assert_eq!((bt.blocks_of(1), bt.blocks_of(2)), (Some(1), Some(1)));
+        bt.propose(proposer, &[7, 8]).unwrap(); // positions 3..=5: a second page
+        let b = bt.schedule_into(&mut fin);
+        assert_eq!(b.seq_ids, [1, 2], "proposer {proposer}");
+        assert_eq!(b.input_tokens, [1000, 1000], "proposer {proposer}");
+        assert_eq!(b.num_samples(), 2);
+        assert_eq!(bt.stats().preempted_recompute, 0, "proposer {proposer}");
+        bt.commit(&[1001, 1002], &mut fin).unwrap();
+        assert!(fin.is_empty());
+    }
+}
+
 /// Runs `bt` to idle (at most 500 steps) with `check` after each schedule.
 fn drive_checked(bt: &mut Batcher, fin: &mut Vec<FinishedSeq>, mut check: impl FnMut(&Batcher)) {
     for step in 0..500 {

@@ -74,7 +74,8 @@ pub struct StepReport {
     pub exec: StepStats,
     /// Tokens scheduled.
     pub scheduled: u32,
-    /// Tokens sampled (one per sampling row).
+    /// Tokens sampled: one per logits index (one per sampling row, `d + 1` for a row with
+    /// `d` draft tokens, rejected ones included).
     pub sampled: u32,
     /// Pages this engine was asked to give back at the start of the step (reclaim orders of
     /// lenders and donations to other engines).

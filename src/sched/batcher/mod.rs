@@ -210,8 +210,8 @@ pub struct Batcher {
     batch: Batch,
     /// This step's rows: (slot, new tokens, draft tokens among them).
     scheduled: Vec<(usize, usize, usize)>,
-    /// A non-empty batch was scheduled and not yet committed (it stands: schedule_into
-    /// returns it again).
+    /// A non-empty batch was scheduled and not yet committed (the next schedule_into
+    /// discards it).
     uncommitted: bool,
     scratch: Vec<BlockId>,
     /// Row stride of `batch.block_tables`, kept across steps so that rows stay in place.
@@ -531,11 +531,13 @@ impl Batcher {
     /// written for rejected drafts is rolled back: the sequence's computed length stops after
     /// the accepted ones and pages left empty are freed.
     ///
-    /// Replaces earlier proposals of the same step. Dropped if the step's token budget cannot
-    /// take them all (the row is then a plain decode). Refused: an unknown or non-decoding
-    /// sequence, more drafts than the tokens it may still generate minus one, or a sequence
-    /// with a row in the scheduled batch not yet committed (that row's drafts are the ones
-    /// its commit verifies; propose the next step's after the commit).
+    /// Replaces earlier proposals of the same step. Dropped if the step's token budget (or
+    /// `max_prefill_chunk`, which bounds a row) cannot take them all, or the pages they need
+    /// are short (the row is then a plain decode: no sequence is preempted for drafts).
+    /// Refused: an unknown or non-decoding sequence, more drafts than the tokens it may still
+    /// generate minus one, or a sequence with a row in the scheduled batch not yet committed
+    /// (that row's drafts are the ones its commit verifies; propose the next step's after the
+    /// commit).
     pub fn propose(&mut self, id: SeqId, drafts: &[u32]) -> Result<(), SchedError> {
         let &slot = self.index.get(&id).ok_or(SchedError::UnknownSeq(id))?;
         let s = self.seq(slot);
@@ -720,6 +722,12 @@ impl Batcher {
                     self.emit(slot, n);
                     budget -= n;
                     i += 1;
+                }
+                Reserve::NoBlocks if !self.seq(slot).drafts.is_empty() => {
+                    // Drafts are optional: short of pages for them, the row is a plain decode
+                    // (retried without them), never a preemption of this or another sequence
+                    // for speculative tokens. `reserve` took nothing.
+                    self.seq_mut(slot).drafts.clear();
                 }
                 Reserve::NoBlocks => {
                     preempted = true;

@@ -38,9 +38,13 @@ pub struct LlamaParams {
 impl LlamaParams {
     /// Reads the hyperparameters from a parsed file.
     ///
-    /// Errors: [`GgufError::MissingKey`] for an absent required key, [`GgufError::WrongType`]
-    /// for a value of the wrong type, [`GgufError::BadHyperparameter`] for zero sizes, KV heads
-    /// that do not divide the heads, or per-layer head counts that differ between layers.
+    /// Errors: [`GgufError::MissingKey`] for an absent required key (and when neither epsilon
+    /// key is present), [`GgufError::WrongType`] for a value of the wrong type (an integer out
+    /// of `u32` range included), [`GgufError::BadHyperparameter`] for zero sizes, KV heads that
+    /// do not divide the heads, a width the heads do not divide with no key / value length
+    /// given, per-layer head counts that differ between layers (or whose array is empty or
+    /// not one entry per layer), a RoPE base that is not a positive finite number, or a
+    /// negative or non-finite epsilon.
     pub fn from_gguf(g: &Gguf<'_>) -> Result<LlamaParams, GgufError> {
         let arch = g.get_str("general.architecture")?;
         let key = |k: &str| format!("{arch}.{k}");

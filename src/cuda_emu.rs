@@ -214,12 +214,8 @@ pub fn status_string(s: i32) -> String {
         .into_owned()
 }
 
-thread_local! {
-    /// The sources of this thread's copies to the emulated device since its last
-    /// synchronize: address and the bytes copied.
-    static QUEUED_SOURCES: std::cell::RefCell<Vec<(usize, Vec<u8>)>> =
-        const { std::cell::RefCell::new(Vec::new()) };
-}
+/// A copy's source: its address and the bytes copied.
+type QueuedSource = (usize, Vec<u8>);
 
 /// The emulated device as a [`RawDevice`](crate::engine::RawDevice): "device" memory is
 /// guarded host memory ([`EmuBuf`]'s allocator), copies are `memcpy`, the stream is ignored
@@ -227,11 +223,14 @@ thread_local! {
 /// set for the calling thread's launches by [`set_sm_count`] when the device is made).
 ///
 /// A copy is done when `copy_to_device` returns, but a GPU's may still read its source until
-/// the stream is synchronised: the device keeps each copy's source bytes (per OS thread) and
-/// `synchronize` fails if a caller changed one before it, breaking `RawDevice`'s contract.
-#[derive(Debug, Clone, Copy)]
+/// the stream is synchronised: the device keeps each copy's source bytes (its clones share
+/// them, as one stream) and `synchronize` fails if a caller changed one before it, breaking
+/// `RawDevice`'s contract.
+#[derive(Debug, Clone)]
 pub struct EmuDevice {
     sms: usize,
+    /// The sources of the copies since the last synchronize.
+    queued: std::sync::Arc<std::sync::Mutex<Vec<QueuedSource>>>,
 }
 
 impl EmuDevice {
@@ -239,7 +238,15 @@ impl EmuDevice {
     pub fn new(sms: usize) -> Self {
         let sms = sms.max(1);
         set_sm_count(i32::try_from(sms).unwrap_or(i32::MAX));
-        Self { sms }
+        Self {
+            sms,
+            queued: Default::default(),
+        }
+    }
+
+    /// The queued copies' sources (a poisoned lock only means a test panicked mid-push).
+    fn queued(&self) -> std::sync::MutexGuard<'_, Vec<QueuedSource>> {
+        self.queued.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -285,15 +292,17 @@ unsafe impl crate::engine::RawDevice for EmuDevice {
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), dst as usize as *mut u8, src.len());
         }
-        QUEUED_SOURCES.with(|q| q.borrow_mut().push((src.as_ptr() as usize, src.to_vec())));
+        self.queued().push((src.as_ptr() as usize, src.to_vec()));
         Ok(())
     }
 
     fn synchronize(&self) -> Result<(), crate::error::EngineError> {
-        let queued = QUEUED_SOURCES.with(|q| std::mem::take(&mut *q.borrow_mut()));
+        let queued = std::mem::take(&mut *self.queued());
         for (at, bytes) in queued {
             // SAFETY: `RawDevice::copy_to_device`'s contract keeps the source allocated (and
-            // unmodified, which this checks) until this synchronize.
+            // unmodified, which this checks) until the next synchronize of this device (of its
+            // stream: the queue is the device's and its clones', whichever thread syncs), which
+            // is this one: the queue was emptied at the last.
             let now = unsafe { std::slice::from_raw_parts(at as *const u8, bytes.len()) };
             if now != bytes {
                 return Err(crate::error::EngineError::InvalidConfig(format!(

@@ -396,9 +396,9 @@ fn table_contended(c: &mut Criterion) {
     g.bench_function(BenchmarkId::new("pagedkv_table", N), |b| {
         b.iter_custom(|iters| {
             run_contended_with(iters, TableScratch::default(), |s, thread| {
-                let table = s
-                    .table
-                    .get_or_insert_with(|| BlockTable::new(Arc::clone(&pool), EngineId(thread), N));
+                let table = s.table.get_or_insert_with(|| {
+                    BlockTable::new(Arc::clone(&pool), EngineId(thread), N).unwrap()
+                });
                 table.grow(N, &mut s.ids).unwrap();
                 black_box(table.clear());
             })

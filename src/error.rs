@@ -69,6 +69,15 @@ pub enum PoolError {
         /// The table's capacity in blocks.
         capacity: u32,
     },
+    /// A block table was asked to hold more blocks than its pool has: its slots (8 bytes each,
+    /// allocated up front so readers never see them move) would be memory no sequence can use.
+    #[error("block table of {capacity} blocks refused: the pool has {total} blocks")]
+    TableTooLarge {
+        /// The capacity asked for.
+        capacity: u32,
+        /// Blocks in the pool.
+        total: u32,
+    },
     /// Logical blocks `from..end` of a block table were asked for, past its `len` blocks.
     #[error("blocks {from}..{end} are past the block table's end ({len} blocks)")]
     PastTableEnd {

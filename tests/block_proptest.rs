@@ -87,7 +87,7 @@ proptest! {
                 }
                 Op::TableGrow(n) => {
                     if tables.is_empty() {
-                        tables.push(BlockTable::new(pool.clone(), EngineId(2), 16));
+                        tables.push(BlockTable::new(pool.clone(), EngineId(2), 16).unwrap());
                     }
                     let t = tables.last_mut().unwrap();
                     let (len, free) = (t.len(), pool.free_count());

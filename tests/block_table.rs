@@ -23,7 +23,7 @@ fn pool(n: u32) -> Arc<BlockPool> {
 fn grow_write_row_truncate_drop() {
     let p = pool(16);
     let mut scratch = Vec::new();
-    let mut t = BlockTable::new(p.clone(), EngineId(1), 8);
+    let mut t = BlockTable::new(p.clone(), EngineId(1), 8).unwrap();
     t.grow(3, &mut scratch).unwrap();
     t.grow(2, &mut scratch).unwrap();
     assert_eq!(t.len(), 5);
@@ -54,9 +54,10 @@ fn grow_write_row_truncate_drop() {
 
 #[test]
 fn out_of_blocks_leaves_table_and_pool_unchanged() {
-    let p = pool(4);
+    let p = pool(8);
     let mut scratch = Vec::new();
-    let mut t = BlockTable::new(p.clone(), EngineId(0), 8);
+    let held: Vec<_> = (0..4).map(|_| p.alloc(EngineId(1)).unwrap()).collect();
+    let mut t = BlockTable::new(p.clone(), EngineId(0), 8).unwrap();
     t.grow(3, &mut scratch).unwrap();
     assert!(matches!(
         t.grow(2, &mut scratch),
@@ -67,13 +68,16 @@ fn out_of_blocks_leaves_table_and_pool_unchanged() {
     ));
     assert_eq!(t.len(), 3);
     assert_eq!(p.free_count(), 1);
+    for id in held {
+        p.free(id).unwrap();
+    }
 }
 
 #[test]
 fn fork_shares_and_copy_on_write_replaces() {
     let p = pool(8);
     let mut scratch = Vec::new();
-    let mut a = BlockTable::new(p.clone(), EngineId(0), 4);
+    let mut a = BlockTable::new(p.clone(), EngineId(0), 4).unwrap();
     a.grow(2, &mut scratch).unwrap();
     let mut b = a.fork().unwrap();
     assert_eq!(p.free_count(), 6, "a fork allocates nothing");
@@ -112,12 +116,29 @@ fn fork_shares_and_copy_on_write_replaces() {
 #[test]
 fn push_refuses_when_full_and_caller_keeps_the_reference() {
     let p = pool(4);
-    let mut t = BlockTable::new(p.clone(), EngineId(0), 1);
+    let mut t = BlockTable::new(p.clone(), EngineId(0), 1).unwrap();
     t.push(p.alloc(EngineId(0)).unwrap()).unwrap();
     let extra = p.alloc(EngineId(0)).unwrap();
     assert_eq!(t.push(extra), Err(PoolError::TableFull { capacity: 1 }));
     assert_eq!(p.ref_count(extra), Ok(1));
     p.free(extra).unwrap();
+}
+
+#[test]
+fn a_table_larger_than_its_pool_is_refused_before_allocating_its_slots() {
+    let p = pool(4);
+    // u32::MAX slots would be 32 GiB: refused, typed, instead of aborting the process.
+    for capacity in [5, u32::MAX] {
+        match BlockTable::new(p.clone(), EngineId(0), capacity) {
+            Err(e) => assert_eq!(e, PoolError::TableTooLarge { capacity, total: 4 }),
+            Ok(t) => panic!("a table of {} blocks over a pool of 4", t.capacity()),
+        }
+    }
+    // The whole pool is a valid capacity, and a fork keeps it.
+    let mut t = BlockTable::new(p.clone(), EngineId(0), 4).unwrap();
+    let mut scratch = Vec::new();
+    t.grow(4, &mut scratch).unwrap();
+    assert_eq!(t.fork().unwrap().capacity(), 4);
 }
 
 /// What the writer did, recorded before each operation is published, so a reader can tell
@@ -190,7 +211,7 @@ struct Writer {
 impl Writer {
     fn new(pool: Arc<BlockPool>, capacity: u32) -> Self {
         Self {
-            table: BlockTable::new(pool.clone(), EngineId(0), capacity),
+            table: BlockTable::new(pool.clone(), EngineId(0), capacity).unwrap(),
             pool,
             history: Arc::new(Mutex::new(History {
                 ids: HashMap::new(),
@@ -402,7 +423,7 @@ fn readers_see_only_prefixes_of_the_writer_history() {
 fn push_and_replace_refuse_ids_the_table_could_not_release() {
     let (a, b) = (pool(4), pool(4));
     let from_b = b.alloc(EngineId(0)).unwrap();
-    let mut t = BlockTable::new(a.clone(), EngineId(0), 4);
+    let mut t = BlockTable::new(a.clone(), EngineId(0), 4).unwrap();
     assert!(matches!(
         t.push(from_b),
         Err(PoolError::ForeignBlock { .. })
@@ -430,7 +451,7 @@ fn push_and_replace_refuse_ids_the_table_could_not_release() {
 fn a_cleared_table_refills_its_engines_magazine() {
     let p = pool(64);
     let mut scratch = Vec::new();
-    let mut t = BlockTable::new(p.clone(), EngineId(1), 16);
+    let mut t = BlockTable::new(p.clone(), EngineId(1), 16).unwrap();
     t.grow(16, &mut scratch).unwrap();
     let mut mine: Vec<BlockId> = Vec::new();
     t.ids_into(&mut mine);

@@ -47,7 +47,9 @@ fn tables_of_several_engines_match_the_pool() {
                 for _round in 0..ROUNDS {
                     for _ in 0..OPS {
                         match rng.gen_range(0..10) {
-                            0 | 1 => tables.push(BlockTable::new(pool.clone(), engine, 200)),
+                            0 | 1 => {
+                                tables.push(BlockTable::new(pool.clone(), engine, 120).unwrap())
+                            }
                             2 | 3 if !tables.is_empty() => {
                                 let i = rng.gen_range(0..tables.len());
                                 let n = rng.gen_range(1..=80);

@@ -8,6 +8,7 @@
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use pagedkv::block::{BlockId, BlockPool, BlockTable, EngineId, PoolConfig};
+use pagedkv::error::PoolError;
 use std::sync::Arc;
 
 #[derive(Debug, Arbitrary)]
@@ -120,12 +121,17 @@ fuzz_target!(|input: Input| {
             }
             Op::TableNew(e, cap) => {
                 if u16::from(e) < engines && tables.len() < 8 {
-                    tables.push(BlockTable::new(
-                        pool.clone(),
-                        EngineId(u16::from(e)),
-                        u32::from(cap),
-                    ));
-                    table_engines.push(u16::from(e));
+                    match BlockTable::new(pool.clone(), EngineId(u16::from(e)), u32::from(cap)) {
+                        Ok(t) => {
+                            tables.push(t);
+                            table_engines.push(u16::from(e));
+                        }
+                        Err(err) => assert!(
+                            u32::from(cap) > pool.total()
+                                && matches!(err, PoolError::TableTooLarge { .. }),
+                            "table of {cap} refused: {err}"
+                        ),
+                    }
                 }
             }
             Op::TableGrow(t, k) if !tables.is_empty() => {

@@ -92,9 +92,20 @@ pub struct TableReader {
 
 impl BlockTable {
     /// An empty table for a sequence of `engine` that can hold up to `capacity` blocks.
-    pub fn new(pool: Arc<BlockPool>, engine: EngineId, capacity: u32) -> Self {
+    ///
+    /// The slots are allocated here, 8 bytes a block, so `capacity` is bounded by the pool's
+    /// [`total`](BlockPool::total) blocks ([`PoolError::TableTooLarge`] above it): a sequence
+    /// longer than the whole pool could never be resident, and an unchecked `u32::MAX` would
+    /// ask for 32 GiB.
+    pub fn new(pool: Arc<BlockPool>, engine: EngineId, capacity: u32) -> Result<Self, PoolError> {
+        if capacity > pool.total() {
+            return Err(PoolError::TableTooLarge {
+                capacity,
+                total: pool.total(),
+            });
+        }
         let slots = (0..capacity).map(|_| AtomicU64::new(0)).collect();
-        Self {
+        Ok(Self {
             shared: Arc::new(Shared {
                 state: AtomicU64::new(0),
                 slots,
@@ -103,7 +114,7 @@ impl BlockTable {
             engine,
             epoch: 0,
             len: 0,
-        }
+        })
     }
 
     /// Blocks in the table.
@@ -261,7 +272,7 @@ impl BlockTable {
     /// A new table (same engine, same capacity) holding one more reference to each of this
     /// table's blocks: a fork, or prefix reuse.
     pub fn fork(&self) -> Result<Self, PoolError> {
-        let mut child = Self::new(Arc::clone(&self.pool), self.engine, self.capacity());
+        let mut child = Self::new(Arc::clone(&self.pool), self.engine, self.capacity())?;
         for i in 0..self.len {
             let id = self.get(i).ok_or(PoolError::TableFull {
                 capacity: self.capacity(),

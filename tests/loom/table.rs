@@ -22,7 +22,7 @@ fn pool(blocks: u32, engines: u16) -> Arc<BlockPool> {
 fn append_truncate_against_reader() {
     crate::model(|| {
         let pool = pool(3, 1);
-        let mut t = BlockTable::new(pool.clone(), EngineId(0), 2);
+        let mut t = BlockTable::new(pool.clone(), EngineId(0), 2).unwrap();
         let reader = t.reader();
         let a = pool.alloc(EngineId(0)).unwrap();
         let b = pool.alloc(EngineId(0)).unwrap();
@@ -54,7 +54,7 @@ fn append_truncate_against_reader() {
 fn replace_racing_fork() {
     crate::model(|| {
         let pool = pool(2, 1);
-        let mut parent = BlockTable::new(pool.clone(), EngineId(0), 1);
+        let mut parent = BlockTable::new(pool.clone(), EngineId(0), 1).unwrap();
         parent.push(pool.alloc(EngineId(0)).unwrap()).unwrap();
         let shared = parent.get(0).unwrap();
         let mut child = parent.fork().unwrap();
@@ -93,7 +93,7 @@ fn replace_racing_fork() {
 fn replace_then_truncate_against_reader() {
     crate::model(|| {
         let pool = pool(4, 1);
-        let mut t = BlockTable::new(pool.clone(), EngineId(0), 2);
+        let mut t = BlockTable::new(pool.clone(), EngineId(0), 2).unwrap();
         let a = pool.alloc(EngineId(0)).unwrap();
         let b = pool.alloc(EngineId(0)).unwrap();
         t.push(a).unwrap();
@@ -127,7 +127,7 @@ fn replace_then_truncate_against_reader() {
 fn append_then_replace_against_reader() {
     crate::model(|| {
         let pool = pool(3, 1);
-        let mut t = BlockTable::new(pool.clone(), EngineId(0), 2);
+        let mut t = BlockTable::new(pool.clone(), EngineId(0), 2).unwrap();
         let a = pool.alloc(EngineId(0)).unwrap();
         t.push(a).unwrap();
         let b = pool.alloc(EngineId(0)).unwrap();
@@ -178,7 +178,7 @@ fn drain_all(pool: &BlockPool, held: &[BlockId]) {
 fn clear_racing_another_engines_alloc_n() {
     crate::model(|| {
         let pool = pool(3, 2);
-        let mut t = BlockTable::new(pool.clone(), EngineId(0), 2);
+        let mut t = BlockTable::new(pool.clone(), EngineId(0), 2).unwrap();
         let mut scratch = Vec::new();
         t.grow(2, &mut scratch).unwrap();
         let other = {
@@ -217,7 +217,7 @@ fn mixed_owner_truncate_racing_release_and_alloc() {
         let shared = pool.alloc(EngineId(0)).unwrap();
         pool.share(shared).unwrap();
         let own = pool.alloc(EngineId(1)).unwrap();
-        let mut t = BlockTable::new(pool.clone(), EngineId(1), 2);
+        let mut t = BlockTable::new(pool.clone(), EngineId(1), 2).unwrap();
         t.push(shared).unwrap();
         t.push(own).unwrap();
         let other = {

@@ -471,8 +471,13 @@ impl Batcher {
         if blocks > limit {
             return Err(SchedError::TooLong { id, blocks, limit });
         }
-        // At most the pool's total, so it fits. The guarantee read here may be above the one
-        // the next step reads (it can drop in between): that step must then look again.
+        // At most the pool's total, so it fits (the table refuses more, typed, before anything
+        // below changes). The guarantee read here may be above the one the next step reads (it
+        // can drop in between): that step must then look again.
+        // Sized for the longest the request can grow: `max_blocks_per_seq` bounds it, but
+        // allocating that (8 bytes a block) for every request made a generous limit cost
+        // gigabytes each.
+        let table = BlockTable::new(Arc::clone(&self.pool), self.cfg.engine, blocks as u32)?;
         self.guaranteed_seen = self.guaranteed_seen.max(blocks as u32);
         let seq = Sequence {
             id,
@@ -481,10 +486,7 @@ impl Batcher {
             prompt_len: req.prompt.len(),
             tokens: req.prompt,
             computed: 0,
-            // Sized for the longest the request can grow (checked above to be within the
-            // limit): `max_blocks_per_seq` bounds it, but allocating that (8 bytes a block)
-            // for every request made a generous limit cost gigabytes each.
-            table: BlockTable::new(Arc::clone(&self.pool), self.cfg.engine, blocks as u32),
+            table,
             phase: SeqPhase::Waiting,
             swapped_from: SeqPhase::Prefilling,
             arrival: self.arrivals,

@@ -18,7 +18,9 @@
 //! - a submit racing `close`: refused `Closed`, or admitted and drained by the worker's
 //!   `pop_wait` loop before it sees `Closed` (its ticket resolves);
 //! - a blocking submit re-polled with a new waker while a pop makes room: woken through it;
-//! - `close` racing a blocked submit and the worker's drain loop: refused or drained.
+//! - `close` racing a blocked submit and the worker's drain loop: refused or drained;
+//! - the drop-oldest `submit` future racing a pop: its poll wakes its own task while a popper
+//!   holds the slot mid-read, and every request is popped or evicted exactly once.
 //!
 //! CI runs these with `LOOM_MAX_PREEMPTIONS=2`.
 
@@ -614,4 +616,92 @@ fn close_racing_a_blocked_submit_and_the_drain() {
         }
         assert_eq!(q.in_flight(), 0);
     });
+}
+
+/// The drop-oldest `submit` future (its poll path: a slot held by a thread mid-way makes it
+/// wake its own task and return `Pending` instead of waiting for that thread) racing a pop on a
+/// full one-slot queue: request 1 is popped xor evicted, request 2 is admitted and popped
+/// exactly once, and the counters agree.
+#[test]
+fn drop_oldest_submit_future_racing_pop() {
+    crate::model(|| {
+        let q = one_slot(OverflowPolicy::DropOldest);
+        let mut ta = q.try_submit(1, P, W0).unwrap();
+        let submitter = {
+            let q = q.clone();
+            thread::spawn(move || {
+                block_on_yielding(q.submit(2, P, W0))
+                    .map_err(|r| r.error)
+                    .unwrap()
+            })
+        };
+        let popper = {
+            let q = q.clone();
+            thread::spawn(move || {
+                q.pop(0).unwrap().map(|job| {
+                    let id = *job.payload();
+                    job.complete(id * 10);
+                    id
+                })
+            })
+        };
+        let mut tb = submitter.join().unwrap();
+        let mut popped: Vec<u32> = popper.join().unwrap().into_iter().collect();
+        while let Some(job) = q.pop(0).unwrap() {
+            let id = *job.payload();
+            job.complete(id * 10);
+            popped.push(id);
+        }
+        let a = ta.try_take().expect("request 1 has an outcome");
+        let b = tb.try_take().expect("request 2 has an outcome");
+        let evicted = Err(AdmissionError::Overloaded {
+            reason: OverloadReason::EvictedOldest,
+            worker: 0,
+        });
+        match popped.iter().filter(|&&id| id == 1).count() {
+            1 => assert_eq!(a, Ok(10)),
+            0 => assert_eq!(a, evicted),
+            n => panic!("request 1 popped {n} times"),
+        }
+        assert_eq!(popped.iter().filter(|&&id| id == 2).count(), 1);
+        assert_eq!(b, Ok(20));
+        assert_eq!(q.in_flight(), 0);
+        assert_eq!(q.metrics().evicted_oldest, u64::from(a == evicted));
+    });
+}
+
+/// [`block_on`] for a future that may wake its own task (a drop-oldest `submit` whose slot a
+/// thread holds mid-way): woken during its poll, it yields to the other threads before polling
+/// again, as an executor runs other tasks first (loom has no fair scheduler: an immediate
+/// re-poll would spin).
+fn block_on_yielding<F: Future>(f: F) -> F::Output {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    struct Unpark {
+        thread: thread::Thread,
+        /// Bookkeeping of this executor, not part of the model: a plain std atomic.
+        woken: AtomicBool,
+    }
+    impl Wake for Unpark {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.woken.store(true, Ordering::Relaxed);
+            self.thread.unpark();
+        }
+    }
+    let unpark = std::sync::Arc::new(Unpark {
+        thread: thread::current(),
+        woken: AtomicBool::new(false),
+    });
+    let waker = Waker::from(unpark.clone());
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let Poll::Ready(v) = f.as_mut().poll(&mut Context::from_waker(&waker)) {
+            return v;
+        }
+        if unpark.woken.swap(false, Ordering::Relaxed) {
+            thread::yield_now();
+        } else {
+            thread::park();
+            unpark.woken.store(false, Ordering::Relaxed);
+        }
+    }
 }

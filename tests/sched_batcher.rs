@@ -1583,3 +1583,34 @@ fn swap_blocks_past_max_blocks_are_refused() {
         }
     }
 }
+
+/// A prefill chunk short of pages runs shorter before anyone is preempted: the older
+/// sequence's 12-token chunk needed 3 pages with 2 free, and preempting the younger decoding
+/// one (by recompute: its whole context again) to make room cost more than prefilling 8 tokens.
+#[test]
+fn a_prefill_chunk_short_of_pages_shrinks_before_preempting_a_decoding_sequence() {
+    let mut cfg = config();
+    cfg.max_prefill_chunk = 16;
+    let p = pool(7);
+    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+    let mut fin = Vec::new();
+    bt.add(req(0, vec![1; 28], 1)).unwrap();
+    bt.add(req(1, vec![2; 2], 2)).unwrap();
+    // Step 1: 16 tokens of 0 (4 pages) and 1's prompt (1 page): 2 pages left.
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.query_start_loc, [0, 16, 18]);
+    let n = b.num_samples();
+    bt.commit(&vec![5; n], &mut fin).unwrap();
+    // Step 2: 0's next 12 tokens need 3 pages: it prefills the 8 that 2 pages hold, and 1
+    // decodes in the page it has.
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.seq_ids, [0, 1]);
+    assert_eq!(b.query_start_loc, [0, 8, 9]);
+    let n = b.num_samples();
+    bt.commit(&vec![5; n], &mut fin).unwrap();
+    let done = drive(&mut bt, 100);
+    fin.extend(done);
+    assert_eq!(fin.len(), 2);
+    assert_eq!(bt.stats().preempted_recompute, 0, "{:?}", bt.stats());
+    assert_eq!(p.free_count(), 7);
+}

@@ -141,9 +141,11 @@ pub struct BatcherStats {
 ///    preemption spares them in): a decoding one gets one token; a prefilling one a chunk of
 ///    at most `max_prefill_chunk` tokens; all within the step's token budget (the smaller of
 ///    `max_batched_tokens` and the attached budget's). Blocks are taken from the pool so every
-///    sequence's table covers its tokens; when the pool (or the block quota) runs dry, the
-///    running sequence of lowest priority and latest arrival (by that order, never one
-///    already in the batch) is preempted, by recompute or by swap. The oldest sequence is
+///    sequence's table covers its tokens; when the pool (or the block quota) runs dry, a
+///    prefill chunk first runs shorter (to what the free pages hold) rather than cost a
+///    sequence of its own class a preemption, and otherwise the running sequence of lowest
+///    priority and latest arrival (by that order, never one already in the batch) is
+///    preempted, by recompute or by swap. The oldest sequence is
 ///    never the victim while a younger one of its class runs, so a workload that fits one
 ///    sequence at a time always finishes. Under an attached budget "fits" means within the
 ///    engine's guaranteed blocks ([`EngineBudget::guaranteed_blocks`]): a longer request is
@@ -712,9 +714,13 @@ impl Batcher {
             self.running = running;
         }
         let mut i = 0;
+        // A shortened prefill chunk for `running[i]`'s retry (see the `NoBlocks` arm).
+        let mut shortened = None;
         while i < self.running.len() {
             let slot = self.running[i];
-            let n = self.tokens_wanted(slot, budget);
+            let n = shortened
+                .take()
+                .unwrap_or_else(|| self.tokens_wanted(slot, budget));
             if n == 0 {
                 i += 1;
                 continue;
@@ -732,7 +738,6 @@ impl Batcher {
                     self.seq_mut(slot).drafts.clear();
                 }
                 Reserve::NoBlocks => {
-                    preempted = true;
                     // Victim: lowest priority, latest arrival, among those not yet scheduled
                     // (this one included).
                     let victim_pos = (i..self.running.len())
@@ -741,6 +746,20 @@ impl Batcher {
                             (s.priority, s.arrival)
                         })
                         .unwrap_or(i);
+                    // A prefill chunk short of pages runs shorter before it costs a sequence of
+                    // its own class a preemption (that sequence's whole context recomputed or
+                    // swapped, or this one's own progress): halving its new pages until they
+                    // fit, preempting only when no shorter chunk needs fewer. A
+                    // latency-critical chunk still preempts throughput work for its full size.
+                    let victim_class = self.seq(self.running[victim_pos]).priority;
+                    if victim_class == self.seq(slot).priority {
+                        let m = self.shorter_chunk(slot, n);
+                        if m > 0 {
+                            shortened = Some(m);
+                            continue;
+                        }
+                    }
+                    preempted = true;
                     let victim = self.running.remove(victim_pos);
                     self.preempt(victim);
                     // If the victim was this sequence, `i` now names the next one; otherwise

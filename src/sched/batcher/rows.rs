@@ -39,6 +39,26 @@ impl Batcher {
         remaining.min(limit)
     }
 
+    /// A shorter chunk for a sequence whose `n`-token prefill chunk could not get its pages:
+    /// the tokens that the pool's free pages hold where they are fewer than the chunk needs
+    /// (the common shortage; the failed attempt already evicted what it could), else half of
+    /// its new pages (the budget, not the pool, refused), plus the rest of its last page. 0
+    /// where nothing shorter needs fewer pages (no new page was asked: what it lacks is a
+    /// copy-on-write of its last page).
+    pub(super) fn shorter_chunk(&self, slot: usize, n: usize) -> usize {
+        let s = self.seq(slot);
+        let len = s.table.len() as usize;
+        let need = self.blocks_for(s.computed + n).saturating_sub(len);
+        if need == 0 || n <= 1 {
+            return 0;
+        }
+        let free = self.pool.free_count() as usize;
+        let pages = if free < need { free } else { need / 2 };
+        ((len + pages) * self.cfg.block_size as usize)
+            .saturating_sub(s.computed)
+            .min(n - 1)
+    }
+
     /// Makes the sequence's table cover `computed + n` tokens, copying a shared partial last
     /// block first (copy-on-write). All or nothing.
     pub(super) fn reserve(&mut self, slot: usize, n: usize) -> Reserve {

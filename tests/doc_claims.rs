@@ -195,3 +195,30 @@ fn a_request_allocates_for_its_own_length_not_the_table_limit() {
     assert_eq!(fin.len(), 1);
     assert_eq!(fin[0].output.len(), 24);
 }
+
+/// `FillScratch`'s claim (src/budget/waterfill.rs): "a round does not allocate once warm". An
+/// activity change recomputed on warm scratch, with engines lifted from 0 tokens too (the
+/// lift's heap), allocates nothing on the publishing thread.
+#[test]
+fn a_warm_budget_recompute_allocates_nothing() {
+    use pagedkv::budget::{BudgetConfig, BudgetCoordinator};
+    // 64 engines; weights 1000:1 so the light ones round to 0 tokens and are lifted.
+    let c = BudgetCoordinator::new(BudgetConfig::new(64, 512, 4096)).unwrap();
+    let ids: Vec<EngineId> = (0..64u32)
+        .map(|i| c.register(if i % 8 == 0 { 1000 } else { 1 }).unwrap())
+        .collect();
+    for &e in &ids {
+        c.set_active(e, true);
+    }
+    c.recompute();
+    c.set_active(ids[1], false);
+    c.recompute();
+    c.set_active(ids[1], true);
+    c.recompute();
+    let before = allocs();
+    for i in 0..100 {
+        c.set_active(ids[1 + i % 7], i % 2 == 0);
+        c.recompute();
+    }
+    assert_eq!(allocs() - before, 0, "a warm recompute allocated");
+}

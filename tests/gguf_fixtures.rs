@@ -497,3 +497,26 @@ fn narrow_outputs_write_one_canonical_nan() {
     assert!(h.iter().all(|x| x.to_bits() == 0x7E00));
     assert!(b.iter().all(|x| x.to_bits() == 0x7FC0));
 }
+
+/// The bf16 narrowing rounds as `bf16::from_f32` does for every f32 that is not a NaN (NaNs are
+/// canonical): every upper half with the lower halves where rounding decides (0, 1, just
+/// below, at and above the tie, all ones), through the parallel path.
+#[test]
+fn bf16_narrowing_rounds_every_upper_half_as_from_f32() {
+    const LOWS: [u32; 7] = [0, 1, 0x7FFF, 0x8000, 0x8001, 0xC000, 0xFFFF];
+    let xs: Vec<u32> = (0..=0xFFFFu32)
+        .flat_map(|hi| LOWS.iter().map(move |&lo| hi << 16 | lo))
+        .collect();
+    let src: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let mut b = vec![bf16::ZERO; xs.len()];
+    dequantize_into_bf16(GgmlType::F32, &src, &mut b).expect("bf16");
+    for (&x, got) in xs.iter().zip(&b) {
+        let f = f32::from_bits(x);
+        let want = if f.is_nan() {
+            0x7FC0
+        } else {
+            bf16::from_f32(f).to_bits()
+        };
+        assert_eq!(got.to_bits(), want, "f32 bits {x:#010x}");
+    }
+}

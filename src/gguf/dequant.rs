@@ -362,11 +362,17 @@ impl Narrow for f16 {
 impl Narrow for bf16 {
     fn from_f32_slice(dst: &mut [Self], src: &[f32]) {
         for (d, &s) in dst.iter_mut().zip(src) {
-            *d = if s.is_nan() {
-                BF16_CANONICAL_NAN
+            // `bf16::from_f32`'s round to nearest even (ties to the even upper half; the
+            // largest finite values round to infinity), as one add and shift instead of its
+            // branches, so that the loop vectorizes: the NaN check below then costs a compare
+            // and a select per element. A NaN's sum may carry into any bit; the select drops it.
+            let x = s.to_bits();
+            let rounded = (x.wrapping_add(0x7FFF + ((x >> 16) & 1)) >> 16) as u16;
+            *d = bf16::from_bits(if s.is_nan() {
+                BF16_CANONICAL_NAN.to_bits()
             } else {
-                bf16::from_f32(s)
-            };
+                rounded
+            });
         }
     }
 }

@@ -12,7 +12,7 @@ use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
-use pagedkv::gguf::{dequantize_into, GgmlType, Gguf, TensorInfo};
+use pagedkv::gguf::{GgmlType, Gguf, TensorInfo};
 use std::borrow::Cow;
 use std::sync::Arc;
 
@@ -129,8 +129,9 @@ fn check_shape(t: &TensorInfo<'_>, want: &[usize]) -> Result<()> {
 /// the reversed (row-major) shape.
 fn dequantize(t: &TensorInfo<'_>, ne: &[usize], dev: &Device) -> Result<Tensor> {
     check_shape(t, ne)?;
-    let mut out = vec![0f32; ne.iter().product()];
-    dequantize_into(t.ty(), t.data(), &mut out)?;
+    // The library refuses a type it cannot dequantize before allocating the output (up to
+    // ~28 f32 per byte of a 1-bit type's tensor).
+    let out = t.dequantize()?;
     let dims: Vec<usize> = ne.iter().rev().copied().collect();
     Ok(Tensor::from_vec(out, dims, dev)?)
 }

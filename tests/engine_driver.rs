@@ -1682,3 +1682,249 @@ fn a_reclaim_reports_the_steps_it_took() {
         );
     }
 }
+
+/// ClosedForm that fails at its first attention output (`fail_attend`) or at sampling
+/// (`fail_sample`) when told to.
+struct Faulty {
+    inner: ClosedForm,
+    fail_attend: bool,
+    fail_sample: bool,
+}
+
+impl StepModel<HostBackend<f32>> for Faulty {
+    fn qkv(
+        &mut self,
+        backend: &HostBackend<f32>,
+        layer: usize,
+        batch: &Batch,
+    ) -> Result<LayerQkv<'_, [f32]>, EngineError> {
+        self.inner.qkv(backend, layer, batch)
+    }
+    fn attended(&mut self, layer: usize, batch: &Batch, out: &[f32]) -> Result<(), EngineError> {
+        if self.fail_attend {
+            return Err(EngineError::Model("injected attention failure".into()));
+        }
+        self.inner.attended(layer, batch, out)
+    }
+    fn sample(&mut self, batch: &Batch, out: &mut Vec<u32>) -> Result<(), EngineError> {
+        if self.fail_sample {
+            return Err(EngineError::Model("injected sampling failure".into()));
+        }
+        self.inner.sample(batch, out)
+    }
+}
+
+/// One random workload of every feature at once on two engines of one arena: priorities, EOS
+/// and stop sequences (some reached inside a row of accepted drafts), drafts right and wrong,
+/// aborts and caller finishes, the prefix cache, swap or recompute preemption on a small
+/// arena, and steps failing at execute or at sampling. Every row's attention is checked by
+/// the closed form; every delivered stream is the true continuation up to its end; ends are
+/// delivered once (a failed step's ends come with the next); nothing leaks.
+fn run_everything(seed: u64) {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let pages = rng.gen_range(12..40);
+    let mode = if rng.gen_bool(0.5) {
+        PreemptionMode::Swap
+    } else {
+        PreemptionMode::Recompute
+    };
+    let shapes = shapes();
+    let page_bytes = page_bytes_for(&shapes.map(|(s, _)| s), 16).unwrap();
+    let mut shared = SharedArena::host(BudgetConfig::new(2, 128, pages), page_bytes).unwrap();
+    if rng.gen_bool(0.6) {
+        Arc::get_mut(&mut shared)
+            .unwrap()
+            .enable_prefix_cache(Some(1));
+    }
+    let mut engines: Vec<(Engine<HostBackend<f32>>, Faulty)> = shapes
+        .iter()
+        .map(|(shape, heads)| {
+            let mut cfg = engine_config(mode);
+            cfg.max_running = rng.gen_range(1..8);
+            cfg.max_batched_tokens = rng.gen_range(1..64);
+            cfg.max_prefill_chunk = rng.gen_range(1..30);
+            cfg.swap_blocks = rng.gen_range(0..40);
+            cfg.weight = rng.gen_range(1..3);
+            let engine = Engine::host(&shared, cfg, shape, *heads).unwrap();
+            (
+                engine,
+                Faulty {
+                    inner: ClosedForm::new(*heads, shape.num_kv_heads, shape.head_dim),
+                    fail_attend: false,
+                    fail_sample: false,
+                },
+            )
+        })
+        .collect();
+    // Per engine, per sequence: (prompt, max_new, eos position, stop position, delivered
+    // tokens, delivered end).
+    type Want = (
+        usize,
+        u32,
+        Option<usize>,
+        Option<usize>,
+        Vec<u32>,
+        Option<FinishReason>,
+    );
+    let mut seqs: Vec<HashMap<SeqId, Want>> = vec![HashMap::new(), HashMap::new()];
+    let mut next_id: SeqId = 0;
+    for step in 0..3000 {
+        for (e, (engine, model)) in engines.iter_mut().enumerate() {
+            // New requests while the first steps run.
+            if step < 80 && rng.gen_bool(0.5) {
+                next_id += 1;
+                let id = next_id;
+                let prompt = rng.gen_range(1..90);
+                let out = rng.gen_range(1..40u32);
+                let eos = rng.gen_bool(0.3).then(|| rng.gen_range(0..out as usize));
+                let stop = rng
+                    .gen_bool(0.3)
+                    .then(|| rng.gen_range(1..out as usize + 1));
+                let mut req = request(id, prompt, out);
+                if rng.gen_bool(0.3) {
+                    req.priority = Priority::LatencyCritical;
+                }
+                if let Some(k) = eos {
+                    req.stop.eos.push(truth((prompt + k) as i32));
+                }
+                if let Some(k) = stop {
+                    // The output's tokens k-1 and k (or the first alone).
+                    let from = k.saturating_sub(1);
+                    req.stop.stop_sequences.push(
+                        (from..=k.min(out as usize - 1))
+                            .map(|j| truth((prompt + j) as i32))
+                            .collect(),
+                    );
+                }
+                model.inner.prompt_len.insert(id, prompt);
+                let salt = rng.gen_range(0..2);
+                if engine.add_salted(req, salt).is_ok() {
+                    seqs[e].insert(id, (prompt, out, eos, stop, Vec::new(), None));
+                }
+            }
+            // Aborts and caller finishes.
+            let mut live: Vec<SeqId> = seqs[e]
+                .iter()
+                .filter(|(_, w)| w.5.is_none())
+                .map(|(&id, _)| id)
+                .collect();
+            live.sort_unstable();
+            for &id in &live {
+                if rng.gen_bool(0.01) {
+                    let _ = engine.abort(id);
+                } else if rng.gen_bool(0.005) {
+                    let _ = engine.finish_with(id, FinishReason::Caller(9));
+                }
+            }
+            // Drafts.
+            for &id in &live {
+                if engine.batcher().phase(id) != Some(pagedkv::sched::SeqPhase::Decoding) {
+                    continue;
+                }
+                let w = &seqs[e][&id];
+                let pos = (w.0 + w.4.len()) as i32;
+                let k = rng.gen_range(0..5usize);
+                let drafts: Vec<u32> = (0..k as i32)
+                    .map(|j| if rng.gen_bool(0.7) { truth(pos + j) } else { 3 })
+                    .collect();
+                let _ = engine.propose(id, &drafts);
+            }
+            let fail = rng.gen_range(0..20);
+            model.fail_attend = fail == 0;
+            model.fail_sample = fail == 1;
+            let r = match rng.gen_range(0..10) {
+                // A schedule discarded unexecuted.
+                0 => {
+                    engine.schedule();
+                    engine.step(model)
+                }
+                // Aborts and proposals between schedule and commit.
+                1 => {
+                    engine.schedule();
+                    if let Some(&id) = live.get(rng.gen_range(0..live.len().max(1))) {
+                        let _ = engine.abort(id);
+                    }
+                    engine.execute(model).and_then(|_| engine.commit(model))
+                }
+                _ => engine.step(model),
+            };
+            model.fail_attend = false;
+            model.fail_sample = false;
+            if r.is_err() {
+                assert!(fail <= 1, "seed {seed}: uninjected failure {r:?}");
+                continue;
+            }
+            let results = engine.results();
+            for u in &results.updates {
+                let w = seqs[e]
+                    .get_mut(&u.id)
+                    .expect("update of an unknown sequence");
+                assert!(
+                    w.5.is_none(),
+                    "seed {seed}: seq {} updated after its end",
+                    u.id
+                );
+                w.4.extend_from_slice(results.tokens_of(u));
+                w.5 = u.finished;
+            }
+            for f in engine.finished() {
+                let w = &seqs[e][&f.id];
+                assert_eq!(w.4, f.output, "seed {seed}: seq {}", f.id);
+                assert_eq!(w.5, Some(f.reason), "seed {seed}: seq {}", f.id);
+            }
+        }
+        if step > 80 && engines.iter().all(|(e, _)| !e.has_work()) {
+            break;
+        }
+    }
+    assert!(
+        engines.iter().all(|(e, _)| !e.has_work()),
+        "seed {seed}: did not go idle"
+    );
+    for (e, per) in seqs.iter().enumerate() {
+        for (&id, w) in per {
+            let (prompt, out, eos, stop, tokens, end) = w;
+            let end = end.unwrap_or_else(|| panic!("seed {seed}: seq {id} never ended"));
+            let truth_out: Vec<u32> = (*prompt as i32..).take(*out as usize).map(truth).collect();
+            assert_eq!(
+                &truth_out[..tokens.len()],
+                &tokens[..],
+                "seed {seed}: engine {e} seq {id}"
+            );
+            // Where it must have stopped, if it ran to its own end.
+            let mut natural = (*out as usize, FinishReason::MaxTokens);
+            if let Some(k) = stop {
+                let k = (*k).min(*out as usize - 1);
+                if k + 1 <= natural.0 {
+                    natural = (k + 1, FinishReason::StopSequence);
+                }
+            }
+            if let Some(k) = eos {
+                if k + 1 <= natural.0 {
+                    natural = (k + 1, FinishReason::Eos);
+                }
+            }
+            match end {
+                FinishReason::Aborted | FinishReason::Caller(_) => {
+                    assert!(tokens.len() <= natural.0, "seed {seed}: seq {id}")
+                }
+                FinishReason::TooLong => {}
+                reason => assert_eq!(
+                    (tokens.len(), reason),
+                    natural,
+                    "seed {seed}: engine {e} seq {id}"
+                ),
+            }
+        }
+    }
+    drop(engines);
+    assert_no_leak(&shared);
+}
+
+#[test]
+fn random_workloads_of_every_feature_stay_exact() {
+    for seed in 0..16 {
+        run_everything(seed);
+    }
+}

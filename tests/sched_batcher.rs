@@ -1463,6 +1463,85 @@ fn a_swapped_throughput_sequence_does_not_hold_back_latency_critical_admissions(
     assert_eq!(p.free_count(), 6);
 }
 
+/// A swapped-out throughput sequence that could come back does not take the pages a waiting
+/// latency-critical request needs: the latency-critical one is admitted first, as
+/// `next_admission_need` (the pages a latency-critical request asks another engine to donate)
+/// and the batcher's docs order them. The swap-in ran first, took the pages, and the
+/// latency-critical request waited (on an engine, pages donated for it went to the swap-in).
+#[test]
+fn a_swapped_throughput_sequence_does_not_take_the_pages_of_a_latency_critical_admission() {
+    let mut cfg = config();
+    cfg.preemption = PreemptionMode::Swap;
+    cfg.swap_blocks = 16;
+    let p = pool(6);
+    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+    let mut fin = Vec::new();
+    bt.add(req(0, vec![1; 8], 8)).unwrap();
+    bt.add(req(1, vec![2; 8], 8)).unwrap();
+    step(&mut bt, &mut fin); // both prefill: 2 pages each
+    bt.request_shed(2);
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.swap_out.len(), 2, "the younger is swapped out");
+    let n = b.num_samples();
+    bt.commit(&vec![1000; n], &mut fin).unwrap();
+    assert_eq!(bt.phase(1), Some(SeqPhase::Swapped));
+    // 0 holds 3 pages: 3 free, enough for 1 to come back (2) or for a latency-critical
+    // request of 2 pages, not for both.
+    assert_eq!(p.free_count(), 3);
+    let mut lc = req(2, vec![3; 8], 1);
+    lc.priority = Priority::LatencyCritical;
+    bt.add(lc).unwrap();
+    assert_eq!(
+        bt.next_admission_need(),
+        Some((Priority::LatencyCritical, 2)),
+        "the latency-critical request is admitted next"
+    );
+    let ids = bt.schedule_into(&mut fin).seq_ids.clone();
+    assert_eq!(
+        ids,
+        vec![0, 2],
+        "the latency-critical request waited while a throughput sequence took its pages"
+    );
+    assert_eq!(bt.phase(1), Some(SeqPhase::Swapped), "1 waits for pages");
+    let n = bt.batch().num_samples();
+    bt.commit(&vec![1000; n], &mut fin).unwrap();
+    fin.extend(drive(&mut bt, 100));
+    assert_eq!(fin.len(), 3);
+    assert_eq!(p.free_count(), 6);
+}
+
+/// Sequences a discarded batch preempts by recompute wait oldest first, as a step's own
+/// preemptions leave them (first come first served within a class): the discard queued each
+/// at the front in turn, so the youngest came back first.
+#[test]
+fn sequences_a_discarded_batch_recomputes_come_back_oldest_first() {
+    let mut cfg = config();
+    cfg.preemption = PreemptionMode::Swap;
+    cfg.swap_blocks = 16;
+    let p = pool(16);
+    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+    let mut fin = Vec::new();
+    for id in 0..3 {
+        bt.add(req(id, vec![1 + id as u32; 6], 8)).unwrap();
+    }
+    step(&mut bt, &mut fin);
+    bt.request_shed(100);
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.swap_out.len(), 6, "all three are swapped out");
+    // Discarded before it ran: all three are recomputed.
+    let ids = bt.schedule_into(&mut fin).seq_ids.clone();
+    assert_eq!(
+        ids,
+        vec![0, 1, 2],
+        "recomputed sequences admitted youngest first"
+    );
+    let n = bt.batch().num_samples();
+    bt.commit(&vec![1000; n], &mut fin).unwrap();
+    fin.extend(drive(&mut bt, 100));
+    assert_eq!(fin.len(), 3);
+    assert_eq!(p.free_count(), 16);
+}
+
 /// An engine id registered again after its engine left (another model) finds none of the old
 /// model's KV: a page the old engine's drop could not uncache (a router's `lookup` held it at
 /// that instant) is uncached when the next batcher on the id attaches the cache. (It stayed

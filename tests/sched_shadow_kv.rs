@@ -41,6 +41,7 @@ fn run(seed: u64) -> u64 {
         blocks,
         quota,
         used,
+        tokens,
         ..
     } = random_batcher(&mut rng, &[1, 2, 4, 3], 6..30);
     let (bs, mode, swap_blocks) = (cfg.block_size, cfg.preemption, cfg.swap_blocks);
@@ -110,6 +111,19 @@ fn run(seed: u64) -> u64 {
             if rng.gen_bool(0.01) {
                 let _ = bt.abort(id);
             }
+        }
+        if rng.gen_bool(0.05) {
+            bt.request_shed(rng.gen_range(0..6));
+        }
+        if rng.gen_bool(0.1) {
+            tokens.store(
+                if rng.gen_bool(0.3) {
+                    0
+                } else {
+                    rng.gen_range(1..40)
+                },
+                Ordering::Relaxed,
+            );
         }
         fin.clear();
         let b = bt.schedule_into(&mut fin).clone();

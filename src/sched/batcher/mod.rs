@@ -153,7 +153,9 @@ pub struct BatcherStats {
 ///    start of the next step with [`FinishReason::TooLong`], so no sequence is preempted
 ///    forever for want of pages that other engines' work keeps.
 /// 2. swapped sequences come back (latency-critical first, then oldest first) when their
-///    blocks fit;
+///    blocks fit, unless this step preempted; a swapped throughput sequence only once no
+///    latency-critical request waits (after step 3's admissions), so it never takes the pages
+///    of a latency-critical admission;
 /// 3. waiting sequences are admitted, latency-critical before throughput, first come first
 ///    served within a class, unless this step preempted (admitting then would only thrash);
 ///    a swapped sequence comes back before any waiting one of its class or a less urgent one
@@ -768,17 +770,14 @@ impl Batcher {
             }
         }
 
-        // 2. Swapped sequences come back when they fit.
-        while let Some(&slot) = self.swapped.front() {
-            if preempted || self.running.len() >= self.cfg.max_running as usize {
-                break;
-            }
-            if !self.swap_in(slot) {
-                break;
-            }
-            self.swapped.pop_front();
-            self.push_running(slot);
-        }
+        // 2. Swapped sequences come back when they fit: first those of a class at least as
+        // urgent as the most urgent waiting one (a swapped throughput sequence does not take
+        // the pages a waiting latency-critical request needs; the rest come back after the
+        // admissions, below).
+        let urgent_waiting = Priority::ALL
+            .into_iter()
+            .find(|c| !self.waiting[c.index()].is_empty());
+        self.swap_in_fitting(preempted, urgent_waiting);
 
         // 3. Waiting sequences, latency-critical first, FCFS within a class; a class only while
         // no swapped sequence of it (or of a more urgent one) waits to come back (`swapped` is
@@ -810,6 +809,18 @@ impl Batcher {
             }
         }
 
+        // 2b. The less urgent swapped sequences step 2 held back, once no more urgent request
+        // waits.
+        if let Some(class) = urgent_waiting {
+            let held_back = self
+                .swapped
+                .front()
+                .is_some_and(|&s| self.seq(s).priority > class);
+            if held_back && self.waiting[class.index()].is_empty() {
+                self.swap_in_fitting(preempted, None);
+            }
+        }
+
         self.write_block_tables();
         self.uncommitted = !self.batch.is_empty();
         self.stats.steps += 1;
@@ -823,6 +834,25 @@ impl Batcher {
             }
         }
         &self.batch
+    }
+
+    /// Swaps sequences back in, most urgent and oldest first, while they fit (pages and
+    /// `max_running`) and, if `up_to` is set, are of that class or a more urgent one; none in a
+    /// step that preempted.
+    fn swap_in_fitting(&mut self, preempted: bool, up_to: Option<Priority>) {
+        while let Some(&slot) = self.swapped.front() {
+            if preempted || self.running.len() >= self.cfg.max_running as usize {
+                break;
+            }
+            if up_to.is_some_and(|c| self.seq(slot).priority > c) {
+                break;
+            }
+            if !self.swap_in(slot) {
+                break;
+            }
+            self.swapped.pop_front();
+            self.push_running(slot);
+        }
     }
 
     /// Asks the batcher to give back `blocks` blocks at the start of its next step by

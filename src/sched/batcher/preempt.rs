@@ -255,6 +255,9 @@ impl Batcher {
         devs.extend(b.copies.iter().map(|&(_, d)| d as u32));
         hosts.sort_unstable();
         devs.sort_unstable();
+        // The sequences to recompute, queued together at the end so that the oldest waits
+        // at the front of its class (as a step's own preemptions leave them).
+        let mut requeue = Vec::new();
         // Swapped out by this batch: its host slots are this batch's swap-out targets. The
         // table is already empty (the pages wait in swap_out_pending, released at the next
         // schedule).
@@ -274,26 +277,30 @@ impl Batcher {
             let mut host = std::mem::take(&mut self.seq_mut(slot).host_blocks);
             self.host_free.append(&mut host);
             self.seq_mut(slot).host_blocks = host;
+            requeue.push(slot);
+        }
+        if !devs.is_empty() {
+            // Swapped in, or copied into: a page of its table is a swap-in or copy target.
+            let mut pages = std::mem::take(&mut self.scratch);
+            let mut k = 0;
+            while k < self.running.len() {
+                let slot = self.running[k];
+                self.seq(slot).table.ids_into(&mut pages);
+                if pages.iter().any(|p| devs.binary_search(&p.index()).is_ok()) {
+                    self.running.remove(k);
+                    requeue.push(slot);
+                } else {
+                    k += 1;
+                }
+            }
+            pages.clear();
+            self.scratch = pages;
+        }
+        // Each goes to the front of its class: the youngest first, so the oldest ends first.
+        requeue.sort_unstable_by_key(|&slot| std::cmp::Reverse(self.order_key(slot)));
+        for slot in requeue {
             self.requeue_for_recompute(slot);
         }
-        if devs.is_empty() {
-            return;
-        }
-        // Swapped in, or copied into: a page of its table is a swap-in or copy target.
-        let mut pages = std::mem::take(&mut self.scratch);
-        let mut k = 0;
-        while k < self.running.len() {
-            let slot = self.running[k];
-            self.seq(slot).table.ids_into(&mut pages);
-            if pages.iter().any(|p| devs.binary_search(&p.index()).is_ok()) {
-                self.running.remove(k);
-                self.requeue_for_recompute(slot);
-            } else {
-                k += 1;
-            }
-        }
-        pages.clear();
-        self.scratch = pages;
     }
 
     /// Preempts a sequence (taken off its queue by the caller) by recompute: its pages go back

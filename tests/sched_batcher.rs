@@ -1693,3 +1693,21 @@ fn a_prefill_chunk_short_of_pages_shrinks_before_preempting_a_decoding_sequence(
     assert_eq!(bt.stats().preempted_recompute, 0, "{:?}", bt.stats());
     assert_eq!(p.free_count(), 7);
 }
+
+/// A batch counts positions and context lengths in `i32` (as the kernels do): a request whose
+/// context would reach 2^31 tokens is refused at `add`, not scheduled until its positions wrap.
+#[test]
+fn a_request_past_i32_positions_is_refused() {
+    let mut cfg = config();
+    cfg.block_size = 1 << 12;
+    cfg.max_blocks_per_seq = 1 << 19;
+    let mut bt = Batcher::new(cfg, pool(1 << 19)).unwrap();
+    // 1 + 2^31 - 1 = 2^31 cached tokens at most: 2^19 pages of 4096, within every page limit.
+    let r = bt.add(req(0, vec![1], 1 << 31));
+    assert!(
+        matches!(r, Err(SchedError::TooLong { .. })),
+        "a context of 2^31 tokens accepted: {r:?}"
+    );
+    // The limit is whole pages below 2^31 tokens: 2^19 - 1 pages fit.
+    bt.add(req(1, vec![1], (1 << 31) - 4096)).unwrap();
+}

@@ -391,19 +391,22 @@ impl Batcher {
             .map(|s| s.table.len())
     }
 
-    /// The most blocks a sequence may need here: its table's capacity, the whole pool, or the
-    /// blocks the attached budget guarantees the engine, whichever is least.
+    /// The most blocks a sequence may need here: its table's capacity, the whole pool, the
+    /// blocks the attached budget guarantees the engine, or the blocks whose tokens a batch's
+    /// `i32` positions and context lengths can count, whichever is least.
     fn block_limit(&self) -> u64 {
         let guaranteed = self
             .budget
             .as_ref()
             .and_then(|b| b.guaranteed_blocks())
             .unwrap_or(u32::MAX);
+        let positions = i32::MAX as u32 / self.cfg.block_size;
         u64::from(
             self.cfg
                 .max_blocks_per_seq
                 .min(self.pool.total())
-                .min(guaranteed),
+                .min(guaranteed)
+                .min(positions),
         )
     }
 
@@ -443,7 +446,8 @@ impl Batcher {
     /// Queues a request. Refused at once if it is malformed or could never fit: longer than a
     /// sequence's table, the pool, or the blocks the attached budget guarantees the engine
     /// ([`EngineBudget::guaranteed_blocks`]; what it could borrow beyond them is not counted,
-    /// since it is taken back whenever the lenders have work).
+    /// since it is taken back whenever the lenders have work), or than the whole pages below
+    /// 2^31 tokens that a batch's `i32` positions count.
     pub fn add(&mut self, req: SeqRequest) -> Result<(), SchedError> {
         self.add_salted(req, 0)
     }

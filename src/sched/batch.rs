@@ -40,7 +40,8 @@ pub struct Batch {
     /// Index into the flattened tokens of each token that needs logits, `[num_samples]`: each
     /// sampling row's last token, and before it the tokens its drafts follow (`drafts`).
     pub logits_indices: Vec<i32>,
-    /// Whether row `s` is a prefill (more than one new token, or the first chunk of a prompt).
+    /// Whether row `s` is a prefill: more than one new token (a decode with drafts included),
+    /// or any chunk of a prompt (a one-token last chunk included).
     pub is_prefill: Vec<bool>,
     /// Draft tokens (speculative decoding) at the end of row `s`'s tokens, `[num_seqs]`: a
     /// sampling row with `d` drafts has `d + 1` entries in `logits_indices` (its last `d + 1`

@@ -922,8 +922,8 @@ impl Batcher {
         self.uncommitted
     }
 
-    /// Applies the results of the last batch: `sampled` holds one token per sampling row, in
-    /// row order. Finished sequences are appended to `finished` and their blocks freed.
+    /// Applies the results of the last batch: `sampled` holds, in row order, one token per
+    /// sampling row, or `d + 1` for a row with `d` drafts (its `logits_indices` entries). Finished sequences are appended to `finished` and their blocks freed.
     ///
     /// On a count mismatch nothing is applied.
     pub fn commit(

@@ -479,12 +479,11 @@ impl Batcher {
         if blocks > limit {
             return Err(SchedError::TooLong { id, blocks, limit });
         }
-        // At most the pool's total, so it fits (the table refuses more, typed, before anything
-        // below changes). The guarantee read here may be above the one the next step reads (it
-        // can drop in between): that step must then look again.
-        // Sized for the longest the request can grow: `max_blocks_per_seq` bounds it, but
-        // allocating that (8 bytes a block) for every request made a generous limit cost
-        // gigabytes each.
+        // The table is sized for the longest the request can grow (`max_blocks_per_seq` bounds
+        // it, but allocating that, 8 bytes a block, for every request made a generous limit
+        // cost gigabytes each): at most the pool's total, so the table accepts it. The
+        // guarantee read here may be above the one the next step reads (it can drop in
+        // between): that step must then look again.
         let table = BlockTable::new(Arc::clone(&self.pool), self.cfg.engine, blocks as u32)?;
         self.guaranteed_seen = self.guaranteed_seen.max(blocks as u32);
         let seq = Sequence {
@@ -754,8 +753,8 @@ impl Batcher {
                         .unwrap_or(i);
                     // A prefill chunk short of pages runs shorter before it costs a sequence of
                     // its own class a preemption (that sequence's whole context recomputed or
-                    // swapped, or this one's own progress): halving its new pages until they
-                    // fit, preempting only when no shorter chunk needs fewer. A
+                    // swapped, or this one's own progress): `shorter_chunk` until one fits,
+                    // preempting only when no shorter chunk needs fewer pages. A
                     // latency-critical chunk still preempts throughput work for its full size.
                     let victim_class = self.seq(self.running[victim_pos]).priority;
                     if victim_class == self.seq(slot).priority {
@@ -923,7 +922,8 @@ impl Batcher {
     }
 
     /// Applies the results of the last batch: `sampled` holds, in row order, one token per
-    /// sampling row, or `d + 1` for a row with `d` drafts (its `logits_indices` entries). Finished sequences are appended to `finished` and their blocks freed.
+    /// sampling row, or `d + 1` for a row with `d` drafts (its `logits_indices` entries).
+    /// Finished sequences are appended to `finished` and their blocks freed.
     ///
     /// On a count mismatch nothing is applied.
     pub fn commit(

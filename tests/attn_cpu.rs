@@ -1189,3 +1189,67 @@ fn an_infinite_value_whose_weight_underflows_over_several_rescales_contributes_n
         );
     }
 }
+
+/// The scale multiplies the dot product (`s = scale * dot(q, k)`, crate::attn and every CUDA
+/// kernel), not the query. The kernel pre-scaled the query, which overflows and rounds
+/// differently: a large scale times a large query was +inf (a NaN row) where the documented
+/// score is finite, and a `q·k` past f32 under a small scale was finite where the documented
+/// score (and the kernels') is +inf. Decode and prefill, both directions.
+#[test]
+fn the_scale_multiplies_the_dot_product_not_the_query() {
+    let (ctx, d) = (3, 8);
+    let mut rng = SmallRng::seed_from_u64(91);
+    let v: Vec<f32> = rand_vals(&mut rng, ctx * d);
+    let mean: Vec<f64> = (0..d)
+        .map(|i| (0..ctx).map(|j| v[j * d + i] as f64).sum::<f64>() / ctx as f64)
+        .collect();
+    // (query, key, scale, finite): every key the same, so a finite row is the mean of V.
+    // 1e10 * 1e30 overflows f32, 8 * 1e10 * 1e-20 * 1e30 = 8e21 does not; 8 * 1e19 * 1e19
+    // overflows f32 (score +inf), 1e19 * 1e-30 * 1e19 does not.
+    for (qv, kv, scale, finite) in [
+        (1e10f32, 1e-20f32, 1e30f32, true),
+        (1e19, 1e19, 1e-30, false),
+    ] {
+        let k = vec![kv; ctx * d];
+        let (cache, table) = dense_cache(&k, &v, ctx);
+        let ctxs = [ctx as i32];
+        let seqs = PagedSeqs {
+            block_tables: &table,
+            max_blocks_per_seq: table.len(),
+            context_lens: &ctxs,
+        };
+        let mut p = AttnParams::new(1, d);
+        p.scale = scale;
+        let view = cache.view::<f32>().unwrap();
+        let q = vec![qv; ctx * d];
+        let mut dec = vec![0f32; d];
+        paged_attention_decode(
+            &mut AttnWorkspace::new(),
+            view.layer(0).unwrap(),
+            &q[..d],
+            &seqs,
+            &p,
+            &mut dec,
+        )
+        .unwrap();
+        let mut pre = vec![0f32; ctx * d];
+        paged_attention_prefill(
+            &mut AttnWorkspace::new(),
+            view.layer(0).unwrap(),
+            &q,
+            &[0, ctx as i32],
+            &seqs,
+            &p,
+            &mut pre,
+        )
+        .unwrap();
+        let what = format!("q {qv}, k {kv}, scale {scale}");
+        if finite {
+            check_row(&dec, &mean, &format!("{what}: decode"));
+            check_row(&pre[(ctx - 1) * d..], &mean, &format!("{what}: prefill"));
+        } else {
+            assert!(dec.iter().all(|x| x.is_nan()), "{what}: decode {dec:?}");
+            assert!(pre.iter().all(|x| x.is_nan()), "{what}: prefill {pre:?}");
+        }
+    }
+}

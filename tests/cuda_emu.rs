@@ -1848,3 +1848,55 @@ fn infinite_scale_or_softcap_is_refused() {
         );
     }
 }
+
+/// The kernels compute `s = scale * dot(q, k)` (pagedkv.h, crate::attn); the oracle multiplied
+/// the query by the scale first, which overflows elsewhere: a large scale times a large query
+/// was +inf there (a NaN row) where the kernels' score is finite, and a `q·k` past f32 under a
+/// small scale was finite there where the kernels' is +inf (a NaN row). Every key the same, so
+/// a finite row is the mean of V; an f32 cache (the values exact), decode in each
+/// partitioning and prefill.
+#[test]
+fn kernels_and_oracle_apply_the_scale_to_the_same_product() {
+    let (d, bs, layer) = (64, 16, 0);
+    let mut rng = SmallRng::seed_from_u64(93);
+    for (qv, kv, scale) in [(1e10f32, 1e-20f32, 1e30f32), (1e19, 1e19, 1e-30)] {
+        let ctx = [3usize, 20];
+        let b = make_batch(&mut rng, 1, 1, d, bs, KvDtype::F32, Page::Dense, &ctx);
+        let mut host = random_cache::<f32>(&mut rng, b.cfg);
+        for (s, &c) in ctx.iter().enumerate() {
+            for pos in 0..c {
+                let block = b.tables[s * b.mbps + pos / bs] as usize;
+                let off = b.cfg.offset(block, layer, KvPart::Key, pos % bs, 0);
+                host.view_mut::<f32>().expect("view").data_mut()[off..off + d].fill(kv);
+            }
+        }
+        let mut params = AttnParams::new(1, d);
+        params.scale = scale;
+        let same = |what: &str, got: &[f32], want: &[f32]| {
+            for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+                let ok = if w.is_nan() {
+                    g.is_nan()
+                } else {
+                    (g - w).abs() <= 2e-5 + 1e-4 * w.abs()
+                };
+                assert!(ok, "{what}: element {i}: kernel {g} vs oracle {w}");
+            }
+        };
+        let what = format!("q {qv} k {kv} scale {scale}");
+        let query = vec![qv; ctx.len() * d];
+        let want = cpu_decode(&b, &host, layer, &query, &params);
+        let mut case = AttnCase::new(&b, &host, &query, &params);
+        for mode in MODES {
+            let (s, got) = case.decode::<f32>(layer, mode);
+            expect_ok(&what, s);
+            same(&format!("{what}: decode mode {mode}"), &got, &want);
+        }
+        let qsl = [0, 3, 3 + 20];
+        let query = vec![qv; 23 * d];
+        let want = cpu_prefill(&b, &host, layer, &query, &qsl, &params);
+        let case = AttnCase::new(&b, &host, &query, &params);
+        let (s, got) = case.prefill::<f32>(layer, &qsl);
+        expect_ok(&what, s);
+        same(&format!("{what}: prefill"), &got, &want);
+    }
+}

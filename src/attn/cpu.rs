@@ -506,29 +506,28 @@ fn attend_item_body<T: KvElem>(
     let tok0 = it.tok0 as usize;
 
     for kvh in it.kvh_begin as usize..it.kvh_end as usize {
-        // Widen and pre-scale the query rows: row r = ti * g + gi is head kvh*g + gi of token tok0+ti.
+        // Widen the query rows: row r = ti * g + gi is head kvh*g + gi of token tok0+ti. The
+        // scale multiplies each dot product (`s = scale * dot(q, k)`, as in the kernels), not
+        // the query: a pre-scaled query rounds and overflows differently (a `q·k` past f32 under
+        // a small scale was finite here and +inf, a NaN row, in every CUDA kernel).
         for ti in 0..tq {
             for gi in 0..g {
                 let r = ti * g + gi;
                 let qo = ((tok0 + ti) * nh + kvh * g + gi) * d;
-                let dst = &mut q32[r * d..(r + 1) * d];
-                T::widen_slice(&ctx.query[qo..qo + d], dst);
-                for x in dst.iter_mut() {
-                    *x *= scale;
-                }
+                T::widen_slice(&ctx.query[qo..qo + d], &mut q32[r * d..(r + 1) * d]);
             }
         }
         acc.fill(0.0);
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
-        // A raw (scaled) `q·k` of row `r` and key position `kpos`, capped, biased and masked.
+        // A raw `q·k` of row `r` and key position `kpos`, scaled, capped, biased and masked.
         let finish = |raw: f32, kpos: i64, r: usize| -> f32 {
             let qpos = qpos_first + (r / g) as i64;
             let visible = kpos <= qpos && (window == 0 || qpos - kpos < window);
             if !visible {
                 return f32::NEG_INFINITY;
             }
-            let mut s = raw;
+            let mut s = raw * scale;
             if softcap > 0.0 {
                 s = softcap * (s / softcap).tanh();
             }

@@ -128,6 +128,7 @@ def main():
     p.add_argument("--decode", default="default", help="points Q:KV/BATCHxCTX,..., default or none")
     p.add_argument("--prefill", default="default", help="points Q:KV/CHUNK+CACHED,..., default or none")
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--device", type=int, default=0, help="CUDA device ordinal (pagedkv's --device)")
     p.add_argument("--l2-bytes", type=int, default=None, help="default: the device's (50 MiB with --plan)")
     p.add_argument("--budget-bytes", type=int, default=None, help="default: 80%% of device memory (64 GiB with --plan)")
     p.add_argument("--launches", type=int, default=20)
@@ -246,7 +247,10 @@ def run(a):
     import torch
     import torch.nn.functional as F
 
-    dev = torch.device("cuda")
+    # The device pagedkv's side runs on (`bench gpu --device N`), also for the streams, events
+    # and graphs below, which take the current device.
+    torch.cuda.set_device(a.device)
+    dev = torch.device("cuda", a.device)
     props = torch.cuda.get_device_properties(dev)
     l2 = a.l2_bytes if a.l2_bytes is not None else getattr(props, "L2_cache_size", 50 << 20)
     budget = a.budget_bytes if a.budget_bytes is not None else int(0.8 * props.total_memory)

@@ -13,12 +13,15 @@
 # their directory on LD_LIBRARY_PATH there if it is not a default one, e.g.
 # /usr/local/cuda/lib64). Never install the stand-ins where a program could load them.
 #
-# Where: $PAGEDKV_CUDA_STUBS, else target/cuda-link-stubs. Reads the undefined symbols of the
-# compiled cudarc 0.19 rlib and candle-kernels' static library under target/release.
+# Where: $PAGEDKV_CUDA_STUBS, else cuda-link-stubs in cargo's target directory
+# ($CARGO_TARGET_DIR, else target). Reads the undefined symbols of the compiled cudarc 0.19 rlib
+# and candle-kernels' static library under that directory's release/ (where the build above
+# put them).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-out=${PAGEDKV_CUDA_STUBS:-$root/target/cuda-link-stubs}
-deps=$root/target/release
+target=${CARGO_TARGET_DIR:-$root/target}
+out=${PAGEDKV_CUDA_STUBS:-$target/cuda-link-stubs}
+deps=$target/release
 mkdir -p "$out"
 objs=$(ls "$deps"/deps/libcudarc-*.rlib "$deps"/build/candle-kernels-*/out/*.a 2>/dev/null || true)
 [ -n "$objs" ] || { echo "cuda-link-stubs: build the cuda client once first (no cudarc rlib under $deps)" >&2; exit 1; }

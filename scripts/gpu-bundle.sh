@@ -23,7 +23,9 @@ export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 log "building the candle client's CUDA test once (its first link is expected to fail)"
 cargo build --release -p pagedkv-candle-llama --features candle-cuda --test cuda_matches_candle \
   >/dev/null 2>&1 || true
-eval "$(scripts/cuda-link-stubs.sh)"
+# (Its failure stops the bundle here: `eval "$(...)"` alone would go on to a link error.)
+stubs=$(scripts/cuda-link-stubs.sh)
+eval "$stubs"
 # The CPU candle tests and examples would carry candle's CUDA kernels too: leave them out.
 # (The emulation's tests run in CI; the device runs the real thing.)
 # example-generate: the candle client's tokens/s and per-step latency on the GPU

@@ -4,7 +4,8 @@
     python3 scripts/gpu-tables.py logs.tar.gz [more logs, folders or .log files]
 
 Reads every `decode ...` and `prefill ...` table the bench printed (a call's bench-*.log and
-sweep-*.log stages) and prints, in the units BENCHMARKS.md uses:
+sweep-*.log stages; not its ncu-* stages, whose bench ran under the profiler: those times are
+not figures) and prints, in the units BENCHMARKS.md uses:
   * decode: one row per point, a graph-time column per table read (its log's name, mode and
     launch flags), SDPA's graph time (the first table's that has it), and each column over
     SDPA (its own process's where it ran the peer; the issue's <= 1.1x);
@@ -12,7 +13,11 @@ sweep-*.log stages) and prints, in the units BENCHMARKS.md uses:
     fastest of the ways it timed, and its CUDA kernels), then each tiling's time and its share
     of SDPA's TFLOP/s (>= 70%), and which tiling Auto ran;
   * the fastest decode column per point, where several were read (a split sweep).
-Nothing is computed that the bench did not time; a skipped cell says `skip`.
+A point whose output the bench found wrong (`CHECK FAILED`) says so in its cell and is never
+the fastest.
+Nothing is computed that the bench did not time; a skipped cell says `skip`. Where two columns
+would carry the same label (the same stage of two calls, or two tables of one tiling), each
+says which call and stage it came from.
 """
 import os
 import re
@@ -22,6 +27,9 @@ import tarfile
 DECODE_HEAD = re.compile(r"^decode (\w+) d(\d+) bs(\d+) mode (.+?)((?:, [^;]+)?); times per call")
 PREFILL_HEAD = re.compile(r"^prefill (\w+) d(\d+) bs(\d+) tiling (\w+)(.*?), one sequence")
 AUTO_RAN = re.compile(r"^\s+\(Auto(?: ran (\w+)|: the f32 kernel)\)")
+# `CHECK FAILED decode POINT: ...` / `CHECK FAILED prefill POINT TILING: ...`, printed after the
+# row of a point whose output differed from the CPU oracle.
+CHECK_FAILED = re.compile(r"^CHECK FAILED (decode|prefill) (\S+?):? ")
 # `peer note: POINT: NOTE`, printed after a process's tables.
 PEER_NOTE = re.compile(r"^peer note: (\S+): (.*)$")
 NUM = re.compile(r"^-?\d+(\.\d+)?%?$")
@@ -29,26 +37,34 @@ NUM = re.compile(r"^-?\d+(\.\d+)?%?$")
 POINT = re.compile(r"^\d+:\d+/\d+[x+]\d+$")
 
 
+def profiled(name):
+    """Whether a stage's log is an ncu profile (its bench's times are the profiler's)."""
+    return name.startswith("ncu-")
+
+
 def texts(paths):
-    """(name, text) of every .log under the given archives, folders and files, a call's logs in
-    the order its stages ended (their modification times)."""
+    """(origin, name, text) of every .log under the given archives, folders and files (the
+    ncu-* profiles of archives and folders left out), a call's logs in the order its stages
+    ended (their modification times); origin is the path given (archive, folder or file)."""
     for path in paths:
+        origin = path
         if path.endswith((".tar.gz", ".tgz")):
             with tarfile.open(path) as tar:
                 for m in sorted(tar.getmembers(), key=lambda m: (m.mtime, m.name)):
-                    if m.isfile() and m.name.endswith(".log"):
+                    name = os.path.basename(m.name)[:-4]
+                    if m.isfile() and m.name.endswith(".log") and not profiled(name):
                         data = tar.extractfile(m).read().decode("utf-8", "replace")
-                        yield os.path.basename(m.name)[:-4], data
+                        yield origin, name, data
         elif os.path.isdir(path):
             def ended(f):
                 return (os.stat(os.path.join(path, f)).st_mtime, f)
             for f in sorted(os.listdir(path), key=ended):
-                if f.endswith(".log"):
+                if f.endswith(".log") and not profiled(f[:-4]):
                     with open(os.path.join(path, f), encoding="utf-8", errors="replace") as h:
-                        yield f[:-4], h.read()
+                        yield origin, f[:-4], h.read()
         else:
             with open(path, encoding="utf-8", errors="replace") as h:
-                yield os.path.basename(path).rsplit(".", 1)[0], h.read()
+                yield origin, os.path.basename(path).rsplit(".", 1)[0], h.read()
 
 
 def cells(line):
@@ -84,10 +100,11 @@ def peer_way(note):
 
 
 def parse(paths):
-    """Tables read: a list of dicts {kind, dim, label, rows: {point: (ours, peer)}, auto,
-    notes: {point: the peer's way}} (notes shared by the tables of one log)."""
+    """Tables read: a list of dicts {kind, dim, label, rows: {point: (ours, peer)}, failed:
+    {points whose check failed}, auto, notes: {point: the peer's way}} (notes shared by the
+    tables of one log)."""
     tables = []
-    for name, text in texts(paths):
+    for origin, name, text in texts(paths):
         cur = None
         last_point = None
         notes = {}
@@ -103,7 +120,7 @@ def parse(paths):
                 mode, flags = m.group(4), m.group(5).strip(", ")
                 label = f"{name} {mode}" + (f" ({flags})" if flags else "")
                 cur = {"kind": "decode", "dim": int(m.group(2)), "label": label, "rows": {},
-                       "notes": notes}
+                       "failed": set(), "notes": notes, "log": name, "origin": origin}
                 tables.append(cur)
                 continue
             m = PREFILL_HEAD.match(line)
@@ -111,10 +128,15 @@ def parse(paths):
                 flags = m.group(5).strip(", ")
                 label = m.group(4) + (f" ({flags})" if flags else "")
                 cur = {"kind": "prefill", "dim": int(m.group(2)), "label": label, "rows": {},
-                       "auto": {}, "log": name, "notes": notes}
+                       "failed": set(), "auto": {}, "log": name, "origin": origin,
+                       "notes": notes}
                 tables.append(cur)
                 continue
             if cur is None:
+                continue
+            m = CHECK_FAILED.match(line)
+            if m and m.group(1) == cur["kind"]:
+                cur["failed"].add(m.group(2))
                 continue
             m = AUTO_RAN.match(line)
             if m and cur["kind"] == "prefill" and last_point:
@@ -125,7 +147,33 @@ def parse(paths):
                 point, ours, peer = row
                 cur["rows"][point] = (ours, peer)
                 last_point = point
-    return [t for t in tables if t["rows"]]
+    tables = [t for t in tables if t["rows"]]
+    unique_labels(tables)
+    return tables
+
+
+def unique_labels(tables):
+    """Columns of one table (kind and head dim) whose labels repeat get their stage's log name,
+    then, where that still repeats (the same stage of two calls), the call's archive or folder,
+    then a running number."""
+    def repeated(group):
+        seen = {}
+        for t in group:
+            seen[t["label"]] = seen.get(t["label"], 0) + 1
+        return [t for t in group if seen[t["label"]] > 1]
+    groups = {}
+    for t in tables:
+        groups.setdefault((t["kind"], t["dim"]), []).append(t)
+    for group in groups.values():
+        for t in repeated(group):
+            if not t["label"].startswith(t["log"] + " "):
+                t["label"] = f"{t['log']} {t['label']}"
+        for t in repeated(group):
+            t["label"] = f"{t['origin']}: {t['label']}"
+        count = {}
+        for t in repeated(group):
+            count[t["label"]] = count.get(t["label"], 0) + 1
+            t["label"] = f"{t['label']} #{count[t['label']]}"
 
 
 def fmt(x):
@@ -158,6 +206,8 @@ def point_cells(cols, p, peer, against):
         cell = fmt(ours)
         if ours is not None and q is not None:
             cell += f" ({against(ours, q)})"
+        if p in t["failed"]:
+            cell += " CHECK FAILED"
         out.append(cell)
     return out
 
@@ -176,7 +226,8 @@ def decode_tables(tables):
             row = [p] + point_cells(cols, p, peer, lambda o, q: f"{o / q:.2f}x") + [fmt(peer.get(p))]
             if len(cols) > 1:
                 timed = [(t["rows"][p][0], t["label"]) for t in cols
-                         if p in t["rows"] and t["rows"][p][0] is not None]
+                         if p in t["rows"] and t["rows"][p][0] is not None
+                         and p not in t["failed"]]
                 row.append(min(timed)[1] if timed else "-")
             print("| " + " | ".join(row) + " |")
 

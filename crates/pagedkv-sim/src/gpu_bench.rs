@@ -447,6 +447,51 @@ pub struct PeerResults {
     pub notes: Vec<String>,
 }
 
+/// What the dense peer (benches/gpu_sdpa_baseline.py) is asked to run: the same device, grid
+/// and timing rules as pagedkv's side of `bench gpu`.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerArgs<'a> {
+    /// Device ordinal (`bench gpu --device`): the peer runs on the same device.
+    pub device: usize,
+    /// Decode points.
+    pub decode: &'a [DecodePoint],
+    /// Prefill points.
+    pub prefill: &'a [PrefillPoint],
+    /// Head dim.
+    pub head_dim: usize,
+    /// The L2 size pagedkv's rotation uses, so both sides rotate by the same rule.
+    pub l2_bytes: u64,
+    /// Launches per graph and back-to-back timing (at least).
+    pub min_launches: usize,
+    /// Graph replays and back-to-back runs per point.
+    pub reps: usize,
+    /// One-call timings per point.
+    pub one_call_iters: usize,
+    /// Untimed launches per point first.
+    pub warmup: usize,
+}
+
+impl PeerArgs<'_> {
+    /// The peer script's arguments (after the script's path): `--jsonl` records of these points.
+    pub fn to_args(&self) -> Vec<String> {
+        fn join<T: ToString>(v: &[T]) -> String {
+            v.iter().map(T::to_string).collect::<Vec<_>>().join(",")
+        }
+        vec![
+            "--jsonl".to_string(),
+            format!("--device={}", self.device),
+            format!("--decode={}", join(self.decode)),
+            format!("--prefill={}", join(self.prefill)),
+            format!("--head-dim={}", self.head_dim),
+            format!("--l2-bytes={}", self.l2_bytes),
+            format!("--launches={}", self.min_launches),
+            format!("--reps={}", self.reps),
+            format!("--iters={}", self.one_call_iters),
+            format!("--warmup={}", self.warmup),
+        ]
+    }
+}
+
 /// Parses the peer's `--jsonl` output: lines starting with `{` are records, others (blank
 /// lines, a framework's banner) are ignored.
 ///

@@ -478,3 +478,75 @@ fn huge_points_are_refused_and_their_sizes_do_not_wrap() {
     assert_eq!(p.bytes(BF16_D128), u64::MAX);
     assert!(p.flops(BF16_D128) > 1e23, "{}", p.flops(BF16_D128));
 }
+
+/// `bench gpu --device N` ran its side on device N and the peer on device 0 (the peer was never
+/// told, and the script had no way to be): the two columns of one row came from two GPUs. The
+/// peer's command line now names the device, and the script takes every argument the bench
+/// passes (its `--plan` parses them all, no GPU needed). Skipped, saying so, where no `python3`
+/// runs.
+#[test]
+fn the_peer_takes_every_argument_the_bench_passes() {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../benches/gpu_sdpa_baseline.py"
+    );
+    let decode: Vec<DecodePoint> = parse_points("32:8/1x512,32:32/8x4096").unwrap();
+    let prefill: Vec<PrefillPoint> = parse_points("32:8/512+4096").unwrap();
+    let base = PeerArgs {
+        device: 1,
+        decode: &decode,
+        prefill: &prefill,
+        head_dim: 128,
+        l2_bytes: 50 * MIB,
+        min_launches: 20,
+        reps: 5,
+        one_call_iters: 20,
+        warmup: 3,
+    };
+    let args = base.to_args();
+    assert!(args.contains(&"--device=1".to_string()), "{args:?}");
+    let out = match std::process::Command::new("python3")
+        .arg(script)
+        .args(&args)
+        .arg("--plan")
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("SKIP the_peer_takes_every_argument_the_bench_passes: no python3 ({e})");
+            return;
+        }
+    };
+    assert!(
+        out.status.success(),
+        "{script} refused the bench's arguments {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let points: Vec<String> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let r: serde_json::Value = serde_json::from_str(l).unwrap();
+            r["point"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(
+        points,
+        ["32:8/1x512", "32:32/8x4096", "32:8/512+4096"],
+        "{args:?}"
+    );
+    // No points on one side: an empty list, which the peer reads as none.
+    let none = PeerArgs {
+        decode: &[],
+        ..base
+    }
+    .to_args();
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .args(&none)
+        .arg("--plan")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8(out.stdout).unwrap().lines().count(), 1);
+}

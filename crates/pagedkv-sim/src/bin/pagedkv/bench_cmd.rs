@@ -18,7 +18,7 @@ use pagedkv::cuda::{DecodeMode, DeviceKvCache, Gpu, PinnedSwapSpace, PrefillTili
 use pagedkv::kv::{KvCacheConfig, KvDtype};
 use pagedkv_sim::gpu_bench::{
     decode_header, decode_row, default_decode_grid, default_prefill_grid, median, parse_points,
-    prefill_header, prefill_row, DecodePoint, Outcome, PeerResults, PrefillPoint, Shape,
+    prefill_header, prefill_row, DecodePoint, Outcome, PeerArgs, PeerResults, PrefillPoint, Shape,
 };
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
@@ -204,14 +204,17 @@ fn run_gpu(a: GpuArgs) -> Result<(), BoxErr> {
         bench_peer::run(&PeerRequest {
             python: &a.python,
             script: &PathBuf::from(&a.peer),
-            decode: &decode,
-            prefill: &prefill,
-            head_dim: a.head_dim,
-            l2_bytes: l2,
-            min_launches: a.launches,
-            reps: a.reps,
-            one_call_iters: a.iters,
-            warmup: a.warmup,
+            args: PeerArgs {
+                device: a.device,
+                decode: &decode,
+                prefill: &prefill,
+                head_dim: a.head_dim,
+                l2_bytes: l2,
+                min_launches: a.launches,
+                reps: a.reps,
+                one_call_iters: a.iters,
+                warmup: a.warmup,
+            },
         })
     };
     match &peer {

@@ -3,7 +3,7 @@
 //! points, so one invocation prints both side by side. It runs to completion first: the two
 //! never share the GPU's time, and its memory is released before pagedkv allocates.
 
-use pagedkv_sim::gpu_bench::{peer_results, DecodePoint, PeerResults, PrefillPoint};
+use pagedkv_sim::gpu_bench::{peer_results, PeerArgs, PeerResults};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
@@ -13,19 +13,8 @@ pub struct PeerRequest<'a> {
     pub python: &'a str,
     /// The script.
     pub script: &'a Path,
-    pub decode: &'a [DecodePoint],
-    pub prefill: &'a [PrefillPoint],
-    pub head_dim: usize,
-    /// The L2 size pagedkv's rotation uses, so both sides rotate by the same rule.
-    pub l2_bytes: u64,
-    pub min_launches: usize,
-    pub reps: usize,
-    pub one_call_iters: usize,
-    pub warmup: usize,
-}
-
-fn join<T: ToString>(v: &[T]) -> String {
-    v.iter().map(T::to_string).collect::<Vec<_>>().join(",")
+    /// Its device, points and timing rules (pagedkv's own).
+    pub args: PeerArgs<'a>,
 }
 
 /// Runs the peer and parses its records (those of a peer that failed part way too, with a note);
@@ -40,15 +29,7 @@ pub fn run(r: &PeerRequest<'_>) -> Result<PeerResults, String> {
     }
     let out = Command::new(r.python)
         .arg(r.script)
-        .arg("--jsonl")
-        .arg(format!("--decode={}", join(r.decode)))
-        .arg(format!("--prefill={}", join(r.prefill)))
-        .arg(format!("--head-dim={}", r.head_dim))
-        .arg(format!("--l2-bytes={}", r.l2_bytes))
-        .arg(format!("--launches={}", r.min_launches))
-        .arg(format!("--reps={}", r.reps))
-        .arg(format!("--iters={}", r.one_call_iters))
-        .arg(format!("--warmup={}", r.warmup))
+        .args(r.args.to_args())
         .stdin(Stdio::null())
         .stderr(Stdio::inherit())
         .output()

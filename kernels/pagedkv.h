@@ -370,9 +370,11 @@ int pkv_paged_attention_prefill(void *out, int64_t out_token_stride, const void 
 
 /**
  * pkv_paged_attention_prefill with the f16 / bf16 kernel's tiling chosen: `tiling` is one of
- * PKV_PREFILL_TILING_* (else PKV_ERR_INVALID_ARG). Results agree up to f32 rounding: where the
- * key tiles start (under a sliding window) and which tiles take the scale-only path depend on
- * the rows a thread block holds, and the instructions' summation order on the tiling.
+ * PKV_PREFILL_TILING_* (else PKV_ERR_INVALID_ARG). Results agree up to the cache type's
+ * rounding (the tensor-core tilings round P to f16 / bf16 before P V, relative to a running
+ * maximum that depends on the tiling): where the key tiles start (under a sliding window) and
+ * which tiles take the scale-only path depend on the rows a thread block holds, and the
+ * instructions' summation order on the tiling.
  */
 int pkv_paged_attention_prefill_tiled(void *out, int64_t out_token_stride, const void *query,
                                       int64_t query_token_stride, const void *cache,

@@ -6,9 +6,12 @@ use super::ffi;
 use crate::error::RawError;
 use crate::kv::KvCacheConfig;
 
-/// The f16 / bf16 prefill kernel's tiling of the query rows. Results agree up to f32 rounding
-/// whichever is chosen; f32 caches have one kernel and ignore the choice, and a tiling a launch
-/// cannot run (below) runs [`PrefillTiling::WarpRows16`].
+/// The f16 / bf16 prefill kernel's tiling of the query rows. Results agree whichever is chosen
+/// up to the cache type's rounding, not f32's: the tensor-core tilings round the probabilities
+/// P to f16 / bf16 before `P V`, relative to a running maximum that depends on the rows and
+/// key tiles a thread block holds (kernels/prefill_mma.cuh). f32 caches have one kernel and
+/// ignore the choice, and a tiling a launch cannot run (below) runs
+/// [`PrefillTiling::WarpRows16`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefillTiling {
     /// The library's choice ([`PrefillTiling::resolve`] says which): on compute capability

@@ -10,8 +10,9 @@ use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::Rng;
 
-/// Absolute and relative tolerance of kernel vs CPU outputs (both f32 math, different
-/// summation order; outputs rounded once to the dtype).
+/// Absolute and relative tolerance of kernel vs CPU outputs (f32 math, different summation
+/// order, outputs rounded once to the dtype; the f16 / bf16 tensor-core prefill tilings also
+/// round the probabilities to the dtype before `P V`, which the f16 / bf16 tolerances cover).
 pub trait Tol: KvElem {
     const TOL: (f32, f32);
 }

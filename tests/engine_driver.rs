@@ -1896,12 +1896,12 @@ fn run_everything(seed: u64) {
             let mut natural = (*out as usize, FinishReason::MaxTokens);
             if let Some(k) = stop {
                 let k = (*k).min(*out as usize - 1);
-                if k + 1 <= natural.0 {
+                if k < natural.0 {
                     natural = (k + 1, FinishReason::StopSequence);
                 }
             }
             if let Some(k) = eos {
-                if k + 1 <= natural.0 {
+                if *k < natural.0 {
                     natural = (k + 1, FinishReason::Eos);
                 }
             }

@@ -11,6 +11,9 @@
 //! * `gguf_dequant_bf16/<TYPE>`: `dequantize_into_bf16` (the device dequantizer's oracle,
 //!   NaNs canonical) beside the same staged, parallel conversion narrowing with a plain
 //!   `bf16::from_f32` (no NaN canonicalization).
+//! * `gguf_dequant_f16/<TYPE>`: `dequantize_into_f16` beside the same schedule narrowing with a
+//!   plain `f16::from_f32`, with `f16::from_f32` and a NaN branch (the library's narrowing
+//!   before its vectorized rewrite) and with half's `convert_from_f32_slice`.
 //!
 //! Correctness is checked inside each group before timing: both parsers must agree on the
 //! header, and parallel dequantization must equal the serial reference bit for bit.
@@ -20,8 +23,8 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use pagedkv::gguf::{
-    dequantize_into, dequantize_into_bf16, dequantize_into_serial, GgmlType, Gguf, GgufWriter,
-    MetaValue, ValueType,
+    dequantize_into, dequantize_into_bf16, dequantize_into_f16, dequantize_into_serial, GgmlType,
+    Gguf, GgufWriter, MetaValue, ValueType,
 };
 use rayon::prelude::*;
 
@@ -247,14 +250,68 @@ fn bench_dequant(c: &mut Criterion) {
     grp.finish();
 }
 
+/// Random source bytes of `ty` for `n` elements with finite scales (and finite F16 values), so
+/// that no element is a NaN and a conversion without NaN canonicalization agrees bit for bit.
+fn narrow_src(ty: GgmlType, n: usize, state: &mut u64) -> Vec<u8> {
+    let n_bytes = n / ty.block_size() as usize * ty.type_size() as usize;
+    let mut src: Vec<u8> = (0..n_bytes)
+        .map(|_| {
+            *state ^= *state << 13;
+            *state ^= *state >> 7;
+            *state ^= *state << 17;
+            *state as u8
+        })
+        .collect();
+    let scale_at: &[usize] = match ty {
+        GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_K => &[0, 2],
+        GgmlType::Q6_K => &[208],
+        _ => &[],
+    };
+    for blk in src.chunks_exact_mut(ty.type_size() as usize) {
+        for &at in scale_at {
+            blk[at..at + 2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+        }
+        if ty == GgmlType::F16 {
+            blk[1] &= 0x3F; // exponent below 0x1F: finite
+        }
+    }
+    src
+}
+
+/// The library's narrow schedule (src/gguf/dequant.rs, `dequantize_narrow`: rayon over chunks
+/// of 2^14 elements, each dequantized 4,096 at a time into a stack buffer that stays in L1,
+/// then narrowed), narrowing each staged buffer with `narrow`.
+fn staged<T: Send>(
+    ty: GgmlType,
+    src: &[u8],
+    dst: &mut [T],
+    narrow: impl Fn(&mut [T], &[f32]) + Sync,
+) {
+    const CHUNK: usize = 1 << 14;
+    const STAGE: usize = 4096;
+    let ts = ty.type_size() as usize;
+    let chunk_bytes = CHUNK / ty.block_size() as usize * ts;
+    let stage_bytes = STAGE / ty.block_size() as usize * ts;
+    dst.par_chunks_mut(CHUNK)
+        .zip(src.par_chunks(chunk_bytes))
+        .for_each(|(y, b)| {
+            let mut buf = [0f32; STAGE];
+            for (yc, bc) in y.chunks_mut(STAGE).zip(b.chunks(stage_bytes)) {
+                let tmp = &mut buf[..yc.len()];
+                dequantize_into_serial(ty, bc, tmp).expect("f32");
+                narrow(yc, tmp);
+            }
+        });
+}
+
 /// `dequantize_into_bf16` (the device dequantizer's oracle: f32, then round to nearest even,
 /// every NaN canonical) beside the same conversion without the NaN canonicalization: the same
-/// schedule as the library's (rayon over chunks of 2^14 elements, each dequantized 4,096 at a
-/// time into a stack buffer that stays in L1, then narrowed), narrowing with a plain
-/// `bf16::from_f32`. So the two differ only by the one NaN check per element that makes the
-/// narrow output a function of the input bits. (A baseline that dequantized the whole tensor to
-/// f32 first and then narrowed it on one thread would add a 4 MiB round trip through memory
-/// and a serial pass the library does not make.)
+/// schedule as the library's ([`staged`]), narrowing with a plain `bf16::from_f32`. So the two
+/// differ only by the one NaN check per element that makes the narrow output a function of the
+/// input bits. (A baseline that dequantized the whole tensor to f32 first and then narrowed it
+/// on one thread would add a 4 MiB round trip through memory and a serial pass the library
+/// does not make.)
 fn bench_dequant_bf16(c: &mut Criterion) {
     const N: usize = 1 << 20;
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
@@ -262,55 +319,16 @@ fn bench_dequant_bf16(c: &mut Criterion) {
     grp.throughput(Throughput::Bytes((N * 2) as u64));
     for name in ["F16", "Q8_0", "Q4_K", "Q6_K"] {
         let ty = GgmlType::from_name(name).expect("type");
-        let n_bytes = N / ty.block_size() as usize * ty.type_size() as usize;
-        let mut src: Vec<u8> = (0..n_bytes)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                state as u8
-            })
-            .collect();
-        // Finite scales (and finite F16 values), so both sides agree bit for bit.
-        let scale_at: &[usize] = match ty {
-            GgmlType::Q8_0 => &[0],
-            GgmlType::Q4_K => &[0, 2],
-            GgmlType::Q6_K => &[208],
-            _ => &[],
-        };
-        let ts = ty.type_size() as usize;
-        for blk in src.chunks_exact_mut(ts) {
-            for &at in scale_at {
-                blk[at..at + 2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
-            }
-            if ty == GgmlType::F16 {
-                blk[1] &= 0x3F; // exponent below 0x1F: finite
-            }
-        }
+        let src = narrow_src(ty, N, &mut state);
         let mut ours = vec![half::bf16::ZERO; N];
         let mut plain = vec![half::bf16::ZERO; N];
-        // The library's schedule (src/gguf/dequant.rs, `dequantize_narrow`), narrowing plainly.
-        const CHUNK: usize = 1 << 14;
-        const STAGE: usize = 4096;
-        let chunk_bytes = CHUNK / ty.block_size() as usize * ts;
-        let stage_bytes = STAGE / ty.block_size() as usize * ts;
-        let convert_plain = |plain: &mut [half::bf16]| {
-            plain
-                .par_chunks_mut(CHUNK)
-                .zip(src.par_chunks(chunk_bytes))
-                .for_each(|(y, b)| {
-                    let mut buf = [0f32; STAGE];
-                    for (yc, bc) in y.chunks_mut(STAGE).zip(b.chunks(stage_bytes)) {
-                        let tmp = &mut buf[..yc.len()];
-                        dequantize_into_serial(ty, bc, tmp).expect("f32");
-                        for (d, &x) in yc.iter_mut().zip(tmp.iter()) {
-                            *d = half::bf16::from_f32(x);
-                        }
-                    }
-                });
+        let narrow_plain = |yc: &mut [half::bf16], tmp: &[f32]| {
+            for (d, &x) in yc.iter_mut().zip(tmp) {
+                *d = half::bf16::from_f32(x);
+            }
         };
         dequantize_into_bf16(ty, &src, &mut ours).expect("bf16");
-        convert_plain(&mut plain);
+        staged(ty, &src, &mut plain, narrow_plain);
         assert!(
             ours.iter()
                 .zip(&plain)
@@ -321,7 +339,69 @@ fn bench_dequant_bf16(c: &mut Criterion) {
             b.iter(|| dequantize_into_bf16(ty, black_box(&src), black_box(&mut ours)))
         });
         grp.bench_function(BenchmarkId::new("staged_from_f32", name), |b| {
-            b.iter(|| convert_plain(black_box(&mut plain)))
+            b.iter(|| staged(ty, black_box(&src), black_box(&mut plain), narrow_plain))
+        });
+    }
+    grp.finish();
+}
+
+/// `dequantize_into_f16` (the device dequantizer's oracle, NaNs canonical) beside, on the same
+/// schedule ([`staged`]): `staged_from_f32`, narrowing with a plain `f16::from_f32` (no NaN
+/// canonicalization), and `staged_from_f32_canon`, the library's narrowing before its
+/// vectorized rewrite (`f16::from_f32` per element, a NaN branch), and `staged_slice`, half's
+/// `convert_from_f32_slice` (F16C eight at a time where the CPU has it) with no NaN pass.
+fn bench_dequant_f16(c: &mut Criterion) {
+    use half::slice::HalfFloatSliceExt;
+    const N: usize = 1 << 20;
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut grp = c.benchmark_group("gguf_dequant_f16");
+    grp.throughput(Throughput::Bytes((N * 2) as u64));
+    for name in ["F16", "Q8_0", "Q4_K", "Q6_K"] {
+        let ty = GgmlType::from_name(name).expect("type");
+        let src = narrow_src(ty, N, &mut state);
+        let mut ours = vec![half::f16::ZERO; N];
+        let mut other = vec![half::f16::ZERO; N];
+        let narrow_plain = |yc: &mut [half::f16], tmp: &[f32]| {
+            for (d, &x) in yc.iter_mut().zip(tmp) {
+                *d = half::f16::from_f32(x);
+            }
+        };
+        let narrow_canon = |yc: &mut [half::f16], tmp: &[f32]| {
+            for (d, &x) in yc.iter_mut().zip(tmp) {
+                *d = if x.is_nan() {
+                    pagedkv::gguf::F16_CANONICAL_NAN
+                } else {
+                    half::f16::from_f32(x)
+                };
+            }
+        };
+        let narrow_slice = |yc: &mut [half::f16], tmp: &[f32]| yc.convert_from_f32_slice(tmp);
+        dequantize_into_f16(ty, &src, &mut ours).expect("f16");
+        for narrow in [
+            &narrow_plain as &(dyn Fn(&mut [half::f16], &[f32]) + Sync),
+            &narrow_canon,
+            &narrow_slice,
+        ] {
+            other.fill(half::f16::ZERO);
+            staged(ty, &src, &mut other, narrow);
+            assert!(
+                ours.iter()
+                    .zip(&other)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name}: f16 outputs differ"
+            );
+        }
+        grp.bench_function(BenchmarkId::new("pagedkv", name), |b| {
+            b.iter(|| dequantize_into_f16(ty, black_box(&src), black_box(&mut ours)))
+        });
+        grp.bench_function(BenchmarkId::new("staged_from_f32", name), |b| {
+            b.iter(|| staged(ty, black_box(&src), black_box(&mut other), narrow_plain))
+        });
+        grp.bench_function(BenchmarkId::new("staged_from_f32_canon", name), |b| {
+            b.iter(|| staged(ty, black_box(&src), black_box(&mut other), narrow_canon))
+        });
+        grp.bench_function(BenchmarkId::new("staged_slice", name), |b| {
+            b.iter(|| staged(ty, black_box(&src), black_box(&mut other), narrow_slice))
         });
     }
     grp.finish();
@@ -330,6 +410,6 @@ fn bench_dequant_bf16(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20);
-    targets = bench_header, bench_dequant, bench_dequant_bf16
+    targets = bench_header, bench_dequant, bench_dequant_bf16, bench_dequant_f16
 }
 criterion_main!(benches);

@@ -498,6 +498,120 @@ fn narrow_outputs_write_one_canonical_nan() {
     assert!(b.iter().all(|x| x.to_bits() == 0x7FC0));
 }
 
+/// The f16 narrowing of one f32, as the library defined it before its vectorized rewrite:
+/// `f16::from_f32`, every NaN canonical.
+fn f16_reference(x: u32) -> u16 {
+    let f = f32::from_bits(x);
+    if f.is_nan() {
+        0x7E00
+    } else {
+        f16::from_f32(f).to_bits()
+    }
+}
+
+/// Checks `dequantize_into_f16` (through the F32 source type, whose dequantization is the
+/// identity) against [`f16_reference`] for every f32 in `xs`.
+fn check_f16_narrowing(xs: &[u32]) {
+    let src: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let mut h = vec![f16::ZERO; xs.len()];
+    dequantize_into_f16(GgmlType::F32, &src, &mut h).expect("f16");
+    for (&x, got) in xs.iter().zip(&h) {
+        assert_eq!(got.to_bits(), f16_reference(x), "f32 bits {x:#010x}");
+    }
+}
+
+/// The f16 narrowing rounds as `f16::from_f32` does for every f32 that is not a NaN (NaNs are
+/// canonical). Where f16 rounds depends on the exponent (13 dropped mantissa bits for normal
+/// results, up to 24 for subnormal ones, all for underflow to zero), so for every sign and
+/// exponent (zeros, f32 subnormals, infinities and every NaN class included), every cut
+/// position k of the mantissa is covered with the dropped bits around the tie (0, 1, just
+/// below, at and just above it, all ones) under kept bits of both parities, plus the
+/// neighbourhoods of 65504 (the largest f16), 65520 (the tie that overflows) and 2^-24 / 2^-25.
+/// Through the parallel path. (All 2^32 inputs: `f16_narrowing_every_f32`, ignored.)
+#[test]
+fn f16_narrowing_rounds_every_boundary_as_from_f32() {
+    let mut mans = std::collections::BTreeSet::new();
+    for k in 0..=23u32 {
+        let drop_mask = (1u32 << k) - 1;
+        let tie = if k == 0 { 0 } else { 1u32 << (k - 1) };
+        let lows = [
+            0,
+            1 & drop_mask,
+            tie.saturating_sub(1),
+            tie,
+            (tie + 1) & drop_mask,
+            drop_mask,
+        ];
+        let kept_bits = 23 - k;
+        let kept_mask = if kept_bits == 0 {
+            0
+        } else {
+            (1u32 << kept_bits) - 1
+        };
+        let highs = [0, 1, 2, 3, kept_mask >> 1, kept_mask & !1, kept_mask];
+        for &hi in &highs {
+            for &lo in &lows {
+                mans.insert(((hi & kept_mask) << k | lo) & 0x7F_FFFF);
+            }
+        }
+    }
+    // A few pseudo-random mantissas per exponent as well.
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    for _ in 0..64 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        mans.insert(state as u32 & 0x7F_FFFF);
+    }
+    let mut xs: Vec<u32> = (0..512u32)
+        .flat_map(|se| mans.iter().map(move |&m| se << 23 | m))
+        .collect();
+    for center in [
+        65504.0f32,
+        65520.0,
+        65536.0,
+        2f32.powi(-24),
+        2f32.powi(-25),
+        2f32.powi(-14),
+    ] {
+        let c = center.to_bits();
+        for d in 0..=64u32 {
+            for x in [c + d, c - d] {
+                xs.push(x);
+                xs.push(x | 0x8000_0000);
+            }
+        }
+    }
+    check_f16_narrowing(&xs);
+}
+
+/// Every f32 (2^32 of them, about a minute in release): the f16 narrowing equals
+/// `f16::from_f32` with canonical NaNs, and `f16::from_f32` equals half's software conversion
+/// (`from_f32_const`, what it uses without F16C): on an F16C machine, the hardware and software
+/// conversions agree, so the result does not depend on which one a CPU gets.
+#[test]
+#[ignore = "exhaustive: run by hand in release"]
+fn f16_narrowing_every_f32() {
+    const STEP: u64 = 1 << 22;
+    let mut xs = vec![0u32; STEP as usize];
+    for start in (0..1u64 << 32).step_by(STEP as usize) {
+        for (i, x) in xs.iter_mut().enumerate() {
+            *x = (start + i as u64) as u32;
+        }
+        check_f16_narrowing(&xs);
+        for &x in &xs {
+            let f = f32::from_bits(x);
+            if !f.is_nan() {
+                assert_eq!(
+                    f16::from_f32(f).to_bits(),
+                    f16::from_f32_const(f).to_bits(),
+                    "f32 bits {x:#010x}"
+                );
+            }
+        }
+    }
+}
+
 /// The bf16 narrowing rounds as `bf16::from_f32` does for every f32 that is not a NaN (NaNs are
 /// canonical): every upper half with the lower halves where rounding decides (0, 1, just
 /// below, at and above the tie, all ones), through the parallel path.

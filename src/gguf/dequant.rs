@@ -349,12 +349,18 @@ pub const BF16_CANONICAL_NAN: bf16 = bf16::from_bits(0x7FC0);
 // dequantizer (kernels/dequant.cu) can be required to match them bit for bit.
 impl Narrow for f16 {
     fn from_f32_slice(dst: &mut [Self], src: &[f32]) {
+        // half's slice conversion rounds each element exactly as `f16::from_f32` does (round to
+        // nearest even, subnormal results rounded, 65520 and up to infinity), down the same
+        // paths: the F16C instruction (eight at a time, rounding fixed by its immediate, not
+        // MXCSR) where the CPU has it, the AArch64 FP16 one, or the same software conversion.
+        // Element by element, `from_f32` is an out-of-line F16C call or a branchy function,
+        // and the loop stays scalar. A NaN keeps its sign and payload there; the select below
+        // (a compare and a blend, vectorized) makes it canonical.
+        // `f16_narrowing_every_f32` (tests/gguf_fixtures.rs) checks all 2^32 inputs. (The
+        // lengths are equal, as the conversion asserts: `dequantize_narrow` stages `yc.len()`.)
+        dst.convert_from_f32_slice(src);
         for (d, &s) in dst.iter_mut().zip(src) {
-            *d = if s.is_nan() {
-                F16_CANONICAL_NAN
-            } else {
-                f16::from_f32(s)
-            };
+            *d = if s.is_nan() { F16_CANONICAL_NAN } else { *d };
         }
     }
 }

@@ -479,6 +479,7 @@ fn random_workloads_keep_invariants() {
         let mut submitted = 0u64;
         let mut refused = 0u64;
         let mut done = Vec::new();
+        let mut classes = HashMap::new();
         for step in 0..5_000 {
             if submitted < 40 && rng.gen_bool(0.3) {
                 let mut r = req(
@@ -492,6 +493,7 @@ fn random_workloads_keep_invariants() {
                     Priority::Throughput
                 };
                 r.stop.eos = vec![0];
+                classes.insert(r.id, r.priority);
                 match bt.add(r) {
                     Ok(()) => {}
                     Err(SchedError::TooLong { .. }) => refused += 1,
@@ -502,8 +504,26 @@ fn random_workloads_keep_invariants() {
             if rng.gen_bool(0.02) && submitted > 0 {
                 let _ = bt.abort(rng.gen_range(0..submitted));
             }
+            let swapped: Vec<u64> = (0..submitted)
+                .filter(|&id| bt.phase(id) == Some(SeqPhase::Swapped))
+                .collect();
             let b = bt.schedule_into(&mut done);
             check_batch(b, cfg.max_batched_tokens as usize);
+            // A swapped-out throughput sequence comes back only once no latency-critical
+            // request waits (it would take the pages that request needs).
+            let swapped_in_throughput = swapped.iter().any(|&id| {
+                classes[&id] == Priority::Throughput
+                    && matches!(
+                        bt.phase(id),
+                        Some(SeqPhase::Prefilling | SeqPhase::Decoding)
+                    )
+            });
+            assert!(
+                !swapped_in_throughput || bt.num_waiting_in(Priority::LatencyCritical) == 0,
+                "seed {seed} step {step}: a throughput sequence swapped in while a \
+                 latency-critical request waits"
+            );
+            let b = bt.batch();
             let s: Vec<u32> = (0..b.num_samples()).map(|_| rng.gen_range(0..50)).collect();
             bt.commit(&s, &mut done).unwrap();
             if submitted == 40 && !bt.has_work() {
@@ -1710,4 +1730,91 @@ fn a_request_past_i32_positions_is_refused() {
     );
     // The limit is whole pages below 2^31 tokens: 2^19 - 1 pages fit.
     bt.add(req(1, vec![1], (1 << 31) - 4096)).unwrap();
+}
+
+/// A prefill chunk that the engine's block budget (not the pool) refuses runs shorter too,
+/// also when the pool's free list is empty because the prefix cache holds every other page
+/// (its steady state): the refused allocation never reached the cache's eviction, so the
+/// pool's free count said nothing about what a shorter chunk could get, and the younger
+/// decoding sequence was recomputed from scratch for the older one's full chunk.
+#[test]
+fn a_prefill_chunk_the_budget_refuses_shrinks_while_the_cache_holds_the_free_pages() {
+    let mut cfg = config();
+    cfg.max_prefill_chunk = 16;
+    let p = pool(12);
+    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+    let cache = Arc::new(PrefixCache::new(p.clone(), PrefixConfig { seed: Some(3) }));
+    bt.attach_prefix_cache(cache.clone()).unwrap();
+    let (budget, used) = quota(u32::MAX, 7);
+    bt.attach_budget(Box::new(budget));
+    let mut fin = Vec::new();
+    // Three finished requests of four full pages each: every page of the pool is cached-free.
+    for id in 0..3u64 {
+        let prompt = (0..16).map(|t| 100 + 16 * id as u32 + t).collect();
+        bt.add(req(100 + id, prompt, 1)).unwrap();
+        fin.extend(drive(&mut bt, 10));
+    }
+    assert_eq!(fin.len(), 3);
+    assert_eq!(p.free_count(), 0, "the cache holds every page");
+    assert_eq!(used.load(Ordering::Relaxed), 0);
+    bt.add(req(0, vec![1; 28], 1)).unwrap();
+    bt.add(req(1, vec![2; 2], 2)).unwrap();
+    // Step 1: 16 tokens of 0 (4 pages) and 1's prompt (1 page): 5 of the quota's 7.
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.query_start_loc, [0, 16, 18]);
+    let n = b.num_samples();
+    bt.commit(&vec![5; n], &mut fin).unwrap();
+    assert_eq!(used.load(Ordering::Relaxed), 5);
+    // Step 2: 0's next 12 tokens need 3 pages, the quota has 2: it prefills fewer, and 1
+    // decodes in the page it has (and ends: both always fit the quota together).
+    let ids = bt.schedule_into(&mut fin).seq_ids.clone();
+    assert_eq!(ids, [0, 1], "{:?}", bt.stats());
+    let n = bt.batch().num_samples();
+    bt.commit(&vec![5; n], &mut fin).unwrap();
+    fin.extend(drive(&mut bt, 100));
+    assert_eq!(fin.len(), 5);
+    assert_eq!(bt.stats().preempted_recompute, 0, "{:?}", bt.stats());
+    assert_eq!(used.load(Ordering::Relaxed), 0);
+}
+
+/// A prefill chunk short of pages runs shorter with the pages this step's swap-outs gave up
+/// too (this engine reuses them before asking the pool): counted only the pool's free list
+/// (empty), the older throughput sequence found no shorter chunk, had the younger decoding one
+/// swapped out, then itself, where the pages on hand held half its chunk.
+#[test]
+fn a_prefill_chunk_short_of_pages_shrinks_to_the_pages_swap_outs_gave_up() {
+    let mut cfg = config();
+    cfg.max_prefill_chunk = 16;
+    cfg.preemption = PreemptionMode::Swap;
+    cfg.swap_blocks = 16;
+    let p = pool(12);
+    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+    let mut fin = Vec::new();
+    let mut lc = req(0, vec![1; 4], 4);
+    lc.priority = Priority::LatencyCritical;
+    bt.add(lc).unwrap();
+    bt.add(req(1, vec![2; 32], 1)).unwrap();
+    bt.add(req(2, vec![3; 2], 2)).unwrap();
+    bt.add(req(3, vec![4; 12], 8)).unwrap();
+    // Step 1: 0's prompt (1 page), 16 tokens of 1 (4 pages), 2's prompt (1), 3's (3): 9 pages.
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.query_start_loc, [0, 4, 20, 22, 34]);
+    let n = b.num_samples();
+    bt.commit(&vec![5; n], &mut fin).unwrap();
+    // Another engine takes the 3 pages left.
+    let mut other = Vec::new();
+    p.alloc_n(EngineId(1), 3, &mut other).unwrap();
+    // Step 2: 0 decodes into a new page: 3 (the youngest throughput one) is swapped out for it
+    // and 0 reuses one of its 3 pages. 1's next 16 tokens need 4 pages, 2 are on hand: it
+    // prefills 8 of them, and 2 decodes in the page it has.
+    let ids = bt.schedule_into(&mut fin).seq_ids.clone();
+    assert_eq!(bt.phase(3), Some(SeqPhase::Swapped));
+    assert_eq!(ids, [0, 1, 2], "{:?}", bt.stats());
+    assert_eq!(bt.stats().preempted_swap, 1, "{:?}", bt.stats());
+    let n = bt.batch().num_samples();
+    bt.commit(&vec![5; n], &mut fin).unwrap();
+    p.free_n(&other).unwrap();
+    fin.extend(drive(&mut bt, 200));
+    assert_eq!(fin.len(), 4);
+    assert_eq!(p.free_count(), 12);
 }

@@ -142,8 +142,9 @@ pub struct BatcherStats {
 ///    at most `max_prefill_chunk` tokens; all within the step's token budget (the smaller of
 ///    `max_batched_tokens` and the attached budget's). Blocks are taken from the pool so every
 ///    sequence's table covers its tokens; when the pool (or the block quota) runs dry, a
-///    prefill chunk first runs shorter (to what the free pages hold) rather than cost a
-///    sequence of its own class a preemption, and otherwise the running sequence of lowest
+///    prefill chunk first runs shorter (to what the free pages, this step's swapped-out ones
+///    included, hold; halving where the quota refused) rather than cost a sequence of its own
+///    class a preemption, and otherwise the running sequence of lowest
 ///    priority and latest arrival (by that order, never one already in the batch) is
 ///    preempted, by recompute or by swap. The oldest sequence is
 ///    never the victim while a younger one of its class runs, so a workload that fits one
@@ -205,6 +206,12 @@ pub struct Batcher {
     /// budget grants again may be; reusing one would keep the engine over the limit the order
     /// was about). Reset when the held pages are released.
     shed_held: usize,
+    /// What the last `take_pages` that failed had on hand: the pages of this step's swap-outs
+    /// it may reuse and the pool's free pages after its eviction; `None` where the attached
+    /// budget refused first, before the pool (and the prefix cache's eviction) was asked, so
+    /// that the pool's free count says nothing (its free list may be empty while the cache
+    /// holds every other page). `shorter_chunk` sizes a shorter chunk by it.
+    pages_on_hand: Option<u32>,
     /// Aborts and caller finishes requested since the last step, applied at the start of the
     /// next one (the batch in flight may still reference their blocks).
     pending_aborts: Vec<(SeqId, FinishReason)>,
@@ -311,6 +318,7 @@ impl Batcher {
             host_released: Vec::new(),
             swap_out_pending: Vec::new(),
             shed_held: 0,
+            pages_on_hand: None,
             pending_aborts: Vec::new(),
             shed_request: 0,
             batch: Batch::default(),

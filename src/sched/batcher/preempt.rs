@@ -134,6 +134,7 @@ impl Batcher {
         if fresh > 0 {
             if let Some(b) = &self.budget {
                 if !b.try_acquire_blocks(fresh) {
+                    self.pages_on_hand = None;
                     return false;
                 }
             }
@@ -150,6 +151,7 @@ impl Batcher {
                     b.release_blocks(fresh);
                 }
                 self.scratch.clear();
+                self.pages_on_hand = Some((reusable as u32).saturating_add(self.pool.free_count()));
                 return false;
             }
         }

@@ -40,11 +40,12 @@ impl Batcher {
     }
 
     /// A shorter chunk for a sequence whose `n`-token prefill chunk could not get its pages:
-    /// the tokens that the pool's free pages hold where they are fewer than the chunk needs
-    /// (the common shortage; the failed attempt already evicted what it could), else half of
-    /// its new pages (the budget, not the pool, refused), plus the rest of its last page. 0
-    /// where nothing shorter needs fewer pages (no new page was asked: what it lacks is a
-    /// copy-on-write of its last page).
+    /// the tokens that the pages the failed attempt had on hand hold (the pages of this step's
+    /// swap-outs it may reuse and the pool's free pages; it already evicted what it could)
+    /// where they are fewer than the chunk needs, the common shortage; else (the budget
+    /// refused before the pool was asked, or a copy-on-write page was also needed) half of its
+    /// new pages; plus the rest of its last page. 0 where nothing shorter needs fewer pages (no
+    /// new page was asked: what it lacks is a copy-on-write of its last page).
     pub(super) fn shorter_chunk(&self, slot: usize, n: usize) -> usize {
         let s = self.seq(slot);
         let len = s.table.len() as usize;
@@ -52,8 +53,10 @@ impl Batcher {
         if need == 0 || n <= 1 {
             return 0;
         }
-        let free = self.pool.free_count() as usize;
-        let pages = if free < need { free } else { need / 2 };
+        let pages = match self.pages_on_hand {
+            Some(on_hand) if (on_hand as usize) < need => on_hand as usize,
+            _ => need / 2,
+        };
         ((len + pages) * self.cfg.block_size as usize)
             .saturating_sub(s.computed)
             .min(n - 1)

@@ -1818,3 +1818,22 @@ fn a_prefill_chunk_short_of_pages_shrinks_to_the_pages_swap_outs_gave_up() {
     assert_eq!(fin.len(), 4);
     assert_eq!(p.free_count(), 12);
 }
+
+/// A batch counts its tokens in `i32` (`query_start_loc`, `logits_indices`): a step budget past
+/// `i32::MAX` tokens (a caller's `u32::MAX` "unlimited") would wrap them, so it is refused.
+#[test]
+fn a_step_budget_past_i32_tokens_is_refused() {
+    let mut cfg = config();
+    cfg.max_batched_tokens = i32::MAX as u32;
+    assert!(Batcher::new(cfg, pool(16)).is_ok());
+    for tokens in [i32::MAX as u32 + 1, u32::MAX] {
+        cfg.max_batched_tokens = tokens;
+        assert!(
+            matches!(
+                Batcher::new(cfg, pool(16)),
+                Err(SchedError::InvalidConfig(_))
+            ),
+            "max_batched_tokens {tokens} accepted"
+        );
+    }
+}

@@ -44,7 +44,8 @@ pub struct EngineConfig {
     pub weight: u32,
     /// Most sequences running at once.
     pub max_running: u32,
-    /// Most tokens in one step (also bounded by the coordinator's token budget).
+    /// Most tokens in one step (also bounded by the coordinator's token budget), at most
+    /// `i32::MAX`.
     pub max_batched_tokens: u32,
     /// Most prompt tokens of one sequence in one step (chunked prefill).
     pub max_prefill_chunk: u32,

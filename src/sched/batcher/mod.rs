@@ -35,7 +35,7 @@ pub struct BatcherConfig {
     pub block_size: u32,
     /// Most sequences running at once.
     pub max_running: u32,
-    /// Most tokens in one step.
+    /// Most tokens in one step, at most `i32::MAX` (a batch counts its tokens in `i32`).
     pub max_batched_tokens: u32,
     /// Most prompt tokens of one sequence in one step (chunked prefill).
     pub max_prefill_chunk: u32,
@@ -276,6 +276,13 @@ impl BatcherConfig {
         if cfg.max_blocks_per_seq == 0 {
             return Err(SchedError::InvalidConfig(
                 "max_blocks_per_seq must be at least 1",
+            ));
+        }
+        // A batch counts its tokens in `i32` (`query_start_loc`, `logits_indices`, as the
+        // kernels read them): a larger step would wrap them.
+        if cfg.max_batched_tokens > i32::MAX as u32 {
+            return Err(SchedError::InvalidConfig(
+                "max_batched_tokens must be at most i32::MAX",
             ));
         }
         // No host swap space holds more slots (`SwapSpace`, the raw backend's, the pinned one

@@ -1837,3 +1837,36 @@ fn a_step_budget_past_i32_tokens_is_refused() {
         );
     }
 }
+
+/// A step that shortened a running prefill chunk for want of pages admits nothing: the quota
+/// the halved chunk left went to a younger request, which the older one's next chunk then had
+/// to shorten for or preempt (as after a preemption, admitting then would only thrash).
+#[test]
+fn a_step_that_shortened_a_chunk_for_pages_admits_nothing() {
+    let mut cfg = config();
+    cfg.max_prefill_chunk = 16;
+    let p = pool(64);
+    let (budget, used) = quota(512, 7);
+    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+    bt.attach_budget(Box::new(budget));
+    let mut fin = Vec::new();
+    bt.add(req(0, vec![1; 28], 1)).unwrap();
+    bt.add(req(2, vec![3; 3], 2)).unwrap();
+    // Step 1: 16 tokens of 0 (4 pages) and 2's prompt (1 page): 2 of the 7 left.
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.query_start_loc, [0, 16, 19]);
+    let n = b.num_samples();
+    bt.commit(&vec![5; n], &mut fin).unwrap();
+    bt.add(req(1, vec![2; 3], 1)).unwrap();
+    // Step 2: 0's last 12 tokens need 3 pages, the quota has 2: its chunk is shortened, 2
+    // decodes in its page, and 1 (one page) is not admitted into what the chunk left.
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.seq_ids, [0, 2], "admitted beside a shortened chunk");
+    let n = b.num_samples();
+    bt.commit(&vec![5; n], &mut fin).unwrap();
+    fin.extend(drive(&mut bt, 100));
+    assert_eq!(fin.len(), 3);
+    assert_eq!(bt.stats().preempted_recompute, 0, "{:?}", bt.stats());
+    assert_eq!(used.load(Ordering::Relaxed), 0);
+    assert_eq!(p.free_count(), 64);
+}

@@ -154,11 +154,13 @@ pub struct BatcherStats {
 ///    start of the next step with [`FinishReason::TooLong`], so no sequence is preempted
 ///    forever for want of pages that other engines' work keeps.
 /// 2. swapped sequences come back (latency-critical first, then oldest first) when their
-///    blocks fit, unless this step preempted; a swapped throughput sequence only once no
+///    blocks fit, unless this step preempted or shortened a chunk for want of pages; a
+///    swapped throughput sequence only once no
 ///    latency-critical request waits (after step 3's admissions), so it never takes the pages
 ///    of a latency-critical admission;
 /// 3. waiting sequences are admitted, latency-critical before throughput, first come first
-///    served within a class, unless this step preempted (admitting then would only thrash);
+///    served within a class, unless this step preempted or shortened a chunk (admitting
+///    then would only thrash);
 ///    a swapped sequence comes back before any waiting one of its class or a less urgent one
 ///    is admitted (but a swapped throughput sequence does not hold back latency-critical
 ///    admissions).
@@ -734,8 +736,10 @@ impl Batcher {
             self.running = running;
         }
         let mut i = 0;
-        // A shortened prefill chunk for `running[i]`'s retry (see the `NoBlocks` arm).
+        // A shortened prefill chunk for `running[i]`'s retry (see the `NoBlocks` arm), and
+        // whether any chunk was shortened this step.
         let mut shortened = None;
+        let mut shortened_any = false;
         while i < self.running.len() {
             let slot = self.running[i];
             let n = shortened
@@ -776,6 +780,7 @@ impl Batcher {
                         let m = self.shorter_chunk(slot, n);
                         if m > 0 {
                             shortened = Some(m);
+                            shortened_any = true;
                             continue;
                         }
                     }
@@ -788,6 +793,11 @@ impl Batcher {
             }
         }
 
+        // A step that preempted, or shortened a running chunk for want of pages, brings nothing
+        // back and admits nothing: what they took would be the pages the running sequences
+        // lack (the next step would preempt or shorten again: thrash).
+        let pressed = preempted || shortened_any;
+
         // 2. Swapped sequences come back when they fit: first those of a class at least as
         // urgent as the most urgent waiting one (a swapped throughput sequence does not take
         // the pages a waiting latency-critical request needs; the rest come back after the
@@ -795,13 +805,13 @@ impl Batcher {
         let urgent_waiting = Priority::ALL
             .into_iter()
             .find(|c| !self.waiting[c.index()].is_empty());
-        self.swap_in_fitting(preempted, urgent_waiting);
+        self.swap_in_fitting(pressed, urgent_waiting);
 
         // 3. Waiting sequences, latency-critical first, FCFS within a class; a class only while
         // no swapped sequence of it (or of a more urgent one) waits to come back (`swapped` is
         // in priority order: its front is the most urgent).
         let swapped_class = self.swapped.front().map(|&s| self.seq(s).priority);
-        if !preempted {
+        if !pressed {
             'admit: for class in Priority::ALL {
                 if swapped_class.is_some_and(|p| p <= class) {
                     break;
@@ -835,7 +845,7 @@ impl Batcher {
                 .front()
                 .is_some_and(|&s| self.seq(s).priority > class);
             if held_back && self.waiting[class.index()].is_empty() {
-                self.swap_in_fitting(preempted, None);
+                self.swap_in_fitting(pressed, None);
             }
         }
 
@@ -856,10 +866,10 @@ impl Batcher {
 
     /// Swaps sequences back in, most urgent and oldest first, while they fit (pages and
     /// `max_running`) and, if `up_to` is set, are of that class or a more urgent one; none in a
-    /// step that preempted.
-    fn swap_in_fitting(&mut self, preempted: bool, up_to: Option<Priority>) {
+    /// step short of pages (`pressed`: it preempted or shortened a chunk).
+    fn swap_in_fitting(&mut self, pressed: bool, up_to: Option<Priority>) {
         while let Some(&slot) = self.swapped.front() {
-            if preempted || self.running.len() >= self.cfg.max_running as usize {
+            if pressed || self.running.len() >= self.cfg.max_running as usize {
                 break;
             }
             if up_to.is_some_and(|c| self.seq(slot).priority > c) {

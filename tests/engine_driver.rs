@@ -1928,3 +1928,88 @@ fn random_workloads_of_every_feature_stay_exact() {
         run_everything(seed);
     }
 }
+
+/// A reclaim order met by swap-outs whose step then failed: the next step's shed request is
+/// read before that step discards the failed batch, while the pages of its swap-outs still
+/// count as held. Those pages go back at the start of the step (with the discard), so they
+/// meet the order; the engine must not preempt as many pages again. It preempted three more
+/// of its four running sequences (12 pages), though it was then at its limit.
+#[test]
+fn a_failed_steps_swap_outs_count_toward_the_next_steps_shed() {
+    let shape = shapes()[0].0;
+    let heads = shapes()[0].1;
+    let page_bytes = page_bytes_for(&[shape], 8).unwrap();
+    let shared = SharedArena::host(BudgetConfig::new(2, 1024, 32), page_bytes).unwrap();
+    let cfg = EngineConfig {
+        weight: 1,
+        max_running: 8,
+        max_batched_tokens: 512,
+        max_prefill_chunk: 64,
+        max_context: 64,
+        preemption: PreemptionMode::Swap,
+        swap_blocks: 64,
+        recompute: RecomputePolicy::SERVER,
+        prefix_cache: false,
+    };
+    let mut engines: Vec<Armed> = (0..2)
+        .map(|_| {
+            let engine = Engine::host(&shared, cfg, &shape, heads).unwrap();
+            assert_eq!(engine.tokens_per_page(), 8);
+            let inner = ClosedForm::new(heads, shape.num_kv_heads, shape.head_dim);
+            (
+                engine,
+                FailingArmed {
+                    inner,
+                    armed: false,
+                },
+            )
+        })
+        .collect();
+    let (a, b) = engines.split_at_mut(1);
+    let ((ea, ma), (eb, mb)) = (&mut a[0], &mut b[0]);
+    // Engine A alone: 7 sequences of 4 pages each, 28 pages (its limit is the whole pool
+    // while B idles).
+    for id in 0..7 {
+        let req = request(id, 30, 10);
+        ma.inner.prompt_len.insert(id, 30);
+        ea.add(req).unwrap();
+    }
+    ea.step(ma).unwrap();
+    assert_eq!(ea.batcher().num_running(), 7);
+    assert_eq!(shared.coordinator().blocks_held(ea.id()), 28);
+    // B gets work: A's limit drops to its quota, 16 pages.
+    mb.inner.prompt_len.insert(100, 6);
+    eb.add(request(100, 6, 4)).unwrap();
+    eb.step(mb).unwrap();
+    assert_eq!(shared.coordinator().block_limit(ea.id()), 16);
+    // A's reclaim order (12 pages) swaps out 3 sequences; the step fails.
+    let batch = ea.schedule();
+    assert_eq!(batch.swap_out.len(), 12);
+    assert_eq!(ea.batcher().num_running(), 4);
+    ma.armed = true;
+    assert!(ea.execute(ma).is_err());
+    ma.armed = false;
+    // The next step discards the batch: the 3 swapped sequences wait to be recomputed and the
+    // pages their swap-outs held go back, which brings A to its limit. Nothing more to shed.
+    ea.schedule();
+    assert_eq!(ea.batcher().num_waiting(), 3);
+    assert_eq!(
+        ea.batcher().num_running(),
+        4,
+        "A preempted again for pages the discard gave back (held {}, limit {})",
+        shared.coordinator().blocks_held(ea.id()),
+        shared.coordinator().block_limit(ea.id())
+    );
+    ea.execute(ma).unwrap();
+    ea.commit(ma).unwrap();
+    for _ in 0..200 {
+        if !ea.has_work() && !eb.has_work() {
+            break;
+        }
+        ea.step(ma).unwrap();
+        eb.step(mb).unwrap();
+    }
+    assert!(!ea.has_work() && !eb.has_work());
+    drop(engines);
+    assert_no_leak(&shared);
+}

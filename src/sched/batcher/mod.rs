@@ -711,13 +711,19 @@ impl Batcher {
     /// swap out, swap in or copy a block into is preempted by recompute, since what of that
     /// ran is unknown. [`is_pending`](Self::is_pending) says whether one is uncommitted.
     pub fn schedule_into(&mut self, finished: &mut Vec<FinishedSeq>) -> &Batch {
-        self.discard_uncommitted();
+        let discarded = self.discard_uncommitted();
         self.batch.clear();
         self.scheduled.clear();
         // Host slots freed by last step's swap-ins are safe to reuse now, and so are the pages
         // its swap-outs read (if no commit released them).
         self.host_free.append(&mut self.host_released);
-        self.release_swapped_pages();
+        let released = self.release_swapped_pages();
+        // The pages a discarded batch held (its swap-outs', those of the sequences it
+        // recomputes) are given back here, after the caller read what to shed (an engine's
+        // reclaim order counts them as held): they count toward the shed, as the ends below do.
+        self.shed_request = self
+            .shed_request
+            .saturating_sub(discarded.saturating_add(released));
         self.end_unguaranteed();
         self.apply_aborts(finished);
         let mut preempted = self.apply_shed();
@@ -886,7 +892,9 @@ impl Batcher {
     /// Asks the batcher to give back `blocks` blocks at the start of its next step by
     /// preempting running sequences (lowest priority, latest arrival first). Requests add up.
     /// Pages that the sequences ended at that step's start (aborts, caller finishes, requests
-    /// grown too long for the engine's share) give back count toward it.
+    /// grown too long for the engine's share) give back count toward it, and so do the pages
+    /// an uncommitted batch held that its discard at that step's start gives back (the pages
+    /// its swap-outs read, those of the sequences it recomputes).
     pub fn request_shed(&mut self, blocks: u32) {
         self.shed_request = self.shed_request.saturating_add(blocks);
     }

@@ -161,10 +161,11 @@ impl Batcher {
     }
 
     /// Drops the references `hold_for_swap_out` kept, freeing the pages and their budget.
-    pub(super) fn release_swapped_pages(&mut self) {
+    /// Returns how many pages left the budget.
+    pub(super) fn release_swapped_pages(&mut self) -> u32 {
         self.shed_held = 0;
         if self.swap_out_pending.is_empty() {
-            return;
+            return 0;
         }
         let mut pending = std::mem::take(&mut self.swap_out_pending);
         // A page leaves the budget only if no other sequence still references it (a fork, or
@@ -184,6 +185,7 @@ impl Batcher {
         if let Some(b) = &self.budget {
             b.release_blocks(leaving);
         }
+        leaving
     }
 
     pub(super) fn preempt(&mut self, slot: usize) {
@@ -244,10 +246,11 @@ impl Batcher {
     /// scheduled again and their KV rewritten. What the batch was to move outside its rows
     /// cannot be trusted: a sequence it swapped out (the host copy may not exist), swapped in
     /// or copied a block into (the device pages may hold anything) is preempted by recompute.
-    /// Their pages and host slots go back; nothing else changes.
-    pub(super) fn discard_uncommitted(&mut self) {
+    /// Their pages and host slots go back; nothing else changes. Returns how many pages left
+    /// the budget (those of the sequences recomputed).
+    pub(super) fn discard_uncommitted(&mut self) -> u32 {
         if !self.uncommitted {
-            return;
+            return 0;
         }
         self.uncommitted = false;
         self.scheduled.clear();
@@ -300,15 +303,18 @@ impl Batcher {
         }
         // Each goes to the front of its class: the youngest first, so the oldest ends first.
         requeue.sort_unstable_by_key(|&slot| std::cmp::Reverse(self.order_key(slot)));
+        let mut leaving = 0u32;
         for slot in requeue {
-            self.requeue_for_recompute(slot);
+            leaving = leaving.saturating_add(self.requeue_for_recompute(slot));
         }
+        leaving
     }
 
     /// Preempts a sequence (taken off its queue by the caller) by recompute: its pages go back
-    /// and it waits at the front of its class with nothing computed.
-    fn requeue_for_recompute(&mut self, slot: usize) {
-        self.release_table(slot);
+    /// and it waits at the front of its class with nothing computed. Returns how many pages
+    /// left the budget.
+    fn requeue_for_recompute(&mut self, slot: usize) -> u32 {
+        let leaving = self.release_table(slot);
         let s = self.seq_mut(slot);
         s.computed = 0;
         s.row_blocks = 0;
@@ -318,6 +324,7 @@ impl Batcher {
         let class = s.priority.index();
         self.waiting[class].push_front(slot);
         self.stats.preempted_recompute += 1;
+        leaving
     }
 
     /// Brings a swapped sequence back if all its blocks fit; lists the copies.

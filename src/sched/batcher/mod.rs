@@ -94,7 +94,9 @@ pub trait EngineBudget: Send + Sync {
     }
 }
 
-/// Counters of a batcher's life.
+/// Counters of a batcher's life. The scheduling counters (steps, tokens, swaps, copies) count
+/// every scheduled batch, those discarded uncommitted and scheduled again included; a
+/// discard's recomputes count as preemptions by recompute.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BatcherStats {
     /// Steps scheduled.

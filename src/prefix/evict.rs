@@ -4,8 +4,11 @@
 //! table holds it): evicting it returns it to the free list. Eviction walks a per-engine CLOCK
 //! hand over the page indices (second chance: a hit or an insertion sets the page's reference
 //! bit, the hand clears it and passes; an unreferenced cached-free page is taken). Pages in use
-//! are passed over without touching their bit. Hands move by `fetch_add`, so concurrent evictors
-//! visit disjoint positions and never wait for each other.
+//! are passed over without touching their bit. An eviction takes its first position from the
+//! hand with one `fetch_add` and walks two sweeps from there on its own, advancing the hand by
+//! what it visited: concurrent evictors never wait for each other, and each sees every page
+//! twice itself, so one finds nothing only when each of the engine's cached pages was, at some
+//! point of its walk, in use, hit, or removed by another thread.
 //!
 //! Across engines, a [`VictimChoice`] picks which engine loses the next page, given each
 //! engine's `(held, share, cached)`; the default, [`MostOverShare`], takes from the engine
@@ -180,37 +183,60 @@ impl PrefixCache {
 
     /// Advances `engine`'s CLOCK hand until it evicts one cached-free page of that engine, for
     /// at most two sweeps' worth of positions. Returns whether it evicted one.
+    ///
+    /// The walk takes its first position from the hand with one `fetch_add` and goes on through
+    /// the positions after it on its own, then advances the hand by the rest of what it
+    /// visited: alone, the same positions as one `fetch_add` per step, and under concurrency
+    /// every evictor still sees every page twice itself. Shared steps did not: a concurrent
+    /// evictor took some of this one's positions, and two evictors reading a page's reference
+    /// bit at once both passed it as its second chance, so an evictor could finish its two
+    /// sweeps having passed a cached-free page only as "referenced" and report nothing to evict
+    /// while that page stayed (a spurious allocation failure; loom
+    /// `two_evictors_two_cached_free_pages_*`).
     pub(super) fn evict_one(&self, engine: EngineId) -> bool {
         let pages = self.records().len() as u64;
         let counters = &self.counters()[engine.index()];
         if counters.cached() == 0 {
             return false;
         }
-        for _ in 0..2 * pages {
-            // Relaxed: the hand only spreads evictors over positions; what a position holds is
-            // read through the record's own protocol.
-            let page = (counters.hand.fetch_add(1, Ordering::Relaxed) % pages) as usize;
-            let rec = &self.records()[page];
-            let Some(s) = rec.read() else { continue };
-            if s.engine != engine {
-                continue;
+        // Relaxed: the hand only spreads evictors over positions; what a position holds is
+        // read through the record's own protocol.
+        let start = counters.hand.fetch_add(1, Ordering::Relaxed);
+        let mut visited = 0;
+        let mut evicted = false;
+        while visited < 2 * pages {
+            let page = (start.wrapping_add(visited) % pages) as usize;
+            visited += 1;
+            if self.try_evict_at(engine, page) {
+                bump(&counters.evictions, 1);
+                evicted = true;
+                break;
             }
-            // In use by a sequence (or mid-lookup): not cached-free; its bit stays.
-            if self.pool().ref_count(self.id_at(page, s.state)) != Ok(1) {
-                continue;
-            }
-            // Second chance. Load first so a sweep over cold pages does not write.
-            if rec.referenced.load(Ordering::Relaxed) {
-                rec.referenced.store(false, Ordering::Relaxed);
-                continue;
-            }
-            if !self.uncache_unheld(page, s) {
-                continue;
-            }
-            bump(&counters.evictions, 1);
-            return true;
         }
-        false
+        // The first position was taken above; `visited` is at least 1 (pages > 0: the engine
+        // has a cached page).
+        counters.hand.fetch_add(visited - 1, Ordering::Relaxed);
+        evicted
+    }
+
+    /// One CLOCK step at `page` for `engine`: evicts it if it is the engine's, cached-free and
+    /// unreferenced; clears its reference bit if it is cached-free and referenced.
+    fn try_evict_at(&self, engine: EngineId, page: usize) -> bool {
+        let rec = &self.records()[page];
+        let Some(s) = rec.read() else { return false };
+        if s.engine != engine {
+            return false;
+        }
+        // In use by a sequence (or mid-lookup): not cached-free; its bit stays.
+        if self.pool().ref_count(self.id_at(page, s.state)) != Ok(1) {
+            return false;
+        }
+        // Second chance. Load first so a sweep over cold pages does not write.
+        if rec.referenced.load(Ordering::Relaxed) {
+            rec.referenced.store(false, Ordering::Relaxed);
+            return false;
+        }
+        self.uncache_unheld(page, s)
     }
 }
 

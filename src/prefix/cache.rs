@@ -8,7 +8,7 @@ use crate::sync::{fence, Arc, CachePadded, Ordering};
 use super::error::PrefixError;
 use super::hash::{BlockHash, BlockHasher, PrefixKey};
 use super::index::SlotTable;
-use super::metrics::{bump, CacheEvent, EngineCounters, EventSink, PrefixMetrics};
+use super::metrics::{bump, bump_removal, CacheEvent, EngineCounters, EventSink, PrefixMetrics};
 use super::record::{generation, phase, Busy, PageRecord, Snapshot, CACHED, EVICTING};
 
 /// How a cache is built.
@@ -394,7 +394,7 @@ impl PrefixCache {
         }
         let removed = self.uncache(page, s).is_some();
         if removed {
-            bump(&self.counters[s.engine.index()].forgets, 1);
+            bump_removal(&self.counters[s.engine.index()].forgets);
         }
         Ok(removed)
     }
@@ -486,7 +486,7 @@ impl PrefixCache {
         for page in 0..self.records.len() {
             if let Some(s) = self.records[page].read().filter(|s| of(s.engine)) {
                 if self.uncache_unheld(page, s) {
-                    bump(&self.counters[s.engine.index()].evictions, 1);
+                    bump_removal(&self.counters[s.engine.index()].evictions);
                     n += 1;
                 }
             }

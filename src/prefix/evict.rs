@@ -22,7 +22,7 @@ use crate::sync::Ordering;
 
 use super::cache::PrefixCache;
 use super::error::PrefixError;
-use super::metrics::bump;
+use super::metrics::bump_removal;
 
 /// One engine's figures for the victim choice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -208,7 +208,7 @@ impl PrefixCache {
             let page = (start.wrapping_add(visited) % pages) as usize;
             visited += 1;
             if self.try_evict_at(engine, page) {
-                bump(&counters.evictions, 1);
+                bump_removal(&counters.evictions);
                 evicted = true;
                 break;
             }

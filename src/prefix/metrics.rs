@@ -5,7 +5,10 @@ use crate::sync::{AtomicU64, Ordering};
 
 use super::hash::BlockHash;
 
-/// One engine's counters. Relaxed everywhere: statistics, publishing no memory.
+/// One engine's counters. Relaxed, except the two removal counters that [`cached`] pairs with
+/// `inserts` (see there): eviction decisions are taken on that count.
+///
+/// [`cached`]: EngineCounters::cached
 #[derive(Debug, Default)]
 pub(super) struct EngineCounters {
     pub(super) lookups: AtomicU64,
@@ -27,30 +30,55 @@ pub(super) fn bump(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
 }
 
+/// Counts a removal (`evictions` or `forgets`) once the page has left the cache. Release: a
+/// reader of [`EngineCounters::cached`] that sees this removal sees the page's insert too (the
+/// remover read the record the inserter published after counting its insert).
+#[inline]
+pub(super) fn bump_removal(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Release);
+}
+
 impl EngineCounters {
     /// Pages cached for this engine: inserts minus removals (every removal is counted as an
     /// eviction or a forget), so no counter of its own is updated on insert and removal.
-    /// Exact when no insert or removal is in flight.
+    /// Exact when no insert or removal is in flight; never below the pages whose insert
+    /// happened before this call and whose removal did not.
+    ///
+    /// The removals are loaded first, Acquire (pairing with [`bump_removal`]), and the inserts
+    /// after: every removal read brings its page's insert into view, so the difference counts
+    /// at least the pages cached before this call. With Relaxed loads a removal of a page
+    /// inserted by a thread this one has not synchronised with could be read without that
+    /// insert, cancelling a page this thread knows is cached: `cached` read 0, eviction skipped
+    /// the engine and an allocation failed while a cached-free page stood (loom
+    /// `an_evictor_finds_a_page_cached_before_it_despite_a_concurrent_forget`).
     pub(super) fn cached(&self) -> u32 {
-        // Saturating: the Relaxed loads of different counters may pair a removal with an
-        // insert not yet visible; that reads as fewer cached pages for an instant, never as a
-        // wrapped count.
-        let removed = self.evictions.load(Ordering::Relaxed) + self.forgets.load(Ordering::Relaxed);
-        let inserted = self.inserts.load(Ordering::Relaxed);
-        inserted.saturating_sub(removed) as u32
+        self.changes().3
+    }
+
+    /// `(inserts, evictions, forgets, cached)`, loaded as [`cached`](Self::cached) explains:
+    /// removals first (Acquire), inserts after, so `inserts >= evictions + forgets` and
+    /// `cached` is their difference.
+    fn changes(&self) -> (u64, u64, u64, u32) {
+        let evictions = self.evictions.load(Ordering::Acquire);
+        let forgets = self.forgets.load(Ordering::Acquire);
+        let inserts = self.inserts.load(Ordering::Relaxed);
+        // Saturating only as a guard: by the above, `inserts >= evictions + forgets`.
+        let cached = inserts.saturating_sub(evictions + forgets) as u32;
+        (inserts, evictions, forgets, cached)
     }
 
     pub(super) fn read(&self) -> PrefixMetrics {
         let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let (inserts, evictions, forgets, cached) = self.changes();
         PrefixMetrics {
             lookups: r(&self.lookups),
             lookup_tokens: r(&self.lookup_tokens),
             hit_blocks: r(&self.hit_blocks),
             hit_tokens: r(&self.hit_tokens),
-            inserts: r(&self.inserts),
-            evictions: r(&self.evictions),
-            forgets: r(&self.forgets),
-            cached: self.cached(),
+            inserts,
+            evictions,
+            forgets,
+            cached,
         }
     }
 }
@@ -84,7 +112,8 @@ pub struct PrefixMetrics {
     pub evictions: u64,
     /// Pages removed by [`forget`](super::PrefixCache::forget).
     pub forgets: u64,
-    /// Pages cached for the engine now.
+    /// Pages cached for the engine now: `inserts - evictions - forgets` of this snapshot
+    /// (whose removals are never read ahead of their pages' inserts).
     pub cached: u32,
 }
 

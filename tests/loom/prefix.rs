@@ -477,3 +477,81 @@ fn two_evictors_two_cached_free_pages_of_four_even() {
 fn two_evictors_two_cached_free_pages_of_four_last() {
     two_evictors(4, &[2, 3]);
 }
+
+/// An engine's `cached()` count is read from Relaxed counters (inserts minus evictions and
+/// forgets). One thread caches a page and frees its own reference (the page is cached-free);
+/// another caches a second page and forgets it. The evictor joins the first thread (so that
+/// page's insert happens before its eviction), not the second: its loads may see the second's
+/// forget but not that page's insert, read 0 cached pages, and skip the engine while a
+/// cached-free page stands (a spurious allocation failure, which a batcher turns into a
+/// preemption).
+#[test]
+fn an_evictor_finds_a_page_cached_before_it_despite_a_concurrent_forget() {
+    crate::model(|| {
+        let w = world(2, true);
+        let e = EngineId(0);
+        let mine = w.pool.alloc(e).unwrap();
+        let theirs = w.pool.alloc(e).unwrap();
+        let forgetter = {
+            let cache = w.cache.clone();
+            thread::spawn(move || {
+                let h = hash_of(&cache, &NEW);
+                assert_eq!(cache.insert(EngineId(0), h, theirs), Ok(Inserted::Inserted));
+                assert_eq!(cache.forget(theirs), Ok(true));
+            })
+        };
+        let inserter = {
+            let cache = w.cache.clone();
+            let pool = w.pool.clone();
+            thread::spawn(move || {
+                let h = hash_of(&cache, &OLD);
+                assert_eq!(cache.insert(EngineId(0), h, mine), Ok(Inserted::Inserted));
+                pool.release(mine).unwrap(); // cached-free
+            })
+        };
+        inserter.join().unwrap();
+        let mut out = Vec::new();
+        let usage = w.cache.usage(&[0]);
+        let got =
+            w.cache
+                .alloc_evicting(e, 1, &mut out, &usage, &mut pagedkv::prefix::MostOverShare);
+        assert!(
+            got.is_ok(),
+            "a cached-free page cached before this allocation was not evicted: {got:?} \
+             (usage {usage:?})"
+        );
+        forgetter.join().unwrap();
+        w.pool.release(out[0]).unwrap();
+        w.pool.release(theirs).unwrap();
+        assert_eq!(w.pool.free_count(), 2);
+    });
+}
+
+/// A metrics snapshot taken while another thread caches and forgets a page: its removals never
+/// outnumber its inserts (`inserts - evictions - forgets` does not underflow) and `cached` is
+/// that difference. The inserts were loaded before the removals, so a reader that ran between
+/// the insert's count and the forget's read 0 inserts and 1 forget.
+#[test]
+fn a_metrics_snapshot_never_reads_more_removals_than_inserts() {
+    crate::model(|| {
+        let w = world(1, true);
+        let e = EngineId(0);
+        let id = w.pool.alloc(e).unwrap();
+        let forgetter = {
+            let cache = w.cache.clone();
+            thread::spawn(move || {
+                let h = hash_of(&cache, &NEW);
+                assert_eq!(cache.insert(EngineId(0), h, id), Ok(Inserted::Inserted));
+                assert_eq!(cache.forget(id), Ok(true));
+            })
+        };
+        let m = w.cache.metrics(e);
+        assert!(
+            m.inserts >= m.evictions + m.forgets
+                && u64::from(m.cached) == m.inserts - m.evictions - m.forgets,
+            "an inconsistent snapshot: {m:?}"
+        );
+        forgetter.join().unwrap();
+        w.pool.release(id).unwrap();
+    });
+}

@@ -12,24 +12,14 @@ use pagedkv::engine::{
 };
 use pagedkv::error::EngineError;
 use pagedkv::kv::{page_bytes_for, KvDtype, ModelKvShape};
-use pagedkv::sched::{Batch, FinishReason, PreemptionMode, Priority, SeqId, SeqRequest, StopRules};
+use pagedkv::sched::{Batch, PreemptionMode, SeqId};
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-fn prompt_token(seq: SeqId) -> u32 {
-    7 + (seq % 5) as u32
-}
-fn truth(pos: i32) -> u32 {
-    100 + pos as u32
-}
-fn value(engine: usize, pos: i32, layer: usize, d: usize, token: u32) -> f32 {
-    (pos % 64) as f32 * 0.25
-        + layer as f32 * 3.0
-        + d as f32 * 0.01
-        + (token % 97) as f32 * 0.125
-        + engine as f32 * 5.0
-}
+#[path = "support/many_lanes.rs"]
+mod many_lanes;
+use many_lanes::*;
 
 struct Model {
     engine: usize,
@@ -40,15 +30,6 @@ struct Model {
     views: Option<[DeviceRows; 3]>,
     prompt_len: HashMap<SeqId, usize>,
     fail: bool,
-}
-
-fn token_rows(batch: &Batch) -> Vec<usize> {
-    let mut rows = Vec::new();
-    for s in 0..batch.num_seqs() {
-        let (a, b) = (batch.query_start_loc[s], batch.query_start_loc[s + 1]);
-        rows.extend(std::iter::repeat_n(s, (b - a) as usize));
-    }
-    rows
 }
 
 impl StepModel<RawBackend<EmuDevice>> for Model {
@@ -92,51 +73,30 @@ impl StepModel<RawBackend<EmuDevice>> for Model {
         }
         let stride = out.rows.token_stride;
         let len = out.tokens * stride;
-        // SAFETY: under the emulation a device pointer is a host pointer to the backend's
-        // output, `tokens` rows of `token_stride` f32, complete when decode/prefill returned.
+        // SAFETY: under the emulation a device pointer is a host pointer; the backend's output
+        // buffer holds at least `tokens` dense rows of `token_stride` f32 (its capacity, f32
+        // aligned), written by the attention launch that completed before `decode`/`prefill`
+        // returned, and not written again while this borrow lives (the engine waits for
+        // `attended` before its next launch).
         let host = unsafe { std::slice::from_raw_parts(out.rows.ptr as usize as *const f32, len) };
-        let rows = token_rows(batch);
-        for (t, &row) in rows.iter().enumerate() {
-            let (seq, pos) = (batch.seq_ids[row], batch.positions[t]);
-            let first = batch.query_start_loc[row] as usize;
-            let row_start = batch.positions[first];
-            let plen = self.prompt_len[&seq];
-            let token = |p: i32| {
-                if p < row_start {
-                    if (p as usize) < plen {
-                        prompt_token(seq)
-                    } else {
-                        truth(p)
-                    }
-                } else {
-                    batch.input_tokens[first + (p - row_start) as usize]
-                }
-            };
-            for h in 0..self.heads {
-                for d in 0..self.head_dim {
-                    let want = (0..=pos)
-                        .map(|p| value(self.engine, p, layer, d, token(p)))
-                        .sum::<f32>()
-                        / (pos + 1) as f32;
-                    let got = host[t * stride + h * self.head_dim + d];
-                    assert!(
-                        (got - want).abs() <= 2e-3 * want.abs().max(1.0),
-                        "engine {} seq {seq} pos {pos} layer {layer} head {h} dim {d}: {got} != {want}",
-                        self.engine
-                    );
-                }
-            }
-        }
+        let form = ClosedForm {
+            engine: self.engine,
+            heads: self.heads,
+            head_dim: self.head_dim,
+            prompt_len: &self.prompt_len,
+        };
+        form.check_attended(
+            layer,
+            batch,
+            2e-3,
+            |x| x,
+            |t, h, d| host[t * stride + h * self.head_dim + d],
+        );
         Ok(())
     }
 
     fn sample(&mut self, batch: &Batch, out: &mut Vec<u32>) -> Result<(), EngineError> {
-        out.extend(
-            batch
-                .logits_indices
-                .iter()
-                .map(|&t| truth(batch.positions[t as usize] + 1)),
-        );
+        sample(batch, out);
         Ok(())
     }
 }
@@ -144,7 +104,7 @@ impl StepModel<RawBackend<EmuDevice>> for Model {
 struct Lane {
     engine: Engine<RawBackend<EmuDevice>>,
     model: Model,
-    seqs: HashMap<SeqId, (usize, u32, Vec<u32>, Option<FinishReason>)>,
+    seqs: Seqs,
 }
 
 fn shapes() -> [(ModelKvShape, usize); 4] {
@@ -181,8 +141,11 @@ fn make_lane(
         recompute: RecomputePolicy::SERVER,
         prefix_cache: rng.gen_bool(0.7),
     };
-    // SAFETY: `base` is the emulated allocation of `shared`'s pages, alive until every engine
-    // is dropped (the test drops them first); every engine on it is built here on `shared`.
+    // SAFETY: `base` is the emulated allocation of `shared`'s pages (`pool().total()` pages of
+    // `page_bytes()`, made for it in `run`), alive until every engine is dropped (`run` drops
+    // them first); every engine on those pages is built here on `shared`, so all keep the
+    // page-ownership rule; the model hands the backend dense rows of `tokens` tokens in an
+    // emulated buffer it keeps until its next `qkv`; `EmuDevice` keeps `RawDevice`'s contract.
     let engine =
         unsafe { Engine::raw(shared, EmuDevice::new(4), base, cfg, &shape, heads) }.unwrap();
     Lane {
@@ -208,20 +171,7 @@ impl Lane {
             let id = *next_id;
             let prompt = rng.gen_range(1..60);
             let out = rng.gen_range(1..24u32);
-            let req = SeqRequest {
-                id,
-                prompt: vec![prompt_token(id); prompt],
-                stop: StopRules {
-                    max_new_tokens: out,
-                    eos: Vec::new(),
-                    stop_sequences: Vec::new(),
-                },
-                priority: if rng.gen_bool(0.3) {
-                    Priority::LatencyCritical
-                } else {
-                    Priority::Throughput
-                },
-            };
+            let req = request(rng, id, prompt, out);
             self.model.prompt_len.insert(id, prompt);
             if self.engine.add_salted(req, rng.gen_range(0..2)).is_ok() {
                 self.seqs.insert(id, (prompt, out, Vec::new(), None));
@@ -258,31 +208,11 @@ impl Lane {
             assert!(injected, "seed {seed}: {r:?}");
             return;
         }
-        let results = self.engine.results();
-        for u in &results.updates {
-            let w = self.seqs.get_mut(&u.id).expect("unknown seq");
-            assert!(
-                w.3.is_none(),
-                "seed {seed}: seq {} updated after its end",
-                u.id
-            );
-            w.2.extend_from_slice(results.tokens_of(u));
-            w.3 = u.finished;
-        }
+        record(&mut self.seqs, self.engine.results(), seed);
     }
 
     fn check(&self, seed: u64, strict: bool) {
-        for (&id, (prompt, out, tokens, end)) in &self.seqs {
-            if end.is_none() && !strict {
-                continue;
-            }
-            let end = end.unwrap_or_else(|| panic!("seed {seed}: seq {id} never ended"));
-            let want: Vec<u32> = (*prompt as i32..).take(*out as usize).map(truth).collect();
-            assert_eq!(&want[..tokens.len()], &tokens[..], "seed {seed}: seq {id}");
-            if end == FinishReason::MaxTokens {
-                assert_eq!(tokens.len(), *out as usize, "seed {seed}: seq {id}");
-            }
-        }
+        check_streams(&self.seqs, seed, strict);
     }
 }
 

@@ -15,22 +15,9 @@ use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-fn prompt_token(seq: SeqId) -> u32 {
-    7 + (seq % 5) as u32
-}
-
-fn truth(pos: i32) -> u32 {
-    100 + pos as u32
-}
-
-/// Depends on the engine too, so a page of one engine read through another shows.
-fn value(engine: usize, pos: i32, layer: usize, d: usize, token: u32) -> f32 {
-    (pos % 64) as f32 * 0.25
-        + layer as f32 * 3.0
-        + d as f32 * 0.01
-        + (token % 97) as f32 * 0.125
-        + engine as f32 * 5.0
-}
+#[path = "support/many_lanes.rs"]
+mod many_lanes;
+use many_lanes::*;
 
 struct Closed<T> {
     engine: usize,
@@ -44,15 +31,6 @@ struct Closed<T> {
     prompt_len: HashMap<SeqId, usize>,
     fail: bool,
     fail_sample: bool,
-}
-
-fn token_rows(batch: &Batch) -> Vec<usize> {
-    let mut rows = Vec::with_capacity(batch.num_tokens());
-    for s in 0..batch.num_seqs() {
-        let (a, b) = (batch.query_start_loc[s], batch.query_start_loc[s + 1]);
-        rows.extend(std::iter::repeat_n(s, (b - a) as usize));
-    }
-    rows
 }
 
 impl<T: KvElem> StepModel<HostBackend<T>> for Closed<T> {
@@ -86,39 +64,20 @@ impl<T: KvElem> StepModel<HostBackend<T>> for Closed<T> {
         if self.fail {
             return Err(EngineError::Model("injected".into()));
         }
-        let rows = token_rows(batch);
         let width = self.heads * self.head_dim;
-        for (t, &row) in rows.iter().enumerate() {
-            let (seq, pos) = (batch.seq_ids[row], batch.positions[t]);
-            let first = batch.query_start_loc[row] as usize;
-            let row_start = batch.positions[first];
-            let plen = self.prompt_len[&seq];
-            let token = |p: i32| {
-                if p < row_start {
-                    if (p as usize) < plen {
-                        prompt_token(seq)
-                    } else {
-                        truth(p)
-                    }
-                } else {
-                    batch.input_tokens[first + (p - row_start) as usize]
-                }
-            };
-            for h in 0..self.heads {
-                for d in 0..self.head_dim {
-                    let want = (0..=pos)
-                        .map(|p| T::from_f32(value(self.engine, p, layer, d, token(p))).to_f32())
-                        .sum::<f32>()
-                        / (pos + 1) as f32;
-                    let got = out[t * width + h * self.head_dim + d].to_f32();
-                    assert!(
-                        (got - want).abs() <= self.tol * want.abs().max(1.0),
-                        "engine {} seq {seq} pos {pos} layer {layer} head {h} dim {d}: {got} != {want}",
-                        self.engine
-                    );
-                }
-            }
-        }
+        let form = ClosedForm {
+            engine: self.engine,
+            heads: self.heads,
+            head_dim: self.head_dim,
+            prompt_len: &self.prompt_len,
+        };
+        form.check_attended(
+            layer,
+            batch,
+            self.tol,
+            |x| T::from_f32(x).to_f32(),
+            |t, h, d| out[t * width + h * self.head_dim + d].to_f32(),
+        );
         Ok(())
     }
 
@@ -126,12 +85,7 @@ impl<T: KvElem> StepModel<HostBackend<T>> for Closed<T> {
         if self.fail_sample {
             return Err(EngineError::Model("injected".into()));
         }
-        out.extend(
-            batch
-                .logits_indices
-                .iter()
-                .map(|&t| truth(batch.positions[t as usize] + 1)),
-        );
+        sample(batch, out);
         Ok(())
     }
 }
@@ -154,8 +108,7 @@ trait Lane {
 struct Typed<T: KvElem> {
     engine: Engine<HostBackend<T>>,
     model: Closed<T>,
-    /// (prompt, max_new, delivered, end)
-    seqs: HashMap<SeqId, (usize, u32, Vec<u32>, Option<FinishReason>)>,
+    seqs: Seqs,
 }
 
 impl<T: KvElem> Lane for Typed<T> {
@@ -172,20 +125,7 @@ impl<T: KvElem> Lane for Typed<T> {
                 let id = *next_id;
                 let prompt = rng.gen_range(1..70);
                 let out = rng.gen_range(1..30u32);
-                let req = SeqRequest {
-                    id,
-                    prompt: vec![prompt_token(id); prompt],
-                    stop: StopRules {
-                        max_new_tokens: out,
-                        eos: Vec::new(),
-                        stop_sequences: Vec::new(),
-                    },
-                    priority: if rng.gen_bool(0.3) {
-                        Priority::LatencyCritical
-                    } else {
-                        Priority::Throughput
-                    },
-                };
+                let req = request(rng, id, prompt, out);
                 self.model.prompt_len.insert(id, prompt);
                 if self.engine.add_salted(req, rng.gen_range(0..2)).is_ok() {
                     self.seqs.insert(id, (prompt, out, Vec::new(), None));
@@ -245,34 +185,10 @@ impl<T: KvElem> Lane for Typed<T> {
             assert!(injected, "seed {seed}: {r:?}");
             return;
         }
-        let results = self.engine.results();
-        for u in &results.updates {
-            let w = self.seqs.get_mut(&u.id).expect("unknown seq");
-            assert!(
-                w.3.is_none(),
-                "seed {seed}: seq {} updated after its end",
-                u.id
-            );
-            w.2.extend_from_slice(results.tokens_of(u));
-            w.3 = u.finished;
-        }
+        record(&mut self.seqs, self.engine.results(), seed);
     }
     fn check_done(&self, seed: u64, strict: bool) {
-        for (&id, (prompt, out, tokens, end)) in &self.seqs {
-            if end.is_none() && !strict {
-                continue;
-            }
-            let end = end.unwrap_or_else(|| panic!("seed {seed}: seq {id} never ended"));
-            let truth_out: Vec<u32> = (*prompt as i32..).take(*out as usize).map(truth).collect();
-            assert_eq!(
-                &truth_out[..tokens.len()],
-                &tokens[..],
-                "seed {seed}: seq {id}"
-            );
-            if end == FinishReason::MaxTokens {
-                assert_eq!(tokens.len(), *out as usize, "seed {seed}: seq {id}");
-            }
-        }
+        check_streams(&self.seqs, seed, strict);
     }
 }
 

@@ -2,6 +2,7 @@
 //! `copy_blocks`, with exactly the semantics of their CUDA twins (see [`crate::attn`] for the
 //! attention formula and [`KvCacheConfig`] for the cache layout).
 
+use super::walk::{attend_item, slot_len, TaskCtx};
 use super::AttnWorkspace;
 use crate::error::AttnError;
 use crate::kv::{
@@ -10,27 +11,32 @@ use crate::kv::{
     KvPart, LayerKv, LayerKvMut, PagedSeqs,
 };
 
+/// Query rows one walk over a sequence's blocks serves at most (its KV heads x query tokens x
+/// group): the rows' queries and accumulators (2 x 64 x 128 floats at head_dim 128) stay in the
+/// L1 / L2 caches while the walk streams the keys and values.
+const MAX_WALK_ROWS: usize = 64;
+
 /// One unit of parallel work: query tokens `tok0..tok0+tq` of one sequence (decode: `tq == 1`),
 /// KV heads `kvh_begin..kvh_end`. Internal; public only so [`AttnWorkspace`] can hold them.
 #[doc(hidden)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct WorkItem {
-    seq: u32,
+    pub(super) seq: u32,
     /// First query row (index into the `[num_tokens, num_heads, head_dim]` query).
-    tok0: u32,
+    pub(super) tok0: u32,
     /// Query tokens in the item.
-    tq: u32,
-    kvh_begin: u32,
-    kvh_end: u32,
+    pub(super) tq: u32,
+    pub(super) kvh_begin: u32,
+    pub(super) kvh_end: u32,
     /// Position of query token `tok0` in its sequence; -1 for an empty decode sequence.
-    qpos0: i64,
+    pub(super) qpos0: i64,
     /// First output element written by the item; items are sorted by it and do not overlap.
-    out_start: usize,
+    pub(super) out_start: usize,
     /// Output elements written by the item.
-    out_len: usize,
+    pub(super) out_len: usize,
     /// Cost (keys x query rows) of all items before this one, and including it.
-    cost_start: u64,
-    cost_end: u64,
+    pub(super) cost_start: u64,
+    pub(super) cost_end: u64,
 }
 
 /// Writes the keys and values of this step's tokens into their cache slots, for one layer.
@@ -87,10 +93,12 @@ pub fn reshape_and_cache<T: KvElem>(
 ///   (padding) gets an all-zero output row.
 /// - Semantics: [`crate::attn`] (scale, soft-cap, ALiBi, window, f32 softmax with max trick).
 ///
-/// Parallel over (sequence, KV head) pairs with rayon; each task handles the
-/// `num_heads / num_kv_heads` query heads that share its KV head, so each K/V element is read
-/// once per task. Blocks wholly outside the sliding window are not read. No allocation once
-/// `ws` has grown to the batch's shape.
+/// Parallel with rayon over (sequence, run of KV heads): all of a sequence's KV heads in one
+/// task when the batch has enough sequences to keep every thread busy, fewer otherwise (one
+/// each for a lone sequence). A task walks its sequence's blocks once for all its KV heads and
+/// the `num_heads / num_kv_heads` query heads of each, so each K/V element is read once, and
+/// each token's keys (values) of those heads in one contiguous run. Blocks wholly outside the
+/// sliding window are not read. No allocation once `ws` has grown to the batch's shape.
 ///
 /// # Errors
 /// [`AttnError::HeadsNotMultiple`], [`AttnError::BadParam`], [`AttnError::LengthMismatch`]
@@ -112,29 +120,40 @@ pub fn paged_attention_decode<T: KvElem>(
     check_len("query", rows, query.len())?;
     check_len("out", rows, out.len())?;
     let window = params.sliding_window as u64;
+    // KV heads per item: all of a sequence's (one sequential sweep of each block, see
+    // `walk`) unless the batch has too few sequences to keep every thread busy, then fewer.
+    let nkv = cfg.num_kv_heads();
+    let threads = rayon::current_num_threads().max(1);
+    let items_per_seq = (threads * 4).div_ceil(num_seqs.max(1)).clamp(1, nkv);
+    let chunk = nkv
+        .div_ceil(items_per_seq)
+        .min((MAX_WALK_ROWS / group).max(1));
     ws.items.clear();
     let mut cost = 0u64;
     for (s, &ctx) in seqs.context_lens.iter().enumerate() {
         let ctx = ctx as u64;
         let keys = if window == 0 { ctx } else { ctx.min(window) };
-        for kvh in 0..cfg.num_kv_heads() {
-            let c = 1 + keys * group as u64;
+        let mut kb = 0;
+        while kb < nkv {
+            let ke = (kb + chunk).min(nkv);
+            let c = 1 + keys * (group * (ke - kb)) as u64;
             ws.items.push(WorkItem {
                 seq: s as u32,
                 tok0: s as u32,
                 tq: 1,
-                kvh_begin: kvh as u32,
-                kvh_end: kvh as u32 + 1,
+                kvh_begin: kb as u32,
+                kvh_end: ke as u32,
                 qpos0: ctx as i64 - 1,
-                out_start: s * hd + kvh * group * cfg.head_dim(),
-                out_len: group * cfg.head_dim(),
+                out_start: s * hd + kb * group * cfg.head_dim(),
+                out_len: (ke - kb) * group * cfg.head_dim(),
                 cost_start: cost,
                 cost_end: cost + c,
             });
             cost += c;
+            kb = ke;
         }
     }
-    run(ws, &cfg, kv, query, seqs, params, group, 1, out);
+    run(ws, &cfg, kv, query, seqs, params, group, 1, chunk, out);
     Ok(())
 }
 
@@ -151,7 +170,8 @@ pub fn paged_attention_decode<T: KvElem>(
 /// - Semantics: [`crate::attn`].
 ///
 /// Parallel over (sequence, tile of query tokens) with rayon, balanced by causal cost; inside a
-/// task each KV head's keys are read once for the whole tile and all query heads of its group.
+/// task each KV head's keys are read once for the whole tile and all query heads of its group,
+/// several KV heads in one walk when the tile is small (up to 64 query rows a walk).
 ///
 /// # Errors
 /// As [`paged_attention_decode`], plus [`AttnError::QueryStartLoc`] and
@@ -217,7 +237,10 @@ pub fn paged_attention_prefill<T: KvElem>(
             i0 += tq;
         }
     }
-    run(ws, &cfg, kv, query, seqs, params, group, tile, out);
+    // KV heads one walk serves together: as many as keep a walk's rows within
+    // `MAX_WALK_ROWS` (each item covers every KV head, so its output rows stay contiguous).
+    let chunk = (MAX_WALK_ROWS / (tile * group)).clamp(1, cfg.num_kv_heads());
+    run(ws, &cfg, kv, query, seqs, params, group, tile, chunk, out);
     Ok(())
 }
 
@@ -245,12 +268,6 @@ pub fn copy_blocks<T: KvElem>(
     Ok(())
 }
 
-/// Scratch floats one task slot needs for `rows` query rows.
-fn slot_len(cfg: &KvCacheConfig, rows: usize) -> usize {
-    let (d, bs) = (cfg.head_dim(), cfg.block_size());
-    2 * rows * d + rows * bs + 2 * rows + d
-}
-
 /// Runs `ws.items` over `out` on the rayon pool, with per-slot scratch from `ws.scratch`.
 #[allow(clippy::too_many_arguments)]
 fn run<T: KvElem>(
@@ -262,12 +279,13 @@ fn run<T: KvElem>(
     params: &AttnParams<'_>,
     group: usize,
     max_tq: usize,
+    kv_chunk: usize,
     out: &mut [T],
 ) {
     if ws.items.is_empty() {
         return;
     }
-    let per_slot = slot_len(cfg, group * max_tq);
+    let per_slot = slot_len(cfg, kv_chunk * group * max_tq, kv_chunk);
     let slots = ws.items.len().min(rayon::current_num_threads().max(1) * 4);
     if ws.scratch.len() < slots * per_slot {
         ws.scratch.resize(slots * per_slot, 0.0);
@@ -280,6 +298,7 @@ fn run<T: KvElem>(
         seqs,
         params,
         group,
+        kv_chunk,
     };
     let AttnWorkspace { scratch, items } = ws;
     // Items are built in increasing `out_start` order and their ranges tile a prefix of `out`
@@ -293,17 +312,6 @@ fn run<T: KvElem>(
         per_slot,
         &ctx,
     );
-}
-
-/// What every task reads.
-struct TaskCtx<'a, T> {
-    cfg: KvCacheConfig,
-    kv: LayerKv<'a, T>,
-    layer: usize,
-    query: &'a [T],
-    seqs: &'a PagedSeqs<'a>,
-    params: &'a AttnParams<'a>,
-    group: usize,
 }
 
 /// Recursively halves the scratch slots and splits the items where the cumulative cost
@@ -341,356 +349,4 @@ fn split_run<T: KvElem>(
         || split_run(i1, o1, out_base, s1, per_slot, ctx),
         || split_run(i2, o2, out_base + split, s2, per_slot, ctx),
     );
-}
-
-/// `s[r..r+8]` as an array (`r + 8 <= s.len()`), so that lane loops compile to vector code.
-#[inline(always)]
-fn lanes(s: &[f32], r: usize) -> &[f32; 8] {
-    s[r..r + 8].try_into().unwrap_or(&[0.0; 8])
-}
-
-/// Pairwise sum of eight lanes, in a fixed order shared by [`dot`] and [`dot4`].
-#[inline(always)]
-fn hsum(a: [f32; 8]) -> f32 {
-    ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
-}
-
-/// 8-lane dot product (`head_dim` is a multiple of 8): the lanes are explicit, so the compiler
-/// keeps them in vector registers without reassociating a single accumulator.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let d = b.len();
-    let a = &a[..d];
-    let mut acc = [0f32; 8];
-    for c in (0..d).step_by(8) {
-        let (x, y) = (lanes(a, c), lanes(b, c));
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    hsum(acc)
-}
-
-/// Four dot products of `q4` (four rows of `k.len()` elements) with `k`, sharing each load
-/// of `k`. Lane-for-lane the same arithmetic as [`dot`], so results do not depend on grouping.
-#[inline(always)]
-fn dot4(q4: &[f32], k: &[f32]) -> [f32; 4] {
-    let d = k.len();
-    let (q0, rest) = q4.split_at(d);
-    let (q1, rest) = rest.split_at(d);
-    let (q2, q3) = rest.split_at(d);
-    let (mut a0, mut a1, mut a2, mut a3) = ([0f32; 8], [0f32; 8], [0f32; 8], [0f32; 8]);
-    for c in (0..d).step_by(8) {
-        let kc = lanes(k, c);
-        let (c0, c1, c2, c3) = (lanes(q0, c), lanes(q1, c), lanes(q2, c), lanes(q3, c));
-        for i in 0..8 {
-            a0[i] += c0[i] * kc[i];
-            a1[i] += c1[i] * kc[i];
-            a2[i] += c2[i] * kc[i];
-            a3[i] += c3[i] * kc[i];
-        }
-    }
-    [hsum(a0), hsum(a1), hsum(a2), hsum(a3)]
-}
-
-/// `acc4[r] += p[r] * v` for four rows of `v.len()` elements, sharing each load of `v`.
-#[inline(always)]
-fn axpy4(acc4: &mut [f32], p: [f32; 4], v: &[f32]) {
-    let d = v.len();
-    let (a0, rest) = acc4.split_at_mut(d);
-    let (a1, rest) = rest.split_at_mut(d);
-    let (a2, a3) = rest.split_at_mut(d);
-    let (a1, a2, a3) = (&mut a1[..d], &mut a2[..d], &mut a3[..d]);
-    for i in 0..d {
-        let x = v[i];
-        a0[i] += p[0] * x;
-        a1[i] += p[1] * x;
-        a2[i] += p[2] * x;
-        a3[i] += p[3] * x;
-    }
-}
-
-#[inline(always)]
-fn axpy(acc: &mut [f32], p: f32, v: &[f32]) {
-    let acc = &mut acc[..v.len()];
-    for i in 0..v.len() {
-        acc[i] += p * v[i];
-    }
-}
-
-/// Widens `src` into `buf` unless it already is `f32`.
-#[inline(always)]
-fn widen<'b, T: KvElem>(src: &'b [T], buf: &'b mut [f32]) -> &'b [f32] {
-    match T::as_f32_slice(src) {
-        Some(s) => s,
-        None => {
-            T::widen_slice(src, buf);
-            buf
-        }
-    }
-}
-
-/// One work item, on the widest vector unit the CPU has: the body is compiled twice, once for
-/// the build's baseline target and once with AVX2 enabled, chosen at run time. Every lane does
-/// the same arithmetic in both, so the results are bit-identical.
-fn attend_item<T: KvElem>(ctx: &TaskCtx<'_, T>, it: &WorkItem, out: &mut [T], slot: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx2") {
-            // SAFETY: `attend_item_avx2`'s only requirement is that the CPU supports AVX2, which
-            // the line above just detected.
-            unsafe { attend_item_avx2(ctx, it, out, slot) };
-            return;
-        }
-    }
-    attend_item_body(ctx, it, out, slot);
-}
-
-/// [`attend_item_body`] compiled with AVX2.
-///
-/// # Safety
-/// The CPU must support AVX2 (`is_x86_feature_detected!("avx2")`).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn attend_item_avx2<T: KvElem>(
-    ctx: &TaskCtx<'_, T>,
-    it: &WorkItem,
-    out: &mut [T],
-    slot: &mut [f32],
-) {
-    attend_item_body(ctx, it, out, slot);
-}
-
-/// One work item: for each of its KV heads, the `tq * group` query rows sharing that KV head
-/// walk the visible blocks once with an online (block-wise) softmax.
-#[inline(always)]
-fn attend_item_body<T: KvElem>(
-    ctx: &TaskCtx<'_, T>,
-    it: &WorkItem,
-    out: &mut [T],
-    slot: &mut [f32],
-) {
-    let cfg = &ctx.cfg;
-    let (d, bs, g) = (cfg.head_dim(), cfg.block_size(), ctx.group);
-    let nh = ctx.params.num_heads;
-    let tq = it.tq as usize;
-    let rows = tq * g;
-    if it.qpos0 < 0 {
-        // Empty decode sequence (context_len 0): defined as zeros.
-        out.fill(T::default());
-        return;
-    }
-    let (q32, rest) = slot.split_at_mut(rows * d);
-    let (acc, rest) = rest.split_at_mut(rows * d);
-    let (scores, rest) = rest.split_at_mut(rows * bs);
-    let (m, rest) = rest.split_at_mut(rows);
-    let (l, rest) = rest.split_at_mut(rows);
-    let kbuf = &mut rest[..d];
-
-    let scale = ctx.params.scale;
-    let softcap = ctx.params.softcap;
-    // A window past i64 is no window at all (as on the CUDA path): `as` would wrap it negative
-    // and mask every key, the query's own included.
-    let window = i64::try_from(ctx.params.sliding_window).unwrap_or(i64::MAX);
-    let mbps = ctx.seqs.max_blocks_per_seq;
-    let seq = it.seq as usize;
-    let table = &ctx.seqs.block_tables[seq * mbps..(seq + 1) * mbps];
-    let qpos_first = it.qpos0;
-    let qpos_last = it.qpos0 + tq as i64 - 1;
-    let lo = if window > 0 {
-        (qpos_first - window + 1).max(0)
-    } else {
-        0
-    };
-    let hi = qpos_last + 1; // keys lo..hi may be visible to some row
-    let tok0 = it.tok0 as usize;
-
-    for kvh in it.kvh_begin as usize..it.kvh_end as usize {
-        // Widen the query rows: row r = ti * g + gi is head kvh*g + gi of token tok0+ti. The
-        // scale multiplies each dot product (`s = scale * dot(q, k)`, as in the kernels), not
-        // the query: a pre-scaled query rounds and overflows differently (a `q·k` past f32 under
-        // a small scale was finite here and +inf, a NaN row, in every CUDA kernel).
-        for ti in 0..tq {
-            for gi in 0..g {
-                let r = ti * g + gi;
-                let qo = ((tok0 + ti) * nh + kvh * g + gi) * d;
-                T::widen_slice(&ctx.query[qo..qo + d], &mut q32[r * d..(r + 1) * d]);
-            }
-        }
-        acc.fill(0.0);
-        m.fill(f32::NEG_INFINITY);
-        l.fill(0.0);
-        // A raw `q·k` of row `r` and key position `kpos`, scaled, capped, biased and masked.
-        let finish = |raw: f32, kpos: i64, r: usize| -> f32 {
-            let qpos = qpos_first + (r / g) as i64;
-            let visible = kpos <= qpos && (window == 0 || qpos - kpos < window);
-            if !visible {
-                return f32::NEG_INFINITY;
-            }
-            let mut s = raw * scale;
-            if softcap > 0.0 {
-                s = softcap * (s / softcap).tanh();
-            }
-            if let Some(slopes) = ctx.params.alibi_slopes {
-                s += slopes[kvh * g + r % g] * (kpos - qpos) as f32;
-            }
-            s
-        };
-
-        let first_block = (lo as usize) / bs;
-        let last_block = (hi as usize - 1) / bs;
-        for (j, &block) in table
-            .iter()
-            .enumerate()
-            .take(last_block + 1)
-            .skip(first_block)
-        {
-            let jb = (j * bs) as i64;
-            let t0 = (lo.max(jb) - jb) as usize;
-            let t1 = (hi.min(jb + bs as i64) - jb) as usize;
-            let kbase = cfg.offset(block as usize, ctx.layer, KvPart::Key, 0, kvh);
-            let vbase = kbase + cfg.kv_stride();
-            let ts = cfg.token_stride();
-            // Scores of this block's visible keys for every row: raw dots four rows at a time
-            // (each K element loaded once per four query rows), then cap, bias and mask.
-            for t in t0..t1 {
-                let kpos = jb + t as i64;
-                let ko = kbase + t * ts;
-                let k = widen(ctx.kv.head(ko, d), kbuf);
-                let mut r = 0;
-                while r + 4 <= rows {
-                    let s4 = dot4(&q32[r * d..(r + 4) * d], k);
-                    for (i, x) in s4.into_iter().enumerate() {
-                        scores[(r + i) * bs + t] = x;
-                    }
-                    r += 4;
-                }
-                for r in r..rows {
-                    scores[r * bs + t] = dot(&q32[r * d..(r + 1) * d], k);
-                }
-                for r in 0..rows {
-                    let x = &mut scores[r * bs + t];
-                    *x = finish(*x, kpos, r);
-                }
-            }
-            // Online softmax update, once per block and row.
-            for r in 0..rows {
-                let sr = &mut scores[r * bs + t0..r * bs + t1];
-                let bmax = sr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                // `f32::max` skips NaN, so a max of -inf may also mean "masked and NaN logits
-                // only": only an all-masked block adds nothing; a NaN logit poisons its row
-                // (exp(NaN) below), as in the formula and the CUDA prefill kernels.
-                if bmax == f32::NEG_INFINITY && sr.iter().all(|&x| x == f32::NEG_INFINITY) {
-                    sr.fill(0.0);
-                    continue;
-                }
-                if bmax > m[r] {
-                    let corr = (m[r] - bmax).exp(); // exp(-inf) = 0 on the first block
-                    let a = &mut acc[r * d..(r + 1) * d];
-                    if corr == 0.0 {
-                        // Every key so far now has weight 0 (exp underflows): it contributes
-                        // nothing, whatever its value; `inf * 0` would make the row NaN, and
-                        // the result depend on where block boundaries fall. (`l` keeps a NaN
-                        // of a NaN score: that row stays NaN.)
-                        a.fill(0.0);
-                    } else {
-                        for a in a.iter_mut() {
-                            *a *= corr;
-                        }
-                    }
-                    l[r] *= corr;
-                    m[r] = bmax;
-                }
-                let mr = m[r];
-                let mut sum = 0.0;
-                for x in sr.iter_mut() {
-                    *x = (*x - mr).exp();
-                    sum += *x;
-                }
-                l[r] += sum;
-            }
-            // Weighted values, four rows at a time (each V element loaded once per four rows).
-            // A weight of 0 (masked key, -inf score, underflow) adds nothing, row by row: a
-            // shared `p * v` would give a row that does not see an infinite or NaN value
-            // `0 * inf = NaN` from the rows beside it (later tokens of its tile, other heads).
-            for t in t0..t1 {
-                let vo = vbase + t * ts;
-                let v = widen(ctx.kv.head(vo, d), kbuf);
-                let mut r = 0;
-                while r + 4 <= rows {
-                    let p = [0, 1, 2, 3].map(|i| scores[(r + i) * bs + t]);
-                    if !p.contains(&0.0) {
-                        axpy4(&mut acc[r * d..(r + 4) * d], p, v);
-                    } else {
-                        // Same per-element arithmetic as `axpy4`, so results do not depend
-                        // on which path a row took.
-                        for (i, &pi) in p.iter().enumerate() {
-                            if pi != 0.0 {
-                                axpy(&mut acc[(r + i) * d..(r + i + 1) * d], pi, v);
-                            }
-                        }
-                    }
-                    r += 4;
-                }
-                for r in r..rows {
-                    let p = scores[r * bs + t];
-                    if p != 0.0 {
-                        axpy(&mut acc[r * d..(r + 1) * d], p, v);
-                    }
-                }
-            }
-        }
-        // A row left non-finite may hold a value whose weight the walk gave before larger
-        // scores made it underflow in several rescales, none 0 on its own (`inf * 1e-26` is
-        // still inf): the row is recomputed with every key's final weight `exp(s - max)`, so
-        // a key of weight 0 contributes nothing however the max grew. Rare (an infinite or
-        // overflowing value), so the second walk costs nothing in practice; a NaN sum (a NaN
-        // or +inf score) stays NaN, as the formula has it.
-        for r in 0..rows {
-            let (mr, a) = (m[r], &mut acc[r * d..(r + 1) * d]);
-            if !(l[r].is_finite() && mr.is_finite()) || a.iter().all(|x| x.is_finite()) {
-                continue;
-            }
-            a.fill(0.0);
-            let q = &q32[r * d..(r + 1) * d];
-            let mut sum = 0.0;
-            for (j, &block) in table
-                .iter()
-                .enumerate()
-                .take(last_block + 1)
-                .skip(first_block)
-            {
-                let jb = (j * bs) as i64;
-                let t0 = (lo.max(jb) - jb) as usize;
-                let t1 = (hi.min(jb + bs as i64) - jb) as usize;
-                let kbase = cfg.offset(block as usize, ctx.layer, KvPart::Key, 0, kvh);
-                let vbase = kbase + cfg.kv_stride();
-                let ts = cfg.token_stride();
-                for t in t0..t1 {
-                    let raw = dot(q, widen(ctx.kv.head(kbase + t * ts, d), kbuf));
-                    let w = (finish(raw, jb + t as i64, r) - mr).exp();
-                    if w != 0.0 {
-                        axpy(a, w, widen(ctx.kv.head(vbase + t * ts, d), kbuf));
-                        sum += w;
-                    }
-                }
-            }
-            l[r] = sum;
-        }
-        // Normalise and store rows of this KV head.
-        for ti in 0..tq {
-            for gi in 0..g {
-                let r = ti * g + gi;
-                // Every visible score -inf (an infinite key) leaves an empty sum: the row
-                // attends to nothing and is zero, as in the kernels (a NaN sum stays NaN).
-                let inv = if l[r] == 0.0 { 0.0 } else { 1.0 / l[r] };
-                let a = &mut acc[r * d..(r + 1) * d];
-                for x in a.iter_mut() {
-                    *x *= inv;
-                }
-                let o = ((tok0 + ti) * nh + kvh * g + gi) * d - it.out_start;
-                T::narrow_slice(a, &mut out[o..o + d]);
-            }
-        }
-    }
 }

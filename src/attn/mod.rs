@@ -45,6 +45,8 @@
 //! `a_value_whose_weight_underflows_later_leaves_the_row_as_the_oracle_has_it`, ignored).
 
 pub mod cpu;
+mod lanes;
+mod walk;
 
 /// Reusable scratch memory of the attention kernels. Keep one per engine thread and pass it to
 /// every call: after the first calls of the largest shape it never allocates again.

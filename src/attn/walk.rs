@@ -1,0 +1,344 @@
+//! The inner loop of the CPU attention kernels: one work item's walk over its sequence's
+//! blocks with a block-wise online softmax, and the lane-explicit vector arithmetic it uses.
+//!
+//! **Block-major over KV heads.** The layout puts a token's keys for all KV heads in one row
+//! (`[token][kv_head][head_dim]` inside a block), so a walk that serves one KV head at a time
+//! reads a `head_dim` run out of every row and jumps a whole row to the next: one 512-byte run
+//! per 4 KiB page at the usual shapes, which the hardware prefetcher (it does not cross pages)
+//! and the TLB serve badly once the cache is larger than the CPU's caches. A walk here serves
+//! a chunk of consecutive KV heads together ([`TaskCtx::kv_chunk`]): each token's row of the
+//! chunk is read once, in one sequential run, and each head's slice of it meets that head's
+//! query rows. Every query row's arithmetic (its dot products, its softmax, its weighted sums,
+//! in key order) is the same whatever the chunk, so results are bit-identical for any chunk
+//! size and thread count.
+
+use super::cpu::WorkItem;
+#[cfg(target_arch = "x86_64")]
+use super::lanes::Avx2;
+use super::lanes::{axpy, axpy4, dot, prefetch, widen, Dot4, Portable};
+use crate::kv::{AttnParams, KvCacheConfig, KvElem, KvPart, LayerKv, PagedSeqs};
+
+/// What every task reads.
+pub(super) struct TaskCtx<'a, T> {
+    pub(super) cfg: KvCacheConfig,
+    pub(super) kv: LayerKv<'a, T>,
+    pub(super) layer: usize,
+    pub(super) query: &'a [T],
+    pub(super) seqs: &'a PagedSeqs<'a>,
+    pub(super) params: &'a AttnParams<'a>,
+    /// Query heads per KV head.
+    pub(super) group: usize,
+    /// KV heads one walk serves together (the last chunk of an item may be shorter).
+    pub(super) kv_chunk: usize,
+}
+
+/// Scratch floats one task slot needs for walks of `rows` query rows over `kv_heads` KV heads.
+pub(super) fn slot_len(cfg: &KvCacheConfig, rows: usize, kv_heads: usize) -> usize {
+    let (d, bs) = (cfg.head_dim(), cfg.block_size());
+    2 * rows * d + rows * bs + 2 * rows + kv_heads * d
+}
+
+/// One work item, on the widest vector unit the CPU has: the body is compiled twice, once for
+/// the build's baseline target and once with AVX2 enabled (and [`Avx2`]'s `dot4`), chosen at
+/// run time. Every lane does the same arithmetic in both, so the results are bit-identical.
+pub(super) fn attend_item<T: KvElem>(
+    ctx: &TaskCtx<'_, T>,
+    it: &WorkItem,
+    out: &mut [T],
+    slot: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if let Some(avx2) = Avx2::detect() {
+            // SAFETY: `attend_item_avx2`'s only requirement is that the CPU supports AVX2,
+            // which `Avx2::detect` just found.
+            unsafe { attend_item_avx2(ctx, it, out, slot, avx2) };
+            return;
+        }
+    }
+    attend_item_body(ctx, it, out, slot, Portable);
+}
+
+/// [`attend_item_body`] compiled with AVX2.
+///
+/// # Safety
+/// The CPU must support AVX2 (`is_x86_feature_detected!("avx2")`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn attend_item_avx2<T: KvElem>(
+    ctx: &TaskCtx<'_, T>,
+    it: &WorkItem,
+    out: &mut [T],
+    slot: &mut [f32],
+    avx2: Avx2,
+) {
+    attend_item_body(ctx, it, out, slot, avx2);
+}
+
+/// One work item: its KV heads in chunks of [`TaskCtx::kv_chunk`], each chunk one walk.
+#[inline(always)]
+fn attend_item_body<T: KvElem, L: Dot4>(
+    ctx: &TaskCtx<'_, T>,
+    it: &WorkItem,
+    out: &mut [T],
+    slot: &mut [f32],
+    lanes: L,
+) {
+    if it.qpos0 < 0 {
+        // Empty decode sequence (context_len 0): defined as zeros.
+        out.fill(T::default());
+        return;
+    }
+    let (begin, end) = (it.kvh_begin as usize, it.kvh_end as usize);
+    let mut kc = begin;
+    while kc < end {
+        let ke = (kc + ctx.kv_chunk.max(1)).min(end);
+        walk(ctx, it, kc, ke, out, slot, lanes);
+        kc = ke;
+    }
+}
+
+/// KV heads `kc..ke` of one item: their `(ke - kc) * tq * group` query rows walk the visible
+/// blocks once with an online (block-wise) softmax. Row `r = (kvh - kc) * tq * group + ti *
+/// group + gi` is query head `kvh * group + gi` of token `tok0 + ti`.
+#[inline(always)]
+fn walk<T: KvElem, L: Dot4>(
+    ctx: &TaskCtx<'_, T>,
+    it: &WorkItem,
+    kc: usize,
+    ke: usize,
+    out: &mut [T],
+    slot: &mut [f32],
+    lanes: L,
+) {
+    let cfg = &ctx.cfg;
+    let (d, bs, g) = (cfg.head_dim(), cfg.block_size(), ctx.group);
+    let nh = ctx.params.num_heads;
+    let tq = it.tq as usize;
+    let nk = ke - kc;
+    let per_head = tq * g; // rows of one KV head
+    let rows = nk * per_head;
+    let (q32, rest) = slot.split_at_mut(rows * d);
+    let (acc, rest) = rest.split_at_mut(rows * d);
+    let (scores, rest) = rest.split_at_mut(rows * bs);
+    let (m, rest) = rest.split_at_mut(rows);
+    let (l, rest) = rest.split_at_mut(rows);
+    let kbuf = &mut rest[..nk * d];
+
+    let scale = ctx.params.scale;
+    let softcap = ctx.params.softcap;
+    // A window past i64 is no window at all (as on the CUDA path): `as` would wrap it negative
+    // and mask every key, the query's own included.
+    let window = i64::try_from(ctx.params.sliding_window).unwrap_or(i64::MAX);
+    let mbps = ctx.seqs.max_blocks_per_seq;
+    let seq = it.seq as usize;
+    let table = &ctx.seqs.block_tables[seq * mbps..(seq + 1) * mbps];
+    let qpos_first = it.qpos0;
+    let qpos_last = it.qpos0 + tq as i64 - 1;
+    let lo = if window > 0 {
+        (qpos_first - window + 1).max(0)
+    } else {
+        0
+    };
+    let hi = qpos_last + 1; // keys lo..hi may be visible to some row
+    let tok0 = it.tok0 as usize;
+    // Query head of row `r`, and its offset in `query` / `out`.
+    let head_of = |r: usize| (kc + r / per_head) * g + r % g;
+    let row_offset = |r: usize| ((tok0 + (r % per_head) / g) * nh + head_of(r)) * d;
+
+    // Widen the query rows. The scale multiplies each dot product (`s = scale * dot(q, k)`, as
+    // in the kernels), not the query: a pre-scaled query rounds and overflows differently (a
+    // `q·k` past f32 under a small scale was finite here and +inf, a NaN row, in every CUDA
+    // kernel).
+    for r in 0..rows {
+        let qo = row_offset(r);
+        T::widen_slice(&ctx.query[qo..qo + d], &mut q32[r * d..(r + 1) * d]);
+    }
+    acc.fill(0.0);
+    m.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
+    // A raw `q·k` of row `r` and key position `kpos`, scaled, capped, biased and masked.
+    let finish = |raw: f32, kpos: i64, r: usize| -> f32 {
+        let qpos = qpos_first + ((r % per_head) / g) as i64;
+        let visible = kpos <= qpos && (window == 0 || qpos - kpos < window);
+        if !visible {
+            return f32::NEG_INFINITY;
+        }
+        let mut s = raw * scale;
+        if softcap > 0.0 {
+            s = softcap * (s / softcap).tanh();
+        }
+        if let Some(slopes) = ctx.params.alibi_slopes {
+            s += slopes[head_of(r)] * (kpos - qpos) as f32;
+        }
+        s
+    };
+
+    let ts = cfg.token_stride();
+    let first_block = (lo as usize) / bs;
+    let last_block = (hi as usize - 1) / bs;
+    for (j, &block) in table
+        .iter()
+        .enumerate()
+        .take(last_block + 1)
+        .skip(first_block)
+    {
+        let jb = (j * bs) as i64;
+        let t0 = (lo.max(jb) - jb) as usize;
+        let t1 = (hi.min(jb + bs as i64) - jb) as usize;
+        let kbase = cfg.offset(block as usize, ctx.layer, KvPart::Key, 0, kc);
+        let vbase = kbase + cfg.kv_stride();
+        // Scores of this block's visible keys for every row: each token's keys for the chunk's
+        // heads are one run, each head's slice meets that head's rows four at a time (each K
+        // element loaded once per four rows), then cap, bias and mask.
+        for t in t0..t1 {
+            let kpos = jb + t as i64;
+            // The V row of this token, read after this block's scores (the walk's read order is
+            // K then V of one block, then the next block: each row is asked for a block ahead).
+            prefetch(ctx.kv.head(vbase + t * ts, nk * d));
+            let krow = widen(ctx.kv.head(kbase + t * ts, nk * d), kbuf);
+            for (h, k) in krow.chunks_exact(d).enumerate() {
+                let (r0, r1) = (h * per_head, (h + 1) * per_head);
+                let mut r = r0;
+                while r + 4 <= r1 {
+                    let s4 = lanes.dot4(&q32[r * d..(r + 4) * d], k);
+                    for (i, x) in s4.into_iter().enumerate() {
+                        scores[(r + i) * bs + t] = x;
+                    }
+                    r += 4;
+                }
+                for r in r..r1 {
+                    scores[r * bs + t] = dot(&q32[r * d..(r + 1) * d], k);
+                }
+            }
+            for r in 0..rows {
+                let x = &mut scores[r * bs + t];
+                *x = finish(*x, kpos, r);
+            }
+        }
+        // Online softmax update, once per block and row.
+        for r in 0..rows {
+            let sr = &mut scores[r * bs + t0..r * bs + t1];
+            let bmax = sr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            // `f32::max` skips NaN, so a max of -inf may also mean "masked and NaN logits
+            // only": only an all-masked block adds nothing; a NaN logit poisons its row
+            // (exp(NaN) below), as in the formula and the CUDA prefill kernels.
+            if bmax == f32::NEG_INFINITY && sr.iter().all(|&x| x == f32::NEG_INFINITY) {
+                sr.fill(0.0);
+                continue;
+            }
+            if bmax > m[r] {
+                let corr = (m[r] - bmax).exp(); // exp(-inf) = 0 on the first block
+                let a = &mut acc[r * d..(r + 1) * d];
+                if corr == 0.0 {
+                    // Every key so far now has weight 0 (exp underflows): it contributes
+                    // nothing, whatever its value; `inf * 0` would make the row NaN, and
+                    // the result depend on where block boundaries fall. (`l` keeps a NaN
+                    // of a NaN score: that row stays NaN.)
+                    a.fill(0.0);
+                } else {
+                    for a in a.iter_mut() {
+                        *a *= corr;
+                    }
+                }
+                l[r] *= corr;
+                m[r] = bmax;
+            }
+            let mr = m[r];
+            let mut sum = 0.0;
+            for x in sr.iter_mut() {
+                *x = (*x - mr).exp();
+                sum += *x;
+            }
+            l[r] += sum;
+        }
+        // Weighted values, four rows at a time (each V element loaded once per four rows).
+        // A weight of 0 (masked key, -inf score, underflow) adds nothing, row by row: a
+        // shared `p * v` would give a row that does not see an infinite or NaN value
+        // `0 * inf = NaN` from the rows beside it (later tokens of its tile, other heads).
+        // The next block's keys, read after these values.
+        let next_kbase = (j < last_block)
+            .then(|| cfg.offset(table[j + 1] as usize, ctx.layer, KvPart::Key, 0, kc));
+        for t in t0..t1 {
+            if let Some(nk_base) = next_kbase {
+                prefetch(ctx.kv.head(nk_base + t * ts, nk * d));
+            }
+            let vrow = widen(ctx.kv.head(vbase + t * ts, nk * d), kbuf);
+            for (h, v) in vrow.chunks_exact(d).enumerate() {
+                let (r0, r1) = (h * per_head, (h + 1) * per_head);
+                let mut r = r0;
+                while r + 4 <= r1 {
+                    let p = [0, 1, 2, 3].map(|i| scores[(r + i) * bs + t]);
+                    if !p.contains(&0.0) {
+                        axpy4(&mut acc[r * d..(r + 4) * d], p, v);
+                    } else {
+                        // Same per-element arithmetic as `axpy4`, so results do not depend
+                        // on which path a row took.
+                        for (i, &pi) in p.iter().enumerate() {
+                            if pi != 0.0 {
+                                axpy(&mut acc[(r + i) * d..(r + i + 1) * d], pi, v);
+                            }
+                        }
+                    }
+                    r += 4;
+                }
+                for r in r..r1 {
+                    let p = scores[r * bs + t];
+                    if p != 0.0 {
+                        axpy(&mut acc[r * d..(r + 1) * d], p, v);
+                    }
+                }
+            }
+        }
+    }
+    // A row left non-finite may hold a value whose weight the walk gave before larger
+    // scores made it underflow in several rescales, none 0 on its own (`inf * 1e-26` is
+    // still inf): the row is recomputed with every key's final weight `exp(s - max)`, so
+    // a key of weight 0 contributes nothing however the max grew. Rare (an infinite or
+    // overflowing value), so the second walk costs nothing in practice; a NaN sum (a NaN
+    // or +inf score) stays NaN, as the formula has it.
+    for r in 0..rows {
+        let (mr, a) = (m[r], &mut acc[r * d..(r + 1) * d]);
+        if !(l[r].is_finite() && mr.is_finite()) || a.iter().all(|x| x.is_finite()) {
+            continue;
+        }
+        a.fill(0.0);
+        let q = &q32[r * d..(r + 1) * d];
+        let kvh = kc + r / per_head;
+        let kbuf = &mut kbuf[..d];
+        let mut sum = 0.0;
+        for (j, &block) in table
+            .iter()
+            .enumerate()
+            .take(last_block + 1)
+            .skip(first_block)
+        {
+            let jb = (j * bs) as i64;
+            let t0 = (lo.max(jb) - jb) as usize;
+            let t1 = (hi.min(jb + bs as i64) - jb) as usize;
+            let kbase = cfg.offset(block as usize, ctx.layer, KvPart::Key, 0, kvh);
+            let vbase = kbase + cfg.kv_stride();
+            for t in t0..t1 {
+                let raw = dot(q, widen(ctx.kv.head(kbase + t * ts, d), kbuf));
+                let w = (finish(raw, jb + t as i64, r) - mr).exp();
+                if w != 0.0 {
+                    axpy(a, w, widen(ctx.kv.head(vbase + t * ts, d), kbuf));
+                    sum += w;
+                }
+            }
+        }
+        l[r] = sum;
+    }
+    // Normalise and store the rows.
+    for r in 0..rows {
+        // Every visible score -inf (an infinite key) leaves an empty sum: the row attends to
+        // nothing and is zero, as in the kernels (a NaN sum stays NaN).
+        let inv = if l[r] == 0.0 { 0.0 } else { 1.0 / l[r] };
+        let a = &mut acc[r * d..(r + 1) * d];
+        for x in a.iter_mut() {
+            *x *= inv;
+        }
+        let o = row_offset(r) - it.out_start;
+        T::narrow_slice(a, &mut out[o..o + d]);
+    }
+}

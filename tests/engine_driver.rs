@@ -9,7 +9,9 @@ use pagedkv::engine::{
 };
 use pagedkv::error::{EngineError, SchedError};
 use pagedkv::kv::{page_bytes_for, KvDtype, ModelKvShape};
-use pagedkv::sched::{Batch, FinishReason, PreemptionMode, Priority, SeqId, SeqRequest, StopRules};
+use pagedkv::sched::{
+    Batch, FinishReason, PreemptionMode, Priority, SeqId, SeqPhase, SeqRequest, StopRules,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -2010,6 +2012,81 @@ fn a_failed_steps_swap_outs_count_toward_the_next_steps_shed() {
         eb.step(mb).unwrap();
     }
     assert!(!ea.has_work() && !eb.has_work());
+    drop(engines);
+    assert_no_leak(&shared);
+}
+
+/// A latency-critical request short of pages that its engine's own running throughput work
+/// can make room for is admitted at its engine's next step by preempting that work, and no
+/// other engine is asked for a donation: here the pool is full and a borrower (B) holds pages
+/// lent by A, so A asked B to donate while (before) its request waited for B's next step, or
+/// (with own preemption alone) both gave pages up for one page. B's reclaim order still
+/// returns what it borrowed.
+#[test]
+fn a_latency_critical_request_preempts_its_own_throughput_work_before_asking_a_donor() {
+    // Quotas 8, 8, 16 pages; while C idles, A and B may borrow its 16.
+    let (shared, mut engines) = build_weighted(32, &[1, 1, 2], 3, 1000);
+    let c = shared.coordinator().clone();
+    let ids: Vec<_> = engines.iter().map(|(e, _)| e.id()).collect();
+    // A: one throughput sequence of 3 pages (90 tokens, 32 a page), decoding.
+    add(&mut engines[0], request(1, 90, 60));
+    for _ in 0..6 {
+        let (a, m) = &mut engines[0];
+        a.step(m).unwrap();
+    }
+    assert_eq!(engines[0].0.batcher().phase(1), Some(SeqPhase::Decoding));
+    let held_a = c.blocks_held(ids[0]);
+    // B: borrows up to its limit of 16 (8 sequences of 2 pages).
+    for s in 0..8 {
+        add(&mut engines[1], request(100 + s, 40, 40));
+    }
+    for _ in 0..40 {
+        let (b, m) = &mut engines[1];
+        b.step(m).unwrap();
+    }
+    assert_eq!(c.blocks_held(ids[1]), 16);
+    // C becomes active and takes the free pages: the pool is full, B is over its new limit.
+    for s in 0..6 {
+        add(&mut engines[2], request(200 + s, 60, 20));
+    }
+    for _ in 0..20 {
+        let (e, m) = &mut engines[2];
+        e.step(m).unwrap();
+        if shared.pool().free_count() == 0 {
+            break;
+        }
+    }
+    assert_eq!(shared.pool().free_count(), 0);
+    assert!(
+        c.blocks_held(ids[1]) > u64::from(c.block_limit(ids[1])),
+        "B holds lent pages"
+    );
+    assert!(
+        held_a < u64::from(c.block_limit(ids[0])),
+        "A is within its limit"
+    );
+    let mut urgent = request(50, 20, 2);
+    urgent.priority = Priority::LatencyCritical;
+    add(&mut engines[0], urgent);
+    let (a, m) = &mut engines[0];
+    let report = a.step(m).unwrap();
+    assert_eq!(
+        a.batcher().phase(50),
+        Some(SeqPhase::Decoding),
+        "the latency-critical request waited"
+    );
+    assert_eq!(
+        a.batcher().phase(1),
+        Some(SeqPhase::Waiting),
+        "A's own work gave way"
+    );
+    assert!(!report.asked_donation, "a donor was asked for pages A had");
+    for _ in 0..2000 {
+        for (e, m) in engines.iter_mut().filter(|(e, _)| e.has_work()) {
+            e.step(m).unwrap();
+        }
+    }
+    assert!(engines.iter().all(|(e, _)| !e.has_work()));
     drop(engines);
     assert_no_leak(&shared);
 }

@@ -481,6 +481,17 @@ fn random_workloads_keep_invariants() {
         let mut done = Vec::new();
         let mut classes = HashMap::new();
         for step in 0..5_000 {
+            // Whether no latency-critical sequence waits, runs or is swapped out, a running
+            // slot is free, and the running sequences' rows (a chunk each at most) leave a
+            // token of the step: one arriving now is admitted at this step, preempting
+            // throughput sequences for its first chunk's pages if the pool is short (they and
+            // the free pages are the whole pool, which holds any chunk here).
+            let running = bt.num_running();
+            let lc_idle = running < cfg.max_running as usize
+                && running * (cfg.max_prefill_chunk as usize) < cfg.max_batched_tokens as usize
+                && (0..submitted)
+                    .all(|id| classes[&id] == Priority::Throughput || bt.phase(id).is_none());
+            let mut arrived_lc = None;
             if submitted < 40 && rng.gen_bool(0.3) {
                 let mut r = req(
                     submitted,
@@ -494,7 +505,9 @@ fn random_workloads_keep_invariants() {
                 };
                 r.stop.eos = vec![0];
                 classes.insert(r.id, r.priority);
+                let (id, class) = (r.id, r.priority);
                 match bt.add(r) {
+                    Ok(()) if class == Priority::LatencyCritical => arrived_lc = Some(id),
                     Ok(()) => {}
                     Err(SchedError::TooLong { .. }) => refused += 1,
                     Err(e) => panic!("{e}"),
@@ -509,6 +522,14 @@ fn random_workloads_keep_invariants() {
                 .collect();
             let b = bt.schedule_into(&mut done);
             check_batch(b, cfg.max_batched_tokens as usize);
+            if let Some(id) = arrived_lc.filter(|_| lc_idle) {
+                // (`None`: a random abort ended it.)
+                assert!(
+                    !matches!(bt.phase(id), Some(SeqPhase::Waiting)),
+                    "seed {seed} step {step}: a latency-critical request waits while \
+                     throughput sequences hold the pages it needs"
+                );
+            }
             // A swapped-out throughput sequence comes back only once no latency-critical
             // request waits (it would take the pages that request needs).
             let swapped_in_throughput = swapped.iter().any(|&id| {
@@ -1465,9 +1486,11 @@ fn a_swapped_throughput_sequence_does_not_hold_back_latency_critical_admissions(
     bt.add(req(3, vec![4; 4], 1)).unwrap();
     let ids = bt.schedule_into(&mut fin).seq_ids.clone();
     assert_eq!(bt.phase(1), Some(SeqPhase::Swapped));
+    // Class by class: the admitted latency-critical row comes before the running throughput
+    // one.
     assert_eq!(
         ids,
-        vec![0, 2],
+        vec![2, 0],
         "the latency-critical request waited behind a swapped one"
     );
     assert_eq!(
@@ -1519,7 +1542,7 @@ fn a_swapped_throughput_sequence_does_not_take_the_pages_of_a_latency_critical_a
     let ids = bt.schedule_into(&mut fin).seq_ids.clone();
     assert_eq!(
         ids,
-        vec![0, 2],
+        vec![2, 0],
         "the latency-critical request waited while a throughput sequence took its pages"
     );
     assert_eq!(bt.phase(1), Some(SeqPhase::Swapped), "1 waits for pages");
@@ -1869,4 +1892,170 @@ fn a_step_that_shortened_a_chunk_for_pages_admits_nothing() {
     assert_eq!(bt.stats().preempted_recompute, 0, "{:?}", bt.stats());
     assert_eq!(used.load(Ordering::Relaxed), 0);
     assert_eq!(p.free_count(), 64);
+}
+
+/// A latency-critical request of `prompt` tokens (one output token).
+fn urgent(id: u64, prompt: Vec<u32>) -> SeqRequest {
+    let mut r = req(id, prompt, 1);
+    r.priority = Priority::LatencyCritical;
+    r
+}
+
+/// A latency-critical request arriving while throughput decoders hold the whole pool is
+/// admitted at the next step, and the latest of them preempted for its page (by the
+/// configured mode). Before, it waited until one of them finished: its time to first token
+/// was bounded by the throughput work's length, not by anything the operator set.
+#[test]
+fn a_waiting_latency_critical_request_preempts_the_latest_throughput_sequence() {
+    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+        let mut cfg = config();
+        cfg.preemption = mode;
+        cfg.swap_blocks = 16;
+        let p = pool(8);
+        let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+        let mut fin = Vec::new();
+        // 13 tokens each: 4 pages, and room in the last for three decode steps.
+        bt.add(req(0, vec![1; 13], 6)).unwrap();
+        bt.add(req(1, vec![2; 13], 6)).unwrap();
+        step(&mut bt, &mut fin);
+        assert_eq!(p.free_count(), 0, "{mode:?}: the decoders hold the pool");
+        bt.add(urgent(2, vec![3; 4])).unwrap();
+        let b = bt.schedule_into(&mut fin);
+        assert_eq!(
+            b.seq_ids,
+            [2, 0],
+            "{mode:?}: the latency-critical request waited for the throughput work"
+        );
+        let victim = bt.phase(1);
+        let expect = match mode {
+            PreemptionMode::Recompute => SeqPhase::Waiting,
+            PreemptionMode::Swap => SeqPhase::Swapped,
+        };
+        assert_eq!(
+            victim,
+            Some(expect),
+            "{mode:?}: the latest one gave its pages"
+        );
+        assert_eq!(bt.phase(0), Some(SeqPhase::Decoding), "{mode:?}");
+        let s = bt.stats();
+        assert_eq!(
+            s.preempted_recompute + s.preempted_swap,
+            1,
+            "{mode:?}: {s:?}"
+        );
+        if mode == PreemptionMode::Swap {
+            assert_eq!(bt.batch().swap_out.len(), 4, "{mode:?}");
+        }
+        let n = bt.batch().num_samples();
+        bt.commit(&vec![1000; n], &mut fin).unwrap();
+        fin.extend(drive(&mut bt, 200));
+        assert_eq!(
+            fin.len(),
+            3,
+            "{mode:?}: the preempted one came back and finished"
+        );
+        assert_eq!(p.free_count(), 8, "{mode:?}");
+    }
+}
+
+/// Where preempting every running throughput sequence would still leave a latency-critical
+/// request's first chunk short, none is preempted: it waits (their work lost for nothing,
+/// and the next step would find the same shortage).
+#[test]
+fn a_latency_critical_request_preempts_nothing_when_that_cannot_make_it_fit() {
+    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+        let mut cfg = config();
+        cfg.preemption = mode;
+        cfg.swap_blocks = 16;
+        let p = pool(8);
+        let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+        let mut fin = Vec::new();
+        bt.add(req(0, vec![1; 5], 3)).unwrap(); // 2 pages
+        step(&mut bt, &mut fin);
+        // Another engine holds the other 6.
+        let mut other = Vec::new();
+        p.alloc_n(EngineId(1), 6, &mut other).unwrap();
+        bt.add(urgent(1, vec![2; 12])).unwrap(); // 3 pages: more than 0 holds
+        let b = bt.schedule_into(&mut fin);
+        assert_eq!(b.seq_ids, [0], "{mode:?}");
+        assert_eq!(bt.phase(1), Some(SeqPhase::Waiting), "{mode:?}");
+        let s = bt.stats();
+        assert_eq!(
+            s.preempted_recompute + s.preempted_swap,
+            0,
+            "{mode:?}: {s:?}"
+        );
+        let n = bt.batch().num_samples();
+        bt.commit(&vec![1000; n], &mut fin).unwrap();
+        p.free_n(&other).unwrap();
+        fin.extend(drive(&mut bt, 200));
+        assert_eq!(fin.len(), 2, "{mode:?}");
+        assert_eq!(p.free_count(), 8, "{mode:?}");
+    }
+}
+
+/// The pages a throughput sequence shares with the prefix cache and the waiting request (its
+/// cached prefix, which the request attached) do not leave when it is preempted: only its own
+/// page counts, too few for the request's chunk, so nothing is preempted (a count of its
+/// table's pages said three, enough).
+#[test]
+fn pages_a_latency_critical_request_shares_do_not_count_as_room() {
+    let (p, mut bt) = with_prefix(4);
+    let mut fin = Vec::new();
+    bt.add(req(0, (1..=8).collect(), 4)).unwrap();
+    step(&mut bt, &mut fin); // 2 full pages, cached at the commit
+    step(&mut bt, &mut fin); // its first decode: a third page
+    assert_eq!(bt.blocks_of(0), Some(3));
+    let other = p.alloc(EngineId(1)).unwrap();
+    // Its prefix is 0's cached pages; its other 6 tokens need 2 more pages.
+    let mut prompt: Vec<u32> = (1..=8).collect();
+    prompt.extend([50, 51, 52, 53, 54, 55]);
+    bt.add(urgent(1, prompt)).unwrap();
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.seq_ids, [0]);
+    assert_eq!(bt.phase(1), Some(SeqPhase::Waiting));
+    assert_eq!(bt.stats().preempted_recompute, 0, "{:?}", bt.stats());
+    let n = bt.batch().num_samples();
+    bt.commit(&vec![1000; n], &mut fin).unwrap();
+    p.free_n(&[other]).unwrap();
+    fin.extend(drive(&mut bt, 200));
+    assert_eq!(fin.len(), 2);
+    assert!(!bt.has_work());
+}
+
+/// A waiting latency-critical request never preempts a running latency-critical sequence:
+/// it waits for one to finish.
+#[test]
+fn a_waiting_latency_critical_request_never_preempts_a_running_one() {
+    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+        let mut cfg = config();
+        cfg.preemption = mode;
+        cfg.swap_blocks = 16;
+        let p = pool(8);
+        let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+        let mut fin = Vec::new();
+        let long = |id, t| {
+            let mut r = req(id, vec![t; 13], 3);
+            r.priority = Priority::LatencyCritical;
+            r
+        };
+        bt.add(long(0, 1)).unwrap();
+        bt.add(long(1, 2)).unwrap();
+        step(&mut bt, &mut fin); // the pool is full
+        bt.add(urgent(2, vec![3; 4])).unwrap();
+        let b = bt.schedule_into(&mut fin);
+        assert_eq!(b.seq_ids, [0, 1], "{mode:?}");
+        assert_eq!(bt.phase(2), Some(SeqPhase::Waiting), "{mode:?}");
+        let s = bt.stats();
+        assert_eq!(
+            s.preempted_recompute + s.preempted_swap,
+            0,
+            "{mode:?}: {s:?}"
+        );
+        let n = bt.batch().num_samples();
+        bt.commit(&vec![1000; n], &mut fin).unwrap();
+        fin.extend(drive(&mut bt, 200));
+        assert_eq!(fin.len(), 3, "{mode:?}");
+        assert_eq!(p.free_count(), 8, "{mode:?}");
+    }
 }

@@ -536,11 +536,19 @@ impl<B: KvBackend> Engine<B> {
 
     /// If latency-critical work waits for pages that are lent out (this engine is within its
     /// limit, the pool is not), the lower-priority engine to take them from and how many.
-    /// (When the engine's own limit binds, a donation would not help: it waits for its own
-    /// sequences, or for reclaim orders to return its lent share.)
+    /// (When the engine's own limit binds, a donation would not help: its step preempts its
+    /// own throughput sequences for the request, or it waits for reclaim orders to return its
+    /// lent share.) None either where the pool's free pages and what this engine's own
+    /// throughput sequences would give up cover the need: the step preempts those for the
+    /// request ([`Batcher::throughput_room`]), a step sooner than a donor would shed.
     fn donation_needed(&self) -> Option<(EngineId, u32)> {
         let (class, need) = self.batcher.next_admission_need()?;
         if class != Priority::LatencyCritical || !self.lent_out_blocks(need) {
+            return None;
+        }
+        let c = self.shared.coordinator();
+        let free = u64::from(c.config().total_blocks).saturating_sub(c.blocks_in_use());
+        if free + u64::from(self.batcher.throughput_room()) >= u64::from(need) {
             return None;
         }
         let donor = self

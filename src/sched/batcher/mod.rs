@@ -155,17 +155,24 @@ pub struct BatcherStats {
 ///    refused at [`add`](Batcher::add), and one the guarantee shrank below is ended at the
 ///    start of the next step with [`FinishReason::TooLong`], so no sequence is preempted
 ///    forever for want of pages that other engines' work keeps.
-/// 2. swapped sequences come back (latency-critical first, then oldest first) when their
-///    blocks fit, unless this step preempted or shortened a chunk for want of pages; a
-///    swapped throughput sequence only once no
-///    latency-critical request waits (after step 3's admissions), so it never takes the pages
-///    of a latency-critical admission;
-/// 3. waiting sequences are admitted, latency-critical before throughput, first come first
-///    served within a class, unless this step preempted or shortened a chunk (admitting
-///    then would only thrash);
-///    a swapped sequence comes back before any waiting one of its class or a less urgent one
-///    is admitted (but a swapped throughput sequence does not hold back latency-critical
-///    admissions).
+///    Between the running latency-critical sequences and the running throughput ones, the
+///    latency-critical class's others come in: swapped ones come back (oldest first) when
+///    their blocks fit, then, once none is left swapped, waiting ones are admitted (first come
+///    first served) within the tokens the running throughput sequences leave. A waiting one
+///    whose first chunk lacks pages (pool or quota) preempts running throughput sequences
+///    (none is in the batch yet), latest arrival first, until the pages they give up at once
+///    cover the chunk, and only if they can: where preempting all of them would not, none is
+///    preempted and it waits (a page that stays allocated after the preemption, one that a
+///    fork or the request's attached prefix also holds, does not count). A running
+///    latency-critical sequence is never preempted for a waiting one. None of this in a step
+///    whose latency-critical rows preempted or shortened a chunk for want of pages.
+/// 2. once no latency-critical request waits, the other swapped sequences come back (oldest
+///    first) when their blocks fit, unless this step preempted or shortened a chunk for want
+///    of pages: a swapped throughput sequence never takes the pages of a latency-critical
+///    admission;
+/// 3. then waiting throughput requests are admitted, first come first served, if no swapped
+///    sequence is left to come back before them, unless this step preempted or shortened a
+///    chunk (admitting then would only thrash).
 ///
 /// The cost of a step is O(scheduled sequences + their new tokens + their blocks), plus, with
 /// a prefix cache on a pool run dry, the eviction's walk over page records (CLOCK: up to two
@@ -661,10 +668,19 @@ impl Batcher {
 
     /// Appends to `running`, noting when that breaks its order.
     fn push_running(&mut self, slot: usize) {
-        if let Some(&last) = self.running.last() {
-            self.running_unsorted |= self.order_key(slot) < self.order_key(last);
+        self.insert_running(self.running.len(), slot);
+    }
+
+    /// Inserts into `running` at `at`, noting when that breaks its order.
+    fn insert_running(&mut self, at: usize, slot: usize) {
+        let key = self.order_key(slot);
+        if let Some(&before) = at.checked_sub(1).and_then(|k| self.running.get(k)) {
+            self.running_unsorted |= key < self.order_key(before);
         }
-        self.running.push(slot);
+        if let Some(&after) = self.running.get(at) {
+            self.running_unsorted |= self.order_key(after) < key;
+        }
+        self.running.insert(at, slot);
     }
 
     /// Refuses a change (`propose`, `fork`) to a sequence whose row in the scheduled batch
@@ -748,8 +764,24 @@ impl Batcher {
         // whether any chunk was shortened this step.
         let mut shortened = None;
         let mut shortened_any = false;
-        while i < self.running.len() {
-            let slot = self.running[i];
+        let mut arrivals_done = false;
+        loop {
+            // Between the running latency-critical sequences and the running throughput ones:
+            // the latency-critical class's swapped and waiting sequences, which may preempt
+            // the throughput sequences (none in the batch yet) for their pages.
+            if !arrivals_done
+                && self
+                    .running
+                    .get(i)
+                    .is_none_or(|&s| self.seq(s).priority != Priority::LatencyCritical)
+            {
+                arrivals_done = true;
+                let pressed = preempted || shortened_any;
+                preempted |= self.admit_latency_critical(&mut i, &mut budget, pressed);
+            }
+            let Some(&slot) = self.running.get(i) else {
+                break;
+            };
             let n = shortened
                 .take()
                 .unwrap_or_else(|| self.tokens_wanted(slot, budget));
@@ -806,54 +838,34 @@ impl Batcher {
         // lack (the next step would preempt or shorten again: thrash).
         let pressed = preempted || shortened_any;
 
-        // 2. Swapped sequences come back when they fit: first those of a class at least as
-        // urgent as the most urgent waiting one (a swapped throughput sequence does not take
-        // the pages a waiting latency-critical request needs; the rest come back after the
-        // admissions, below).
-        let urgent_waiting = Priority::ALL
-            .into_iter()
-            .find(|c| !self.waiting[c.index()].is_empty());
-        self.swap_in_fitting(pressed, urgent_waiting);
-
-        // 3. Waiting sequences, latency-critical first, FCFS within a class; a class only while
-        // no swapped sequence of it (or of a more urgent one) waits to come back (`swapped` is
-        // in priority order: its front is the most urgent).
-        let swapped_class = self.swapped.front().map(|&s| self.seq(s).priority);
-        if !pressed {
-            'admit: for class in Priority::ALL {
-                if swapped_class.is_some_and(|p| p <= class) {
+        // 2. Once no latency-critical request waits (it would be denied the pages they take:
+        // a swapped throughput sequence never takes the pages of a latency-critical
+        // admission), swapped sequences come back while they fit (`swapped` is in priority
+        // order, then arrival);
+        // 3. then waiting throughput requests, FCFS, if no swapped sequence is left to come
+        // back before them.
+        if self.waiting[Priority::LatencyCritical.index()].is_empty() {
+            let mut end = self.running.len();
+            self.swap_in_fitting(pressed, None, &mut end);
+            let class = Priority::Throughput;
+            while let Some(&slot) = self.waiting[class.index()].front() {
+                if pressed
+                    || !self.swapped.is_empty()
+                    || self.running.len() >= self.cfg.max_running as usize
+                    || budget == 0
+                {
                     break;
                 }
-                while let Some(&slot) = self.waiting[class.index()].front() {
-                    if self.running.len() >= self.cfg.max_running as usize || budget == 0 {
-                        break 'admit;
-                    }
-                    let hit = self.attach_cached_prefix(slot);
-                    let n = self.tokens_wanted(slot, budget);
-                    if n == 0 || matches!(self.reserve(slot, n), Reserve::NoBlocks) {
-                        // It stays waiting, and a waiting sequence holds no pages.
-                        self.detach_cached_prefix(slot);
-                        break 'admit;
-                    }
-                    self.count_prefix(slot, hit);
-                    self.waiting[class.index()].pop_front();
-                    self.seq_mut(slot).phase = SeqPhase::Prefilling;
-                    self.push_running(slot);
-                    self.emit(slot, n);
-                    budget -= n;
+                let hit = self.attach_cached_prefix(slot);
+                let n = self.tokens_wanted(slot, budget);
+                if n == 0 || matches!(self.reserve(slot, n), Reserve::NoBlocks) {
+                    // It stays waiting, and a waiting sequence holds no pages.
+                    self.detach_cached_prefix(slot);
+                    break;
                 }
-            }
-        }
-
-        // 2b. The less urgent swapped sequences step 2 held back, once no more urgent request
-        // waits.
-        if let Some(class) = urgent_waiting {
-            let held_back = self
-                .swapped
-                .front()
-                .is_some_and(|&s| self.seq(s).priority > class);
-            if held_back && self.waiting[class.index()].is_empty() {
-                self.swap_in_fitting(pressed, None);
+                self.admit(slot, hit, n);
+                self.push_running(slot);
+                budget -= n;
             }
         }
 
@@ -872,10 +884,84 @@ impl Batcher {
         &self.batch
     }
 
+    /// At the class boundary of step 1 (`running[*at..]` are throughput sequences, none in the
+    /// batch yet): brings swapped latency-critical sequences back while they fit, then, if none
+    /// is left swapped, admits waiting latency-critical requests (FCFS) within what of the
+    /// step's `budget` the throughput rows leave; nothing in a step short of pages
+    /// (`pressed`). A request short of pages preempts running throughput sequences of this
+    /// engine, latest arrival first, when that makes its first chunk fit
+    /// ([`make_room_for_admission`](Self::make_room_for_admission)), and nothing otherwise: it
+    /// waits. Every sequence brought in is put at `*at`, which moves
+    /// past it (a swapped-in one gets its row next step, as in step 2). Returns whether it
+    /// preempted.
+    fn admit_latency_critical(
+        &mut self,
+        at: &mut usize,
+        budget: &mut usize,
+        pressed: bool,
+    ) -> bool {
+        let class = Priority::LatencyCritical;
+        self.swap_in_fitting(pressed, Some(class), at);
+        if pressed
+            || self
+                .swapped
+                .front()
+                .is_some_and(|&s| self.seq(s).priority == class)
+        {
+            return false;
+        }
+        if self.waiting[class.index()].is_empty() {
+            return false;
+        }
+        // The step's tokens go to the running throughput sequences first, as they would if
+        // these requests were admitted after them (their rows come later, their pages do not):
+        // an admission takes only what those leave, so a throughput decoder is never skipped
+        // for an admission's prefill chunk.
+        let mut left = *budget;
+        for &s in &self.running[*at..] {
+            left -= self.tokens_wanted(s, left);
+        }
+        let mut preempted = false;
+        while let Some(&slot) = self.waiting[class.index()].front() {
+            if self.running.len() >= self.cfg.max_running as usize || left == 0 {
+                break;
+            }
+            let hit = self.attach_cached_prefix(slot);
+            let n = self.tokens_wanted(slot, left);
+            let mut fits = n > 0 && matches!(self.reserve(slot, n), Reserve::Ok);
+            if !fits && n > 0 && self.make_room_for_admission(slot, n, *at) {
+                preempted = true;
+                fits = matches!(self.reserve(slot, n), Reserve::Ok);
+            }
+            if !fits {
+                // It stays waiting, and a waiting sequence holds no pages.
+                self.detach_cached_prefix(slot);
+                break;
+            }
+            self.admit(slot, hit, n);
+            self.insert_running(*at, slot);
+            *at += 1;
+            *budget -= n;
+            left -= n;
+        }
+        preempted
+    }
+
+    /// Moves the waiting sequence at the front of its class, its first chunk of `n` tokens
+    /// reserved, to prefilling and emits its row; the caller lists it as running.
+    fn admit(&mut self, slot: usize, hit: usize, n: usize) {
+        self.count_prefix(slot, hit);
+        let class = self.seq(slot).priority.index();
+        self.waiting[class].pop_front();
+        self.seq_mut(slot).phase = SeqPhase::Prefilling;
+        self.emit(slot, n);
+    }
+
     /// Swaps sequences back in, most urgent and oldest first, while they fit (pages and
     /// `max_running`) and, if `up_to` is set, are of that class or a more urgent one; none in a
-    /// step short of pages (`pressed`: it preempted or shortened a chunk).
-    fn swap_in_fitting(&mut self, pressed: bool, up_to: Option<Priority>) {
+    /// step short of pages (`pressed`: it preempted or shortened a chunk). Each is listed as
+    /// running at `*at`, which moves past it.
+    fn swap_in_fitting(&mut self, pressed: bool, up_to: Option<Priority>, at: &mut usize) {
         while let Some(&slot) = self.swapped.front() {
             if pressed || self.running.len() >= self.cfg.max_running as usize {
                 break;
@@ -887,7 +973,8 @@ impl Batcher {
                 break;
             }
             self.swapped.pop_front();
-            self.push_running(slot);
+            self.insert_running(*at, slot);
+            *at += 1;
         }
     }
 
@@ -915,6 +1002,30 @@ impl Batcher {
             .map(|s| s.table.len())
             .sum();
         Some((lowest, blocks))
+    }
+
+    /// The pages that preempting every running throughput sequence would give this engine
+    /// at once (those each holds alone, or, preempted by recompute, that leave its budget; not
+    /// one a fork or another holder of a cached prefix keeps): at most what a step preempts
+    /// them for when a waiting latency-critical request is short of pages. An engine asks
+    /// other engines to donate pages only for what these (and the free pages) do not cover.
+    /// 0 while a swapped latency-critical sequence is to come back first (a swap-in preempts
+    /// nothing). O(the running sequences' pages).
+    pub fn throughput_room(&self) -> u32 {
+        let lc = Priority::LatencyCritical;
+        if self
+            .swapped
+            .front()
+            .is_some_and(|&s| self.seq(s).priority == lc)
+        {
+            return 0;
+        }
+        let mut host_left = self.host_free.len();
+        self.running
+            .iter()
+            .filter(|&&s| self.seq(s).priority == Priority::Throughput)
+            .map(|&s| self.pages_freed_by(s, &mut host_left))
+            .fold(0u32, u32::saturating_add)
     }
 
     /// Waiting sequences of a class.

@@ -3,7 +3,7 @@
 
 use super::{Batcher, PreemptionMode};
 use crate::block::BlockId;
-use crate::sched::sequence::{FinishReason, FinishedSeq, SeqPhase};
+use crate::sched::sequence::{FinishReason, FinishedSeq, Priority, SeqPhase};
 
 impl Batcher {
     /// Preempts running sequences (victim order as in a step) until the requested blocks are
@@ -27,6 +27,81 @@ impl Batcher {
         }
         self.shed_request = 0;
         preempted
+    }
+
+    /// Makes room for the first chunk of `n` tokens of a waiting latency-critical request
+    /// whose pages the last `take_pages` could not get: preempts running throughput sequences
+    /// among `running[from..]` (none of them in the batch yet), latest arrival first, until the
+    /// pages they give up and those the failed attempt had on hand cover the chunk, and only if
+    /// they can: where preempting every one of them would still leave it short, none is
+    /// preempted (it would cost their work for nothing). Returns whether any was preempted.
+    ///
+    /// A victim counts only the pages this step may take back at once
+    /// ([`pages_freed_by`](Self::pages_freed_by)): a page another sequence or the request
+    /// itself still references (a fork, a cached prefix it attached) stays allocated. Where the
+    /// budget refused before the pool was asked (`pages_on_hand` is `None`), nothing on hand is
+    /// counted: the budget's headroom is not known, so the victims' pages alone must cover the
+    /// chunk.
+    pub(super) fn make_room_for_admission(&mut self, slot: usize, n: usize, from: usize) -> bool {
+        let need = self.pages_to_reserve(slot, n).0 as u64;
+        let mut have = u64::from(self.pages_on_hand.unwrap_or(0));
+        // Rare (a latency-critical request short of pages): a list of the candidates is fine.
+        let mut victims: Vec<usize> = self.running[from.min(self.running.len())..]
+            .iter()
+            .copied()
+            .filter(|&v| self.seq(v).priority == Priority::Throughput)
+            .collect();
+        victims.sort_unstable_by_key(|&v| std::cmp::Reverse(self.seq(v).arrival));
+        let mut host_left = self.host_free.len();
+        let mut chosen = 0;
+        for k in 0..victims.len() {
+            if have >= need {
+                break;
+            }
+            let freed = self.pages_freed_by(victims[k], &mut host_left);
+            // A victim that gives up no page (all shared) would be preempted for nothing.
+            if freed > 0 {
+                have += u64::from(freed);
+                victims[chosen] = victims[k];
+                chosen += 1;
+            }
+        }
+        if have < need {
+            return false;
+        }
+        for &victim in &victims[..chosen] {
+            self.running.retain(|&s| s != victim);
+            self.preempt(victim);
+        }
+        chosen > 0
+    }
+
+    /// The pages that preempting the running sequence `slot` (with `host_left` host slots
+    /// still free, which a swap uses up) makes available to this engine in the same step: by
+    /// swap, the pages it holds alone ([`take_pages`](Self::take_pages) may reuse those); by
+    /// recompute (or a swap without host slots), the pages that leave its budget
+    /// ([`pages_leaving`](Self::pages_leaving): freed, or cached-free and so evictable). Neither
+    /// counts a page a copy of the batch reads (held until the batch has run).
+    pub(super) fn pages_freed_by(&self, slot: usize, host_left: &mut usize) -> u32 {
+        let s = self.seq(slot);
+        let blocks = s.table.len() as usize;
+        let swap =
+            self.cfg.preemption == PreemptionMode::Swap && blocks > 0 && *host_left >= blocks;
+        if swap {
+            *host_left -= blocks;
+        }
+        let copies = &self.batch.copies;
+        (0..s.table.len())
+            .filter_map(|i| s.table.get(i))
+            .filter(|&id| !is_copy_source(copies, id))
+            .filter(|&id| {
+                if swap {
+                    self.pool.ref_count(id) == Ok(1)
+                } else {
+                    self.page_leaves(id)
+                }
+            })
+            .count() as u32
     }
 
     /// Frees a sequence's blocks, giving them back to the budget too. Returns how many left

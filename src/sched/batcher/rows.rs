@@ -62,24 +62,28 @@ impl Batcher {
             .min(n - 1)
     }
 
-    /// Makes the sequence's table cover `computed + n` tokens, copying a shared partial last
-    /// block first (copy-on-write). All or nothing.
-    pub(super) fn reserve(&mut self, slot: usize, n: usize) -> Reserve {
-        let (computed, len, may_share) = {
-            let s = self.seq(slot);
-            (s.computed, s.table.len() as usize, s.may_share)
-        };
+    /// The pages [`reserve`](Self::reserve) takes for `n` more tokens of the sequence: its new
+    /// pages, and one more for the copy of a shared partial last block (whose index it gives).
+    pub(super) fn pages_to_reserve(&self, slot: usize, n: usize) -> (usize, Option<u32>) {
+        let s = self.seq(slot);
+        let (computed, len, may_share) = (s.computed, s.table.len() as usize, s.may_share);
         let need = self.blocks_for(computed + n).saturating_sub(len);
-        if need == 0 && !may_share {
+        if !may_share {
             // The common decode step: the token lands in a block the sequence owns alone.
-            return Reserve::Ok;
+            return (need, None);
         }
         // The next write lands inside an existing block if `computed` is not block-aligned.
         let (block, offset) = self.split_pos(computed);
-        let cow_index = (may_share && offset != 0 && block < len)
+        let cow_index = (offset != 0 && block < len)
             .then_some(block as u32)
-            .filter(|&i| self.seq(slot).table.is_shared(i).unwrap_or(false));
-        let total = need + usize::from(cow_index.is_some());
+            .filter(|&i| s.table.is_shared(i).unwrap_or(false));
+        (need + usize::from(cow_index.is_some()), cow_index)
+    }
+
+    /// Makes the sequence's table cover `computed + n` tokens, copying a shared partial last
+    /// block first (copy-on-write). All or nothing.
+    pub(super) fn reserve(&mut self, slot: usize, n: usize) -> Reserve {
+        let (total, cow_index) = self.pages_to_reserve(slot, n);
         if total == 0 {
             return Reserve::Ok;
         }

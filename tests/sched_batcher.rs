@@ -481,14 +481,17 @@ fn random_workloads_keep_invariants() {
         let mut done = Vec::new();
         let mut classes = HashMap::new();
         for step in 0..5_000 {
-            // Whether no latency-critical sequence waits, runs or is swapped out, a running
-            // slot is free, and the running sequences' rows (a chunk each at most) leave a
-            // token of the step: one arriving now is admitted at this step, preempting
-            // throughput sequences for its first chunk's pages if the pool is short (they and
-            // the free pages are the whole pool, which holds any chunk here).
+            // Whether no latency-critical sequence waits, runs or is swapped out, and the
+            // running sequences' rows (a chunk each at most) leave a token of the step, but
+            // for the row of one preempted for its running slot when every slot is taken: one
+            // arriving now is admitted at this step, preempting the latest throughput sequence
+            // for a slot if none is free and throughput sequences for its first chunk's pages
+            // if the pool is short (they and the free pages are the whole pool, which holds any
+            // chunk here).
             let running = bt.num_running();
-            let lc_idle = running < cfg.max_running as usize
-                && running * (cfg.max_prefill_chunk as usize) < cfg.max_batched_tokens as usize
+            let rows_kept = running.min(cfg.max_running as usize - 1);
+            let lc_idle = rows_kept * (cfg.max_prefill_chunk as usize)
+                < cfg.max_batched_tokens as usize
                 && (0..submitted)
                     .all(|id| classes[&id] == Priority::Throughput || bt.phase(id).is_none());
             let mut arrived_lc = None;
@@ -527,7 +530,7 @@ fn random_workloads_keep_invariants() {
                 assert!(
                     !matches!(bt.phase(id), Some(SeqPhase::Waiting)),
                     "seed {seed} step {step}: a latency-critical request waits while \
-                     throughput sequences hold the pages it needs"
+                     throughput sequences hold the pages or the running slot it needs"
                 );
             }
             // A swapped-out throughput sequence comes back only once no latency-critical
@@ -2057,5 +2060,172 @@ fn a_waiting_latency_critical_request_never_preempts_a_running_one() {
         fin.extend(drive(&mut bt, 200));
         assert_eq!(fin.len(), 3, "{mode:?}");
         assert_eq!(p.free_count(), 8, "{mode:?}");
+    }
+}
+
+/// A latency-critical request arriving while throughput sequences fill every running slot
+/// (pages to spare) takes the slot of the latest of them at the next step (preempted by the
+/// configured mode), and the tokens its row would have had: before, it waited for one of them
+/// to finish. A step of 2 tokens leaves none to an admission while both decode.
+#[test]
+fn a_slot_bound_latency_critical_request_preempts_the_latest_throughput_sequence() {
+    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+        let mut cfg = config();
+        cfg.preemption = mode;
+        cfg.swap_blocks = 16;
+        cfg.max_running = 2;
+        cfg.max_batched_tokens = 2;
+        let p = pool(64);
+        let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+        let mut fin = Vec::new();
+        bt.add(req(0, vec![1], 20)).unwrap();
+        bt.add(req(1, vec![2], 20)).unwrap();
+        step(&mut bt, &mut fin);
+        bt.add(urgent(2, vec![3; 4])).unwrap();
+        let b = bt.schedule_into(&mut fin);
+        assert_eq!(
+            b.seq_ids,
+            [2, 0],
+            "{mode:?}: the latency-critical request waited for a running slot"
+        );
+        assert_eq!(b.num_tokens(), 2, "{mode:?}: the step's budget, exactly");
+        let expect = match mode {
+            PreemptionMode::Recompute => SeqPhase::Waiting,
+            PreemptionMode::Swap => SeqPhase::Swapped,
+        };
+        assert_eq!(
+            bt.phase(1),
+            Some(expect),
+            "{mode:?}: the latest gave its slot"
+        );
+        assert_eq!(bt.phase(0), Some(SeqPhase::Decoding), "{mode:?}");
+        assert_eq!(bt.num_running(), 2, "{mode:?}");
+        let s = bt.stats();
+        assert_eq!(
+            s.preempted_recompute + s.preempted_swap,
+            1,
+            "{mode:?}: {s:?}"
+        );
+        let n = bt.batch().num_samples();
+        bt.commit(&vec![1000; n], &mut fin).unwrap();
+        fin.extend(drive(&mut bt, 200));
+        assert_eq!(fin.len(), 3, "{mode:?}: the preempted one came back");
+        assert_eq!(p.free_count(), 64, "{mode:?}");
+    }
+}
+
+/// A slot-bound latency-critical request whose first chunk would still lack pages after
+/// every running throughput sequence gave its own up preempts none (not even for the slot):
+/// it would not be admitted, and their work would be lost for nothing.
+#[test]
+fn a_slot_bound_latency_critical_request_preempts_nothing_when_it_still_would_not_fit() {
+    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+        let mut cfg = config();
+        cfg.preemption = mode;
+        cfg.swap_blocks = 16;
+        cfg.max_running = 1;
+        let p = pool(8);
+        let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+        let mut fin = Vec::new();
+        bt.add(req(0, vec![1; 5], 3)).unwrap(); // 2 pages
+        step(&mut bt, &mut fin);
+        let mut other = Vec::new();
+        p.alloc_n(EngineId(1), 6, &mut other).unwrap();
+        bt.add(urgent(1, vec![2; 12])).unwrap(); // 3 pages
+        let b = bt.schedule_into(&mut fin);
+        assert_eq!(b.seq_ids, [0], "{mode:?}");
+        assert_eq!(bt.phase(1), Some(SeqPhase::Waiting), "{mode:?}");
+        let s = bt.stats();
+        assert_eq!(
+            s.preempted_recompute + s.preempted_swap,
+            0,
+            "{mode:?}: {s:?}"
+        );
+        let n = bt.batch().num_samples();
+        bt.commit(&vec![1000; n], &mut fin).unwrap();
+        p.free_n(&other).unwrap();
+        fin.extend(drive(&mut bt, 200));
+        assert_eq!(fin.len(), 2, "{mode:?}");
+        assert_eq!(p.free_count(), 8, "{mode:?}");
+    }
+}
+
+/// The pages of the throughput sequence preempted for a running slot count toward the
+/// request's first chunk: no second one is preempted when they cover it, and one more is
+/// when they do not (all or nothing, latest first).
+#[test]
+fn a_slot_bound_latency_critical_request_counts_the_slots_victim_pages() {
+    for (prompt, victims) in [(8, 1), (20, 2)] {
+        let mut cfg = config();
+        cfg.max_running = 3;
+        let p = pool(12);
+        let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+        let mut fin = Vec::new();
+        for id in 0..3 {
+            bt.add(req(id, vec![1; 13], 3)).unwrap(); // 4 pages each: the pool
+        }
+        step(&mut bt, &mut fin);
+        bt.add(urgent(3, vec![2; prompt])).unwrap();
+        let b = bt.schedule_into(&mut fin);
+        assert_eq!(b.seq_ids[0], 3, "{prompt}: admitted");
+        assert_eq!(bt.stats().preempted_recompute, victims, "{prompt}");
+        assert_eq!(bt.phase(2), Some(SeqPhase::Waiting), "{prompt}");
+        let second = if victims == 2 {
+            SeqPhase::Waiting
+        } else {
+            SeqPhase::Decoding
+        };
+        assert_eq!(bt.phase(1), Some(second), "{prompt}");
+        assert_eq!(bt.phase(0), Some(SeqPhase::Decoding), "{prompt}");
+        let n = bt.batch().num_samples();
+        bt.commit(&vec![1000; n], &mut fin).unwrap();
+        fin.extend(drive(&mut bt, 200));
+        assert_eq!(fin.len(), 4, "{prompt}");
+        assert_eq!(p.free_count(), 12, "{prompt}");
+    }
+}
+
+/// A slot-bound latency-critical request never preempts a latency-critical sequence: with
+/// every slot held by latency-critical work it waits; with one throughput sequence among them,
+/// that one gives its slot.
+#[test]
+fn a_slot_bound_latency_critical_request_never_preempts_a_latency_critical_one() {
+    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+        for mixed in [false, true] {
+            let mut cfg = config();
+            cfg.preemption = mode;
+            cfg.swap_blocks = 16;
+            cfg.max_running = 2;
+            let p = pool(64);
+            let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+            let mut fin = Vec::new();
+            let mut first = urgent(0, vec![1; 4]);
+            first.stop.max_new_tokens = 5;
+            let mut second = req(1, vec![2; 4], 5);
+            if !mixed {
+                second.priority = Priority::LatencyCritical;
+            }
+            bt.add(first).unwrap();
+            bt.add(second).unwrap();
+            step(&mut bt, &mut fin);
+            bt.add(urgent(2, vec![3; 4])).unwrap();
+            let ids = bt.schedule_into(&mut fin).seq_ids.clone();
+            let s = bt.stats();
+            let preempted = s.preempted_recompute + s.preempted_swap;
+            if mixed {
+                assert_eq!(ids, [0, 2], "{mode:?}");
+                assert_eq!(preempted, 1, "{mode:?}: {s:?}");
+            } else {
+                assert_eq!(ids, [0, 1], "{mode:?}");
+                assert_eq!(bt.phase(2), Some(SeqPhase::Waiting), "{mode:?}");
+                assert_eq!(preempted, 0, "{mode:?}: {s:?}");
+            }
+            assert_eq!(bt.phase(0), Some(SeqPhase::Decoding), "{mode:?} {mixed}");
+            let n = bt.batch().num_samples();
+            bt.commit(&vec![1000; n], &mut fin).unwrap();
+            fin.extend(drive(&mut bt, 200));
+            assert_eq!(fin.len(), 3, "{mode:?} {mixed}");
+            assert_eq!(p.free_count(), 64, "{mode:?} {mixed}");
+        }
     }
 }

@@ -4,6 +4,8 @@ mod preempt;
 mod prefix_link;
 mod rows;
 #[cfg(test)]
+mod swapped_lc_tests;
+#[cfg(test)]
 mod tests;
 
 use super::batch::Batch;
@@ -156,15 +158,18 @@ pub struct BatcherStats {
 ///    start of the next step with [`FinishReason::TooLong`], so no sequence is preempted
 ///    forever for want of pages that other engines' work keeps.
 ///    Between the running latency-critical sequences and the running throughput ones, the
-///    latency-critical class's others come in: swapped ones come back (oldest first) when
-///    their blocks fit, then, once none is left swapped, waiting ones are admitted (first come
-///    first served) within the tokens the running throughput sequences leave. A waiting one
-///    whose first chunk lacks pages (pool or quota) preempts running throughput sequences
-///    (none is in the batch yet), latest arrival first, until the pages they give up at once
-///    cover the chunk, and only if they can: where preempting all of them would not, none is
-///    preempted and it waits (a page that stays allocated after the preemption, one that a
-///    fork or the request's attached prefix also holds, does not count). A running
-///    latency-critical sequence is never preempted for a waiting one. None of this in a step
+///    latency-critical class's others come in: swapped ones come back (oldest first), then,
+///    once none is left swapped, waiting ones are admitted (first come first served) within
+///    the tokens the running throughput sequences leave. One short of pages (pool or quota)
+///    or of a running slot (`max_running` sequences run) preempts running throughput
+///    sequences (none is in the batch yet), latest arrival first: the latest for the slot (its
+///    tokens then go to the admission), more while the pages they give up at once fall short
+///    of its first chunk (all of a swapped one's pages), and only if that brings it in: where
+///    preempting all of them would not, none is preempted and it waits (a page that stays
+///    allocated after the preemption, one that a fork or the request's attached prefix also
+///    holds, does not count). A latency-critical sequence is never preempted for another, so
+///    a flood of latency-critical work may starve throughput work (the class's priority);
+///    without latency-critical work nothing preempts for admissions. None of this in a step
 ///    whose latency-critical rows preempted or shortened a chunk for want of pages.
 /// 2. once no latency-critical request waits, the other swapped sequences come back (oldest
 ///    first) when their blocks fit, unless this step preempted or shortened a chunk for want
@@ -846,7 +851,7 @@ impl Batcher {
         // back before them.
         if self.waiting[Priority::LatencyCritical.index()].is_empty() {
             let mut end = self.running.len();
-            self.swap_in_fitting(pressed, None, &mut end);
+            self.swap_in_fitting(pressed, &mut end);
             let class = Priority::Throughput;
             while let Some(&slot) = self.waiting[class.index()].front() {
                 if pressed
@@ -885,14 +890,17 @@ impl Batcher {
     }
 
     /// At the class boundary of step 1 (`running[*at..]` are throughput sequences, none in the
-    /// batch yet): brings swapped latency-critical sequences back while they fit, then, if none
+    /// batch yet): brings swapped latency-critical sequences back (oldest first), then, if none
     /// is left swapped, admits waiting latency-critical requests (FCFS) within what of the
     /// step's `budget` the throughput rows leave; nothing in a step short of pages
-    /// (`pressed`). A request short of pages preempts running throughput sequences of this
-    /// engine, latest arrival first, when that makes its first chunk fit
-    /// ([`make_room_for_admission`](Self::make_room_for_admission)), and nothing otherwise: it
-    /// waits. Every sequence brought in is put at `*at`, which moves
-    /// past it (a swapped-in one gets its row next step, as in step 2). Returns whether it
+    /// (`pressed`). One short of pages or of a running slot (`max_running` sequences run)
+    /// preempts running throughput sequences of this engine, latest arrival first, when that
+    /// brings it in at once
+    /// ([`make_room_for_latency_critical`](Self::make_room_for_latency_critical)): the latest
+    /// for the slot (its row's tokens then go to the admission), more only while the pages
+    /// they give up fall short; nothing otherwise: it waits. A latency-critical sequence is
+    /// never preempted for another. Every sequence brought in is put at `*at`, which moves past
+    /// it (a swapped-in one gets its row next step, as in step 2). Returns whether it
     /// preempted.
     fn admit_latency_critical(
         &mut self,
@@ -900,38 +908,69 @@ impl Batcher {
         budget: &mut usize,
         pressed: bool,
     ) -> bool {
+        if pressed {
+            return false;
+        }
         let class = Priority::LatencyCritical;
-        self.swap_in_fitting(pressed, Some(class), at);
-        if pressed
-            || self
-                .swapped
-                .front()
-                .is_some_and(|&s| self.seq(s).priority == class)
-        {
-            return false;
-        }
-        if self.waiting[class.index()].is_empty() {
-            return false;
-        }
-        // The step's tokens go to the running throughput sequences first, as they would if
-        // these requests were admitted after them (their rows come later, their pages do not):
-        // an admission takes only what those leave, so a throughput decoder is never skipped
-        // for an admission's prefill chunk.
-        let mut left = *budget;
-        for &s in &self.running[*at..] {
-            left -= self.tokens_wanted(s, left);
-        }
         let mut preempted = false;
+        while let Some(&slot) = self.swapped.front() {
+            if self.seq(slot).priority != class {
+                break;
+            }
+            let full = self.running.len() >= self.cfg.max_running as usize;
+            if full && self.latest_throughput(*at).is_none() {
+                break;
+            }
+            if self.swap_in(slot) {
+                if full {
+                    // Its pages are taken; a throughput sequence gives up its slot.
+                    preempted |= self.make_room_for_latency_critical(0, true, *at);
+                }
+            } else {
+                let need = self.seq(slot).host_blocks.len();
+                let made = self.make_room_for_latency_critical(need, full, *at);
+                preempted |= made;
+                if !made || !self.swap_in(slot) {
+                    break;
+                }
+            }
+            self.swapped.pop_front();
+            self.insert_running(*at, slot);
+            *at += 1;
+        }
+        if self
+            .swapped
+            .front()
+            .is_some_and(|&s| self.seq(s).priority == class)
+        {
+            return preempted;
+        }
         while let Some(&slot) = self.waiting[class.index()].front() {
-            if self.running.len() >= self.cfg.max_running as usize || left == 0 {
+            // The step's tokens go to the running throughput sequences first, as they would if
+            // these requests were admitted after them (their rows come later, their pages do
+            // not): an admission takes only what those leave, so a throughput decoder is never
+            // skipped for an admission's prefill chunk, but the one preempted for the slot.
+            let full = self.running.len() >= self.cfg.max_running as usize;
+            let slot_victim = full.then(|| self.latest_throughput(*at));
+            if slot_victim == Some(None) {
+                break;
+            }
+            let left = self.left_by_throughput(*at, *budget, slot_victim.flatten());
+            if left == 0 {
                 break;
             }
             let hit = self.attach_cached_prefix(slot);
             let n = self.tokens_wanted(slot, left);
             let mut fits = n > 0 && matches!(self.reserve(slot, n), Reserve::Ok);
-            if !fits && n > 0 && self.make_room_for_admission(slot, n, *at) {
-                preempted = true;
-                fits = matches!(self.reserve(slot, n), Reserve::Ok);
+            if fits && full {
+                // Its pages are taken; a throughput sequence gives up its slot.
+                preempted |= self.make_room_for_latency_critical(0, true, *at);
+            } else if !fits && n > 0 {
+                let need = self.pages_to_reserve(slot, n).0;
+                if self.make_room_for_latency_critical(need, full, *at) {
+                    preempted = true;
+                    fits = matches!(self.reserve(slot, n), Reserve::Ok);
+                }
             }
             if !fits {
                 // It stays waiting, and a waiting sequence holds no pages.
@@ -942,9 +981,30 @@ impl Batcher {
             self.insert_running(*at, slot);
             *at += 1;
             *budget -= n;
-            left -= n;
         }
         preempted
+    }
+
+    /// The running throughput sequence of latest arrival among `running[from..]`, if any.
+    fn latest_throughput(&self, from: usize) -> Option<usize> {
+        self.running[from.min(self.running.len())..]
+            .iter()
+            .copied()
+            .filter(|&s| self.seq(s).priority == Priority::Throughput)
+            .max_by_key(|&s| self.seq(s).arrival)
+    }
+
+    /// What of `budget` the rows of `running[from..]` (throughput sequences, none in the batch
+    /// yet) leave, each taking its tokens in order as step 1 gives them; `except` (a
+    /// sequence about to be preempted) takes none.
+    fn left_by_throughput(&self, from: usize, budget: usize, except: Option<usize>) -> usize {
+        let mut left = budget;
+        for &s in &self.running[from..] {
+            if Some(s) != except {
+                left -= self.tokens_wanted(s, left);
+            }
+        }
+        left
     }
 
     /// Moves the waiting sequence at the front of its class, its first chunk of `n` tokens
@@ -957,16 +1017,13 @@ impl Batcher {
         self.emit(slot, n);
     }
 
-    /// Swaps sequences back in, most urgent and oldest first, while they fit (pages and
-    /// `max_running`) and, if `up_to` is set, are of that class or a more urgent one; none in a
-    /// step short of pages (`pressed`: it preempted or shortened a chunk). Each is listed as
-    /// running at `*at`, which moves past it.
-    fn swap_in_fitting(&mut self, pressed: bool, up_to: Option<Priority>, at: &mut usize) {
+    /// Swaps sequences back in, oldest first, while they fit (pages and `max_running`); none
+    /// in a step short of pages (`pressed`: it preempted or shortened a chunk). Each is listed
+    /// as running at `*at`, which moves past it. (Step 2: the latency-critical ones came back
+    /// at the class boundary, where they may preempt throughput work.)
+    fn swap_in_fitting(&mut self, pressed: bool, at: &mut usize) {
         while let Some(&slot) = self.swapped.front() {
             if pressed || self.running.len() >= self.cfg.max_running as usize {
-                break;
-            }
-            if up_to.is_some_and(|c| self.seq(slot).priority > c) {
                 break;
             }
             if !self.swap_in(slot) {
@@ -1007,19 +1064,10 @@ impl Batcher {
     /// The pages that preempting every running throughput sequence would give this engine
     /// at once (those each holds alone, or, preempted by recompute, that leave its budget; not
     /// one a fork or another holder of a cached prefix keeps): at most what a step preempts
-    /// them for when a waiting latency-critical request is short of pages. An engine asks
-    /// other engines to donate pages only for what these (and the free pages) do not cover.
-    /// 0 while a swapped latency-critical sequence is to come back first (a swap-in preempts
-    /// nothing). O(the running sequences' pages).
+    /// them for when latency-critical work (a waiting request, or a swapped-out sequence
+    /// coming back) is short of pages. An engine asks other engines to donate pages only for
+    /// what these (and the free pages) do not cover. O(the running sequences' pages).
     pub fn throughput_room(&self) -> u32 {
-        let lc = Priority::LatencyCritical;
-        if self
-            .swapped
-            .front()
-            .is_some_and(|&s| self.seq(s).priority == lc)
-        {
-            return 0;
-        }
         let mut host_left = self.host_free.len();
         self.running
             .iter()

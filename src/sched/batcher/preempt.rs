@@ -29,23 +29,36 @@ impl Batcher {
         preempted
     }
 
-    /// Makes room for the first chunk of `n` tokens of a waiting latency-critical request
-    /// whose pages the last `take_pages` could not get: preempts running throughput sequences
-    /// among `running[from..]` (none of them in the batch yet), latest arrival first, until the
-    /// pages they give up and those the failed attempt had on hand cover the chunk, and only if
-    /// they can: where preempting every one of them would still leave it short, none is
-    /// preempted (it would cost their work for nothing). Returns whether any was preempted.
+    /// Makes room for a latency-critical sequence (a waiting request's first chunk, or a
+    /// swapped-out sequence's pages) by preempting running throughput sequences among
+    /// `running[from..]` (none of them in the batch yet), latest arrival first: the first of
+    /// them for a running slot if `for_slot` (the running sequences fill `max_running`), then
+    /// more while the pages they give up and those the last failed `take_pages` had on hand
+    /// fall short of `need` (0: its pages were taken). All or nothing: where preempting every
+    /// one of them would still leave it short (or no throughput sequence runs to give up a
+    /// slot), none is preempted (it would cost their work for nothing: the sequence would not
+    /// come in). Returns whether any was preempted.
     ///
     /// A victim counts only the pages this step may take back at once
     /// ([`pages_freed_by`](Self::pages_freed_by)): a page another sequence or the request
     /// itself still references (a fork, a cached prefix it attached) stays allocated. Where the
     /// budget refused before the pool was asked (`pages_on_hand` is `None`), nothing on hand is
     /// counted: the budget's headroom is not known, so the victims' pages alone must cover the
-    /// chunk.
-    pub(super) fn make_room_for_admission(&mut self, slot: usize, n: usize, from: usize) -> bool {
-        let need = self.pages_to_reserve(slot, n).0 as u64;
-        let mut have = u64::from(self.pages_on_hand.unwrap_or(0));
-        // Rare (a latency-critical request short of pages): a list of the candidates is fine.
+    /// need.
+    pub(super) fn make_room_for_latency_critical(
+        &mut self,
+        need: usize,
+        for_slot: bool,
+        from: usize,
+    ) -> bool {
+        let need = need as u64;
+        let mut have = if need > 0 {
+            u64::from(self.pages_on_hand.unwrap_or(0))
+        } else {
+            0
+        };
+        // Rare (latency-critical work short of pages or a slot): a list of the candidates is
+        // fine.
         let mut victims: Vec<usize> = self.running[from.min(self.running.len())..]
             .iter()
             .copied()
@@ -55,18 +68,24 @@ impl Batcher {
         let mut host_left = self.host_free.len();
         let mut chosen = 0;
         for k in 0..victims.len() {
-            if have >= need {
+            let slot_wanted = for_slot && chosen == 0;
+            if have >= need && !slot_wanted {
                 break;
             }
-            let freed = self.pages_freed_by(victims[k], &mut host_left);
-            // A victim that gives up no page (all shared) would be preempted for nothing.
-            if freed > 0 {
+            // Host slots are used up only by the victims actually preempted: one passed over
+            // leaves them to the next, which a swap then takes.
+            let mut left = host_left;
+            let freed = self.pages_freed_by(victims[k], &mut left);
+            // A victim that gives up no page (all shared) would be preempted for nothing,
+            // unless its running slot is what is wanted.
+            if freed > 0 || slot_wanted {
+                host_left = left;
                 have += u64::from(freed);
                 victims[chosen] = victims[k];
                 chosen += 1;
             }
         }
-        if have < need {
+        if have < need || (for_slot && chosen == 0) {
             return false;
         }
         for &victim in &victims[..chosen] {

@@ -329,9 +329,9 @@ fn split_run<T: KvElem>(
     let slots = scratch.len() / per_slot;
     if slots <= 1 || items.len() <= 1 {
         let slot = &mut scratch[..per_slot];
-        for (k, it) in items.iter().enumerate() {
+        for it in items {
             let o = it.out_start - out_base;
-            attend_item(ctx, it, items.get(k + 1), &mut out[o..o + it.out_len], slot);
+            attend_item(ctx, it, &mut out[o..o + it.out_len], slot);
         }
         return;
     }

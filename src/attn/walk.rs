@@ -41,12 +41,9 @@ pub(super) fn slot_len(cfg: &KvCacheConfig, rows: usize, kv_heads: usize) -> usi
 /// One work item, on the widest vector unit the CPU has: the body is compiled twice, once for
 /// the build's baseline target and once with AVX2 enabled (and [`Avx2`]'s `dot4`), chosen at
 /// run time. Every lane does the same arithmetic in both, so the results are bit-identical.
-///
-/// `next` is the item this task runs after `it`, whose first rows the last walk prefetches.
 pub(super) fn attend_item<T: KvElem>(
     ctx: &TaskCtx<'_, T>,
     it: &WorkItem,
-    next: Option<&WorkItem>,
     out: &mut [T],
     slot: &mut [f32],
 ) {
@@ -55,11 +52,11 @@ pub(super) fn attend_item<T: KvElem>(
         if let Some(avx2) = Avx2::detect() {
             // SAFETY: `attend_item_avx2`'s only requirement is that the CPU supports AVX2,
             // which `Avx2::detect` just found.
-            unsafe { attend_item_avx2(ctx, it, next, out, slot, avx2) };
+            unsafe { attend_item_avx2(ctx, it, out, slot, avx2) };
             return;
         }
     }
-    attend_item_body(ctx, it, next, out, slot, Portable);
+    attend_item_body(ctx, it, out, slot, Portable);
 }
 
 /// [`attend_item_body`] compiled with AVX2.
@@ -71,12 +68,11 @@ pub(super) fn attend_item<T: KvElem>(
 unsafe fn attend_item_avx2<T: KvElem>(
     ctx: &TaskCtx<'_, T>,
     it: &WorkItem,
-    next: Option<&WorkItem>,
     out: &mut [T],
     slot: &mut [f32],
     avx2: Avx2,
 ) {
-    attend_item_body(ctx, it, next, out, slot, avx2);
+    attend_item_body(ctx, it, out, slot, avx2);
 }
 
 /// One work item: its KV heads in chunks of [`TaskCtx::kv_chunk`], each chunk one walk.
@@ -84,7 +80,6 @@ unsafe fn attend_item_avx2<T: KvElem>(
 fn attend_item_body<T: KvElem, L: Dot4>(
     ctx: &TaskCtx<'_, T>,
     it: &WorkItem,
-    next: Option<&WorkItem>,
     out: &mut [T],
     slot: &mut [f32],
     lanes: L,
@@ -94,74 +89,24 @@ fn attend_item_body<T: KvElem, L: Dot4>(
         out.fill(T::default());
         return;
     }
-    let chunk = ctx.kv_chunk.max(1);
     let (begin, end) = (it.kvh_begin as usize, it.kvh_end as usize);
     let mut kc = begin;
     while kc < end {
-        let ke = (kc + chunk).min(end);
-        // The first rows of the walk after this one: this item's next chunk, or the next item.
-        let after = if ke < end {
-            first_rows(ctx, it, ke, (ke + chunk).min(end))
-        } else {
-            next.and_then(|n| {
-                let nb = n.kvh_begin as usize;
-                first_rows(ctx, n, nb, (nb + chunk).min(n.kvh_end as usize))
-            })
-        };
-        walk(ctx, it, kc, ke, after, out, slot, lanes);
+        let ke = (kc + ctx.kv_chunk.max(1)).min(end);
+        walk(ctx, it, kc, ke, out, slot, lanes);
         kc = ke;
     }
-}
-
-/// Keys `lo..hi` that some query row of `it` may see (window permitting); `hi > lo`.
-#[inline(always)]
-fn key_range<T>(ctx: &TaskCtx<'_, T>, it: &WorkItem) -> (i64, i64) {
-    // A window past i64 is no window at all (as on the CUDA path): `as` would wrap it negative
-    // and mask every key, the query's own included.
-    let window = i64::try_from(ctx.params.sliding_window).unwrap_or(i64::MAX);
-    let lo = if window > 0 {
-        (it.qpos0 - window + 1).max(0)
-    } else {
-        0
-    };
-    (lo, it.qpos0 + it.tq as i64)
-}
-
-/// Where a walk of KV heads `kc..ke` over item `it` starts reading: the element offset of the
-/// first key row of its first block (heads `kc..ke`), and the row's length; `None` for an
-/// empty decode sequence.
-#[inline(always)]
-fn first_rows<T>(
-    ctx: &TaskCtx<'_, T>,
-    it: &WorkItem,
-    kc: usize,
-    ke: usize,
-) -> Option<(usize, usize)> {
-    if it.qpos0 < 0 || kc >= ke {
-        return None;
-    }
-    let cfg = &ctx.cfg;
-    let (lo, _) = key_range(ctx, it);
-    let mbps = ctx.seqs.max_blocks_per_seq;
-    let block = ctx.seqs.block_tables[it.seq as usize * mbps + lo as usize / cfg.block_size()];
-    let base = cfg.offset(block as usize, ctx.layer, KvPart::Key, 0, kc);
-    Some((base, (ke - kc) * cfg.head_dim()))
 }
 
 /// KV heads `kc..ke` of one item: their `(ke - kc) * tq * group` query rows walk the visible
 /// blocks once with an online (block-wise) softmax. Row `r = (kvh - kc) * tq * group + ti *
 /// group + gi` is query head `kvh * group + gi` of token `tok0 + ti`.
-///
-/// `after`: where the walk after this one starts reading (see [`first_rows`]), prefetched
-/// during this walk's last block.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn walk<T: KvElem, L: Dot4>(
     ctx: &TaskCtx<'_, T>,
     it: &WorkItem,
     kc: usize,
     ke: usize,
-    after: Option<(usize, usize)>,
     out: &mut [T],
     slot: &mut [f32],
     lanes: L,
@@ -182,12 +127,20 @@ fn walk<T: KvElem, L: Dot4>(
 
     let scale = ctx.params.scale;
     let softcap = ctx.params.softcap;
-    let window = i64::try_from(ctx.params.sliding_window).unwrap_or(i64::MAX); // as in key_range
+    // A window past i64 is no window at all (as on the CUDA path): `as` would wrap it negative
+    // and mask every key, the query's own included.
+    let window = i64::try_from(ctx.params.sliding_window).unwrap_or(i64::MAX);
     let mbps = ctx.seqs.max_blocks_per_seq;
     let seq = it.seq as usize;
     let table = &ctx.seqs.block_tables[seq * mbps..(seq + 1) * mbps];
     let qpos_first = it.qpos0;
-    let (lo, hi) = key_range(ctx, it); // keys lo..hi may be visible to some row
+    let qpos_last = it.qpos0 + tq as i64 - 1;
+    let lo = if window > 0 {
+        (qpos_first - window + 1).max(0)
+    } else {
+        0
+    };
+    let hi = qpos_last + 1; // keys lo..hi may be visible to some row
     let tok0 = it.tok0 as usize;
     // Query head of row `r`, and its offset in `query` / `out`.
     let head_of = |r: usize| (kc + r / per_head) * g + r % g;
@@ -303,19 +256,12 @@ fn walk<T: KvElem, L: Dot4>(
         // A weight of 0 (masked key, -inf score, underflow) adds nothing, row by row: a
         // shared `p * v` would give a row that does not see an infinite or NaN value
         // `0 * inf = NaN` from the rows beside it (later tokens of its tile, other heads).
-        // The next block's keys, read after these values (after the last block, the next
-        // walk's first keys).
-        let next_rows = if j < last_block {
-            Some((
-                cfg.offset(table[j + 1] as usize, ctx.layer, KvPart::Key, 0, kc),
-                nk * d,
-            ))
-        } else {
-            after
-        };
+        // The next block's keys, read after these values.
+        let next_kbase = (j < last_block)
+            .then(|| cfg.offset(table[j + 1] as usize, ctx.layer, KvPart::Key, 0, kc));
         for t in t0..t1 {
-            if let Some((base, len)) = next_rows {
-                prefetch(ctx.kv.head(base + t * ts, len));
+            if let Some(nk_base) = next_kbase {
+                prefetch(ctx.kv.head(nk_base + t * ts, nk * d));
             }
             let vrow = widen(ctx.kv.head(vbase + t * ts, nk * d), kbuf);
             for (h, v) in vrow.chunks_exact(d).enumerate() {

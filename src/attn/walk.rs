@@ -192,7 +192,6 @@ fn walk<T: KvElem, L: Dot4>(
         // heads are one run, each head's slice meets that head's rows four at a time (each K
         // element loaded once per four rows), then cap, bias and mask.
         for t in t0..t1 {
-            let kpos = jb + t as i64;
             // The V row of this token, read after this block's scores (the walk's read order is
             // K then V of one block, then the next block: each row is asked for a block ahead).
             prefetch(ctx.kv.head(vbase + t * ts, nk * d));
@@ -211,9 +210,24 @@ fn walk<T: KvElem, L: Dot4>(
                     scores[r * bs + t] = dot(&q32[r * d..(r + 1) * d], k);
                 }
             }
-            for r in 0..rows {
-                let x = &mut scores[r * bs + t];
-                *x = finish(*x, kpos, r);
+        }
+        // Scale, cap, bias and mask, row by row over the block's keys (one contiguous run of
+        // `scores` each): a row that sees every key of the block with neither soft-cap nor
+        // ALiBi only scales, in a loop that vectorises (`finish` computes the same product).
+        let plain = softcap <= 0.0 && ctx.params.alibi_slopes.is_none();
+        let (kfirst, klast) = (jb + t0 as i64, jb + t1 as i64 - 1);
+        for r in 0..rows {
+            let qpos = qpos_first + ((r % per_head) / g) as i64;
+            let sr = &mut scores[r * bs + t0..r * bs + t1];
+            let all_visible = klast <= qpos && (window == 0 || qpos - kfirst < window);
+            if plain && all_visible {
+                for x in sr.iter_mut() {
+                    *x *= scale;
+                }
+            } else {
+                for (kpos, x) in (kfirst..).zip(sr.iter_mut()) {
+                    *x = finish(*x, kpos, r);
+                }
             }
         }
         // Online softmax update, once per block and row.
@@ -268,7 +282,12 @@ fn walk<T: KvElem, L: Dot4>(
                 let (r0, r1) = (h * per_head, (h + 1) * per_head);
                 let mut r = r0;
                 while r + 4 <= r1 {
-                    let p = [0, 1, 2, 3].map(|i| scores[(r + i) * bs + t]);
+                    let p = [
+                        scores[r * bs + t],
+                        scores[(r + 1) * bs + t],
+                        scores[(r + 2) * bs + t],
+                        scores[(r + 3) * bs + t],
+                    ];
                     if !p.contains(&0.0) {
                         axpy4(&mut acc[r * d..(r + 4) * d], p, v);
                     } else {

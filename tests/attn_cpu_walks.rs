@@ -196,3 +196,50 @@ fn a_prefill_row_is_the_same_in_any_tile_and_as_a_decode() {
         );
     }
 }
+
+/// A row that sees a whole block with neither soft-cap nor ALiBi is only scaled, in a
+/// vectorised loop; ALiBi with zero slopes adds exactly 0 and takes the per-key path: the two
+/// must round alike (a fused multiply-add or a pre-scaled query in one of them would not).
+#[test]
+fn the_scale_only_path_rounds_as_the_per_key_path() {
+    let mut rng = SmallRng::seed_from_u64(31);
+    let ctx = [300usize, 47, 16];
+    let s = Setup::new(&mut rng, &ctx);
+    let all: Vec<usize> = (0..ctx.len()).collect();
+    let q: Vec<f16> = (0..ctx.len() * NH * D)
+        .map(|_| f16::from_f32(rng.gen_range(-2.0..2.0)))
+        .collect();
+    let zeros = vec![0.0f32; NH];
+    let (tables, lens) = s.seqs_of(&all, &s.ctx);
+    let seqs = PagedSeqs {
+        block_tables: &tables,
+        max_blocks_per_seq: s.mbps,
+        context_lens: &lens,
+    };
+    let view = s.cache.view::<f16>().unwrap();
+    let run = |slopes: Option<&[f32]>, window: usize| {
+        let params = AttnParams {
+            num_heads: NH,
+            scale: 0.3,
+            alibi_slopes: slopes,
+            sliding_window: window,
+            softcap: 0.0,
+        };
+        let mut out = vec![f16::NAN; q.len()];
+        let mut ws = AttnWorkspace::new();
+        paged_attention_decode(
+            &mut ws,
+            view.layer(1).unwrap(),
+            &q,
+            &seqs,
+            &params,
+            &mut out,
+        )
+        .unwrap();
+        bits(&out)
+    };
+    for window in [0, 100] {
+        let (plain, per_key) = (run(None, window), run(Some(&zeros), window));
+        assert_eq!(first_diff(&plain, &per_key), None, "window {window}");
+    }
+}

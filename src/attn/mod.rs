@@ -54,7 +54,7 @@ mod walk;
 pub struct AttnWorkspace {
     /// `f32` scratch, split into per-task slots (widened queries, accumulators, scores).
     scratch: Vec<f32>,
-    /// Work items of the current call (sequence, KV head or query tile, cost prefix).
+    /// Work items of the current call (sequence and run of KV heads, or query tile; cost prefix).
     items: Vec<cpu::WorkItem>,
 }
 

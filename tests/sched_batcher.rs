@@ -1,108 +1,25 @@
 //! The batcher: the oxillama design's behaviours where they are right, preemption (recompute and
-//! swap), copy-on-write forks, aborts, budgets, and invariants over random workloads.
+//! swap), copy-on-write forks, aborts, budgets, and invariants over random workloads. The
+//! latency-critical class's own behaviours are in tests/sched_latency_critical.rs.
 
-use pagedkv::block::{BlockPool, EngineId, PoolConfig};
+use pagedkv::block::EngineId;
 use pagedkv::error::SchedError;
 use pagedkv::prefix::{PrefixCache, PrefixConfig, PrefixKey};
 use pagedkv::sched::{
-    Batch, Batcher, BatcherConfig, EngineBudget, FinishReason, FinishedSeq, PreemptionMode,
-    Priority, SeqPhase, SeqRequest, StopRules,
+    Batcher, BatcherConfig, EngineBudget, FinishReason, FinishedSeq, PreemptionMode, Priority,
+    SeqPhase,
 };
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
+#[path = "support/batcher_fixtures.rs"]
+mod batcher_fixtures;
 #[path = "support/random_batcher.rs"]
 mod random_batcher;
+use batcher_fixtures::{check_batch, config, drive, pool, req, step, with_prefix, BS};
 use random_batcher::Quota;
-
-const BS: u32 = 4;
-
-fn pool(blocks: u32) -> Arc<BlockPool> {
-    Arc::new(
-        BlockPool::new(PoolConfig {
-            device: 0,
-            num_blocks: blocks,
-            max_engines: 2,
-        })
-        .unwrap(),
-    )
-}
-
-fn config() -> BatcherConfig {
-    BatcherConfig {
-        engine: EngineId(0),
-        block_size: BS,
-        max_running: 32,
-        max_batched_tokens: 512,
-        max_prefill_chunk: 256,
-        max_blocks_per_seq: 64,
-        preemption: PreemptionMode::Recompute,
-        swap_blocks: 0,
-    }
-}
-
-fn req(id: u64, prompt: Vec<u32>, max_new: u32) -> SeqRequest {
-    SeqRequest {
-        id,
-        prompt,
-        stop: StopRules {
-            max_new_tokens: max_new,
-            ..Default::default()
-        },
-        priority: Priority::Throughput,
-    }
-}
-
-/// Checks a batch's internal consistency against the pool geometry.
-fn check_batch(b: &Batch, budget: usize) {
-    assert!(b.num_tokens() <= budget, "token budget exceeded");
-    assert_eq!(b.query_start_loc.len(), b.num_seqs() + 1);
-    assert_eq!(*b.query_start_loc.last().unwrap() as usize, b.num_tokens());
-    let w = b.max_blocks_per_seq;
-    assert_eq!(b.block_tables.len(), b.num_seqs() * w);
-    let mut slots = HashSet::new();
-    for s in 0..b.num_seqs() {
-        let row = &b.block_tables[s * w..(s + 1) * w];
-        let ctx = b.context_lens[s] as usize;
-        let blocks = ctx.div_ceil(BS as usize);
-        assert!(
-            row[..blocks].iter().all(|&x| x >= 0),
-            "table does not cover the tokens"
-        );
-        for t in b.query_start_loc[s] as usize..b.query_start_loc[s + 1] as usize {
-            let pos = b.positions[t] as usize;
-            assert!(pos < ctx);
-            let expect =
-                i64::from(row[pos / BS as usize]) * i64::from(BS) + (pos % BS as usize) as i64;
-            assert_eq!(
-                b.slot_mapping[t], expect,
-                "slot mapping disagrees with the table"
-            );
-            assert!(slots.insert(b.slot_mapping[t]), "two tokens write one slot");
-        }
-    }
-    assert_eq!(b.samples.iter().filter(|&&x| x).count(), b.num_samples());
-}
-
-/// Runs steps until idle (or `max_steps`), sampling `token_of(id, step)`.
-fn drive(bt: &mut Batcher, max_steps: usize) -> Vec<FinishedSeq> {
-    let mut done = Vec::new();
-    let budget = bt.config().max_batched_tokens as usize;
-    for step in 0..max_steps {
-        if !bt.has_work() {
-            break;
-        }
-        let b = bt.schedule_into(&mut done);
-        check_batch(b, budget);
-        let sampled: Vec<u32> = (0..b.num_samples())
-            .map(|k| 1000 + (step + k) as u32)
-            .collect();
-        bt.commit(&sampled, &mut done).unwrap();
-    }
-    done
-}
 
 #[test]
 fn single_request_prefill_then_decode() {
@@ -395,25 +312,6 @@ fn fork_shares_blocks_and_copies_on_write() {
     assert_eq!(p.free_count(), 16);
 }
 
-#[test]
-fn latency_critical_admitted_first() {
-    let p = pool(64);
-    let mut bt = Batcher::new(
-        BatcherConfig {
-            max_running: 1,
-            ..config()
-        },
-        p,
-    )
-    .unwrap();
-    bt.add(req(1, vec![1], 2)).unwrap();
-    let mut urgent = req(2, vec![2], 2);
-    urgent.priority = Priority::LatencyCritical;
-    bt.add(urgent).unwrap();
-    let mut fin = Vec::new();
-    assert_eq!(bt.schedule_into(&mut fin).seq_ids, vec![2]);
-}
-
 /// A quota of `quota` blocks and `tokens` tokens a step, and its counter of blocks in use.
 fn quota(tokens: u32, quota: u32) -> (Quota, Arc<AtomicU32>) {
     let used = Arc::new(AtomicU32::new(0));
@@ -457,7 +355,7 @@ fn attached_budget_limits_tokens_and_blocks() {
 
 #[test]
 fn random_workloads_keep_invariants() {
-    for seed in 0..20u64 {
+    for seed in 0..40u64 {
         let mut rng = SmallRng::seed_from_u64(seed);
         let blocks = rng.gen_range(8..40);
         let p = pool(blocks);
@@ -482,16 +380,18 @@ fn random_workloads_keep_invariants() {
         let mut classes = HashMap::new();
         for step in 0..5_000 {
             // Whether no latency-critical sequence waits, runs or is swapped out, and the
-            // running sequences' rows (a chunk each at most) leave a token of the step, but
-            // for the row of one preempted for its running slot when every slot is taken: one
-            // arriving now is admitted at this step, preempting the latest throughput sequence
-            // for a slot if none is free and throughput sequences for its first chunk's pages
-            // if the pool is short (they and the free pages are the whole pool, which holds any
-            // chunk here).
+            // running decoders' rows (a token each: no drafts here) leave a token of the step,
+            // but for the row of one preempted for its running slot when every slot is taken
+            // (the throughput prefill chunks give way to the admission): one arriving now is
+            // admitted at this step, preempting the latest throughput sequence for a slot if
+            // none is free and throughput sequences for its first chunk's pages if the pool is
+            // short (they and the free pages are the whole pool, which holds any chunk here).
             let running = bt.num_running();
             let rows_kept = running.min(cfg.max_running as usize - 1);
-            let lc_idle = rows_kept * (cfg.max_prefill_chunk as usize)
-                < cfg.max_batched_tokens as usize
+            let decoders = (0..submitted)
+                .filter(|&id| bt.phase(id) == Some(SeqPhase::Decoding))
+                .count();
+            let lc_idle = decoders.min(rows_kept) < cfg.max_batched_tokens as usize
                 && (0..submitted)
                     .all(|id| classes[&id] == Priority::Throughput || bt.phase(id).is_none());
             let mut arrived_lc = None;
@@ -530,7 +430,8 @@ fn random_workloads_keep_invariants() {
                 assert!(
                     !matches!(bt.phase(id), Some(SeqPhase::Waiting)),
                     "seed {seed} step {step}: a latency-critical request waits while \
-                     throughput sequences hold the pages or the running slot it needs"
+                     throughput sequences hold the pages, the running slot or the prefill \
+                     tokens it needs"
                 );
             }
             // A swapped-out throughput sequence comes back only once no latency-critical
@@ -619,21 +520,6 @@ fn swapped_out_pages_stay_allocated_until_the_batch_has_run() {
         6,
         "swapped-out pages are freed after the batch"
     );
-}
-
-/// A batcher on a pool of `blocks` pages with a prefix cache attached.
-fn with_prefix(blocks: u32) -> (Arc<BlockPool>, Batcher) {
-    let p = pool(blocks);
-    let mut bt = Batcher::new(config(), p.clone()).unwrap();
-    let cache = PrefixCache::new(p.clone(), PrefixConfig { seed: Some(3) });
-    bt.attach_prefix_cache(Arc::new(cache)).unwrap();
-    (p, bt)
-}
-
-/// One step: schedule, then commit with every sample 1000.
-fn step(bt: &mut Batcher, fin: &mut Vec<FinishedSeq>) {
-    let n = bt.schedule_into(fin).num_samples();
-    bt.commit(&vec![1000; n], fin).unwrap();
 }
 
 /// A sequence that attaches cached pages on admission but cannot reserve the rest stays
@@ -1066,30 +952,6 @@ fn a_copy_source_is_never_a_copy_destination_of_the_same_step() {
     assert_eq!(p.free_count(), 5);
 }
 
-/// Priority's contract: latency-critical work is preempted last. A throughput sequence
-/// admitted before a latency-critical one sat ahead of it in the running list, so when the
-/// latency-critical one needed a page the throughput one (already in the batch) was out of
-/// reach and the latency-critical one was preempted instead.
-#[test]
-fn a_latency_critical_sequence_is_not_preempted_for_a_throughput_one() {
-    let mut bt = Batcher::new(config(), pool(3)).unwrap();
-    let mut fin = Vec::new();
-    bt.add(req(0, vec![1; 4], 8)).unwrap();
-    let n = bt.schedule_into(&mut fin).num_samples();
-    bt.commit(&vec![5; n], &mut fin).unwrap();
-    let mut lc = req(1, vec![2; 4], 8);
-    lc.priority = Priority::LatencyCritical;
-    bt.add(lc).unwrap();
-    // Throughput 0 decodes into its second page, latency-critical 1 prefills its first.
-    let n = bt.schedule_into(&mut fin).num_samples();
-    bt.commit(&vec![5; n], &mut fin).unwrap();
-    assert_eq!(bt.phase(1), Some(SeqPhase::Decoding));
-    // 1 needs a second page and the pool is empty: the throughput sequence must give way.
-    let ids = bt.schedule_into(&mut fin).seq_ids.clone();
-    assert_eq!(ids, vec![1], "{:?}", bt.stats());
-    assert_eq!(bt.phase(0), Some(SeqPhase::Waiting));
-}
-
 /// Same priority: the youngest sequence is the victim, never the oldest while a younger one
 /// runs. Swapped-out sequences came back youngest first (the swapped queue was in preemption
 /// order, youngest first within a step) and a sequence swapped in went to the end of the
@@ -1457,105 +1319,6 @@ fn pages_shed_by_swapping_out_are_not_taken_back_in_the_same_step() {
     }
 }
 
-/// A swapped-out throughput sequence that cannot come back yet does not hold back a
-/// latency-critical request that fits (swap preemption kept every waiting request out while
-/// anything was swapped out: a priority inversion recompute preemption, which queues its
-/// victims behind waiting latency-critical requests, does not have). Waiting throughput
-/// requests still wait behind it.
-#[test]
-fn a_swapped_throughput_sequence_does_not_hold_back_latency_critical_admissions() {
-    let mut cfg = config();
-    cfg.preemption = PreemptionMode::Swap;
-    cfg.swap_blocks = 16;
-    let p = pool(6);
-    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
-    let mut fin = Vec::new();
-    bt.add(req(0, vec![1; 8], 4)).unwrap();
-    bt.add(req(1, vec![2; 8], 4)).unwrap();
-    step(&mut bt, &mut fin); // both prefill: 2 pages each
-    bt.request_shed(2);
-    let b = bt.schedule_into(&mut fin);
-    assert_eq!(b.swap_out.len(), 2, "the younger is swapped out");
-    let n = b.num_samples();
-    bt.commit(&vec![1000; n], &mut fin).unwrap();
-    assert_eq!(bt.phase(1), Some(SeqPhase::Swapped));
-    // 0 holds 3 pages. Another engine takes two of the three free: one left, too few for 1 to
-    // come back, enough for a latency-critical request of one page.
-    let mut other = Vec::new();
-    p.alloc_n(EngineId(1), 2, &mut other).unwrap();
-    let mut lc = req(2, vec![3; 4], 1);
-    lc.priority = Priority::LatencyCritical;
-    bt.add(lc).unwrap();
-    bt.add(req(3, vec![4; 4], 1)).unwrap();
-    let ids = bt.schedule_into(&mut fin).seq_ids.clone();
-    assert_eq!(bt.phase(1), Some(SeqPhase::Swapped));
-    // Class by class: the admitted latency-critical row comes before the running throughput
-    // one.
-    assert_eq!(
-        ids,
-        vec![2, 0],
-        "the latency-critical request waited behind a swapped one"
-    );
-    assert_eq!(
-        bt.phase(3),
-        Some(SeqPhase::Waiting),
-        "throughput waits behind it"
-    );
-    let n = bt.batch().num_samples();
-    bt.commit(&vec![1000; n], &mut fin).unwrap();
-    p.free_n(&other).unwrap();
-    fin.extend(drive(&mut bt, 100));
-    assert_eq!(fin.len(), 4);
-    assert_eq!(p.free_count(), 6);
-}
-
-/// A swapped-out throughput sequence that could come back does not take the pages a waiting
-/// latency-critical request needs: the latency-critical one is admitted first, as
-/// `next_admission_need` (the pages a latency-critical request asks another engine to donate)
-/// and the batcher's docs order them. The swap-in ran first, took the pages, and the
-/// latency-critical request waited (on an engine, pages donated for it went to the swap-in).
-#[test]
-fn a_swapped_throughput_sequence_does_not_take_the_pages_of_a_latency_critical_admission() {
-    let mut cfg = config();
-    cfg.preemption = PreemptionMode::Swap;
-    cfg.swap_blocks = 16;
-    let p = pool(6);
-    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
-    let mut fin = Vec::new();
-    bt.add(req(0, vec![1; 8], 8)).unwrap();
-    bt.add(req(1, vec![2; 8], 8)).unwrap();
-    step(&mut bt, &mut fin); // both prefill: 2 pages each
-    bt.request_shed(2);
-    let b = bt.schedule_into(&mut fin);
-    assert_eq!(b.swap_out.len(), 2, "the younger is swapped out");
-    let n = b.num_samples();
-    bt.commit(&vec![1000; n], &mut fin).unwrap();
-    assert_eq!(bt.phase(1), Some(SeqPhase::Swapped));
-    // 0 holds 3 pages: 3 free, enough for 1 to come back (2) or for a latency-critical
-    // request of 2 pages, not for both.
-    assert_eq!(p.free_count(), 3);
-    let mut lc = req(2, vec![3; 8], 1);
-    lc.priority = Priority::LatencyCritical;
-    bt.add(lc).unwrap();
-    assert_eq!(
-        bt.next_admission_need(),
-        Some((Priority::LatencyCritical, 2)),
-        "the latency-critical request is admitted next"
-    );
-    let ids = bt.schedule_into(&mut fin).seq_ids.clone();
-    assert_eq!(
-        ids,
-        vec![2, 0],
-        "the latency-critical request waited while a throughput sequence took its pages"
-    );
-    assert_eq!(bt.phase(1), Some(SeqPhase::Swapped), "1 waits for pages");
-    let n = bt.batch().num_samples();
-    bt.commit(&vec![1000; n], &mut fin).unwrap();
-    fin.extend(drive(&mut bt, 100));
-    assert_eq!(fin.len(), 3);
-    assert_eq!(p.free_count(), 6);
-}
-
 /// Sequences a discarded batch preempts by recompute wait oldest first, as a step's own
 /// preemptions leave them (first come first served within a class): the discard queued each
 /// at the front in turn, so the youngest came back first.
@@ -1631,56 +1394,6 @@ fn an_engine_id_registered_again_finds_none_of_the_old_models_kv() {
     assert_eq!(n, prompt.len(), "the new model computes its whole prompt");
     drop(new);
     assert_eq!(p.free_count(), 16);
-}
-
-/// A batcher on 4 pages whose two 6-token requests of `class` ran until the younger one (2
-/// pages) was swapped out; nothing waits.
-fn one_swapped_out(class: Priority) -> Batcher {
-    let mut bt = Batcher::new(
-        BatcherConfig {
-            preemption: PreemptionMode::Swap,
-            swap_blocks: 16,
-            ..config()
-        },
-        pool(4),
-    )
-    .unwrap();
-    for id in 0..2 {
-        let mut r = req(id, vec![1; 6], 10);
-        r.priority = class;
-        bt.add(r).unwrap();
-    }
-    let mut fin = Vec::new();
-    while bt.num_swapped() == 0 {
-        assert!(bt.has_work(), "the workload swapped nothing out");
-        step(&mut bt, &mut fin);
-    }
-    assert_eq!(bt.num_waiting_in(Priority::LatencyCritical), 0);
-    assert_eq!(bt.num_waiting_in(Priority::Throughput), 0);
-    bt
-}
-
-/// A swapped-out sequence is what the batcher admits next (it comes back before any waiting
-/// one of its class or a less urgent one), so it is the next admission's need: before, only
-/// waiting sequences were read, and an engine whose latency-critical sequence was swapped out
-/// (a running one that finds no page swaps itself out under swap preemption) asked no
-/// donation for it, where the same sequence preempted by recompute (waiting) did.
-#[test]
-fn a_swapped_sequence_is_the_next_admission_need() {
-    let lc = Priority::LatencyCritical;
-    let mut bt = one_swapped_out(lc);
-    assert_eq!(bt.next_admission_need(), Some((lc, 2)));
-    // A waiting throughput request does not come before it ...
-    bt.add(req(7, vec![1; 9], 1)).unwrap();
-    assert_eq!(bt.next_admission_need(), Some((lc, 2)));
-    // ... and a waiting latency-critical one (9 tokens: 3 pages) comes before a swapped
-    // throughput one.
-    let mut tp = one_swapped_out(Priority::Throughput);
-    assert_eq!(tp.next_admission_need(), Some((Priority::Throughput, 2)));
-    let mut urgent = req(9, vec![1; 9], 1);
-    urgent.priority = lc;
-    tp.add(urgent).unwrap();
-    assert_eq!(tp.next_admission_need(), Some((lc, 3)));
 }
 
 /// Swap slots past `MAX_BLOCKS` are refused: no host swap space holds more (`SwapSpace`, the
@@ -1895,337 +1608,4 @@ fn a_step_that_shortened_a_chunk_for_pages_admits_nothing() {
     assert_eq!(bt.stats().preempted_recompute, 0, "{:?}", bt.stats());
     assert_eq!(used.load(Ordering::Relaxed), 0);
     assert_eq!(p.free_count(), 64);
-}
-
-/// A latency-critical request of `prompt` tokens (one output token).
-fn urgent(id: u64, prompt: Vec<u32>) -> SeqRequest {
-    let mut r = req(id, prompt, 1);
-    r.priority = Priority::LatencyCritical;
-    r
-}
-
-/// A latency-critical request arriving while throughput decoders hold the whole pool is
-/// admitted at the next step, and the latest of them preempted for its page (by the
-/// configured mode). Before, it waited until one of them finished: its time to first token
-/// was bounded by the throughput work's length, not by anything the operator set.
-#[test]
-fn a_waiting_latency_critical_request_preempts_the_latest_throughput_sequence() {
-    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
-        let mut cfg = config();
-        cfg.preemption = mode;
-        cfg.swap_blocks = 16;
-        let p = pool(8);
-        let mut bt = Batcher::new(cfg, p.clone()).unwrap();
-        let mut fin = Vec::new();
-        // 13 tokens each: 4 pages, and room in the last for three decode steps.
-        bt.add(req(0, vec![1; 13], 6)).unwrap();
-        bt.add(req(1, vec![2; 13], 6)).unwrap();
-        step(&mut bt, &mut fin);
-        assert_eq!(p.free_count(), 0, "{mode:?}: the decoders hold the pool");
-        bt.add(urgent(2, vec![3; 4])).unwrap();
-        let b = bt.schedule_into(&mut fin);
-        assert_eq!(
-            b.seq_ids,
-            [2, 0],
-            "{mode:?}: the latency-critical request waited for the throughput work"
-        );
-        let victim = bt.phase(1);
-        let expect = match mode {
-            PreemptionMode::Recompute => SeqPhase::Waiting,
-            PreemptionMode::Swap => SeqPhase::Swapped,
-        };
-        assert_eq!(
-            victim,
-            Some(expect),
-            "{mode:?}: the latest one gave its pages"
-        );
-        assert_eq!(bt.phase(0), Some(SeqPhase::Decoding), "{mode:?}");
-        let s = bt.stats();
-        assert_eq!(
-            s.preempted_recompute + s.preempted_swap,
-            1,
-            "{mode:?}: {s:?}"
-        );
-        if mode == PreemptionMode::Swap {
-            assert_eq!(bt.batch().swap_out.len(), 4, "{mode:?}");
-        }
-        let n = bt.batch().num_samples();
-        bt.commit(&vec![1000; n], &mut fin).unwrap();
-        fin.extend(drive(&mut bt, 200));
-        assert_eq!(
-            fin.len(),
-            3,
-            "{mode:?}: the preempted one came back and finished"
-        );
-        assert_eq!(p.free_count(), 8, "{mode:?}");
-    }
-}
-
-/// Where preempting every running throughput sequence would still leave a latency-critical
-/// request's first chunk short, none is preempted: it waits (their work lost for nothing,
-/// and the next step would find the same shortage).
-#[test]
-fn a_latency_critical_request_preempts_nothing_when_that_cannot_make_it_fit() {
-    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
-        let mut cfg = config();
-        cfg.preemption = mode;
-        cfg.swap_blocks = 16;
-        let p = pool(8);
-        let mut bt = Batcher::new(cfg, p.clone()).unwrap();
-        let mut fin = Vec::new();
-        bt.add(req(0, vec![1; 5], 3)).unwrap(); // 2 pages
-        step(&mut bt, &mut fin);
-        // Another engine holds the other 6.
-        let mut other = Vec::new();
-        p.alloc_n(EngineId(1), 6, &mut other).unwrap();
-        bt.add(urgent(1, vec![2; 12])).unwrap(); // 3 pages: more than 0 holds
-        let b = bt.schedule_into(&mut fin);
-        assert_eq!(b.seq_ids, [0], "{mode:?}");
-        assert_eq!(bt.phase(1), Some(SeqPhase::Waiting), "{mode:?}");
-        let s = bt.stats();
-        assert_eq!(
-            s.preempted_recompute + s.preempted_swap,
-            0,
-            "{mode:?}: {s:?}"
-        );
-        let n = bt.batch().num_samples();
-        bt.commit(&vec![1000; n], &mut fin).unwrap();
-        p.free_n(&other).unwrap();
-        fin.extend(drive(&mut bt, 200));
-        assert_eq!(fin.len(), 2, "{mode:?}");
-        assert_eq!(p.free_count(), 8, "{mode:?}");
-    }
-}
-
-/// The pages a throughput sequence shares with the prefix cache and the waiting request (its
-/// cached prefix, which the request attached) do not leave when it is preempted: only its own
-/// page counts, too few for the request's chunk, so nothing is preempted (a count of its
-/// table's pages said three, enough).
-#[test]
-fn pages_a_latency_critical_request_shares_do_not_count_as_room() {
-    let (p, mut bt) = with_prefix(4);
-    let mut fin = Vec::new();
-    bt.add(req(0, (1..=8).collect(), 4)).unwrap();
-    step(&mut bt, &mut fin); // 2 full pages, cached at the commit
-    step(&mut bt, &mut fin); // its first decode: a third page
-    assert_eq!(bt.blocks_of(0), Some(3));
-    let other = p.alloc(EngineId(1)).unwrap();
-    // Its prefix is 0's cached pages; its other 6 tokens need 2 more pages.
-    let mut prompt: Vec<u32> = (1..=8).collect();
-    prompt.extend([50, 51, 52, 53, 54, 55]);
-    bt.add(urgent(1, prompt)).unwrap();
-    let b = bt.schedule_into(&mut fin);
-    assert_eq!(b.seq_ids, [0]);
-    assert_eq!(bt.phase(1), Some(SeqPhase::Waiting));
-    assert_eq!(bt.stats().preempted_recompute, 0, "{:?}", bt.stats());
-    let n = bt.batch().num_samples();
-    bt.commit(&vec![1000; n], &mut fin).unwrap();
-    p.free_n(&[other]).unwrap();
-    fin.extend(drive(&mut bt, 200));
-    assert_eq!(fin.len(), 2);
-    assert!(!bt.has_work());
-}
-
-/// A waiting latency-critical request never preempts a running latency-critical sequence:
-/// it waits for one to finish.
-#[test]
-fn a_waiting_latency_critical_request_never_preempts_a_running_one() {
-    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
-        let mut cfg = config();
-        cfg.preemption = mode;
-        cfg.swap_blocks = 16;
-        let p = pool(8);
-        let mut bt = Batcher::new(cfg, p.clone()).unwrap();
-        let mut fin = Vec::new();
-        let long = |id, t| {
-            let mut r = req(id, vec![t; 13], 3);
-            r.priority = Priority::LatencyCritical;
-            r
-        };
-        bt.add(long(0, 1)).unwrap();
-        bt.add(long(1, 2)).unwrap();
-        step(&mut bt, &mut fin); // the pool is full
-        bt.add(urgent(2, vec![3; 4])).unwrap();
-        let b = bt.schedule_into(&mut fin);
-        assert_eq!(b.seq_ids, [0, 1], "{mode:?}");
-        assert_eq!(bt.phase(2), Some(SeqPhase::Waiting), "{mode:?}");
-        let s = bt.stats();
-        assert_eq!(
-            s.preempted_recompute + s.preempted_swap,
-            0,
-            "{mode:?}: {s:?}"
-        );
-        let n = bt.batch().num_samples();
-        bt.commit(&vec![1000; n], &mut fin).unwrap();
-        fin.extend(drive(&mut bt, 200));
-        assert_eq!(fin.len(), 3, "{mode:?}");
-        assert_eq!(p.free_count(), 8, "{mode:?}");
-    }
-}
-
-/// A latency-critical request arriving while throughput sequences fill every running slot
-/// (pages to spare) takes the slot of the latest of them at the next step (preempted by the
-/// configured mode), and the tokens its row would have had: before, it waited for one of them
-/// to finish. A step of 2 tokens leaves none to an admission while both decode.
-#[test]
-fn a_slot_bound_latency_critical_request_preempts_the_latest_throughput_sequence() {
-    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
-        let mut cfg = config();
-        cfg.preemption = mode;
-        cfg.swap_blocks = 16;
-        cfg.max_running = 2;
-        cfg.max_batched_tokens = 2;
-        let p = pool(64);
-        let mut bt = Batcher::new(cfg, p.clone()).unwrap();
-        let mut fin = Vec::new();
-        bt.add(req(0, vec![1], 20)).unwrap();
-        bt.add(req(1, vec![2], 20)).unwrap();
-        step(&mut bt, &mut fin);
-        bt.add(urgent(2, vec![3; 4])).unwrap();
-        let b = bt.schedule_into(&mut fin);
-        assert_eq!(
-            b.seq_ids,
-            [2, 0],
-            "{mode:?}: the latency-critical request waited for a running slot"
-        );
-        assert_eq!(b.num_tokens(), 2, "{mode:?}: the step's budget, exactly");
-        let expect = match mode {
-            PreemptionMode::Recompute => SeqPhase::Waiting,
-            PreemptionMode::Swap => SeqPhase::Swapped,
-        };
-        assert_eq!(
-            bt.phase(1),
-            Some(expect),
-            "{mode:?}: the latest gave its slot"
-        );
-        assert_eq!(bt.phase(0), Some(SeqPhase::Decoding), "{mode:?}");
-        assert_eq!(bt.num_running(), 2, "{mode:?}");
-        let s = bt.stats();
-        assert_eq!(
-            s.preempted_recompute + s.preempted_swap,
-            1,
-            "{mode:?}: {s:?}"
-        );
-        let n = bt.batch().num_samples();
-        bt.commit(&vec![1000; n], &mut fin).unwrap();
-        fin.extend(drive(&mut bt, 200));
-        assert_eq!(fin.len(), 3, "{mode:?}: the preempted one came back");
-        assert_eq!(p.free_count(), 64, "{mode:?}");
-    }
-}
-
-/// A slot-bound latency-critical request whose first chunk would still lack pages after
-/// every running throughput sequence gave its own up preempts none (not even for the slot):
-/// it would not be admitted, and their work would be lost for nothing.
-#[test]
-fn a_slot_bound_latency_critical_request_preempts_nothing_when_it_still_would_not_fit() {
-    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
-        let mut cfg = config();
-        cfg.preemption = mode;
-        cfg.swap_blocks = 16;
-        cfg.max_running = 1;
-        let p = pool(8);
-        let mut bt = Batcher::new(cfg, p.clone()).unwrap();
-        let mut fin = Vec::new();
-        bt.add(req(0, vec![1; 5], 3)).unwrap(); // 2 pages
-        step(&mut bt, &mut fin);
-        let mut other = Vec::new();
-        p.alloc_n(EngineId(1), 6, &mut other).unwrap();
-        bt.add(urgent(1, vec![2; 12])).unwrap(); // 3 pages
-        let b = bt.schedule_into(&mut fin);
-        assert_eq!(b.seq_ids, [0], "{mode:?}");
-        assert_eq!(bt.phase(1), Some(SeqPhase::Waiting), "{mode:?}");
-        let s = bt.stats();
-        assert_eq!(
-            s.preempted_recompute + s.preempted_swap,
-            0,
-            "{mode:?}: {s:?}"
-        );
-        let n = bt.batch().num_samples();
-        bt.commit(&vec![1000; n], &mut fin).unwrap();
-        p.free_n(&other).unwrap();
-        fin.extend(drive(&mut bt, 200));
-        assert_eq!(fin.len(), 2, "{mode:?}");
-        assert_eq!(p.free_count(), 8, "{mode:?}");
-    }
-}
-
-/// The pages of the throughput sequence preempted for a running slot count toward the
-/// request's first chunk: no second one is preempted when they cover it, and one more is
-/// when they do not (all or nothing, latest first).
-#[test]
-fn a_slot_bound_latency_critical_request_counts_the_slots_victim_pages() {
-    for (prompt, victims) in [(8, 1), (20, 2)] {
-        let mut cfg = config();
-        cfg.max_running = 3;
-        let p = pool(12);
-        let mut bt = Batcher::new(cfg, p.clone()).unwrap();
-        let mut fin = Vec::new();
-        for id in 0..3 {
-            bt.add(req(id, vec![1; 13], 3)).unwrap(); // 4 pages each: the pool
-        }
-        step(&mut bt, &mut fin);
-        bt.add(urgent(3, vec![2; prompt])).unwrap();
-        let b = bt.schedule_into(&mut fin);
-        assert_eq!(b.seq_ids[0], 3, "{prompt}: admitted");
-        assert_eq!(bt.stats().preempted_recompute, victims, "{prompt}");
-        assert_eq!(bt.phase(2), Some(SeqPhase::Waiting), "{prompt}");
-        let second = if victims == 2 {
-            SeqPhase::Waiting
-        } else {
-            SeqPhase::Decoding
-        };
-        assert_eq!(bt.phase(1), Some(second), "{prompt}");
-        assert_eq!(bt.phase(0), Some(SeqPhase::Decoding), "{prompt}");
-        let n = bt.batch().num_samples();
-        bt.commit(&vec![1000; n], &mut fin).unwrap();
-        fin.extend(drive(&mut bt, 200));
-        assert_eq!(fin.len(), 4, "{prompt}");
-        assert_eq!(p.free_count(), 12, "{prompt}");
-    }
-}
-
-/// A slot-bound latency-critical request never preempts a latency-critical sequence: with
-/// every slot held by latency-critical work it waits; with one throughput sequence among them,
-/// that one gives its slot.
-#[test]
-fn a_slot_bound_latency_critical_request_never_preempts_a_latency_critical_one() {
-    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
-        for mixed in [false, true] {
-            let mut cfg = config();
-            cfg.preemption = mode;
-            cfg.swap_blocks = 16;
-            cfg.max_running = 2;
-            let p = pool(64);
-            let mut bt = Batcher::new(cfg, p.clone()).unwrap();
-            let mut fin = Vec::new();
-            let mut first = urgent(0, vec![1; 4]);
-            first.stop.max_new_tokens = 5;
-            let mut second = req(1, vec![2; 4], 5);
-            if !mixed {
-                second.priority = Priority::LatencyCritical;
-            }
-            bt.add(first).unwrap();
-            bt.add(second).unwrap();
-            step(&mut bt, &mut fin);
-            bt.add(urgent(2, vec![3; 4])).unwrap();
-            let ids = bt.schedule_into(&mut fin).seq_ids.clone();
-            let s = bt.stats();
-            let preempted = s.preempted_recompute + s.preempted_swap;
-            if mixed {
-                assert_eq!(ids, [0, 2], "{mode:?}");
-                assert_eq!(preempted, 1, "{mode:?}: {s:?}");
-            } else {
-                assert_eq!(ids, [0, 1], "{mode:?}");
-                assert_eq!(bt.phase(2), Some(SeqPhase::Waiting), "{mode:?}");
-                assert_eq!(preempted, 0, "{mode:?}: {s:?}");
-            }
-            assert_eq!(bt.phase(0), Some(SeqPhase::Decoding), "{mode:?} {mixed}");
-            let n = bt.batch().num_samples();
-            bt.commit(&vec![1000; n], &mut fin).unwrap();
-            fin.extend(drive(&mut bt, 200));
-            assert_eq!(fin.len(), 3, "{mode:?} {mixed}");
-            assert_eq!(p.free_count(), 64, "{mode:?} {mixed}");
-        }
-    }
 }

@@ -1,7 +1,7 @@
 //! The randomized scheduler tests' common start (tests/sched_shadow_kv.rs,
 //! tests/sched_differential.rs): a batcher with a random configuration on a fresh pool, under
-//! a block quota that fails the test on a release below zero (tests/sched_batcher.rs and
-//! tests/prefix_two_engines.rs use the quota alone).
+//! a block quota that fails the test on a release below zero (tests/sched_batcher.rs,
+//! tests/sched_latency_critical.rs and tests/prefix_two_engines.rs use the quota alone).
 // Each test crate that includes this file uses part of it.
 #![allow(dead_code)]
 

@@ -160,7 +160,10 @@ pub struct BatcherStats {
 ///    Between the running latency-critical sequences and the running throughput ones, the
 ///    latency-critical class's others come in: swapped ones come back (oldest first), then,
 ///    once none is left swapped, waiting ones are admitted (first come first served) within
-///    the tokens the running throughput sequences leave. One short of pages (pool or quota)
+///    the tokens the running throughput decoders leave (one each, or with their drafts): the
+///    throughput prefill chunks give way, running shorter this step or not at all (no row; a
+///    long prompt in chunks would otherwise hold a latency-critical first token for as many
+///    steps as it has chunks), the oldest keeping the most. One short of pages (pool or quota)
 ///    or of a running slot (`max_running` sequences run) preempts running throughput
 ///    sequences (none is in the batch yet), latest arrival first: the latest for the slot (its
 ///    tokens then go to the admission), more while the pages they give up at once fall short
@@ -726,7 +729,13 @@ impl Batcher {
     }
 
     /// Schedules the next step and returns its batch. Aborted sequences' results go to
-    /// `finished`.
+    /// `finished`. The step's tokens go, in this order, to the running latency-critical rows,
+    /// the running throughput decode rows (a token each, with their drafts where they fit),
+    /// the latency-critical admissions' first chunks, then the running throughput prefill
+    /// chunks (shorter, or none this step, where the admissions took their tokens), and
+    /// last to throughput admissions; in a step without a latency-critical admission the
+    /// running throughput rows take theirs in arrival order. The steps are listed on
+    /// [`Batcher`].
     ///
     /// A batch not committed when this is called again (its execution failed, say, and the
     /// caller aborted the sequence at fault) is discarded safely first: its rows are scheduled
@@ -770,6 +779,11 @@ impl Batcher {
         let mut shortened = None;
         let mut shortened_any = false;
         let mut arrivals_done = false;
+        // The tokens the throughput decode rows not yet scheduled are owed, in a step that
+        // admitted latency-critical work before the throughput prefill chunks: a chunk takes
+        // only what exceeds them (`budget >= owed` throughout).
+        let mut owed = 0;
+        let mut owing = false;
         loop {
             // Between the running latency-critical sequences and the running throughput ones:
             // the latency-critical class's swapped and waiting sequences, which may preempt
@@ -782,14 +796,27 @@ impl Batcher {
             {
                 arrivals_done = true;
                 let pressed = preempted || shortened_any;
-                preempted |= self.admit_latency_critical(&mut i, &mut budget, pressed);
+                let (made_room, lc_owed) =
+                    self.admit_latency_critical(&mut i, &mut budget, pressed);
+                preempted |= made_room;
+                owed = lc_owed;
+                owing = lc_owed > 0;
             }
             let Some(&slot) = self.running.get(i) else {
                 break;
             };
-            let n = shortened
-                .take()
-                .unwrap_or_else(|| self.tokens_wanted(slot, budget));
+            // A decoder's row takes its need, all of it owed (`budget >= owed`); a prefill
+            // chunk what the decoders after it leave, maybe nothing (it then has no row this
+            // step, as when the budget ran out).
+            let row_owed = if owing { self.decode_need(slot) } else { 0 };
+            let n = shortened.take().unwrap_or_else(|| {
+                let free = if row_owed > 0 {
+                    budget
+                } else {
+                    budget.saturating_sub(owed)
+                };
+                self.tokens_wanted(slot, free)
+            });
             if n == 0 {
                 i += 1;
                 continue;
@@ -798,13 +825,18 @@ impl Batcher {
                 Reserve::Ok => {
                     self.emit(slot, n);
                     budget -= n;
+                    owed = owed.saturating_sub(row_owed);
                     i += 1;
                 }
                 Reserve::NoBlocks if !self.seq(slot).drafts.is_empty() => {
                     // Drafts are optional: short of pages for them, the row is a plain decode
                     // (retried without them), never a preemption of this or another sequence
-                    // for speculative tokens. `reserve` took nothing.
+                    // for speculative tokens. `reserve` took nothing. What it no longer takes
+                    // is no longer owed.
                     self.seq_mut(slot).drafts.clear();
+                    if owing {
+                        owed = owed.saturating_sub(row_owed) + self.decode_need(slot);
+                    }
                 }
                 Reserve::NoBlocks => {
                     // Victim: lowest priority, latest arrival, among those not yet scheduled
@@ -831,6 +863,9 @@ impl Batcher {
                     }
                     preempted = true;
                     let victim = self.running.remove(victim_pos);
+                    if owing {
+                        owed = owed.saturating_sub(self.decode_need(victim));
+                    }
                     self.preempt(victim);
                     // If the victim was this sequence, `i` now names the next one; otherwise
                     // retry this one with the freed blocks.
@@ -892,24 +927,27 @@ impl Batcher {
     /// At the class boundary of step 1 (`running[*at..]` are throughput sequences, none in the
     /// batch yet): brings swapped latency-critical sequences back (oldest first), then, if none
     /// is left swapped, admits waiting latency-critical requests (FCFS) within what of the
-    /// step's `budget` the throughput rows leave; nothing in a step short of pages
-    /// (`pressed`). One short of pages or of a running slot (`max_running` sequences run)
-    /// preempts running throughput sequences of this engine, latest arrival first, when that
-    /// brings it in at once
+    /// step's `budget` the throughput decode rows leave (one token each, or with their
+    /// drafts): the throughput prefill chunks give way, running shorter or not at all this
+    /// step; nothing in a step short of pages (`pressed`). One short of pages or of a running
+    /// slot (`max_running` sequences run) preempts running throughput sequences of this
+    /// engine, latest arrival first, when that brings it in at once
     /// ([`make_room_for_latency_critical`](Self::make_room_for_latency_critical)): the latest
     /// for the slot (its row's tokens then go to the admission), more only while the pages
     /// they give up fall short; nothing otherwise: it waits. A latency-critical sequence is
     /// never preempted for another. Every sequence brought in is put at `*at`, which moves past
     /// it (a swapped-in one gets its row next step, as in step 2). Returns whether it
-    /// preempted.
+    /// preempted, and the tokens of `budget` the throughput decode rows are owed: what their
+    /// prefill chunks must leave them (0 where nothing was admitted: the step's tokens then
+    /// go to the throughput rows in order, as without latency-critical work).
     fn admit_latency_critical(
         &mut self,
         at: &mut usize,
         budget: &mut usize,
         pressed: bool,
-    ) -> bool {
+    ) -> (bool, usize) {
         if pressed {
-            return false;
+            return (false, 0);
         }
         let class = Priority::LatencyCritical;
         let mut preempted = false;
@@ -943,19 +981,23 @@ impl Batcher {
             .front()
             .is_some_and(|&s| self.seq(s).priority == class)
         {
-            return preempted;
+            return (preempted, 0);
         }
+        let mut admitted = false;
         while let Some(&slot) = self.waiting[class.index()].front() {
-            // The step's tokens go to the running throughput sequences first, as they would if
-            // these requests were admitted after them (their rows come later, their pages do
-            // not): an admission takes only what those leave, so a throughput decoder is never
-            // skipped for an admission's prefill chunk, but the one preempted for the slot.
+            // The step's tokens go to the running throughput decoders first (their rows come
+            // later, their pages do not): an admission takes what they leave, so a throughput
+            // decoder is never skipped for an admission's prefill chunk, but the one preempted
+            // for the slot. Throughput prefill chunks come after the admission: a long prompt
+            // in chunks would otherwise hold the budget, and time to first token, for as many
+            // steps as it has chunks.
             let full = self.running.len() >= self.cfg.max_running as usize;
             let slot_victim = full.then(|| self.latest_throughput(*at));
             if slot_victim == Some(None) {
                 break;
             }
-            let left = self.left_by_throughput(*at, *budget, slot_victim.flatten());
+            let owed = self.owed_to_decoders(*at, slot_victim.flatten());
+            let left = budget.saturating_sub(owed);
             if left == 0 {
                 break;
             }
@@ -981,8 +1023,15 @@ impl Batcher {
             self.insert_running(*at, slot);
             *at += 1;
             *budget -= n;
+            admitted = true;
         }
-        preempted
+        // Preemptions for pages may have taken decoders since their tokens were counted.
+        let owed = if admitted {
+            self.owed_to_decoders(*at, None)
+        } else {
+            0
+        };
+        (preempted, owed)
     }
 
     /// The running throughput sequence of latest arrival among `running[from..]`, if any.
@@ -994,17 +1043,26 @@ impl Batcher {
             .max_by_key(|&s| self.seq(s).arrival)
     }
 
-    /// What of `budget` the rows of `running[from..]` (throughput sequences, none in the batch
-    /// yet) leave, each taking its tokens in order as step 1 gives them; `except` (a
-    /// sequence about to be preempted) takes none.
-    fn left_by_throughput(&self, from: usize, budget: usize, except: Option<usize>) -> usize {
-        let mut left = budget;
-        for &s in &self.running[from..] {
-            if Some(s) != except {
-                left -= self.tokens_wanted(s, left);
-            }
+    /// The tokens the decode rows of `running[from..]` (throughput sequences, none in the
+    /// batch yet) take: one each, or with their draft tokens where those fit a row; `except`
+    /// (a sequence about to be preempted) takes none. Latency-critical admissions come after
+    /// them, before the prefill chunks.
+    fn owed_to_decoders(&self, from: usize, except: Option<usize>) -> usize {
+        self.running[from..]
+            .iter()
+            .filter(|&&s| Some(s) != except)
+            .map(|&s| self.decode_need(s))
+            .sum()
+    }
+
+    /// The tokens a decoding sequence's row takes (one, or with its drafts where they fit
+    /// `max_prefill_chunk`), whatever the budget; 0 for a prefilling one.
+    fn decode_need(&self, slot: usize) -> usize {
+        if self.seq(slot).phase == SeqPhase::Decoding {
+            self.tokens_wanted(slot, usize::MAX)
+        } else {
+            0
         }
-        left
     }
 
     /// Moves the waiting sequence at the front of its class, its first chunk of `n` tokens

@@ -9,7 +9,9 @@ use pagedkv::sched::{Batcher, BatcherConfig, PreemptionMode, Priority, SeqPhase,
 mod batcher_fixtures;
 #[path = "support/random_batcher.rs"]
 mod random_batcher;
-use batcher_fixtures::{config, drive, pool, req, step, with_prefix};
+use batcher_fixtures::{
+    commit_scheduled, config, drive, pool, preemptions, req, step, with_prefix,
+};
 use random_batcher::Quota;
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
@@ -101,8 +103,7 @@ fn a_swapped_throughput_sequence_does_not_hold_back_latency_critical_admissions(
         Some(SeqPhase::Waiting),
         "throughput waits behind it"
     );
-    let n = bt.batch().num_samples();
-    bt.commit(&vec![1000; n], &mut fin).unwrap();
+    commit_scheduled(&mut bt, &mut fin);
     p.free_n(&other).unwrap();
     fin.extend(drive(&mut bt, 100));
     assert_eq!(fin.len(), 4);
@@ -149,8 +150,7 @@ fn a_swapped_throughput_sequence_does_not_take_the_pages_of_a_latency_critical_a
         "the latency-critical request waited while a throughput sequence took its pages"
     );
     assert_eq!(bt.phase(1), Some(SeqPhase::Swapped), "1 waits for pages");
-    let n = bt.batch().num_samples();
-    bt.commit(&vec![1000; n], &mut fin).unwrap();
+    commit_scheduled(&mut bt, &mut fin);
     fin.extend(drive(&mut bt, 100));
     assert_eq!(fin.len(), 3);
     assert_eq!(p.free_count(), 6);
@@ -249,17 +249,11 @@ fn a_waiting_latency_critical_request_preempts_the_latest_throughput_sequence() 
             "{mode:?}: the latest one gave its pages"
         );
         assert_eq!(bt.phase(0), Some(SeqPhase::Decoding), "{mode:?}");
-        let s = bt.stats();
-        assert_eq!(
-            s.preempted_recompute + s.preempted_swap,
-            1,
-            "{mode:?}: {s:?}"
-        );
+        assert_eq!(preemptions(&bt), 1, "{mode:?}: {:?}", bt.stats());
         if mode == PreemptionMode::Swap {
             assert_eq!(bt.batch().swap_out.len(), 4, "{mode:?}");
         }
-        let n = bt.batch().num_samples();
-        bt.commit(&vec![1000; n], &mut fin).unwrap();
+        commit_scheduled(&mut bt, &mut fin);
         fin.extend(drive(&mut bt, 200));
         assert_eq!(
             fin.len(),
@@ -291,14 +285,8 @@ fn a_latency_critical_request_preempts_nothing_when_that_cannot_make_it_fit() {
         let b = bt.schedule_into(&mut fin);
         assert_eq!(b.seq_ids, [0], "{mode:?}");
         assert_eq!(bt.phase(1), Some(SeqPhase::Waiting), "{mode:?}");
-        let s = bt.stats();
-        assert_eq!(
-            s.preempted_recompute + s.preempted_swap,
-            0,
-            "{mode:?}: {s:?}"
-        );
-        let n = bt.batch().num_samples();
-        bt.commit(&vec![1000; n], &mut fin).unwrap();
+        assert_eq!(preemptions(&bt), 0, "{mode:?}: {:?}", bt.stats());
+        commit_scheduled(&mut bt, &mut fin);
         p.free_n(&other).unwrap();
         fin.extend(drive(&mut bt, 200));
         assert_eq!(fin.len(), 2, "{mode:?}");
@@ -327,8 +315,7 @@ fn pages_a_latency_critical_request_shares_do_not_count_as_room() {
     assert_eq!(b.seq_ids, [0]);
     assert_eq!(bt.phase(1), Some(SeqPhase::Waiting));
     assert_eq!(bt.stats().preempted_recompute, 0, "{:?}", bt.stats());
-    let n = bt.batch().num_samples();
-    bt.commit(&vec![1000; n], &mut fin).unwrap();
+    commit_scheduled(&mut bt, &mut fin);
     p.free_n(&[other]).unwrap();
     fin.extend(drive(&mut bt, 200));
     assert_eq!(fin.len(), 2);
@@ -358,14 +345,8 @@ fn a_waiting_latency_critical_request_never_preempts_a_running_one() {
         let b = bt.schedule_into(&mut fin);
         assert_eq!(b.seq_ids, [0, 1], "{mode:?}");
         assert_eq!(bt.phase(2), Some(SeqPhase::Waiting), "{mode:?}");
-        let s = bt.stats();
-        assert_eq!(
-            s.preempted_recompute + s.preempted_swap,
-            0,
-            "{mode:?}: {s:?}"
-        );
-        let n = bt.batch().num_samples();
-        bt.commit(&vec![1000; n], &mut fin).unwrap();
+        assert_eq!(preemptions(&bt), 0, "{mode:?}: {:?}", bt.stats());
+        commit_scheduled(&mut bt, &mut fin);
         fin.extend(drive(&mut bt, 200));
         assert_eq!(fin.len(), 3, "{mode:?}");
         assert_eq!(p.free_count(), 8, "{mode:?}");
@@ -409,14 +390,8 @@ fn a_slot_bound_latency_critical_request_preempts_the_latest_throughput_sequence
         );
         assert_eq!(bt.phase(0), Some(SeqPhase::Decoding), "{mode:?}");
         assert_eq!(bt.num_running(), 2, "{mode:?}");
-        let s = bt.stats();
-        assert_eq!(
-            s.preempted_recompute + s.preempted_swap,
-            1,
-            "{mode:?}: {s:?}"
-        );
-        let n = bt.batch().num_samples();
-        bt.commit(&vec![1000; n], &mut fin).unwrap();
+        assert_eq!(preemptions(&bt), 1, "{mode:?}: {:?}", bt.stats());
+        commit_scheduled(&mut bt, &mut fin);
         fin.extend(drive(&mut bt, 200));
         assert_eq!(fin.len(), 3, "{mode:?}: the preempted one came back");
         assert_eq!(p.free_count(), 64, "{mode:?}");
@@ -444,14 +419,8 @@ fn a_slot_bound_latency_critical_request_preempts_nothing_when_it_still_would_no
         let b = bt.schedule_into(&mut fin);
         assert_eq!(b.seq_ids, [0], "{mode:?}");
         assert_eq!(bt.phase(1), Some(SeqPhase::Waiting), "{mode:?}");
-        let s = bt.stats();
-        assert_eq!(
-            s.preempted_recompute + s.preempted_swap,
-            0,
-            "{mode:?}: {s:?}"
-        );
-        let n = bt.batch().num_samples();
-        bt.commit(&vec![1000; n], &mut fin).unwrap();
+        assert_eq!(preemptions(&bt), 0, "{mode:?}: {:?}", bt.stats());
+        commit_scheduled(&mut bt, &mut fin);
         p.free_n(&other).unwrap();
         fin.extend(drive(&mut bt, 200));
         assert_eq!(fin.len(), 2, "{mode:?}");
@@ -486,8 +455,7 @@ fn a_slot_bound_latency_critical_request_counts_the_slots_victim_pages() {
         };
         assert_eq!(bt.phase(1), Some(second), "{prompt}");
         assert_eq!(bt.phase(0), Some(SeqPhase::Decoding), "{prompt}");
-        let n = bt.batch().num_samples();
-        bt.commit(&vec![1000; n], &mut fin).unwrap();
+        commit_scheduled(&mut bt, &mut fin);
         fin.extend(drive(&mut bt, 200));
         assert_eq!(fin.len(), 4, "{prompt}");
         assert_eq!(p.free_count(), 12, "{prompt}");
@@ -530,8 +498,7 @@ fn a_slot_bound_latency_critical_request_never_preempts_a_latency_critical_one()
                 assert_eq!(preempted, 0, "{mode:?}: {s:?}");
             }
             assert_eq!(bt.phase(0), Some(SeqPhase::Decoding), "{mode:?} {mixed}");
-            let n = bt.batch().num_samples();
-            bt.commit(&vec![1000; n], &mut fin).unwrap();
+            commit_scheduled(&mut bt, &mut fin);
             fin.extend(drive(&mut bt, 200));
             assert_eq!(fin.len(), 3, "{mode:?} {mixed}");
             assert_eq!(p.free_count(), 64, "{mode:?} {mixed}");

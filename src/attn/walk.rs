@@ -183,9 +183,7 @@ fn walk<T: KvElem, L: Dot4>(
         .take(last_block + 1)
         .skip(first_block)
     {
-        let jb = (j * bs) as i64;
-        let t0 = (lo.max(jb) - jb) as usize;
-        let t1 = (hi.min(jb + bs as i64) - jb) as usize;
+        let (jb, t0, t1) = block_span(j, bs, lo, hi);
         let kbase = cfg.offset(block as usize, ctx.layer, KvPart::Key, 0, kc);
         let vbase = kbase + cfg.kv_stride();
         // Scores of this block's visible keys for every row: each token's keys for the chunk's
@@ -332,9 +330,7 @@ fn walk<T: KvElem, L: Dot4>(
             .take(last_block + 1)
             .skip(first_block)
         {
-            let jb = (j * bs) as i64;
-            let t0 = (lo.max(jb) - jb) as usize;
-            let t1 = (hi.min(jb + bs as i64) - jb) as usize;
+            let (jb, t0, t1) = block_span(j, bs, lo, hi);
             let kbase = cfg.offset(block as usize, ctx.layer, KvPart::Key, 0, kvh);
             let vbase = kbase + cfg.kv_stride();
             for t in t0..t1 {
@@ -360,4 +356,14 @@ fn walk<T: KvElem, L: Dot4>(
         let o = row_offset(r) - it.out_start;
         T::narrow_slice(a, &mut out[o..o + d]);
     }
+}
+
+/// Block `j`'s first key position `jb`, and the range `t0..t1` of its tokens inside the keys
+/// `lo..hi` a walk may see.
+#[inline(always)]
+fn block_span(j: usize, bs: usize, lo: i64, hi: i64) -> (i64, usize, usize) {
+    let jb = (j * bs) as i64;
+    let t0 = (lo.max(jb) - jb) as usize;
+    let t1 = (hi.min(jb + bs as i64) - jb) as usize;
+    (jb, t0, t1)
 }

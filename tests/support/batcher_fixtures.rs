@@ -111,6 +111,18 @@ pub fn with_prefix(blocks: u32) -> (Arc<BlockPool>, Batcher) {
 
 /// One step: schedule, then commit with every sample 1000.
 pub fn step(bt: &mut Batcher, fin: &mut Vec<FinishedSeq>) {
-    let n = bt.schedule_into(fin).num_samples();
+    bt.schedule_into(fin);
+    commit_scheduled(bt, fin);
+}
+
+/// Commits the batch already scheduled, every sample 1000.
+pub fn commit_scheduled(bt: &mut Batcher, fin: &mut Vec<FinishedSeq>) {
+    let n = bt.batch().num_samples();
     bt.commit(&vec![1000; n], fin).unwrap();
+}
+
+/// Sequences preempted so far, by recompute or by swap.
+pub fn preemptions(bt: &Batcher) -> u64 {
+    let s = bt.stats();
+    s.preempted_recompute + s.preempted_swap
 }

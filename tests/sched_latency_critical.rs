@@ -266,13 +266,22 @@ fn a_waiting_latency_critical_request_preempts_the_latest_throughput_sequence() 
 
 /// Where preempting every running throughput sequence would still leave a latency-critical
 /// request's first chunk short, none is preempted: it waits (their work lost for nothing,
-/// and the next step would find the same shortage).
+/// and the next step would find the same shortage). Also where it is bound by a running slot
+/// too (`max_running` 1): not even one is preempted for the slot.
 #[test]
 fn a_latency_critical_request_preempts_nothing_when_that_cannot_make_it_fit() {
-    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+    for (mode, slot_bound) in [
+        (PreemptionMode::Recompute, false),
+        (PreemptionMode::Swap, false),
+        (PreemptionMode::Recompute, true),
+        (PreemptionMode::Swap, true),
+    ] {
         let mut cfg = config();
         cfg.preemption = mode;
         cfg.swap_blocks = 16;
+        if slot_bound {
+            cfg.max_running = 1;
+        }
         let p = pool(8);
         let mut bt = Batcher::new(cfg, p.clone()).unwrap();
         let mut fin = Vec::new();
@@ -283,14 +292,23 @@ fn a_latency_critical_request_preempts_nothing_when_that_cannot_make_it_fit() {
         p.alloc_n(EngineId(1), 6, &mut other).unwrap();
         bt.add(urgent(1, vec![2; 12])).unwrap(); // 3 pages: more than 0 holds
         let b = bt.schedule_into(&mut fin);
-        assert_eq!(b.seq_ids, [0], "{mode:?}");
-        assert_eq!(bt.phase(1), Some(SeqPhase::Waiting), "{mode:?}");
-        assert_eq!(preemptions(&bt), 0, "{mode:?}: {:?}", bt.stats());
+        assert_eq!(b.seq_ids, [0], "{mode:?}, slot-bound {slot_bound}");
+        assert_eq!(
+            bt.phase(1),
+            Some(SeqPhase::Waiting),
+            "{mode:?}, slot-bound {slot_bound}"
+        );
+        assert_eq!(
+            preemptions(&bt),
+            0,
+            "{mode:?}, slot-bound {slot_bound}: {:?}",
+            bt.stats()
+        );
         commit_scheduled(&mut bt, &mut fin);
         p.free_n(&other).unwrap();
         fin.extend(drive(&mut bt, 200));
-        assert_eq!(fin.len(), 2, "{mode:?}");
-        assert_eq!(p.free_count(), 8, "{mode:?}");
+        assert_eq!(fin.len(), 2, "{mode:?}, slot-bound {slot_bound}");
+        assert_eq!(p.free_count(), 8, "{mode:?}, slot-bound {slot_bound}");
     }
 }
 
@@ -395,36 +413,6 @@ fn a_slot_bound_latency_critical_request_preempts_the_latest_throughput_sequence
         fin.extend(drive(&mut bt, 200));
         assert_eq!(fin.len(), 3, "{mode:?}: the preempted one came back");
         assert_eq!(p.free_count(), 64, "{mode:?}");
-    }
-}
-
-/// A slot-bound latency-critical request whose first chunk would still lack pages after
-/// every running throughput sequence gave its own up preempts none (not even for the slot):
-/// it would not be admitted, and their work would be lost for nothing.
-#[test]
-fn a_slot_bound_latency_critical_request_preempts_nothing_when_it_still_would_not_fit() {
-    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
-        let mut cfg = config();
-        cfg.preemption = mode;
-        cfg.swap_blocks = 16;
-        cfg.max_running = 1;
-        let p = pool(8);
-        let mut bt = Batcher::new(cfg, p.clone()).unwrap();
-        let mut fin = Vec::new();
-        bt.add(req(0, vec![1; 5], 3)).unwrap(); // 2 pages
-        step(&mut bt, &mut fin);
-        let mut other = Vec::new();
-        p.alloc_n(EngineId(1), 6, &mut other).unwrap();
-        bt.add(urgent(1, vec![2; 12])).unwrap(); // 3 pages
-        let b = bt.schedule_into(&mut fin);
-        assert_eq!(b.seq_ids, [0], "{mode:?}");
-        assert_eq!(bt.phase(1), Some(SeqPhase::Waiting), "{mode:?}");
-        assert_eq!(preemptions(&bt), 0, "{mode:?}: {:?}", bt.stats());
-        commit_scheduled(&mut bt, &mut fin);
-        p.free_n(&other).unwrap();
-        fin.extend(drive(&mut bt, 200));
-        assert_eq!(fin.len(), 2, "{mode:?}");
-        assert_eq!(p.free_count(), 8, "{mode:?}");
     }
 }
 

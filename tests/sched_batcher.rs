@@ -355,7 +355,7 @@ fn attached_budget_limits_tokens_and_blocks() {
 
 #[test]
 fn random_workloads_keep_invariants() {
-    for seed in 0..40u64 {
+    for seed in 0..160u64 {
         let mut rng = SmallRng::seed_from_u64(seed);
         let blocks = rng.gen_range(8..40);
         let p = pool(blocks);
@@ -367,25 +367,40 @@ fn random_workloads_keep_invariants() {
         let cfg = BatcherConfig {
             max_running: rng.gen_range(1..8),
             max_batched_tokens: rng.gen_range(1..64),
-            max_prefill_chunk: rng.gen_range(1..16),
+            // Longer chunks with a prefix cache (below): a first chunk then needs more pages than
+            // the running sequences hold uncached.
+            max_prefill_chunk: rng.gen_range(1..if seed % 4 >= 2 { 40 } else { 16 }),
             max_blocks_per_seq: 16,
             preemption: mode,
             swap_blocks: rng.gen_range(0..32),
             ..config()
         };
         let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+        // Half the seeds of each mode with a prefix cache, where every completed page of a
+        // sequence is also the cache's (each prompt its own tokens: no page is shared across
+        // sequences, so the pool is still the free pages, those the cache alone holds and
+        // those the running sequences would give up).
+        let cache = (seed % 4 >= 2).then(|| {
+            let cache = Arc::new(PrefixCache::new(
+                p.clone(),
+                PrefixConfig { seed: Some(seed) },
+            ));
+            bt.attach_prefix_cache(cache.clone()).unwrap();
+            cache
+        });
         let mut submitted = 0u64;
         let mut refused = 0u64;
         let mut done = Vec::new();
         let mut classes = HashMap::new();
         for step in 0..5_000 {
             // Whether no latency-critical sequence waits, runs or is swapped out, and the
-            // running decoders' rows (a token each: no drafts here) leave a token of the step,
-            // but for the row of one preempted for its running slot when every slot is taken
+            // running decoders' rows (a token each: their drafts give way) leave a token of the
+            // step, but for the row of one preempted for its running slot when every slot is taken
             // (the throughput prefill chunks give way to the admission): one arriving now is
             // admitted at this step, preempting the latest throughput sequence for a slot if
             // none is free and throughput sequences for its first chunk's pages if the pool is
-            // short (they and the free pages are the whole pool, which holds any chunk here).
+            // short (they, the free pages and those only the prefix cache holds are the whole
+            // pool, which holds any chunk here).
             let running = bt.num_running();
             let rows_kept = running.min(cfg.max_running as usize - 1);
             let decoders = (0..submitted)
@@ -398,7 +413,7 @@ fn random_workloads_keep_invariants() {
             if submitted < 40 && rng.gen_bool(0.3) {
                 let mut r = req(
                     submitted,
-                    vec![3; rng.gen_range(1..40)],
+                    vec![submitted as u32 + 1; rng.gen_range(1..40)],
                     rng.gen_range(1..30),
                 );
                 r.priority = if rng.gen_bool(0.3) {
@@ -419,6 +434,16 @@ fn random_workloads_keep_invariants() {
             }
             if rng.gen_bool(0.02) && submitted > 0 {
                 let _ = bt.abort(rng.gen_range(0..submitted));
+            }
+            // Draft tokens for some decoders (refused where more than a sequence may still
+            // generate): optional tokens, which never hold back an admission.
+            for id in 0..submitted {
+                if bt.phase(id) == Some(SeqPhase::Decoding) && rng.gen_bool(0.3) {
+                    let drafts: Vec<u32> = (0..rng.gen_range(1..4))
+                        .map(|_| rng.gen_range(1..50))
+                        .collect();
+                    let _ = bt.propose(id, &drafts);
+                }
             }
             let swapped: Vec<u64> = (0..submitted)
                 .filter(|&id| bt.phase(id) == Some(SeqPhase::Swapped))
@@ -462,6 +487,10 @@ fn random_workloads_keep_invariants() {
             submitted,
             "seed {seed}: every request finished or refused"
         );
+        if let Some(cache) = cache {
+            // Every page the cache holds is one only it holds now: back to the pool.
+            cache.clear();
+        }
         assert_eq!(p.free_count(), blocks, "seed {seed}: blocks leaked");
     }
 }

@@ -3,6 +3,7 @@
 //! slots and prefill tokens when short of them, and never preempt latency-critical work.
 
 use pagedkv::block::EngineId;
+use pagedkv::prefix::{PrefixCache, PrefixConfig};
 use pagedkv::sched::{Batcher, BatcherConfig, PreemptionMode, Priority, SeqPhase, SeqRequest};
 
 #[path = "support/batcher_fixtures.rs"]
@@ -498,7 +499,8 @@ fn a_slot_bound_latency_critical_request_never_preempts_a_latency_critical_one()
 /// step) leave none to a latency-critical arrival while it waits, for as many steps as they
 /// have chunks: an admission took only what every throughput row left. Their prefill chunks
 /// now give way, in arrival order (the older runs shorter, the younger has no row this step),
-/// while the throughput decoders keep their tokens, drafts included.
+/// while the throughput decoders keep their tokens (their drafts too where the step has room
+/// for them after the admission).
 #[test]
 fn a_latency_critical_request_takes_its_first_chunk_before_throughput_prefill_chunks() {
     // The step's 16 tokens: the batcher's own limit, or the coordinator's share.
@@ -586,4 +588,78 @@ fn a_latency_critical_request_waits_where_throughput_decoders_fill_the_step() {
     fin.extend(drive(&mut bt, 200));
     assert_eq!(fin.len(), 3);
     assert_eq!(p.free_count(), 64);
+}
+
+/// Draft tokens are optional: throughput decoders whose drafts would fill the step keep their
+/// own token each, and the latency-critical request's first chunk takes the rest (the drafts
+/// are dropped). Before, the drafts were owed ahead of the admission: a proposer drafting at
+/// every step held the request back for as long as the decoders ran.
+#[test]
+fn throughput_drafts_do_not_hold_back_a_latency_critical_admission() {
+    let mut cfg = config();
+    cfg.max_batched_tokens = 4;
+    let p = pool(64);
+    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+    let mut fin = Vec::new();
+    bt.add(req(0, vec![1], 8)).unwrap();
+    bt.add(req(1, vec![2], 8)).unwrap();
+    step(&mut bt, &mut fin); // both decode from now on
+    bt.propose(0, &[1000]).unwrap();
+    bt.propose(1, &[1000]).unwrap();
+    bt.add(urgent(2, vec![4; 4])).unwrap();
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(
+        b.seq_ids,
+        [2, 0, 1],
+        "the latency-critical request waited behind draft tokens"
+    );
+    assert_eq!(b.query_start_loc, [0, 2, 3, 4], "its chunk, a token each");
+    assert_eq!(b.drafts, [0, 0, 0], "the drafts gave way");
+    commit_scheduled(&mut bt, &mut fin);
+    fin.extend(drive(&mut bt, 200));
+    assert_eq!(fin.len(), 3);
+    assert_eq!(p.free_count(), 64);
+}
+
+/// Swap mode with a prefix cache (the simulator's defaults): a running sequence's completed
+/// pages are also the cache's, so a swap-out keeps them allocated this step and only its
+/// partial last page counts as room. Where that falls short, the latest throughput sequence
+/// is preempted by recompute instead: its pages then leave at once (its completed ones stay
+/// cached, free to evict, and its prefill attaches what is left of them). Before, nothing was
+/// preempted and the request waited for the throughput work to finish.
+#[test]
+fn a_swap_victim_whose_pages_the_prefix_cache_keeps_is_recomputed_for_room() {
+    let p = pool(8);
+    let mut cfg = config();
+    cfg.preemption = PreemptionMode::Swap;
+    cfg.swap_blocks = 16;
+    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+    let cache = PrefixCache::new(p.clone(), PrefixConfig { seed: Some(3) });
+    bt.attach_prefix_cache(Arc::new(cache)).unwrap();
+    let mut fin = Vec::new();
+    // 13 tokens each: 4 pages, 3 of them completed and cached at the commit.
+    bt.add(req(0, vec![1; 13], 6)).unwrap();
+    bt.add(req(1, vec![2; 13], 6)).unwrap();
+    step(&mut bt, &mut fin);
+    assert_eq!(p.free_count(), 0, "the decoders hold the pool");
+    assert_eq!(
+        bt.throughput_room(),
+        8,
+        "every page leaves if both are recomputed"
+    );
+    // 3 pages: more than both partial last pages.
+    bt.add(urgent(2, vec![3; 12])).unwrap();
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(
+        b.seq_ids,
+        [2, 0],
+        "the latency-critical request waited for the throughput work"
+    );
+    assert_eq!(bt.phase(1), Some(SeqPhase::Waiting), "recomputed");
+    assert_eq!(bt.phase(0), Some(SeqPhase::Decoding));
+    assert_eq!(preemptions(&bt), 1, "{:?}", bt.stats());
+    commit_scheduled(&mut bt, &mut fin);
+    fin.extend(drive(&mut bt, 200));
+    assert_eq!(fin.len(), 3, "the preempted one came back and finished");
+    assert!(!bt.has_work());
 }

@@ -79,7 +79,15 @@ pub fn check_batch(b: &Batch, budget: usize) {
             assert!(slots.insert(b.slot_mapping[t]), "two tokens write one slot");
         }
     }
-    assert_eq!(b.samples.iter().filter(|&&x| x).count(), b.num_samples());
+    // A sampling row asks for one logit, and one more per draft token.
+    let logits: usize = b
+        .samples
+        .iter()
+        .zip(&b.drafts)
+        .filter(|(&s, _)| s)
+        .map(|(_, &d)| 1 + d as usize)
+        .sum();
+    assert_eq!(logits, b.num_samples());
 }
 
 /// Runs steps until idle (or `max_steps`), sampling `token_of(id, step)`.

@@ -160,8 +160,8 @@ pub struct BatcherStats {
 ///    Between the running latency-critical sequences and the running throughput ones, the
 ///    latency-critical class's others come in: swapped ones come back (oldest first), then,
 ///    once none is left swapped, waiting ones are admitted (first come first served) within
-///    the tokens the running throughput decoders leave (one each, or with their drafts): the
-///    throughput prefill chunks give way, running shorter this step or not at all (no row; a
+///    the tokens the running throughput decoders leave (one each): the throughput prefill
+///    chunks and draft tokens give way, running shorter this step or not at all (no row; a
 ///    long prompt in chunks would otherwise hold a latency-critical first token for as many
 ///    steps as it has chunks), the oldest keeping the most. One short of pages (pool or quota)
 ///    or of a running slot (`max_running` sequences run) preempts running throughput
@@ -170,10 +170,12 @@ pub struct BatcherStats {
 ///    of its first chunk (all of a swapped one's pages), and only if that brings it in: where
 ///    preempting all of them would not, none is preempted and it waits (a page that stays
 ///    allocated after the preemption, one that a fork or the request's attached prefix also
-///    holds, does not count). A latency-critical sequence is never preempted for another, so
-///    a flood of latency-critical work may starve throughput work (the class's priority);
-///    without latency-critical work nothing preempts for admissions. None of this in a step
-///    whose latency-critical rows preempted or shortened a chunk for want of pages.
+///    holds, does not count; in swap mode a victim whose swap-out would keep pages the prefix
+///    cache also holds is recomputed where the request needs them). A latency-critical
+///    sequence is never preempted for another, so a flood of latency-critical work may starve
+///    throughput work (the class's priority); without latency-critical work nothing preempts
+///    for admissions. None of this in a step whose latency-critical rows preempted or
+///    shortened a chunk for want of pages.
 /// 2. once no latency-critical request waits, the other swapped sequences come back (oldest
 ///    first) when their blocks fit, unless this step preempted or shortened a chunk for want
 ///    of pages: a swapped throughput sequence never takes the pages of a latency-critical
@@ -730,9 +732,9 @@ impl Batcher {
 
     /// Schedules the next step and returns its batch. Aborted sequences' results go to
     /// `finished`. The step's tokens go, in this order, to the running latency-critical rows,
-    /// the running throughput decode rows (a token each, with their drafts where they fit),
-    /// the latency-critical admissions' first chunks, then the running throughput prefill
-    /// chunks (shorter, or none this step, where the admissions took their tokens), and
+    /// the running throughput decode rows (a token each), the latency-critical admissions'
+    /// first chunks, then the running throughput rows' drafts and prefill chunks (shorter,
+    /// or none this step, where the admissions took their tokens), and
     /// last to throughput admissions; in a step without a latency-critical admission the
     /// running throughput rows take theirs in arrival order. The steps are listed on
     /// [`Batcher`].
@@ -805,17 +807,12 @@ impl Batcher {
             let Some(&slot) = self.running.get(i) else {
                 break;
             };
-            // A decoder's row takes its need, all of it owed (`budget >= owed`); a prefill
-            // chunk what the decoders after it leave, maybe nothing (it then has no row this
-            // step, as when the budget ran out).
+            // A decoder's row takes its token, owed (`budget >= owed`), and its drafts only
+            // from what no decoder is owed; a prefill chunk what the decoders after it are not
+            // owed, maybe nothing (it then has no row this step, as when the budget ran out).
             let row_owed = if owing { self.decode_need(slot) } else { 0 };
             let n = shortened.take().unwrap_or_else(|| {
-                let free = if row_owed > 0 {
-                    budget
-                } else {
-                    budget.saturating_sub(owed)
-                };
-                self.tokens_wanted(slot, free)
+                self.tokens_wanted(slot, budget.saturating_sub(owed) + row_owed)
             });
             if n == 0 {
                 i += 1;
@@ -831,12 +828,9 @@ impl Batcher {
                 Reserve::NoBlocks if !self.seq(slot).drafts.is_empty() => {
                     // Drafts are optional: short of pages for them, the row is a plain decode
                     // (retried without them), never a preemption of this or another sequence
-                    // for speculative tokens. `reserve` took nothing. What it no longer takes
-                    // is no longer owed.
+                    // for speculative tokens. `reserve` took nothing; the row is still owed its
+                    // token.
                     self.seq_mut(slot).drafts.clear();
-                    if owing {
-                        owed = owed.saturating_sub(row_owed) + self.decode_need(slot);
-                    }
                 }
                 Reserve::NoBlocks => {
                     // Victim: lowest priority, latest arrival, among those not yet scheduled
@@ -927,10 +921,10 @@ impl Batcher {
     /// At the class boundary of step 1 (`running[*at..]` are throughput sequences, none in the
     /// batch yet): brings swapped latency-critical sequences back (oldest first), then, if none
     /// is left swapped, admits waiting latency-critical requests (FCFS) within what of the
-    /// step's `budget` the throughput decode rows leave (one token each, or with their
-    /// drafts): the throughput prefill chunks give way, running shorter or not at all this
-    /// step; nothing in a step short of pages (`pressed`). One short of pages or of a running
-    /// slot (`max_running` sequences run) preempts running throughput sequences of this
+    /// step's `budget` the throughput decode rows leave (one token each): the throughput
+    /// prefill chunks and draft tokens give way, running shorter or not at all this step;
+    /// nothing in a step short of pages (`pressed`). One short of pages or of a running slot
+    /// (`max_running` sequences run) preempts running throughput sequences of this
     /// engine, latest arrival first, when that brings it in at once
     /// ([`make_room_for_latency_critical`](Self::make_room_for_latency_critical)): the latest
     /// for the slot (its row's tokens then go to the admission), more only while the pages
@@ -1044,9 +1038,9 @@ impl Batcher {
     }
 
     /// The tokens the decode rows of `running[from..]` (throughput sequences, none in the
-    /// batch yet) take: one each, or with their draft tokens where those fit a row; `except`
-    /// (a sequence about to be preempted) takes none. Latency-critical admissions come after
-    /// them, before the prefill chunks.
+    /// batch yet) are owed: one each; `except` (a sequence about to be preempted) none.
+    /// Latency-critical admissions come after them, before the prefill chunks and the draft
+    /// tokens.
     fn owed_to_decoders(&self, from: usize, except: Option<usize>) -> usize {
         self.running[from..]
             .iter()
@@ -1055,11 +1049,12 @@ impl Batcher {
             .sum()
     }
 
-    /// The tokens a decoding sequence's row takes (one, or with its drafts where they fit
-    /// `max_prefill_chunk`), whatever the budget; 0 for a prefilling one.
+    /// The tokens a decoding sequence's row is owed: its one token, not its drafts (they are
+    /// optional: a proposer drafting at every step would otherwise hold a latency-critical
+    /// admission back for as long as the decoders run); 0 for a prefilling one.
     fn decode_need(&self, slot: usize) -> usize {
         if self.seq(slot).phase == SeqPhase::Decoding {
-            self.tokens_wanted(slot, usize::MAX)
+            self.tokens_wanted(slot, 1)
         } else {
             0
         }
@@ -1120,17 +1115,20 @@ impl Batcher {
     }
 
     /// The pages that preempting every running throughput sequence would give this engine
-    /// at once (those each holds alone, or, preempted by recompute, that leave its budget; not
-    /// one a fork or another holder of a cached prefix keeps): at most what a step preempts
-    /// them for when latency-critical work (a waiting request, or a swapped-out sequence
-    /// coming back) is short of pages. An engine asks other engines to donate pages only for
-    /// what these (and the free pages) do not cover. O(the running sequences' pages).
+    /// at once: those that leave its budget (freed, or left to the prefix cache alone and so
+    /// evictable; not one a fork or another holder of a cached prefix keeps), which is what a
+    /// step preempts them for when latency-critical work (a waiting request, or a swapped-out
+    /// sequence coming back) is short of pages, recomputing a victim where a swap-out would
+    /// keep its cached pages ([`make_room_for_latency_critical`]). An engine asks other
+    /// engines to donate pages only for what these (and the free pages) do not cover.
+    /// O(the running sequences' pages).
+    ///
+    /// [`make_room_for_latency_critical`]: Self::make_room_for_latency_critical
     pub fn throughput_room(&self) -> u32 {
-        let mut host_left = self.host_free.len();
         self.running
             .iter()
             .filter(|&&s| self.seq(s).priority == Priority::Throughput)
-            .map(|&s| self.pages_freed_by(s, &mut host_left))
+            .map(|&s| self.pages_leaving(s, 0))
             .fold(0u32, u32::saturating_add)
     }
 

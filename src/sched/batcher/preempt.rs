@@ -45,6 +45,13 @@ impl Batcher {
     /// budget refused before the pool was asked (`pages_on_hand` is `None`), nothing on hand is
     /// counted: the budget's headroom is not known, so the victims' pages alone must cover the
     /// need.
+    ///
+    /// In swap mode a victim is swapped out where that gives up what the request still lacks,
+    /// and recomputed where only a recompute would: a swap-out keeps the pages the prefix
+    /// cache also holds (every completed page of a sequence, with a cache attached) until the
+    /// batch has run, so only its uncached pages count, and the request would wait, with
+    /// nothing preempted, for as long as the throughput work runs. Recomputed, it gives them up
+    /// at once (cached, free to evict) and attaches what is left of them when it comes back.
     pub(super) fn make_room_for_latency_critical(
         &mut self,
         need: usize,
@@ -65,6 +72,8 @@ impl Batcher {
             .filter(|&v| self.seq(v).priority == Priority::Throughput)
             .collect();
         victims.sort_unstable_by_key(|&v| std::cmp::Reverse(self.seq(v).arrival));
+        // Whether each chosen victim may be swapped out (else recomputed).
+        let mut swap_ok = Vec::with_capacity(victims.len());
         let mut host_left = self.host_free.len();
         let mut chosen = 0;
         for k in 0..victims.len() {
@@ -72,25 +81,39 @@ impl Batcher {
             if have >= need && !slot_wanted {
                 break;
             }
-            // Host slots are used up only by the victims actually preempted: one passed over
-            // leaves them to the next, which a swap then takes.
+            // Host slots are used up only by the victims actually swapped out: one passed over
+            // or recomputed leaves them to the next, which a swap then takes.
             let mut left = host_left;
-            let freed = self.pages_freed_by(victims[k], &mut left);
+            let swapped = self.pages_freed_by(victims[k], &mut left);
+            let (freed, swap) = if left < host_left && have + u64::from(swapped) < need {
+                // A swap-out falls short: a recompute may give up more.
+                let recomputed = self.pages_freed_by(victims[k], &mut 0);
+                if recomputed > swapped {
+                    (recomputed, false)
+                } else {
+                    (swapped, true)
+                }
+            } else {
+                (swapped, true)
+            };
             // A victim that gives up no page (all shared) would be preempted for nothing,
             // unless its running slot is what is wanted.
             if freed > 0 || slot_wanted {
-                host_left = left;
+                if swap {
+                    host_left = left;
+                }
                 have += u64::from(freed);
                 victims[chosen] = victims[k];
+                swap_ok.push(swap);
                 chosen += 1;
             }
         }
         if have < need || (for_slot && chosen == 0) {
             return false;
         }
-        for &victim in &victims[..chosen] {
+        for (&victim, &swap) in victims[..chosen].iter().zip(&swap_ok) {
             self.running.retain(|&s| s != victim);
-            self.preempt(victim);
+            self.preempt_as(victim, swap);
         }
         chosen > 0
     }
@@ -283,10 +306,16 @@ impl Batcher {
     }
 
     pub(super) fn preempt(&mut self, slot: usize) {
+        self.preempt_as(slot, true);
+    }
+
+    /// Preempts by the preemption mode, but by recompute where `may_swap` is false.
+    fn preempt_as(&mut self, slot: usize, may_swap: bool) {
         let blocks = self.seq(slot).table.len() as usize;
         self.seq_mut(slot).row_blocks = 0;
         self.seq_mut(slot).drafts.clear();
-        let swap = self.cfg.preemption == PreemptionMode::Swap
+        let swap = may_swap
+            && self.cfg.preemption == PreemptionMode::Swap
             && blocks > 0
             && self.host_free.len() >= blocks;
         self.seq_mut(slot).preemptions += 1;

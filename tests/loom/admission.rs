@@ -20,7 +20,10 @@
 //! - a blocking submit re-polled with a new waker while a pop makes room: woken through it;
 //! - `close` racing a blocked submit and the worker's drain loop: refused or drained;
 //! - the drop-oldest `submit` future racing a pop: its poll wakes its own task while a popper
-//!   holds the slot mid-read, and every request is popped or evicted exactly once.
+//!   holds the slot mid-read, and every request is popped or evicted exactly once;
+//! - two drop-oldest `try_submit`s on a full queue (one slot, two slots) while a worker pops
+//!   once: each can take the slot the other's eviction freed and wait for the other or the
+//!   worker mid-way; every request is completed xor evicted, none lost, counters exact.
 //!
 //! CI runs these with `LOOM_MAX_PREEMPTIONS=2`.
 
@@ -704,4 +707,87 @@ fn block_on_yielding<F: Future>(f: F) -> F::Output {
             unpark.woken.store(false, Ordering::Relaxed);
         }
     }
+}
+
+/// Two drop-oldest `try_submit`s on a full one-slot queue (positions step a whole lap, 2, per
+/// value) while a worker pops once. See [`two_drop_oldest_submitters_and_a_worker`].
+#[test]
+fn two_drop_oldest_submitters_one_slot() {
+    two_drop_oldest_submitters_and_a_worker(1);
+}
+
+/// As above on a full two-slot queue, where an eviction can also meet a queue that is not full
+/// (the worker's pop made room). That it evicts nothing then is checked by
+/// `drop_oldest_evicts_only_a_full_queue`: here the outcomes cannot show it (an eviction from a
+/// non-full queue takes the request the other submitter's eviction would have taken).
+#[test]
+fn two_drop_oldest_submitters_two_slots() {
+    two_drop_oldest_submitters_and_a_worker(2);
+}
+
+/// A queue of `cap` slots, full (requests `1..=cap`); two threads `try_submit` one request
+/// each under drop-oldest while a worker pops once (or finds nothing to take without waiting);
+/// then the queue is drained. Every request is completed xor answered `EvictedOldest` (none
+/// lost, none both), not every request is evicted (the one admitted last cannot be: evictions
+/// only come before a submitter's own push), and the counters agree with the tickets.
+///
+/// With two evicting submitters, each can take the slot the other's eviction freed (the other
+/// then evicts again), and each can find the slot it needs held mid-way by the other or by the
+/// worker, which makes it wait: the model needs `Backoff`'s loom bound on such waits to finish
+/// (src/sync.rs).
+fn two_drop_oldest_submitters_and_a_worker(cap: usize) {
+    crate::model(move || {
+        let q = Arc::new(
+            Admission::<u32, u32>::new(AdmissionConfig::new(1, cap, OverflowPolicy::DropOldest))
+                .unwrap(),
+        );
+        let mut tickets: Vec<_> = (1..=cap as u32)
+            .map(|id| q.try_submit(id, P, W0).unwrap())
+            .collect();
+        let submitter = |id: u32| {
+            let q = q.clone();
+            thread::spawn(move || q.try_submit(id, P, W0).unwrap())
+        };
+        let (a, b) = (cap as u32 + 1, cap as u32 + 2);
+        let (sa, sb) = (submitter(a), submitter(b));
+        let worker = {
+            let q = q.clone();
+            thread::spawn(move || {
+                q.pop(0).unwrap().map(|job| {
+                    let id = *job.payload();
+                    job.complete(id * 10);
+                    id
+                })
+            })
+        };
+        tickets.push(sa.join().unwrap());
+        tickets.push(sb.join().unwrap());
+        let mut popped: Vec<u32> = worker.join().unwrap().into_iter().collect();
+        while let Some(job) = q.pop(0).unwrap() {
+            let id = *job.payload();
+            job.complete(id * 10);
+            popped.push(id);
+        }
+        let evicted = Err(AdmissionError::Overloaded {
+            reason: OverloadReason::EvictedOldest,
+            worker: 0,
+        });
+        let mut n_evicted = 0;
+        for (id, ticket) in (1u32..).zip(&mut tickets) {
+            let outcome = ticket
+                .try_take()
+                .unwrap_or_else(|| panic!("request {id} lost (no outcome); popped {popped:?}"));
+            match popped.iter().filter(|&&p| p == id).count() {
+                1 => assert_eq!(outcome, Ok(id * 10), "request {id}; popped {popped:?}"),
+                0 => {
+                    assert_eq!(outcome, evicted, "request {id}; popped {popped:?}");
+                    n_evicted += 1;
+                }
+                n => panic!("request {id} popped {n} times: {popped:?}"),
+            }
+        }
+        assert!(!popped.is_empty(), "every request evicted");
+        assert_eq!(q.in_flight(), 0, "popped {popped:?}");
+        assert_eq!(q.metrics().evicted_oldest, n_evicted, "popped {popped:?}");
+    });
 }

@@ -772,8 +772,13 @@ impl<T, R> Admission<T, R> {
                         .send(Err(overloaded(OverloadReason::EvictedOldest, worker)));
                     drop(old.payload);
                 }
-                // Not full any more: a pop made room; retry the push.
-                Pop::Empty => {}
+                // Not full any more: a pop made room; retry the push. The spin is a pause
+                // hint, like the ring's own retries after a stale position: this thread's
+                // `Full` and `Empty` can both come from a view that lags the other threads'
+                // completed steps (Relaxed `head` / `tail` loads), and it is the pause that
+                // lets loom (which may serve a stale value for as long as a thread never
+                // yields) see them too.
+                Pop::Empty => backoff.spin(),
                 // The oldest request is still being written by its submitter.
                 Pop::Busy if in_poll => return Err(entry),
                 Pop::Busy => backoff.snooze(),

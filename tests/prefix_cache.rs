@@ -110,6 +110,37 @@ fn exact_reuse_of_full_blocks() {
     );
 }
 
+/// `peek` says what a lookup would find (the blocks, and the pages only the cache holds) but
+/// takes no reference and counts no lookup: a batcher estimates a waiting request's pages with
+/// it every step.
+#[test]
+fn peek_finds_what_a_lookup_would_and_changes_nothing() {
+    let (pool, cache) = setup(16, 1);
+    let t = toks(0..18); // 4 full blocks and a partial one
+    let first = prefill(&cache, &key(0), &t[..16]);
+    release(&pool, &first[2..]); // 2 pages in use, 2 cached-free
+    let before = cache.metrics(EngineId(0));
+    let peeked = cache.peek(&key(0), &t).unwrap();
+    assert_eq!((peeked.blocks, peeked.tokens, peeked.revived), (4, 16, 2));
+    assert_eq!(
+        cache.metrics(EngineId(0)),
+        before,
+        "a peek counted as a lookup"
+    );
+    for id in &first[..2] {
+        assert_eq!(pool.ref_count(*id), Ok(2), "a peek took a reference");
+    }
+    assert_eq!(cache.reclaimable(None), 2);
+    let mut got = Vec::new();
+    assert_eq!(cache.lookup(&key(0), &t, &mut got).unwrap(), peeked);
+    assert!(
+        cache.peek(&key(5), &t).is_err(),
+        "an engine the cache does not serve"
+    );
+    release(&pool, &got);
+    release(&pool, &first[..2]);
+}
+
 #[test]
 fn a_partial_block_is_never_matched() {
     let (pool, cache) = setup(8, 1);

@@ -18,7 +18,9 @@ use std::sync::Arc;
 mod batcher_fixtures;
 #[path = "support/random_batcher.rs"]
 mod random_batcher;
-use batcher_fixtures::{check_batch, config, drive, pool, req, step, with_prefix, BS};
+use batcher_fixtures::{
+    check_batch, commit_scheduled, config, drive, pool, req, step, with_prefix, BS,
+};
 use random_batcher::Quota;
 
 #[test]
@@ -448,6 +450,17 @@ fn random_workloads_keep_invariants() {
             let swapped: Vec<u64> = (0..submitted)
                 .filter(|&id| bt.phase(id) == Some(SeqPhase::Swapped))
                 .collect();
+            // What an engine reads to ask for donations changes nothing: no cache lookup
+            // counted, no page taken (a recomputed sequence's own cached pages are hits).
+            let lookups = cache.as_ref().map(|c| c.metrics(EngineId(0)).lookups);
+            let free = p.free_count();
+            let _ = bt.next_admission_need();
+            assert_eq!(
+                cache.as_ref().map(|c| c.metrics(EngineId(0)).lookups),
+                lookups,
+                "seed {seed} step {step}: reading the admission need looked the cache up"
+            );
+            assert_eq!(p.free_count(), free, "seed {seed} step {step}");
             let b = bt.schedule_into(&mut done);
             check_batch(b, cfg.max_batched_tokens as usize);
             if let Some(id) = arrived_lc.filter(|_| lc_idle) {
@@ -1585,6 +1598,100 @@ fn a_prefill_chunk_short_of_pages_shrinks_to_the_pages_swap_outs_gave_up() {
     fin.extend(drive(&mut bt, 200));
     assert_eq!(fin.len(), 4);
     assert_eq!(p.free_count(), 12);
+}
+
+/// Swap mode with a prefix cache (the simulator's defaults): every completed page of a running
+/// sequence is also the cache's, so a swap-out keeps it allocated until the batch has run and
+/// gives up only the victim's partial last page. A running sequence short of a page had the
+/// youngest (all its pages completed, so none given up) swapped out for nothing, then the next
+/// one too; recomputed instead, the youngest gives its pages up at once (cached, free to evict)
+/// and the other keeps running.
+#[test]
+fn a_swap_victim_whose_pages_the_prefix_cache_keeps_is_recomputed_for_a_running_row() {
+    let mut cfg = config();
+    cfg.preemption = PreemptionMode::Swap;
+    cfg.swap_blocks = 16;
+    let p = pool(8);
+    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+    let cache = Arc::new(PrefixCache::new(p.clone(), PrefixConfig { seed: Some(3) }));
+    bt.attach_prefix_cache(cache.clone()).unwrap();
+    let mut fin = Vec::new();
+    // 0: 8 tokens (2 completed pages), its next token needs a third page; 1: 9 tokens (2
+    // completed pages and a partial one); 2: 12 tokens (3 completed pages). 8 pages in all.
+    bt.add(req(0, vec![1; 8], 6)).unwrap();
+    bt.add(req(1, vec![2; 9], 6)).unwrap();
+    bt.add(req(2, vec![3; 12], 6)).unwrap();
+    step(&mut bt, &mut fin);
+    assert_eq!(p.free_count(), 0, "the three hold the pool");
+    let ids = bt.schedule_into(&mut fin).seq_ids.clone();
+    assert_eq!(
+        ids,
+        [0, 1],
+        "a sequence was preempted that did not need to be: {:?}",
+        bt.stats()
+    );
+    assert_eq!(bt.phase(2), Some(SeqPhase::Waiting), "recomputed");
+    let s = bt.stats();
+    assert_eq!((s.preempted_swap, s.preempted_recompute), (0, 1), "{s:?}");
+    commit_scheduled(&mut bt, &mut fin);
+    fin.extend(drive(&mut bt, 200));
+    assert_eq!(fin.len(), 3);
+    assert!(!bt.has_work());
+    cache.clear();
+    assert_eq!(p.free_count(), 8, "blocks leaked");
+}
+
+/// The pages a waiting request's admission takes, as an engine asks other engines to donate
+/// them: with a prefix cache, not the cached prefix's pages that a running sequence already
+/// holds (attached, they cost nothing), only its first chunk's past them. Counted without the
+/// hit, the request asked for its whole prompt's pages. Reading the need changes nothing: no
+/// lookup is counted, no reference or budget taken. Cached pages no one holds do count (they
+/// come back into the budget).
+#[test]
+fn the_next_admission_need_leaves_out_cached_pages_a_running_sequence_holds() {
+    let p = pool(16);
+    let mut bt = Batcher::new(config(), p.clone()).unwrap();
+    let cache = Arc::new(PrefixCache::new(p.clone(), PrefixConfig { seed: Some(3) }));
+    bt.attach_prefix_cache(cache.clone()).unwrap();
+    let (budget, used) = quota(u32::MAX, 16);
+    bt.attach_budget(Box::new(budget));
+    let mut fin = Vec::new();
+    let system: Vec<u32> = (1..=8).collect();
+    // 0: the system prompt (2 pages, cached at the commit) and a token (a third page).
+    bt.add(req(0, [system.clone(), vec![50]].concat(), 20))
+        .unwrap();
+    step(&mut bt, &mut fin);
+    assert_eq!(used.load(Ordering::Relaxed), 3);
+    // 1: the system prompt and 3 tokens: 3 pages, 2 of them cached and held by 0.
+    bt.add(req(1, [system.clone(), vec![60, 61, 62]].concat(), 4))
+        .unwrap();
+    let lookups = cache.metrics(EngineId(0)).lookups;
+    let free = p.free_count();
+    assert_eq!(
+        bt.next_admission_need(),
+        Some((Priority::Throughput, 1)),
+        "the cached pages 0 holds were counted"
+    );
+    assert_eq!(
+        cache.metrics(EngineId(0)).lookups,
+        lookups,
+        "a lookup was counted"
+    );
+    assert_eq!(p.free_count(), free);
+    assert_eq!(used.load(Ordering::Relaxed), 3, "budget taken");
+    // The admission takes what was said: 0 decodes in the page it has.
+    let ids = bt.schedule_into(&mut fin).seq_ids.clone();
+    assert_eq!(ids, [0, 1]);
+    assert_eq!(used.load(Ordering::Relaxed), 4);
+    commit_scheduled(&mut bt, &mut fin);
+    fin.extend(drive(&mut bt, 100));
+    assert_eq!(fin.len(), 2);
+    // Cached pages no one holds come back into the budget: they count.
+    bt.add(req(2, [system, vec![70]].concat(), 2)).unwrap();
+    assert_eq!(bt.next_admission_need(), Some((Priority::Throughput, 3)));
+    fin.extend(drive(&mut bt, 100));
+    assert_eq!(fin.len(), 3);
+    assert_eq!(used.load(Ordering::Relaxed), 0);
 }
 
 /// A batch counts its tokens in `i32` (`query_start_loc`, `logits_indices`): a step budget past

@@ -663,3 +663,38 @@ fn a_swap_victim_whose_pages_the_prefix_cache_keeps_is_recomputed_for_room() {
     assert_eq!(fin.len(), 3, "the preempted one came back and finished");
     assert!(!bt.has_work());
 }
+
+/// The same for a running latency-critical row short of pages (its next prefill chunk, in
+/// the step's general preemption loop): the throughput sequences' completed pages are also the
+/// cache's, so the row swapped out the latest for nothing this step, then the other for its
+/// partial last page. The latest is recomputed instead: its pages leave at once, the row takes
+/// them, and the other keeps running.
+#[test]
+fn a_latency_critical_row_short_of_pages_recomputes_a_swap_victim_the_cache_keeps() {
+    let p = pool(6);
+    let mut cfg = config();
+    cfg.preemption = PreemptionMode::Swap;
+    cfg.swap_blocks = 16;
+    cfg.max_prefill_chunk = 8;
+    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+    let cache = Arc::new(PrefixCache::new(p.clone(), PrefixConfig { seed: Some(3) }));
+    bt.attach_prefix_cache(cache.clone()).unwrap();
+    let mut fin = Vec::new();
+    // 0: 16 tokens in chunks of 8 (2 pages each); 1: 7 tokens (a completed page and a
+    // partial one, its next token's); 2: 8 tokens (2 completed pages).
+    bt.add(urgent(0, vec![1; 16])).unwrap();
+    bt.add(req(1, vec![2; 7], 2)).unwrap();
+    bt.add(req(2, vec![3; 8], 6)).unwrap();
+    step(&mut bt, &mut fin);
+    assert_eq!(p.free_count(), 0, "the three hold the pool");
+    let ids = bt.schedule_into(&mut fin).seq_ids.clone();
+    assert_eq!(ids, [0, 1], "{:?}", bt.stats());
+    assert_eq!(bt.phase(2), Some(SeqPhase::Waiting), "recomputed");
+    let s = bt.stats();
+    assert_eq!((s.preempted_swap, s.preempted_recompute), (0, 1), "{s:?}");
+    commit_scheduled(&mut bt, &mut fin);
+    fin.extend(drive(&mut bt, 200));
+    assert_eq!(fin.len(), 3);
+    cache.clear();
+    assert_eq!(p.free_count(), 6, "blocks leaked");
+}

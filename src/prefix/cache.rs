@@ -210,6 +210,42 @@ impl PrefixCache {
         self.find(engine, hash).is_some()
     }
 
+    /// What [`lookup`](Self::lookup) would find for `tokens` under `key` right now, without
+    /// taking a reference or counting a lookup in the metrics: the longest cached prefix in
+    /// full blocks and, in `revived`, how many of its pages no one but the cache references
+    /// (a lookup would bring them back into use). For estimates only (a batcher's pages
+    /// wanted by a waiting request): another thread may insert, evict or take a page
+    /// between this and a lookup.
+    pub fn peek(&self, key: &PrefixKey, tokens: &[u32]) -> Result<PrefixHit, PrefixError> {
+        self.check_engine(key.engine)?;
+        if key.block_tokens == 0 {
+            return Err(PrefixError::ZeroBlockTokens);
+        }
+        let mut parent = self.hasher.root(key);
+        let (mut blocks, mut revived) = (0, 0);
+        for block in tokens.chunks_exact(key.block_tokens as usize) {
+            let hash = self.hasher.block(parent, block);
+            let Some((page, snap)) = self.find(key.engine, hash) else {
+                break;
+            };
+            // The cache's own reference only: a lookup's would be the second.
+            let count = self.pool.ref_count(self.id_at(page, snap.state));
+            let Ok(count) = count else {
+                // Freed since the record was read: a lookup would miss it too.
+                break;
+            };
+            parent = hash;
+            blocks += 1;
+            revived += usize::from(count == 1);
+        }
+        Ok(PrefixHit {
+            blocks,
+            tokens: blocks * key.block_tokens as usize,
+            parent,
+            revived,
+        })
+    }
+
     /// The page and snapshot holding `hash` for `engine`, if any (no reference taken).
     fn find(&self, engine: EngineId, hash: BlockHash) -> Option<(usize, Snapshot)> {
         self.slots.probe(hash, |page| {

@@ -150,7 +150,9 @@ pub struct BatcherStats {
 ///    included, hold; halving where the quota refused) rather than cost a sequence of its own
 ///    class a preemption, and otherwise the running sequence of lowest
 ///    priority and latest arrival (by that order, never one already in the batch) is
-///    preempted, by recompute or by swap. The oldest sequence is
+///    preempted, by recompute or by swap (by recompute where its swap-out would give up fewer
+///    pages than the row lacks and a recompute more: with a prefix cache, a swap-out keeps the
+///    completed pages the cache also holds until the batch has run). The oldest sequence is
 ///    never the victim while a younger one of its class runs, so a workload that fits one
 ///    sequence at a time always finishes. Under an attached budget "fits" means within the
 ///    engine's guaranteed blocks ([`EngineBudget::guaranteed_blocks`]): a longer request is
@@ -856,11 +858,24 @@ impl Batcher {
                         }
                     }
                     preempted = true;
-                    let victim = self.running.remove(victim_pos);
+                    // In swap mode, a victim whose swap-out would not give up the pages this
+                    // row still lacks (the prefix cache keeps its completed ones this step) is
+                    // recomputed where that gives up more: otherwise the next victims are
+                    // swapped out too, each for its partial last page. A sequence preempted
+                    // for its own row needs no room: it keeps the preemption mode.
+                    let victim = self.running[victim_pos];
+                    let may_swap = victim == slot || {
+                        let need = self.pages_to_reserve(slot, n).0 as u64;
+                        let have = u64::from(self.pages_on_hand.unwrap_or(0));
+                        let mut host_left = self.host_free.len();
+                        self.victim_mode(victim, need.saturating_sub(have), &mut host_left)
+                            .1
+                    };
+                    self.running.remove(victim_pos);
                     if owing {
                         owed = owed.saturating_sub(self.decode_need(victim));
                     }
-                    self.preempt(victim);
+                    self.preempt_as(victim, may_swap);
                     // If the victim was this sequence, `i` now names the next one; otherwise
                     // retry this one with the freed blocks.
                 }
@@ -1141,13 +1156,13 @@ impl Batcher {
     /// waits or is swapped out. That sequence is, as [`schedule_into`](Self::schedule_into)
     /// orders them, the first swapped-out one (all its pages) unless a waiting one of a more
     /// urgent class comes first, else the first waiting one of the most urgent non-empty class
-    /// (the pages of its next chunk).
+    /// (the pages its first chunk takes: with a prefix cache attached, those past the cached
+    /// prefix it would attach, and the attached pages only the cache holds; not those another
+    /// sequence holds, which cost nothing). Reads the cache without changing it.
     pub fn next_admission_need(&self) -> Option<(Priority, u32)> {
         let waiting = Priority::ALL.into_iter().find_map(|class| {
             let &slot = self.waiting[class.index()].front()?;
-            let s = self.seq(slot);
-            let n = (s.tokens.len() - s.computed).min(self.cfg.max_prefill_chunk as usize);
-            Some((class, n.div_ceil(self.cfg.block_size as usize) as u32))
+            Some((class, self.admission_pages(slot)))
         });
         let swapped = self.swapped.front().map(|&slot| {
             let s = self.seq(slot);

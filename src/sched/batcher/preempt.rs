@@ -84,24 +84,11 @@ impl Batcher {
             // Host slots are used up only by the victims actually swapped out: one passed over
             // or recomputed leaves them to the next, which a swap then takes.
             let mut left = host_left;
-            let swapped = self.pages_freed_by(victims[k], &mut left);
-            let (freed, swap) = if left < host_left && have + u64::from(swapped) < need {
-                // A swap-out falls short: a recompute may give up more.
-                let recomputed = self.pages_freed_by(victims[k], &mut 0);
-                if recomputed > swapped {
-                    (recomputed, false)
-                } else {
-                    (swapped, true)
-                }
-            } else {
-                (swapped, true)
-            };
+            let (freed, swap) = self.victim_mode(victims[k], need.saturating_sub(have), &mut left);
             // A victim that gives up no page (all shared) would be preempted for nothing,
             // unless its running slot is what is wanted.
             if freed > 0 || slot_wanted {
-                if swap {
-                    host_left = left;
-                }
+                host_left = left;
                 have += u64::from(freed);
                 victims[chosen] = victims[k];
                 swap_ok.push(swap);
@@ -116,6 +103,33 @@ impl Batcher {
             self.preempt_as(victim, swap);
         }
         chosen > 0
+    }
+
+    /// How to preempt the running sequence `victim` for a sequence that still lacks `short`
+    /// pages (with `host_left` host slots free, which a swap uses up): the pages it gives up
+    /// at once, and whether it may be swapped out (else it is recomputed). In swap mode a
+    /// swap-out that gives up what is lacking is kept; one that falls short (it keeps the
+    /// pages the prefix cache also holds, every completed page of a sequence with a cache
+    /// attached, until the batch has run) gives way to a recompute where that gives up more:
+    /// the victim's pages then leave at once (its cached ones free to evict), and it attaches
+    /// what is left of them when it comes back. Otherwise more victims would be swapped out,
+    /// each for its partial last page, where one recompute would do.
+    pub(super) fn victim_mode(
+        &self,
+        victim: usize,
+        short: u64,
+        host_left: &mut usize,
+    ) -> (u32, bool) {
+        let mut left = *host_left;
+        let swapped = self.pages_freed_by(victim, &mut left);
+        if left < *host_left && u64::from(swapped) < short {
+            let recomputed = self.pages_freed_by(victim, &mut 0);
+            if recomputed > swapped {
+                return (recomputed, false);
+            }
+        }
+        *host_left = left;
+        (swapped, true)
     }
 
     /// The pages that preempting the running sequence `slot` (with `host_left` host slots
@@ -310,7 +324,7 @@ impl Batcher {
     }
 
     /// Preempts by the preemption mode, but by recompute where `may_swap` is false.
-    fn preempt_as(&mut self, slot: usize, may_swap: bool) {
+    pub(super) fn preempt_as(&mut self, slot: usize, may_swap: bool) {
         let blocks = self.seq(slot).table.len() as usize;
         self.seq_mut(slot).row_blocks = 0;
         self.seq_mut(slot).drafts.clear();

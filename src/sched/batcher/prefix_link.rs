@@ -184,6 +184,35 @@ impl Batcher {
         hit.tokens
     }
 
+    /// The pages the admission of the waiting sequence `slot` would take against the budget:
+    /// those of its first chunk (`max_prefill_chunk` tokens at most) past the cached prefix
+    /// [`attach_cached_prefix`](Self::attach_cached_prefix) would attach, and the attached
+    /// pages only the cache holds (they come back into the budget); a cached page another
+    /// sequence holds costs nothing. The prefix is looked up without a reference
+    /// ([`PrefixCache::peek`](crate::prefix::PrefixCache::peek)): the cache, its metrics and
+    /// the budget stay as they were. O(the prompt's full blocks) with a cache attached.
+    pub(super) fn admission_pages(&self, slot: usize) -> u32 {
+        let s = self.seq(slot);
+        let len = s.tokens.len();
+        let bs = self.cfg.block_size as usize;
+        let chunk = self.cfg.max_prefill_chunk as usize;
+        let (hit, revived) = match self.prefix.as_ref().filter(|l| l.reuse) {
+            Some(link) if s.computed == 0 && s.table.is_empty() && len > bs => {
+                let blocks = (len - 1) / bs;
+                let key = self.prefix_key(s.salt);
+                match link.cache.peek(&key, &s.tokens[..blocks * bs]) {
+                    Ok(hit) => (hit.tokens, hit.revived),
+                    Err(_) => (0, 0),
+                }
+            }
+            _ => (0, 0),
+        };
+        let start = s.computed + hit;
+        let n = (len - start).min(chunk);
+        let new = self.blocks_for(start + n) - self.blocks_for(start);
+        (new + revived) as u32
+    }
+
     /// Undoes [`attach_cached_prefix`](Self::attach_cached_prefix) for a sequence that stays
     /// waiting (no token budget or no pages for the rest of it): a waiting sequence holds no
     /// pages, or two such sequences could each hold what the other needs and neither ever run.

@@ -17,64 +17,16 @@ use half::{bf16, f16};
 use pagedkv::attn::cpu::paged_attention_decode;
 use pagedkv::attn::AttnWorkspace;
 use pagedkv::kv::{AttnParams, PagedSeqs};
-use pagedkv::kv::{HostKvCache, KvCacheConfig, KvElem, KvPart};
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
+use pagedkv::kv::{KvElem, KvPart};
 use rayon::prelude::*;
 use std::hint::black_box;
 
-const KV_HEADS: usize = 8;
-const HEAD_DIM: usize = 128;
-const GQA: usize = 4;
-const BLOCK: usize = 16;
+#[path = "support/attn_cache.rs"]
+mod attn_cache;
+use attn_cache::{dot, setup, tolerance, Setup, BLOCK, GQA, HEAD_DIM, KV_HEADS};
+
 /// (batch, context) points of the grid.
 const GRID: [(usize, usize); 3] = [(4, 512), (16, 1024), (64, 256)];
-
-struct Setup<T> {
-    cache: HostKvCache,
-    tables: Vec<i32>,
-    mbps: usize,
-    ctx: Vec<i32>,
-    query: Vec<T>,
-    kv_bytes: usize,
-}
-
-fn setup<T: KvElem>(batch: usize, ctx: usize) -> Setup<T> {
-    let mut rng = SmallRng::seed_from_u64(42);
-    let mbps = ctx.div_ceil(BLOCK);
-    let nb = batch * mbps;
-    let cfg = KvCacheConfig::new(1, KV_HEADS, HEAD_DIM, BLOCK, nb, T::DTYPE).unwrap();
-    let mut cache = HostKvCache::new(cfg).unwrap();
-    for x in cache.view_mut::<T>().unwrap().data_mut() {
-        *x = T::from_f32(rng.gen_range(-1.0..1.0));
-    }
-    let mut perm: Vec<i32> = (0..nb as i32).collect();
-    for i in (1..nb).rev() {
-        perm.swap(i, rng.gen_range(0..=i));
-    }
-    let query = (0..batch * KV_HEADS * GQA * HEAD_DIM)
-        .map(|_| T::from_f32(rng.gen_range(-1.0..1.0)))
-        .collect();
-    Setup {
-        cache,
-        tables: perm,
-        mbps,
-        ctx: vec![ctx as i32; batch],
-        query,
-        kv_bytes: batch * ctx * 2 * KV_HEADS * HEAD_DIM * T::DTYPE.size_bytes(),
-    }
-}
-
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    acc.iter().sum()
-}
 
 /// One rayon thread's buffers for [`gather_then_attend`], kept across calls (as pagedkv keeps
 /// its `AttnWorkspace`), so the baseline times the gather and the attention, not the allocator
@@ -192,7 +144,7 @@ fn gather_seq_body<T: KvElem>(
 
 fn bench_dtype<T: KvElem>(c: &mut Criterion) {
     for (batch, ctx) in GRID {
-        let s = setup::<T>(batch, ctx);
+        let s = setup::<T>(batch, ctx, 1);
         let params = AttnParams::new(KV_HEADS * GQA, HEAD_DIM);
         let seqs = PagedSeqs {
             block_tables: &s.tables,
@@ -208,11 +160,7 @@ fn bench_dtype<T: KvElem>(c: &mut Criterion) {
         // Correctness inside the bench.
         paged_attention_decode(&mut ws, kv, &s.query, &seqs, &params, &mut out).unwrap();
         gather_then_attend(&s, &params, &mut base);
-        let tol = if T::DTYPE == pagedkv::kv::KvDtype::F32 {
-            1e-4
-        } else {
-            2e-2
-        };
+        let tol = tolerance::<T>();
         for (a, b) in out.iter().zip(&base) {
             assert!(
                 (a.to_f32() - b).abs() <= tol * b.abs().max(0.05),

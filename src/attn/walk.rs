@@ -14,8 +14,8 @@
 
 use super::cpu::WorkItem;
 #[cfg(target_arch = "x86_64")]
-use super::lanes::Avx2;
-use super::lanes::{axpy, axpy4, dot, prefetch, widen, Dot4, Portable};
+use super::lanes::Avx2Fma;
+use super::lanes::{axpy, dot, exp, exp_sum, max, prefetch, weighted, widen, Dot4, Portable};
 use crate::kv::{AttnParams, KvCacheConfig, KvElem, KvPart, LayerKv, PagedSeqs};
 
 /// What every task reads.
@@ -35,12 +35,13 @@ pub(super) struct TaskCtx<'a, T> {
 /// Scratch floats one task slot needs for walks of `rows` query rows over `kv_heads` KV heads.
 pub(super) fn slot_len(cfg: &KvCacheConfig, rows: usize, kv_heads: usize) -> usize {
     let (d, bs) = (cfg.head_dim(), cfg.block_size());
-    2 * rows * d + rows * bs + 2 * rows + kv_heads * d
+    2 * rows * d + rows * bs + 2 * rows + bs * kv_heads * d
 }
 
 /// One work item, on the widest vector unit the CPU has: the body is compiled twice, once for
-/// the build's baseline target and once with AVX2 enabled (and [`Avx2`]'s `dot4`), chosen at
-/// run time. Every lane does the same arithmetic in both, so the results are bit-identical.
+/// the build's baseline target and once with AVX2 and FMA enabled (and [`Avx2Fma`]'s dot
+/// products), chosen at run time. Every lane does the same arithmetic in both (fused
+/// multiply-adds either way), so the results are bit-identical.
 pub(super) fn attend_item<T: KvElem>(
     ctx: &TaskCtx<'_, T>,
     it: &WorkItem,
@@ -49,9 +50,9 @@ pub(super) fn attend_item<T: KvElem>(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        if let Some(avx2) = Avx2::detect() {
-            // SAFETY: `attend_item_avx2`'s only requirement is that the CPU supports AVX2,
-            // which `Avx2::detect` just found.
+        if let Some(avx2) = Avx2Fma::detect() {
+            // SAFETY: `attend_item_avx2`'s only requirement is that the CPU supports AVX2
+            // and FMA, which `Avx2Fma::detect` just found.
             unsafe { attend_item_avx2(ctx, it, out, slot, avx2) };
             return;
         }
@@ -59,18 +60,18 @@ pub(super) fn attend_item<T: KvElem>(
     attend_item_body(ctx, it, out, slot, Portable);
 }
 
-/// [`attend_item_body`] compiled with AVX2.
+/// [`attend_item_body`] compiled with AVX2 and FMA.
 ///
 /// # Safety
-/// The CPU must support AVX2 (`is_x86_feature_detected!("avx2")`).
+/// The CPU must support AVX2 and FMA (`is_x86_feature_detected!` of both).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 unsafe fn attend_item_avx2<T: KvElem>(
     ctx: &TaskCtx<'_, T>,
     it: &WorkItem,
     out: &mut [T],
     slot: &mut [f32],
-    avx2: Avx2,
+    avx2: Avx2Fma,
 ) {
     attend_item_body(ctx, it, out, slot, avx2);
 }
@@ -123,7 +124,7 @@ fn walk<T: KvElem, L: Dot4>(
     let (scores, rest) = rest.split_at_mut(rows * bs);
     let (m, rest) = rest.split_at_mut(rows);
     let (l, rest) = rest.split_at_mut(rows);
-    let kbuf = &mut rest[..nk * d];
+    let buf = &mut rest[..bs * nk * d];
 
     let scale = ctx.params.scale;
     let softcap = ctx.params.softcap;
@@ -186,26 +187,37 @@ fn walk<T: KvElem, L: Dot4>(
         let (jb, t0, t1) = block_span(j, bs, lo, hi);
         let kbase = cfg.offset(block as usize, ctx.layer, KvPart::Key, 0, kc);
         let vbase = kbase + cfg.kv_stride();
-        // Scores of this block's visible keys for every row: each token's keys for the chunk's
-        // heads are one run, each head's slice meets that head's rows four at a time (each K
-        // element loaded once per four rows), then cap, bias and mask.
-        for t in t0..t1 {
-            // The V row of this token, read after this block's scores (the walk's read order is
-            // K then V of one block, then the next block: each row is asked for a block ahead).
-            prefetch(ctx.kv.head(vbase + t * ts, nk * d));
-            let krow = widen(ctx.kv.head(kbase + t * ts, nk * d), kbuf);
-            for (h, k) in krow.chunks_exact(d).enumerate() {
-                let (r0, r1) = (h * per_head, (h + 1) * per_head);
-                let mut r = r0;
-                while r + 4 <= r1 {
-                    let s4 = lanes.dot4(&q32[r * d..(r + 4) * d], k);
-                    for (i, x) in s4.into_iter().enumerate() {
-                        scores[(r + i) * bs + t] = x;
+        // Scores of this block's visible keys for every row: the block's key rows for the
+        // chunk's heads (each token's one run), then each head's slice meets that head's rows,
+        // four rows and two keys at a time (each loaded element used four or two times, eight
+        // sums in flight), the last rows and key one by one; then cap, bias and mask.
+        let n = t1 - t0;
+        let (krows, kst) = block_rows(ctx, kbase + t0 * ts, n, nk * d, buf, Some(vbase + t0 * ts));
+        for h in 0..nk {
+            let key = |t: usize| &krows[t * kst + h * d..t * kst + (h + 1) * d];
+            let (r0, r1) = (h * per_head, (h + 1) * per_head);
+            let mut r = r0;
+            while r + 4 <= r1 {
+                let q4 = &q32[r * d..(r + 4) * d];
+                let mut t = 0;
+                while t + 2 <= n {
+                    let s = lanes.dot4x2(q4, key(t), key(t + 1));
+                    for (i, (x0, x1)) in s[0].into_iter().zip(s[1]).enumerate() {
+                        scores[(r + i) * bs + t0 + t] = x0;
+                        scores[(r + i) * bs + t0 + t + 1] = x1;
                     }
-                    r += 4;
+                    t += 2;
                 }
-                for r in r..r1 {
-                    scores[r * bs + t] = dot(&q32[r * d..(r + 1) * d], k);
+                if t < n {
+                    for (i, x) in lanes.dot4(q4, key(t)).into_iter().enumerate() {
+                        scores[(r + i) * bs + t0 + t] = x;
+                    }
+                }
+                r += 4;
+            }
+            for r in r..r1 {
+                for t in 0..n {
+                    scores[r * bs + t0 + t] = dot(&q32[r * d..(r + 1) * d], key(t));
                 }
             }
         }
@@ -231,7 +243,7 @@ fn walk<T: KvElem, L: Dot4>(
         // Online softmax update, once per block and row.
         for r in 0..rows {
             let sr = &mut scores[r * bs + t0..r * bs + t1];
-            let bmax = sr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let bmax = max(sr);
             // `f32::max` skips NaN, so a max of -inf may also mean "masked and NaN logits
             // only": only an all-masked block adds nothing; a NaN logit poisons its row
             // (exp(NaN) below), as in the formula and the CUDA prefill kernels.
@@ -240,7 +252,7 @@ fn walk<T: KvElem, L: Dot4>(
                 continue;
             }
             if bmax > m[r] {
-                let corr = (m[r] - bmax).exp(); // exp(-inf) = 0 on the first block
+                let corr = exp(m[r] - bmax); // exp(-inf) = 0 on the first block
                 let a = &mut acc[r * d..(r + 1) * d];
                 if corr == 0.0 {
                     // Every key so far now has weight 0 (exp underflows): it contributes
@@ -256,55 +268,42 @@ fn walk<T: KvElem, L: Dot4>(
                 l[r] *= corr;
                 m[r] = bmax;
             }
-            let mr = m[r];
-            let mut sum = 0.0;
-            for x in sr.iter_mut() {
-                *x = (*x - mr).exp();
-                sum += *x;
-            }
-            l[r] += sum;
+            l[r] += exp_sum(sr, m[r], (jb + t0 as i64) as usize);
         }
-        // Weighted values, four rows at a time (each V element loaded once per four rows).
-        // A weight of 0 (masked key, -inf score, underflow) adds nothing, row by row: a
-        // shared `p * v` would give a row that does not see an infinite or NaN value
-        // `0 * inf = NaN` from the rows beside it (later tokens of its tile, other heads).
-        // The next block's keys, read after these values.
+        // Weighted values, up to four rows at a time over the block's keys, their sums in
+        // registers (each V element loaded once per four rows). A weight of 0 (masked key,
+        // -inf score, underflow) adds nothing, row by row: a shared `p * v` would give a row
+        // that does not see an infinite or NaN value `0 * inf = NaN` from the rows beside it
+        // (later tokens of its tile, other heads); rows with such a weight go key by key. The
+        // next block's keys are asked for while these values are read.
         let next_kbase = (j < last_block)
-            .then(|| cfg.offset(table[j + 1] as usize, ctx.layer, KvPart::Key, 0, kc));
-        for t in t0..t1 {
-            if let Some(nk_base) = next_kbase {
-                prefetch(ctx.kv.head(nk_base + t * ts, nk * d));
-            }
-            let vrow = widen(ctx.kv.head(vbase + t * ts, nk * d), kbuf);
-            for (h, v) in vrow.chunks_exact(d).enumerate() {
-                let (r0, r1) = (h * per_head, (h + 1) * per_head);
-                let mut r = r0;
-                while r + 4 <= r1 {
-                    let p = [
-                        scores[r * bs + t],
-                        scores[(r + 1) * bs + t],
-                        scores[(r + 2) * bs + t],
-                        scores[(r + 3) * bs + t],
-                    ];
-                    if !p.contains(&0.0) {
-                        axpy4(&mut acc[r * d..(r + 4) * d], p, v);
-                    } else {
-                        // Same per-element arithmetic as `axpy4`, so results do not depend
-                        // on which path a row took.
-                        for (i, &pi) in p.iter().enumerate() {
-                            if pi != 0.0 {
-                                axpy(&mut acc[(r + i) * d..(r + i + 1) * d], pi, v);
+            .then(|| cfg.offset(table[j + 1] as usize, ctx.layer, KvPart::Key, 0, kc) + t0 * ts);
+        let (vrows, vst) = block_rows(ctx, vbase + t0 * ts, n, nk * d, buf, next_kbase);
+        for h in 0..nk {
+            let vh = &vrows[h * d..];
+            let (r0, r1) = (h * per_head, (h + 1) * per_head);
+            let mut r = r0;
+            while r < r1 {
+                let rn = (r1 - r).min(4);
+                let w = &scores[r * bs + t0..];
+                let a = &mut acc[r * d..(r + rn) * d];
+                if (0..rn).any(|i| w[i * bs..i * bs + n].contains(&0.0)) {
+                    for (i, ai) in a.chunks_exact_mut(d).enumerate() {
+                        for (t, &p) in w[i * bs..i * bs + n].iter().enumerate() {
+                            if p != 0.0 {
+                                axpy(ai, p, &vh[t * vst..t * vst + d]);
                             }
                         }
                     }
-                    r += 4;
-                }
-                for r in r..r1 {
-                    let p = scores[r * bs + t];
-                    if p != 0.0 {
-                        axpy(&mut acc[r * d..(r + 1) * d], p, v);
+                } else {
+                    match rn {
+                        4 => weighted::<4>(a, w, bs, n, vh, vst),
+                        3 => weighted::<3>(a, w, bs, n, vh, vst),
+                        2 => weighted::<2>(a, w, bs, n, vh, vst),
+                        _ => weighted::<1>(a, w, bs, n, vh, vst),
                     }
                 }
+                r += rn;
             }
         }
     }
@@ -322,7 +321,7 @@ fn walk<T: KvElem, L: Dot4>(
         a.fill(0.0);
         let q = &q32[r * d..(r + 1) * d];
         let kvh = kc + r / per_head;
-        let kbuf = &mut kbuf[..d];
+        let kbuf = &mut buf[..d];
         let mut sum = 0.0;
         for (j, &block) in table
             .iter()
@@ -335,7 +334,7 @@ fn walk<T: KvElem, L: Dot4>(
             let vbase = kbase + cfg.kv_stride();
             for t in t0..t1 {
                 let raw = dot(q, widen(ctx.kv.head(kbase + t * ts, d), kbuf));
-                let w = (finish(raw, jb + t as i64, r) - mr).exp();
+                let w = exp(finish(raw, jb + t as i64, r) - mr);
                 if w != 0.0 {
                     axpy(a, w, widen(ctx.kv.head(vbase + t * ts, d), kbuf));
                     sum += w;
@@ -366,4 +365,39 @@ fn block_span(j: usize, bs: usize, lo: i64, hi: i64) -> (i64, usize, usize) {
     let t0 = (lo.max(jb) - jb) as usize;
     let t1 = (hi.min(jb + bs as i64) - jb) as usize;
     (jb, t0, t1)
+}
+
+/// Rows `0..n` of a block's keys or values for the walk's KV heads (`len` elements each, the
+/// first at cache offset `base`, the next `token_stride` on), as `f32` rows `stride` apart:
+/// the cache's own rows when it holds `f32`, else widened into `buf`. Each row also asks for
+/// the row at `ahead` plus the same offset (the walk's next read of another part) to be
+/// prefetched.
+#[inline(always)]
+fn block_rows<'b, T: KvElem>(
+    ctx: &TaskCtx<'b, T>,
+    base: usize,
+    n: usize,
+    len: usize,
+    buf: &'b mut [f32],
+    ahead: Option<usize>,
+) -> (&'b [f32], usize) {
+    let ts = ctx.cfg.token_stride();
+    let ask = |t: usize| {
+        if let Some(a) = ahead {
+            prefetch(ctx.kv.head(a + t * ts, len));
+        }
+    };
+    let span = ctx.kv.head(base, (n - 1) * ts + len);
+    if let Some(rows) = T::as_f32_slice(span) {
+        (0..n).for_each(ask);
+        return (rows, ts);
+    }
+    for t in 0..n {
+        ask(t);
+        T::widen_slice(
+            &span[t * ts..t * ts + len],
+            &mut buf[t * len..(t + 1) * len],
+        );
+    }
+    (&buf[..n * len], len)
 }

@@ -23,7 +23,7 @@ use std::hint::black_box;
 
 #[path = "support/attn_cache.rs"]
 mod attn_cache;
-use attn_cache::{dot, setup, tolerance, Setup, BLOCK, GQA, HEAD_DIM, KV_HEADS};
+use attn_cache::{assert_close, dot, setup, Setup, BLOCK, GQA, HEAD_DIM, KV_HEADS};
 
 /// (batch, context) points of the grid.
 const GRID: [(usize, usize); 3] = [(4, 512), (16, 1024), (64, 256)];
@@ -160,14 +160,7 @@ fn bench_dtype<T: KvElem>(c: &mut Criterion) {
         // Correctness inside the bench.
         paged_attention_decode(&mut ws, kv, &s.query, &seqs, &params, &mut out).unwrap();
         gather_then_attend(&s, &params, &mut base);
-        let tol = tolerance::<T>();
-        for (a, b) in out.iter().zip(&base) {
-            assert!(
-                (a.to_f32() - b).abs() <= tol * b.abs().max(0.05),
-                "pagedkv {} vs baseline {b}",
-                a.to_f32()
-            );
-        }
+        assert_close(&out, &base);
         let src = &s.cache.as_bytes()[..s.kv_bytes];
         let mut dst = vec![0u8; s.kv_bytes];
         dst.copy_from_slice(src);

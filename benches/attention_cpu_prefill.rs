@@ -23,7 +23,7 @@ use std::hint::black_box;
 
 #[path = "support/attn_cache.rs"]
 mod attn_cache;
-use attn_cache::{dot, setup, tolerance, Setup, BLOCK, GQA, HEAD_DIM, KV_HEADS};
+use attn_cache::{assert_close, dot, setup, Setup, BLOCK, GQA, HEAD_DIM, KV_HEADS};
 
 /// (sequences, new tokens each, cached tokens each) points of the grid.
 const GRID: [(usize, usize, usize); 3] = [(1, 256, 0), (1, 128, 1024), (4, 64, 256)];
@@ -208,14 +208,7 @@ fn bench_dtype<T: KvElem>(c: &mut Criterion) {
         // Correctness inside the bench.
         paged_attention_prefill(&mut ws, kv, &s.query, &starts, &seqs, &params, &mut out).unwrap();
         gather_then_attend(&s, &params, &mut gathered, &mut base);
-        let tol = tolerance::<T>();
-        for (a, b) in out.iter().zip(&base) {
-            assert!(
-                (a.to_f32() - b).abs() <= tol * b.abs().max(0.05),
-                "pagedkv {} vs baseline {b}",
-                a.to_f32()
-            );
-        }
+        assert_close(&out, &base);
 
         let mut g = c.benchmark_group(format!("prefill_{}", T::DTYPE));
         g.throughput(Throughput::Elements(flops(&s)));

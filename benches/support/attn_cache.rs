@@ -68,11 +68,20 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum()
 }
 
-/// Relative tolerance of a bench's correctness check for the cache's dtype.
-pub fn tolerance<T: KvElem>() -> f32 {
-    if T::DTYPE == pagedkv::kv::KvDtype::F32 {
+/// Panics unless pagedkv's `out` and a baseline's `base` agree within the dtype's tolerance
+/// (relative, with a floor for values near zero).
+pub fn assert_close<T: KvElem>(out: &[T], base: &[f32]) {
+    let tol = if T::DTYPE == pagedkv::kv::KvDtype::F32 {
         1e-4
     } else {
         2e-2
+    };
+    assert_eq!(out.len(), base.len());
+    for (a, b) in out.iter().zip(base) {
+        assert!(
+            (a.to_f32() - b).abs() <= tol * b.abs().max(0.05),
+            "pagedkv {} vs baseline {b}",
+            a.to_f32()
+        );
     }
 }

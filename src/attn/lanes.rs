@@ -103,9 +103,14 @@ pub(super) fn weighted<const R: usize>(
     v_stride: usize,
 ) {
     let d = acc.len() / R;
-    if n == 0 || (R - 1) * p_stride + n > p.len() || (n - 1) * v_stride + d > v.len() {
+    if n == 0 {
         return;
     }
+    // Once here, so that the loops below index without checks of their own.
+    assert!(
+        (R - 1) * p_stride + n <= p.len() && (n - 1) * v_stride + d <= v.len(),
+        "weighted: weights or value rows out of range"
+    );
     let mut c = 0;
     while c + 16 <= d {
         weighted_lanes::<R, 16>(&mut acc[..R * d], d, c, p, p_stride, n, v, v_stride);

@@ -1134,11 +1134,8 @@ impl Batcher {
     /// evictable; not one a fork or another holder of a cached prefix keeps), which is what a
     /// step preempts them for when latency-critical work (a waiting request, or a swapped-out
     /// sequence coming back) is short of pages, recomputing a victim where a swap-out would
-    /// keep its cached pages ([`make_room_for_latency_critical`]). An engine asks other
-    /// engines to donate pages only for what these (and the free pages) do not cover.
-    /// O(the running sequences' pages).
-    ///
-    /// [`make_room_for_latency_critical`]: Self::make_room_for_latency_critical
+    /// keep its cached pages. An engine asks other engines to donate pages only for what these
+    /// (and the free pages) do not cover. O(the running sequences' pages).
     pub fn throughput_room(&self) -> u32 {
         self.running
             .iter()

@@ -5,9 +5,10 @@
 //! - `gather_then_attend`: the seed designs' approach (ruvllm keeps each sequence's K/V as
 //!   contiguous `Vec<f32>`): copy each sequence's K and V out of the paged cache into
 //!   contiguous `f32` buffers, then attend over them; our re-implementation, parallel over
-//!   sequences with rayon, with the same 8-lane dot product, the same run-time choice of AVX2
-//!   code and buffers kept across calls (as pagedkv keeps its workspace), so the ratio
-//!   measures the approach and not threading, vectorisation or the allocator.
+//!   sequences with rayon, with the same 8-lane dot product of fused multiply-adds, the same
+//!   run-time choice of AVX2 + FMA code and buffers kept across calls (as pagedkv keeps its
+//!   workspace), so the ratio measures the approach and not threading, vectorisation or the
+//!   allocator.
 //!
 //! Correctness is checked before timing: `pagedkv` and the baseline agree within the dtype's
 //! tolerance, and the memcpy destination equals its source.
@@ -56,8 +57,9 @@ fn gather_then_attend<T: KvElem>(s: &Setup<T>, params: &AttnParams<'_>, out: &mu
 }
 
 /// One sequence of [`gather_then_attend`], on the widest vector unit the CPU has, chosen at
-/// run time as pagedkv's kernel chooses (`attend_item` in src/attn/cpu.rs): both sides run
-/// AVX2 code on an AVX2 machine, so the ratio compares the approaches, not the instruction sets.
+/// run time as pagedkv's kernel chooses (`attend_item` in src/attn/walk.rs): both sides run
+/// AVX2 + FMA code on such a machine, so the ratio compares the approaches, not the
+/// instruction sets.
 fn gather_seq<T: KvElem>(
     s: &Setup<T>,
     params: &AttnParams<'_>,
@@ -67,8 +69,8 @@ fn gather_seq<T: KvElem>(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx2") {
-            // SAFETY: `gather_seq_avx2` only requires AVX2, which the line above detected.
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: `gather_seq_avx2` only requires AVX2 and FMA, which the line above detected.
             unsafe { gather_seq_avx2(s, params, seq, out, scratch) };
             return;
         }
@@ -76,12 +78,12 @@ fn gather_seq<T: KvElem>(
     gather_seq_body(s, params, seq, out, scratch);
 }
 
-/// [`gather_seq_body`] compiled with AVX2.
+/// [`gather_seq_body`] compiled with AVX2 and FMA.
 ///
 /// # Safety
-/// The CPU must support AVX2.
+/// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 unsafe fn gather_seq_avx2<T: KvElem>(
     s: &Setup<T>,
     params: &AttnParams<'_>,
@@ -136,7 +138,7 @@ fn gather_seq_body<T: KvElem>(
         for (p, &w) in scores.iter().enumerate() {
             let vr = &v[p * row + kvh * d..p * row + (kvh + 1) * d];
             for (a, &x) in o.iter_mut().zip(vr) {
-                *a += w / z * x;
+                *a = (w / z).mul_add(x, *a);
             }
         }
     }

@@ -399,7 +399,12 @@ unsafe fn dot4x2_avx2(q4: &[f32], k0: &[f32], k1: &[f32]) -> [[f32; 4]; 2] {
         let rows = [lanes(q0, c), lanes(q1, c), lanes(q2, c), lanes(q3, c)];
         // SAFETY: each pointer comes from a `&[f32; 8]`, valid for reading 8 floats; the
         // unaligned load has no alignment requirement.
-        let kv = ks.map(|k| unsafe { _mm256_loadu_ps(k.as_ptr()) });
+        let kv = unsafe {
+            [
+                _mm256_loadu_ps(ks[0].as_ptr()),
+                _mm256_loadu_ps(ks[1].as_ptr()),
+            ]
+        };
         for (r, q) in rows.into_iter().enumerate() {
             // SAFETY: as above.
             let qv = unsafe { _mm256_loadu_ps(q.as_ptr()) };

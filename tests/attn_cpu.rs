@@ -1132,8 +1132,8 @@ fn an_infinite_value_whose_weight_underflows_later_contributes_nothing() {
 }
 
 /// As above, but the max reaches the infinite value's key in steps that each stay below the
-/// ~104 that underflow a rescale to 0: key 0 scores 0 (value inf), key 1 scores 60 (value 0),
-/// key 2 scores 120 (value `vbig`). Key 0's f32 weight exp(-120) is 0, so the row is key 2's
+/// ~87.3 (`-ln(f32::MIN_POSITIVE)`) that underflow a rescale to 0: key 0 scores 0 (value inf),
+/// key 1 scores 60 (value 0), key 2 scores 120 (value `vbig`). Key 0's f32 weight exp(-120) is 0, so the row is key 2's
 /// value (key 1's weight exp(-60) adds 0 to it and nothing to the sum). With one key per block
 /// the walk weighted key 0 by 1, then rescaled `inf` by exp(-60) twice: `inf`, not 0, and a
 /// row of inf where the formula has `vbig` (with 3 keys per block it gave `vbig`).

@@ -5,7 +5,8 @@
 //! block-table walk are all under test. Randomized grid: MHA / GQA / MQA, f32 / f16 / bf16,
 //! block sizes 1..=32, dense and page-strided caches, non-contiguous and shared (prefix)
 //! block tables, empty and block-multiple contexts, decode and chunked prefill, ALiBi, sliding
-//! window (1..), soft-cap, scale (negative and 0 too), negative ALiBi slopes.
+//! window (1..), soft-cap, scale (negative, 0, and large enough that weights underflow), negative
+//! ALiBi slopes.
 //! `ORACLE_SEED` / `ORACLE_N` run another seed or more cases (over 20,000 passed in review).
 
 use half::{bf16, f16};
@@ -76,6 +77,28 @@ fn tol<T: KvElem>() -> f64 {
         pagedkv::kv::KvDtype::F16 => 2e-3,
         pagedkv::kv::KvDtype::Bf16 => 1.2e-2,
     }
+}
+
+/// Extra absolute error a row may show at a large `|scale|`: the kernel rounds each `q·k` in
+/// f32 (`d / 8` fused multiply-adds per lane, then three pairwise adds), an error that the
+/// scale turns into a logit error of up to `|scale| * sum |q_i k_i| * (d / 8 + 4) * 2^-24`,
+/// and a logit error `e` moves a softmax average of values in [-1, 1] by up to about `2e`.
+/// (Conditioning, not a kernel defect; 0 at the usual scales, whose tolerance stays as is.)
+fn large_scale_slack(q: &[f64], k: &[Vec<Vec<f64>>], kvh: usize, scale: f64) -> f64 {
+    if scale.abs() <= 10.0 {
+        return 0.0;
+    }
+    let d = q.len();
+    let qk = k
+        .iter()
+        .map(|kp| {
+            q.iter()
+                .zip(&kp[kvh])
+                .map(|(a, b)| (a * b).abs())
+                .sum::<f64>()
+        })
+        .fold(0.0, f64::max);
+    2.5 * scale.abs() * qk * (d / 8 + 4) as f64 * f64::powi(2.0, -24)
 }
 
 fn one_case<T: KvElem>(rng: &mut SmallRng, ws: &mut AttnWorkspace, case_no: usize) {
@@ -208,7 +231,18 @@ fn one_case<T: KvElem>(rng: &mut SmallRng, ws: &mut AttnWorkspace, case_no: usiz
     } else {
         0.0
     };
-    let scale = [1.0 / (d as f32).sqrt(), 1.0, 0.3, 2.5, -0.7, 0.0][rng.gen_range(0..6)];
+    // Large scales spread the scores hundreds apart: weights below f32::MIN_POSITIVE (0 in
+    // the walk, negligible in f64), rescales by 0, block maxima that must be exact.
+    let scale = [
+        1.0 / (d as f32).sqrt(),
+        1.0,
+        0.3,
+        2.5,
+        -0.7,
+        0.0,
+        60.0,
+        -250.0,
+    ][rng.gen_range(0..8)];
     let params = AttnParams {
         num_heads: nh,
         scale,
@@ -237,13 +271,13 @@ fn one_case<T: KvElem>(rng: &mut SmallRng, ws: &mut AttnWorkspace, case_no: usiz
         T::DTYPE,
         slopes.is_some()
     );
-    let check = |got: &[T], want: &[f64], wh: &str| {
+    let check = |got: &[T], want: &[f64], slack: f64, wh: &str| {
         let mut err = 0f64;
         for (g, w) in got.iter().zip(want) {
             err = err.max((g.to_f32() as f64 - w).abs());
         }
         assert!(
-            err <= tol::<T>(),
+            err <= tol::<T>() + slack,
             "{what} {wh}: max abs err {err:e}\n got {:?}\nwant {:?}",
             &got[..got.len().min(8)],
             &want[..want.len().min(8)]
@@ -258,10 +292,10 @@ fn one_case<T: KvElem>(rng: &mut SmallRng, ws: &mut AttnWorkspace, case_no: usiz
     for s in 0..nseq {
         for h in 0..nh {
             let r = (s * nh + h) * d;
+            let qf: Vec<f64> = q[r..r + d].iter().map(|x| x.to_f32() as f64).collect();
             let want = if ctx[s] == 0 {
                 vec![0.0; d]
             } else {
-                let qf: Vec<f64> = q[r..r + d].iter().map(|x| x.to_f32() as f64).collect();
                 naive_row(
                     &qf,
                     &lk[layer][s],
@@ -272,7 +306,13 @@ fn one_case<T: KvElem>(rng: &mut SmallRng, ws: &mut AttnWorkspace, case_no: usiz
                     &conv,
                 )
             };
-            check(&out[r..r + d], &want, &format!("decode seq {s} head {h}"));
+            let slack = large_scale_slack(&qf, &lk[layer][s], h / group, conv.scale);
+            check(
+                &out[r..r + d],
+                &want,
+                slack,
+                &format!("decode seq {s} head {h}"),
+            );
         }
     }
     // Chunked prefill: q_len in 0..=ctx, the last q_len positions.
@@ -300,9 +340,11 @@ fn one_case<T: KvElem>(rng: &mut SmallRng, ws: &mut AttnWorkspace, case_no: usiz
                 let r = (tok * nh + h) * d;
                 let qf: Vec<f64> = q[r..r + d].iter().map(|x| x.to_f32() as f64).collect();
                 let want = naive_row(&qf, &lk[layer][s], &lv[layer][s], h, group, qpos, &conv);
+                let slack = large_scale_slack(&qf, &lk[layer][s], h / group, conv.scale);
                 check(
                     &out[r..r + d],
                     &want,
+                    slack,
                     &format!("prefill seq {s} token {i} (pos {qpos}) head {h}"),
                 );
             }

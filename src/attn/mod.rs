@@ -33,10 +33,11 @@
 //! follow both rules. A key of weight 0 (masked, a -inf score, or a weight that underflows)
 //! contributes nothing whatever its value, row by row: an infinite or NaN value reaches only
 //! the rows that give it weight, never the tokens before it in a prefill chunk nor a head that
-//! scores it -inf, nor a row whose later, larger score (more than ~104 above its own) makes
-//! its weight underflow after the walk has reached it (the CPU kernels then drop the
-//! accumulated sum instead of rescaling it by 0, and recompute a row that rescales left
-//! non-finite with each key's final weight, for a max that grew in several smaller steps).
+//! scores it -inf, nor a row whose later, larger score (more than ~87.3 above its own: the CPU
+//! kernels' exp gives 0, not a subnormal, below `ln(f32::MIN_POSITIVE)`) makes its weight
+//! underflow after the walk has reached it (the CPU kernels then drop the accumulated sum
+//! instead of rescaling it by 0, and recompute a row that rescales left non-finite with each
+//! key's final weight, for a max that grew in several smaller steps).
 //! The CUDA kernels do not follow this one yet: the prefill kernels multiply every key of a
 //! loaded tile by its weight, masked ones included, every kernel a key of -inf score, and
 //! every kernel rescales its running sum by a factor that underflows to 0 (the split decode's

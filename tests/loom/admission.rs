@@ -358,7 +358,7 @@ fn drop_oldest_evicts_only_a_full_queue() {
         let (o1, o2, o3) = (t1.try_take(), t2.try_take(), t3.try_take());
         assert_ne!(
             o2,
-            Some(evicted.clone()),
+            Some(evicted),
             "request 2 evicted: worker took {first}, then {rest:?}"
         );
         assert_eq!(o3, Some(Ok(3)));

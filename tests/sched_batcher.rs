@@ -19,7 +19,7 @@ mod batcher_fixtures;
 #[path = "support/random_batcher.rs"]
 mod random_batcher;
 use batcher_fixtures::{
-    check_batch, commit_scheduled, config, drive, pool, req, step, with_prefix, BS,
+    check_batch, commit_scheduled, config, config_with, drive, pool, req, step, with_prefix, BS,
 };
 use random_batcher::Quota;
 
@@ -846,9 +846,7 @@ fn fork_waits_for_the_commit_of_the_parents_row() {
 fn sharing_sequences_swapped_out_together_give_their_budget_back() {
     let p = pool(16);
     let (budget, used) = quota(512, 16);
-    let mut cfg = config();
-    cfg.preemption = PreemptionMode::Swap;
-    cfg.swap_blocks = 16;
+    let cfg = config_with(PreemptionMode::Swap);
     let mut bt = Batcher::new(cfg, p.clone()).unwrap();
     bt.attach_budget(Box::new(budget));
     bt.add(req(1, (1..=8).collect(), 6)).unwrap();
@@ -1000,9 +998,7 @@ fn a_copy_source_is_never_a_copy_destination_of_the_same_step() {
 /// running list, behind younger ones already in the batch: out of the victim choice's reach.
 #[test]
 fn the_oldest_sequence_is_not_the_victim_while_a_younger_one_runs() {
-    let mut cfg = config();
-    cfg.preemption = PreemptionMode::Swap;
-    cfg.swap_blocks = 16;
+    let cfg = config_with(PreemptionMode::Swap);
     let mut bt = Batcher::new(cfg, pool(4)).unwrap();
     let mut fin = Vec::new();
     bt.add(req(0, vec![1; 4], 8)).unwrap();
@@ -1034,9 +1030,7 @@ fn the_oldest_sequence_is_not_the_victim_while_a_younger_one_runs() {
 /// with room for one of them brought the younger back, and the older waited behind it.
 #[test]
 fn the_oldest_swapped_sequence_comes_back_first() {
-    let mut cfg = config();
-    cfg.preemption = PreemptionMode::Swap;
-    cfg.swap_blocks = 16;
+    let cfg = config_with(PreemptionMode::Swap);
     let p = pool(4);
     let mut bt = Batcher::new(cfg, p.clone()).unwrap();
     let mut fin = Vec::new();
@@ -1366,9 +1360,7 @@ fn pages_shed_by_swapping_out_are_not_taken_back_in_the_same_step() {
 /// at the front in turn, so the youngest came back first.
 #[test]
 fn sequences_a_discarded_batch_recomputes_come_back_oldest_first() {
-    let mut cfg = config();
-    cfg.preemption = PreemptionMode::Swap;
-    cfg.swap_blocks = 16;
+    let cfg = config_with(PreemptionMode::Swap);
     let p = pool(16);
     let mut bt = Batcher::new(cfg, p.clone()).unwrap();
     let mut fin = Vec::new();
@@ -1608,9 +1600,7 @@ fn a_prefill_chunk_short_of_pages_shrinks_to_the_pages_swap_outs_gave_up() {
 /// and the other keeps running.
 #[test]
 fn a_swap_victim_whose_pages_the_prefix_cache_keeps_is_recomputed_for_a_running_row() {
-    let mut cfg = config();
-    cfg.preemption = PreemptionMode::Swap;
-    cfg.swap_blocks = 16;
+    let cfg = config_with(PreemptionMode::Swap);
     let p = pool(8);
     let mut bt = Batcher::new(cfg, p.clone()).unwrap();
     let cache = Arc::new(PrefixCache::new(p.clone(), PrefixConfig { seed: Some(3) }));

@@ -2,16 +2,16 @@
 //! before throughput work (class by class), take running throughput sequences' pages, running
 //! slots and prefill tokens when short of them, and never preempt latency-critical work.
 
-use pagedkv::block::EngineId;
+use pagedkv::block::{BlockPool, EngineId};
 use pagedkv::prefix::{PrefixCache, PrefixConfig};
-use pagedkv::sched::{Batcher, BatcherConfig, PreemptionMode, Priority, SeqPhase, SeqRequest};
+use pagedkv::sched::{Batcher, BatcherConfig, FinishedSeq, PreemptionMode, Priority, SeqPhase};
 
 #[path = "support/batcher_fixtures.rs"]
 mod batcher_fixtures;
 #[path = "support/random_batcher.rs"]
 mod random_batcher;
 use batcher_fixtures::{
-    commit_scheduled, config, drive, pool, preemptions, req, step, with_prefix,
+    commit_scheduled, config, config_with, drive, pool, preemptions, req, step, urgent, with_prefix,
 };
 use random_batcher::Quota;
 use std::sync::atomic::AtomicU32;
@@ -60,21 +60,15 @@ fn a_latency_critical_sequence_is_not_preempted_for_a_throughput_one() {
     assert_eq!(bt.phase(0), Some(SeqPhase::Waiting));
 }
 
-/// A swapped-out throughput sequence that cannot come back yet does not hold back a
-/// latency-critical request that fits (swap preemption kept every waiting request out while
-/// anything was swapped out: a priority inversion recompute preemption, which queues its
-/// victims behind waiting latency-critical requests, does not have). Waiting throughput
-/// requests still wait behind it.
-#[test]
-fn a_swapped_throughput_sequence_does_not_hold_back_latency_critical_admissions() {
-    let mut cfg = config();
-    cfg.preemption = PreemptionMode::Swap;
-    cfg.swap_blocks = 16;
+/// A swap-preempting batcher on 6 pages whose two 8-token throughput requests (`max_new`
+/// tokens each) prefilled, then a shed of 2 pages swapped the younger (id 1, 2 pages) out: the
+/// older holds 3 pages, 3 are free.
+fn younger_swapped_out(max_new: u32) -> (Batcher, Arc<BlockPool>, Vec<FinishedSeq>) {
     let p = pool(6);
-    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+    let mut bt = Batcher::new(config_with(PreemptionMode::Swap), p.clone()).unwrap();
     let mut fin = Vec::new();
-    bt.add(req(0, vec![1; 8], 4)).unwrap();
-    bt.add(req(1, vec![2; 8], 4)).unwrap();
+    bt.add(req(0, vec![1; 8], max_new)).unwrap();
+    bt.add(req(1, vec![2; 8], max_new)).unwrap();
     step(&mut bt, &mut fin); // both prefill: 2 pages each
     bt.request_shed(2);
     let b = bt.schedule_into(&mut fin);
@@ -82,13 +76,22 @@ fn a_swapped_throughput_sequence_does_not_hold_back_latency_critical_admissions(
     let n = b.num_samples();
     bt.commit(&vec![1000; n], &mut fin).unwrap();
     assert_eq!(bt.phase(1), Some(SeqPhase::Swapped));
+    (bt, p, fin)
+}
+
+/// A swapped-out throughput sequence that cannot come back yet does not hold back a
+/// latency-critical request that fits (swap preemption kept every waiting request out while
+/// anything was swapped out: a priority inversion recompute preemption, which queues its
+/// victims behind waiting latency-critical requests, does not have). Waiting throughput
+/// requests still wait behind it.
+#[test]
+fn a_swapped_throughput_sequence_does_not_hold_back_latency_critical_admissions() {
+    let (mut bt, p, mut fin) = younger_swapped_out(4);
     // 0 holds 3 pages. Another engine takes two of the three free: one left, too few for 1 to
     // come back, enough for a latency-critical request of one page.
     let mut other = Vec::new();
     p.alloc_n(EngineId(1), 2, &mut other).unwrap();
-    let mut lc = req(2, vec![3; 4], 1);
-    lc.priority = Priority::LatencyCritical;
-    bt.add(lc).unwrap();
+    bt.add(urgent(2, vec![3; 4])).unwrap();
     bt.add(req(3, vec![4; 4], 1)).unwrap();
     let ids = bt.schedule_into(&mut fin).seq_ids.clone();
     assert_eq!(bt.phase(1), Some(SeqPhase::Swapped));
@@ -118,27 +121,11 @@ fn a_swapped_throughput_sequence_does_not_hold_back_latency_critical_admissions(
 /// latency-critical request waited (on an engine, pages donated for it went to the swap-in).
 #[test]
 fn a_swapped_throughput_sequence_does_not_take_the_pages_of_a_latency_critical_admission() {
-    let mut cfg = config();
-    cfg.preemption = PreemptionMode::Swap;
-    cfg.swap_blocks = 16;
-    let p = pool(6);
-    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
-    let mut fin = Vec::new();
-    bt.add(req(0, vec![1; 8], 8)).unwrap();
-    bt.add(req(1, vec![2; 8], 8)).unwrap();
-    step(&mut bt, &mut fin); // both prefill: 2 pages each
-    bt.request_shed(2);
-    let b = bt.schedule_into(&mut fin);
-    assert_eq!(b.swap_out.len(), 2, "the younger is swapped out");
-    let n = b.num_samples();
-    bt.commit(&vec![1000; n], &mut fin).unwrap();
-    assert_eq!(bt.phase(1), Some(SeqPhase::Swapped));
+    let (mut bt, p, mut fin) = younger_swapped_out(8);
     // 0 holds 3 pages: 3 free, enough for 1 to come back (2) or for a latency-critical
     // request of 2 pages, not for both.
     assert_eq!(p.free_count(), 3);
-    let mut lc = req(2, vec![3; 8], 1);
-    lc.priority = Priority::LatencyCritical;
-    bt.add(lc).unwrap();
+    bt.add(urgent(2, vec![3; 8])).unwrap();
     assert_eq!(
         bt.next_admission_need(),
         Some((Priority::LatencyCritical, 2)),
@@ -160,15 +147,7 @@ fn a_swapped_throughput_sequence_does_not_take_the_pages_of_a_latency_critical_a
 /// A batcher on 4 pages whose two 6-token requests of `class` ran until the younger one (2
 /// pages) was swapped out; nothing waits.
 fn one_swapped_out(class: Priority) -> Batcher {
-    let mut bt = Batcher::new(
-        BatcherConfig {
-            preemption: PreemptionMode::Swap,
-            swap_blocks: 16,
-            ..config()
-        },
-        pool(4),
-    )
-    .unwrap();
+    let mut bt = Batcher::new(config_with(PreemptionMode::Swap), pool(4)).unwrap();
     for id in 0..2 {
         let mut r = req(id, vec![1; 6], 10);
         r.priority = class;
@@ -201,17 +180,8 @@ fn a_swapped_sequence_is_the_next_admission_need() {
     // throughput one.
     let mut tp = one_swapped_out(Priority::Throughput);
     assert_eq!(tp.next_admission_need(), Some((Priority::Throughput, 2)));
-    let mut urgent = req(9, vec![1; 9], 1);
-    urgent.priority = lc;
-    tp.add(urgent).unwrap();
+    tp.add(urgent(9, vec![1; 9])).unwrap();
     assert_eq!(tp.next_admission_need(), Some((lc, 3)));
-}
-
-/// A latency-critical request of `prompt` tokens (one output token).
-fn urgent(id: u64, prompt: Vec<u32>) -> SeqRequest {
-    let mut r = req(id, prompt, 1);
-    r.priority = Priority::LatencyCritical;
-    r
 }
 
 /// A latency-critical request arriving while throughput decoders hold the whole pool is
@@ -221,9 +191,7 @@ fn urgent(id: u64, prompt: Vec<u32>) -> SeqRequest {
 #[test]
 fn a_waiting_latency_critical_request_preempts_the_latest_throughput_sequence() {
     for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
-        let mut cfg = config();
-        cfg.preemption = mode;
-        cfg.swap_blocks = 16;
+        let cfg = config_with(mode);
         let p = pool(8);
         let mut bt = Batcher::new(cfg, p.clone()).unwrap();
         let mut fin = Vec::new();
@@ -277,9 +245,7 @@ fn a_latency_critical_request_preempts_nothing_when_that_cannot_make_it_fit() {
         (PreemptionMode::Recompute, true),
         (PreemptionMode::Swap, true),
     ] {
-        let mut cfg = config();
-        cfg.preemption = mode;
-        cfg.swap_blocks = 16;
+        let mut cfg = config_with(mode);
         if slot_bound {
             cfg.max_running = 1;
         }
@@ -346,9 +312,7 @@ fn pages_a_latency_critical_request_shares_do_not_count_as_room() {
 #[test]
 fn a_waiting_latency_critical_request_never_preempts_a_running_one() {
     for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
-        let mut cfg = config();
-        cfg.preemption = mode;
-        cfg.swap_blocks = 16;
+        let cfg = config_with(mode);
         let p = pool(8);
         let mut bt = Batcher::new(cfg, p.clone()).unwrap();
         let mut fin = Vec::new();
@@ -379,9 +343,7 @@ fn a_waiting_latency_critical_request_never_preempts_a_running_one() {
 #[test]
 fn a_slot_bound_latency_critical_request_preempts_the_latest_throughput_sequence() {
     for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
-        let mut cfg = config();
-        cfg.preemption = mode;
-        cfg.swap_blocks = 16;
+        let mut cfg = config_with(mode);
         cfg.max_running = 2;
         cfg.max_batched_tokens = 2;
         let p = pool(64);
@@ -458,9 +420,7 @@ fn a_slot_bound_latency_critical_request_counts_the_slots_victim_pages() {
 fn a_slot_bound_latency_critical_request_never_preempts_a_latency_critical_one() {
     for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
         for mixed in [false, true] {
-            let mut cfg = config();
-            cfg.preemption = mode;
-            cfg.swap_blocks = 16;
+            let mut cfg = config_with(mode);
             cfg.max_running = 2;
             let p = pool(64);
             let mut bt = Batcher::new(cfg, p.clone()).unwrap();
@@ -630,9 +590,7 @@ fn throughput_drafts_do_not_hold_back_a_latency_critical_admission() {
 #[test]
 fn a_swap_victim_whose_pages_the_prefix_cache_keeps_is_recomputed_for_room() {
     let p = pool(8);
-    let mut cfg = config();
-    cfg.preemption = PreemptionMode::Swap;
-    cfg.swap_blocks = 16;
+    let cfg = config_with(PreemptionMode::Swap);
     let mut bt = Batcher::new(cfg, p.clone()).unwrap();
     let cache = PrefixCache::new(p.clone(), PrefixConfig { seed: Some(3) });
     bt.attach_prefix_cache(Arc::new(cache)).unwrap();
@@ -672,9 +630,7 @@ fn a_swap_victim_whose_pages_the_prefix_cache_keeps_is_recomputed_for_room() {
 #[test]
 fn a_latency_critical_row_short_of_pages_recomputes_a_swap_victim_the_cache_keeps() {
     let p = pool(6);
-    let mut cfg = config();
-    cfg.preemption = PreemptionMode::Swap;
-    cfg.swap_blocks = 16;
+    let mut cfg = config_with(PreemptionMode::Swap);
     cfg.max_prefill_chunk = 8;
     let mut bt = Batcher::new(cfg, p.clone()).unwrap();
     let cache = Arc::new(PrefixCache::new(p.clone(), PrefixConfig { seed: Some(3) }));

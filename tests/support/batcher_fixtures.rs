@@ -39,6 +39,22 @@ pub fn config() -> BatcherConfig {
     }
 }
 
+/// [`config`] preempting by `mode`, with 16 host swap slots (used only by `Swap`).
+pub fn config_with(mode: PreemptionMode) -> BatcherConfig {
+    BatcherConfig {
+        preemption: mode,
+        swap_blocks: 16,
+        ..config()
+    }
+}
+
+/// A latency-critical request of `prompt` tokens (one output token).
+pub fn urgent(id: u64, prompt: Vec<u32>) -> SeqRequest {
+    let mut r = req(id, prompt, 1);
+    r.priority = Priority::LatencyCritical;
+    r
+}
+
 pub fn req(id: u64, prompt: Vec<u32>, max_new: u32) -> SeqRequest {
     SeqRequest {
         id,

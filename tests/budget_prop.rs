@@ -163,6 +163,7 @@ enum Op {
     PublishLoad(u16, u16, u32),
     ClearLoad(u16),
     PickDonor(u16, u16, u32),
+    PublishDemand(u16, u32),
 }
 
 fn op_strategy() -> impl Strategy<Value = Op> {
@@ -181,7 +182,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         3 => (e.clone(), 0u32..30).prop_map(|(e, n)| Op::ReleaseBlocks(e, n)),
         1 => (e.clone(), 0u16..8, 0u32..40).prop_map(|(e, p, f)| Op::PublishLoad(e, p, f)),
         1 => e.clone().prop_map(Op::ClearLoad),
-        1 => (e, 0u16..9, 0u32..30).prop_map(|(e, p, n)| Op::PickDonor(e, p, n)),
+        1 => (e.clone(), 0u16..9, 0u32..30).prop_map(|(e, p, n)| Op::PickDonor(e, p, n)),
+        3 => (e, prop_oneof![0u32..12, 0u32..120, Just(u32::MAX)]).prop_map(|(e, n)| Op::PublishDemand(e, n)),
     ]
 }
 
@@ -210,6 +212,7 @@ proptest! {
                 Op::ReleaseBlocks(e, n) => prop_assert_eq!(c.release_blocks(EngineId(e), n).map_err(|e| kind(&e)), m.release_blocks(e, n)),
                 Op::PublishLoad(e, p, f) => { c.publish_load(EngineId(e), p, f); m.publish_load(e, p, f); }
                 Op::ClearLoad(e) => { c.clear_load(EngineId(e)); m.clear_load(e); }
+                Op::PublishDemand(e, n) => { c.publish_demand(EngineId(e), n); m.publish_demand(e, n); }
                 Op::PickDonor(e, p, n) => {
                     let got = c.pick_donor(EngineId(e), p, n).map(|d| (d.engine.0, d.priority, d.freeable_blocks, d.borrowed_blocks));
                     prop_assert_eq!(got, m.pick_donor(e, p, n));
@@ -219,6 +222,10 @@ proptest! {
                 let e = EngineId(i as u16);
                 prop_assert_eq!(c.is_registered(e), s.registered);
                 prop_assert_eq!(c.token_budget(e), s.token_budget);
+                prop_assert_eq!(c.token_share(e), s.token_share);
+                prop_assert_eq!(c.token_demand(e), s.demand);
+                prop_assert!(s.token_budget >= s.token_share);
+                prop_assert!(u64::from(s.token_budget) <= m.token_cap().max(u64::from(s.token_share)));
                 prop_assert_eq!(c.tokens_used(e), s.tokens_used);
                 prop_assert_eq!(c.tokens_granted(e), s.tokens_granted);
                 prop_assert_eq!(c.block_quota(e), s.block_quota);
@@ -232,7 +239,7 @@ proptest! {
             let snap = c.snapshot();
             prop_assert!(snap.consistent);
             prop_assert_eq!(snap.engines.len(), m.slots.iter().filter(|s| s.registered).count());
-            prop_assert!(snap.engines.iter().map(|s| u64::from(s.token_budget)).sum::<u64>() <= 100);
+            prop_assert!(snap.engines.iter().map(|s| u64::from(s.token_share)).sum::<u64>() <= 100);
         }
     }
 }

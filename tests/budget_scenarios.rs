@@ -367,3 +367,47 @@ fn equal_weight_engines_are_not_starved_by_rounding() {
         "engine y, weight 1 like x, never ran: budgets {budgets:?}"
     );
 }
+
+/// An active engine that uses less than its share (A: four decoders) lends the rest to one
+/// that wants more (B: long prompts), step after step, and takes its share back when its own
+/// work grows: the step it grows it gets what B leaves (its published demand), the next its
+/// whole share, B's budget having fallen back at B's step in between.
+#[test]
+fn an_active_engines_unused_share_is_lent_and_taken_back() {
+    // 64 tokens, weights 1:1: shares of 32; demand quantum 2.
+    let mut w = world(4, 64, 256);
+    let a = w.join(1, PreemptionMode::Recompute);
+    let b = w.join(1, PreemptionMode::Recompute);
+    w.add(a, 4, 4, 200, Priority::Throughput);
+    w.add(b, 40, 64, 2, Priority::Throughput);
+    for _ in 0..6 {
+        w.step();
+        w.check_sums();
+    }
+    let (ida, idb) = (w.engines[a].id, w.engines[b].id);
+    // A decodes 4 tokens a step and says so; B takes the other 60.
+    assert_eq!(w.c.token_demand(ida), Some(4));
+    assert_eq!(w.c.token_demand(idb), None);
+    assert_eq!((w.c.token_share(ida), w.c.token_share(idb)), (32, 32));
+    assert_eq!((w.c.token_budget(ida), w.c.token_budget(idb)), (32, 60));
+    for _ in 0..4 {
+        w.step();
+        w.check_sums();
+        let last = |e: usize| *w.engines[e].scheduled.last().unwrap();
+        assert_eq!((last(a), last(b)), (4, 60), "{:?}", w.c.snapshot());
+    }
+    // A's work grows: B holds 60 of the device's tokens until its next step, so A's first
+    // step gets the 4 left; B's budget falls back to its share at the publication after it.
+    w.add(a, 10, 64, 2, Priority::Throughput);
+    w.step();
+    w.check_sums();
+    let last = |w: &World, e: usize| *w.engines[e].scheduled.last().unwrap();
+    assert_eq!((last(&w, a), last(&w, b)), (4, 32));
+    assert_eq!(w.c.token_demand(ida), None);
+    assert_eq!((w.c.token_budget(ida), w.c.token_budget(idb)), (32, 32));
+    for _ in 0..5 {
+        w.step();
+        w.check_sums();
+        assert_eq!((last(&w, a), last(&w, b)), (32, 32));
+    }
+}

@@ -116,31 +116,51 @@ fn recompute_and_registry_churn_racing_the_hot_path() {
     let stop = Arc::new(AtomicBool::new(false));
     let start = Arc::new(Barrier::new(8));
     let shadow_blocks = Arc::new(AtomicU64::new(0));
+    // Tokens the engine threads hold in their current steps: with lending, budgets may sum
+    // past TOKENS, and only the device-wide admission keeps the grants within it.
+    let shadow_tokens = Arc::new(AtomicU64::new(0));
     let mut handles = Vec::new();
 
     // Engine threads: each drives its own engine like a batcher.
     for (t, &e) in workers.iter().enumerate() {
-        let (c, stop, start, shadow) = (
+        let (c, stop, start, shadow, shadow_tokens) = (
             c.clone(),
             stop.clone(),
             start.clone(),
             shadow_blocks.clone(),
+            shadow_tokens.clone(),
         );
         handles.push(thread::spawn(move || {
             let mut rng = SmallRng::seed_from_u64(t as u64);
             let mut held = 0u32;
+            let mut step = 0u32;
             start.wait();
             while !stop.load(Ordering::Relaxed) {
+                // Uncounted before the step ends, counted after each grant: never more than
+                // the coordinator has granted and not taken back.
+                shadow_tokens.fetch_sub(u64::from(step), Ordering::SeqCst);
                 c.begin_step(e);
                 if rng.gen_bool(0.05) {
                     c.set_active(e, rng.gen_bool(0.7));
                 }
                 c.maybe_recompute();
-                let mut step = 0u32;
-                while c.try_acquire_tokens(e, 16) {
+                step = 0;
+                // Some engines use little of their budget and say so; the others want all.
+                let want = if t % 2 == 0 {
+                    rng.gen_range(0..=200)
+                } else {
+                    u32::MAX
+                };
+                while step < want && c.try_acquire_tokens(e, 16) {
                     step += 16;
                     assert!(step <= config.token_cap(), "token budget above the cap");
+                    let all = shadow_tokens.fetch_add(16, Ordering::SeqCst) + 16;
+                    assert!(
+                        all <= u64::from(TOKENS),
+                        "device over-granted: {all} tokens"
+                    );
                 }
+                c.publish_demand(e, if step < want { u32::MAX } else { step });
                 if rng.gen_bool(0.5) {
                     let n = rng.gen_range(1..=12);
                     if c.try_acquire_blocks(e, n).is_ok() {
@@ -165,6 +185,7 @@ fn recompute_and_registry_churn_racing_the_hot_path() {
             }
             shadow.fetch_sub(u64::from(held), Ordering::SeqCst);
             c.release_blocks(e, held).unwrap();
+            shadow_tokens.fetch_sub(u64::from(step), Ordering::SeqCst);
             c.begin_step(e);
         }));
     }
@@ -208,15 +229,16 @@ fn recompute_and_registry_churn_racing_the_hot_path() {
                 let s = c.snapshot();
                 if s.consistent {
                     consistent += 1;
-                    let sum: u64 = s.engines.iter().map(|x| u64::from(x.token_budget)).sum();
+                    let sum: u64 = s.engines.iter().map(|x| u64::from(x.token_share)).sum();
                     assert!(
                         sum <= u64::from(TOKENS),
-                        "budgets sum above the global: {sum}"
+                        "shares sum above the global: {sum}"
                     );
                     let quotas: u64 = s.engines.iter().map(|x| u64::from(x.block_quota)).sum();
                     assert!(quotas <= u64::from(BLOCKS));
                     for x in &s.engines {
                         assert!(x.token_budget <= config.token_cap());
+                        assert!(x.token_budget >= x.token_share);
                         assert!(x.block_limit <= config.block_cap());
                     }
                 }
@@ -242,6 +264,7 @@ fn recompute_and_registry_churn_racing_the_hot_path() {
         s.registered = true;
         s.weight = x.weight;
         s.active = x.active;
+        s.demand = x.token_demand;
     }
     m.recompute();
     assert_eq!(
@@ -252,8 +275,8 @@ fn recompute_and_registry_churn_racing_the_hot_path() {
     for x in &snap.engines {
         let s = &m.slots[x.engine.index()];
         assert_eq!(
-            (x.token_budget, x.block_quota, x.block_limit),
-            (s.token_budget, s.block_quota, s.block_limit)
+            (x.token_budget, x.token_share, x.block_quota, x.block_limit),
+            (s.token_budget, s.token_share, s.block_quota, s.block_limit)
         );
         assert_eq!((x.tokens_used, x.blocks_held), (0, 0));
     }

@@ -385,21 +385,26 @@ fn check_accounts(
         .filter(|l| c.is_active(l.id()))
         .map(|l| l.id())
         .collect();
-    let budgets: u64 = active.iter().map(|&e| u64::from(c.token_budget(e))).sum();
+    // Shares split the device's tokens; budgets may sum past them where a demand lends.
+    let shares: u64 = active.iter().map(|&e| u64::from(c.token_share(e))).sum();
     let tcap = u64::from(c.config().token_cap());
     let tps = u64::from(c.config().tokens_per_step);
-    assert!(budgets <= tps, "seed {seed} step {step}: budgets {budgets}");
+    assert!(shares <= tps, "seed {seed} step {step}: shares {shares}");
+    assert!(c.tokens_in_use() <= tps);
     if !c.is_dirty() && !active.is_empty() && active.len() as u64 * tcap >= tps {
         assert_eq!(
-            budgets,
+            shares,
             tps,
-            "seed {seed} step {step}: token budgets of {active:?}: dirty {} {:?}",
+            "seed {seed} step {step}: token shares of {active:?}: dirty {} {:?}",
             c.is_dirty(),
             c.snapshot()
         );
     }
     for &e in &active {
         assert!(u64::from(c.token_budget(e)) <= tcap);
+        if !c.is_dirty() {
+            assert!(c.token_budget(e) >= c.token_share(e));
+        }
         assert!(
             c.block_limit(e) <= c.config().block_cap().max(c.block_quota(e)),
             "seed {seed} step {step}: limit over cap"

@@ -1,8 +1,9 @@
 //! Fuzz the budget coordinator with arbitrary operation sequences, checking every call and every
 //! published figure against the sequential model of tests/budget_model (an independent
-//! water-filling by iterative fixpoint), plus the invariants: budgets sum to at most the global
-//! (exactly, when the caps allow), each within its cap, blocks in use within the pool, and the
-//! tokens outstanding across all engines within `tokens_per_step` (the device token cap).
+//! water-filling by iterative fixpoint), plus the invariants: shares sum to at most the global,
+//! each budget within its cap and at least its share (budgets may sum past the global where
+//! demand lends tokens), blocks in use within the pool, and the tokens outstanding across all
+//! engines within `tokens_per_step` (the device token cap).
 #![no_main]
 
 #[path = "../../tests/budget_model/mod.rs"]
@@ -40,6 +41,7 @@ enum Op {
     ClearLoad(u8),
     PickDonor(u8, u16, u32),
     AcquireTokensUpTo(u8, u32),
+    PublishDemand(u8, u32),
 }
 
 fuzz_target!(|input: Input| {
@@ -130,6 +132,10 @@ fuzz_target!(|input: Input| {
                 c.clear_load(EngineId(id(e)));
                 m.clear_load(id(e));
             }
+            Op::PublishDemand(e, n) => {
+                c.publish_demand(EngineId(id(e)), n);
+                m.publish_demand(id(e), n);
+            }
             Op::PickDonor(e, p, n) => {
                 let got = c
                     .pick_donor(EngineId(id(e)), p, n)
@@ -143,6 +149,9 @@ fuzz_target!(|input: Input| {
             assert_eq!(c.is_registered(e), s.registered);
             assert_eq!(c.is_active(e), s.active);
             assert_eq!(c.token_budget(e), s.token_budget);
+            assert_eq!(c.token_share(e), s.token_share);
+            assert_eq!(c.token_demand(e), s.demand);
+            assert!(s.token_budget >= s.token_share);
             assert_eq!(c.tokens_used(e), s.tokens_used);
             assert_eq!(c.tokens_granted(e), s.tokens_granted);
             assert_eq!(c.block_quota(e), s.block_quota);
@@ -151,7 +160,7 @@ fuzz_target!(|input: Input| {
             assert_eq!(c.reclaim_for(e), m.reclaim_for(i as u16));
             assert!(s.token_budget <= config.token_cap());
             assert!(s.block_limit <= config.block_cap().max(s.block_quota));
-            token_sum += u64::from(s.token_budget);
+            token_sum += u64::from(s.token_share);
         }
         assert!(token_sum <= u64::from(input.tokens_per_step));
         assert!(c.blocks_in_use() <= u64::from(blocks));

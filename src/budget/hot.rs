@@ -4,8 +4,8 @@
 //! changes nothing). Table in the module docs, "Progress".
 
 use super::{
-    unpack_load, BudgetCoordinator, Donor, Rank, Reclaim, JOINING, LIVE, LOAD_PUBLISHED, USED_BITS,
-    USED_MASK,
+    unpack_load, BudgetCoordinator, Donor, Rank, Reclaim, JOINING, LIVE, LOAD_PUBLISHED, NO_DEMAND,
+    USED_BITS, USED_MASK,
 };
 use crate::error::BudgetError;
 use crate::ids::EngineId;
@@ -24,9 +24,57 @@ impl BudgetCoordinator {
         // Relaxed: published to the recompute by `mark_dirty`'s Release RMW.
         let was = slot.active.swap(active, Ordering::Relaxed);
         if was != active {
+            // A demand published while the engine had other work says nothing of its new
+            // work: it counts as wanting its whole share until it publishes again.
+            slot.demand.store(NO_DEMAND, Ordering::Relaxed);
             self.mark_dirty();
         }
         was
+    }
+
+    /// Publishes how many tokens per step the engine expects to use: what its last step
+    /// scheduled when something other than its token grant bounded it (it ran out of work, of
+    /// pages, of sequence slots), or `u32::MAX` when the grant did. The next
+    /// [`recompute`](Self::recompute) lends what a demand leaves of its engine's share to the
+    /// active engines that want more, by weight ([`token_budget`](Self::token_budget)); the
+    /// engine's own budget stays at least its share ([`token_share`](Self::token_share)), so
+    /// when its demand rises it takes what the device has left at once and all of its share
+    /// once the borrowers' current steps end (module docs, "Token lending").
+    ///
+    /// Rounded up to a multiple of
+    /// [`BudgetConfig::demand_quantum`](super::BudgetConfig::demand_quantum); a demand at or
+    /// above the engine's cap counts as none (the whole share). Marks the inputs changed only
+    /// when the rounded figure rises, or falls by more than one quantum, so that a demand
+    /// wavering by a few tokens does not republish every step. Wait-free: one load, at most one store and
+    /// one `fetch_or`. Meant for the engine's step owner; concurrent callers leave one of their
+    /// figures. An id out of range is ignored.
+    #[inline]
+    pub fn publish_demand(&self, engine: EngineId, tokens: u32) {
+        let Ok(slot) = self.slot(engine) else {
+            return;
+        };
+        let q = u64::from(self.config.demand_quantum());
+        let rounded = u64::from(tokens).div_ceil(q) * q;
+        let demand = if rounded >= u64::from(self.config.token_cap()) {
+            NO_DEMAND
+        } else {
+            rounded as u32
+        };
+        let old = slot.demand.load(Ordering::Relaxed);
+        if demand > old || u64::from(demand) + q < u64::from(old) {
+            slot.demand.store(demand, Ordering::Relaxed);
+            self.mark_dirty();
+        }
+    }
+
+    /// The engine's published demand ([`publish_demand`](Self::publish_demand), rounded), or
+    /// `None` when it counts as wanting its whole share. One load.
+    #[inline]
+    pub fn token_demand(&self, engine: EngineId) -> Option<u32> {
+        match self.slot(engine).ok()?.demand.load(Ordering::Relaxed) {
+            NO_DEMAND => None,
+            d => Some(d),
+        }
     }
 
     /// Whether the engine is marked active.
@@ -36,12 +84,23 @@ impl BudgetCoordinator {
             .is_ok_and(|s| s.active.load(Ordering::Relaxed))
     }
 
-    /// The engine's token budget per step (0 for an unknown or idle engine). One load.
+    /// The most tokens the engine may take per step (0 for an unknown or idle engine): its
+    /// share, or more where other active engines' demand leaves part of theirs unused (module
+    /// docs, "Token lending"). What its acquires are admitted against, besides the device's
+    /// `tokens_per_step`. One load.
     #[inline]
     pub fn token_budget(&self, engine: EngineId) -> u32 {
         // Relaxed: a plain figure, no data published with it.
         self.slot(engine)
             .map_or(0, |s| s.token_budget.load(Ordering::Relaxed))
+    }
+
+    /// The engine's weighted share of `tokens_per_step` among the active engines (0 for an
+    /// unknown or idle engine): its budget is never below it. One load.
+    #[inline]
+    pub fn token_share(&self, engine: EngineId) -> u32 {
+        self.slot(engine)
+            .map_or(0, |s| s.token_share.load(Ordering::Relaxed))
     }
 
     /// Tokens counted against the engine's current step.

@@ -5,8 +5,9 @@
 //! One [`BudgetCoordinator`] per device, shared by every engine through `Arc`. It answers:
 //!
 //! - **tokens**: how many tokens each engine may schedule per step (its weighted share of
-//!   `tokens_per_step`; idle engines' shares lent to the active ones in proportion to their
-//!   weights, no engine above the cap), with [`try_acquire_tokens`](BudgetCoordinator::try_acquire_tokens)
+//!   `tokens_per_step`; idle engines' shares, and what active engines' published demand
+//!   leaves of theirs, lent to the active ones that want more in proportion to their weights,
+//!   no engine above the cap), with [`try_acquire_tokens`](BudgetCoordinator::try_acquire_tokens)
 //!   / [`release_tokens`](BudgetCoordinator::release_tokens) / [`begin_step`](BudgetCoordinator::begin_step);
 //! - **blocks**: each engine's guaranteed share of the block pool ([`block_quota`](BudgetCoordinator::block_quota)),
 //!   the limit it may grow to by borrowing what idle engines leave unused
@@ -39,7 +40,7 @@
 //!
 //! | call | atomic operations | progress |
 //! |---|---|---|
-//! | [`token_budget`], [`block_quota`], [`guaranteed_blocks`], [`block_limit`], [`reclaim_for`] | 1–2 loads | wait-free |
+//! | [`token_budget`], [`token_share`], [`block_quota`], [`guaranteed_blocks`], [`block_limit`], [`reclaim_for`] | 1–2 loads | wait-free |
 //! | [`set_active`] | 1 swap + (if it changed) 1 `fetch_or` | wait-free |
 //! | [`try_acquire_tokens`], [`acquire_tokens_up_to`] | 1 load, ≤ 6 `fetch_add`/`fetch_sub` | wait-free |
 //! | [`release_tokens`] | a CAS loop on the engine's token word, then 1 `fetch_sub` | lock-free |
@@ -47,6 +48,7 @@
 //! | [`try_acquire_blocks`] | 1 load, ≤ 3 `fetch_add`, ≤ 2 `fetch_sub` | wait-free |
 //! | [`release_blocks`] | a CAS loop on the engine's holding, then 2 `fetch_sub` | lock-free |
 //! | [`publish_load`], [`clear_load`] | 1 store | wait-free |
+//! | [`publish_demand`] | 1 load, ≤ 1 store, ≤ 1 `fetch_or` | wait-free |
 //! | [`pick_donor`] | O(max_engines) loads | wait-free |
 //! | [`reclaim_orders`] | O(max_engines) loads, allocates its result | bounded steps, but allocates |
 //! | [`snapshot`], [`block_quotas`] | ≤ 8 passes of O(max_engines) loads, allocates its result | bounded steps, but allocates |
@@ -134,10 +136,10 @@
 //!
 //! # Water-filling
 //!
-//! Tokens: the active engines share `tokens_per_step` by weight, each capped at
+//! Tokens: the active engines' **shares** of `tokens_per_step` are by weight, each capped at
 //! `⌊tokens_per_step · cap_permille / 1000⌋`; what a capped engine cannot take flows to the
 //! others by weight; the integer remainder goes by largest remainder, ties to the lower engine
-//! id. The budgets sum to exactly `tokens_per_step` when `active · cap ≥ tokens_per_step`, and
+//! id. The shares sum to exactly `tokens_per_step` when `active · cap ≥ tokens_per_step`, and
 //! never above it; each is within one token of its exact share. Idle engines get zero. Then,
 //! when the device has a token for every active engine (`tokens_per_step ≥ active` and a cap
 //! of at least one token), an active engine whose share rounded to 0 takes one token from the
@@ -145,6 +147,25 @@
 //! (weights 1000:1:1 over 512 tokens: 510.98, 0.51, 0.51, rounded to 511, 1, 0) stays 0 for as
 //! long as the others have work, and the engine's requests never run, however little the
 //! others use. Only those donors can end up more than one token below their exact shares.
+//!
+//! **Token lending.** An active engine that uses less than its share (a model decoding a few
+//! sequences beside one working through long prompts) would leave the rest of the device's
+//! tokens unused every step. Each engine publishes its **demand**: what its last step would
+//! have scheduled with no token limit ([`publish_demand`]; the scheduler's link does it each
+//! step). The publisher runs the same water-fill again with every active engine also capped
+//! by its demand, so what a low demand leaves goes to the engines that want more, by weight;
+//! an engine's **budget** is the larger of its share and that figure. So a lender's budget
+//! stays its share (its demand can rise at any step), and the budgets may sum past
+//! `tokens_per_step`: the device-wide `tokens_in_use` admission keeps the grants within it
+//! (above), and the borrowers' figures fit beside the lenders' demands. What a lender gives
+//! up is time: when its demand rises past what the borrowers leave, its step gets what the
+//! device has left, at least its published demand (while the borrowers hold no more than the
+//! publication gave them), and its whole share once the borrowers' current steps end after
+//! the next publication (one step of each borrower: tokens are held for a step and cannot be
+//! taken back inside it). Demand is published in multiples of
+//! [`BudgetConfig::demand_quantum`], rounded up, so a lender keeps that much headroom and a
+//! demand wavering by a few tokens does not ask for a publication every step. An engine whose
+//! activity changes counts as wanting its whole share until it publishes again.
 //!
 //! Blocks: every registered engine's **quota** is its water-filled share of `total_blocks`
 //! (all registered engines, active or not, with the same per-mille cap), so a lender's share is
@@ -166,6 +187,7 @@
 //! let it spin ([`guaranteed_blocks`], [`EngineShare`](crate::sched::EngineShare)).
 //!
 //! [`token_budget`]: BudgetCoordinator::token_budget
+//! [`token_share`]: BudgetCoordinator::token_share
 //! [`block_quota`]: BudgetCoordinator::block_quota
 //! [`block_limit`]: BudgetCoordinator::block_limit
 //! [`guaranteed_blocks`]: BudgetCoordinator::guaranteed_blocks
@@ -180,6 +202,7 @@
 //! [`publish_load`]: BudgetCoordinator::publish_load
 //! [`clear_load`]: BudgetCoordinator::clear_load
 //! [`acquire_tokens_up_to`]: BudgetCoordinator::acquire_tokens_up_to
+//! [`publish_demand`]: BudgetCoordinator::publish_demand
 //! [`pick_donor`]: BudgetCoordinator::pick_donor
 //! [`snapshot`]: BudgetCoordinator::snapshot
 //! [`block_quotas`]: BudgetCoordinator::block_quotas
@@ -230,6 +253,15 @@ const LEAVING: u32 = 4;
 const BUSY: u32 = 1;
 const DIRTY: u32 = 2;
 
+/// `Slot::demand` when the engine published no demand below its share's cap: it takes part in
+/// the token water-fill with the uniform cap.
+const NO_DEMAND: u32 = u32::MAX;
+
+/// Demand is published in multiples of `tokens_per_step / DEMAND_STEPS` (rounded up), so that
+/// an engine whose use wavers by a few tokens from step to step does not ask for a
+/// republication each step, and keeps that much headroom above its last use.
+const DEMAND_STEPS: u32 = 32;
+
 /// `Slot::load` packing: bit 63 set when published, priority in bits 32..48, freeable blocks in
 /// the low 32 bits. Zero means "nothing published".
 const LOAD_PUBLISHED: u64 = 1 << 63;
@@ -271,6 +303,12 @@ impl BudgetConfig {
     /// The per-engine token cap, in whole tokens.
     pub fn token_cap(&self) -> u32 {
         (u64::from(self.tokens_per_step) * u64::from(self.cap_permille) / 1000) as u32
+    }
+
+    /// The unit demand is published in ([`BudgetCoordinator::publish_demand`]):
+    /// `⌈tokens_per_step / 32⌉`, at least 1.
+    pub fn demand_quantum(&self) -> u32 {
+        self.tokens_per_step.div_ceil(DEMAND_STEPS).max(1)
     }
 
     /// The per-engine block cap, in whole blocks.
@@ -324,8 +362,15 @@ pub struct EngineStats {
     pub weight: u32,
     /// Whether it has work (as last set by [`BudgetCoordinator::set_active`]).
     pub active: bool,
-    /// Its token budget per step.
+    /// What it may take per step: its share, or more where other active engines' published
+    /// demand leaves part of theirs unused.
     pub token_budget: u32,
+    /// Its weighted share of `tokens_per_step` among the active engines: its budget is never
+    /// below this.
+    pub token_share: u32,
+    /// Its published demand per step (rounded up to the demand quantum), or `None`: none
+    /// published since it last became active, so it counts as wanting its whole share.
+    pub token_demand: Option<u32>,
     /// Tokens counted against this step's budget (may include an acquire in flight).
     pub tokens_used: u64,
     /// Its guaranteed share of the pool.
@@ -375,8 +420,17 @@ struct Slot {
     weight: AtomicU32,
     /// Has work. Written by `set_active`, read by the publisher.
     active: AtomicBool,
-    /// Tokens per step. Single writer: the publisher.
+    /// Tokens it may take per step: its share, or more where other active engines' published
+    /// demand leaves part of theirs unused. Single writer: the publisher.
     token_budget: AtomicU32,
+    /// Its weighted share of `tokens_per_step` among the active engines, what the lending
+    /// never lowers its budget below. Single writer: the publisher.
+    token_share: AtomicU32,
+    /// The tokens it said it would use per step ([`BudgetCoordinator::publish_demand`],
+    /// rounded up to a multiple of the demand quantum), or `NO_DEMAND` (it may use its whole
+    /// share: never published, or reset when its activity changed). Written by the engine, read
+    /// by the publisher.
+    demand: AtomicU32,
     /// Token accounting of the current step, two fields in one word so that a reset is one
     /// `fetch_sub`, a release one successful compare-exchange, and every token operation on
     /// the engine is ordered by coherence alone:
@@ -419,6 +473,8 @@ impl Slot {
             weight: AtomicU32::new(0),
             active: AtomicBool::new(false),
             token_budget: AtomicU32::new(0),
+            token_share: AtomicU32::new(0),
+            demand: AtomicU32::new(NO_DEMAND),
             tokens: AtomicU64::new(0),
             block_quota: AtomicU32::new(0),
             block_limit: AtomicU32::new(0),

@@ -15,7 +15,10 @@ struct Row {
     active: bool,
     weight: u32,
     held: u64,
+    /// Published demand (`NO_DEMAND`: the whole share).
+    demand: u32,
     token_budget: u32,
+    token_share: u32,
     block_quota: u32,
     block_limit: u32,
 }
@@ -116,19 +119,19 @@ impl BudgetCoordinator {
     }
 
     /// [`recompute`](Self::recompute) if inputs changed since the last round; `None` otherwise
-    /// (one load). Engines call it once per step. Registration, weights and activity mark the
-    /// inputs changed; block holdings do not (that would put a load on every acquire), so the
-    /// lendable pool, which counts idle engines' held blocks, is refreshed by the next
+    /// (one load). Engines call it once per step. Registration, weights, activity and demand
+    /// mark the inputs changed; block holdings do not (that would put a load on every acquire),
+    /// so the lendable pool, which counts idle engines' held blocks, is refreshed by the next
     /// recomputation: call [`recompute`](Self::recompute) on a timer too (the scheduler tick).
     #[inline]
     pub fn maybe_recompute(&self) -> Option<Publication> {
         self.is_dirty().then(|| self.recompute())
     }
 
-    /// Recomputes every engine's token budget, block quota and limit from the current weights,
-    /// activity and holdings, and publishes them. Never waits: if another thread is publishing
-    /// it takes over this request and this call returns [`Publication::Deferred`]. Bounded by
-    /// [`MAX_ROUNDS`] rounds of O(max_engines log max_engines) work (module docs).
+    /// Recomputes every engine's token share and budget, block quota and limit from the current
+    /// weights, activity, demand and holdings, and publishes them. Never waits: if another
+    /// thread is publishing it takes over this request and this call returns
+    /// [`Publication::Deferred`]. Bounded by [`MAX_ROUNDS`] rounds of O(max_engines log max_engines) work (module docs).
     pub fn recompute(&self) -> Publication {
         // AcqRel: Acquire pairs with the Release RMWs of `mark_dirty` (we see the changes that
         // were marked), Release orders nothing before it but keeps the RMW chain a release
@@ -207,6 +210,7 @@ impl BudgetCoordinator {
             if row.live {
                 row.weight = slot.weight.load(Ordering::Relaxed);
                 row.active = slot.active.load(Ordering::Relaxed);
+                row.demand = slot.demand.load(Ordering::Relaxed);
                 row.held = slot.blocks_held.load(Ordering::Relaxed);
             }
         }
@@ -218,7 +222,27 @@ impl BudgetCoordinator {
         // share rounded down to 0 would otherwise stay 0 while the others have work.
         lift_zeros(&mut s.out, token_cap, &mut s.lift);
         for k in 0..s.idx.len() {
-            s.rows[s.idx[k]].token_budget = s.out[k] as u32;
+            let row = &mut s.rows[s.idx[k]];
+            row.token_share = s.out[k] as u32;
+            row.token_budget = row.token_share;
+        }
+        // Lending: the same water-fill with each engine capped by its published demand too, so
+        // what an engine's demand leaves of its share goes to the engines that want more, by
+        // weight. A budget is the larger of the two: never below the share.
+        if s.rows
+            .iter()
+            .any(|r| r.live && r.active && r.demand < token_cap)
+        {
+            self.fill(
+                s,
+                self.config.tokens_per_step,
+                |r| r.active,
+                |r| r.demand.min(token_cap),
+            );
+            for k in 0..s.idx.len() {
+                let row = &mut s.rows[s.idx[k]];
+                row.token_budget = row.token_budget.max(s.out[k] as u32);
+            }
         }
         // Block quotas: every registered engine, uniform cap. They depend only on which slots
         // are live and their weights, so they are reused while those are unchanged.
@@ -298,6 +322,7 @@ impl BudgetCoordinator {
         for lowering in [true, false] {
             for (row, slot) in s.rows.iter().zip(self.slots.iter()) {
                 put(&slot.token_budget, row.token_budget, lowering);
+                put(&slot.token_share, row.token_share, lowering);
                 put(&slot.block_quota, row.block_quota, lowering);
                 put(&slot.block_limit, row.block_limit, lowering);
             }

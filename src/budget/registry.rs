@@ -1,6 +1,6 @@
 //! The engine registry: register, reweight, deregister (slot life cycle in the module docs).
 
-use super::{BudgetCoordinator, Slot, CLAIMED, FREE, JOINING, LEAVING, LIVE};
+use super::{BudgetCoordinator, Slot, CLAIMED, FREE, JOINING, LEAVING, LIVE, NO_DEMAND};
 use crate::error::BudgetError;
 use crate::ids::EngineId;
 use crate::sync::Ordering;
@@ -54,6 +54,7 @@ impl BudgetCoordinator {
             }
             slot.weight.store(weight, Ordering::Relaxed);
             slot.active.store(false, Ordering::Relaxed);
+            slot.demand.store(NO_DEMAND, Ordering::Relaxed);
             slot.tokens.store(0, Ordering::Relaxed);
             slot.blocks_claimed.store(0, Ordering::Relaxed);
             slot.blocks_held.store(0, Ordering::Relaxed);

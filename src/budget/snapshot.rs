@@ -1,7 +1,9 @@
 //! Observability: a snapshot of every engine's figures, and every engine's block quota, read
 //! under the publication epoch.
 
-use super::{unpack_load, BudgetCoordinator, EngineStats, Snapshot, JOINING, LIVE, USED_MASK};
+use super::{
+    unpack_load, BudgetCoordinator, EngineStats, Snapshot, JOINING, LIVE, NO_DEMAND, USED_MASK,
+};
 use crate::ids::EngineId;
 use crate::sync::{fence, Ordering};
 
@@ -25,6 +27,11 @@ impl BudgetCoordinator {
                     weight: slot.weight.load(Ordering::Relaxed),
                     active: slot.active.load(Ordering::Relaxed),
                     token_budget: slot.token_budget.load(Ordering::Relaxed),
+                    token_share: slot.token_share.load(Ordering::Relaxed),
+                    token_demand: match slot.demand.load(Ordering::Relaxed) {
+                        NO_DEMAND => None,
+                        d => Some(d),
+                    },
                     tokens_used: slot.tokens.load(Ordering::Relaxed) & USED_MASK,
                     block_quota: quota,
                     block_limit: limit,

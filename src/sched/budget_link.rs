@@ -92,9 +92,12 @@ impl EngineBudget for EngineShare {
     }
 
     /// Keeps the step's `tokens` and gives back the rest of what `token_budget` took, so that
-    /// `tokens_used` reads as this step's usage until the next one starts.
-    fn record_step(&self, tokens: u32) {
+    /// `tokens_used` reads as this step's usage until the next one starts; publishes the
+    /// step's `demand` ([`BudgetCoordinator::publish_demand`]), so that the next recomputation
+    /// lends what this engine leaves unused to engines that want more.
+    fn record_step(&self, tokens: u32, demand: u32) {
         let c = &self.coordinator;
+        c.publish_demand(self.engine, demand);
         let held = c.tokens_granted(self.engine);
         let tokens = u64::from(tokens);
         if tokens < held {

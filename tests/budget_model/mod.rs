@@ -127,6 +127,11 @@ pub struct SlotModel {
     pub weight: u32,
     pub active: bool,
     pub token_budget: u32,
+    /// The weighted share among the active engines; `token_budget` is this, or more when
+    /// another active engine's demand leaves part of its share.
+    pub token_share: u32,
+    /// Published demand, rounded up to the quantum; `None`: wants its whole share.
+    pub demand: Option<u32>,
     pub tokens_used: u64,
     pub tokens_granted: u64,
     pub block_quota: u32,
@@ -232,6 +237,7 @@ impl Model {
         s.registered = true;
         s.weight = weight;
         s.active = false;
+        s.demand = None;
         s.tokens_used = 0;
         s.tokens_granted = 0;
         s.blocks_held = 0;
@@ -264,8 +270,38 @@ impl Model {
 
     pub fn set_active(&mut self, e: u16, active: bool) -> bool {
         match self.slot(e) {
-            Ok(s) => std::mem::replace(&mut s.active, active),
+            Ok(s) => {
+                let was = std::mem::replace(&mut s.active, active);
+                if was != active {
+                    s.demand = None;
+                }
+                was
+            }
             Err(_) => false,
+        }
+    }
+
+    /// The demand quantum: tokens_per_step / 32 rounded up, at least 1.
+    pub fn demand_quantum(&self) -> u64 {
+        u64::from(self.tokens_per_step).div_ceil(32).max(1)
+    }
+
+    /// Demand rounded up to the quantum, `None` at or above the cap; stored when it rises or
+    /// falls by more than one quantum.
+    pub fn publish_demand(&mut self, e: u16, tokens: u32) {
+        let q = self.demand_quantum();
+        let cap = self.token_cap();
+        let Ok(s) = self.slot(e) else { return };
+        let rounded = u64::from(tokens).div_ceil(q) * q;
+        let new = (rounded < cap).then_some(rounded);
+        let old = s.demand.map(u64::from);
+        let store = match (new, old) {
+            (_, None) => new.is_some(),
+            (None, Some(_)) => true,
+            (Some(n), Some(o)) => n > o || n + q < o,
+        };
+        if store {
+            s.demand = new.map(|d| d as u32);
         }
     }
 
@@ -385,6 +421,7 @@ impl Model {
             .collect();
         for s in self.slots.iter_mut() {
             s.token_budget = 0;
+            s.token_share = 0;
             s.block_quota = 0;
             s.block_limit = 0;
         }
@@ -399,6 +436,26 @@ impl Model {
             .collect();
         let (_, mut tokens) = water_fill(u64::from(self.tokens_per_step), &claims);
         lift_zeros(&mut tokens, &claims);
+        // Lending, when an active engine published a demand: the same fill, capped by demand
+        // too; a budget is the larger of share and that.
+        let demand_caps: Vec<(u64, u64)> = live
+            .iter()
+            .zip(&claims)
+            .map(|(&i, &(w, cap))| {
+                (
+                    w,
+                    self.slots[i].demand.map_or(cap, |d| cap.min(u64::from(d))),
+                )
+            })
+            .collect();
+        let lending = live
+            .iter()
+            .any(|&i| self.slots[i].active && self.slots[i].demand.is_some());
+        let lent = if lending {
+            water_fill(u64::from(self.tokens_per_step), &demand_caps).1
+        } else {
+            vec![0; live.len()]
+        };
         let claims: Vec<(u64, u64)> = live
             .iter()
             .map(|&i| (u64::from(self.slots[i].weight), block_cap))
@@ -406,7 +463,8 @@ impl Model {
         let (_, quotas) = water_fill(u64::from(self.total_blocks), &claims);
         for (k, &i) in live.iter().enumerate() {
             let s = &mut self.slots[i];
-            s.token_budget = tokens[k] as u32;
+            s.token_share = tokens[k] as u32;
+            s.token_budget = tokens[k].max(lent[k]) as u32;
             s.block_quota = quotas[k] as u32;
             s.block_limit = quotas[k] as u32;
         }

@@ -759,3 +759,69 @@ fn a_slot_is_freed_only_by_a_round_that_zeroed_it() {
         }
     });
 }
+
+/// Token lending (`publish_demand`): a (share 4 of 8) said it uses 1, so b's budget is 7, and
+/// both hold their steps' tokens (1 + 7). Then a's demand rises while b starts its next step:
+/// a's step gets at least its published 1 whatever the order (b holds at most 7), the device's
+/// 8 are never over-granted, a's budget never drops below its share, and the raised demand is
+/// never lost: once both have returned, either the budgets are the shares again or the
+/// request is still marked for the next publisher.
+#[test]
+fn lending_racing_a_lenders_rise() {
+    crate::model(|| {
+        let c = Arc::new(coordinator(2, 8, 2));
+        let a = c.register(1).unwrap();
+        let b = c.register(1).unwrap();
+        c.set_active(a, true);
+        c.set_active(b, true);
+        c.publish_demand(a, 1);
+        c.recompute();
+        assert_eq!((c.token_budget(a), c.token_budget(b)), (4, 7));
+        assert_eq!(c.acquire_tokens_up_to(a, 4), 4);
+        c.release_tokens(a, 3).unwrap();
+        assert_eq!(c.acquire_tokens_up_to(b, 7), 7);
+        // The shadow: counted after a grant returns, uncounted before a reset.
+        let outstanding = Arc::new(AtomicU64::new(8));
+        let grant = |c: &BudgetCoordinator, e: EngineId, out: &AtomicU64, held: u64| {
+            out.fetch_sub(held, Ordering::SeqCst);
+            assert_eq!(c.begin_step(e), held);
+            let got = c.acquire_tokens_up_to(e, c.token_budget(e));
+            let now = out.fetch_add(u64::from(got), Ordering::SeqCst) + u64::from(got);
+            assert!(now <= 8, "over the device cap: {now}");
+            got
+        };
+        let lender = {
+            let (c, out) = (c.clone(), outstanding.clone());
+            thread::spawn(move || {
+                assert!(c.token_budget(a) >= 4, "a lender's budget below its share");
+                let got = grant(&c, a, &out, 1);
+                // No recompute of its own: the borrower's step (or the next) publishes it.
+                c.publish_demand(a, u32::MAX);
+                got
+            })
+        };
+        let borrower = {
+            let (c, out) = (c.clone(), outstanding.clone());
+            thread::spawn(move || {
+                let got = grant(&c, b, &out, 7);
+                c.maybe_recompute();
+                got
+            })
+        };
+        let got_a = lender.join().unwrap();
+        let got_b = borrower.join().unwrap();
+        assert!(got_a >= 1, "the lender got less than its published demand");
+        assert!(u64::from(got_a + got_b) <= 8);
+        assert_eq!(c.tokens_in_use(), u64::from(got_a + got_b));
+        assert_eq!(c.token_demand(a), None);
+        if !c.is_dirty() {
+            assert_eq!(
+                (c.token_budget(a), c.token_budget(b)),
+                (4, 4),
+                "the raised demand was lost"
+            );
+        }
+        c.maybe_recompute();
+        assert_eq!((c.token_budget(a), c.token_budget(b)), (4, 4));
+    });
+}

@@ -65,9 +65,12 @@ pub trait EngineBudget: Send + Sync {
     fn release_blocks(&self, n: u32);
     /// Reports whether the engine has work (idle engines lend their share).
     fn set_active(&self, active: bool);
-    /// Reports the tokens scheduled this step.
-    fn record_step(&self, tokens: u32) {
-        let _ = tokens;
+    /// Reports the tokens scheduled this step, and the step's demand: the tokens it would
+    /// have scheduled with no external budget, at most `max_batched_tokens` (equal to
+    /// `tokens` when something else bounded the step: it ran out of work, pages or sequence
+    /// slots). A demand below the engine's share lets the coordinator lend the rest.
+    fn record_step(&self, tokens: u32, demand: u32) {
+        let _ = (tokens, demand);
     }
     /// The most blocks this engine is sure to get whatever the other engines do (its block
     /// quota), or `None` when unknown yet or unbounded (the default). One sequence needing more
@@ -255,6 +258,9 @@ pub struct Batcher {
     arrivals: u64,
     stats: BatcherStats,
     active_reported: bool,
+    /// Whether this step's token budget left work out (a row shorter than it wanted, a
+    /// decoder or an admission skipped for tokens): its demand is then more than it scheduled.
+    budget_cut: bool,
     /// At least the longest need of every sequence held: the budget's guaranteed blocks as
     /// last checked, raised by each `add` to its request's need (`u32::MAX` until first
     /// checked). A guarantee at or above it covers every sequence; only a lower one makes the
@@ -360,6 +366,7 @@ impl Batcher {
             arrivals: 0,
             stats: BatcherStats::default(),
             active_reported: false,
+            budget_cut: false,
             guaranteed_seen: u32::MAX,
         })
     }
@@ -768,6 +775,7 @@ impl Batcher {
         self.shed_held = self.swap_out_pending.len();
 
         let external = self.budget.as_ref().map_or(u32::MAX, |b| b.token_budget());
+        self.budget_cut = false;
         let mut budget = self.cfg.max_batched_tokens.min(external) as usize;
 
         // 1. Running sequences, most urgent and oldest first. Admissions, swap-ins and forks
@@ -813,9 +821,14 @@ impl Batcher {
             // from what no decoder is owed; a prefill chunk what the decoders after it are not
             // owed, maybe nothing (it then has no row this step, as when the budget ran out).
             let row_owed = if owing { self.decode_need(slot) } else { 0 };
-            let n = shortened.take().unwrap_or_else(|| {
-                self.tokens_wanted(slot, budget.saturating_sub(owed) + row_owed)
-            });
+            let n = match shortened.take() {
+                Some(m) => m,
+                None => {
+                    let m = self.tokens_wanted(slot, budget.saturating_sub(owed) + row_owed);
+                    self.note_budget_cut(slot, m);
+                    m
+                }
+            };
             if n == 0 {
                 i += 1;
                 continue;
@@ -901,12 +914,16 @@ impl Batcher {
                 if pressed
                     || !self.swapped.is_empty()
                     || self.running.len() >= self.cfg.max_running as usize
-                    || budget == 0
                 {
+                    break;
+                }
+                if budget == 0 {
+                    self.budget_cut = true;
                     break;
                 }
                 let hit = self.attach_cached_prefix(slot);
                 let n = self.tokens_wanted(slot, budget);
+                self.note_budget_cut(slot, n);
                 if n == 0 || matches!(self.reserve(slot, n), Reserve::NoBlocks) {
                     // It stays waiting, and a waiting sequence holds no pages.
                     self.detach_cached_prefix(slot);
@@ -923,7 +940,15 @@ impl Batcher {
         self.stats.steps += 1;
         self.stats.tokens_scheduled += self.batch.num_tokens() as u64;
         if let Some(b) = &self.budget {
-            b.record_step(self.batch.num_tokens() as u32);
+            // The step's demand: what it scheduled, unless the token budget left work out;
+            // then more, as much as its own limit allows.
+            let tokens = self.batch.num_tokens() as u32;
+            let demand = if self.budget_cut {
+                tokens.max(self.cfg.max_batched_tokens)
+            } else {
+                tokens
+            };
+            b.record_step(tokens, demand);
             let active = self.has_work();
             if active != self.active_reported {
                 b.set_active(active);
@@ -1008,10 +1033,12 @@ impl Batcher {
             let owed = self.owed_to_decoders(*at, slot_victim.flatten());
             let left = budget.saturating_sub(owed);
             if left == 0 {
+                self.budget_cut = true;
                 break;
             }
             let hit = self.attach_cached_prefix(slot);
             let n = self.tokens_wanted(slot, left);
+            self.note_budget_cut(slot, n);
             let mut fits = n > 0 && matches!(self.reserve(slot, n), Reserve::Ok);
             if fits && full {
                 // Its pages are taken; a throughput sequence gives up its slot.
@@ -1062,6 +1089,14 @@ impl Batcher {
             .filter(|&&s| Some(s) != except)
             .map(|&s| self.decode_need(s))
             .sum()
+    }
+
+    /// Notes a cut by the token budget when `n`, what `slot` got, is less than it wants with
+    /// no budget (its chunk limit and drafts as they are).
+    fn note_budget_cut(&mut self, slot: usize, n: usize) {
+        if n < self.tokens_wanted(slot, usize::MAX) {
+            self.budget_cut = true;
+        }
     }
 
     /// The tokens a decoding sequence's row is owed: its one token, not its drafts (they are

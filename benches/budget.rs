@@ -277,6 +277,19 @@ fn recompute(c: &mut Criterion) {
         ours.recompute();
         let sum: u32 = (0..n).map(|i| ours.token_budget(EngineId(i))).sum();
         assert_eq!(sum, TOKENS);
+        // An active engine's demand moves between a few tokens and all it can take, then
+        // everything is recomputed: the per-step trigger under token lending (a second
+        // water-fill, capped by demand). kapsl has no lending: compare with the activity rows.
+        let mut low = false;
+        g.bench_with_input(BenchmarkId::new("pagedkv_demand", n), &n, |b, _| {
+            b.iter(|| {
+                low = !low;
+                ours.publish_demand(EngineId(0), if low { 8 } else { u32::MAX });
+                assert!(matches!(ours.recompute(), Publication::Published { .. }));
+            })
+        });
+        ours.publish_demand(EngineId(0), u32::MAX);
+        ours.recompute();
         g.bench_with_input(BenchmarkId::new("kapsl_mutex_activity", n), &n, |b, _| {
             b.iter(|| {
                 flip = !flip;

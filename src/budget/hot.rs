@@ -38,8 +38,8 @@ impl BudgetCoordinator {
     /// [`recompute`](Self::recompute) lends what a demand leaves of its engine's share to the
     /// active engines that want more, by weight ([`token_budget`](Self::token_budget)); the
     /// engine's own budget stays at least its share ([`token_share`](Self::token_share)), so
-    /// when its demand rises it takes what the device has left at once and all of its share
-    /// once the borrowers' current steps end (module docs, "Token lending").
+    /// when its demand rises it takes what the device has left at once, and all of its share
+    /// once the borrowers hold no more than theirs (module docs, "Token lending").
     ///
     /// Rounded up to a multiple of
     /// [`BudgetConfig::demand_quantum`](super::BudgetConfig::demand_quantum); a demand at or

@@ -157,12 +157,14 @@
 //! an engine's **budget** is the larger of its share and that figure. So a lender's budget
 //! stays its share (its demand can rise at any step), and the budgets may sum past
 //! `tokens_per_step`: the device-wide `tokens_in_use` admission keeps the grants within it
-//! (above), and the borrowers' figures fit beside the lenders' demands. What a lender gives
-//! up is time: when its demand rises past what the borrowers leave, its step gets what the
-//! device has left, at least its published demand (while the borrowers hold no more than the
-//! publication gave them), and its whole share once the borrowers' current steps end after
-//! the next publication (one step of each borrower: tokens are held for a step and cannot be
-//! taken back inside it). Demand is published in multiples of
+//! (above), and the borrowers' figures fit beside the lenders' demands. When a lender's
+//! demand rises past what the borrowers leave, its step gets what the device has left: at
+//! least its published demand (while the borrowers hold no more than the publication gave
+//! them), and its whole share once the borrowers hold no more than theirs. A borrower's step
+//! in flight keeps what it was granted (tokens cannot be taken back inside a step); the
+//! scheduler's link ([`EngineShare`](crate::sched::EngineShare)) gives back what a step holds
+//! above the engine's share as soon as its batch has run, and the next publication lowers the
+//! borrowers' budgets. Demand is published in multiples of
 //! [`BudgetConfig::demand_quantum`], rounded up, so a lender keeps that much headroom and a
 //! demand wavering by a few tokens does not ask for a publication every step. An engine whose
 //! activity changes counts as wanting its whole share until it publishes again.

@@ -91,8 +91,24 @@ impl EngineBudget for EngineShare {
             .collect()
     }
 
+    /// What a step holds above the engine's share was lent by engines whose demand was low; it
+    /// goes back once the batch has run, so that a lender whose work grew gets its share at
+    /// its next schedule, not only after this engine's next one. Up to the share, the step's
+    /// tokens stay held until the next schedule (the engine's guarantee between its steps).
+    fn step_ran(&self) {
+        let c = &self.coordinator;
+        let held = c.tokens_granted(self.engine);
+        let share = u64::from(c.token_share(self.engine));
+        if held > share {
+            // At most what is held, so it fits in u32, and it cannot be refused.
+            let released = c.release_tokens(self.engine, (held - share) as u32);
+            debug_assert!(released.is_ok(), "{released:?}");
+        }
+    }
+
     /// Keeps the step's `tokens` and gives back the rest of what `token_budget` took, so that
-    /// `tokens_used` reads as this step's usage until the next one starts; publishes the
+    /// `tokens_used` reads as this step's usage until its batch has run (above the engine's
+    /// share, [`step_ran`](EngineBudget::step_ran)) or the next one starts; publishes the
     /// step's `demand` ([`BudgetCoordinator::publish_demand`]), so that the next recomputation
     /// lends what this engine leaves unused to engines that want more.
     fn record_step(&self, tokens: u32, demand: u32) {

@@ -59,6 +59,9 @@ pub struct EngineMetrics {
     pub scheduled: u64,
     /// Tokens scheduled in each tick.
     pub per_tick: Vec<u32>,
+    /// Tokens scheduled above the engine's token share of the tick (borrowed from idle engines
+    /// or from what active engines' demand left).
+    pub above_share: u64,
     /// Whether the engine had a backlog (requests waiting in its batcher) after each tick's
     /// scheduling: it wanted more than it got.
     pub backlogged: Vec<bool>,

@@ -412,6 +412,16 @@ pub fn run_on(
         for (idx, rt) in engines.iter_mut().enumerate() {
             rt.admit(&admission, idx)?;
             rt.schedule();
+            // Shares change only at the recompute below, so this is the one the step saw.
+            let share = coordinator.token_share(EngineId(idx as u16));
+            let m = &mut rt.metrics;
+            m.above_share += u64::from(
+                m.per_tick
+                    .last()
+                    .copied()
+                    .unwrap_or(0)
+                    .saturating_sub(share),
+            );
         }
         engines.par_iter_mut().try_for_each(|rt| rt.execute())?;
         for rt in &mut engines {
@@ -537,6 +547,11 @@ pub fn run_on(
             donations_asked: m.donations_asked,
             peak_blocks: peak_held[e],
             peak_borrowed: peak_borrowed[e],
+            tokens_above_share: if m.scheduled == 0 {
+                0.0
+            } else {
+                m.above_share as f64 / m.scheduled as f64
+            },
             kv_bytes_read: m.kv_bytes_read,
             tokens_per_page: rt.block_size,
             wasted_bytes_per_page: (page_bytes

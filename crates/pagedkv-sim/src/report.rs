@@ -100,6 +100,9 @@ pub struct EngineReport {
     pub peak_blocks: u32,
     /// Most blocks it held above its quota (borrowed) at a tick's end.
     pub peak_borrowed: u64,
+    /// The fraction of its scheduled tokens above its token share of their step: borrowed from
+    /// idle engines or from what active engines' published demand left of theirs.
+    pub tokens_above_share: f64,
     /// KV bytes its attention read.
     pub kv_bytes_read: u64,
     /// Tokens per page of its view of the arena.
@@ -351,7 +354,8 @@ impl Report {
         let _ = writeln!(
             s,
             "\ntokens: each engine's share of the scheduled tokens; under saturation (steps where \
-             every engine had a backlog: {}) beside its weight share:",
+             every engine had a backlog: {}) beside its weight share; its tokens scheduled above its \
+             token share of their step (lent):",
             self.saturated_ticks
         );
         for e in &self.engines {
@@ -362,10 +366,11 @@ impl Report {
             };
             let _ = writeln!(
                 s,
-                "   {:<10} saturated {}  weight {:>5.1}% | blocks: peak held {:>5}, peak borrowed {:>4}, given back {:>4}, donations asked {} | {:>3} tokens/page, {} B/page unused, reclaim p50/max {}/{} steps ({}) | prefix hit {:>5.1}%, ttft p50 {}",
+                "   {:<10} saturated {}  weight {:>5.1}%  above share {:>5.1}% | blocks: peak held {:>5}, peak borrowed {:>4}, given back {:>4}, donations asked {} | {:>3} tokens/page, {} B/page unused, reclaim p50/max {}/{} steps ({}) | prefix hit {:>5.1}%, ttft p50 {}",
                 e.name,
                 saturated,
                 100.0 * e.weight_share,
+                100.0 * e.tokens_above_share,
                 e.peak_blocks,
                 e.peak_borrowed,
                 e.blocks_shed,

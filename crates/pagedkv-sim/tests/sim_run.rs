@@ -357,3 +357,27 @@ fn no_first_token_sooner_than_one_step_after_arrival() {
     }
     assert!(r.ttft_p50_ms >= r.step_ms, "{}", r.ttft_p50_ms);
 }
+
+/// A heavy engine beside a light one of three times its weight: the light one's demand stays
+/// below its share, so most of the heavy one's tokens are lent, step by step, while the light
+/// one's requests get their first token within four steps (the heavy one gives back what it
+/// holds above its share once its batch has run: before it did, 103 ms at p99).
+#[test]
+fn a_light_engines_unused_share_is_lent_to_a_heavy_one() {
+    let mut cfg = saturated();
+    cfg.engines = vec![engine("light", 3, 8.0), engine("heavy", 1, 40.0)];
+    // The light engine decodes a few long answers at a time: active throughout, few tokens.
+    cfg.engines[0].prompt_mean = 8.0;
+    cfg.engines[0].output_mean = 200.0;
+    let r = sim::run(&cfg, &|_| {}).unwrap();
+    check_accounting(&r);
+    let (light, heavy) = (&r.engines[0], &r.engines[1]);
+    assert!(
+        heavy.tokens_above_share > 0.5,
+        "{}",
+        heavy.tokens_above_share
+    );
+    assert_eq!(light.tokens_above_share, 0.0);
+    let p99 = light.latency_critical.ttft.p99_ms;
+    assert!(p99 <= 4.0 * cfg.step_ms, "light ttft p99 {p99} ms");
+}

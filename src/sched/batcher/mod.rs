@@ -72,6 +72,10 @@ pub trait EngineBudget: Send + Sync {
     fn record_step(&self, tokens: u32, demand: u32) {
         let _ = (tokens, demand);
     }
+    /// Reports that the step's batch has run (its commit). Tokens held above the engine's
+    /// guaranteed share may go back here rather than at the next schedule, so that an engine
+    /// they were lent from does not wait for this one's next step to get them.
+    fn step_ran(&self) {}
     /// The most blocks this engine is sure to get whatever the other engines do (its block
     /// quota), or `None` when unknown yet or unbounded (the default). One sequence needing more
     /// could be preempted forever (what it borrows above this is taken back whenever a lender
@@ -1366,6 +1370,7 @@ impl Batcher {
         self.batch.logits_indices.clear();
         self.batch.drafts.clear();
         if let Some(b) = &self.budget {
+            b.step_ran();
             let active = self.has_work();
             if active != self.active_reported {
                 b.set_active(active);

@@ -45,9 +45,9 @@ impl BudgetCoordinator {
     /// [`BudgetConfig::demand_quantum`](super::BudgetConfig::demand_quantum); a demand at or
     /// above the engine's cap counts as none (the whole share). Marks the inputs changed only
     /// when the rounded figure rises, or falls by more than one quantum, so that a demand
-    /// wavering by a few tokens does not republish every step. Wait-free: one load, at most one store and
-    /// one `fetch_or`. Meant for the engine's step owner; concurrent callers leave one of their
-    /// figures. An id out of range is ignored.
+    /// wavering by a few tokens does not republish every step. Wait-free: one load, at most
+    /// one store and one `fetch_or`. Meant for the engine's step owner; concurrent callers
+    /// leave one of their figures. An id out of range is ignored.
     #[inline]
     pub fn publish_demand(&self, engine: EngineId, tokens: u32) {
         let Ok(slot) = self.slot(engine) else {

@@ -154,7 +154,8 @@
 //! have scheduled with no token limit ([`publish_demand`]; the scheduler's link does it each
 //! step). The publisher runs the same water-fill again with every active engine also capped
 //! by its demand, so what a low demand leaves goes to the engines that want more, by weight;
-//! an engine's **budget** is the larger of its share and that figure. So a lender's budget
+//! an engine's **budget** is the larger of its share and that figure (with no demand
+//! published by an active engine, the budgets are the shares). So a lender's budget
 //! stays its share (its demand can rise at any step), and the budgets may sum past
 //! `tokens_per_step`: the device-wide `tokens_in_use` admission keeps the grants within it
 //! (above), and the borrowers' figures fit beside the lenders' demands. When a lender's

@@ -131,7 +131,8 @@ impl BudgetCoordinator {
     /// Recomputes every engine's token share and budget, block quota and limit from the current
     /// weights, activity, demand and holdings, and publishes them. Never waits: if another
     /// thread is publishing it takes over this request and this call returns
-    /// [`Publication::Deferred`]. Bounded by [`MAX_ROUNDS`] rounds of O(max_engines log max_engines) work (module docs).
+    /// [`Publication::Deferred`]. Bounded by [`MAX_ROUNDS`] rounds of
+    /// O(max_engines log max_engines) work (module docs).
     pub fn recompute(&self) -> Publication {
         // AcqRel: Acquire pairs with the Release RMWs of `mark_dirty` (we see the changes that
         // were marked), Release orders nothing before it but keeps the RMW chain a release

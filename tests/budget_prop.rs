@@ -243,3 +243,49 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1024))]
+
+    /// After a publication, what the active engines may hold beside one another fits the
+    /// device: a borrower (budget above its share) its budget, a lender its published demand,
+    /// any other engine its share. Otherwise, while the borrowers' steps hold their budgets, a
+    /// lender whose work grew gets less than its demand, and an engine whose share was lifted
+    /// from 0 gets nothing.
+    #[test]
+    fn lent_budgets_leave_every_engine_what_it_is_promised(
+        engines in prop::collection::vec(
+            (
+                prop_oneof![1u32..=10, 1u32..=1000, 1u32..=100_000],
+                any::<bool>(),
+                prop_oneof![Just(None), (0u32..200).prop_map(Some)],
+            ),
+            1..=12,
+        ),
+        tokens in prop_oneof![1u32..64, 1u32..4096],
+        cap in prop_oneof![1u16..=1000, Just(1000u16)],
+    ) {
+        let config = BudgetConfig::new(16, tokens, 64).with_cap_permille(cap);
+        let c = BudgetCoordinator::new(config).unwrap();
+        let ids: Vec<EngineId> = engines.iter().map(|&(w, a, d)| {
+            let e = c.register(w).unwrap();
+            c.set_active(e, a);
+            if let Some(d) = d {
+                c.publish_demand(e, d);
+            }
+            e
+        }).collect();
+        c.recompute();
+        let mut promised = 0u64;
+        for &e in &ids {
+            let (budget, share) = (c.token_budget(e), c.token_share(e));
+            prop_assert!(budget >= share);
+            promised += u64::from(match c.token_demand(e) {
+                _ if budget > share => budget,
+                Some(d) => d.min(share),
+                None => share,
+            });
+        }
+        prop_assert!(promised <= u64::from(tokens), "{:?}", c.snapshot());
+    }
+}

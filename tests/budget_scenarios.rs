@@ -413,3 +413,61 @@ fn an_active_engines_unused_share_is_lent_and_taken_back() {
         assert_eq!((last(&w, a), last(&w, b)), (32, 32));
     }
 }
+
+impl World {
+    /// One step of every engine with their steps overlapping, as engines on their own threads
+    /// run them: each schedules in `order` while the ones before it hold their batches, then
+    /// every batch runs and commits.
+    fn step_overlapped(&mut self, order: &[usize]) {
+        for &e in order {
+            let c = self.c.clone();
+            let eng = &mut self.engines[e];
+            eng.bt.sync_activity();
+            c.maybe_recompute();
+            let t = eng.bt.schedule_into(&mut eng.done).num_tokens() as u32;
+            eng.scheduled.push(t);
+        }
+        for &e in order {
+            let eng = &mut self.engines[e];
+            let n = eng.bt.batch().num_samples();
+            eng.bt.commit(&vec![9; n], &mut eng.done).unwrap();
+            self.c.maybe_recompute();
+        }
+        self.c.recompute();
+    }
+}
+
+/// A light engine (Z, weight 1: its share of 64 tokens rounds to 0 and is lifted to one token)
+/// beside a lender (A, four decoders) and a borrower (B, long prompts), their steps
+/// overlapping. The lending fill, without the lift, gave B every token A's demand leaves, Z's
+/// lifted one included: while B's step ran it held them all, and Z, scheduling then, got
+/// nothing, step after step.
+#[test]
+fn a_lifted_share_is_not_lent_away() {
+    let mut w = world(4, 64, 4096);
+    let a = w.join(1000, PreemptionMode::Recompute);
+    let b = w.join(1000, PreemptionMode::Recompute);
+    let z = w.join(1, PreemptionMode::Recompute);
+    w.add(a, 4, 4, 200, Priority::Throughput);
+    w.add(b, 40, 64, 2, Priority::Throughput);
+    for _ in 0..4 {
+        w.step();
+        w.check_sums();
+    }
+    assert_eq!(w.c.token_demand(w.engines[a].id), Some(4));
+    // Z gets work while B borrows.
+    w.add(z, 4, 2, 2, Priority::Throughput);
+    for step in 0..6 {
+        w.step_overlapped(&[b, a, z]);
+        w.check_sums();
+        if step >= 1 {
+            let s = w.c.snapshot();
+            assert!(
+                *w.engines[z].scheduled.last().unwrap() >= 1,
+                "step {step}: Z, share {}, got no token; B's budget {}: {s:?}",
+                s.engines[z].token_share,
+                s.engines[b].token_budget
+            );
+        }
+    }
+}

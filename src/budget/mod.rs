@@ -150,23 +150,25 @@
 //!
 //! **Token lending.** An active engine that uses less than its share (a model decoding a few
 //! sequences beside one working through long prompts) would leave the rest of the device's
-//! tokens unused every step. Each engine publishes its **demand**: what its last step would
-//! have scheduled with no token limit ([`publish_demand`]; the scheduler's link does it each
-//! step). The publisher runs the same water-fill again with every active engine also capped
-//! by its demand, so what a low demand leaves goes to the engines that want more, by weight;
-//! an engine's **budget** is the larger of its share and that figure (with no demand
-//! published by an active engine, the budgets are the shares). So a lender's budget
-//! stays its share (its demand can rise at any step), and the budgets may sum past
-//! `tokens_per_step`: the device-wide `tokens_in_use` admission keeps the grants within it
-//! (above), and the borrowers' figures fit beside the lenders' demands. When a lender's
-//! demand rises past what the borrowers leave, its step gets what the device has left: at
-//! least its published demand (while the borrowers hold no more than the publication gave
-//! them), and its whole share once the borrowers hold no more than theirs. A borrower's step
-//! in flight keeps what it was granted (tokens cannot be taken back inside a step); the
-//! scheduler's link ([`EngineShare`](crate::sched::EngineShare)) gives back what a step holds
-//! above the engine's share as soon as its batch has run, and the next publication lowers the
-//! borrowers' budgets. Demand is published in multiples of
-//! [`BudgetConfig::demand_quantum`], rounded up, so a lender keeps that much headroom and a
+//! tokens unused every step. Each engine publishes its **demand**: what its last step scheduled,
+//! or, when its token grant left work out, its whole `max_batched_tokens` ([`publish_demand`]; the
+//! scheduler's link does it each step). The publisher runs the same water-fill again with every
+//! active engine also capped by its demand, so what a low demand leaves goes to the engines that
+//! want more, by weight, and then raises every engine that fill left below its share (or its
+//! demand, where lower) to it, taking from those it gave the most above theirs: a share lifted from
+//! 0, or rounded a token higher than the second fill rounds it, is not lent away too. An engine's
+//! **budget** is the larger of its share and that figure (with no demand published by an active
+//! engine, the budgets are the shares). So a lender's budget stays its share (its demand can rise
+//! at any step), and the budgets may sum past `tokens_per_step`: the device-wide `tokens_in_use`
+//! admission keeps the grants within it (above), and the borrowers' figures fit beside the lenders'
+//! demands and the other engines' shares. When a lender's demand rises past what the borrowers
+//! leave, its step gets what the device has left: at least its published demand (while the
+//! borrowers hold no more than the publication gave them), and its whole share once the borrowers
+//! hold no more than theirs. A borrower's step in flight keeps what it was granted (tokens cannot
+//! be taken back inside a step); the scheduler's link ([`EngineShare`](crate::sched::EngineShare))
+//! gives back what a step holds above the engine's share as soon as its batch has run, and the next
+//! publication lowers the borrowers' budgets. Demand is published in multiples of
+//! [`BudgetConfig::demand_quantum`], rounded up, so a lender keeps up to that much headroom and a
 //! demand wavering by a few tokens does not ask for a publication every step. An engine whose
 //! activity changes counts as wanting its whole share until it publishes again.
 //!
@@ -262,7 +264,7 @@ const NO_DEMAND: u32 = u32::MAX;
 
 /// Demand is published in multiples of `tokens_per_step / DEMAND_STEPS` (rounded up), so that
 /// an engine whose use wavers by a few tokens from step to step does not ask for a
-/// republication each step, and keeps that much headroom above its last use.
+/// republication each step, and keeps up to that much headroom above its last use.
 const DEMAND_STEPS: u32 = 32;
 
 /// `Slot::load` packing: bit 63 set when published, priority in bits 32..48, freeable blocks in

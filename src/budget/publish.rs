@@ -1,7 +1,7 @@
 //! Recomputation: the delegated single publisher, the water-filling of one round, and its
 //! publication under the epoch (module docs).
 
-use super::waterfill::{lift_zeros, water_fill, Claim, FillScratch};
+use super::waterfill::{cover_floors, lift_zeros, water_fill, Claim, FillScratch};
 use super::{
     BudgetCoordinator, Publication, BUSY, DIRTY, FREE, JOINING, LEAVING, LIVE, MAX_ROUNDS,
 };
@@ -239,6 +239,19 @@ impl BudgetCoordinator {
                 self.config.tokens_per_step,
                 |r| r.active,
                 |r| r.demand.min(token_cap),
+            );
+            // Each engine keeps in that fill what it is promised beside the borrowers: its
+            // share, or its demand where that is lower. Otherwise a share lifted from 0 (or
+            // rounded a token higher than the fill rounds it) counts in a borrower's budget
+            // too, and while the borrower's step holds it that engine gets nothing.
+            let (rows, idx) = (&s.rows, &s.idx);
+            cover_floors(
+                &mut s.out,
+                |k| {
+                    let r = &rows[idx[k]];
+                    u64::from(r.token_share.min(r.demand.min(token_cap)))
+                },
+                &mut s.lift,
             );
             for k in 0..s.idx.len() {
                 let row = &mut s.rows[s.idx[k]];

@@ -196,6 +196,51 @@ pub(crate) fn lift_zeros(out: &mut [u64], cap: u32, heap: &mut Vec<(u64, std::cm
     *heap = donors.into_vec();
 }
 
+/// Raises every claim below its floor (`floor(k)`) to it, taking the units from the claims
+/// holding the most above theirs (ties to the lower index), as far as they hold any. The sum is
+/// unchanged, a raised claim gets no more than its floor, and a donor keeps at least its own.
+///
+/// The lending fill (module docs of `budget`, "Token lending") gives a claim whose share was
+/// lifted from 0 ([`lift_zeros`]) nothing again, and may round a claim a unit below its share:
+/// the borrowers' figures then count that unit too, and while their steps hold them, that
+/// engine finds the device's tokens all taken. O(n + d log n) for `d` claims below their floor;
+/// `heap` is reused scratch.
+pub(crate) fn cover_floors(
+    out: &mut [u64],
+    floor: impl Fn(usize) -> u64,
+    heap: &mut Vec<(u64, std::cmp::Reverse<u32>)>,
+) {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    if (0..out.len()).all(|k| out[k] >= floor(k)) {
+        return;
+    }
+    heap.clear();
+    heap.extend(
+        out.iter()
+            .enumerate()
+            .filter(|&(k, &x)| x > floor(k))
+            .map(|(k, &x)| (x - floor(k), Reverse(k as u32))),
+    );
+    let mut donors = BinaryHeap::from(std::mem::take(heap));
+    for k in 0..out.len() {
+        let mut need = floor(k).saturating_sub(out[k]);
+        while need > 0 {
+            let Some((surplus, Reverse(j))) = donors.pop() else {
+                break;
+            };
+            let take = surplus.min(need);
+            out[j as usize] -= take;
+            out[k] += take;
+            need -= take;
+            if surplus > take {
+                donors.push((surplus - take, Reverse(j)));
+            }
+        }
+    }
+    *heap = donors.into_vec();
+}
+
 /// Division of many `u64` numerators by one divisor through a multiply: `m = ⌊2^64 / d⌋`
 /// computed once, then `q̂ = ⌊n·m / 2^64⌋` is at most 1 below `⌊n / d⌋` (because
 /// `n·m / 2^64 > n/d − n/2^64 ≥ n/d − 1`) and never above it, so one correction step is exact.

@@ -120,6 +120,24 @@ pub fn lift_zeros(amounts: &mut [u64], claims: &[(u64, u64)]) {
     }
 }
 
+/// Raises every amount below its floor to it, in index order, taking from the amount then
+/// holding the most above its own floor (ties to the lower index), as much as it has.
+pub fn cover_floors(amounts: &mut [u64], floors: &[u64]) {
+    for k in 0..amounts.len() {
+        while amounts[k] < floors[k] {
+            let Some(j) = (0..amounts.len())
+                .filter(|&j| amounts[j] > floors[j])
+                .max_by_key(|&j| (amounts[j] - floors[j], std::cmp::Reverse(j)))
+            else {
+                break;
+            };
+            let take = (amounts[j] - floors[j]).min(floors[k] - amounts[k]);
+            amounts[j] -= take;
+            amounts[k] += take;
+        }
+    }
+}
+
 /// One engine slot of the model.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SlotModel {
@@ -452,7 +470,15 @@ impl Model {
             .iter()
             .any(|&i| self.slots[i].active && self.slots[i].demand.is_some());
         let lent = if lending {
-            water_fill(u64::from(self.tokens_per_step), &demand_caps).1
+            let mut lent = water_fill(u64::from(self.tokens_per_step), &demand_caps).1;
+            // Every active engine keeps its share there, or its demand where that is lower.
+            let floors: Vec<u64> = demand_caps
+                .iter()
+                .enumerate()
+                .map(|(k, &(w, cap))| if w > 0 { tokens[k].min(cap) } else { 0 })
+                .collect();
+            cover_floors(&mut lent, &floors);
+            lent
         } else {
             vec![0; live.len()]
         };

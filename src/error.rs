@@ -299,6 +299,12 @@ pub enum KvError {
         /// The required multiple.
         align: usize,
     },
+    /// A raw cache base that is not aligned for the element type: views form `&[T]` from it.
+    #[error("KV cache base pointer is not aligned to {align} bytes, the element type's alignment")]
+    BaseMisaligned {
+        /// The element type's alignment.
+        align: usize,
+    },
 }
 
 /// Errors of the attention and cache kernels ([`crate::attn`]): malformed batch tensors or

@@ -144,6 +144,31 @@ fn host_cache_is_aligned_zeroed_and_typed() {
     }
 }
 
+/// `HOST_ALIGN`'s claim: blocks start 64-byte aligned when the page stride is a multiple of 64,
+/// padded caches included (with `bytes_per_block = 256` and a 272-byte stride block 1 starts at
+/// byte 272: the stride, not the block size, is what the claim needs).
+#[test]
+fn host_blocks_start_64_aligned_when_the_page_stride_is() {
+    let dense = KvCacheConfig::new(1, 1, 8, 4, 5, KvDtype::F32).unwrap();
+    assert_eq!(dense.bytes_per_block(), 256);
+    for c in [dense, dense.with_page_stride(320).unwrap()] {
+        let cache = HostKvCache::new(c).unwrap();
+        for b in 0..c.num_blocks() {
+            let p = cache.block_bytes(b).unwrap().as_ptr() as usize;
+            assert_eq!(p % 64, 0, "block {b} of a {}-byte stride", c.page_bytes());
+        }
+    }
+}
+
+/// A geometry `KvCacheConfig` accepts (its size fits `isize`) whose size rounded up to
+/// `HOST_ALIGN` does not: a typed error, as `HostKvCache::new` documents, not a panic.
+#[test]
+fn host_cache_of_a_size_within_a_page_of_isize_max_is_refused() {
+    let c = KvCacheConfig::new((1 << 57) - 1, 1, 8, 1, 1, KvDtype::F32).unwrap();
+    assert_eq!(c.total_bytes(), isize::MAX as usize - 63);
+    assert_eq!(HostKvCache::new(c).unwrap_err(), KvError::SizeOverflow);
+}
+
 #[test]
 fn views_over_plain_slices_check_length_dtype_and_layer() {
     let c = KvCacheConfig::new(2, 1, 8, 4, 3, KvDtype::F32).unwrap();

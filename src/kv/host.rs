@@ -11,8 +11,9 @@ use super::layout::KvCacheConfig;
 use crate::error::KvError;
 
 /// Alignment of host KV storage: a page, so that a CUDA host registration (pinning) of a
-/// [`SwapSpace`] covers whole pages, and every block run starts at least 64-byte aligned when
-/// `bytes_per_block` is a multiple of 64.
+/// [`SwapSpace`] starts on a page, and every block run starts at least 64-byte aligned when
+/// the page stride ([`KvCacheConfig::page_bytes`]; `bytes_per_block` when dense) is a multiple
+/// of 64.
 pub const HOST_ALIGN: usize = 4096;
 
 /// An owned, zero-initialised, [`HOST_ALIGN`]-aligned byte buffer.
@@ -108,7 +109,9 @@ impl HostKvCache {
     /// Allocates a zeroed cache of `config.total_bytes()` bytes, [`HOST_ALIGN`]-aligned.
     ///
     /// # Errors
-    /// [`KvError::AllocFailed`] if the allocator refuses.
+    /// [`KvError::SizeOverflow`] if the size rounded up to [`HOST_ALIGN`] overflows `isize`
+    /// (a geometry within 4 KiB of `isize::MAX`), [`KvError::AllocFailed`] if the allocator
+    /// refuses.
     pub fn new(config: KvCacheConfig) -> Result<Self, KvError> {
         let buf = AlignedBuf::zeroed(config.total_bytes())?;
         Ok(Self { config, buf })
@@ -196,7 +199,7 @@ impl SwapSpace {
     /// Allocates a zeroed swap space of `num_blocks` blocks shaped like `cache_config`'s.
     ///
     /// # Errors
-    /// As [`KvCacheConfig::new`] for the resized geometry, or [`KvError::AllocFailed`].
+    /// As [`KvCacheConfig::new`] for the resized geometry, or as [`HostKvCache::new`].
     pub fn new(cache_config: &KvCacheConfig, num_blocks: usize) -> Result<Self, KvError> {
         let config = cache_config.with_num_blocks(num_blocks)?;
         Ok(Self {
@@ -403,8 +406,8 @@ impl<'a, T: KvElem> KvCacheViewMut<'a, T> {
 /// [`KvCacheView::layer`]) carry that borrow's lifetime; views of an arena come from the
 /// `unsafe` [`ArenaView`](super::ArenaView) accessors, whose callers promise page ownership.
 ///
-/// Invariant: `ptr` is valid for reads of `len = config.total_elems()` elements of `T` for
-/// `'a`, and no element this view reads is written by anyone else during `'a`.
+/// Invariant: `ptr` is aligned and valid for reads of `len = config.total_elems()` elements of
+/// `T` for `'a`, and no element this view reads is written by anyone else during `'a`.
 ///
 /// [`KvArena`]: crate::kv::KvArena
 #[derive(Debug, Clone, Copy)]
@@ -426,7 +429,8 @@ impl<'a, T: KvElem> LayerKv<'a, T> {
     /// A view of layer `layer` of the cache at `ptr`.
     ///
     /// # Errors
-    /// [`KvError::DtypeMismatch`], [`KvError::LayerOutOfRange`].
+    /// [`KvError::DtypeMismatch`], [`KvError::LayerOutOfRange`], [`KvError::BaseMisaligned`]
+    /// if `ptr` is not aligned for `T` (a valid pointer need not be; the view's slices must).
     ///
     /// # Safety
     /// `ptr` must be valid for reads of `config.total_elems()` elements for `'a`, and no one
@@ -439,6 +443,7 @@ impl<'a, T: KvElem> LayerKv<'a, T> {
     ) -> Result<Self, KvError> {
         check_dtype::<T>(config.dtype())?;
         check_layer(layer, config)?;
+        check_aligned(ptr)?;
         Ok(Self {
             config: *config,
             ptr,
@@ -470,8 +475,8 @@ impl<'a, T: KvElem> LayerKv<'a, T> {
             offset.checked_add(n).is_some_and(|e| e <= self.len),
             "KV read out of range"
         );
-        // SAFETY: `offset + n <= len` (checked), and `ptr` is valid for reads of `len` elements
-        // for `'a` with nothing writing what this view reads (type invariant).
+        // SAFETY: `offset + n <= len` (checked), and `ptr` is aligned and valid for reads of
+        // `len` elements for `'a` with nothing writing what this view reads (type invariant).
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset), n) }
     }
 }
@@ -479,8 +484,8 @@ impl<'a, T: KvElem> LayerKv<'a, T> {
 /// One layer of a paged cache, mutable: what `reshape_and_cache` writes. A raw base pointer
 /// for the same reason as [`LayerKv`]; references are formed one token row at a time.
 ///
-/// Invariant: `ptr` is valid for reads and writes of `len = config.total_elems()` elements for
-/// `'a`, and no one else accesses an element this view writes during `'a`.
+/// Invariant: `ptr` is aligned and valid for reads and writes of `len = config.total_elems()`
+/// elements for `'a`, and no one else accesses an element this view writes during `'a`.
 #[derive(Debug)]
 pub struct LayerKvMut<'a, T> {
     config: KvCacheConfig,
@@ -498,7 +503,7 @@ impl<'a, T: KvElem> LayerKvMut<'a, T> {
     /// A mutable view of layer `layer` of the cache at `ptr`.
     ///
     /// # Errors
-    /// [`KvError::DtypeMismatch`], [`KvError::LayerOutOfRange`].
+    /// As [`LayerKv::from_raw`].
     ///
     /// # Safety
     /// `ptr` must be valid for reads and writes of `config.total_elems()` elements for `'a`,
@@ -511,6 +516,7 @@ impl<'a, T: KvElem> LayerKvMut<'a, T> {
     ) -> Result<Self, KvError> {
         check_dtype::<T>(config.dtype())?;
         check_layer(layer, config)?;
+        check_aligned(ptr)?;
         Ok(Self {
             config: *config,
             ptr,
@@ -540,9 +546,9 @@ impl<'a, T: KvElem> LayerKvMut<'a, T> {
             offset.checked_add(src.len()).is_some_and(|e| e <= self.len),
             "KV write out of range"
         );
-        // SAFETY: the destination is inside the `len` elements `ptr` is valid for (checked);
-        // no one else accesses it (type invariant) and `src` is a distinct borrow (a `&[T]`
-        // cannot alias memory this view alone may access).
+        // SAFETY: the destination is inside the `len` aligned elements `ptr` is valid for
+        // (checked); no one else accesses it (type invariant) and `src` is a distinct borrow (a
+        // `&[T]` cannot alias memory this view alone may access).
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len())
         }
@@ -573,7 +579,8 @@ pub struct BlockRun {
 
 /// Merges a `(src, dst)` block mapping, in order, into runs: consecutive pairs `(s, d)`,
 /// `(s+1, d+1)`, ... become one [`BlockRun`]. With the layout's block-outermost order each run
-/// is one contiguous copy of `len * bytes_per_block` bytes on both sides. Pairs are not
+/// is one contiguous copy on both sides of equal page stride: `(len - 1) * page_bytes +
+/// bytes_per_block` bytes (`len * bytes_per_block` when dense). Pairs are not
 /// reordered (the caller, typically the block pool, already hands out neighbouring blocks).
 pub fn coalesce_block_runs(pairs: &[(u32, u32)]) -> impl Iterator<Item = BlockRun> + '_ {
     let mut i = 0;
@@ -729,6 +736,18 @@ fn check_len(what: &'static str, expected: usize, found: usize) -> Result<(), Kv
             what,
             expected,
             found,
+        });
+    }
+    Ok(())
+}
+
+/// Refuses a raw base that is not aligned for `T`: the views turn it into `&[T]` (`head`) and
+/// `copy_nonoverlapping` targets (`write`), both of which require alignment that a pointer
+/// "valid for reads" does not promise.
+fn check_aligned<T>(ptr: NonNull<T>) -> Result<(), KvError> {
+    if !ptr.as_ptr().is_aligned() {
+        return Err(KvError::BaseMisaligned {
+            align: std::mem::align_of::<T>(),
         });
     }
     Ok(())

@@ -196,11 +196,11 @@ impl KvCacheConfig {
     }
 
     /// The same geometry with another block count (a swap space sized for `num_blocks` blocks of
-    /// this cache's shape).
+    /// this cache's shape). The result is densely packed (its page stride is the block size)
+    /// whatever this one's is.
     ///
     /// # Errors
     /// As [`new`](Self::new).
-    /// The result is densely packed (its page stride is the block size) whatever this one's is.
     pub fn with_num_blocks(&self, num_blocks: usize) -> Result<Self, KvError> {
         Self::new(
             self.num_layers,

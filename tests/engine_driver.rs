@@ -3,6 +3,7 @@
 //! every step is checked; per-step results against the final outputs; caller finish reasons;
 //! no page or budget leaked.
 
+use pagedkv::block::EngineId;
 use pagedkv::budget::BudgetConfig;
 use pagedkv::engine::{
     Engine, EngineConfig, HostBackend, KvBackend, LayerQkv, RecomputePolicy, SharedArena, StepModel,
@@ -562,6 +563,31 @@ fn commit_before_execute_is_refused_and_changes_nothing() {
     assert_eq!(engine.batcher().stats(), stats);
     engine.execute(model).unwrap();
     engine.commit(model).unwrap();
+    assert_eq!(engine.results().updates.len(), 1);
+}
+
+/// A step is committed once: a second commit (of the same batch, before the next schedule)
+/// is refused like a commit before execute. It was accepted: the model was asked to sample
+/// again and the step's report came back a second time (a caller summing reports counted the
+/// step's tokens, sheds and donation twice), and the policy's recompute ran again.
+#[test]
+fn a_second_commit_of_a_step_is_refused_and_changes_nothing() {
+    let (_shared, mut engines) = build(64, PreemptionMode::Recompute);
+    add(&mut engines[0], request(1, 8, 4));
+    let (engine, model) = &mut engines[0];
+    while engine.schedule().is_empty() {
+        engine.execute(model).unwrap();
+        engine.commit(model).unwrap();
+    }
+    engine.execute(model).unwrap();
+    let report = engine.commit(model).unwrap();
+    assert_eq!(report.sampled, 1);
+    let (stats, results) = (engine.batcher().stats(), engine.results().clone());
+    let again = engine.commit(model);
+    assert!(again.is_err(), "a second commit was accepted: {again:?}");
+    assert_eq!(engine.batcher().stats(), stats);
+    assert_eq!(engine.results(), &results);
+    engine.step(model).unwrap();
     assert_eq!(engine.results().updates.len(), 1);
 }
 
@@ -1716,6 +1742,40 @@ impl StepModel<HostBackend<f32>> for Faulty {
     }
 }
 
+/// The coordinator's counters agree with what the engine holds after each of its steps: its
+/// pages (without a prefix cache, whose cached-free pages an engine owns but is not charged
+/// for, exactly), the device's tokens (every engine's grant), nothing held by an idle engine,
+/// and after a failed step no more than its share (what it borrowed goes back, as at a commit).
+fn assert_books(shared: &SharedArena, engine: &Engine<HostBackend<f32>>, failed: bool, seed: u64) {
+    let (c, pool, id) = (shared.coordinator(), shared.pool(), engine.id());
+    let held = u64::from(pool.held(id));
+    if shared.prefix_cache().is_none() {
+        assert_eq!(held, c.blocks_held(id), "seed {seed}: pages");
+    } else {
+        assert!(held >= c.blocks_held(id), "seed {seed}: pages");
+    }
+    let engines = c.config().max_engines;
+    let granted: u64 = (0..engines).map(|k| c.tokens_granted(EngineId(k))).sum();
+    assert_eq!(granted, c.tokens_in_use(), "seed {seed}: tokens");
+    assert!(c.tokens_in_use() <= u64::from(c.config().tokens_per_step));
+    if !engine.has_work() {
+        assert!(!c.is_active(id), "seed {seed}: an idle engine is active");
+        assert_eq!(
+            c.tokens_granted(id),
+            0,
+            "seed {seed}: an idle engine holds tokens"
+        );
+    }
+    if failed {
+        assert!(
+            c.tokens_granted(id) <= u64::from(c.token_share(id)),
+            "seed {seed}: a failed step holds {} tokens, its share is {}",
+            c.tokens_granted(id),
+            c.token_share(id)
+        );
+    }
+}
+
 /// One random workload of every feature at once on two engines of one arena: priorities, EOS
 /// and stop sequences (some reached inside a row of accepted drafts), drafts right and wrong,
 /// aborts and caller finishes, the prefix cache, swap or recompute preemption on a small
@@ -1853,6 +1913,7 @@ fn run_everything(seed: u64) {
             };
             model.fail_attend = false;
             model.fail_sample = false;
+            assert_books(&shared, engine, r.is_err(), seed);
             if r.is_err() {
                 assert!(fail <= 1, "seed {seed}: uninjected failure {r:?}");
                 continue;

@@ -15,8 +15,10 @@ use std::mem::ManuallyDrop;
 /// When an engine recomputes the coordinator's budgets itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecomputePolicy {
-    /// Recompute after a commit when registrations, weights or activity changed (one load
-    /// when nothing did).
+    /// Recompute at the start of each step (after reporting the engine active, so that its
+    /// first step after `add` gets tokens) and after each commit, when the coordinator's inputs
+    /// changed: registrations, weights, activity or a published token demand (one load when
+    /// nothing did).
     pub when_dirty: bool,
     /// Also recompute every this many steps (0: never), which refreshes what idle engines can
     /// lend as holdings change.
@@ -29,8 +31,9 @@ impl RecomputePolicy {
         when_dirty: true,
         every_steps: 8,
     };
-    /// Engines never recompute; the caller does (e.g. once per simulated step, for a
-    /// deterministic simulation).
+    /// Engines never recompute at their steps; the caller does (e.g. once per simulated step,
+    /// for a deterministic simulation). Building and dropping an engine still publish (the
+    /// coordinator's registration and deregistration do).
     pub const CALLER: Self = Self {
         when_dirty: false,
         every_steps: 0,
@@ -481,6 +484,11 @@ impl<B: KvBackend> Engine<B> {
             &mut self.pairs,
         );
         self.exec_failed = stats.is_err();
+        if self.exec_failed {
+            // The batch will not run again: what the step borrowed goes back now, as at a
+            // commit, not at whatever later step the caller schedules.
+            self.batcher.step_failed();
+        }
         let stats = stats?;
         self.executed = true;
         self.report.exec = stats;
@@ -488,22 +496,38 @@ impl<B: KvBackend> Engine<B> {
     }
 
     /// Samples with `model`, commits the step, publishes this engine's preemptible load and
-    /// recomputes budgets as the policy says. Refused (nothing applied) if the batch was not
-    /// executed.
+    /// recomputes budgets as the policy says. Refused (nothing applied, the model not called)
+    /// if the batch was not executed, or if this step was committed already (once per
+    /// [`schedule`](Self::schedule): a second commit would report the step twice).
     pub fn commit<M: StepModel<B> + ?Sized>(
         &mut self,
         model: &mut M,
     ) -> Result<StepReport, EngineError> {
+        if self.committed {
+            return Err(EngineError::InvalidConfig(
+                "the step was committed already: schedule the next".into(),
+            ));
+        }
         if !self.executed {
             return Err(EngineError::InvalidConfig(
                 "commit before the scheduled batch was executed".into(),
             ));
         }
         self.sampled.clear();
-        model.sample(self.batcher.batch(), &mut self.sampled)?;
+        let committed = model
+            .sample(self.batcher.batch(), &mut self.sampled)
+            .and_then(|()| {
+                self.batcher
+                    .commit_with_updates(&self.sampled, &mut self.finished, &mut self.results)
+                    .map_err(EngineError::from)
+            });
+        if let Err(e) = committed {
+            // Nothing was applied and the caller schedules again (discarding the batch): what
+            // the step borrowed goes back now, as at a successful commit.
+            self.batcher.step_failed();
+            return Err(e);
+        }
         self.report.sampled = self.sampled.len() as u32;
-        self.batcher
-            .commit_with_updates(&self.sampled, &mut self.finished, &mut self.results)?;
         self.committed = true;
         let coordinator = self.shared.coordinator();
         match self.batcher.preemptible_load() {
@@ -524,7 +548,9 @@ impl<B: KvBackend> Engine<B> {
     ///
     /// On an error nothing of the batch is committed and the engine is not poisoned: abort the
     /// sequence at fault (a step that fails for its input fails again) and step again; that
-    /// step discards the failed batch and reports the sequences that ended at its start.
+    /// step discards the failed batch and reports the sequences that ended at its start. The
+    /// tokens the failed step holds above the engine's share (lent by other engines) go back
+    /// at the failure, as at a commit; the rest, its pages and its sequences stay until then.
     pub fn step<M: StepModel<B> + ?Sized>(
         &mut self,
         model: &mut M,

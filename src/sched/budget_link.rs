@@ -92,9 +92,12 @@ impl EngineBudget for EngineShare {
     }
 
     /// What a step holds above the engine's share was lent by engines whose demand was low; it
-    /// goes back once the batch has run, so that a lender whose work grew gets its share at
-    /// its next schedule, not only after this engine's next one. Up to the share, the step's
-    /// tokens stay held until the next schedule (the engine's guarantee between its steps).
+    /// goes back once the batch has run (or failed: [`Batcher::step_failed`]), so that a lender
+    /// whose work grew gets its share at its next schedule, not only after this engine's next
+    /// one. Up to the share, the step's tokens stay held until the next schedule (the engine's
+    /// guarantee between its steps).
+    ///
+    /// [`Batcher::step_failed`]: super::Batcher::step_failed
     fn step_ran(&self) {
         let c = &self.coordinator;
         let held = c.tokens_granted(self.engine);

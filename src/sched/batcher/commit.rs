@@ -33,6 +33,18 @@ impl Batcher {
         self.commit_inner(sampled, finished, Some(results))
     }
 
+    /// Tells the attached budget that the scheduled batch ended without a commit: its execution
+    /// or its sampling failed, and the caller will schedule again (which discards the batch).
+    /// The batch stays pending; only the tokens the step holds above the engine's share go back
+    /// now ([`EngineBudget::step_ran`](super::EngineBudget::step_ran)), as a commit would give
+    /// them back: the engines they were lent by would otherwise wait for this engine's next
+    /// schedule, however late its caller makes it. Harmless when repeated.
+    pub fn step_failed(&self) {
+        if let Some(b) = &self.budget {
+            b.step_ran();
+        }
+    }
+
     fn commit_inner(
         &mut self,
         sampled: &[u32],

@@ -75,7 +75,8 @@ pub trait EngineBudget: Send + Sync {
     fn record_step(&self, tokens: u32, demand: u32) {
         let _ = (tokens, demand);
     }
-    /// Reports that the step's batch has run (its commit). Tokens held above the engine's
+    /// Reports that the step's batch has run (its commit), or ended without a commit (its
+    /// execution or sampling failed: [`Batcher::step_failed`]). Tokens held above the engine's
     /// guaranteed share may go back here rather than at the next schedule, so that an engine
     /// they were lent from does not wait for this one's next step to get them.
     fn step_ran(&self) {}

@@ -1,6 +1,7 @@
 //! Eviction choices the broader prefix tests do not pin down: `MostOverShare`'s tie-breaks, the
 //! figures `evict_by` updates between pages and its bound on what it takes per engine, the
-//! CLOCK bit of a page in use, a request of exactly the pool's size, and `clear_engine`.
+//! CLOCK bit of a page in use, a request of exactly the pool's size, `clear_engine` and
+//! `purge_engine`.
 
 use std::sync::Arc;
 
@@ -189,4 +190,30 @@ fn clear_engine_leaves_other_engines_pages() {
     );
     assert!(a.iter().all(|&id| cache.is_cached(id)));
     assert_eq!(hit(&cache, 0, 1).map(|id| id.index()), Some(a[1].index()));
+}
+
+/// `purge_engine` uncaches every page of that engine, those a holder still holds too (for an
+/// engine id whose engine left: another model may take it), and no other engine's; a held
+/// page is freed when its holder lets go.
+#[test]
+fn purge_engine_takes_held_pages_too() {
+    let (pool, cache) = setup(8, 2);
+    let a: Vec<BlockId> = (0..2).map(|i| one_block(&cache, 0, i)).collect();
+    let b: Vec<BlockId> = (0..3).map(|i| one_block(&cache, 1, i)).collect();
+    // One of engine 1's pages stays held (a router's lookup, say); the others are cached-free.
+    pool.free_n(&b[1..]).unwrap();
+    assert_eq!(cache.purge_engine(EngineId(1)), 3);
+    assert_eq!(
+        (cache.cached(EngineId(0)), cache.cached(EngineId(1))),
+        (2, 0)
+    );
+    assert!(!cache.is_cached(b[0]));
+    assert_eq!(hit(&cache, 1, 0), None, "a held page is still found");
+    assert_eq!(pool.ref_count(b[0]), Ok(1), "the holder's reference only");
+    pool.release(b[0]).unwrap();
+    assert!(a.iter().all(|&id| cache.is_cached(id)));
+    assert_eq!(cache.purge_engine(EngineId(5)), 0, "an unknown engine");
+    pool.free_n(&a).unwrap();
+    assert_eq!(cache.clear(), 2);
+    assert_eq!(pool.free_count(), 8);
 }

@@ -1430,6 +1430,49 @@ fn an_engine_id_registered_again_finds_none_of_the_old_models_kv() {
     assert_eq!(p.free_count(), 16);
 }
 
+/// The same, with the router still holding the old model's pages when the new engine on the
+/// id attaches the cache and looks its first prompt up: those pages must not be found either.
+/// (Both the old engine's drop and the new attach uncached only pages no one else held, so the
+/// router's reference kept them cached under the id, and the new model's first request was
+/// served the old model's KV.)
+#[test]
+fn an_engine_id_registered_again_ignores_old_pages_a_holder_still_holds() {
+    let p = pool(16);
+    let cache = Arc::new(PrefixCache::new(p.clone(), PrefixConfig { seed: Some(5) }));
+    let prompt: Vec<u32> = (1..=9).collect();
+    let mut old = Batcher::new(config(), p.clone()).unwrap();
+    old.attach_prefix_cache(cache.clone()).unwrap();
+    old.add(req(1, prompt.clone(), 2)).unwrap();
+    assert_eq!(drive(&mut old, 50).len(), 1);
+    let key = PrefixKey {
+        engine: EngineId(0),
+        adapter: 0,
+        salt: 0,
+        block_tokens: BS,
+    };
+    let mut held = Vec::new();
+    assert_eq!(cache.lookup(&key, &prompt, &mut held).unwrap().blocks, 2);
+    drop(old);
+    // Another model on the same id, same block size, same tokens, while the router holds on.
+    let mut new = Batcher::new(config(), p.clone()).unwrap();
+    new.attach_prefix_cache(cache.clone()).unwrap();
+    assert_eq!(
+        cache.cached(EngineId(0)),
+        0,
+        "the old model's pages are still cached"
+    );
+    new.add(req(2, prompt.clone(), 2)).unwrap();
+    let mut fin = Vec::new();
+    let n = new.schedule_into(&mut fin).num_tokens();
+    assert_eq!(n, prompt.len(), "the new model computes its whole prompt");
+    // The router's references outlive the cache's: the pages go when it lets go.
+    for id in held {
+        p.release(id).unwrap();
+    }
+    drop(new);
+    assert_eq!(p.free_count(), 16);
+}
+
 /// Swap slots past `MAX_BLOCKS` are refused: no host swap space holds more (`SwapSpace`, the
 /// raw backend's, the pinned one all refuse them), and the batcher listed every slot up front,
 /// 4 bytes each: `swap_blocks: u32::MAX` (a caller's "unlimited") allocated 16 GiB in `new`.

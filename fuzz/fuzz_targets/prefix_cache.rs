@@ -1,7 +1,7 @@
 //! Fuzz the prefix cache with arbitrary operation sequences: lookups (any key, any tokens, zero
 //! block sizes, unknown engines), inserts of held, raw and foreign ids under arbitrary hashes,
-//! forgets, evictions by engine and by share, allocation with eviction, clears. Every call
-//! either succeeds or returns a typed error with the pool unchanged; after every step each
+//! forgets, evictions by engine and by share, allocation with eviction, clears, purges. Every
+//! call either succeeds or returns a typed error with the pool unchanged; after every step each
 //! page's reference count is its holders' plus one if cached, and nothing leaks at the end.
 //! A model of what is cached (each `Inserted` page under its engine and token prefix, dropped
 //! once the page leaves the cache) checks every lookup's pages: exactly the longest chain of
@@ -62,6 +62,8 @@ enum Op {
     EvictBy(u8, Vec<(u8, u8, u8, u8)>),
     AllocEvicting(u8, u8, Vec<u8>),
     Clear,
+    /// `purge_engine`: every page of the engine leaves, held ones too.
+    Purge(u8),
 }
 
 fuzz_target!(|input: Input| {
@@ -277,6 +279,13 @@ fuzz_target!(|input: Input| {
                 held.sort_unstable();
                 held.dedup();
                 assert_eq!(cache.cached_total() as usize, held.len());
+            }
+            Op::Purge(e) => {
+                let e = EngineId(u16::from(e));
+                let before = cache.cached(e);
+                assert_eq!(cache.purge_engine(e), before);
+                assert_eq!(cache.cached(e), 0);
+                assert!(refs.iter().all(|id| !cache.is_cached(*id) || pool.owner(*id) != Ok(e)));
             }
             _ => {}
         }

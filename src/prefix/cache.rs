@@ -3,13 +3,13 @@
 use std::ops::ControlFlow;
 
 use crate::block::{BlockId, BlockPool, EngineId};
-use crate::sync::{fence, Arc, CachePadded, Ordering};
+use crate::sync::{fence, Arc, Backoff, CachePadded, Ordering};
 
 use super::error::PrefixError;
 use super::hash::{BlockHash, BlockHasher, PrefixKey};
 use super::index::SlotTable;
 use super::metrics::{bump, bump_removal, CacheEvent, EngineCounters, EventSink, PrefixMetrics};
-use super::record::{generation, phase, Busy, PageRecord, Snapshot, CACHED, EVICTING};
+use super::record::{generation, phase, Busy, PageRecord, Snapshot, CACHED, EVICTING, VACANT};
 
 /// How a cache is built.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -515,6 +515,45 @@ impl PrefixCache {
     /// another model whose lookups must not find these pages.
     pub fn clear_engine(&self, engine: EngineId) -> u32 {
         self.clear_where(|e| e == engine)
+    }
+
+    /// Removes every page cached for `engine`, *including* pages others hold (their holders
+    /// keep their own references; such a page is freed when the last of them lets go). Returns
+    /// how many were removed. For an engine id whose engine has left, before the id serves
+    /// another model: the keys hold the engine id, not the model, so a page that merely stayed
+    /// cached because a router's [`lookup`](Self::lookup) held it at the wrong instant would
+    /// hand the old model's KV to the next one. Not for an engine that still runs: its budget
+    /// counts the pages its sequences hold by whether the cache holds them too
+    /// ([`clear_engine`](Self::clear_engine) is the one for that).
+    ///
+    /// A page whose record another thread owns at that instant (an eviction checking it, a
+    /// forget) is waited for, with backoff, until its owner ends or republishes: those owners
+    /// never wait themselves, so this takes a bounded number of their steps.
+    pub fn purge_engine(&self, engine: EngineId) -> u32 {
+        let Ok(counters) = self.check_engine(engine) else {
+            return 0;
+        };
+        let mut n = 0;
+        for (page, rec) in self.records.iter().enumerate() {
+            let backoff = Backoff::new();
+            loop {
+                let removed = match rec.read() {
+                    Some(s) if s.engine == engine => self.uncache(page, s).is_some(),
+                    Some(_) => break,
+                    // Not cached; or a snapshot torn by a change, or an owner at work: look
+                    // again once it is done.
+                    None if phase(rec.state()) == VACANT => break,
+                    None => false,
+                };
+                if removed {
+                    bump_removal(&counters.evictions);
+                    n += 1;
+                    break;
+                }
+                backoff.snooze();
+            }
+        }
+        n
     }
 
     fn clear_where(&self, of: impl Fn(EngineId) -> bool) -> u32 {

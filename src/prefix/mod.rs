@@ -14,6 +14,8 @@
 //!   taken first from the engine most over its weighted share ([`evict`] module docs);
 //!   [`PrefixCache::reclaimable`] counts what eviction could free, for the budget to lend;
 //! - **forget** ([`PrefixCache::forget`]): before a page that may be cached is rewritten.
+//! - **purge** ([`PrefixCache::purge_engine`]): every page of an engine id whose engine left,
+//!   held ones too, so that another model registered on the id never hits them.
 //!
 //! # Concurrency
 //!
@@ -33,7 +35,10 @@
 //! is lock-free, and wait-free apart from those retries. It never waits for a writer: a page
 //! whose record is `BUSY` or `EVICTING` counts as a miss. Inserts and removals never wait
 //! either (a record another writer owns makes them give up on that page); an eviction sweep is
-//! bounded by two laps.
+//! bounded by two laps. The one exception is [`PrefixCache::purge_engine`], for an engine id
+//! whose engine has left: it must not give up on a page, so it waits (with backoff) for a
+//! record's owner to finish, a bounded number of that owner's steps; it is not lock-free, and
+//! runs only when a batcher is dropped or starts reusing the cache.
 //!
 //! **No stale hit.** A lookup returns a page only if, *after* taking its pool reference
 //! (with the generation its snapshot of the record named), the record still holds the same

@@ -1,8 +1,8 @@
 //! loom models of the prefix cache's index protocol: a lookup (seqlock read of the page record,
 //! `share` at the record's generation, re-check of the record) racing forget-and-rewrite,
-//! eviction-and-reallocation, and inserts. A per-page atomic `content` stands for the page's KV:
-//! writers change it only while they hold the page's only reference, and a lookup that returns
-//! a page must find the content of the hash it asked for.
+//! eviction-and-reallocation, and inserts; a purge racing an eviction. A per-page atomic
+//! `content` stands for the page's KV: writers change it only while they hold the page's only
+//! reference, and a lookup that returns a page must find the content of the hash it asked for.
 
 use loom::sync::atomic::{AtomicU64, Ordering};
 use loom::sync::Arc;
@@ -554,4 +554,40 @@ fn a_metrics_snapshot_never_reads_more_removals_than_inserts() {
         forgetter.join().unwrap();
         w.pool.release(id).unwrap();
     });
+}
+
+/// `purge_engine` racing an eviction of a page its caller holds (a router that looked it up
+/// as the engine left): the eviction takes the record (`EVICTING`) after a first count of 1,
+/// then sees the lookup's reference and puts the page back. A purge that met the record owned
+/// and moved on left the page cached under the engine id, for the next model on it to hit; it
+/// must wait for the owner and then remove the page. Needs a preemption bound of 3 (the
+/// eviction is preempted between its first count and taking the record, and again before it
+/// puts the page back), set here.
+#[test]
+fn a_purge_racing_an_eviction_still_removes_a_held_page() {
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(3);
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = runs.clone();
+    builder.check(move || {
+        counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let w = world(1, true);
+        let id = cached_old(&w);
+        w.pool.release(id).unwrap(); // cached-free
+        let evictor = {
+            let cache = w.cache.clone();
+            thread::spawn(move || cache.evict(EngineId(0), 1).unwrap())
+        };
+        let mut held = Vec::new();
+        w.cache.lookup(&KEY, &OLD, &mut held).unwrap();
+        w.cache.purge_engine(EngineId(0));
+        evictor.join().unwrap();
+        assert_eq!(w.cache.cached(EngineId(0)), 0, "the purge missed the page");
+        for hit in held {
+            assert!(!w.cache.is_cached(hit));
+            w.pool.release(hit).unwrap();
+        }
+        assert_eq!(w.pool.free_count(), 1);
+    });
+    assert!(runs.load(std::sync::atomic::Ordering::Relaxed) > 1);
 }

@@ -661,7 +661,8 @@ impl Drop for Batcher {
         // This engine's cached pages leave with it: its id may be registered again for
         // another model, whose lookups would otherwise find them (keys hold the engine id).
         if let Some(link) = &self.prefix {
-            link.cache.clear_engine(self.cfg.engine);
+            // Those another holder (a router's lookup) holds too: the tables went above.
+            link.cache.purge_engine(self.cfg.engine);
         }
     }
 }

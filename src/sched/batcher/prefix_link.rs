@@ -16,7 +16,8 @@
 //! belongs to this batcher (its tables and pending swap-outs, all on this thread) or to the
 //! cache, and the cache's reference only ever goes from pages no sequence holds (eviction and
 //! [`PrefixCache::clear`] skip a page with a second reference; only the cache's drop, when no
-//! batcher is left, takes it from pages in use).
+//! batcher is left, and [`PrefixCache::purge_engine`], when this engine's batcher is gone or
+//! not yet reusing, take it from pages in use).
 
 use super::Batcher;
 use crate::block::BlockId;
@@ -42,10 +43,11 @@ impl Batcher {
     /// Attaching the cache already attached again does nothing (or, if it was attached for
     /// eviction only, turns its reuse on).
     ///
-    /// When reuse begins, pages cached under this batcher's engine id that no one holds are
-    /// uncached: they are the id's previous engine's (another model, perhaps), left by a
-    /// holder such as a router's [`lookup`](PrefixCache::lookup) when that engine's drop
-    /// uncached its pages. A page such a holder still holds at this call stays cached.
+    /// When reuse begins, every page cached under this batcher's engine id is uncached: they
+    /// are the id's previous engine's (another model, perhaps), kept past that engine's drop
+    /// by a holder such as a router's [`lookup`](PrefixCache::lookup). A page such a holder
+    /// still holds is uncached too ([`PrefixCache::purge_engine`]; the holder keeps its own
+    /// reference): the keys cannot tell the two models apart, so it would be a wrong hit.
     ///
     /// # Errors
     /// [`SchedError::InvalidConfig`](crate::error::SchedError::InvalidConfig) if the cache
@@ -93,7 +95,8 @@ impl Batcher {
                 // Reuse only ever switches on: pages this batcher's sequences hold are then
                 // cached as they complete, and leave its budget as any cached page does.
                 if reuse && !link.reuse {
-                    link.cache.clear_engine(self.cfg.engine);
+                    // Eviction only, nothing of this batcher's is cached: see below.
+                    link.cache.purge_engine(self.cfg.engine);
                 }
                 link.reuse |= reuse;
                 return Ok(());
@@ -104,10 +107,10 @@ impl Batcher {
         }
         if reuse {
             // Pages cached for this id before this batcher reused the cache are another
-            // model's (the id's previous engine): its drop uncached those no one else held,
-            // and these are the ones a holder (a router's lookup) kept past it. Pages still
-            // held right now stay; the hash keys cannot tell the two models apart.
-            cache.clear_engine(self.cfg.engine);
+            // model's (the id's previous engine), even those a holder (a router's lookup)
+            // still holds: the hash keys cannot tell the two models apart. None of this
+            // batcher's sequences holds one (it never looked up), so its budget is unaffected.
+            cache.purge_engine(self.cfg.engine);
         }
         self.prefix = Some(PrefixLink { cache, reuse });
         Ok(())

@@ -548,16 +548,21 @@ fn max_context_is_enforced_in_tokens() {
     }
 }
 
+/// Steps until a schedule has rows (the first steps may be empty until the coordinator has
+/// seen the engine active); that batch is left scheduled, not executed.
+fn schedule_first_rows(engine: &mut Engine<HostBackend<f32>>, model: &mut ClosedForm) {
+    while engine.schedule().is_empty() {
+        engine.execute(model).unwrap();
+        engine.commit(model).unwrap();
+    }
+}
+
 #[test]
 fn commit_before_execute_is_refused_and_changes_nothing() {
     let (_shared, mut engines) = build(64, PreemptionMode::Recompute);
     add(&mut engines[0], request(1, 8, 4));
     let (engine, model) = &mut engines[0];
-    // The first steps may be empty until the coordinator has seen the engine active.
-    while engine.schedule().is_empty() {
-        engine.execute(model).unwrap();
-        engine.commit(model).unwrap();
-    }
+    schedule_first_rows(engine, model);
     let stats = engine.batcher().stats();
     assert!(engine.commit(model).is_err());
     assert_eq!(engine.batcher().stats(), stats);
@@ -575,10 +580,7 @@ fn a_second_commit_of_a_step_is_refused_and_changes_nothing() {
     let (_shared, mut engines) = build(64, PreemptionMode::Recompute);
     add(&mut engines[0], request(1, 8, 4));
     let (engine, model) = &mut engines[0];
-    while engine.schedule().is_empty() {
-        engine.execute(model).unwrap();
-        engine.commit(model).unwrap();
-    }
+    schedule_first_rows(engine, model);
     engine.execute(model).unwrap();
     let report = engine.commit(model).unwrap();
     assert_eq!(report.sampled, 1);

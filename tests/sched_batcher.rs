@@ -1385,58 +1385,12 @@ fn sequences_a_discarded_batch_recomputes_come_back_oldest_first() {
     assert_eq!(p.free_count(), 16);
 }
 
-/// An engine id registered again after its engine left (another model) finds none of the old
-/// model's KV: a page the old engine's drop could not uncache (a router's `lookup` held it at
-/// that instant) is uncached when the next batcher on the id attaches the cache. (It stayed
-/// cached under the id, and the new model's first request with the same tokens was served the
-/// old model's KV.)
-#[test]
-fn an_engine_id_registered_again_finds_none_of_the_old_models_kv() {
-    let p = pool(16);
-    let cache = Arc::new(PrefixCache::new(p.clone(), PrefixConfig { seed: Some(5) }));
-    let prompt: Vec<u32> = (1..=9).collect();
-    let mut old = Batcher::new(config(), p.clone()).unwrap();
-    old.attach_prefix_cache(cache.clone()).unwrap();
-    old.add(req(1, prompt.clone(), 2)).unwrap();
-    let fin = drive(&mut old, 50);
-    assert_eq!(fin.len(), 1);
-    assert_eq!(cache.cached(EngineId(0)), 2, "the prompt's two full blocks");
-    // A router probes the old engine's key and holds the pages while the engine leaves.
-    let key = PrefixKey {
-        engine: EngineId(0),
-        adapter: 0,
-        salt: 0,
-        block_tokens: BS,
-    };
-    let mut held = Vec::new();
-    assert_eq!(cache.lookup(&key, &prompt, &mut held).unwrap().blocks, 2);
-    drop(old);
-    for id in held {
-        p.release(id).unwrap();
-    }
-    // Another model on the same id, same block size, same tokens.
-    let mut new = Batcher::new(config(), p.clone()).unwrap();
-    new.attach_prefix_cache(cache.clone()).unwrap();
-    assert_eq!(
-        cache.cached(EngineId(0)),
-        0,
-        "the old model's pages are still cached"
-    );
-    new.add(req(2, prompt.clone(), 2)).unwrap();
-    let mut fin = Vec::new();
-    let n = new.schedule_into(&mut fin).num_tokens();
-    assert_eq!(n, prompt.len(), "the new model computes its whole prompt");
-    drop(new);
-    assert_eq!(p.free_count(), 16);
-}
-
-/// The same, with the router still holding the old model's pages when the new engine on the
-/// id attaches the cache and looks its first prompt up: those pages must not be found either.
-/// (Both the old engine's drop and the new attach uncached only pages no one else held, so the
-/// router's reference kept them cached under the id, and the new model's first request was
-/// served the old model's KV.)
-#[test]
-fn an_engine_id_registered_again_ignores_old_pages_a_holder_still_holds() {
+/// An old model's engine caches a prompt and a router's `lookup` holds its pages; the engine
+/// leaves, and another model registers on the same id (same block size, same tokens). The
+/// router lets go of its pages before the new engine attaches the cache, or only after the new
+/// engine has scheduled. Either way the new model finds none of the old model's KV: it
+/// computes its whole prompt.
+fn engine_id_reused_beside_a_router(router_lets_go_first: bool) {
     let p = pool(16);
     let cache = Arc::new(PrefixCache::new(p.clone(), PrefixConfig { seed: Some(5) }));
     let prompt: Vec<u32> = (1..=9).collect();
@@ -1453,7 +1407,11 @@ fn an_engine_id_registered_again_ignores_old_pages_a_holder_still_holds() {
     let mut held = Vec::new();
     assert_eq!(cache.lookup(&key, &prompt, &mut held).unwrap().blocks, 2);
     drop(old);
-    // Another model on the same id, same block size, same tokens, while the router holds on.
+    if router_lets_go_first {
+        for id in held.drain(..) {
+            p.release(id).unwrap();
+        }
+    }
     let mut new = Batcher::new(config(), p.clone()).unwrap();
     new.attach_prefix_cache(cache.clone()).unwrap();
     assert_eq!(
@@ -1471,6 +1429,22 @@ fn an_engine_id_registered_again_ignores_old_pages_a_holder_still_holds() {
     }
     drop(new);
     assert_eq!(p.free_count(), 16);
+}
+
+/// The router let go before the new engine attached: the old engine's drop could not uncache
+/// those pages (they were held then), so the attach must. (They stayed cached under the id, and
+/// the new model's first request was served the old model's KV.)
+#[test]
+fn an_engine_id_registered_again_finds_none_of_the_old_models_kv() {
+    engine_id_reused_beside_a_router(true);
+}
+
+/// The router still holds the old pages when the new engine attaches and looks its first
+/// prompt up. (Both the old engine's drop and the attach uncached only pages no one else held,
+/// so the router's reference kept them cached under the id.)
+#[test]
+fn an_engine_id_registered_again_ignores_old_pages_a_holder_still_holds() {
+    engine_id_reused_beside_a_router(false);
 }
 
 /// Swap slots past `MAX_BLOCKS` are refused: no host swap space holds more (`SwapSpace`, the

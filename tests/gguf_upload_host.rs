@@ -475,6 +475,36 @@ fn stats_are_cleared_by_an_upload_that_fails_at_its_first_wait_or_copy() {
 }
 
 #[test]
+fn stats_are_cleared_by_an_upload_whose_first_fill_panics() {
+    use pagedkv::gguf::upload::FillStats;
+    // One buffer: the first fill is the only one out, so when its first piece panics no fill
+    // has been queued. The panic reaches the caller; last_stats must then say what an upload
+    // failing before its first fill says (all zero), not the threads it spawned for nothing.
+    let bytes = sweep_file();
+    let g = Gguf::parse(&bytes).expect("parse");
+    for threads in [0, 2] {
+        let config = HostConfig {
+            fault: Some(HostFault {
+                op: HostOp::Fill,
+                call: 0,
+            }),
+            ..HostConfig::default()
+        };
+        let (mut r, probe) = ring_with(1, 128, threads, config);
+        let res = catch_unwind(AssertUnwindSafe(|| r.upload(&g, |_| {})));
+        assert!(
+            res.is_err(),
+            "{threads} threads: the fill's panic reaches the caller"
+        );
+        assert_eq!(r.last_stats(), FillStats::default(), "{threads} threads");
+        // The ring is whole: the next upload is exact and reports its own fills.
+        round_trip(&mut r, &probe, &g);
+        assert!(r.last_stats().fills > 0);
+        drop_clean(r, &probe, "stats after a panicking fill");
+    }
+}
+
+#[test]
 fn panicking_progress_leaves_a_safe_ring() {
     let sizes = sizes_around(100);
     let bytes = file_of_sizes(&sizes, 21);

@@ -139,8 +139,8 @@ impl<E: CopyEngine> StagingRing<E> {
         self.fill_threads
     }
 
-    /// What the last upload's fills did (all zero before the first, or after one that failed
-    /// before its first fill).
+    /// What the last upload's fills did (all zero before the first, or after one that failed,
+    /// or panicked, before its first fill).
     pub fn last_stats(&self) -> FillStats {
         self.stats
     }
@@ -255,6 +255,27 @@ impl<E: CopyEngine> StagingRing<E> {
     fn run(
         &mut self,
         sources: &[&[u8]],
+        planner: Planner,
+        queue: impl FnMut(&mut E, &mut E::Staging, usize, &Piece) -> Result<(), E::Error>,
+        progress: impl FnMut(usize, u64),
+    ) -> Result<(), E::Error> {
+        // A panic (a fill's, resumed on the coordinator, or the progress callback's) ends the
+        // upload as an error does: the stats rule below applies to it before it propagates.
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            self.run_fills(sources, planner, queue, progress)
+        }));
+        // An upload that failed before its first fill was queued reports all zero (as
+        // `last_stats` says), not the fill threads it spawned for nothing.
+        if !matches!(result, Ok(Ok(()))) && self.stats.fills == 0 {
+            self.stats = FillStats::default();
+        }
+        result.unwrap_or_else(|panic| resume_unwind(panic))
+    }
+
+    /// [`StagingRing::run`] without the stats rule for a failed upload.
+    fn run_fills(
+        &mut self,
+        sources: &[&[u8]],
         mut planner: Planner,
         mut queue: impl FnMut(&mut E, &mut E::Staging, usize, &Piece) -> Result<(), E::Error>,
         mut progress: impl FnMut(usize, u64),
@@ -268,7 +289,7 @@ impl<E: CopyEngine> StagingRing<E> {
             ..
         } = self;
         *stats = FillStats::default();
-        let result = std::thread::scope(|scope| {
+        std::thread::scope(|scope| {
             let (done_tx, done_rx) = mpsc::channel::<Done<E::Staging>>();
             let mut jobs = Vec::with_capacity(threads);
             for attempt in 0..threads {
@@ -320,13 +341,7 @@ impl<E: CopyEngine> StagingRing<E> {
             )
             // `fleet` drops here, before the scope joins the fill threads: it takes back every
             // buffer still out and closes the job channels, so the threads exit.
-        });
-        // An upload that failed before its first fill was queued reports all zero (as
-        // `last_stats` says), not the fill threads it spawned for nothing.
-        if result.is_err() && self.stats.fills == 0 {
-            self.stats = FillStats::default();
-        }
-        result
+        })
     }
 }
 

@@ -324,6 +324,14 @@ where
         preempted > 0,
         "the small arena preempted no sequence: {stats:?}"
     );
+    // A swap run must have swapped a sequence out and back in (the batcher falls back to
+    // recompute where host slots run short), or it checked recompute twice.
+    if setup.preemption == PreemptionMode::Swap {
+        assert!(
+            stats.preempted_swap > 0 && stats.blocks_swapped_in > 0,
+            "the swap run swapped nothing back in: {stats:?}"
+        );
+    }
     assert!(observed.partial_prefills > 0, "no chunked prefill");
     assert!(
         observed.mixed_steps > 0,
@@ -334,14 +342,42 @@ where
         "at most {} rows in a step",
         observed.max_rows
     );
+    let output_lens: Vec<usize> = OUTPUT_LENS.iter().map(|&n| n as usize).collect();
+    compare_rows(
+        observed.model.take_logits(),
+        &prompts,
+        &gen.outputs,
+        &output_lens,
+        oracle,
+        tol,
+        setup.max_prefill_chunk as usize,
+        preempted,
+    )
+}
 
+/// Checks the engine's sampled rows of sequences `0..prompts.len()` (sequence `i` ran
+/// `prompts[i]` and generated `outputs[&i]`, `output_lens[i]` tokens) against candle's
+/// single-sequence forward: every row present once, each logit within `tol`, greedy tokens
+/// candle's but for ties the row's difference explains. `chunk` is the prompt chunk
+/// [`candle_self_noise`] calibrates with; `preempted` is reported as is.
+#[allow(clippy::too_many_arguments)]
+pub fn compare_rows(
+    rows: Vec<RowLogits>,
+    prompts: &[Vec<u32>],
+    outputs: &BTreeMap<SeqId, Vec<u32>>,
+    output_lens: &[usize],
+    oracle: &mut ModelWeights,
+    tol: Tolerance,
+    chunk: usize,
+    preempted: u64,
+) -> Compared {
     // Every sampled row, keyed by (sequence, position); each must appear once.
     let mut ours: BTreeMap<(SeqId, i32), Vec<f32>> = BTreeMap::new();
     for RowLogits {
         seq,
         position,
         logits,
-    } in observed.model.take_logits()
+    } in rows
     {
         assert!(
             ours.insert((seq, position), logits).is_none(),
@@ -358,8 +394,8 @@ where
     let mut greedy_ties = 0usize;
     for (i, prompt) in prompts.iter().enumerate() {
         let id = i as SeqId;
-        let output = &gen.outputs[&id];
-        assert_eq!(output.len(), OUTPUT_LENS[i] as usize, "seq {id}");
+        let output = &outputs[&id];
+        assert_eq!(output.len(), output_lens[i], "seq {id}");
         let tokens: Vec<u32> = prompt.iter().chain(output).copied().collect();
         let theirs = candle_logits(oracle, &tokens, prompt.len());
         sequences.push(tokens.clone());
@@ -424,7 +460,6 @@ where
         tol.mean
     );
     let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
-    let chunk = setup.max_prefill_chunk as usize;
     Compared {
         candle_self_noise: candle_self_noise(oracle, &sequences, &lens, chunk),
         rows,

@@ -93,21 +93,33 @@ impl World {
     /// One step of every engine, in order, as the driver does it.
     fn step(&mut self) {
         for e in 0..self.engines.len() {
-            let c = self.c.clone();
-            let eng = &mut self.engines[e];
-            eng.bt.sync_activity();
-            c.maybe_recompute();
-            let shed = c.reclaim_for(eng.id);
-            if shed > 0 {
-                eng.bt.request_shed(shed);
-            }
-            let b = eng.bt.schedule_into(&mut eng.done);
-            let (n, t) = (b.num_samples(), b.num_tokens() as u32);
-            eng.scheduled.push(t);
-            eng.bt.commit(&vec![9; n], &mut eng.done).unwrap();
-            c.maybe_recompute();
+            self.schedule_one(e);
+            self.commit_one(e);
         }
         self.c.recompute();
+    }
+
+    /// Engine `e`'s schedule, as the driver starts a step: activity, a pending publication, a
+    /// lender's reclaim order, then the batch.
+    fn schedule_one(&mut self, e: usize) {
+        let c = &self.c;
+        let eng = &mut self.engines[e];
+        eng.bt.sync_activity();
+        c.maybe_recompute();
+        let shed = c.reclaim_for(eng.id);
+        if shed > 0 {
+            eng.bt.request_shed(shed);
+        }
+        let t = eng.bt.schedule_into(&mut eng.done).num_tokens() as u32;
+        eng.scheduled.push(t);
+    }
+
+    /// Engine `e`'s commit of its scheduled batch, and a pending publication.
+    fn commit_one(&mut self, e: usize) {
+        let eng = &mut self.engines[e];
+        let n = eng.bt.batch().num_samples();
+        eng.bt.commit(&vec![9; n], &mut eng.done).unwrap();
+        self.c.maybe_recompute();
     }
 
     fn check_sums(&self) {
@@ -420,18 +432,10 @@ impl World {
     /// every batch runs and commits.
     fn step_overlapped(&mut self, order: &[usize]) {
         for &e in order {
-            let c = self.c.clone();
-            let eng = &mut self.engines[e];
-            eng.bt.sync_activity();
-            c.maybe_recompute();
-            let t = eng.bt.schedule_into(&mut eng.done).num_tokens() as u32;
-            eng.scheduled.push(t);
+            self.schedule_one(e);
         }
         for &e in order {
-            let eng = &mut self.engines[e];
-            let n = eng.bt.batch().num_samples();
-            eng.bt.commit(&vec![9; n], &mut eng.done).unwrap();
-            self.c.maybe_recompute();
+            self.commit_one(e);
         }
         self.c.recompute();
     }

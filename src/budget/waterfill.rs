@@ -162,38 +162,15 @@ pub(crate) fn water_fill(
 /// as long as the inputs stay the same, and, between equal remainders, always to the same
 /// (lower) index: an active engine whose weighted share of a step's tokens is below one token
 /// (weights 1000:1:1 over 512 tokens gives 511, 1, 0) would get nothing for as long as the
-/// others have any work, however little they use. O(n + z log n) for `z` lifted claims;
-/// `heap` is reused scratch.
+/// others have any work, however little they use. A floor of one unit for every claim
+/// ([`cover_floors`]: the donor holding the most above its floor of one is the one holding
+/// the most), O(n + z log n) for `z` lifted claims; `heap` is reused scratch.
 pub(crate) fn lift_zeros(out: &mut [u64], cap: u32, heap: &mut Vec<(u64, std::cmp::Reverse<u32>)>) {
-    use std::cmp::Reverse;
-    use std::collections::BinaryHeap;
     let n = out.len() as u64;
-    if cap == 0 || !out.contains(&0) || out.iter().sum::<u64>() < n {
+    if cap == 0 || out.iter().sum::<u64>() < n {
         return;
     }
-    heap.clear();
-    heap.extend(
-        out.iter()
-            .enumerate()
-            .filter(|&(_, &x)| x >= 2)
-            .map(|(i, &x)| (x, Reverse(i as u32))),
-    );
-    let mut donors = BinaryHeap::from(std::mem::take(heap));
-    for k in 0..out.len() {
-        if out[k] != 0 {
-            continue;
-        }
-        // Non-empty: see above.
-        let Some((x, Reverse(j))) = donors.pop() else {
-            break;
-        };
-        out[j as usize] = x - 1;
-        out[k] = 1;
-        if x > 2 {
-            donors.push((x - 1, Reverse(j)));
-        }
-    }
-    *heap = donors.into_vec();
+    cover_floors(out, |_| 1, heap);
 }
 
 /// Raises every claim below its floor (`floor(k)`) to it, taking the units from the claims

@@ -37,6 +37,19 @@ impl EngineShare {
     }
 }
 
+impl EngineShare {
+    /// Gives back what the engine's current step holds above `keep` tokens.
+    fn release_above(&self, keep: u64) {
+        let c = &self.coordinator;
+        let held = c.tokens_granted(self.engine);
+        if held > keep {
+            // At most what is held, so it fits in u32, and it cannot be refused.
+            let released = c.release_tokens(self.engine, (held - keep) as u32);
+            debug_assert!(released.is_ok(), "{released:?}");
+        }
+    }
+}
+
 impl EngineBudget for EngineShare {
     /// Starts the engine's step and takes its tokens: the engine's budget, or less when other
     /// engines' current steps hold the rest of the device's (right after a recomputation moved
@@ -99,14 +112,8 @@ impl EngineBudget for EngineShare {
     ///
     /// [`Batcher::step_failed`]: super::Batcher::step_failed
     fn step_ran(&self) {
-        let c = &self.coordinator;
-        let held = c.tokens_granted(self.engine);
-        let share = u64::from(c.token_share(self.engine));
-        if held > share {
-            // At most what is held, so it fits in u32, and it cannot be refused.
-            let released = c.release_tokens(self.engine, (held - share) as u32);
-            debug_assert!(released.is_ok(), "{released:?}");
-        }
+        let share = u64::from(self.coordinator.token_share(self.engine));
+        self.release_above(share);
     }
 
     /// Keeps the step's `tokens` and gives back the rest of what `token_budget` took, so that
@@ -120,9 +127,7 @@ impl EngineBudget for EngineShare {
         let held = c.tokens_granted(self.engine);
         let tokens = u64::from(tokens);
         if tokens < held {
-            // At most what is held, so it fits in u32, and it cannot be refused.
-            let released = c.release_tokens(self.engine, (held - tokens) as u32);
-            debug_assert!(released.is_ok(), "{released:?}");
+            self.release_above(tokens);
         } else if tokens > held {
             // The batcher schedules within what `token_budget` returned, so this is not
             // reached; if it were, the excess is counted where it still fits.

@@ -164,6 +164,7 @@ enum Op {
     ClearLoad(u16),
     PickDonor(u16, u16, u32),
     PublishDemand(u16, u32),
+    PublishBlockDemand(u16, u32),
 }
 
 fn op_strategy() -> impl Strategy<Value = Op> {
@@ -183,7 +184,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         1 => (e.clone(), 0u16..8, 0u32..40).prop_map(|(e, p, f)| Op::PublishLoad(e, p, f)),
         1 => e.clone().prop_map(Op::ClearLoad),
         1 => (e.clone(), 0u16..9, 0u32..30).prop_map(|(e, p, n)| Op::PickDonor(e, p, n)),
-        3 => (e, prop_oneof![0u32..12, 0u32..120, Just(u32::MAX)]).prop_map(|(e, n)| Op::PublishDemand(e, n)),
+        3 => (e.clone(), prop_oneof![0u32..12, 0u32..120, Just(u32::MAX)]).prop_map(|(e, n)| Op::PublishDemand(e, n)),
+        3 => (e, prop_oneof![0u32..8, 0u32..80, Just(u32::MAX)]).prop_map(|(e, n)| Op::PublishBlockDemand(e, n)),
     ]
 }
 
@@ -213,6 +215,7 @@ proptest! {
                 Op::PublishLoad(e, p, f) => { c.publish_load(EngineId(e), p, f); m.publish_load(e, p, f); }
                 Op::ClearLoad(e) => { c.clear_load(EngineId(e)); m.clear_load(e); }
                 Op::PublishDemand(e, n) => { c.publish_demand(EngineId(e), n); m.publish_demand(e, n); }
+                Op::PublishBlockDemand(e, n) => { c.publish_block_demand(EngineId(e), n); m.publish_block_demand(e, n); }
                 Op::PickDonor(e, p, n) => {
                     let got = c.pick_donor(EngineId(e), p, n).map(|d| (d.engine.0, d.priority, d.freeable_blocks, d.borrowed_blocks));
                     prop_assert_eq!(got, m.pick_donor(e, p, n));
@@ -230,6 +233,8 @@ proptest! {
                 prop_assert_eq!(c.tokens_granted(e), s.tokens_granted);
                 prop_assert_eq!(c.block_quota(e), s.block_quota);
                 prop_assert_eq!(c.block_limit(e), s.block_limit);
+                prop_assert_eq!(c.block_demand(e), s.block_demand);
+                prop_assert!(s.block_limit >= s.block_quota);
                 prop_assert_eq!(c.blocks_held(e), s.blocks_held);
                 prop_assert_eq!(c.reclaim_for(e), m.reclaim_for(i as u16));
             }
@@ -287,5 +292,60 @@ proptest! {
             });
         }
         prop_assert!(promised <= u64::from(tokens), "{:?}", c.snapshot());
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1024))]
+
+    /// After a publication, what the engines may hold beside one another fits the pool: what
+    /// each reserves (an active lender its published block demand, at least what it holds;
+    /// any other active engine its quota; an idle one what it holds) and what it may borrow
+    /// above its quota. Otherwise a lender whose demand stays as published would find the pool
+    /// lent out.
+    #[test]
+    fn lent_block_limits_leave_every_engine_what_it_is_promised(
+        engines in prop::collection::vec(
+            (
+                prop_oneof![1u32..=10, 1u32..=1000],
+                any::<bool>(),
+                prop_oneof![Just(None), (0u32..300).prop_map(Some)],
+                0u32..40,
+            ),
+            1..=12,
+        ),
+        blocks in prop_oneof![1u32..64, 1u32..4096],
+        cap in prop_oneof![1u16..=1000, Just(1000u16)],
+    ) {
+        let config = BudgetConfig::new(16, 64, blocks).with_cap_permille(cap);
+        let c = BudgetCoordinator::new(config).unwrap();
+        let ids: Vec<EngineId> = engines.iter().map(|&(w, _, _, _)| c.register(w).unwrap()).collect();
+        // Holdings first (each engine active while it takes them, within its quota), then the
+        // activity and demand under test.
+        for (&e, &(_, _, _, h)) in ids.iter().zip(&engines) {
+            c.set_active(e, true);
+            c.recompute();
+            let _ = c.try_acquire_blocks(e, h.min(c.block_quota(e)));
+        }
+        for (&e, &(_, a, d, _)) in ids.iter().zip(&engines) {
+            c.set_active(e, a);
+            if let Some(d) = d {
+                c.publish_block_demand(e, d);
+            }
+        }
+        c.recompute();
+        let mut promised = 0u64;
+        for &e in &ids {
+            let (quota, limit, held) = (c.block_quota(e), c.block_limit(e), c.blocks_held(e));
+            prop_assert!(limit >= quota);
+            prop_assert!(u64::from(limit) <= u64::from(config.block_cap()).max(u64::from(quota)));
+            // What it reserves, and what it may borrow above its quota.
+            promised += match (c.is_active(e), c.block_demand(e)) {
+                (false, _) => held,
+                (true, Some(d)) => u64::from(quota).min(held.max(u64::from(d))),
+                (true, None) => u64::from(quota),
+            } + u64::from(limit - quota);
+        }
+        prop_assert!(promised <= u64::from(blocks), "{:?}", c.snapshot());
     }
 }

@@ -239,7 +239,8 @@ fn idle_share_is_lent_and_given_back() {
 }
 
 /// Random joins, leaves and bursts of 1-4 engines: pool and coordinator agree after every step,
-/// the active limits never promise more than the pool less what idle engines hold, every
+/// the active engines' reservations and loans never promise more than the pool less what idle
+/// engines hold, every
 /// engine's work drains, and nothing is left once all have left.
 #[test]
 fn random_join_leave_burst_keeps_the_books() {
@@ -295,22 +296,17 @@ fn random_join_leave_burst_keeps_the_books() {
             }
             w.step();
             w.check_sums();
-            // Every engine within its limit after its shed has run, unless a reclaim is pending.
+            // What the active engines reserve (their quota, or their block demand where lower,
+            // at least what they hold) and may borrow above their quotas fits beside what the
+            // idle ones hold (the publication at the end of the step saw these holdings).
             let s = w.c.snapshot();
             assert!(s.consistent);
-            let limits: u64 = s
+            let promised: u64 = s
                 .engines
                 .iter()
-                .filter(|e| e.active)
-                .map(|e| u64::from(e.block_limit))
+                .map(|e| e.blocks_reserved() + u64::from(e.block_limit - e.block_quota))
                 .sum();
-            let idle: u64 = s
-                .engines
-                .iter()
-                .filter(|e| !e.active)
-                .map(|e| e.blocks_held)
-                .sum();
-            assert!(limits + idle <= u64::from(blocks), "seed {seed}: {s:?}");
+            assert!(promised <= u64::from(blocks), "seed {seed}: {s:?}");
         }
         // Drain, then everyone leaves.
         for _ in 0..2000 {
@@ -474,4 +470,114 @@ fn a_lifted_share_is_not_lent_away() {
             );
         }
     }
+}
+
+/// Block lending between active engines: A runs two short sequences and says it needs about
+/// 24 of its 64 pages, so B, flooded, borrows the rest of A's quota while A stays active. When
+/// A's work grows past the pages the pool has free, its next step asks for its whole quota:
+/// B's limit drops back to its own, B gives the pages back at its next step, and A meanwhile
+/// waits for them rather than preempt its own sequences.
+#[test]
+fn an_active_engines_unused_pages_are_lent_and_taken_back() {
+    // 128 blocks of 4 tokens, weights 1:1: quotas of 64; block demand quantum 2.
+    let mut w = world(4, 256, 128);
+    let a = w.join(1, PreemptionMode::Recompute);
+    let b = w.join(1, PreemptionMode::Recompute);
+    let (ida, idb) = (w.engines[a].id, w.engines[b].id);
+    w.add(a, 2, 8, 40, Priority::Throughput);
+    w.add(b, 40, 16, 40, Priority::Throughput);
+    for _ in 0..8 {
+        w.step();
+        w.check_sums();
+    }
+    let demand = w.c.block_demand(ida).expect("A published a demand");
+    assert!(demand <= 24, "{:?}", w.c.snapshot());
+    assert_eq!(w.c.block_demand(idb), None);
+    assert_eq!((w.c.block_quota(ida), w.c.block_quota(idb)), (64, 64));
+    assert_eq!(w.c.block_limit(idb), 128 - demand);
+    assert!(
+        w.c.blocks_held(idb) > 64,
+        "B borrowed nothing: {:?}",
+        w.c.snapshot()
+    );
+    // A's work grows within its quota (two more sequences of 18 pages at most, 16 at their
+    // admission), past the pages the pool has free beside what B borrowed.
+    let free = 128 - w.c.blocks_in_use();
+    assert!(free < 32, "{:?}", w.c.snapshot());
+    w.add(a, 2, 64, 8, Priority::Throughput);
+    w.step();
+    w.check_sums();
+    assert_eq!(w.c.block_demand(ida), None);
+    assert_eq!(w.c.block_limit(idb), 64);
+    // B gives the pages back at its next step; A's work runs to its end.
+    for step in 0..40 {
+        w.step();
+        w.check_sums();
+        if step == 0 {
+            assert!(w.c.blocks_held(idb) <= 64, "{:?}", w.c.snapshot());
+        }
+    }
+    let s = w.engines[a].bt.stats();
+    assert_eq!(
+        (s.preempted_recompute, s.preempted_swap),
+        (0, 0),
+        "A preempted its own sequences for pages it had lent"
+    );
+    assert_eq!(w.engines[a].bt.stats().finished, 4);
+}
+
+/// A lender that steps twice while the borrower's step runs: its second step's decode row
+/// needs a page while the borrower still holds what the first step's raised demand took back
+/// from its limit. The row waits a step for the borrower to give the pages back; it preempted
+/// the sequence (its whole context recomputed) for a page the engine's own quota covers.
+#[test]
+fn a_lender_short_of_lent_pages_waits_rather_than_preempt_its_own() {
+    // 32 blocks of 4 tokens, weights 1:1: quotas of 16; block demand quantum 1.
+    let mut w = world(4, 256, 32);
+    let a = w.join(1, PreemptionMode::Recompute);
+    let b = w.join(1, PreemptionMode::Recompute);
+    let (ida, idb) = (w.engines[a].id, w.engines[b].id);
+    // A: one sequence (a page of prompt, 6 pages at its longest): it needs 6.
+    w.add(a, 1, 4, 20, Priority::Throughput);
+    w.schedule_one(a);
+    w.commit_one(a);
+    assert_eq!(w.c.block_demand(ida), Some(6));
+    // B, flooded, borrows the other 10 of A's quota.
+    w.add(b, 20, 8, 40, Priority::Throughput);
+    for _ in 0..10 {
+        w.schedule_one(b);
+        w.commit_one(b);
+        if w.c.blocks_held(idb) == 26 {
+            break;
+        }
+    }
+    assert_eq!(w.c.block_limit(idb), 26);
+    assert_eq!(w.c.blocks_held(idb), 26, "{:?}", w.c.snapshot());
+    // A admits a 4-page prompt into the 5 free pages (its first sequence takes one more): the
+    // pool is full, and A's demand rises to 11, taking 5 pages back from B's limit.
+    w.add(a, 1, 16, 2, Priority::Throughput);
+    w.schedule_one(a);
+    w.commit_one(a);
+    assert_eq!(w.c.blocks_in_use(), 32);
+    assert_eq!(w.c.block_limit(idb), 21);
+    // A steps again before B: its new sequence's first decode row needs a fifth page.
+    w.schedule_one(a);
+    w.commit_one(a);
+    let s = w.engines[a].bt.stats();
+    assert_eq!(
+        (s.preempted_recompute, s.preempted_swap),
+        (0, 0),
+        "A preempted its own sequence for a page it had lent"
+    );
+    // B gives back at its step; A's row runs at its next.
+    w.schedule_one(b);
+    w.commit_one(b);
+    assert!(w.c.blocks_held(idb) <= 21);
+    for _ in 0..30 {
+        w.step();
+        w.check_sums();
+    }
+    assert_eq!(w.engines[a].bt.stats().finished, 2);
+    let s = w.engines[a].bt.stats();
+    assert_eq!((s.preempted_recompute, s.preempted_swap), (0, 0));
 }

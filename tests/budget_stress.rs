@@ -174,6 +174,16 @@ fn recompute_and_registry_churn_racing_the_hot_path() {
                     c.release_blocks(e, n).unwrap();
                     held -= n;
                 }
+                // Some engines need few pages and say so (sometimes below what they hold:
+                // the coordinator reserves at least that); the others want all they can get.
+                c.publish_block_demand(
+                    e,
+                    if t % 2 == 0 {
+                        held + rng.gen_range(0..=8)
+                    } else {
+                        u32::MAX
+                    },
+                );
                 // Give back what a lender reclaims.
                 let owe = c.reclaim_for(e).min(held);
                 if owe > 0 {
@@ -265,6 +275,7 @@ fn recompute_and_registry_churn_racing_the_hot_path() {
         s.weight = x.weight;
         s.active = x.active;
         s.demand = x.token_demand;
+        s.block_demand = x.block_demand;
     }
     m.recompute();
     assert_eq!(

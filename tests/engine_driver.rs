@@ -1570,8 +1570,9 @@ fn pages_freed_by_aborts_count_toward_a_reclaim_order() {
         b.step(m).unwrap();
         assert!(b.steps() < 400);
     }
-    // Engine 0 becomes active: engine 1's limit drops to its quota.
-    add(&mut engines[0], request(100, 40, 4));
+    // Engine 0 gets work that needs more than the free pages (13 pages): it asks for its
+    // whole quota, and engine 1's limit drops to its own.
+    add(&mut engines[0], request(100, 200, 4));
     let (a, m) = &mut engines[0];
     a.step(m).unwrap();
     let owed = c.reclaim_for(b_id);
@@ -2042,9 +2043,10 @@ fn a_failed_steps_swap_outs_count_toward_the_next_steps_shed() {
     ea.step(ma).unwrap();
     assert_eq!(ea.batcher().num_running(), 7);
     assert_eq!(shared.coordinator().blocks_held(ea.id()), 28);
-    // B gets work: A's limit drops to its quota, 16 pages.
-    mb.inner.prompt_len.insert(100, 6);
-    eb.add(request(100, 6, 4)).unwrap();
+    // B gets work that needs more than the 4 free pages (6): it asks for its whole quota, and
+    // A's limit drops to its own, 16 pages.
+    mb.inner.prompt_len.insert(100, 40);
+    eb.add(request(100, 40, 4)).unwrap();
     eb.step(mb).unwrap();
     assert_eq!(shared.coordinator().block_limit(ea.id()), 16);
     // A's reclaim order (12 pages) swaps out 3 sequences; the step fails.
@@ -2099,7 +2101,8 @@ fn a_latency_critical_request_preempts_its_own_throughput_work_before_asking_a_d
     }
     assert_eq!(engines[0].0.batcher().phase(1), Some(SeqPhase::Decoding));
     let held_a = c.blocks_held(ids[0]);
-    // B: borrows up to its limit of 16 (8 sequences of 2 pages).
+    // B: borrows past its quota of 8 (8 sequences of up to 3 pages; C's share and what A's
+    // block demand leaves of its own are lent).
     for s in 0..8 {
         add(&mut engines[1], request(100 + s, 40, 40));
     }
@@ -2107,7 +2110,7 @@ fn a_latency_critical_request_preempts_its_own_throughput_work_before_asking_a_d
         let (b, m) = &mut engines[1];
         b.step(m).unwrap();
     }
-    assert_eq!(c.blocks_held(ids[1]), 16);
+    assert!(c.blocks_held(ids[1]) >= 16, "{:?}", c.snapshot());
     // C becomes active and takes the free pages: the pool is full, B is over its new limit.
     for s in 0..6 {
         add(&mut engines[2], request(200 + s, 60, 20));

@@ -359,25 +359,20 @@ fn check_accounts(
         .flatten()
         .map(|l| u64::from(c.block_quota(l.id())))
         .sum();
-    let active_limits: u64 = lanes
+    // What the engines reserve (an active one its quota, or its block demand where lower; an
+    // idle one what it holds) and may borrow fits the pool, from the last publication on.
+    let promised: u64 = snap
+        .engines
         .iter()
-        .flatten()
-        .filter(|l| c.is_active(l.id()))
-        .map(|l| u64::from(c.block_limit(l.id())))
-        .sum();
-    let idle_held: u64 = lanes
-        .iter()
-        .flatten()
-        .filter(|l| !c.is_active(l.id()))
-        .map(|l| c.blocks_held(l.id()))
+        .map(|e| e.blocks_reserved() + u64::from(e.block_limit - e.block_quota))
         .sum();
     assert!(
         quotas <= u64::from(pool.total()),
         "seed {seed} step {step}: quotas {quotas}"
     );
     assert!(
-        c.is_dirty() || active_limits + idle_held <= u64::from(pool.total()),
-        "seed {seed} step {step}: limits {active_limits} + idle {idle_held}"
+        c.is_dirty() || promised <= u64::from(pool.total()),
+        "seed {seed} step {step}: reserved and lent {promised}: {snap:?}"
     );
     let active: Vec<_> = lanes
         .iter()

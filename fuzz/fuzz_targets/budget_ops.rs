@@ -42,6 +42,7 @@ enum Op {
     PickDonor(u8, u16, u32),
     AcquireTokensUpTo(u8, u32),
     PublishDemand(u8, u32),
+    PublishBlockDemand(u8, u32),
 }
 
 fuzz_target!(|input: Input| {
@@ -136,6 +137,10 @@ fuzz_target!(|input: Input| {
                 c.publish_demand(EngineId(id(e)), n);
                 m.publish_demand(id(e), n);
             }
+            Op::PublishBlockDemand(e, n) => {
+                c.publish_block_demand(EngineId(id(e)), n);
+                m.publish_block_demand(id(e), n);
+            }
             Op::PickDonor(e, p, n) => {
                 let got = c
                     .pick_donor(EngineId(id(e)), p, n)
@@ -151,6 +156,7 @@ fuzz_target!(|input: Input| {
             assert_eq!(c.token_budget(e), s.token_budget);
             assert_eq!(c.token_share(e), s.token_share);
             assert_eq!(c.token_demand(e), s.demand);
+            assert_eq!(c.block_demand(e), s.block_demand);
             assert!(s.token_budget >= s.token_share);
             assert_eq!(c.tokens_used(e), s.tokens_used);
             assert_eq!(c.tokens_granted(e), s.tokens_granted);

@@ -27,6 +27,7 @@ impl BudgetCoordinator {
             // A demand published while the engine had other work says nothing of its new
             // work: it counts as wanting its whole share until it publishes again.
             slot.demand.store(NO_DEMAND, Ordering::Relaxed);
+            slot.block_demand.store(NO_DEMAND, Ordering::Relaxed);
             self.mark_dirty();
         }
         was
@@ -72,6 +73,50 @@ impl BudgetCoordinator {
     #[inline]
     pub fn token_demand(&self, engine: EngineId) -> Option<u32> {
         match self.slot(engine).ok()?.demand.load(Ordering::Relaxed) {
+            NO_DEMAND => None,
+            d => Some(d),
+        }
+    }
+
+    /// Publishes how many blocks the engine expects to hold soon: what it holds and what its
+    /// admitted work will take next, or `u32::MAX` when it is short of pages or has work
+    /// waiting (then it reserves its whole quota and wants to borrow). The next
+    /// [`recompute`](Self::recompute) lends what a demand leaves of its engine's quota to the
+    /// active engines that want more ([`block_limit`](Self::block_limit)); the engine's own
+    /// limit stays at least its quota, so when its demand rises it takes what the pool has
+    /// free at once, and the rest once the borrowers give back ([`reclaim_for`](Self::reclaim_for):
+    /// module docs, "Block lending").
+    ///
+    /// Rounded up to a multiple of
+    /// [`BudgetConfig::block_demand_quantum`](super::BudgetConfig::block_demand_quantum); a
+    /// demand at or above the engine's cap counts as none (the whole quota, and borrowing up
+    /// to the cap). Marks the inputs changed only when the rounded figure rises, or falls by
+    /// more than one quantum. Wait-free: one load, at most one store and one `fetch_or`. Meant for the engine's step owner; concurrent callers leave one of their
+    /// figures. An id out of range is ignored.
+    #[inline]
+    pub fn publish_block_demand(&self, engine: EngineId, blocks: u32) {
+        let Ok(slot) = self.slot(engine) else {
+            return;
+        };
+        let q = u64::from(self.config.block_demand_quantum());
+        let rounded = u64::from(blocks).div_ceil(q) * q;
+        let demand = if rounded >= u64::from(self.config.block_cap()) {
+            NO_DEMAND
+        } else {
+            rounded as u32
+        };
+        let old = slot.block_demand.load(Ordering::Relaxed);
+        if demand > old || u64::from(demand) + q < u64::from(old) {
+            slot.block_demand.store(demand, Ordering::Relaxed);
+            self.mark_dirty();
+        }
+    }
+
+    /// The engine's published block demand ([`publish_block_demand`](Self::publish_block_demand),
+    /// rounded), or `None` when it reserves its whole quota. One load.
+    #[inline]
+    pub fn block_demand(&self, engine: EngineId) -> Option<u32> {
+        match self.slot(engine).ok()?.block_demand.load(Ordering::Relaxed) {
             NO_DEMAND => None,
             d => Some(d),
         }

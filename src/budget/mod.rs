@@ -10,9 +10,9 @@
 //!   no engine above the cap), with [`try_acquire_tokens`](BudgetCoordinator::try_acquire_tokens)
 //!   / [`release_tokens`](BudgetCoordinator::release_tokens) / [`begin_step`](BudgetCoordinator::begin_step);
 //! - **blocks**: each engine's guaranteed share of the block pool ([`block_quota`](BudgetCoordinator::block_quota)),
-//!   the limit it may grow to by borrowing what idle engines leave unused
-//!   ([`block_limit`](BudgetCoordinator::block_limit)), and, once a lender is active again, which
-//!   borrower must give back how many ([`reclaim_orders`](BudgetCoordinator::reclaim_orders));
+//!   the limit it may grow to by borrowing what idle engines, and active engines' published
+//!   block demand, leave unused ([`block_limit`](BudgetCoordinator::block_limit)), and, once a
+//!   lender needs its share again, which borrower must give back how many ([`reclaim_orders`](BudgetCoordinator::reclaim_orders));
 //! - **preemption**: which engine should give up blocks to a higher-priority request
 //!   ([`pick_donor`](BudgetCoordinator::pick_donor)), from figures each engine publishes;
 //! - **observability**: [`snapshot`](BudgetCoordinator::snapshot).
@@ -48,7 +48,7 @@
 //! | [`try_acquire_blocks`] | 1 load, ≤ 3 `fetch_add`, ≤ 2 `fetch_sub` | wait-free |
 //! | [`release_blocks`] | a CAS loop on the engine's holding, then 2 `fetch_sub` | lock-free |
 //! | [`publish_load`], [`clear_load`] | 1 store | wait-free |
-//! | [`publish_demand`] | 1 load, ≤ 1 store, ≤ 1 `fetch_or` | wait-free |
+//! | [`publish_demand`], [`publish_block_demand`] | 1 load, ≤ 1 store, ≤ 1 `fetch_or` | wait-free |
 //! | [`pick_donor`] | O(max_engines) loads | wait-free |
 //! | [`reclaim_orders`] | O(max_engines) loads, allocates its result | bounded steps, but allocates |
 //! | [`snapshot`], [`block_quotas`] | ≤ 8 passes of O(max_engines) loads, allocates its result | bounded steps, but allocates |
@@ -174,22 +174,36 @@
 //!
 //! Blocks: every registered engine's **quota** is its water-filled share of `total_blocks`
 //! (all registered engines, active or not, with the same per-mille cap), so a lender's share is
-//! waiting for it when it becomes active. The blocks neither guaranteed to an active engine nor
-//! held by an idle one are **lendable**; they are water-filled over the active engines by weight,
-//! each up to the cap, and an active engine's **limit** is its quota plus its part of them. An
-//! idle engine's limit is its quota. When a lender becomes active, the next recomputation lowers
-//! the borrowers' limits; an engine holding more than its limit must give back the difference
-//! ([`reclaim_for`], [`reclaim_orders`]). Limits bound each engine; the device-wide
-//! `blocks_in_use` counter bounds their sum by `total_blocks`, so an engine inside its quota can
-//! still be refused ([`BudgetError::BlocksExhausted`]) until borrowers give back.
+//! waiting for it when it becomes active. An active engine **reserves** its quota, an idle one
+//! what it holds; the blocks no engine reserves are **lendable**, and an active engine's
+//! **limit** is its quota plus its part of them. An idle engine's limit is its quota. When a
+//! lender's reservation grows, the next recomputation lowers the borrowers' limits; an engine
+//! holding more than its limit must give back the difference ([`reclaim_for`],
+//! [`reclaim_orders`]). Limits bound each engine; the device-wide `blocks_in_use` counter
+//! bounds their sum by `total_blocks`, so an engine inside its quota can still be refused
+//! ([`BudgetError::BlocksExhausted`]) until borrowers give back.
 //!
-//! Only the quota is guaranteed: what an engine borrows lasts while the lenders stay idle, and
-//! while every engine is active each one's limit is its quota (the quotas use up the pool; a
-//! lender with one short sequence reserves its whole quota). So one sequence needing more than
-//! its engine's quota could finish only while others idle, and would otherwise be preempted
-//! again and again; the scheduler refuses such a request, and ends a queued one whose engine's
-//! quota shrank below its need (another engine registered, or weights changed), rather than
-//! let it spin ([`guaranteed_blocks`], [`EngineShare`](crate::sched::EngineShare)).
+//! **Block lending.** An active engine running a few short sequences would otherwise reserve
+//! its whole quota while another engine preempts for pages. Each engine publishes its **block
+//! demand**: what it holds plus what its admitted work will take over the next steps, or none
+//! (its whole quota) while it is short of pages or has work waiting
+//! ([`publish_block_demand`]; the scheduler's link does it each step). An active engine with a
+//! demand below its quota reserves only that demand (at least what it holds). The lendable
+//! blocks go first to the active engines whose demand is above their quota, by weight, each up
+//! to its demand and the cap, then what they leave to every active engine by weight, up to the
+//! cap. A lender's limit stays its quota: when its demand rises it takes the pool's free blocks
+//! at once, and the rest once the borrowers give back what the next publication takes from
+//! their limits (the same reclaim as a lender becoming active). Demand is published in
+//! multiples of [`BudgetConfig::block_demand_quantum`], rounded up, so a lender keeps up to that
+//! much headroom and a demand moving by a few pages does not republish every step. An engine
+//! whose activity changes reserves its whole quota until it publishes again.
+//!
+//! Only the quota is guaranteed: what an engine borrows lasts while the lenders stay idle or
+//! light. So one sequence needing more than its engine's quota could finish only while others
+//! leave pages unused, and would otherwise be preempted again and again; the scheduler refuses
+//! such a request, and ends a queued one whose engine's quota shrank below its need (another
+//! engine registered, or weights changed), rather than let it spin ([`guaranteed_blocks`],
+//! [`EngineShare`](crate::sched::EngineShare)).
 //!
 //! [`token_budget`]: BudgetCoordinator::token_budget
 //! [`token_share`]: BudgetCoordinator::token_share
@@ -208,6 +222,7 @@
 //! [`clear_load`]: BudgetCoordinator::clear_load
 //! [`acquire_tokens_up_to`]: BudgetCoordinator::acquire_tokens_up_to
 //! [`publish_demand`]: BudgetCoordinator::publish_demand
+//! [`publish_block_demand`]: BudgetCoordinator::publish_block_demand
 //! [`pick_donor`]: BudgetCoordinator::pick_donor
 //! [`snapshot`]: BudgetCoordinator::snapshot
 //! [`block_quotas`]: BudgetCoordinator::block_quotas
@@ -259,13 +274,19 @@ const BUSY: u32 = 1;
 const DIRTY: u32 = 2;
 
 /// `Slot::demand` when the engine published no demand below its share's cap: it takes part in
-/// the token water-fill with the uniform cap.
+/// the token water-fill with the uniform cap. `Slot::block_demand` when it published no block
+/// demand: it reserves its whole quota, and borrows up to the cap.
 const NO_DEMAND: u32 = u32::MAX;
 
 /// Demand is published in multiples of `tokens_per_step / DEMAND_STEPS` (rounded up), so that
 /// an engine whose use wavers by a few tokens from step to step does not ask for a
 /// republication each step, and keeps up to that much headroom above its last use.
 const DEMAND_STEPS: u32 = 32;
+
+/// Block demand is published in multiples of `total_blocks / BLOCK_DEMAND_STEPS` (rounded up):
+/// a lender keeps that much headroom above what it said it needs, and a demand moving by a few
+/// pages (sequences growing, finishing) does not ask for a republication each step.
+const BLOCK_DEMAND_STEPS: u32 = 64;
 
 /// `Slot::load` packing: bit 63 set when published, priority in bits 32..48, freeable blocks in
 /// the low 32 bits. Zero means "nothing published".
@@ -314,6 +335,12 @@ impl BudgetConfig {
     /// `⌈tokens_per_step / 32⌉`, at least 1.
     pub fn demand_quantum(&self) -> u32 {
         self.tokens_per_step.div_ceil(DEMAND_STEPS).max(1)
+    }
+
+    /// The unit block demand is published in ([`BudgetCoordinator::publish_block_demand`]):
+    /// `⌈total_blocks / 64⌉`, at least 1.
+    pub fn block_demand_quantum(&self) -> u32 {
+        self.total_blocks.div_ceil(BLOCK_DEMAND_STEPS).max(1)
     }
 
     /// The per-engine block cap, in whole blocks.
@@ -380,6 +407,9 @@ pub struct EngineStats {
     pub tokens_used: u64,
     /// Its guaranteed share of the pool.
     pub block_quota: u32,
+    /// The blocks it said it needs (rounded up to the block demand quantum), or `None`: none
+    /// published since it last became active, so it reserves its whole quota.
+    pub block_demand: Option<u32>,
     /// What it may hold: quota plus what it may borrow.
     pub block_limit: u32,
     /// Blocks it holds: granted and not released.
@@ -390,6 +420,22 @@ pub struct EngineStats {
     pub blocks_to_reclaim: u64,
     /// Its published `(lowest running priority, freeable blocks)`, if any.
     pub load: Option<(Rank, u32)>,
+}
+
+impl EngineStats {
+    /// The blocks a publication from these figures keeps out of the lendable pool for this
+    /// engine: an active one its quota, or its block demand where lower (at least what it
+    /// holds); an idle one what it holds (module docs, "Block lending"). Beside every engine's
+    /// loan (`block_limit - block_quota`), these sum to at most `total_blocks` just after a
+    /// publication.
+    pub fn blocks_reserved(&self) -> u64 {
+        let quota = u64::from(self.block_quota);
+        match (self.active, self.block_demand) {
+            (false, _) => self.blocks_held,
+            (true, None) => quota,
+            (true, Some(d)) => quota.min(self.blocks_held.max(u64::from(d))),
+        }
+    }
 }
 
 /// A view of every registered engine, from [`BudgetCoordinator::snapshot`].
@@ -457,6 +503,11 @@ struct Slot {
     tokens: AtomicU64,
     /// Guaranteed blocks. Single writer: the publisher.
     block_quota: AtomicU32,
+    /// The blocks it said it needs ([`BudgetCoordinator::publish_block_demand`], rounded up to
+    /// a multiple of the block demand quantum), or `NO_DEMAND` (it reserves its whole quota:
+    /// never published, or reset when its activity changed). Written by the engine, read by
+    /// the publisher.
+    block_demand: AtomicU32,
     /// Quota plus borrowable blocks. Single writer: the publisher.
     block_limit: AtomicU32,
     /// The block admission counter: blocks granted and not released, plus the amounts of
@@ -482,6 +533,7 @@ impl Slot {
             demand: AtomicU32::new(NO_DEMAND),
             tokens: AtomicU64::new(0),
             block_quota: AtomicU32::new(0),
+            block_demand: AtomicU32::new(NO_DEMAND),
             block_limit: AtomicU32::new(0),
             blocks_claimed: AtomicU64::new(0),
             blocks_held: AtomicU64::new(0),

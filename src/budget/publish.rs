@@ -4,6 +4,7 @@
 use super::waterfill::{cover_floors, lift_zeros, water_fill, Claim, FillScratch};
 use super::{
     BudgetCoordinator, Publication, BUSY, DIRTY, FREE, JOINING, LEAVING, LIVE, MAX_ROUNDS,
+    NO_DEMAND,
 };
 use crate::sync::{fence, AtomicU32, Ordering};
 
@@ -17,6 +18,8 @@ struct Row {
     held: u64,
     /// Published demand (`NO_DEMAND`: the whole share).
     demand: u32,
+    /// Published block demand (`NO_DEMAND`: the whole quota, and borrowing up to the cap).
+    block_demand: u32,
     token_budget: u32,
     token_share: u32,
     block_quota: u32,
@@ -212,6 +215,7 @@ impl BudgetCoordinator {
                 row.weight = slot.weight.load(Ordering::Relaxed);
                 row.active = slot.active.load(Ordering::Relaxed);
                 row.demand = slot.demand.load(Ordering::Relaxed);
+                row.block_demand = slot.block_demand.load(Ordering::Relaxed);
                 row.held = slot.blocks_held.load(Ordering::Relaxed);
             }
         }
@@ -284,14 +288,21 @@ impl BudgetCoordinator {
             r.block_quota = q;
             r.block_limit = q;
         }
-        // Lendable: blocks neither guaranteed to an active engine nor held by an idle one.
+        // Lendable: blocks neither reserved by an active engine nor held by an idle one. An
+        // active engine reserves its quota, or, where its published demand is lower, that
+        // demand (at least what it holds): the rest of its quota is lent until its demand
+        // rises (module docs, "Block lending").
         let reserved: u64 = s
             .rows
             .iter()
             .filter(|r| r.live)
             .map(|r| {
                 if r.active {
-                    u64::from(r.block_quota)
+                    let quota = u64::from(r.block_quota);
+                    match r.block_demand {
+                        NO_DEMAND => quota,
+                        d => quota.min(r.held.max(u64::from(d))),
+                    }
                 } else {
                     r.held
                 }
@@ -300,14 +311,29 @@ impl BudgetCoordinator {
         // At most `total_blocks`, so it fits in u32.
         let lendable = u64::from(self.config.total_blocks).saturating_sub(reserved) as u32;
         if lendable > 0 {
+            // To the active engines that want more than their quota, by weight, each up to its
+            // demand and the cap; then what they leave to every active engine, by weight.
             self.fill(
                 s,
                 lendable,
                 |r| r.active,
-                |r| block_cap.saturating_sub(r.block_quota),
+                |r| block_cap.min(r.block_demand).saturating_sub(r.block_quota),
             );
+            let mut lent = 0;
             for k in 0..s.idx.len() {
                 s.rows[s.idx[k]].block_limit += s.out[k] as u32;
+                lent += s.out[k] as u32;
+            }
+            if lent < lendable {
+                self.fill(
+                    s,
+                    lendable - lent,
+                    |r| r.active,
+                    |r| block_cap.saturating_sub(r.block_limit),
+                );
+                for k in 0..s.idx.len() {
+                    s.rows[s.idx[k]].block_limit += s.out[k] as u32;
+                }
             }
         }
 

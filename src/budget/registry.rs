@@ -55,6 +55,7 @@ impl BudgetCoordinator {
             slot.weight.store(weight, Ordering::Relaxed);
             slot.active.store(false, Ordering::Relaxed);
             slot.demand.store(NO_DEMAND, Ordering::Relaxed);
+            slot.block_demand.store(NO_DEMAND, Ordering::Relaxed);
             slot.tokens.store(0, Ordering::Relaxed);
             slot.blocks_claimed.store(0, Ordering::Relaxed);
             slot.blocks_held.store(0, Ordering::Relaxed);

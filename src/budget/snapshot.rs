@@ -34,6 +34,10 @@ impl BudgetCoordinator {
                     },
                     tokens_used: slot.tokens.load(Ordering::Relaxed) & USED_MASK,
                     block_quota: quota,
+                    block_demand: match slot.block_demand.load(Ordering::Relaxed) {
+                        NO_DEMAND => None,
+                        d => Some(d),
+                    },
                     block_limit: limit,
                     blocks_held: held,
                     blocks_borrowed: held.saturating_sub(u64::from(quota)),

@@ -64,6 +64,15 @@ impl EngineBudget for EngineShare {
         self.coordinator.try_acquire_blocks(self.engine, n).is_ok()
     }
 
+    /// Whether `n` more blocks fit the engine's limit but not the device's total (what its
+    /// driver also counts as a reclaim demand).
+    fn pages_lent_out(&self, n: u32) -> bool {
+        let c = &self.coordinator;
+        let n = u64::from(n);
+        c.blocks_held(self.engine) + n <= u64::from(c.block_limit(self.engine))
+            && c.blocks_in_use() + n > u64::from(c.config().total_blocks)
+    }
+
     fn release_blocks(&self, n: u32) {
         // The batcher only gives back what it acquired; a refusal would mean its own
         // accounting broke, which the coordinator's counters then show.
@@ -114,6 +123,19 @@ impl EngineBudget for EngineShare {
     fn step_ran(&self) {
         let share = u64::from(self.coordinator.token_share(self.engine));
         self.release_above(share);
+    }
+
+    /// Publishes the engine's block demand ([`BudgetCoordinator::publish_block_demand`]): the
+    /// blocks it holds plus `growth`, or all it can get; the next recomputation lends what a
+    /// demand leaves of the engine's quota to engines that want more, and takes it back (their
+    /// reclaim orders) once it rises.
+    fn record_block_demand(&self, growth: Option<u32>) {
+        let c = &self.coordinator;
+        let demand = growth.map_or(u32::MAX, |g| {
+            let held = c.blocks_held(self.engine).min(u64::from(u32::MAX)) as u32;
+            held.saturating_add(g)
+        });
+        c.publish_block_demand(self.engine, demand);
     }
 
     /// Keeps the step's `tokens` and gives back the rest of what `token_budget` took, so that

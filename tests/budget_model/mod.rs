@@ -153,6 +153,8 @@ pub struct SlotModel {
     pub tokens_used: u64,
     pub tokens_granted: u64,
     pub block_quota: u32,
+    /// Published block demand, rounded up to the block quantum; `None`: its whole quota.
+    pub block_demand: Option<u32>,
     pub block_limit: u32,
     pub blocks_held: u64,
     pub load: Option<(u16, u32)>,
@@ -256,6 +258,7 @@ impl Model {
         s.weight = weight;
         s.active = false;
         s.demand = None;
+        s.block_demand = None;
         s.tokens_used = 0;
         s.tokens_granted = 0;
         s.blocks_held = 0;
@@ -292,6 +295,7 @@ impl Model {
                 let was = std::mem::replace(&mut s.active, active);
                 if was != active {
                     s.demand = None;
+                    s.block_demand = None;
                 }
                 was
             }
@@ -320,6 +324,30 @@ impl Model {
         };
         if store {
             s.demand = new.map(|d| d as u32);
+        }
+    }
+
+    /// The block demand quantum: total_blocks / 64 rounded up, at least 1.
+    pub fn block_demand_quantum(&self) -> u64 {
+        u64::from(self.total_blocks).div_ceil(64).max(1)
+    }
+
+    /// Block demand rounded up to its quantum, `None` at or above the block cap; stored when
+    /// it rises or falls by more than one quantum.
+    pub fn publish_block_demand(&mut self, e: u16, blocks: u32) {
+        let q = self.block_demand_quantum();
+        let cap = self.block_cap();
+        let Ok(s) = self.slot(e) else { return };
+        let rounded = u64::from(blocks).div_ceil(q) * q;
+        let new = (rounded < cap).then_some(rounded);
+        let old = s.block_demand.map(u64::from);
+        let store = match (new, old) {
+            (_, None) => new.is_some(),
+            (None, Some(_)) => true,
+            (Some(n), Some(o)) => n > o || n + q < o,
+        };
+        if store {
+            s.block_demand = new.map(|d| d as u32);
         }
     }
 
@@ -494,29 +522,52 @@ impl Model {
             s.block_quota = quotas[k] as u32;
             s.block_limit = quotas[k] as u32;
         }
+        // An active engine reserves its quota, or its block demand where lower (at least what
+        // it holds); an idle one what it holds.
         let reserved: u64 = live
             .iter()
             .map(|&i| {
                 let s = &self.slots[i];
-                if s.active {
-                    u64::from(s.block_quota)
-                } else {
-                    s.blocks_held
+                let quota = u64::from(s.block_quota);
+                match (s.active, s.block_demand) {
+                    (true, None) => quota,
+                    (true, Some(d)) => quota.min(s.blocks_held.max(u64::from(d))),
+                    (false, _) => s.blocks_held,
                 }
             })
             .sum();
         let lendable = u64::from(self.total_blocks).saturating_sub(reserved);
+        // First to the active engines wanting more than their quota, up to their demand and
+        // the cap; then what is left to every active engine, up to the cap.
+        let weight = |s: &SlotModel| if s.active { u64::from(s.weight) } else { 0 };
         let claims: Vec<(u64, u64)> = live
             .iter()
             .map(|&i| {
                 let s = &self.slots[i];
-                let w = if s.active { u64::from(s.weight) } else { 0 };
-                (w, block_cap.saturating_sub(u64::from(s.block_quota)))
+                let want = s
+                    .block_demand
+                    .map_or(block_cap, |d| block_cap.min(u64::from(d)));
+                (weight(s), want.saturating_sub(u64::from(s.block_quota)))
             })
             .collect();
         let (_, lent) = water_fill(lendable, &claims);
+        let given: u64 = lent.iter().sum();
         for (k, &i) in live.iter().enumerate() {
             self.slots[i].block_limit += lent[k] as u32;
+        }
+        let claims: Vec<(u64, u64)> = live
+            .iter()
+            .map(|&i| {
+                let s = &self.slots[i];
+                (
+                    weight(s),
+                    block_cap.saturating_sub(u64::from(s.block_limit)),
+                )
+            })
+            .collect();
+        let (_, rest) = water_fill(lendable - given, &claims);
+        for (k, &i) in live.iter().enumerate() {
+            self.slots[i].block_limit += rest[k] as u32;
         }
     }
 }

@@ -825,3 +825,77 @@ fn lending_racing_a_lenders_rise() {
         assert_eq!((c.token_budget(a), c.token_budget(b)), (4, 4));
     });
 }
+
+/// Block lending (`publish_block_demand`): a (quota 4 of 8) said it needs 1 block, so b's limit
+/// is 7, and b holds 7. Then b gives one back and takes one again while a, refused for the pool
+/// being lent out, raises its demand: the pool's 8 are never over-granted, a's limit never
+/// drops below its quota, and the raised demand is never lost: once both have returned, either
+/// b's limit is its quota again (and b owes what it holds above it) or the request is still
+/// marked for the next publisher.
+#[test]
+fn block_lending_racing_a_lenders_rise() {
+    crate::model(|| {
+        let c = Arc::new(coordinator(2, 8, 8));
+        let a = c.register(1).unwrap();
+        let b = c.register(1).unwrap();
+        c.set_active(a, true);
+        c.set_active(b, true);
+        c.recompute();
+        c.try_acquire_blocks(a, 1).unwrap();
+        c.publish_block_demand(a, 1);
+        c.recompute();
+        assert_eq!((c.block_limit(a), c.block_limit(b)), (4, 7));
+        c.try_acquire_blocks(b, 7).unwrap();
+        // The shadow: counted after a grant returns, uncounted before a release.
+        let outstanding = Arc::new(AtomicU64::new(8));
+        let take = |c: &BudgetCoordinator, e: EngineId, out: &AtomicU64, n: u32| {
+            let granted = c.try_acquire_blocks(e, n).is_ok();
+            if granted {
+                let now = out.fetch_add(u64::from(n), Ordering::SeqCst) + u64::from(n);
+                assert!(now <= 8, "pool over-granted: {now}");
+            }
+            granted
+        };
+        let lender = {
+            let (c, out) = (c.clone(), outstanding.clone());
+            thread::spawn(move || {
+                let got = take(&c, a, &out, 1);
+                assert!(c.block_limit(a) >= 4, "a lender's limit below its quota");
+                if !got {
+                    // Short of pages: it wants its whole quota back.
+                    c.publish_block_demand(a, u32::MAX);
+                    c.maybe_recompute();
+                }
+                got
+            })
+        };
+        let borrower = {
+            let (c, out) = (c.clone(), outstanding.clone());
+            thread::spawn(move || {
+                out.fetch_sub(1, Ordering::SeqCst);
+                c.release_blocks(b, 1).unwrap();
+                take(&c, b, &out, 1);
+                c.maybe_recompute();
+                // Its next step gives back what it owes.
+                let owe = c.reclaim_for(b);
+                out.fetch_sub(u64::from(owe), Ordering::SeqCst);
+                c.release_blocks(b, owe).unwrap();
+            })
+        };
+        let got_a = lender.join().unwrap();
+        borrower.join().unwrap();
+        let (held_a, held_b) = (c.blocks_held(a), c.blocks_held(b));
+        assert_eq!(held_a, 1 + u64::from(got_a));
+        assert_eq!(c.blocks_in_use(), held_a + held_b);
+        assert_eq!(outstanding.load(Ordering::SeqCst), held_a + held_b);
+        if !got_a {
+            assert_eq!(c.block_demand(a), None);
+            if !c.is_dirty() {
+                assert_eq!(c.block_limit(b), 4, "the raised demand was lost");
+            }
+            c.maybe_recompute();
+            assert_eq!((c.block_limit(a), c.block_limit(b)), (4, 4));
+            assert_eq!(u64::from(c.reclaim_for(b)), held_b.saturating_sub(4));
+        }
+    });
+}

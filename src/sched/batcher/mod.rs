@@ -75,6 +75,22 @@ pub trait EngineBudget: Send + Sync {
     fn record_step(&self, tokens: u32, demand: u32) {
         let _ = (tokens, demand);
     }
+    /// Reports the pages the engine's admitted work will take over its next steps beyond
+    /// what it holds now (`Some`), or that it wants all it can get (`None`: this step was
+    /// short of pages, or work waits to be admitted or swapped in). An engine whose demand is
+    /// below its quota lets the coordinator lend the rest until it rises.
+    fn record_block_demand(&self, growth: Option<u32>) {
+        let _ = growth;
+    }
+    /// Whether `n` more blocks fit this engine's limit but not the device's free blocks: pages
+    /// it lent are held by borrowers, whom the coordinator orders to give them back once this
+    /// engine's demand is published ([`record_block_demand`](Self::record_block_demand)). A
+    /// running sequence short of pages then waits a step or two rather than preempt one of
+    /// this engine's own. `false` (the default): nothing is lent.
+    fn pages_lent_out(&self, n: u32) -> bool {
+        let _ = n;
+        false
+    }
     /// Reports that the step's batch has run (its commit), or ended without a commit (its
     /// execution or sampling failed: [`Batcher::step_failed`]). Tokens held above the engine's
     /// guaranteed share may go back here rather than at the next schedule, so that an engine
@@ -266,6 +282,9 @@ pub struct Batcher {
     arrivals: u64,
     stats: BatcherStats,
     active_reported: bool,
+    /// Whether this step could not take pages it asked for (the budget or the pool refused):
+    /// its block demand is then all it can get.
+    pages_short: bool,
     /// Whether this step's token budget left work out (a row shorter than it wanted, a
     /// decoder or an admission skipped for tokens): its demand is then more than it scheduled.
     budget_cut: bool,
@@ -375,6 +394,7 @@ impl Batcher {
             stats: BatcherStats::default(),
             active_reported: false,
             budget_cut: false,
+            pages_short: false,
             guaranteed_seen: u32::MAX,
         })
     }

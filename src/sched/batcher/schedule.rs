@@ -3,6 +3,12 @@
 //! and the step's token demand reported to the budget.
 
 use super::{Batcher, Reserve};
+
+/// The tokens ahead of each running sequence whose pages an engine's block demand counts: a
+/// lender keeps the pages its sequences need for about this many more tokens (a few seconds of
+/// decoding) out of what it lends, so that it is not short of pages, waiting for borrowers to
+/// give back, each time one of them crosses a page boundary.
+const BLOCK_DEMAND_HORIZON: usize = 128;
 use crate::sched::batch::Batch;
 use crate::sched::sequence::{FinishedSeq, Priority, SeqPhase};
 
@@ -44,6 +50,7 @@ impl Batcher {
 
         let external = self.budget.as_ref().map_or(u32::MAX, |b| b.token_budget());
         self.budget_cut = false;
+        self.pages_short = false;
         let mut budget = self.cfg.max_batched_tokens.min(external) as usize;
 
         // 1. Running sequences, most urgent and oldest first. Admissions, swap-ins and forks
@@ -64,6 +71,8 @@ impl Batcher {
         // only what exceeds them (`budget >= owed` throughout).
         let mut owed = 0;
         let mut owing = false;
+        // Whether a running row waits for pages lent to another engine.
+        let mut waited = false;
         loop {
             // Between the running latency-critical sequences and the running throughput ones:
             // the latency-critical class's swapped and waiting sequences, which may preempt
@@ -75,7 +84,7 @@ impl Batcher {
                     .is_none_or(|&s| self.seq(s).priority != Priority::LatencyCritical)
             {
                 arrivals_done = true;
-                let pressed = preempted || shortened_any;
+                let pressed = preempted || shortened_any || waited;
                 let (made_room, lc_owed) =
                     self.admit_latency_critical(&mut i, &mut budget, pressed);
                 preempted |= made_room;
@@ -114,6 +123,15 @@ impl Batcher {
                     // for speculative tokens. `reserve` took nothing; the row is still owed its
                     // token.
                     self.seq_mut(slot).drafts.clear();
+                }
+                Reserve::NoBlocks if self.waits_for_lent_pages(slot, n) => {
+                    // The pages are lent to another engine, which gives them back at its next
+                    // step (this step's demand tells the coordinator to take them back):
+                    // waiting a step costs less than preempting one of this engine's own
+                    // sequences for them. Nothing is admitted this step either.
+                    waited = true;
+                    owed = owed.saturating_sub(row_owed);
+                    i += 1;
                 }
                 Reserve::NoBlocks => {
                     // Victim: lowest priority, latest arrival, among those not yet scheduled
@@ -166,7 +184,7 @@ impl Batcher {
         // A step that preempted, or shortened a running chunk for want of pages, brings nothing
         // back and admits nothing: what they took would be the pages the running sequences
         // lack (the next step would preempt or shorten again: thrash).
-        let pressed = preempted || shortened_any;
+        let pressed = preempted || shortened_any || waited;
 
         // 2. Once no latency-critical request waits (it would be denied the pages they take:
         // a swapped throughput sequence never takes the pages of a latency-critical
@@ -217,6 +235,7 @@ impl Batcher {
                 tokens
             };
             b.record_step(tokens, demand);
+            b.record_block_demand(self.block_growth());
             let active = self.has_work();
             if active != self.active_reported {
                 b.set_active(active);
@@ -224,6 +243,34 @@ impl Batcher {
             }
         }
         &self.batch
+    }
+
+    /// Whether `slot`'s `n`-token row, refused its pages, should wait for pages this engine
+    /// lent rather than preempt ([`EngineBudget::pages_lent_out`](super::EngineBudget::pages_lent_out)).
+    fn waits_for_lent_pages(&self, slot: usize, n: usize) -> bool {
+        let need = self.pages_to_reserve(slot, n).0 as u32;
+        self.budget.as_ref().is_some_and(|b| b.pages_lent_out(need))
+    }
+
+    /// The pages the running sequences will take over the next [`BLOCK_DEMAND_HORIZON`]
+    /// tokens each (at most to their longest), beyond what their tables hold; `None` (all it
+    /// can get) when this step was short of pages or work waits to be admitted or swapped
+    /// in. O(running sequences).
+    fn block_growth(&self) -> Option<u32> {
+        if self.pages_short
+            || !self.swapped.is_empty()
+            || self.waiting.iter().any(|w| !w.is_empty())
+        {
+            return None;
+        }
+        let growth = self.running.iter().map(|&slot| {
+            let s = self.seq(slot);
+            let longest = (s.prompt_len + s.stop.max_new_tokens as usize).saturating_sub(1);
+            let until = (s.tokens.len() + BLOCK_DEMAND_HORIZON).min(longest);
+            self.blocks_for(until)
+                .saturating_sub(s.table.len() as usize)
+        });
+        Some(growth.fold(0u32, |sum, g| sum.saturating_add(g as u32)))
     }
 
     /// At the class boundary of step 1 (`running[*at..]` are throughput sequences, none in the

@@ -10,7 +10,8 @@ fn pool(n: u32) -> Arc<BlockPool> {
         BlockPool::new(PoolConfig {
             device: 0,
             num_blocks: n,
-            max_engines: 2,
+            // Engines 0 and 1 have a magazine under loom, engine 2 has none.
+            max_engines: 3,
         })
         .unwrap(),
     )
@@ -42,7 +43,7 @@ fn concurrent_alloc_free() {
             p.free(b).unwrap();
         }
         assert_eq!(p.free_count(), 2);
-        assert_eq!(p.stats().held, vec![0, 0]);
+        assert_eq!(p.stats().held, vec![0, 0, 0]);
     });
 }
 
@@ -233,8 +234,9 @@ fn two_alloc_n_racing_free_n() {
 
 /// Issue 17 item 1: `free_n` of two blocks while another thread releases the second (a double
 /// free). Exactly one of the two releases of that block succeeds, and no block is lost
-/// whichever way the race goes (a `free_n` that returned at the failed release would leave the
-/// first block at zero references, off the free list).
+/// whichever way the race goes. The batch has the fast path's shape, so this model checks the
+/// fast path's undo; the general path's release meeting the race (the first block already at
+/// zero references) is `free_n_general_path_racing_a_double_release`.
 #[test]
 fn free_n_racing_a_double_release() {
     crate::model(|| {
@@ -322,7 +324,7 @@ fn magazine_pop_pop_push_aba() {
     });
 }
 
-/// Blocks parked in engine 0's magazine are free for every engine: engine 1 (no magazine)
+/// Blocks parked in engine 0's magazine are free for every engine: engine 2 (no magazine)
 /// asks for both while engine 0's thread returns them. A refusal must be made on a snapshot
 /// that really held fewer than two free blocks; once the free is done, the request succeeds.
 #[test]
@@ -336,7 +338,7 @@ fn alloc_n_reaches_blocks_in_another_magazine() {
             let p = p.clone();
             thread::spawn(move || {
                 let mut got = Vec::new();
-                let first = p.alloc_n(EngineId(1), 2, &mut got);
+                let first = p.alloc_n(EngineId(2), 2, &mut got);
                 (first, got)
             })
         };
@@ -347,12 +349,12 @@ fn alloc_n_reaches_blocks_in_another_magazine() {
             Err(PoolError::OutOfBlocks { requested: 2, free }) => {
                 assert!(free < 2, "refused with {free} free");
                 assert!(got.is_empty());
-                p.alloc_n(EngineId(1), 2, &mut got).unwrap();
+                p.alloc_n(EngineId(2), 2, &mut got).unwrap();
             }
             Err(e) => panic!("unexpected {e}"),
         }
         assert_eq!(p.free_count(), 0);
-        assert_eq!(p.held(EngineId(1)), 2);
+        assert_eq!(p.held(EngineId(2)), 2);
         assert_eq!(p.held(EngineId(0)), 0);
         p.free_n(&got).unwrap();
         assert_eq!(p.free_count(), 2);
@@ -481,5 +483,106 @@ fn free_count_racing_a_round_trip_through_a_magazine() {
         assert!(matches!(free, 0 | 1 | 3), "free_count read {free}");
         p.free_n(&all).unwrap();
         assert_eq!(p.free_count(), 3);
+    });
+}
+
+/// A pop from engine 0's magazine lands between a push's claim and its final CAS, with the
+/// magazine already holding a block: the pop lowers the count under the pusher, whose final
+/// CAS then fails and must write its entry again at the lowered count. (`magazine_pop_racing_push`
+/// starts from an empty magazine, where no pop can run during the push: a pusher that kept
+/// writing at the count it claimed at passed every model, and left the popped block parked
+/// while its holder used it, and the pushed block lost.)
+#[test]
+fn magazine_pop_during_a_push_to_a_nonempty_magazine() {
+    crate::model(|| {
+        let p = pool(3);
+        let mut two = Vec::new();
+        p.alloc_n(EngineId(0), 2, &mut two).unwrap();
+        // free_n: a batch goes to the magazine (a single release goes to the shared stack).
+        assert_eq!(p.free_n(&two[..1]), Ok(1));
+        let popper = {
+            let p = p.clone();
+            thread::spawn(move || p.alloc(EngineId(0)).unwrap())
+        };
+        assert_eq!(p.free_n(&two[1..]), Ok(1));
+        let got = popper.join().unwrap();
+        assert_eq!(p.held(EngineId(0)), 1);
+        assert_eq!(p.free_count(), 2);
+        drain_and_check(&p, &[got]);
+    });
+}
+
+/// `free_n`'s general path meets a double free after its checks: a batch of two engines'
+/// blocks (not the fast path's shape, so the fast path hands it over untouched) while another
+/// thread releases the second block. If the release comes between the checks and this call's
+/// release of that block, the first block has already gone to zero references: the call must
+/// finish the batch (recycle the first) and report the race, not return with the first block
+/// neither free nor allocated. (`free_n_racing_a_double_release` cannot reach this: its batch
+/// is of one engine, so the fast path's undo absorbs every interleaving.)
+#[test]
+fn free_n_general_path_racing_a_double_release() {
+    crate::model(|| {
+        let p = pool(2);
+        let first = p.alloc(EngineId(0)).unwrap();
+        let raced = p.alloc(EngineId(1)).unwrap();
+        let rogue = {
+            let p = p.clone();
+            thread::spawn(move || p.release(raced).is_ok())
+        };
+        let mine = match p.free_n(&[first, raced]) {
+            Ok(n) => {
+                assert_eq!(n, 2);
+                true
+            }
+            Err(PoolError::NotAllocated { id }) | Err(PoolError::StaleBlock { id, .. }) => {
+                // Refused by the checks, as a whole: the first block is still held.
+                assert_eq!(id, raced);
+                assert_eq!(
+                    p.free_n(&[first]),
+                    Ok(1),
+                    "the first block must still be held"
+                );
+                false
+            }
+            Err(PoolError::ConcurrentDoubleFree { id, freed }) => {
+                assert_eq!((id, freed), (raced, 1));
+                false
+            }
+            Err(e) => panic!("unexpected {e}"),
+        };
+        let theirs = rogue.join().unwrap();
+        assert!(mine ^ theirs, "exactly one release of the block succeeds");
+        assert_eq!(p.free_count(), 2, "a block is neither free nor allocated");
+        assert_eq!(p.stats().held, vec![0, 0, 0]);
+        drain_and_check(&p, &[]);
+    });
+}
+
+/// `free_count` racing a block parked in engine 0's magazine and another leaving engine 1's,
+/// with the shared stack untouched: the free count goes 1, 2, 1, so the snapshot must read 1 or
+/// 2. A snapshot that double-collected the head alone (and read the magazines once) could add
+/// engine 0's magazine from before the park to engine 1's from after the pop: 0, a state the
+/// pool never had. Needs two magazines (under loom, engines 0 and 1).
+#[test]
+fn free_count_racing_moves_in_two_magazines() {
+    crate::model(|| {
+        let p = pool(2);
+        let mut parked = Vec::new();
+        p.alloc_n(EngineId(1), 1, &mut parked).unwrap();
+        // free_n: to engine 1's magazine.
+        assert_eq!(p.free_n(&parked), Ok(1));
+        let mut mine = Vec::new();
+        p.alloc_n(EngineId(0), 1, &mut mine).unwrap();
+        // The count on the spawned thread: the other way round loom ran one interleaving.
+        let counter = {
+            let p = p.clone();
+            thread::spawn(move || p.free_count())
+        };
+        assert_eq!(p.free_n(&mine), Ok(1));
+        let taken = p.alloc(EngineId(1)).unwrap();
+        let free = counter.join().unwrap();
+        assert!(matches!(free, 1 | 2), "free_count read {free}");
+        assert_eq!(p.free_count(), 1);
+        drain_and_check(&p, &[taken]);
     });
 }

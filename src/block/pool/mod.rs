@@ -38,9 +38,11 @@ pub const MAX_REFS: u32 = (1 << RC_BITS) - 1;
 /// Ids `free_n` checks with their words kept (and blocks it pushes with one CAS).
 const CHAIN: usize = 64;
 /// Engines with a magazine (engines beyond use the shared stack alone), bounding the pool's
-/// magazine memory and the snapshot a refusal reads. Under loom only engine 0 has one, so models
-/// drive the magazine through engine 0 and the shared stack (its ABA cases) through engine 1.
-const MAG_ENGINES: u16 = if cfg!(loom) { 1 } else { 64 };
+/// magazine memory and the snapshot a refusal reads. Under loom engines 0 and 1 have one: two,
+/// so that models reach a snapshot racing moves in and out of two magazines (with one, a
+/// double collect of the head alone would pass every model), and engines from 2 on use the
+/// shared stack alone.
+const MAG_ENGINES: u16 = if cfg!(loom) { 2 } else { 64 };
 
 #[inline]
 fn head_word(tag_of: u64, index: u32) -> u64 {

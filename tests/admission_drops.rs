@@ -310,3 +310,178 @@ fn poll_after_try_take_is_an_error() {
         "{polled:?}"
     );
 }
+
+/// A waker whose copies are counted one by one (`live`) and whose first clone runs `on_clone`: the clone a wait-list registration makes is the moment between a waiting future's
+/// plain attempt and its registered re-check, so the hook makes the re-check succeed (another
+/// thread's step landing in that window, made deterministic).
+struct CloneHook {
+    /// Live wakers on this hook, the test's own included.
+    live: AtomicUsize,
+    on_clone: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+mod clone_hook {
+    use super::CloneHook;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{RawWaker, RawWakerVTable, Waker};
+
+    static VTABLE: RawWakerVTable = RawWakerVTable::new(clone, wake, wake_by_ref, drop);
+
+    fn hook(p: *const ()) -> &'static CloneHook {
+        // SAFETY: every `RawWaker` of this vtable points at a leaked (`'static`) `CloneHook`.
+        unsafe { &*(p as *const CloneHook) }
+    }
+
+    unsafe fn clone(p: *const ()) -> RawWaker {
+        let h = hook(p);
+        h.live.fetch_add(1, Ordering::SeqCst);
+        let f = h.on_clone.lock().unwrap().take();
+        if let Some(f) = f {
+            f();
+        }
+        RawWaker::new(p, &VTABLE)
+    }
+
+    unsafe fn wake(p: *const ()) {
+        // By value: the wake-up itself does nothing here, then this copy is dropped.
+        hook(p).live.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    unsafe fn wake_by_ref(_: *const ()) {}
+
+    unsafe fn drop(p: *const ()) {
+        hook(p).live.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// A waker on a new leaked hook that runs `on_clone` at its first clone.
+    pub(super) fn waker(on_clone: impl FnOnce() + Send + 'static) -> (&'static CloneHook, Waker) {
+        let h: &'static CloneHook = Box::leak(Box::new(CloneHook {
+            live: AtomicUsize::new(1),
+            on_clone: std::sync::Mutex::new(Some(Box::new(on_clone))),
+        }));
+        // SAFETY: the vtable's functions uphold the `RawWaker` contract for `h`, which lives
+        // for the rest of the process.
+        let w =
+            unsafe { Waker::from_raw(RawWaker::new(h as *const CloneHook as *const (), &VTABLE)) };
+        (h, w)
+    }
+}
+
+/// A waiting future whose registered re-check succeeds (the work, the room or the close arrived
+/// between its plain attempt and its registration, unseen by that step's wake-up) resolves with
+/// its node still in the wait list. That node, and the clone of the task's waker in it, used to
+/// stay there until the list's next wake-up: the next push for a worker's `pop_wait`, the next
+/// pop for a blocked submit, and for a `pop_wait` that ended `Closed` never (the queue set's
+/// drop), holding a finished task's memory in a runtime and waking it spuriously later.
+#[test]
+fn a_waiter_ready_at_its_registered_recheck_leaves_nothing_behind() {
+    let q: Arc<Admission<u32, u32>> =
+        Arc::new(Admission::new(AdmissionConfig::new(1, 1, OverflowPolicy::Block)).unwrap());
+
+    // `pop_wait`: the request lands while it registers.
+    let q2 = q.clone();
+    let (hook, waker) = clone_hook::waker(move || {
+        drop(
+            q2.try_submit(1, Priority::Throughput, Route::Worker(0))
+                .unwrap(),
+        );
+    });
+    let mut fut = Box::pin(q.pop_wait(0));
+    let Poll::Ready(Ok(job)) = fut.as_mut().poll(&mut Context::from_waker(&waker)) else {
+        panic!("the request landed during the registration")
+    };
+    drop(fut);
+    assert_eq!(
+        hook.live.load(Ordering::SeqCst),
+        1,
+        "pop_wait: waker clones held besides the test's"
+    );
+
+    // A blocking submit: the room is made while it registers (the queue holds request 2).
+    drop(
+        q.try_submit(2, Priority::Throughput, Route::Worker(0))
+            .unwrap(),
+    );
+    let q2 = q.clone();
+    let (hook, waker) = clone_hook::waker(move || q2.pop(0).unwrap().unwrap().complete(0));
+    let mut fut = Box::pin(q.submit(3, Priority::Throughput, Route::Worker(0)));
+    let Poll::Ready(Ok(_t3)) = fut.as_mut().poll(&mut Context::from_waker(&waker)) else {
+        panic!("room was made during the registration")
+    };
+    drop(fut);
+    assert_eq!(
+        hook.live.load(Ordering::SeqCst),
+        1,
+        "submit: waker clones held"
+    );
+    job.complete(0);
+    q.pop(0).unwrap().unwrap().complete(0);
+
+    // A blocking submit refused `Closed`: the close comes while it registers.
+    let closing: Arc<Admission<u32, u32>> =
+        Arc::new(Admission::new(AdmissionConfig::new(1, 1, OverflowPolicy::Block)).unwrap());
+    let _queued = closing
+        .try_submit(4, Priority::Throughput, Route::Worker(0))
+        .unwrap();
+    let c2 = closing.clone();
+    let (hook, waker) = clone_hook::waker(move || c2.close());
+    let mut fut = Box::pin(closing.submit(5, Priority::Throughput, Route::Worker(0)));
+    let Poll::Ready(Err(refused)) = fut.as_mut().poll(&mut Context::from_waker(&waker)) else {
+        panic!("closed during the registration")
+    };
+    assert_eq!(refused.error, pagedkv::error::AdmissionError::Closed);
+    drop(fut);
+    assert_eq!(
+        hook.live.load(Ordering::SeqCst),
+        1,
+        "closed submit: waker clones held"
+    );
+
+    // `pop_wait` ending `Closed`: the close comes while it registers.
+    let q2 = q.clone();
+    let (hook, waker) = clone_hook::waker(move || q2.close());
+    let mut fut = Box::pin(q.pop_wait(0));
+    assert!(matches!(
+        fut.as_mut().poll(&mut Context::from_waker(&waker)),
+        Poll::Ready(Err(pagedkv::error::AdmissionError::Closed))
+    ));
+    drop(fut);
+    assert_eq!(
+        hook.live.load(Ordering::SeqCst),
+        1,
+        "closed pop_wait: waker clones held"
+    );
+    assert_eq!(q.in_flight(), 0);
+}
+
+/// A ticket polled (its task's waker stored) and then dropped (a client's timeout, a `select!`
+/// that went the other way) while its request is still queued or running: the waker clone used
+/// to stay in the one-shot until the worker completed the request, which under load (a long
+/// queue, a long generation) held the client task's memory long after the task had ended.
+/// Dropping the ticket releases it; the completion still resolves nothing and wakes nobody.
+#[test]
+fn a_dropped_ticket_releases_its_waker_at_once() {
+    let q: Admission<u32, u32> =
+        Admission::new(AdmissionConfig::new(1, 4, OverflowPolicy::DropNewest)).unwrap();
+    let probe = Arc::new(Counting(AtomicUsize::new(0)));
+    let waker = Waker::from(probe.clone());
+    for popped_first in [false, true] {
+        let mut ticket = Box::pin(
+            q.try_submit(1, Priority::Throughput, Route::Worker(0))
+                .unwrap(),
+        );
+        assert!(ticket
+            .as_mut()
+            .poll(&mut Context::from_waker(&waker))
+            .is_pending());
+        assert_eq!(clones(&probe), 2, "the ticket holds one clone");
+        let job = popped_first.then(|| q.pop(0).unwrap().unwrap());
+        drop(ticket);
+        assert_eq!(clones(&probe), 1, "waker clone held by a dropped ticket");
+        let job = job.unwrap_or_else(|| q.pop(0).unwrap().unwrap());
+        assert!(job.is_cancelled());
+        job.complete(10);
+    }
+    assert_eq!(probe.0.load(Ordering::SeqCst), 0, "nobody woken");
+    assert_eq!(q.in_flight(), 0);
+}

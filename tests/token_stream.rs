@@ -77,6 +77,30 @@ fn a_dropped_reader_closes_the_sender() {
     assert_eq!(tx.finish(FinishReason::Eos), Err(SendError::Closed));
 }
 
+/// A reader polled (its task's waker registered) and then dropped: the sender lives on until
+/// the engine has aborted the sequence (or, queued in an admission payload, until a worker pops
+/// it), and the waker clone used to live as long, holding the ended reader task's memory. The
+/// drop releases it; later sends and the end wake nobody.
+#[test]
+fn a_dropped_reader_releases_its_waker_at_once() {
+    let (c, waker) = counting_waker();
+    let (mut tx, mut rx) = token_stream(4).unwrap();
+    assert_eq!(
+        rx.poll_recv(&mut Context::from_waker(&waker)),
+        Poll::Pending
+    );
+    assert_eq!(Arc::strong_count(&c), 3, "the stream holds one clone");
+    drop(rx);
+    assert_eq!(
+        Arc::strong_count(&c),
+        2,
+        "waker clone held by a dropped reader"
+    );
+    assert_eq!(tx.send(&[1]), Err(SendError::Closed));
+    assert_eq!(tx.finish(FinishReason::Eos), Err(SendError::Closed));
+    assert_eq!(c.0.load(Ordering::SeqCst), 0, "nobody woken");
+}
+
 #[test]
 fn a_lagging_reader_gets_the_tokens_that_fit_then_lagged() {
     let (mut tx, mut rx) = token_stream(3).unwrap();
@@ -345,6 +369,8 @@ proptest! {
                 Op::DropReader => {
                     if rx.take().is_some() {
                         m.reader_gone = true;
+                        // The drop frees its registered waker: nothing wakes it any more.
+                        m.armed = false;
                     }
                 }
             }

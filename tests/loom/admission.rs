@@ -8,6 +8,7 @@
 //! - an idle `pop_wait` is woken by the submit that brings work;
 //! - the ticket one-shot: completion racing the ticket's poll, and the ticket's drop (loom's
 //!   `Arc` checks that nothing leaks); a ticket re-polled with a new waker while completing;
+//!   a polled ticket dropped while completing (the drop takes its waker back);
 //! - a multi-slot ring with two producers and a consumer, across a lap boundary: every admitted
 //!   request is taken exactly once, in each producer's order, at least two of four admitted;
 //! - drop-oldest evicts only from a full queue: a pop that frees a slot first means no eviction;
@@ -550,6 +551,32 @@ fn ticket_polled_with_a_waker_replaced_while_completing() {
         let completer = thread::spawn(move || job.complete(33));
         assert_eq!(block_on_pinned(t), Ok(33));
         completer.join().unwrap();
+    });
+}
+
+/// A ticket polled (its waker stored) and then dropped while the worker completes it: the drop
+/// takes the waker back unless the completion's RMW came first, and a completion after the drop
+/// never reads it (loom's cell check fails a read racing the drop's take; its `Arc` check
+/// fails a one-shot block left behind).
+#[test]
+fn ticket_dropped_after_a_poll_races_completion() {
+    struct Nobody;
+    impl Wake for Nobody {
+        fn wake(self: std::sync::Arc<Self>) {}
+    }
+    crate::model(|| {
+        let q = one_slot(OverflowPolicy::DropNewest);
+        let mut t = Box::pin(q.try_submit(1, P, W0).unwrap());
+        let job = q.pop(0).unwrap().unwrap();
+        let waker = Waker::from(std::sync::Arc::new(Nobody));
+        assert!(t
+            .as_mut()
+            .poll(&mut Context::from_waker(&waker))
+            .is_pending());
+        let completer = thread::spawn(move || job.complete(5));
+        drop(t);
+        completer.join().unwrap();
+        assert_eq!(q.in_flight(), 0);
     });
 }
 

@@ -8,6 +8,8 @@
 //!   and the reader's items agree (both tokens then `Finished`, or the first then `Lagged`);
 //! - the reader's drop racing sends: once a send is refused `Closed` every later one is, and the
 //!   shared block is freed (loom's `Arc` checks leaks);
+//! - the reader's drop after a poll racing sends: its waker is freed by the drop or by the
+//!   wake holding the cell, though the sender lives on;
 //! - a dropped sender wakes a waiting reader, which gets the tokens then `Abandoned`;
 //! - a reader that re-polls with a new waker is woken through the new one.
 //!
@@ -157,6 +159,42 @@ fn the_readers_drop_racing_sends() {
             Poll::Pending => {}
             other => panic!("unexpected {other:?}"),
         }
+    });
+}
+
+/// The reader registers a waker, then is dropped while the sender sends: the drop frees the
+/// waker unless a wake holds the cell, which then frees it; once the sender's sends are done the
+/// waker is gone although the sender lives on (loom's cell check fails the drop's take racing
+/// a wake's). Its sends are refused `Closed` from the first that sees the drop on.
+#[test]
+fn the_readers_drop_after_a_poll_frees_its_waker() {
+    struct Nobody;
+    impl Wake for Nobody {
+        fn wake(self: std::sync::Arc<Self>) {}
+    }
+    crate::model(|| {
+        let (mut tx, mut rx) = token_stream(2).unwrap();
+        let sender = thread::spawn(move || {
+            let a = tx.send(&[1]);
+            let b = tx.send(&[2]);
+            (a, b, tx)
+        });
+        let probe = std::sync::Arc::new(Nobody);
+        let waker = Waker::from(probe.clone());
+        let first = rx.poll_recv(&mut Context::from_waker(&waker));
+        drop(waker);
+        drop(rx);
+        let (a, b, tx) = sender.join().unwrap();
+        if a == Err(SendError::Closed) {
+            assert_eq!(b, Err(SendError::Closed), "closed stays closed");
+        }
+        assert!(matches!(first, Poll::Pending | Poll::Ready(Some(Ok(_)))));
+        assert_eq!(
+            std::sync::Arc::strong_count(&probe),
+            1,
+            "the reader's waker outlived its drop"
+        );
+        drop(tx);
     });
 }
 

@@ -13,9 +13,13 @@
 //!   clear (and never reads the waker) or set `COMPLETE` first (and the receiver never writes).
 //!   Concurrent accesses to the waker are therefore only reads (`will_wake`, `wake_by_ref`).
 //! - After `COMPLETE` the value belongs to the receiver alone.
+//! - The receiver's drop sets `RX_CLOSED` with an RMW. If that RMW shows `RX_WAKER` without
+//!   `COMPLETE`, the sender's later RMW will see `RX_CLOSED` and never read the waker, so the
+//!   drop takes it out and drops it at once: a client that gave up on a request does not keep
+//!   its task's waker (in a runtime, the task's memory) alive until the request completes.
 //!
-//! Reclamation is by `Arc`: the shared block is freed when both ends are gone; the waker and
-//! any untaken value are dropped with it.
+//! Reclamation is by `Arc`: the shared block is freed when both ends are gone; a waker still
+//! stored and any untaken value are dropped with it.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -224,8 +228,22 @@ impl<R> Future for Ticket<R> {
 impl<R> Drop for Ticket<R> {
     fn drop(&mut self) {
         if let Some(shared) = &self.shared {
-            // Relaxed: advisory flag for `Completer::is_closed`; the Arc handles reclamation.
-            shared.state.fetch_or(RX_CLOSED, Ordering::Relaxed);
+            // Acquire: if `RX_WAKER` shows (and `COMPLETE` does not), our own earlier write of
+            // the waker is what we drop below (program order already gives that; the Acquire
+            // costs nothing on the RMW and keeps the argument local). The flag itself is
+            // advisory for `Completer::is_closed`; the Arc handles reclamation.
+            let prev = shared.state.fetch_or(RX_CLOSED, Ordering::Acquire);
+            if prev & RX_WAKER != 0 && prev & COMPLETE == 0 {
+                // Our RMW precedes the sender's `fetch_or(COMPLETE)` in the state's
+                // modification order, so that RMW sees `RX_CLOSED` and never reads the waker:
+                // drop the task's waker now rather than when the request completes (a long
+                // queue or generation would hold the ended task's memory until then).
+                // SAFETY: `RX_WAKER` was set, so only the receiver (us) writes the waker, and
+                // the sender reads it only if its RMW saw `RX_WAKER` without `RX_CLOSED`,
+                // which can no longer happen; `COMPLETE` clear means it has not read it yet.
+                let waker = shared.waker.with_mut(|w| unsafe { (*w).take() });
+                drop(waker);
+            }
         }
     }
 }

@@ -50,7 +50,9 @@
 //! # Cancel on drop
 //!
 //! Dropping the [`TokenStream`] sets a flag that [`StreamSender::is_closed`] reads; later sends
-//! are refused [`SendError::Closed`] and write nothing. [`StreamRouter::closed_into`] lists
+//! are refused [`SendError::Closed`] and write nothing. The drop also frees the reader's
+//! waker (unless a wake holds the cell, which then frees it), rather than leaving it to the
+//! sender's drop. [`StreamRouter::closed_into`] lists
 //! such sequences so the engine can abort them and free their pages.
 
 use std::collections::HashMap;
@@ -211,6 +213,30 @@ impl WakerCell {
             // The producer is taking the previous waker; it may miss this one, so wake now.
             Err(_) => waker.wake_by_ref(),
         }
+    }
+
+    /// Consumer only, from its drop: frees the stored waker now instead of with the shared
+    /// block (the sender can outlive the reader by a whole queue wait or until the engine's
+    /// abort lands, and a runtime's waker keeps the ended reader task's memory alive).
+    fn clear(&self) {
+        // Acquire: as in `register` (we see a finished wake's take).
+        if self
+            .state
+            .compare_exchange(WAITING, REGISTERING, Ordering::Acquire, Ordering::Acquire)
+            .is_err()
+        {
+            // The producer holds the cell (WAKING): it takes the waker itself and wakes it,
+            // which a dropped reader's executor ignores.
+            return;
+        }
+        // SAFETY: we moved `state` from WAITING to REGISTERING, so we own the cell, as in
+        // `register`: a `wake` running now sees REGISTERING and keeps off it.
+        let w = self.waker.with_mut(|w| unsafe { (*w).take() });
+        // AcqRel: Release hands the emptied cell back to the next `wake` (Acquire `fetch_or`);
+        // a wake that came meanwhile (REGISTERING | WAKING) left the cell to us and wakes
+        // nobody, which is right: nobody reads any more.
+        self.state.swap(WAITING, Ordering::AcqRel);
+        drop(w);
     }
 
     /// Producer only. Wakes the registered waker, if any.
@@ -490,6 +516,7 @@ impl Drop for TokenStream {
     fn drop(&mut self) {
         // Relaxed: advisory flag for `StreamSender::is_closed`; the Arc handles reclamation.
         self.shared.rx_closed.store(true, Ordering::Relaxed);
+        self.shared.waker.clear();
     }
 }
 

@@ -14,13 +14,31 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use super::waitlist::Registration;
+use super::waitlist::{Registration, WaitList};
 use super::Job;
 use super::{
     Admission, AdmissionError, Admit, Entry, OverflowPolicy, Priority, Refused, Rejected, Route,
     Ticket,
 };
 use crate::sync::{fence, Ordering};
+
+/// Gives up a resolving future's registration, if it has one. Its node can still be queued:
+/// the future registered, then its re-check succeeded, and the step that made it succeed
+/// (a push, a pop, a `close`) ran its wake-up before the node was in the list. The list
+/// cannot unlink one node, so without this the node and its clone of the task's waker stayed
+/// until the list's next wake-up (for a `pop_wait` that ended `Closed`, until the queue set's
+/// drop), holding a finished task's memory in a runtime and waking it spuriously later.
+/// `Registration::abandon` takes the list instead (its other waiters re-register).
+///
+/// # Panics
+/// A waker's panic, as `Registration::abandon`; the outcome the poll was returning is then
+/// dropped as on any unwind (a taken job resolves its ticket `Abandoned`; an admitted submit's
+/// ticket is dropped, so its worker sees the request cancelled).
+fn release(reg: &mut Option<Registration>, list: &WaitList) {
+    if let Some(reg) = reg.take() {
+        reg.abandon(list);
+    }
+}
 
 pub(super) enum SubmitStage<T, R> {
     Start {
@@ -124,11 +142,11 @@ impl<T, R> Future for Submit<'_, T, R> {
             // fence, so a `close` whose wake-up missed our registration is seen there.
             match adm.enqueue(worker, priority, entry, true) {
                 Ok(()) => {
-                    this.reg = None;
+                    release(&mut this.reg, room);
                     return Poll::Ready(Ok(ticket));
                 }
                 Err(Rejected::Closed(e)) => {
-                    this.reg = None;
+                    release(&mut this.reg, room);
                     return Poll::Ready(Err(adm.refuse_closed(e.payload)));
                 }
                 // (`Busy` is drop-oldest's only.)
@@ -210,11 +228,11 @@ impl<T, R> Future for PopWait<'_, T, R> {
             let drained_if_empty = adm.closed_and_quiet(this.worker);
             let mut busy = false;
             if let Some(job) = adm.take(this.worker, &mut busy) {
-                this.reg = None;
+                release(&mut this.reg, &wq.work);
                 return Poll::Ready(Ok(job));
             }
             if drained_if_empty && !busy {
-                this.reg = None;
+                release(&mut this.reg, &wq.work);
                 return Poll::Ready(Err(AdmissionError::Closed));
             }
             // Busy: a submit is writing the oldest request; it wakes us when it lands.

@@ -381,3 +381,38 @@ fn a_light_engines_unused_share_is_lent_to_a_heavy_one() {
     let p99 = light.latency_critical.ttft.p99_ms;
     assert!(p99 <= 4.0 * cfg.step_ms, "light ttft p99 {p99} ms");
 }
+
+/// A heavy engine beside a light one of three times its weight whose small geometry fits a
+/// sequence in a page or two: the light one needs at most 14 of its 192 pages, so the heavy
+/// one borrows most of the rest while the light one works, and neither preempts. Before, the
+/// heavy one borrowed only while the light one idled and gave the pages back each time it had
+/// work again: 54 preemptions, time to first token p50 9.0 s against 5.3 s.
+#[test]
+fn a_light_engines_unused_pages_are_lent_to_a_heavy_one() {
+    let mut cfg = saturated();
+    cfg.pool_blocks = 256;
+    cfg.engines = vec![engine("light", 3, 8.0), engine("heavy", 1, 40.0)];
+    // K and V of 256 bytes a token against the heavy one's 2 KiB: 128 tokens a page.
+    cfg.engines[0].kv_heads = 1;
+    cfg.engines[0].heads = 1;
+    cfg.engines[0].prompt_mean = 8.0;
+    cfg.engines[0].output_mean = 200.0;
+    cfg.engines[1].kv_heads = 4;
+    cfg.engines[1].heads = 8;
+    cfg.engines[1].head_dim = 64;
+    cfg.engines[1].prompt_mean = 200.0;
+    let r = sim::run(&cfg, &|_| {}).unwrap();
+    check_accounting(&r);
+    let (light, heavy) = (&r.engines[0], &r.engines[1]);
+    assert!(heavy.peak_borrowed >= 100, "{}", heavy.peak_borrowed);
+    for e in [light, heavy] {
+        assert_eq!(
+            (e.preempted_recompute, e.preempted_swap),
+            (0, 0),
+            "{}",
+            e.name
+        );
+    }
+    let p99 = light.latency_critical.ttft.p99_ms;
+    assert!(p99 <= 4.0 * cfg.step_ms, "light ttft p99 {p99} ms");
+}

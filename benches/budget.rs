@@ -290,6 +290,17 @@ fn recompute(c: &mut Criterion) {
         });
         ours.publish_demand(EngineId(0), u32::MAX);
         ours.recompute();
+        // The same for block demand: an active engine needs a few of its blocks, then all it
+        // can get (block lending: the lendable blocks filled by demand, then the leftover).
+        g.bench_with_input(BenchmarkId::new("pagedkv_block_demand", n), &n, |b, _| {
+            b.iter(|| {
+                low = !low;
+                ours.publish_block_demand(EngineId(0), if low { 1 } else { u32::MAX });
+                assert!(matches!(ours.recompute(), Publication::Published { .. }));
+            })
+        });
+        ours.publish_block_demand(EngineId(0), u32::MAX);
+        ours.recompute();
         g.bench_with_input(BenchmarkId::new("kapsl_mutex_activity", n), &n, |b, _| {
             b.iter(|| {
                 flip = !flip;

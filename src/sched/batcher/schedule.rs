@@ -252,24 +252,32 @@ impl Batcher {
         self.budget.as_ref().is_some_and(|b| b.pages_lent_out(need))
     }
 
-    /// The pages the running sequences will take over the next [`BLOCK_DEMAND_HORIZON`]
-    /// tokens each (at most to their longest), beyond what their tables hold; `None` (all it
-    /// can get) when this step was short of pages or work waits to be admitted or swapped
-    /// in. O(running sequences).
+    /// The pages this engine's work will take over the next [`BLOCK_DEMAND_HORIZON`] tokens
+    /// of each sequence (at most to its longest) beyond what it holds: the running and the
+    /// swapped-out sequences, and the waiting ones that the free running slots could admit
+    /// (latency-critical first, each in queue order); `None` (all it can get) when this step
+    /// was short of pages. Counting the waiting work, rather than asking for everything while
+    /// any waits, keeps a light engine's arrival from taking back all it lent: the borrowers
+    /// give back what the arrival needs. O(running + swapped sequences + free slots).
     fn block_growth(&self) -> Option<u32> {
-        if self.pages_short
-            || !self.swapped.is_empty()
-            || self.waiting.iter().any(|w| !w.is_empty())
-        {
+        if self.pages_short {
             return None;
         }
-        let growth = self.running.iter().map(|&slot| {
-            let s = self.seq(slot);
-            let longest = (s.prompt_len + s.stop.max_new_tokens as usize).saturating_sub(1);
-            let until = (s.tokens.len() + BLOCK_DEMAND_HORIZON).min(longest);
-            self.blocks_for(until)
-                .saturating_sub(s.table.len() as usize)
-        });
+        let free_slots = (self.cfg.max_running as usize)
+            .saturating_sub(self.running.len() + self.swapped.len());
+        let waiting = self.waiting.iter().flatten().take(free_slots);
+        let growth = self
+            .running
+            .iter()
+            .chain(&self.swapped)
+            .chain(waiting)
+            .map(|&slot| {
+                let s = self.seq(slot);
+                let longest = (s.prompt_len + s.stop.max_new_tokens as usize).saturating_sub(1);
+                let until = (s.tokens.len() + BLOCK_DEMAND_HORIZON).min(longest);
+                self.blocks_for(until)
+                    .saturating_sub(s.table.len() as usize)
+            });
         Some(growth.fold(0u32, |sum, g| sum.saturating_add(g as u32)))
     }
 

@@ -75,10 +75,10 @@ pub trait EngineBudget: Send + Sync {
     fn record_step(&self, tokens: u32, demand: u32) {
         let _ = (tokens, demand);
     }
-    /// Reports the pages the engine's admitted work will take over its next steps beyond
-    /// what it holds now (`Some`), or that it wants all it can get (`None`: this step was
-    /// short of pages, or work waits to be admitted or swapped in). An engine whose demand is
-    /// below its quota lets the coordinator lend the rest until it rises.
+    /// Reports the pages the engine's work (running, swapped out, and waiting where a running
+    /// slot is free) will take over its next steps beyond what it holds now (`Some`), or that
+    /// it wants all it can get (`None`: this step was short of pages). An engine whose demand
+    /// is below its quota lets the coordinator lend the rest until it rises.
     fn record_block_demand(&self, growth: Option<u32>) {
         let _ = growth;
     }

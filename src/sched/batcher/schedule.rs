@@ -263,8 +263,8 @@ impl Batcher {
         if self.pages_short {
             return None;
         }
-        let free_slots = (self.cfg.max_running as usize)
-            .saturating_sub(self.running.len() + self.swapped.len());
+        let free_slots =
+            (self.cfg.max_running as usize).saturating_sub(self.running.len() + self.swapped.len());
         let waiting = self.waiting.iter().flatten().take(free_slots);
         let growth = self
             .running

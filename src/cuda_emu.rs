@@ -297,12 +297,16 @@ unsafe impl crate::engine::RawDevice for EmuDevice {
     }
 
     fn synchronize(&self) -> Result<(), crate::error::EngineError> {
-        let queued = std::mem::take(&mut *self.queued());
-        for (at, bytes) in queued {
+        // The lock is held until every source is checked: a clone's synchronize on another
+        // thread (the same stream) waits for this one, so it cannot return, and let its caller
+        // rewrite or free a source, while this check still reads it.
+        let mut queued = self.queued();
+        for (at, bytes) in std::mem::take(&mut *queued) {
             // SAFETY: `RawDevice::copy_to_device`'s contract keeps the source allocated (and
             // unmodified, which this checks) until the next synchronize of this device (of its
-            // stream: the queue is the device's and its clones', whichever thread syncs), which
-            // is this one: the queue was emptied at the last.
+            // stream: the queue is the device's and its clones', whichever thread syncs)
+            // returns, which is this one: the queue was emptied at the last, and no other
+            // synchronize can return before this one releases the queue's lock.
             let now = unsafe { std::slice::from_raw_parts(at as *const u8, bytes.len()) };
             if now != bytes {
                 return Err(crate::error::EngineError::InvalidConfig(format!(

@@ -368,3 +368,39 @@ fn a_second_begin_or_copy_in_one_step_waits_for_the_queued_copy() {
     b.begin(&batch(6)).unwrap();
     b.end().unwrap();
 }
+
+/// Two clones of one emulated device (one stream) on two threads: thread A queues a copy, thread
+/// B's `synchronize` takes the queue and checks A's source bytes, and A's own `synchronize`,
+/// called meanwhile, found the queue empty and returned at once, so A rewrote (or could free)
+/// its source while B still read it: a data race, and B reported A's legal rewrite as a broken
+/// contract. A `synchronize` now returns only once the copies queued before it are checked.
+#[test]
+fn a_clones_synchronize_waits_for_the_check_another_clone_runs() {
+    use pagedkv::engine::RawDevice;
+    use std::sync::mpsc;
+    const BYTES: usize = 64 << 20;
+    let a = EmuDevice::new(8);
+    let dst = a.alloc(BYTES).unwrap();
+    for attempt in 0..8 {
+        let mut src = vec![attempt as u8; BYTES];
+        // SAFETY: `dst` holds BYTES bytes of emulated memory; `src` is rewritten only after a
+        // `synchronize` of this stream has returned (below).
+        unsafe { a.copy_to_device(dst, &src) }.unwrap();
+        let b = a.clone();
+        let (started, wait) = mpsc::channel();
+        let checker = std::thread::spawn(move || {
+            started.send(()).unwrap();
+            b.synchronize()
+        });
+        wait.recv().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        a.synchronize().unwrap();
+        // The copy is complete for this thread: its source is the caller's again.
+        src[BYTES - 1] ^= 0xff;
+        let r = checker.join().unwrap();
+        assert!(r.is_ok(), "attempt {attempt}: {r:?}");
+        drop(src);
+    }
+    // SAFETY: allocated above, freed once; nothing is queued (synchronised).
+    unsafe { a.free(dst) };
+}

@@ -213,8 +213,9 @@ impl<D: RawDevice> RawBackend<D> {
         self.params.programmatic_launch = on;
     }
 
-    /// Grows the device buffers to hold `need` (each capacity at least doubled), after waiting
-    /// for the stream (queued work may still use the old ones). On error the old buffers stay.
+    /// Grows the device buffers to hold `need` (each capacity `need` passes at least doubled,
+    /// up to the kernels' limits; the others kept), after waiting for the stream (queued work
+    /// may still use the old ones). On error the old buffers stay.
     fn reserve(&mut self, need: RawCaps) -> Result<(), EngineError> {
         let have = self.bufs.caps;
         if need.max_seqs <= have.max_seqs

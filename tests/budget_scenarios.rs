@@ -581,3 +581,103 @@ fn a_lender_short_of_lent_pages_waits_rather_than_preempt_its_own() {
     let s = w.engines[a].bt.stats();
     assert_eq!((s.preempted_recompute, s.preempted_swap), (0, 0));
 }
+
+/// A lender's latency-critical row short of pages it lent does not wait for the borrower's
+/// step when the engine's own throughput work can give them up at once: it preempts that work
+/// as it did before lending (the same order as a latency-critical admission, which asks another
+/// engine to donate only what its own throughput sequences do not cover).
+#[test]
+fn a_lenders_latency_critical_row_preempts_its_throughput_rather_than_wait() {
+    // 32 blocks of 4 tokens, weights 1:1: quotas of 16; block demand quantum 1.
+    let mut w = world(4, 256, 32);
+    let a = w.join(1, PreemptionMode::Recompute);
+    let b = w.join(1, PreemptionMode::Recompute);
+    let (ida, idb) = (w.engines[a].id, w.engines[b].id);
+    // A: one throughput sequence (a page of prompt, 6 pages at its longest).
+    w.add(a, 1, 4, 20, Priority::Throughput);
+    w.schedule_one(a);
+    w.commit_one(a);
+    assert_eq!(w.c.block_demand(ida), Some(6));
+    // B, flooded, borrows the other 10 of A's quota.
+    w.add(b, 20, 8, 40, Priority::Throughput);
+    for _ in 0..10 {
+        w.schedule_one(b);
+        w.commit_one(b);
+        if w.c.blocks_held(idb) == 26 {
+            break;
+        }
+    }
+    assert_eq!(w.c.blocks_held(idb), 26, "{:?}", w.c.snapshot());
+    // A admits a latency-critical 4-page prompt into the 5 free pages: the pool is full.
+    w.add(a, 1, 16, 4, Priority::LatencyCritical);
+    w.schedule_one(a);
+    w.commit_one(a);
+    assert_eq!(w.c.blocks_in_use(), 32);
+    // A steps again before B: the latency-critical decode row needs a fifth page, which the
+    // pool has not (B still holds what it borrowed) but A's throughput sequence has.
+    w.schedule_one(a);
+    let batch = w.engines[a].bt.batch();
+    assert!(
+        batch.seq_ids.contains(&2),
+        "the latency-critical row waited for B: batch {:?}, {:?}",
+        batch.seq_ids,
+        w.c.snapshot()
+    );
+    w.commit_one(a);
+    assert_eq!(w.engines[a].bt.stats().preempted_recompute, 1);
+    for _ in 0..40 {
+        w.step();
+        w.check_sums();
+    }
+    assert_eq!(w.engines[a].bt.stats().finished, 2);
+}
+
+/// A lender's prefill chunk short of pages it lent runs as much of itself as the pages on hand
+/// hold (here the rest of its last page), as it would short of pages for any other reason,
+/// rather than wait with nothing for the borrower to give back.
+#[test]
+fn a_lenders_prefill_chunk_short_of_lent_pages_runs_shorter_rather_than_wait() {
+    // 64 blocks of 4 tokens, 16 tokens a step, weights 1:1: quotas of 32; quantum 1.
+    let mut w = world(4, 16, 64);
+    let a = w.join(1, PreemptionMode::Recompute);
+    let b = w.join(1, PreemptionMode::Recompute);
+    let idb = w.engines[b].id;
+    // A: one short sequence (its demand 6 pages); B, flooded, borrows the rest of A's quota.
+    w.add(a, 1, 4, 20, Priority::Throughput);
+    w.schedule_one(a);
+    w.commit_one(a);
+    w.add(b, 30, 8, 40, Priority::Throughput);
+    for _ in 0..200 {
+        w.schedule_one(b);
+        w.commit_one(b);
+        if w.c.blocks_held(idb) == 58 {
+            break;
+        }
+    }
+    assert_eq!(w.c.blocks_held(idb), 58, "{:?}", w.c.snapshot());
+    // A admits a 56-token prompt, 7 tokens a step (its token budget of 8 less its decode):
+    // two steps before B's take the pool's last free pages.
+    w.add(a, 1, 56, 2, Priority::Throughput);
+    for _ in 0..2 {
+        w.schedule_one(a);
+        w.commit_one(a);
+    }
+    assert_eq!(w.c.blocks_in_use(), 64, "{:?}", w.c.snapshot());
+    // The third chunk's pages are lent to B; the rest of the prompt's last page is not.
+    w.schedule_one(a);
+    assert!(
+        w.engines[a].bt.batch().seq_ids.contains(&2),
+        "the prefill row waited with its last page unfilled: {:?}",
+        w.engines[a].bt.batch().seq_ids
+    );
+    w.commit_one(a);
+    for _ in 0..60 {
+        w.step();
+        w.check_sums();
+    }
+    let s = w.engines[a].bt.stats();
+    assert_eq!(
+        (s.preempted_recompute, s.preempted_swap, s.finished),
+        (0, 0, 2)
+    );
+}

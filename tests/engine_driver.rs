@@ -2156,3 +2156,94 @@ fn a_latency_critical_request_preempts_its_own_throughput_work_before_asking_a_d
     drop(engines);
     assert_no_leak(&shared);
 }
+
+/// A lender with latency-critical work short of the pages it lent (no throughput work of its
+/// own to preempt) asks the borrower to donate them, and its raised block demand orders the
+/// borrower to give back what it holds above its lowered limit: both reach the borrower at its
+/// next step. The order's pages cover the request (the coordinator promises no more than the
+/// pool), so the borrower gives back the larger of the two; it gave back their sum, preempting
+/// the donated pages' worth of work more, for nothing.
+#[test]
+fn a_borrower_asked_to_donate_and_to_give_back_sheds_the_pages_once() {
+    // Quotas 16 and 16 pages of 32 tokens; block demand quantum 1; whole prompts in one chunk.
+    let (shared, _) = build_weighted(32, &[], 2, 1000);
+    let mut engines: Vec<Driven> = (0..2)
+        .map(|_| {
+            let (shape, heads) = shapes()[0];
+            let mut cfg = engine_config(PreemptionMode::Recompute);
+            cfg.prefix_cache = false;
+            cfg.max_prefill_chunk = 128;
+            let engine = Engine::host(&shared, cfg, &shape, heads).unwrap();
+            (
+                engine,
+                ClosedForm::new(heads, shape.num_kv_heads, shape.head_dim),
+            )
+        })
+        .collect();
+    let c = shared.coordinator().clone();
+    let ids: Vec<_> = engines.iter().map(|(e, _)| e.id()).collect();
+    // A: one short latency-critical sequence, decoding: its block demand is two pages.
+    let mut chat = request(1, 20, 40);
+    chat.priority = Priority::LatencyCritical;
+    add(&mut engines[0], chat);
+    for _ in 0..3 {
+        let (a, m) = &mut engines[0];
+        a.step(m).unwrap();
+    }
+    let demand = c.block_demand(ids[0]).expect("A published a block demand");
+    assert!(demand < 16, "{:?}", c.snapshot());
+    // B, flooded, borrows what A's demand leaves of its quota.
+    for s in 0..8 {
+        add(&mut engines[1], request(100 + s, 40, 200));
+    }
+    for _ in 0..200 {
+        let (b, m) = &mut engines[1];
+        b.step(m).unwrap();
+        if c.blocks_held(ids[1]) == u64::from(c.block_limit(ids[1])) {
+            break;
+        }
+    }
+    assert!(
+        c.blocks_held(ids[1]) > 16,
+        "B borrowed nothing: {:?}",
+        c.snapshot()
+    );
+    let free = 32 - c.blocks_in_use();
+    // A's second latency-critical request needs more than the pool has free, fewer than A's
+    // quota leaves it.
+    let mut urgent = request(2, 120, 4);
+    urgent.priority = Priority::LatencyCritical;
+    add(&mut engines[0], urgent);
+    let (need_class, need) = engines[0].0.batcher().next_admission_need().unwrap();
+    assert_eq!(need_class, Priority::LatencyCritical);
+    assert!(
+        u64::from(need) > free && c.blocks_held(ids[0]) + u64::from(need) <= 16,
+        "need {need}, free {free}: {:?}",
+        c.snapshot()
+    );
+    let (a, m) = &mut engines[0];
+    let report = a.step(m).unwrap();
+    assert_eq!(c.block_demand(ids[0]), None, "A asks for its whole quota");
+    let owed = c.reclaim_for(ids[1]);
+    assert!(owed >= need, "owed {owed}, need {need}: {:?}", c.snapshot());
+    let (b, m) = &mut engines[1];
+    let shed = b.step(m).unwrap().pages_shed;
+    assert!(report.asked_donation, "A asked no donation");
+    assert_eq!(shed, owed, "B gave back more than it borrowed");
+    let (a, m) = &mut engines[0];
+    a.step(m).unwrap();
+    assert_ne!(
+        a.batcher().phase(2),
+        Some(SeqPhase::Waiting),
+        "{:?}",
+        c.snapshot()
+    );
+    for _ in 0..2000 {
+        for (e, m) in engines.iter_mut().filter(|(e, _)| e.has_work()) {
+            e.step(m).unwrap();
+        }
+    }
+    assert!(engines.iter().all(|(e, _)| !e.has_work()));
+    drop(engines);
+    assert_no_leak(&shared);
+}

@@ -106,9 +106,9 @@ impl EngineConfig {
 /// One model's engine on a shared arena: a continuous-batching [`Batcher`], its share of the
 /// coordinator, its KV backend, and the multi-model protocol around each step:
 ///
-/// - **before scheduling**: pages lenders reclaim ([`BudgetCoordinator::reclaim_for`]) and
-///   pages other engines asked for ([`SharedArena::take_donations`]) become a shed request
-///   (the batcher preempts to give them back); latency-critical work that waits for pages lent
+/// - **before scheduling**: pages lenders reclaim ([`BudgetCoordinator::reclaim_for`]) or
+///   pages other engines asked for ([`SharedArena::take_donations`]), the larger, become a
+///   shed request (the batcher preempts to give them back); latency-critical work that waits for pages lent
 ///   out asks the lowest-priority engine for a donation (once per step of that donor: the
 ///   request is not repeated on each of this engine's steps while the donor has not taken it);
 /// - **after commit**: the engine publishes what preempting it would free (donor choice of the
@@ -437,11 +437,18 @@ impl<B: KvBackend> Engine<B> {
             Some(_) => {}
             None => self.donation_asked = None,
         }
+        // Not their sum: a donation is asked only for pages that fit the asker's limit but not
+        // the pool's free pages, pages lent out, and what a reclaim order gives back goes to the
+        // pool, where the asker takes them. A lender short of pages it lent both asks for a
+        // donation and (its raised block demand) orders the borrowers to give back: summed,
+        // a borrower given both at one step preempted the asked pages twice, for nothing.
+        // (Taken at different steps they do not add up either: the order asks only for what
+        // this engine still holds above its limit.)
         let shed = self
             .shared
             .coordinator()
             .reclaim_for(self.id)
-            .saturating_add(self.shared.take_donations(self.id));
+            .max(self.shared.take_donations(self.id));
         if shed > 0 {
             self.batcher.request_shed(shed);
             self.report.pages_shed = shed;

@@ -85,8 +85,10 @@ pub trait EngineBudget: Send + Sync {
     /// Whether `n` more blocks fit this engine's limit but not the device's free blocks: pages
     /// it lent are held by borrowers, whom the coordinator orders to give them back once this
     /// engine's demand is published ([`record_block_demand`](Self::record_block_demand)). A
-    /// running sequence short of pages then waits a step or two rather than preempt one of
-    /// this engine's own. `false` (the default): nothing is lent.
+    /// running sequence short of pages then runs as much of a prefill chunk as the pages on
+    /// hand hold, and waits a step or two for the rest rather than preempt a sequence of its
+    /// own class (a latency-critical row still preempts this engine's throughput work at
+    /// once). `false` (the default): nothing is lent.
     fn pages_lent_out(&self, n: u32) -> bool {
         let _ = n;
         false

@@ -124,15 +124,6 @@ impl Batcher {
                     // token.
                     self.seq_mut(slot).drafts.clear();
                 }
-                Reserve::NoBlocks if self.waits_for_lent_pages(slot, n) => {
-                    // The pages are lent to another engine, which gives them back at its next
-                    // step (this step's demand tells the coordinator to take them back):
-                    // waiting a step costs less than preempting one of this engine's own
-                    // sequences for them. Nothing is admitted this step either.
-                    waited = true;
-                    owed = owed.saturating_sub(row_owed);
-                    i += 1;
-                }
                 Reserve::NoBlocks => {
                     // Victim: lowest priority, latest arrival, among those not yet scheduled
                     // (this one included).
@@ -153,6 +144,19 @@ impl Batcher {
                         if m > 0 {
                             shortened = Some(m);
                             shortened_any = true;
+                            continue;
+                        }
+                        // The pages are lent to another engine, which gives them back at its
+                        // next step (this step's demand tells the coordinator to take them
+                        // back): waiting a step costs less than preempting a sequence of this
+                        // row's own class for them. Not where the victim is throughput work
+                        // and this row latency-critical: that work gives its pages up now, as
+                        // it would to a latency-critical admission. Nothing is admitted this
+                        // step either.
+                        if self.waits_for_lent_pages(slot, n) {
+                            waited = true;
+                            owed = owed.saturating_sub(row_owed);
+                            i += 1;
                             continue;
                         }
                     }

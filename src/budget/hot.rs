@@ -79,8 +79,8 @@ impl BudgetCoordinator {
     }
 
     /// Publishes how many blocks the engine expects to hold soon: what it holds and what its
-    /// work will take next, or `u32::MAX` when it is short of pages (then it reserves its
-    /// whole quota and wants to borrow). The next
+    /// work will take next (`u32::MAX`, or anything from the cap up: its whole quota, and
+    /// borrowing up to the cap). The next
     /// [`recompute`](Self::recompute) lends what a demand leaves of its engine's quota to the
     /// active engines that want more ([`block_limit`](Self::block_limit)); the engine's own
     /// limit stays at least its quota, so when its demand rises it takes what the pool has

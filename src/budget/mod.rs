@@ -186,8 +186,8 @@
 //! **Block lending.** An active engine running a few short sequences would otherwise reserve
 //! its whole quota while another engine preempts for pages. Each engine publishes its **block
 //! demand**: what it holds plus what its work (running, swapped out, and waiting where a
-//! running slot is free) will take over the next steps, or none (its whole quota) while it is
-//! short of pages ([`publish_block_demand`]; the scheduler's link does it each step). An active engine with a
+//! running slot is free, each for its next 128 tokens) will take ([`publish_block_demand`];
+//! the scheduler's link does it each step). An active engine with a
 //! demand below its quota reserves only that demand (at least what it holds). The lendable
 //! blocks go first to the active engines whose demand is above their quota, by weight, each up
 //! to its demand and the cap, then what they leave to every active engine by weight, up to the

@@ -126,16 +126,13 @@ impl EngineBudget for EngineShare {
     }
 
     /// Publishes the engine's block demand ([`BudgetCoordinator::publish_block_demand`]): the
-    /// blocks it holds plus `growth`, or all it can get; the next recomputation lends what a
-    /// demand leaves of the engine's quota to engines that want more, and takes it back (their
-    /// reclaim orders) once it rises.
-    fn record_block_demand(&self, growth: Option<u32>) {
+    /// blocks it holds plus `growth`; the next recomputation lends what a demand leaves of the
+    /// engine's quota to engines that want more, and takes it back (their reclaim orders) once
+    /// it rises.
+    fn record_block_demand(&self, growth: u32) {
         let c = &self.coordinator;
-        let demand = growth.map_or(u32::MAX, |g| {
-            let held = c.blocks_held(self.engine).min(u64::from(u32::MAX)) as u32;
-            held.saturating_add(g)
-        });
-        c.publish_block_demand(self.engine, demand);
+        let held = c.blocks_held(self.engine).min(u64::from(u32::MAX)) as u32;
+        c.publish_block_demand(self.engine, held.saturating_add(growth));
     }
 
     /// Keeps the step's `tokens` and gives back the rest of what `token_budget` took, so that

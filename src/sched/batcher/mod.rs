@@ -76,10 +76,10 @@ pub trait EngineBudget: Send + Sync {
         let _ = (tokens, demand);
     }
     /// Reports the pages the engine's work (running, swapped out, and waiting where a running
-    /// slot is free) will take over its next steps beyond what it holds now (`Some`), or that
-    /// it wants all it can get (`None`: this step was short of pages). An engine whose demand
-    /// is below its quota lets the coordinator lend the rest until it rises.
-    fn record_block_demand(&self, growth: Option<u32>) {
+    /// slot is free) will take over its next steps beyond what it holds now (`u32::MAX`: all
+    /// it can get). An engine whose demand is below its quota lets the coordinator lend the
+    /// rest until it rises.
+    fn record_block_demand(&self, growth: u32) {
         let _ = growth;
     }
     /// Whether `n` more blocks fit this engine's limit but not the device's free blocks: pages
@@ -284,9 +284,6 @@ pub struct Batcher {
     arrivals: u64,
     stats: BatcherStats,
     active_reported: bool,
-    /// Whether this step could not take pages it asked for (the budget or the pool refused):
-    /// its block demand is then all it can get.
-    pages_short: bool,
     /// Whether this step's token budget left work out (a row shorter than it wanted, a
     /// decoder or an admission skipped for tokens): its demand is then more than it scheduled.
     budget_cut: bool,
@@ -396,7 +393,6 @@ impl Batcher {
             stats: BatcherStats::default(),
             active_reported: false,
             budget_cut: false,
-            pages_short: false,
             guaranteed_seen: u32::MAX,
         })
     }

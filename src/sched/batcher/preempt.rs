@@ -266,7 +266,6 @@ impl Batcher {
             if let Some(b) = &self.budget {
                 if !b.try_acquire_blocks(fresh) {
                     self.pages_on_hand = None;
-                    self.pages_short = true;
                     return false;
                 }
             }
@@ -284,7 +283,6 @@ impl Batcher {
                 }
                 self.scratch.clear();
                 self.pages_on_hand = Some((reusable as u32).saturating_add(self.pool.free_count()));
-                self.pages_short = true;
                 return false;
             }
         }

@@ -50,7 +50,6 @@ impl Batcher {
 
         let external = self.budget.as_ref().map_or(u32::MAX, |b| b.token_budget());
         self.budget_cut = false;
-        self.pages_short = false;
         let mut budget = self.cfg.max_batched_tokens.min(external) as usize;
 
         // 1. Running sequences, most urgent and oldest first. Admissions, swap-ins and forks
@@ -259,14 +258,12 @@ impl Batcher {
     /// The pages this engine's work will take over the next [`BLOCK_DEMAND_HORIZON`] tokens
     /// of each sequence (at most to its longest) beyond what it holds: the running and the
     /// swapped-out sequences, and the waiting ones that the free running slots could admit
-    /// (latency-critical first, each in queue order); `None` (all it can get) when this step
-    /// was short of pages. Counting the waiting work, rather than asking for everything while
-    /// any waits, keeps a light engine's arrival from taking back all it lent: the borrowers
-    /// give back what the arrival needs. O(running + swapped sequences + free slots).
-    fn block_growth(&self) -> Option<u32> {
-        if self.pages_short {
-            return None;
-        }
+    /// (latency-critical first, each in queue order), saturating at `u32::MAX`. Counting the
+    /// work that waits or was refused pages, rather than asking for everything while any waits
+    /// or a step is short, keeps a light engine's arrival from taking back all it lent: the
+    /// borrowers give back what the arrival needs. O(running + swapped sequences + free
+    /// slots).
+    fn block_growth(&self) -> u32 {
         let free_slots =
             (self.cfg.max_running as usize).saturating_sub(self.running.len() + self.swapped.len());
         let waiting = self.waiting.iter().flatten().take(free_slots);
@@ -282,7 +279,9 @@ impl Batcher {
                 self.blocks_for(until)
                     .saturating_sub(s.table.len() as usize)
             });
-        Some(growth.fold(0u32, |sum, g| sum.saturating_add(g as u32)))
+        growth.fold(0u32, |sum, g| {
+            sum.saturating_add(g.min(u32::MAX as usize) as u32)
+        })
     }
 
     /// At the class boundary of step 1 (`running[*at..]` are throughput sequences, none in the

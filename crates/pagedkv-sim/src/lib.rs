@@ -15,7 +15,9 @@
 //!    is formed at its start: a request arriving during it waits for the next one, so no
 //!    first token comes sooner than one step after its request);
 //! 2. **engines schedule** in engine order (block grants are then the same on every run):
-//!    each takes requests from its queue and runs the driver's `schedule`;
+//!    each takes requests from its queue and runs the driver's `schedule` (one that was idle
+//!    and got work is reported active and the budgets recomputed first, so it gets tokens in
+//!    this step, as a server's engine does);
 //! 3. **engines execute** their kernels in parallel on the shared arena, then **commit** in
 //!    engine order (pages are freed, and offered to the prefix cache, in the same order on
 //!    every run: with a prefix cache, which page holds what decides what eviction takes);
@@ -397,8 +399,14 @@ pub fn run_on(
     let mut timeline = Vec::new();
     let mut used_sum = 0f64;
     let mut used_peak = 0u32;
+    // Pages the engines' budgets hold (their sequences'), apart from pages only the prefix
+    // cache keeps: with a cache the pool fills with the latter, and "in use" alone read as a
+    // pool run dry.
+    let mut seq_sum = 0f64;
+    let mut seq_peak = 0u64;
     let mut peak_held = vec![0u32; n];
     let mut peak_borrowed = vec![0u64; n];
+    let mut peak_cached = vec![0u32; n];
     let mut steps_run = 0u64;
     // Each simulated step has three phases, each a parallel section of the run's own (no
     // engine waits for another inside the library): clients submit, engines schedule in
@@ -411,8 +419,17 @@ pub fn run_on(
             .for_each(|c| c.step(&admission, start_ms));
         for (idx, rt) in engines.iter_mut().enumerate() {
             rt.admit(&admission, idx)?;
+            // An engine that just got work is reported active and the budgets recomputed before
+            // it schedules, as a server's engine has them (`RecomputePolicy::SERVER`): without
+            // this its budget stayed 0 until the step's end, and every request reaching an idle
+            // engine lost a step. Deterministic: engines schedule one after another.
+            let id = EngineId(idx as u16);
+            if rt.batcher().has_work() && !coordinator.set_active(id, true) {
+                coordinator.recompute();
+            }
             rt.schedule();
-            // Shares change only at the recompute below, so this is the one the step saw.
+            // Shares change only at a recompute (an engine waking above, the step's end below),
+            // so, read now, this is the one the step saw.
             let share = coordinator.token_share(EngineId(idx as u16));
             let m = &mut rt.metrics;
             m.above_share += u64::from(
@@ -432,9 +449,18 @@ pub fn run_on(
         used_sum += f64::from(used);
         used_peak = used_peak.max(used);
         let snapshot = coordinator.snapshot();
+        let seq_used: u64 = snapshot.engines.iter().map(|st| st.blocks_held).sum();
+        seq_sum += seq_used as f64;
+        seq_peak = seq_peak.max(seq_used);
         for (e, st) in snapshot.engines.iter().enumerate().take(n) {
-            peak_held[e] = peak_held[e].max(pool.held(EngineId(e as u16)));
+            // What its budget holds (its sequences' pages), the figure beside "borrowed" (held
+            // above its quota); the pool also counts, as the engine's, the pages only the
+            // prefix cache keeps, reported apart.
+            let held = u32::try_from(st.blocks_held).unwrap_or(u32::MAX);
+            let owned = pool.held(EngineId(e as u16));
+            peak_held[e] = peak_held[e].max(held);
             peak_borrowed[e] = peak_borrowed[e].max(st.blocks_borrowed);
+            peak_cached[e] = peak_cached[e].max(owned.saturating_sub(held));
         }
         if t % 4 == 0 {
             timeline.push(TimelinePoint {
@@ -547,6 +573,7 @@ pub fn run_on(
             donations_asked: m.donations_asked,
             peak_blocks: peak_held[e],
             peak_borrowed: peak_borrowed[e],
+            peak_cached_blocks: peak_cached[e],
             tokens_above_share: if m.scheduled == 0 {
                 0.0
             } else {
@@ -643,6 +670,10 @@ pub fn run_on(
         tokens_per_s: generated as f64 / sim_seconds,
         kv_utilisation_mean: used_sum / steps_run.max(1) as f64 / f64::from(cfg.pool_blocks),
         kv_utilisation_peak: f64::from(used_peak) / f64::from(cfg.pool_blocks),
+        kv_sequence_utilisation_mean: seq_sum
+            / steps_run.max(1) as f64
+            / f64::from(cfg.pool_blocks),
+        kv_sequence_utilisation_peak: seq_peak as f64 / f64::from(cfg.pool_blocks),
         leaked_blocks,
         saturated_ticks,
         prefix_cache: cfg.prefix_cache,

@@ -96,8 +96,13 @@ pub struct EngineReport {
     pub blocks_shed: u64,
     /// Donations it asked of lower-priority engines.
     pub donations_asked: u64,
-    /// Most blocks it held at a tick's end.
+    /// Most blocks its budget held at a tick's end: the pages its sequences hold (not those
+    /// only the prefix cache keeps, see `peak_cached_blocks`).
     pub peak_blocks: u32,
+    /// Most pages it owned in the pool at a tick's end beyond what its budget held: its
+    /// cached-free pages, kept only by the prefix cache (evictable, lendable to no one else
+    /// until evicted).
+    pub peak_cached_blocks: u32,
     /// Most blocks it held above its quota (borrowed) at a tick's end.
     pub peak_borrowed: u64,
     /// The fraction of its scheduled tokens above its token share of their step: borrowed from
@@ -164,7 +169,8 @@ pub struct TimelinePoint {
     pub t_s: f64,
     /// Blocks in use in the pool.
     pub used_blocks: u32,
-    /// Blocks held per engine.
+    /// Pages each engine owns in the pool: those its sequences hold and its pages only the
+    /// prefix cache keeps (the chart stacks these up to `used_blocks`).
     pub held: Vec<u32>,
     /// Token budget per engine.
     pub token_budget: Vec<u32>,
@@ -221,10 +227,16 @@ pub struct Report {
     pub refused: Refusals,
     /// Generated tokens per simulated second, all engines.
     pub tokens_per_s: f64,
-    /// Mean and peak pool utilisation.
+    /// Mean pool utilisation at a step's end: pages allocated, those only the prefix cache
+    /// keeps included.
     pub kv_utilisation_mean: f64,
-    /// Peak pool utilisation.
+    /// Peak pool utilisation (as the mean).
     pub kv_utilisation_peak: f64,
+    /// Mean fraction of the pool the engines' budgets held at a step's end: their sequences'
+    /// pages, not those only the prefix cache keeps.
+    pub kv_sequence_utilisation_mean: f64,
+    /// Peak of that fraction.
+    pub kv_sequence_utilisation_peak: f64,
     /// Blocks left allocated at the end (must be 0).
     pub leaked_blocks: u32,
     /// Ticks where every engine had a backlog.
@@ -273,9 +285,11 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "KV utilisation mean {:.1}% peak {:.1}%; {} saturated steps; leaked blocks: {}",
+            "KV utilisation (sequences and prefix cache) mean {:.1}% peak {:.1}%, by sequences mean {:.1}% peak {:.1}%; {} saturated steps; leaked blocks: {}",
             100.0 * self.kv_utilisation_mean,
             100.0 * self.kv_utilisation_peak,
+            100.0 * self.kv_sequence_utilisation_mean,
+            100.0 * self.kv_sequence_utilisation_peak,
             self.saturated_ticks,
             self.leaked_blocks
         );
@@ -366,13 +380,14 @@ impl Report {
             };
             let _ = writeln!(
                 s,
-                "   {:<10} saturated {}  weight {:>5.1}%  above share {:>5.1}% | blocks: peak held {:>5}, peak borrowed {:>4}, given back {:>4}, donations asked {} | {:>3} tokens/page, {} B/page unused, reclaim p50/max {}/{} steps ({}) | prefix hit {:>5.1}%, ttft p50 {}",
+                "   {:<10} saturated {}  weight {:>5.1}%  above share {:>5.1}% | blocks: peak held {:>5}, peak borrowed {:>4}, peak cached {:>4}, given back {:>4}, donations asked {} | {:>3} tokens/page, {} B/page unused, reclaim p50/max {}/{} steps ({}) | prefix hit {:>5.1}%, ttft p50 {}",
                 e.name,
                 saturated,
                 100.0 * e.weight_share,
                 100.0 * e.tokens_above_share,
                 e.peak_blocks,
                 e.peak_borrowed,
+                e.peak_cached_blocks,
                 e.blocks_shed,
                 e.donations_asked,
                 e.tokens_per_page,

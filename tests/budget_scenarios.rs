@@ -538,13 +538,10 @@ fn an_active_engines_unused_pages_are_lent_and_taken_back() {
     assert_eq!(w.engines[a].bt.stats().finished, 4);
 }
 
-/// A lender that steps twice while the borrower's step runs: its second step's decode row
-/// needs a page while the borrower still holds what the first step's raised demand took back
-/// from its limit. The row waits a step for the borrower to give the pages back; it preempted
-/// the sequence (its whole context recomputed) for a page the engine's own quota covers.
-#[test]
-fn a_lender_short_of_lent_pages_waits_rather_than_preempt_its_own() {
-    // 32 blocks of 4 tokens, weights 1:1: quotas of 16; block demand quantum 1.
+/// Engines A and B (quotas of 16 of 32 pages of 4 tokens; block demand quantum 1) with A's
+/// pages lent to B and taken back: B holds 26 pages, A's demand has just risen to 11 and B's
+/// limit fallen to 21, and the pool is full. A's next step's decode row needs a page.
+fn lender_short_of_lent_pages() -> (World, usize, usize) {
     let mut w = world(4, 256, 32);
     let a = w.join(1, PreemptionMode::Recompute);
     let b = w.join(1, PreemptionMode::Recompute);
@@ -572,6 +569,17 @@ fn a_lender_short_of_lent_pages_waits_rather_than_preempt_its_own() {
     w.commit_one(a);
     assert_eq!(w.c.blocks_in_use(), 32);
     assert_eq!(w.c.block_limit(idb), 21);
+    (w, a, b)
+}
+
+/// A lender that steps twice while the borrower's step runs: its second step's decode row
+/// needs a page while the borrower still holds what the first step's raised demand took back
+/// from its limit. The row waits a step for the borrower to give the pages back; it preempted
+/// the sequence (its whole context recomputed) for a page the engine's own quota covers.
+#[test]
+fn a_lender_short_of_lent_pages_waits_rather_than_preempt_its_own() {
+    let (mut w, a, b) = lender_short_of_lent_pages();
+    let idb = w.engines[b].id;
     // A steps again before B: its new sequence's first decode row needs a fifth page.
     w.schedule_one(a);
     w.commit_one(a);
@@ -592,6 +600,26 @@ fn a_lender_short_of_lent_pages_waits_rather_than_preempt_its_own() {
     assert_eq!(w.engines[a].bt.stats().finished, 2);
     let s = w.engines[a].bt.stats();
     assert_eq!((s.preempted_recompute, s.preempted_swap), (0, 0));
+}
+
+/// A lender whose borrower does not step (its driver stalled) waits for its lent pages only a
+/// few steps, then preempts as with nothing lent: its work is not held up for as long as the
+/// borrower stalls.
+#[test]
+fn a_lender_waits_for_a_borrower_that_does_not_step_only_a_few_steps() {
+    let (mut w, a, _) = lender_short_of_lent_pages();
+    let preempted = |w: &World| {
+        let s = w.engines[a].bt.stats();
+        s.preempted_recompute + s.preempted_swap
+    };
+    for step in 0..4 {
+        w.schedule_one(a);
+        w.commit_one(a);
+        assert_eq!(preempted(&w), 0, "step {step}");
+    }
+    w.schedule_one(a);
+    w.commit_one(a);
+    assert_eq!(preempted(&w), 1, "A waited on past its bound");
 }
 
 /// A lender's latency-critical row short of pages it lent does not wait for the borrower's

@@ -194,8 +194,9 @@
 //! cap. A lender's limit never drops below its quota (what the others leave may raise it): when
 //! its demand rises it takes the pool's free blocks at once, and the rest once the borrowers
 //! give back what the next publication takes from their limits (the same reclaim as a lender
-//! becoming active). Meanwhile its rows short of pages it lent wait for them rather than preempt
-//! a sequence of their own class; a latency-critical row still preempts throughput work at once. Demand is published in
+//! becoming active). Meanwhile its rows short of pages it lent wait for them (up to four steps
+//! in a row) rather than preempt a sequence of their own class; a latency-critical row still
+//! preempts throughput work at once. Demand is published in
 //! multiples of [`BudgetConfig::block_demand_quantum`], rounded up, so a lender keeps up to that
 //! much headroom and a demand moving by a few pages does not republish every step. An engine
 //! whose activity changes reserves its whole quota until it publishes again.

@@ -86,9 +86,9 @@ pub trait EngineBudget: Send + Sync {
     /// it lent are held by borrowers, whom the coordinator orders to give them back once this
     /// engine's demand is published ([`record_block_demand`](Self::record_block_demand)). A
     /// running sequence short of pages then runs as much of a prefill chunk as the pages on
-    /// hand hold, and waits a step or two for the rest rather than preempt a sequence of its
-    /// own class (a latency-critical row still preempts this engine's throughput work at
-    /// once). `false` (the default): nothing is lent.
+    /// hand hold, and waits for the rest (up to four steps in a row: a borrower that does not
+    /// step cannot hold it up longer) rather than preempt a sequence of its own class (a
+    /// latency-critical row still preempts this engine's throughput work at once). `false` (the default): nothing is lent.
     fn pages_lent_out(&self, n: u32) -> bool {
         let _ = n;
         false
@@ -284,6 +284,9 @@ pub struct Batcher {
     arrivals: u64,
     stats: BatcherStats,
     active_reported: bool,
+    /// Steps in a row in which a row waited for pages this engine lent (reset by a step
+    /// without such a wait): after a few, rows preempt as if nothing were lent.
+    lent_waits: u32,
     /// Whether this step's token budget left work out (a row shorter than it wanted, a
     /// decoder or an admission skipped for tokens): its demand is then more than it scheduled.
     budget_cut: bool,
@@ -393,6 +396,7 @@ impl Batcher {
             stats: BatcherStats::default(),
             active_reported: false,
             budget_cut: false,
+            lent_waits: 0,
             guaranteed_seen: u32::MAX,
         })
     }

@@ -9,6 +9,11 @@ use super::{Batcher, Reserve};
 /// decoding) out of what it lends, so that it is not short of pages, waiting for borrowers to
 /// give back, each time one of them crosses a page boundary.
 const BLOCK_DEMAND_HORIZON: usize = 128;
+
+/// The most steps in a row a row short of pages this engine lent waits for the borrowers to give
+/// them back (they do at their next step once this engine's demand is published) before it
+/// preempts as if nothing were lent.
+const LENT_WAIT_STEPS: u32 = 4;
 use crate::sched::batch::Batch;
 use crate::sched::sequence::{FinishedSeq, Priority, SeqPhase};
 
@@ -188,6 +193,7 @@ impl Batcher {
         // back and admits nothing: what they took would be the pages the running sequences
         // lack (the next step would preempt or shorten again: thrash).
         let pressed = preempted || shortened_any || waited;
+        self.lent_waits = if waited { self.lent_waits + 1 } else { 0 };
 
         // 2. Once no latency-critical request waits (it would be denied the pages they take:
         // a swapped throughput sequence never takes the pages of a latency-critical
@@ -249,8 +255,14 @@ impl Batcher {
     }
 
     /// Whether `slot`'s `n`-token row, refused its pages, should wait for pages this engine
-    /// lent rather than preempt ([`EngineBudget::pages_lent_out`](super::EngineBudget::pages_lent_out)).
+    /// lent rather than preempt ([`EngineBudget::pages_lent_out`](super::EngineBudget::pages_lent_out)):
+    /// not after [`LENT_WAIT_STEPS`] steps in a row that waited, so that a borrower that does
+    /// not step (its driver stalled, or one that never calls for its reclaim orders) cannot
+    /// hold this engine's work up for longer: it preempts then, as with nothing lent.
     fn waits_for_lent_pages(&self, slot: usize, n: usize) -> bool {
+        if self.lent_waits >= LENT_WAIT_STEPS {
+            return false;
+        }
         let need = self.pages_to_reserve(slot, n).0 as u32;
         self.budget.as_ref().is_some_and(|b| b.pages_lent_out(need))
     }

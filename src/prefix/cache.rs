@@ -117,6 +117,15 @@ impl PrefixCache {
         self
     }
 
+    /// `LIVE` entries in the slot table: one per cached page when no insert or removal is in
+    /// flight. Exists only under loom, where the models check it at their end (a removal that
+    /// missed its entry leaves one behind, which nothing else observes).
+    #[cfg(loom)]
+    #[doc(hidden)]
+    pub fn live_slots(&self) -> usize {
+        self.slots.live()
+    }
+
     /// The pool whose pages this cache holds.
     pub fn pool(&self) -> &Arc<BlockPool> {
         &self.pool
@@ -295,7 +304,7 @@ impl PrefixCache {
                         // one (an eviction dropped the cache's meanwhile), the page is freed
                         // here, which is what that eviction wanted.
                         let released = self.pool.release(id);
-                        debug_assert!(released.is_ok(), "{released:?}");
+                        invariant!(released.is_ok(), "{released:?}");
                         return ControlFlow::Continue(());
                     }
                     // CLOCK's touch: no read-modify-write on the hit path, and no write at all
@@ -403,7 +412,7 @@ impl PrefixCache {
     #[inline]
     fn give_back(&self, id: BlockId) -> bool {
         let r = self.pool.release(id);
-        debug_assert!(r.is_ok(), "the cache's own reference was refused: {r:?}");
+        invariant!(r.is_ok(), "the cache's own reference was refused: {r:?}");
         r.unwrap_or(false)
     }
 
@@ -448,7 +457,7 @@ impl PrefixCache {
     pub(super) fn remove_owned(&self, page: usize, s: Snapshot, busy: Busy) -> bool {
         let rec = &self.records[page];
         let found = self.slots.remove(s.hash, page as u32);
-        debug_assert!(found, "a CACHED page had no slot");
+        invariant!(found, "a CACHED page had no slot");
         let id = self.id_at(page, s.state);
         // Reported while this caller holds the record: once it is VACANT (and the page free)
         // the page can be cached again, and its Stored must not overtake this Removed.

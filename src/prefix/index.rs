@@ -76,6 +76,15 @@ impl SlotTable {
         self.slots.len()
     }
 
+    /// `LIVE` slots (loom models: one per cached page once every operation is done).
+    #[cfg(loom)]
+    pub(super) fn live(&self) -> usize {
+        self.slots
+            .iter()
+            .filter(|s| s.load(Ordering::Relaxed) & KIND_MASK == LIVE)
+            .count()
+    }
+
     #[inline]
     fn slot(&self, hash: BlockHash, k: usize) -> &AtomicU64 {
         &self.slots[(hash.lo as usize).wrapping_add(k) & self.mask]
@@ -120,8 +129,14 @@ impl SlotTable {
                 k += 1;
                 continue;
             }
-            // AcqRel: acquire orders after the tomb's writer; release publishes the entry to
-            // probes. A failure means another insert took this slot: look at it again.
+            // A CAS from the non-LIVE word seen, never a store: two inserts that race for a
+            // slot must not both take it (the loser's entry would be lost; loom
+            // `an_insert_behind_a_colliding_one_is_found_by_a_lookup_after_it`). Its orderings
+            // are not what correctness rests on (loom passes with them Relaxed): the word
+            // carries no data but itself, the page's record synchronises the rest, and a probe
+            // that happens after a claim further down the window sees this slot claimed by
+            // coherence (that claimer read it). A failure means another insert took this slot:
+            // look at it again.
             match slot.compare_exchange(cur, word, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => return true,
                 Err(_) => backoff.spin(),
@@ -143,7 +158,7 @@ impl SlotTable {
             // shows it the claim's word, and only the record's owner changes a LIVE slot.
             if slot.load(Ordering::Relaxed) == word {
                 // A plain store: only the record's owner writes a LIVE slot naming its page.
-                // Release pairs with a later claimer's Acquire of the tomb.
+                // Release: kept for symmetry with `claim`; as there, nothing depends on it.
                 slot.store(TOMB, Ordering::Release);
                 return true;
             }

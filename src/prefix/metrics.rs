@@ -32,7 +32,10 @@ pub(super) fn bump(c: &AtomicU64, n: u64) {
 
 /// Counts a removal (`evictions` or `forgets`) once the page has left the cache. Release: a
 /// reader of [`EngineCounters::cached`] that sees this removal sees the page's insert too (the
-/// remover read the record the inserter published after counting its insert).
+/// remover read the record the inserter published after counting its insert). The Release
+/// fence the remover issued on taking the record (`PageRecord::begin_as`) already orders that
+/// insert before a Relaxed add, so loom passes with this one Relaxed and fails only when both
+/// go; this keeps the pairing visible here.
 #[inline]
 pub(super) fn bump_removal(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Release);

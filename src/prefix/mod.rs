@@ -49,6 +49,18 @@
 //! page forgotten and rewritten at the same generation fails the state re-check (the argument
 //! is on `PrefixCache::take`; the loom model in tests/loom/prefix.rs fails without it).
 
+/// `debug_assert!` that the loom models check too: they run in release builds, without debug
+/// assertions, where a broken protocol invariant (a `CACHED` page whose slot entry is gone, the
+/// cache's own reference refused) passed silently unless a model observed a consequence of it
+/// (a slot claimed by a plain store instead of a CAS lost an entry, and no model failed).
+macro_rules! invariant {
+    ($($arg:tt)*) => {
+        if cfg!(any(debug_assertions, loom)) {
+            assert!($($arg)*);
+        }
+    };
+}
+
 pub mod cache;
 pub mod error;
 pub mod evict;

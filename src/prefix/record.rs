@@ -153,7 +153,12 @@ impl PageRecord {
     #[inline]
     fn begin_as(&self, expected: u64, owned: u64) -> Result<Busy, ()> {
         let busy = next(expected, generation(expected), owned);
-        // Acquire: the previous owner's writes (we may overwrite them).
+        // Acquire: the previous owner's writes, which ours must follow (our Relaxed field
+        // stores must come after theirs in modification order, or a reader synchronised with
+        // our publish could read their hash under our state word). Every caller's `expected`
+        // came from an Acquire load of this same word, which already does it, so weakening
+        // either alone is safe; loom cannot show the pair is needed: it orders an atomic's
+        // stores as it runs them.
         self.state
             .compare_exchange(expected, busy, Ordering::AcqRel, Ordering::Relaxed)
             .map_err(|_| ())?;

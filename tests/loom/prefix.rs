@@ -8,7 +8,9 @@ use loom::sync::atomic::{AtomicU64, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 use pagedkv::block::{BlockId, BlockPool, EngineId, PoolConfig};
-use pagedkv::prefix::{CacheEvent, EventSink, Inserted, PrefixCache, PrefixConfig, PrefixKey};
+use pagedkv::prefix::{
+    BlockHash, CacheEvent, EventSink, Inserted, PrefixCache, PrefixConfig, PrefixKey,
+};
 
 const KEY: PrefixKey = PrefixKey {
     engine: EngineId(0),
@@ -48,9 +50,21 @@ fn world(pages: u32, validate: bool) -> World {
     }
 }
 
-fn hash_of(cache: &PrefixCache, tokens: &[u32]) -> pagedkv::prefix::BlockHash {
+fn hash_of(cache: &PrefixCache, tokens: &[u32]) -> BlockHash {
     let h = cache.hasher();
     h.block(h.root(&KEY), tokens)
+}
+
+/// Checks, once every thread is done, that the slot table holds one `LIVE` entry per cached page:
+/// a removal that missed its entry (or an insert that overwrote another's) leaves the two apart,
+/// which no lookup observes (a stray entry is skipped against its page's record) until the
+/// table fills.
+fn settled(w: &World) {
+    assert_eq!(
+        w.cache.live_slots(),
+        w.cache.cached_total() as usize,
+        "the slot table's entries do not match the cached pages"
+    );
 }
 
 /// A page allocated, written with OLD's content and cached; the caller keeps its reference.
@@ -93,6 +107,7 @@ fn forget_and_rewrite(validate: bool) {
         let seen = lookup.join().unwrap();
         assert!(matches!(seen, None | Some(1)), "stale hit: saw {seen:?}");
         w.pool.release(id).unwrap();
+        settled(&w);
         w.cache.clear();
         assert_eq!(w.pool.free_count(), 1);
     });
@@ -133,6 +148,7 @@ fn lookup_racing_evict_and_reallocate() {
         }
         let seen = lookup.join().unwrap();
         assert!(matches!(seen, None | Some(1)), "stale hit: saw {seen:?}");
+        settled(&w);
         w.cache.clear();
         assert_eq!(w.pool.free_count(), 1);
         assert_eq!(w.pool.held(EngineId(0)), 0);
@@ -168,6 +184,7 @@ fn lookup_racing_eviction_of_its_page() {
             assert!(w.cache.is_cached(hit));
             w.pool.release(hit).unwrap();
         }
+        settled(&w);
         w.cache.clear();
         assert_eq!(w.pool.free_count(), 1);
     });
@@ -206,6 +223,7 @@ fn lookup_racing_clear() {
             }
             None => assert!(w.cache.cached_total() <= 1),
         }
+        settled(&w);
         w.cache.clear();
         assert_eq!(w.pool.free_count(), 1);
     });
@@ -227,6 +245,7 @@ fn lookup_racing_insert() {
         assert_eq!(w.pool.ref_count(id), Ok(2), "the holder's and the cache's");
         w.pool.release(id).unwrap();
         assert_eq!(w.cache.reclaimable(None), 1);
+        settled(&w);
         w.cache.clear();
         assert_eq!(w.pool.free_count(), 1);
     });
@@ -264,6 +283,7 @@ fn racing_inserts_of_one_hash() {
         got.push(a);
         got.push(b);
         w.pool.free_n(&got).unwrap();
+        settled(&w);
         w.cache.clear();
         assert_eq!(w.pool.free_count(), 2);
     });
@@ -303,6 +323,7 @@ fn a_held_hit_reads_as_cached_while_an_eviction_passes() {
                 "a page the cache holds a reference to read as not cached"
             );
         }
+        settled(&w);
         w.cache.clear();
         assert_eq!(w.pool.free_count(), 1);
     });
@@ -361,6 +382,7 @@ fn a_page_stored_then_forgotten_reports_in_that_order() {
             );
         }
         w.pool.release(id).unwrap();
+        settled(&w);
         w.cache.clear();
         assert_eq!(w.pool.free_count(), 1);
     });
@@ -407,6 +429,7 @@ fn an_evicted_page_reports_removed_before_its_next_store() {
         if let Ok(id) = again {
             w.pool.release(id).unwrap();
         }
+        settled(&w);
         w.cache.clear();
         assert_eq!(w.pool.free_count(), 1);
     });
@@ -442,6 +465,7 @@ fn two_evictors(pages: u32, cached: &[u32]) {
             "an evictor found nothing while a cached-free page remained (reclaimable now: {})",
             w.cache.reclaimable(None)
         );
+        settled(&w);
         for p in 0..pages {
             if !cached.contains(&p) {
                 w.pool.release(ids[p as usize]).unwrap();
@@ -521,6 +545,7 @@ fn an_evictor_finds_a_page_cached_before_it_despite_a_concurrent_forget() {
              (usage {usage:?})"
         );
         forgetter.join().unwrap();
+        settled(&w);
         w.pool.release(out[0]).unwrap();
         w.pool.release(theirs).unwrap();
         assert_eq!(w.pool.free_count(), 2);
@@ -552,6 +577,7 @@ fn a_metrics_snapshot_never_reads_more_removals_than_inserts() {
             "an inconsistent snapshot: {m:?}"
         );
         forgetter.join().unwrap();
+        settled(&w);
         w.pool.release(id).unwrap();
     });
 }
@@ -583,6 +609,7 @@ fn a_purge_racing_an_eviction_still_removes_a_held_page() {
         w.cache.purge_engine(EngineId(0));
         evictor.join().unwrap();
         assert_eq!(w.cache.cached(EngineId(0)), 0, "the purge missed the page");
+        settled(&w);
         for hit in held {
             assert!(!w.cache.is_cached(hit));
             w.pool.release(hit).unwrap();
@@ -590,4 +617,110 @@ fn a_purge_racing_an_eviction_still_removes_a_held_page() {
         assert_eq!(w.pool.free_count(), 1);
     });
     assert!(runs.load(std::sync::atomic::Ordering::Relaxed) > 1);
+}
+
+/// Two inserts whose hashes share a home slot, on threads that never synchronise with each
+/// other, and a lookup that joins only the second. The second found the first's entry in the
+/// home slot and took the next one; the lookup's probe passes the home slot first and must see
+/// it claimed, or it stops at what it takes for `EMPTY` and misses an insert that happened
+/// before it (coherence gives that: the second insert read the slot before the lookup). A slot
+/// claimed by a plain store, or by a CAS over a `LIVE` word, lets the second insert overwrite
+/// the first's entry: loom finds the lost entry (this lookup, or the other's). The hashes are
+/// built by hand for the 4-slot table of two pages: both home at slot 0, different tags.
+#[test]
+fn an_insert_behind_a_colliding_one_is_found_by_a_lookup_after_it() {
+    crate::model(|| {
+        let w = world(2, true);
+        let e = EngineId(0);
+        let a = w.pool.alloc(e).unwrap();
+        let b = w.pool.alloc(e).unwrap();
+        let x = BlockHash { lo: 0, hi: 1 << 40 };
+        let y = BlockHash { lo: 4, hi: 2 << 40 };
+        let [ta, tb] = [(x, a), (y, b)].map(|(h, id)| {
+            let cache = w.cache.clone();
+            thread::spawn(move || cache.insert(EngineId(0), h, id).unwrap())
+        });
+        // Two entries in a window of four slots: both always find room.
+        assert_eq!(tb.join().unwrap(), Inserted::Inserted);
+        assert!(
+            w.cache.contains(e, y),
+            "an insert that happened before this lookup was not found"
+        );
+        assert_eq!(ta.join().unwrap(), Inserted::Inserted);
+        assert!(w.cache.contains(e, x));
+        settled(&w);
+        w.pool.free_n(&[a, b]).unwrap();
+        w.cache.clear();
+        assert_eq!(w.pool.free_count(), 2);
+    });
+}
+
+/// A holder of a cached page (a fork sharing it) caches it again while the page's owner forgets
+/// it: a router's mirror keyed by page, replaying the events in the order the sink took them,
+/// must end where the cache does. The forget's Removed must go out while it still owns the
+/// record: once the record is `VACANT` the holder's insert can take it and send its Stored
+/// first, and the mirror then drops a page the cache holds.
+#[test]
+fn a_page_cached_again_as_it_is_forgotten_reports_in_order() {
+    crate::model(|| {
+        let (w, log) = world_with_log(1);
+        let id = cached_old(&w);
+        w.pool.share(id).unwrap(); // the holder's reference
+        let holder = {
+            let cache = w.cache.clone();
+            let pool = w.pool.clone();
+            thread::spawn(move || {
+                let h = hash_of(&cache, &OLD);
+                let r = cache.insert(EngineId(0), h, id).unwrap();
+                pool.release(id).unwrap();
+                r
+            })
+        };
+        w.cache.forget(id).unwrap();
+        holder.join().unwrap();
+        let events = log.0.lock().unwrap().clone();
+        let mut mirrored = false;
+        for event in &events {
+            mirrored = matches!(event, CacheEvent::Stored { .. });
+        }
+        assert_eq!(
+            mirrored,
+            w.cache.is_cached(id),
+            "a page-keyed mirror disagrees with the cache: {events:?}"
+        );
+        settled(&w);
+        w.pool.release(id).unwrap();
+        w.cache.clear();
+        assert_eq!(w.pool.free_count(), 1);
+    });
+}
+
+/// A holder caches a page again, and forgets it, while the page's owner forgets it: the
+/// holder's insert must see the owner's removal of the slot entry (the owner's Release store of
+/// `VACANT`, which the insert's Acquire of the record pairs with). Without that, it could still
+/// read the old entry as `LIVE`, claim the next slot, and its own removal then tombstone the
+/// old entry (the same word: same hash, same page) and leave its new one behind: a `LIVE` slot
+/// with no cached page, never removed (only its page's record owner writes it), until the
+/// table runs out of room.
+#[test]
+fn a_page_cached_again_after_a_forget_leaves_no_stray_slot() {
+    crate::model(|| {
+        let w = world(1, true);
+        let id = cached_old(&w);
+        let holder = {
+            let cache = w.cache.clone();
+            thread::spawn(move || {
+                let h = hash_of(&cache, &OLD);
+                if cache.insert(EngineId(0), h, id).unwrap() == Inserted::Inserted {
+                    assert_eq!(cache.forget(id), Ok(true));
+                }
+            })
+        };
+        w.cache.forget(id).unwrap();
+        holder.join().unwrap();
+        settled(&w);
+        w.pool.release(id).unwrap();
+        w.cache.clear();
+        assert_eq!(w.pool.free_count(), 1);
+    });
 }

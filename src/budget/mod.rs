@@ -12,7 +12,8 @@
 //! - **blocks**: each engine's guaranteed share of the block pool ([`block_quota`](BudgetCoordinator::block_quota)),
 //!   the limit it may grow to by borrowing what idle engines, and active engines' published
 //!   block demand, leave unused ([`block_limit`](BudgetCoordinator::block_limit)), and, once a
-//!   lender needs its share again, which borrower must give back how many ([`reclaim_orders`](BudgetCoordinator::reclaim_orders));
+//!   lender needs its share again, which borrower must give back how many
+//!   ([`reclaim_orders`](BudgetCoordinator::reclaim_orders));
 //! - **preemption**: which engine should give up blocks to a higher-priority request
 //!   ([`pick_donor`](BudgetCoordinator::pick_donor)), from figures each engine publishes;
 //! - **observability**: [`snapshot`](BudgetCoordinator::snapshot).
@@ -187,19 +188,19 @@
 //! its whole quota while another engine preempts for pages. Each engine publishes its **block
 //! demand**: what it holds plus what its work (running, swapped out, and waiting where a
 //! running slot is free, each for its next 128 tokens) will take ([`publish_block_demand`];
-//! the scheduler's link does it each step). An active engine with a
-//! demand below its quota reserves only that demand (at least what it holds). The lendable
-//! blocks go first to the active engines whose demand is above their quota, by weight, each up
-//! to its demand and the cap, then what they leave to every active engine by weight, up to the
-//! cap. A lender's limit never drops below its quota (what the others leave may raise it): when
-//! its demand rises it takes the pool's free blocks at once, and the rest once the borrowers
-//! give back what the next publication takes from their limits (the same reclaim as a lender
-//! becoming active). Meanwhile its rows short of pages it lent wait for them (up to four steps
-//! in a row) rather than preempt a sequence of their own class; a latency-critical row still
-//! preempts throughput work at once. Demand is published in
-//! multiples of [`BudgetConfig::block_demand_quantum`], rounded up, so a lender keeps up to that
-//! much headroom and a demand moving by a few pages does not republish every step. An engine
-//! whose activity changes reserves its whole quota until it publishes again.
+//! the scheduler's link does it each step). An active engine with a demand below its quota
+//! reserves only that demand (at least what it holds). The lendable blocks go first to the
+//! active engines whose demand is above their quota, by weight, each up to its demand and the
+//! cap, then what they leave to every active engine by weight, up to the cap. A lender's limit
+//! never drops below its quota (what the others leave may raise it): when its demand rises it
+//! takes the pool's free blocks at once, and the rest once the borrowers give back what the
+//! next publication takes from their limits (the same reclaim as a lender becoming active).
+//! Meanwhile its rows short of pages it lent wait for them (up to four steps in a row) rather
+//! than preempt a sequence of their own class; a latency-critical row still preempts
+//! throughput work at once. Demand is published in multiples of
+//! [`BudgetConfig::block_demand_quantum`], rounded up, so a lender keeps up to that much
+//! headroom and a demand moving by a few pages does not republish every step. An engine whose
+//! activity changes reserves its whole quota until it publishes again.
 //!
 //! Only the quota is guaranteed: what an engine borrows lasts while the lenders stay idle or
 //! light. So one sequence needing more than its engine's quota could finish only while others

@@ -138,6 +138,21 @@ pub fn cover_floors(amounts: &mut [u64], floors: &[u64]) {
     }
 }
 
+/// A published demand: `value` rounded up to `q`, `None` at or above `cap`; stored when it
+/// rises (`None` is the highest) or falls by more than one quantum.
+fn requantise(demand: &mut Option<u32>, value: u32, q: u64, cap: u64) {
+    let rounded = u64::from(value).div_ceil(q) * q;
+    let new = (rounded < cap).then_some(rounded);
+    let store = match (new, demand.map(u64::from)) {
+        (_, None) => new.is_some(),
+        (None, Some(_)) => true,
+        (Some(n), Some(o)) => n > o || n + q < o,
+    };
+    if store {
+        *demand = new.map(|d| d as u32);
+    }
+}
+
 /// One engine slot of the model.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SlotModel {
@@ -311,19 +326,9 @@ impl Model {
     /// Demand rounded up to the quantum, `None` at or above the cap; stored when it rises or
     /// falls by more than one quantum.
     pub fn publish_demand(&mut self, e: u16, tokens: u32) {
-        let q = self.demand_quantum();
-        let cap = self.token_cap();
-        let Ok(s) = self.slot(e) else { return };
-        let rounded = u64::from(tokens).div_ceil(q) * q;
-        let new = (rounded < cap).then_some(rounded);
-        let old = s.demand.map(u64::from);
-        let store = match (new, old) {
-            (_, None) => new.is_some(),
-            (None, Some(_)) => true,
-            (Some(n), Some(o)) => n > o || n + q < o,
-        };
-        if store {
-            s.demand = new.map(|d| d as u32);
+        let (q, cap) = (self.demand_quantum(), self.token_cap());
+        if let Ok(s) = self.slot(e) {
+            requantise(&mut s.demand, tokens, q, cap);
         }
     }
 
@@ -332,22 +337,11 @@ impl Model {
         u64::from(self.total_blocks).div_ceil(64).max(1)
     }
 
-    /// Block demand rounded up to its quantum, `None` at or above the block cap; stored when
-    /// it rises or falls by more than one quantum.
+    /// Block demand, as token demand with the block quantum and cap.
     pub fn publish_block_demand(&mut self, e: u16, blocks: u32) {
-        let q = self.block_demand_quantum();
-        let cap = self.block_cap();
-        let Ok(s) = self.slot(e) else { return };
-        let rounded = u64::from(blocks).div_ceil(q) * q;
-        let new = (rounded < cap).then_some(rounded);
-        let old = s.block_demand.map(u64::from);
-        let store = match (new, old) {
-            (_, None) => new.is_some(),
-            (None, Some(_)) => true,
-            (Some(n), Some(o)) => n > o || n + q < o,
-        };
-        if store {
-            s.block_demand = new.map(|d| d as u32);
+        let (q, cap) = (self.block_demand_quantum(), self.block_cap());
+        if let Ok(s) = self.slot(e) {
+            requantise(&mut s.block_demand, blocks, q, cap);
         }
     }
 

@@ -88,7 +88,8 @@ pub trait EngineBudget: Send + Sync {
     /// running sequence short of pages then runs as much of a prefill chunk as the pages on
     /// hand hold, and waits for the rest (up to four steps in a row: a borrower that does not
     /// step cannot hold it up longer) rather than preempt a sequence of its own class (a
-    /// latency-critical row still preempts this engine's throughput work at once). `false` (the default): nothing is lent.
+    /// latency-critical row still preempts this engine's throughput work at once). `false`
+    /// (the default): nothing is lent.
     fn pages_lent_out(&self, n: u32) -> bool {
         let _ = n;
         false

@@ -4,10 +4,11 @@
 
 use super::{Batcher, Reserve};
 
-/// The tokens ahead of each running sequence whose pages an engine's block demand counts: a
-/// lender keeps the pages its sequences need for about this many more tokens (a few seconds of
-/// decoding) out of what it lends, so that it is not short of pages, waiting for borrowers to
-/// give back, each time one of them crosses a page boundary.
+/// The tokens ahead of each sequence (running, swapped out, or admissible from the queue) whose
+/// pages an engine's block demand counts: a lender keeps the pages its sequences need for about
+/// this many more tokens (a few seconds of decoding) out of what it lends, so that it is not
+/// short of pages, waiting for borrowers to give back, each time one of them crosses a page
+/// boundary.
 const BLOCK_DEMAND_HORIZON: usize = 128;
 
 /// The most steps in a row a row short of pages this engine lent waits for the borrowers to give

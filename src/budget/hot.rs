@@ -13,9 +13,10 @@ use crate::sync::{Backoff, Ordering};
 
 impl BudgetCoordinator {
     /// Marks an engine active (it has work) or idle; returns the previous value. Wait-free: one
-    /// swap, plus one `fetch_or` when the value changed. Budgets follow at the next
-    /// [`recompute`](Self::recompute) / [`maybe_recompute`](Self::maybe_recompute). An id out of
-    /// range is ignored (returns `false`).
+    /// swap, plus two stores (its demands reset) and one `fetch_or` when the value changed.
+    /// Budgets follow at the next [`recompute`](Self::recompute) /
+    /// [`maybe_recompute`](Self::maybe_recompute). An id out of range is ignored (returns
+    /// `false`).
     #[inline]
     pub fn set_active(&self, engine: EngineId, active: bool) -> bool {
         let Ok(slot) = self.slot(engine) else {
@@ -264,7 +265,8 @@ impl BudgetCoordinator {
     ///
     /// Lock-free, not wait-free: one compare-exchange loop on the engine's token word, which
     /// retries only when a concurrent acquire or release on the same engine changed the word (so
-    /// some call made progress), then one `fetch_sub` on the device's counter.
+    /// some call made progress) or the weak compare-exchange failed spuriously, then one
+    /// `fetch_sub` on the device's counter.
     #[inline]
     pub fn release_tokens(&self, engine: EngineId, n: u32) -> Result<(), BudgetError> {
         let slot = self.slot(engine)?;
@@ -417,8 +419,8 @@ impl BudgetCoordinator {
     /// inflates.
     ///
     /// Lock-free, not wait-free: one compare-exchange loop on the engine's holding, which
-    /// retries only when a concurrent grant or release on the same engine changed it, then two
-    /// `fetch_sub`.
+    /// retries only when a concurrent grant or release on the same engine changed it (or the
+    /// weak compare-exchange failed spuriously), then two `fetch_sub`.
     #[inline]
     pub fn release_blocks(&self, engine: EngineId, n: u32) -> Result<(), BudgetError> {
         let slot = self.slot(engine)?;

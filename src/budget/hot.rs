@@ -9,7 +9,7 @@ use super::{
 };
 use crate::error::BudgetError;
 use crate::ids::EngineId;
-use crate::sync::{Backoff, Ordering};
+use crate::sync::{AtomicU32, Backoff, Ordering};
 
 impl BudgetCoordinator {
     /// Marks an engine active (it has work) or idle; returns the previous value. Wait-free: one
@@ -55,16 +55,8 @@ impl BudgetCoordinator {
         let Ok(slot) = self.slot(engine) else {
             return;
         };
-        let q = u64::from(self.config.demand_quantum());
-        let rounded = u64::from(tokens).div_ceil(q) * q;
-        let demand = if rounded >= u64::from(self.config.token_cap()) {
-            NO_DEMAND
-        } else {
-            rounded as u32
-        };
-        let old = slot.demand.load(Ordering::Relaxed);
-        if demand > old || u64::from(demand) + q < u64::from(old) {
-            slot.demand.store(demand, Ordering::Relaxed);
+        let (q, cap) = (self.config.demand_quantum(), self.config.token_cap());
+        if requantise(&slot.demand, tokens, q, cap) {
             self.mark_dirty();
         }
     }
@@ -81,34 +73,26 @@ impl BudgetCoordinator {
 
     /// Publishes how many blocks the engine expects to hold soon: what it holds and what its
     /// work will take next (`u32::MAX`, or anything from the cap up: its whole quota, and
-    /// borrowing up to the cap). The next
-    /// [`recompute`](Self::recompute) lends what a demand leaves of its engine's quota to the
-    /// active engines that want more ([`block_limit`](Self::block_limit)); the engine's own
-    /// limit stays at least its quota, so when its demand rises it takes what the pool has
-    /// free at once, and the rest once the borrowers give back ([`reclaim_for`](Self::reclaim_for):
-    /// module docs, "Block lending").
+    /// borrowing up to the cap). The next [`recompute`](Self::recompute) lends what a demand
+    /// leaves of its engine's quota to the active engines that want more
+    /// ([`block_limit`](Self::block_limit)); the engine's own limit stays at least its quota,
+    /// so when its demand rises it takes what the pool has free at once, and the rest once the
+    /// borrowers give back ([`reclaim_for`](Self::reclaim_for): module docs, "Block lending").
     ///
     /// Rounded up to a multiple of
     /// [`BudgetConfig::block_demand_quantum`](super::BudgetConfig::block_demand_quantum); a
     /// demand at or above the engine's cap counts as none (the whole quota, and borrowing up
     /// to the cap). Marks the inputs changed only when the rounded figure rises, or falls by
-    /// more than one quantum. Wait-free: one load, at most one store and one `fetch_or`. Meant for the engine's step owner; concurrent callers leave one of their
-    /// figures. An id out of range is ignored.
+    /// more than one quantum. Wait-free: one load, at most one store and one `fetch_or`. Meant
+    /// for the engine's step owner; concurrent callers leave one of their figures. An id out
+    /// of range is ignored.
     #[inline]
     pub fn publish_block_demand(&self, engine: EngineId, blocks: u32) {
         let Ok(slot) = self.slot(engine) else {
             return;
         };
-        let q = u64::from(self.config.block_demand_quantum());
-        let rounded = u64::from(blocks).div_ceil(q) * q;
-        let demand = if rounded >= u64::from(self.config.block_cap()) {
-            NO_DEMAND
-        } else {
-            rounded as u32
-        };
-        let old = slot.block_demand.load(Ordering::Relaxed);
-        if demand > old || u64::from(demand) + q < u64::from(old) {
-            slot.block_demand.store(demand, Ordering::Relaxed);
+        let (q, cap) = (self.config.block_demand_quantum(), self.config.block_cap());
+        if requantise(&slot.block_demand, blocks, q, cap) {
             self.mark_dirty();
         }
     }
@@ -551,4 +535,24 @@ impl BudgetCoordinator {
         }
         best
     }
+}
+
+/// Stores `value` rounded up to a multiple of `quantum` in a demand cell (`NO_DEMAND` from
+/// `cap` up) when the rounded figure rises, or falls by more than one quantum, so that a
+/// figure wavering by a little does not ask for a publication each step; returns whether it
+/// stored. Relaxed: published to the recompute by the caller's `mark_dirty` (Release RMW).
+fn requantise(cell: &AtomicU32, value: u32, quantum: u32, cap: u32) -> bool {
+    let q = u64::from(quantum);
+    let rounded = u64::from(value).div_ceil(q) * q;
+    let demand = if rounded >= u64::from(cap) {
+        NO_DEMAND
+    } else {
+        rounded as u32
+    };
+    let old = cell.load(Ordering::Relaxed);
+    let store = demand > old || u64::from(demand) + q < u64::from(old);
+    if store {
+        cell.store(demand, Ordering::Relaxed);
+    }
+    store
 }

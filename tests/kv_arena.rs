@@ -557,6 +557,38 @@ fn page_bytes_for_refuses_a_zero_size_shape_beside_others() {
     }
 }
 
+/// A shape with a zero size holds no bytes per token however large its other sizes are, and is
+/// refused as the zero-size shape it is: `bytes_per_token` multiplied left to right and
+/// saturated at the first overflow (layers x heads) before it reached the zero head dim, so
+/// the shape read as `usize::MAX` bytes per token and was refused as `ModelDoesNotFit` /
+/// `SizeOverflow` instead of the documented `ZeroDimension`.
+#[test]
+fn a_zero_size_shape_with_overflowing_other_sizes_is_refused_as_zero_size() {
+    let zero_d = ModelKvShape {
+        num_layers: usize::MAX,
+        num_kv_heads: usize::MAX,
+        head_dim: 0,
+        dtype: KvDtype::F32,
+    };
+    let zero_layers = ModelKvShape {
+        num_layers: 0,
+        num_kv_heads: usize::MAX,
+        head_dim: usize::MAX,
+        dtype: KvDtype::F32,
+    };
+    let want = KvError::ZeroDimension {
+        what: "bytes per token",
+    };
+    for s in [zero_d, zero_layers] {
+        assert_eq!(s.bytes_per_token(), 0, "{s:?}");
+        assert_eq!(s.tokens_per_page(1 << 20), Err(want), "{s:?}");
+        let good = shape(2, 8, 64, KvDtype::F16);
+        assert_eq!(page_bytes_for(&[good, s], 16), Err(want), "{s:?}");
+        let arena = Arc::new(KvArena::new(2, 1 << 20).unwrap());
+        assert_eq!(ArenaView::new(arena, &s).err(), Some(want), "{s:?}");
+    }
+}
+
 /// The module docs' exact-fill claim holds only up to `MAX_TOKENS_PER_PAGE` tokens: a model with
 /// a power-of-two per-token size below 1/256 of the page (a draft model beside a large one) is
 /// capped at 256 tokens and leaves most of every page unused, which its view reports.

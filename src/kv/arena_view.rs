@@ -50,8 +50,13 @@ pub struct ModelKvShape {
 impl ModelKvShape {
     /// Bytes one token occupies: every layer's K and V. Saturates at `usize::MAX` for a shape
     /// whose size does not fit (no page holds it: [`tokens_per_page`](Self::tokens_per_page)
-    /// and [`page_bytes_for`] refuse it), where a wrapped product could look small.
+    /// and [`page_bytes_for`] refuse it), where a wrapped product could look small. A shape
+    /// with a zero size is 0 however large the others are (checked before multiplying, which
+    /// could saturate on them first), so it is refused as the zero-size shape it is.
     pub fn bytes_per_token(&self) -> usize {
+        if self.num_layers == 0 || self.num_kv_heads == 0 || self.head_dim == 0 {
+            return 0;
+        }
         [2, self.num_kv_heads, self.head_dim, self.dtype.size_bytes()]
             .into_iter()
             .try_fold(self.num_layers, usize::checked_mul)

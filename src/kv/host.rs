@@ -187,7 +187,8 @@ impl HostKvCache {
 /// Host memory that swapped-out blocks live in: the same block shape as the cache it serves
 /// (layers, heads, head dim, block size, dtype), its own block count, the same
 /// `[num_blocks][L][2][BS][H][D]` layout, so a block is one contiguous `bytes_per_block` run
-/// on both sides and a swap is one copy per run of consecutive blocks.
+/// on both sides and a swap with a dense cache is one copy per run of consecutive blocks (with
+/// a padded cache, whose page stride differs from the space's, one copy per block).
 ///
 /// The owner (the scheduler) decides which swap blocks are in use; this type only moves bytes.
 #[derive(Debug)]
@@ -228,7 +229,8 @@ impl SwapSpace {
 
     /// Swaps blocks out: for each `(cache_block, swap_block)` pair copies the whole block (all
     /// layers, K and V) from `cache` into this space. One call per swap set; consecutive pairs
-    /// with consecutive source and destination indices are merged into one copy.
+    /// with consecutive source and destination indices are merged into one copy when `cache`
+    /// is dense (a padded cache's blocks are not contiguous here: copied one by one).
     ///
     /// # Errors
     /// [`KvError::GeometryMismatch`] if the block shapes differ; see [`check_block_mapping`]

@@ -721,3 +721,31 @@ fn a_lenders_prefill_chunk_short_of_lent_pages_runs_shorter_rather_than_wait() {
         (0, 0, 2)
     );
 }
+
+/// An engine's block demand counts the pages its sequences take over their next 128 tokens
+/// (`BLOCK_DEMAND_HORIZON`), not up to their longest: a lender whose one sequence may generate
+/// 1000 tokens (252 pages) but has 8 (2 pages) keeps about 34 pages out of what it lends.
+/// Counted to its longest, it kept nearly its whole quota from the borrowers for a sequence
+/// that may stop at any token.
+#[test]
+fn a_lenders_block_demand_looks_a_horizon_ahead_not_to_the_longest() {
+    // 1024 blocks of 4 tokens, weights 1:1: quotas of 512; block demand quantum 16.
+    let mut w = world(4, 256, 1024);
+    let a = w.join(1, PreemptionMode::Recompute);
+    w.join(1, PreemptionMode::Recompute);
+    let ida = w.engines[a].id;
+    w.add(a, 1, 8, 1000, Priority::Throughput);
+    for _ in 0..4 {
+        w.step();
+        w.check_sums();
+    }
+    // What it holds and its sequence's next 128 tokens: 35 pages or fewer, 48 in quanta of 16
+    // (counted to its longest: 252 pages).
+    let demand = w.c.block_demand(ida);
+    assert_eq!(
+        demand,
+        Some(48),
+        "A's demand is not its sequence's next 128 tokens: {:?}",
+        w.c.snapshot()
+    );
+}

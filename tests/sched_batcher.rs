@@ -1752,3 +1752,98 @@ fn a_step_that_shortened_a_chunk_for_pages_admits_nothing() {
     assert_eq!(used.load(Ordering::Relaxed), 0);
     assert_eq!(p.free_count(), 64);
 }
+
+/// A prompt of whole pages, every one of them cached, attaches all but its last page: its last
+/// token is computed (its logits sample the first new token) and no cached page is written.
+/// Attached whole, the sequence had nothing to compute and waited for ever.
+#[test]
+fn a_whole_page_prompt_cached_entirely_attaches_all_but_its_last_page() {
+    let (_p, mut bt) = with_prefix(16);
+    bt.add(req(1, (1..=8).collect(), 1)).unwrap();
+    assert_eq!(drive(&mut bt, 10).len(), 1); // both of its pages are cached
+    bt.add(req(2, (1..=8).collect(), 1)).unwrap();
+    let fin = drive(&mut bt, 10);
+    assert_eq!(
+        fin.len(),
+        1,
+        "the repeated prompt never ran: {:?}",
+        bt.stats()
+    );
+    assert_eq!(bt.stats().prefix_hit_tokens, 4, "{:?}", bt.stats());
+}
+
+/// A waiting request is not admitted ahead of a swapped-out sequence that does not fit back
+/// yet: the pages it would take are the ones the swapped sequence waits for, and a stream of
+/// small requests would keep it out for as long as they came.
+#[test]
+fn a_waiting_request_is_not_admitted_ahead_of_a_swapped_sequence() {
+    let cfg = config_with(PreemptionMode::Swap);
+    let p = pool(4);
+    let mut bt = Batcher::new(cfg, p.clone()).unwrap();
+    let mut fin = Vec::new();
+    bt.add(req(0, vec![1; 8], 2)).unwrap();
+    let n = bt.schedule_into(&mut fin).num_samples();
+    bt.commit(&vec![5; n], &mut fin).unwrap();
+    bt.request_shed(2);
+    assert_eq!(bt.schedule_into(&mut fin).swap_out.len(), 2);
+    bt.commit(&[], &mut fin).unwrap();
+    // Another engine takes three pages: 0's two do not fit back, a one-page request would.
+    let mut other = Vec::new();
+    p.alloc_n(EngineId(1), 3, &mut other).unwrap();
+    bt.add(req(1, vec![2; 3], 1)).unwrap();
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(
+        b.num_seqs(),
+        0,
+        "admitted ahead of the swapped sequence: {:?}",
+        b.seq_ids
+    );
+    bt.commit(&[], &mut fin).unwrap();
+    assert_eq!(bt.phase(1), Some(SeqPhase::Waiting));
+    p.free_n(&other).unwrap();
+    fin.extend(drive(&mut bt, 20));
+    assert_eq!(fin.len(), 2);
+}
+
+/// The page a row took for drafts the commit rejects goes back at the commit: a decode token and
+/// three drafts reach a second page, the first draft is rejected, and the sequence's KV fits
+/// its first page again (the next step takes the second when a token lands there).
+#[test]
+fn pages_of_rejected_drafts_go_back_at_the_commit() {
+    let p = pool(16);
+    let mut bt = Batcher::new(config(), p.clone()).unwrap();
+    bt.add(req(1, vec![1, 2, 3], 10)).unwrap();
+    let mut fin = Vec::new();
+    step(&mut bt, &mut fin); // prefilled: one page
+    bt.propose(1, &[7, 8, 9]).unwrap(); // positions 3..=6: a second page
+    let b = bt.schedule_into(&mut fin);
+    assert_eq!(b.input_tokens, [1000, 7, 8, 9]);
+    assert_eq!(bt.blocks_of(1), Some(2));
+    bt.commit(&[5, 5, 5, 5], &mut fin).unwrap(); // 7 rejected: 5 follows 1000
+                                                 // Five tokens, four computed (the last is fed next step): one page.
+    assert_eq!(
+        (bt.blocks_of(1), p.free_count()),
+        (Some(1), 15),
+        "the rejected drafts' page stayed held"
+    );
+}
+
+/// Pages an abort gives back count toward a shed ordered for the same step: only the rest is
+/// preempted for, here nothing.
+#[test]
+fn pages_an_abort_gives_back_count_toward_a_shed() {
+    let mut bt = Batcher::new(config(), pool(16)).unwrap();
+    bt.add(req(1, vec![1; 8], 10)).unwrap();
+    bt.add(req(2, vec![2; 8], 10)).unwrap();
+    let mut fin = Vec::new();
+    step(&mut bt, &mut fin); // two pages each
+    bt.abort(1).unwrap();
+    bt.request_shed(2);
+    step(&mut bt, &mut fin);
+    assert_eq!(fin.len(), 1);
+    assert_eq!(
+        bt.stats().preempted_recompute,
+        0,
+        "2 was preempted for the pages 1's abort gave back"
+    );
+}

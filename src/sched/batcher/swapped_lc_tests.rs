@@ -108,6 +108,16 @@ fn a_swapped_latency_critical_sequence_preempts_throughput_work_for_a_slot() {
     let b = bt.schedule_into(&mut fin);
     assert_eq!(b.swap_in.len(), 4, "0 came back");
     assert_eq!(b.seq_ids, [1], "1 decodes; 2 gave its slot");
+    // 2's swap-out does not write the host slots 0's swap-in reads: an executor runs a batch's
+    // swap-outs first, which would overwrite 0's KV before it is read back.
+    assert!(
+        b.swap_out
+            .iter()
+            .all(|&(_, h)| b.swap_in.iter().all(|&(r, _)| r != h)),
+        "a host slot read and written in one batch: in {:?}, out {:?}",
+        b.swap_in,
+        b.swap_out
+    );
     assert_eq!(bt.phase(0), Some(SeqPhase::Decoding));
     assert_eq!(bt.phase(2), Some(SeqPhase::Swapped));
     assert_eq!(bt.num_running(), 2);

@@ -180,3 +180,82 @@ fn eviction_skips_an_engine_whose_cached_pages_are_all_in_use() {
     cache.clear();
     assert_eq!(pool.free_count(), pages);
 }
+
+/// A budget whose pages are lent out while `short` is set: it refuses every block then, and
+/// says the refusal is pages lent out (they fit the engine's limit, not the pool).
+struct LentOut {
+    short: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl EngineBudget for LentOut {
+    fn token_budget(&self) -> u32 {
+        u32::MAX
+    }
+    fn try_acquire_blocks(&self, _: u32) -> bool {
+        !self.short.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    fn release_blocks(&self, _: u32) {}
+    fn set_active(&self, _: bool) {}
+    fn pages_lent_out(&self, _: u32) -> bool {
+        self.short.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// The bound on waiting for lent pages counts steps in a row: two waits, a step that got its
+/// pages, then three more waits preempt nothing (five waits in all; without the reset, the
+/// fourth preempted).
+#[test]
+fn the_lent_page_wait_bound_counts_steps_in_a_row() {
+    let pool = Arc::new(
+        BlockPool::new(PoolConfig {
+            device: 0,
+            num_blocks: 64,
+            max_engines: 1,
+        })
+        .unwrap(),
+    );
+    // One token a page: every decode row needs a page.
+    let cfg = BatcherConfig {
+        engine: EngineId(0),
+        block_size: 1,
+        max_running: 8,
+        max_batched_tokens: 256,
+        max_prefill_chunk: 256,
+        max_blocks_per_seq: 64,
+        preemption: PreemptionMode::Recompute,
+        swap_blocks: 0,
+    };
+    let short = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut bt = Batcher::new(cfg, pool).unwrap();
+    bt.attach_budget(Box::new(LentOut {
+        short: short.clone(),
+    }));
+    let mut fin = Vec::new();
+    for id in 0..2 {
+        bt.add(SeqRequest {
+            id,
+            prompt: vec![1, 2],
+            stop: StopRules {
+                max_new_tokens: 40,
+                ..Default::default()
+            },
+            priority: Priority::Throughput,
+        })
+        .unwrap();
+    }
+    let mut step = |lent_out: bool| {
+        short.store(lent_out, std::sync::atomic::Ordering::Relaxed);
+        let n = bt.schedule_into(&mut fin).num_samples();
+        bt.commit(&vec![7; n], &mut fin).unwrap();
+        let s = bt.stats();
+        s.preempted_recompute + s.preempted_swap
+    };
+    assert_eq!(step(false), 0);
+    for lent_out in [true, true, false, true, true, true] {
+        assert_eq!(
+            step(lent_out),
+            0,
+            "a wait before a step that got its pages counted"
+        );
+    }
+}

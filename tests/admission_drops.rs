@@ -327,13 +327,18 @@ mod clone_hook {
 
     static VTABLE: RawWakerVTable = RawWakerVTable::new(clone, wake, wake_by_ref, drop);
 
-    fn hook(p: *const ()) -> &'static CloneHook {
+    /// # Safety
+    /// `p` is the data pointer of a `RawWaker` of this vtable.
+    unsafe fn hook(p: *const ()) -> &'static CloneHook {
         // SAFETY: every `RawWaker` of this vtable points at a leaked (`'static`) `CloneHook`.
         unsafe { &*(p as *const CloneHook) }
     }
 
+    // The vtable's functions are called only with this vtable's data pointers (the
+    // `RawWaker` contract), which is `hook`'s requirement.
     unsafe fn clone(p: *const ()) -> RawWaker {
-        let h = hook(p);
+        // SAFETY: `p` is this vtable's data pointer (above).
+        let h = unsafe { hook(p) };
         h.live.fetch_add(1, Ordering::SeqCst);
         let f = h.on_clone.lock().unwrap().take();
         if let Some(f) = f {
@@ -344,13 +349,15 @@ mod clone_hook {
 
     unsafe fn wake(p: *const ()) {
         // By value: the wake-up itself does nothing here, then this copy is dropped.
-        hook(p).live.fetch_sub(1, Ordering::SeqCst);
+        // SAFETY: `p` is this vtable's data pointer.
+        unsafe { hook(p) }.live.fetch_sub(1, Ordering::SeqCst);
     }
 
     unsafe fn wake_by_ref(_: *const ()) {}
 
     unsafe fn drop(p: *const ()) {
-        hook(p).live.fetch_sub(1, Ordering::SeqCst);
+        // SAFETY: `p` is this vtable's data pointer.
+        unsafe { hook(p) }.live.fetch_sub(1, Ordering::SeqCst);
     }
 
     /// A waker on a new leaked hook that runs `on_clone` at its first clone.

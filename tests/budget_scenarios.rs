@@ -538,20 +538,18 @@ fn an_active_engines_unused_pages_are_lent_and_taken_back() {
     assert_eq!(w.engines[a].bt.stats().finished, 4);
 }
 
-/// Engines A and B (quotas of 16 of 32 pages of 4 tokens; block demand quantum 1) with A's
-/// pages lent to B and taken back: B holds 26 pages, A's demand has just risen to 11 and B's
-/// limit fallen to 21, and the pool is full. A's next step's decode row needs a page.
-fn lender_short_of_lent_pages() -> (World, usize, usize) {
+/// Engines A and B (quotas of 16 of 32 pages of 4 tokens; block demand quantum 1): A runs one
+/// throughput sequence (a page of prompt, 6 pages at its longest) and needs 6 pages; B, flooded,
+/// holds the other 10 of A's quota beside its own 16. Five pages are free.
+fn a_lends_to_b() -> (World, usize, usize) {
     let mut w = world(4, 256, 32);
     let a = w.join(1, PreemptionMode::Recompute);
     let b = w.join(1, PreemptionMode::Recompute);
     let (ida, idb) = (w.engines[a].id, w.engines[b].id);
-    // A: one sequence (a page of prompt, 6 pages at its longest): it needs 6.
     w.add(a, 1, 4, 20, Priority::Throughput);
     w.schedule_one(a);
     w.commit_one(a);
     assert_eq!(w.c.block_demand(ida), Some(6));
-    // B, flooded, borrows the other 10 of A's quota.
     w.add(b, 20, 8, 40, Priority::Throughput);
     for _ in 0..10 {
         w.schedule_one(b);
@@ -562,6 +560,14 @@ fn lender_short_of_lent_pages() -> (World, usize, usize) {
     }
     assert_eq!(w.c.block_limit(idb), 26);
     assert_eq!(w.c.blocks_held(idb), 26, "{:?}", w.c.snapshot());
+    (w, a, b)
+}
+
+/// [`a_lends_to_b`], then A's pages taken back: A's demand has just risen to 11 and B's limit
+/// fallen to 21, and the pool is full. A's next step's decode row needs a page.
+fn lender_short_of_lent_pages() -> (World, usize, usize) {
+    let (mut w, a, b) = a_lends_to_b();
+    let idb = w.engines[b].id;
     // A admits a 4-page prompt into the 5 free pages (its first sequence takes one more): the
     // pool is full, and A's demand rises to 11, taking 5 pages back from B's limit.
     w.add(a, 1, 16, 2, Priority::Throughput);
@@ -628,26 +634,7 @@ fn a_lender_waits_for_a_borrower_that_does_not_step_only_a_few_steps() {
 /// engine to donate only what its own throughput sequences do not cover).
 #[test]
 fn a_lenders_latency_critical_row_preempts_its_throughput_rather_than_wait() {
-    // 32 blocks of 4 tokens, weights 1:1: quotas of 16; block demand quantum 1.
-    let mut w = world(4, 256, 32);
-    let a = w.join(1, PreemptionMode::Recompute);
-    let b = w.join(1, PreemptionMode::Recompute);
-    let (ida, idb) = (w.engines[a].id, w.engines[b].id);
-    // A: one throughput sequence (a page of prompt, 6 pages at its longest).
-    w.add(a, 1, 4, 20, Priority::Throughput);
-    w.schedule_one(a);
-    w.commit_one(a);
-    assert_eq!(w.c.block_demand(ida), Some(6));
-    // B, flooded, borrows the other 10 of A's quota.
-    w.add(b, 20, 8, 40, Priority::Throughput);
-    for _ in 0..10 {
-        w.schedule_one(b);
-        w.commit_one(b);
-        if w.c.blocks_held(idb) == 26 {
-            break;
-        }
-    }
-    assert_eq!(w.c.blocks_held(idb), 26, "{:?}", w.c.snapshot());
+    let (mut w, a, _) = a_lends_to_b();
     // A admits a latency-critical 4-page prompt into the 5 free pages: the pool is full.
     w.add(a, 1, 16, 4, Priority::LatencyCritical);
     w.schedule_one(a);

@@ -443,12 +443,20 @@ impl EngineStats {
     /// loan (`block_limit - block_quota`), these sum to at most `total_blocks` just after a
     /// publication.
     pub fn blocks_reserved(&self) -> u64 {
-        let quota = u64::from(self.block_quota);
-        match (self.active, self.block_demand) {
-            (false, _) => self.blocks_held,
-            (true, None) => quota,
-            (true, Some(d)) => quota.min(self.blocks_held.max(u64::from(d))),
-        }
+        let demand = self.block_demand.unwrap_or(NO_DEMAND);
+        blocks_reserved(self.active, self.block_quota, demand, self.blocks_held)
+    }
+}
+
+/// What an engine reserves of the pool in a publication (module docs, "Block lending"): an
+/// active one its quota, or its block demand (`NO_DEMAND`: none) where lower, at least what it
+/// holds; an idle one what it holds. The publisher and [`EngineStats::blocks_reserved`] share it.
+fn blocks_reserved(active: bool, quota: u32, demand: u32, held: u64) -> u64 {
+    let quota = u64::from(quota);
+    match (active, demand) {
+        (false, _) => held,
+        (true, NO_DEMAND) => quota,
+        (true, d) => quota.min(held.max(u64::from(d))),
     }
 }
 

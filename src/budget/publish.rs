@@ -3,8 +3,8 @@
 
 use super::waterfill::{cover_floors, lift_zeros, water_fill, Claim, FillScratch};
 use super::{
-    BudgetCoordinator, Publication, BUSY, DIRTY, FREE, JOINING, LEAVING, LIVE, MAX_ROUNDS,
-    NO_DEMAND,
+    blocks_reserved, BudgetCoordinator, Publication, BUSY, DIRTY, FREE, JOINING, LEAVING, LIVE,
+    MAX_ROUNDS,
 };
 use crate::sync::{fence, AtomicU32, Ordering};
 
@@ -296,17 +296,7 @@ impl BudgetCoordinator {
             .rows
             .iter()
             .filter(|r| r.live)
-            .map(|r| {
-                if r.active {
-                    let quota = u64::from(r.block_quota);
-                    match r.block_demand {
-                        NO_DEMAND => quota,
-                        d => quota.min(r.held.max(u64::from(d))),
-                    }
-                } else {
-                    r.held
-                }
-            })
+            .map(|r| blocks_reserved(r.active, r.block_quota, r.block_demand, r.held))
             .sum();
         // At most `total_blocks`, so it fits in u32.
         let lendable = u64::from(self.config.total_blocks).saturating_sub(reserved) as u32;

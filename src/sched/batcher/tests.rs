@@ -259,3 +259,98 @@ fn the_lent_page_wait_bound_counts_steps_in_a_row() {
         );
     }
 }
+
+/// A budget that grants at most `cap` blocks and keeps the last block demand reported.
+struct CappedBlocks {
+    cap: u32,
+    held: std::sync::atomic::AtomicU32,
+    growth: Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl EngineBudget for CappedBlocks {
+    fn token_budget(&self) -> u32 {
+        u32::MAX
+    }
+    fn try_acquire_blocks(&self, n: u32) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.held
+            .fetch_update(Relaxed, Relaxed, |h| {
+                h.checked_add(n).filter(|&t| t <= self.cap)
+            })
+            .is_ok()
+    }
+    fn release_blocks(&self, n: u32) {
+        self.held.fetch_sub(n, std::sync::atomic::Ordering::Relaxed);
+    }
+    fn set_active(&self, _: bool) {}
+    fn record_block_demand(&self, growth: u32) {
+        self.growth
+            .store(growth, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// A swapped-out sequence keeps its running slot in the block demand: with two slots, one
+/// running and one swapped out, a request that arrives waits for a slot and adds nothing
+/// (counting only the running sequences as taking slots, its first 132 pages were asked
+/// for while it could not run).
+#[test]
+fn a_swapped_sequence_keeps_its_slot_out_of_the_block_demand() {
+    let pool = Arc::new(
+        BlockPool::new(PoolConfig {
+            device: 0,
+            num_blocks: 256,
+            max_engines: 1,
+        })
+        .unwrap(),
+    );
+    // One token a page; 12 pages for the engine: two growing sequences swap one out.
+    let cfg = BatcherConfig {
+        engine: EngineId(0),
+        block_size: 1,
+        max_running: 2,
+        max_batched_tokens: 256,
+        max_prefill_chunk: 256,
+        max_blocks_per_seq: 256,
+        preemption: PreemptionMode::Swap,
+        swap_blocks: 64,
+    };
+    let growth = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let mut bt = Batcher::new(cfg, pool).unwrap();
+    bt.attach_budget(Box::new(CappedBlocks {
+        cap: 12,
+        held: Default::default(),
+        growth: growth.clone(),
+    }));
+    let request = |id| SeqRequest {
+        id,
+        prompt: vec![1, 2, 3, 4],
+        stop: StopRules {
+            max_new_tokens: 200,
+            ..Default::default()
+        },
+        priority: Priority::Throughput,
+    };
+    bt.add(request(0)).unwrap();
+    bt.add(request(1)).unwrap();
+    let mut fin = Vec::new();
+    let mut step = |bt: &mut Batcher| {
+        let n = bt.schedule_into(&mut fin).num_samples();
+        bt.commit(&vec![7; n], &mut fin).unwrap();
+        growth.load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let mut steps = 0;
+    while bt.stats().preempted_swap == 0 {
+        step(&mut bt);
+        steps += 1;
+        assert!(steps < 20, "no sequence was swapped out");
+    }
+    let before = step(&mut bt);
+    assert_eq!((bt.running.len(), bt.swapped.len()), (1, 1));
+    bt.add(request(2)).unwrap();
+    let after = step(&mut bt);
+    assert_eq!((bt.running.len(), bt.swapped.len()), (1, 1));
+    assert_eq!(
+        after, before,
+        "a request with no free running slot changed the block demand"
+    );
+}

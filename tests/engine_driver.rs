@@ -2255,3 +2255,72 @@ fn a_borrower_asked_to_donate_and_to_give_back_sheds_the_pages_once() {
     drop(engines);
     assert_no_leak(&shared);
 }
+
+/// A lender's running row waiting for pages it lent counts as a reclaim demand: the lender
+/// (A, one long sequence decoding) lent most of its quota to B, admits a second prompt into
+/// the free pages, and its next decode rows wait for B to give the pages back; the step after
+/// B's shed reports the steps A's rows waited. Only blocked admissions were counted before,
+/// so a lender's own work stalled for its borrowers showed no reclaim at all.
+#[test]
+fn a_lenders_rows_waiting_for_lent_pages_report_their_reclaim() {
+    // Quotas 16 and 16 pages of 16 tokens; block demand quantum 1.
+    let (shared, mut engines) = build_weighted(32, &[1, 1], 2, 1000);
+    let c = shared.coordinator().clone();
+    let (ida, idb) = (engines[0].0.id(), engines[1].0.id());
+    add(&mut engines[0], request(1, 16, 80));
+    let (a, m) = &mut engines[0];
+    a.step(m).unwrap();
+    for s in 0..24 {
+        add(&mut engines[1], request(100 + s, 32, 60));
+    }
+    for _ in 0..200 {
+        let (b, m) = &mut engines[1];
+        b.step(m).unwrap();
+        if c.blocks_held(idb) > 20 {
+            break;
+        }
+    }
+    assert!(
+        c.blocks_held(idb) > 16,
+        "B borrowed nothing: {:?}",
+        c.snapshot()
+    );
+    // A admits a prompt of two pages more than are free (32 tokens a page in its geometry),
+    // within its quota, and steps on alone until a prefill row waits for its pages.
+    let free = 32 - c.blocks_in_use() as usize;
+    assert!(c.blocks_held(ida) as usize + free + 2 <= 16);
+    add(&mut engines[0], request(2, 32 * (free + 2), 40));
+    let (a, m) = &mut engines[0];
+    let mut waited = false;
+    for _ in 0..20 {
+        assert_eq!(a.step(m).unwrap().reclaim_closed_after, None);
+        if a.batcher().stats().lent_page_waits > 0 {
+            waited = true;
+            break;
+        }
+    }
+    assert!(waited, "A never waited for lent pages: {:?}", c.snapshot());
+    let s = a.batcher().stats();
+    assert_eq!((s.preempted_recompute, s.preempted_swap), (0, 0));
+    let (b, m) = &mut engines[1];
+    assert!(b.step(m).unwrap().pages_shed > 0, "B gave nothing back");
+    let (a, m) = &mut engines[0];
+    let waits = a.batcher().stats().lent_page_waits;
+    let mut closed = None;
+    for _ in 0..3 {
+        closed = closed.or(a.step(m).unwrap().reclaim_closed_after);
+    }
+    assert_eq!(
+        closed,
+        Some(waits),
+        "A's rows waited {waits} steps: {:?}",
+        c.snapshot()
+    );
+    for _ in 0..2000 {
+        for (e, m) in engines.iter_mut().filter(|(e, _)| e.has_work()) {
+            e.step(m).unwrap();
+        }
+    }
+    drop(engines);
+    assert_no_leak(&shared);
+}

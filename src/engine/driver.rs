@@ -88,7 +88,8 @@ pub struct StepReport {
     pub asked_donation: bool,
     /// Set when a reclaim demand closed at this step: how many steps it took from the demand
     /// (the next admission fits this engine's limit but not the pool's free pages, because
-    /// pages of its share are lent out) to the pages being free.
+    /// pages of its share are lent out, or the last step left a running row waiting for such
+    /// pages: [`Batcher::waiting_for_lent_pages`]) to the pages being free.
     pub reclaim_closed_after: Option<u64>,
 }
 
@@ -600,13 +601,18 @@ impl<B: KvBackend> Engine<B> {
     }
 
     /// Reclaim latency, at the start of each step: a demand is open while the next admission
-    /// fits this engine's limit but not the pool's free pages; it closes at the first step
-    /// where the pages are free (or the demand went away).
+    /// fits this engine's limit but not the pool's free pages, or while the last step left a
+    /// running row waiting for pages this engine lent (a lender's own work, not only its
+    /// arrivals, waits for the borrowers); it closes at the first step where the pages are
+    /// free (or the demand went away). A row's wait is seen a step late (after the schedule
+    /// that waited) and closes a step late (after the schedule that got the pages): the count
+    /// is the steps it waited.
     fn track_reclaim(&mut self) {
-        let demand = self
-            .batcher
-            .next_admission_need()
-            .is_some_and(|(_, need)| self.lent_out_blocks(need));
+        let demand = self.batcher.waiting_for_lent_pages()
+            || self
+                .batcher
+                .next_admission_need()
+                .is_some_and(|(_, need)| self.lent_out_blocks(need));
         match (demand, self.demand_since) {
             (true, None) => self.demand_since = Some(self.steps),
             (false, Some(since)) => {

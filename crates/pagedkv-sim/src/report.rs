@@ -117,8 +117,8 @@ pub struct EngineReport {
     /// KV bytes it allocated beyond the shared arena (0 on the CPU path: its cache is a view).
     pub kv_bytes_allocated: u64,
     /// Reclaim latency as a lender: steps from this engine's demand for pages of its share lent
-    /// to others (its next admission fits its limit, not the pool's free pages) to enough of
-    /// them being free.
+    /// to others (its next admission fits its limit, not the pool's free pages, or a running
+    /// row waited for them) to enough of them being free.
     pub reclaim_steps: StepLatency,
     /// Prompt tokens found in the prefix cache / prompt tokens, over first admissions (0
     /// without a prefix cache).

@@ -156,6 +156,9 @@ pub struct BatcherStats {
     /// Tokens attached from the prefix cache on any admission, re-admissions after a
     /// preemption by recompute included: computation saved.
     pub prefix_reused_tokens: u64,
+    /// Steps in which a running row waited for pages this engine lent out rather than preempt
+    /// ([`EngineBudget::pages_lent_out`]).
+    pub lent_page_waits: u64,
 }
 
 /// The continuous-batching scheduler of one engine.
@@ -623,6 +626,13 @@ impl Batcher {
     /// Waiting sequences of a class.
     pub fn num_waiting_in(&self, class: Priority) -> usize {
         self.waiting[class.index()].len()
+    }
+
+    /// Whether the last [`schedule_into`](Self::schedule_into) left a running row waiting for
+    /// pages this engine lent out ([`EngineBudget::pages_lent_out`]): the borrowers give them
+    /// back at their next steps.
+    pub fn waiting_for_lent_pages(&self) -> bool {
+        self.lent_waits > 0
     }
 
     /// The pages the sequence a step admits next needs, with its class; `None` when nothing

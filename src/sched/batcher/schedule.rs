@@ -195,6 +195,7 @@ impl Batcher {
         // lack (the next step would preempt or shorten again: thrash).
         let pressed = preempted || shortened_any || waited;
         self.lent_waits = if waited { self.lent_waits + 1 } else { 0 };
+        self.stats.lent_page_waits += u64::from(waited);
 
         // 2. Once no latency-critical request waits (it would be denied the pages they take:
         // a swapped throughput sequence never takes the pages of a latency-critical

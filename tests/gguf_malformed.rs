@@ -458,12 +458,19 @@ fn tensor_offsets_bounds_and_overlap() {
         .tensor("b", &[8], 0, 0)
         .data(32, 64);
     refused!(b, GgufError::TensorOverlap { .. });
-    // Out of order but disjoint is fine.
+    // Out of order, even disjoint, is refused as llama.cpp refuses it (see below).
     let mut b = B::v3(2, 0);
     b.tensor("a", &[8], 0, 32)
         .tensor("b", &[8], 0, 0)
         .data(32, 64);
-    b.parse().expect("disjoint");
+    refused!(
+        b,
+        GgufError::TensorNotPacked {
+            offset: 32,
+            expected: 0,
+            ..
+        }
+    );
     let mut b = B::v3(2, 0);
     b.tensor("a", &[8], 0, 0)
         .tensor("a", &[8], 0, 32)
@@ -476,6 +483,77 @@ fn tensor_offsets_bounds_and_overlap() {
         b,
         GgufError::Truncated {
             what: "tensor dimension",
+            ..
+        }
+    );
+}
+
+/// Tensor data is packed as llama.cpp requires ("tensor has offset N, expected M"): in header
+/// order, each tensor at the previous one's end padded to the alignment, the first at 0. A gap
+/// (before the first tensor or between two) is refused, so an offset corrupted to another
+/// aligned, in-bounds, unused place cannot silently read the wrong bytes; the padding after
+/// the last tensor may be absent, and bytes after it are not looked at (llama.cpp reads a
+/// mapped file so too).
+#[test]
+fn tensor_data_is_packed_in_header_order() {
+    // Two 16-byte F32 tensors: the second starts at the first's end padded to 32.
+    let packed = |second: u64, data: usize| {
+        let mut b = B::v3(2, 0);
+        b.tensor("a", &[4], 0, 0)
+            .tensor("b", &[4], 0, second)
+            .data(32, data);
+        b
+    };
+    packed(32, 64).parse().expect("packed, padded");
+    packed(32, 48)
+        .parse()
+        .expect("the last tensor's padding may be absent");
+    packed(32, 4096)
+        .parse()
+        .expect("bytes after the last tensor");
+    refused!(
+        packed(64, 96),
+        GgufError::TensorNotPacked {
+            offset: 64,
+            expected: 32,
+            ..
+        }
+    );
+    refused!(
+        packed(16, 64),
+        GgufError::MisalignedTensor { offset: 16, .. }
+    );
+    // A gap before the first tensor.
+    refused!(
+        one_tensor(&[8], 0, 32, 64),
+        GgufError::TensorNotPacked {
+            offset: 32,
+            expected: 0,
+            ..
+        }
+    );
+    // A larger general.alignment sets the padding.
+    let aligned = |second: u64| {
+        let mut b = B::v3(2, 1);
+        b.kv_u32("general.alignment", 64)
+            .tensor("a", &[4], 0, 0)
+            .tensor("b", &[4], 0, second)
+            .data(64, 128);
+        b
+    };
+    aligned(64).parse().expect("padded to 64");
+    refused!(aligned(32), GgufError::MisalignedTensor { .. });
+    refused!(aligned(128), GgufError::TensorOutOfBounds { .. });
+    let mut b = B::v3(2, 1);
+    b.kv_u32("general.alignment", 64)
+        .tensor("a", &[4], 0, 0)
+        .tensor("b", &[4], 0, 128)
+        .data(64, 192);
+    refused!(
+        b,
+        GgufError::TensorNotPacked {
+            offset: 128,
+            expected: 64,
             ..
         }
     );

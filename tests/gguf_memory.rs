@@ -193,3 +193,54 @@ fn writing_back_a_huge_alignment_streams_its_padding() {
         "streaming 2 GiB of padding allocated {peak} bytes"
     );
 }
+
+/// `GgufWriter::from_gguf` copies the metadata into owned values: its memory is linear in the
+/// file's size. The worst case per file byte is an array of 1-byte items (one `MetaValue`,
+/// 32 bytes, each); strings and nested arrays cost at least 8 and 12 file bytes per item. A
+/// file's counts were bounded by its bytes when it was parsed, so no claim can make the copy
+/// larger than that multiple.
+#[test]
+fn from_gguf_copies_in_proportion_to_the_file() {
+    let n = 1 << 18;
+    let mut w = GgufWriter::new();
+    w.add(
+        "a.bytes",
+        MetaValue::Array {
+            elem: pagedkv::gguf::ValueType::U8,
+            items: vec![MetaValue::U8(7); n],
+        },
+    )
+    .expect("add")
+    .add("a.strings", MetaValue::strings(vec![""; n / 8]))
+    .expect("add")
+    .add(
+        "a.nested",
+        MetaValue::Array {
+            elem: pagedkv::gguf::ValueType::Array,
+            items: vec![
+                MetaValue::Array {
+                    elem: pagedkv::gguf::ValueType::U8,
+                    items: vec![],
+                };
+                n / 12
+            ],
+        },
+    )
+    .expect("add");
+    let bytes = w.to_bytes().expect("write");
+    let g = Gguf::parse(&bytes).expect("parse");
+    NOW.with(|c| c.set(0));
+    PEAK.with(|p| p.set(0));
+    ON.with(|on| on.set(true));
+    let copy = GgufWriter::from_gguf(&g);
+    ON.with(|on| on.set(false));
+    assert!(copy.is_ok());
+    let peak = PEAK.with(Cell::get);
+    let bound = 40 * bytes.len() + (64 << 10);
+    eprintln!(
+        "from_gguf: file {} B, peak {peak} B ({:.1} per file byte)",
+        bytes.len(),
+        peak as f64 / bytes.len() as f64
+    );
+    assert!(peak <= bound, "peak {peak} > bound {bound}");
+}

@@ -15,13 +15,14 @@ use half::{bf16, f16};
 use pagedkv::cuda::Gpu;
 use pagedkv::error::CudaError;
 use pagedkv::gguf::upload::{
-    dequantize_on_device, DequantTo, DeviceUploadError, UploadOptions, UploadPath, UploadProgress,
-    Uploader, DEVICE_DEQUANT_TYPES,
+    dequantize_on_device, DequantTo, DeviceUploadError, FillStats, RegisterTimes, UploadOptions,
+    UploadPath, UploadProgress, Uploader, DEVICE_DEQUANT_TYPES,
 };
 use pagedkv::gguf::{dequantize_into_bf16, dequantize_into_f16, GgmlType, Gguf, GgufWriter};
 use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
 use std::path::Path;
+use std::time::Duration;
 
 #[path = "support/gpu.rs"]
 mod gpu_support;
@@ -421,6 +422,51 @@ fn the_kernel_alone_matches_the_cpu_on_extreme_blocks() {
         match dequantize_on_device(&gpu, ty, &dsrc, DequantTo::F16) {
             Err(CudaError::Unsupported { what: w, .. }) => assert_eq!(w, what),
             other => panic!("{ty}: {:?}", other.map(|b| b.len())),
+        }
+    }
+}
+
+/// An upload refused before it reaches the ring or the registration (here: a type the device
+/// does not dequantize) reports zero stats, not those of the successful upload before it.
+#[test]
+fn a_refused_upload_does_not_report_the_previous_uploads_stats() {
+    let Some(gpu) = gpu("a_refused_upload_does_not_report_the_previous_uploads_stats") else {
+        return;
+    };
+    let ok = dequant_file();
+    let g_ok = Gguf::parse(&ok).expect("parse");
+    let fx = fixture();
+    let g_refused = Gguf::parse(&fx).expect("parse");
+    for path in [UploadPath::Staged, UploadPath::Registered] {
+        let opts = UploadOptions {
+            path,
+            staging_bytes: 1 << 20,
+            dequantize: Some(DequantTo::F16),
+            ..UploadOptions::default()
+        };
+        let mut up = Uploader::new(&gpu, opts).expect("uploader");
+        up.upload(&g_ok, |_| {}).expect("upload");
+        match path {
+            UploadPath::Staged => assert!(up.fill_stats().expect("staged").fills > 0),
+            UploadPath::Registered => {
+                assert!(up.register_times().expect("registered").register > Duration::ZERO)
+            }
+        }
+        let r = up.upload(&g_refused, |_| panic!("no progress expected"));
+        assert!(
+            matches!(r, Err(DeviceUploadError::NotDequantizable { .. })),
+            "{:?}",
+            r.map(|w| w.len())
+        );
+        match path {
+            UploadPath::Staged => {
+                assert_eq!(up.fill_stats(), Some(FillStats::default()), "{path:?}")
+            }
+            UploadPath::Registered => assert_eq!(
+                up.register_times(),
+                Some(RegisterTimes::default()),
+                "{path:?}"
+            ),
         }
     }
 }

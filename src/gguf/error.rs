@@ -219,6 +219,25 @@ pub enum GgufError {
         /// The other.
         second: String,
     },
+    /// A tensor's bytes do not start where the tensors before it leave off: llama.cpp (and
+    /// every writer that follows the format: gguf-py, ggml, [`crate::gguf::GgufWriter`]) stores
+    /// them in header order, each at the previous one's end padded to the alignment. A file
+    /// with gaps or tensors out of order is refused as llama.cpp refuses it: a corrupted offset
+    /// that still lands in bounds, aligned and clear of the other tensors would otherwise read
+    /// the wrong bytes without a word.
+    #[error(
+        "tensor {tensor:?} starts at data offset {offset}, expected {expected} (tensors are \
+         stored in header order, each at the previous one's end padded to the alignment)"
+    )]
+    TensorNotPacked {
+        /// The tensor.
+        tensor: String,
+        /// Its offset in the data section.
+        offset: u64,
+        /// Where it should start: the end of the tensor before it in the header, padded to the
+        /// alignment (0 for the first).
+        expected: u64,
+    },
     /// The data section starts past what `u64`/`usize` can address.
     #[error("data section offset overflows")]
     DataOffsetOverflow,

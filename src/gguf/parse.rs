@@ -528,7 +528,8 @@ pub struct Gguf<'a> {
     metadata: Vec<(&'a str, Value<'a>)>,
     /// Key -> index into `metadata`.
     key_index: HashMap<&'a str, usize>,
-    /// Tensors in file order; names unique, bytes in bounds and non-overlapping.
+    /// Tensors in file order; names unique, bytes in bounds and packed in this order (each at
+    /// the previous one's end padded to the alignment).
     tensors: Vec<TensorInfo<'a>>,
     /// Name -> index into `tensors`.
     tensor_index: HashMap<&'a str, usize>,
@@ -772,6 +773,24 @@ impl<'a> Gguf<'a> {
                     second: b.name.into(),
                 });
             }
+        }
+
+        // Packing, as llama.cpp checks it: in header order, each tensor starts at the previous
+        // one's end padded to the alignment. Overlaps were named above; what is left is a gap
+        // or an out-of-order tensor. Every end is at most data_len, so nothing overflows except
+        // the padding of the last end near u64::MAX, which no later tensor can then match.
+        let mut expected = 0u64;
+        for t in &tensors {
+            if t.offset != expected {
+                return Err(GgufError::TensorNotPacked {
+                    tensor: t.name.into(),
+                    offset: t.offset,
+                    expected,
+                });
+            }
+            expected = (t.offset + t.data.len() as u64)
+                .checked_next_multiple_of(alignment)
+                .unwrap_or(u64::MAX);
         }
 
         Ok(Gguf {

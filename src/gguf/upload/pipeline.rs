@@ -145,6 +145,13 @@ impl<E: CopyEngine> StagingRing<E> {
         self.stats
     }
 
+    /// Zeroes [`StagingRing::last_stats`], for a caller whose upload is refused before it
+    /// reaches the ring (the uploader's own checks).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn clear_stats(&mut self) {
+        self.stats = FillStats::default();
+    }
+
     /// The engine.
     pub fn engine(&self) -> &E {
         &self.engine

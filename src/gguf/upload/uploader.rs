@@ -260,7 +260,9 @@ impl Uploader {
         &self.opts
     }
 
-    /// What the last staged upload's fills did (`None` when registered).
+    /// What the last staged upload's fills did (`None` when registered); all zero after an
+    /// upload refused before its first fill (a type the device cannot dequantize, too little
+    /// device memory, a schedule's refusal), never the upload's before.
     pub fn fill_stats(&self) -> Option<FillStats> {
         match &self.engine {
             Engine::Staged(r) => Some(r.last_stats()),
@@ -268,7 +270,9 @@ impl Uploader {
         }
     }
 
-    /// Register / unregister times of the last registered upload (`None` when staged).
+    /// Register / unregister times of the last registered upload (`None` when staged); zero
+    /// for a step it did not complete (an upload refused before it registered, a failed
+    /// unregister), never the upload's before.
     pub fn register_times(&self) -> Option<RegisterTimes> {
         match &self.engine {
             Engine::Registered(e) => Some(RegisterTimes {
@@ -294,6 +298,9 @@ impl Uploader {
         gguf: &Gguf<'_>,
         mut progress: impl FnMut(UploadProgress<'_>),
     ) -> Result<DeviceWeights, DeviceUploadError> {
+        // Whatever happens below, the stats describe this upload: a refusal before the ring or
+        // the registration is reached leaves them zero, not the previous upload's.
+        self.clear_stats();
         let order: Vec<TensorInfo<'_>> =
             gguf.tensors_largest_first().into_iter().copied().collect();
         let to = self.opts.dequantize;
@@ -384,6 +391,19 @@ impl Uploader {
             tensors,
             total_bytes: bytes,
         })
+    }
+}
+
+impl Uploader {
+    /// Zeroes what [`Uploader::fill_stats`] and [`Uploader::register_times`] report.
+    fn clear_stats(&mut self) {
+        match &mut self.engine {
+            Engine::Staged(ring) => ring.clear_stats(),
+            Engine::Registered(engine) => {
+                engine.last_register = Duration::ZERO;
+                engine.last_unregister = Duration::ZERO;
+            }
+        }
     }
 }
 

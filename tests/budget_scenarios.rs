@@ -736,3 +736,40 @@ fn a_lenders_block_demand_looks_a_horizon_ahead_not_to_the_longest() {
         w.c.snapshot()
     );
 }
+
+/// A slot reused by a new registration starts clean: nothing the departed engine published
+/// (its load, its token and block demands, its activity, its step's tokens, its budgets) is
+/// read as the new engine's, by the accessors, the snapshot or a donor search.
+#[test]
+fn a_reused_slot_carries_nothing_of_the_departed_engine() {
+    let c = BudgetCoordinator::new(BudgetConfig::new(2, 64, 32)).unwrap();
+    let (old, other) = (c.register(1).unwrap(), c.register(1).unwrap());
+    c.set_active(old, true);
+    c.set_active(other, true);
+    c.recompute();
+    assert_eq!(c.acquire_tokens_up_to(old, 8), 8);
+    c.publish_demand(old, 4);
+    c.publish_block_demand(old, 3);
+    c.publish_load(old, 0, 5);
+    c.deregister(old).unwrap();
+    let new = c.register(3).unwrap();
+    assert_eq!(new, old, "the slot was not reused");
+    assert!(!c.is_active(new));
+    assert_eq!(c.token_demand(new), None);
+    assert_eq!(c.block_demand(new), None);
+    assert_eq!((c.tokens_used(new), c.tokens_granted(new)), (0, 0));
+    assert_eq!(
+        c.tokens_in_use(),
+        0,
+        "the departed engine's step still counts"
+    );
+    assert_eq!(c.token_budget(new), 0, "an idle engine has no token budget");
+    assert_eq!(
+        c.pick_donor(other, 9, 1),
+        None,
+        "the departed engine's load was read"
+    );
+    let stats = c.snapshot().engines;
+    let mine = stats.iter().find(|s| s.engine == new).unwrap();
+    assert_eq!((mine.weight, mine.load, mine.token_demand), (3, None, None));
+}

@@ -1024,6 +1024,62 @@ fn a_dropped_donors_pending_donation_does_not_pass_to_the_next_engine_on_its_id(
     );
 }
 
+/// A donation asked by an engine that is dropped before its donor takes it dies with it: the
+/// donor used to take it at its next step and shed pages for an engine that no longer existed
+/// (`StepReport::pages_shed`), preempting its own work for nobody.
+#[test]
+fn a_dropped_requesters_pending_donation_is_not_shed_by_its_donor() {
+    let (_shared, mut engines) = lender_lent_out();
+    let (a, m) = &mut engines[0];
+    assert!(a.step(m).unwrap().asked_donation);
+    // The requester leaves before its donor steps.
+    drop(engines.remove(0));
+    let (b, m) = &mut engines[0];
+    let report = b.step(m).unwrap();
+    assert_eq!(
+        report.pages_shed, 0,
+        "the donor shed pages for a dropped requester"
+    );
+}
+
+/// The periodic recompute counts committed steps, not schedules: a step that failed (and the
+/// schedule that retried it) used to shift the count, so the recompute due at the second step
+/// came only at the fourth one.
+#[test]
+fn the_periodic_recompute_counts_committed_steps() {
+    let shapes = shapes();
+    let page_bytes = page_bytes_for(&shapes.map(|(s, _)| s), 16).unwrap();
+    let shared = SharedArena::host(BudgetConfig::new(1, 128, 64), page_bytes).unwrap();
+    let mut cfg = engine_config(PreemptionMode::Recompute);
+    cfg.recompute = RecomputePolicy {
+        when_dirty: false,
+        every_steps: 2,
+    };
+    let (shape, heads) = shapes[0];
+    let mut engine = Engine::host(&shared, cfg, &shape, heads).unwrap();
+    let mut model = FailingArmed {
+        inner: ClosedForm::new(heads, shape.num_kv_heads, shape.head_dim),
+        armed: false,
+    };
+    let req = request(1, 8, 50);
+    model.inner.prompt_len.insert(1, req.prompt.len());
+    engine.add(req).unwrap();
+    // The first step finds the engine idle in the budgets (it reports itself active there);
+    // under this policy the engine publishes only periodically, so the caller publishes that.
+    assert_eq!(engine.step(&mut model).unwrap().scheduled, 0);
+    shared.coordinator().recompute();
+    let epoch = || shared.coordinator().snapshot().epoch;
+    model.armed = true;
+    assert!(engine.step(&mut model).is_err());
+    model.armed = false;
+    let before = epoch();
+    engine.step(&mut model).unwrap(); // the second committed step
+    assert!(
+        epoch() > before,
+        "no periodic recompute at the second committed step"
+    );
+}
+
 /// A sequence ended at the start of a step that then fails (a caller's finish, an abort) is
 /// still reported: the failed step's caller skips its results, and the next schedule, which
 /// discards the failed batch, reports it again. Before, that schedule cleared the report,
@@ -2323,4 +2379,26 @@ fn a_lenders_rows_waiting_for_lent_pages_report_their_reclaim() {
     }
     drop(engines);
     assert_no_leak(&shared);
+}
+
+/// A donation request whose need went away before the donor took it (the latency-critical
+/// request that waited was aborted) is withdrawn at the first requester step that sees no
+/// need: the donor then sheds nothing. It shed the pages anyway, preempting its own work for nobody.
+#[test]
+fn a_donation_no_longer_needed_is_withdrawn() {
+    let (_shared, mut engines) = lender_lent_out();
+    let (a, m) = &mut engines[0];
+    assert!(a.step(m).unwrap().asked_donation);
+    a.abort(1).unwrap();
+    // The abort ends the sequence at the next step's schedule (after that step's donation
+    // check); the step after sees no need.
+    for _ in 0..2 {
+        assert!(!a.step(m).unwrap().asked_donation);
+    }
+    let (b, m) = &mut engines[1];
+    assert_eq!(
+        b.step(m).unwrap().pages_shed,
+        0,
+        "the donor shed pages for an aborted request"
+    );
 }

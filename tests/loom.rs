@@ -13,6 +13,8 @@
 mod admission;
 #[path = "loom/budget.rs"]
 mod budget;
+#[path = "loom/donations.rs"]
+mod donations;
 #[path = "loom/pool.rs"]
 mod pool;
 #[path = "loom/prefix.rs"]

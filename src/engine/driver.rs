@@ -20,8 +20,10 @@ pub struct RecomputePolicy {
     /// changed: registrations, weights, activity or a published token demand (one load when
     /// nothing did).
     pub when_dirty: bool,
-    /// Also recompute every this many steps (0: never), which refreshes what idle engines can
-    /// lend as holdings change.
+    /// Also recompute every this many committed steps (0: never), which refreshes what idle
+    /// engines can lend as holdings change. Committed, not scheduled: a failed step and the
+    /// schedule that retries it would otherwise shift the count past the multiple, and a
+    /// caller whose failures fell on it would never recompute.
     pub every_steps: u32,
 }
 
@@ -138,6 +140,8 @@ pub struct Engine<B: KvBackend> {
     pairs: Vec<(u32, u32)>,
     report: StepReport,
     steps: u64,
+    /// Steps committed so far: what [`RecomputePolicy::every_steps`] counts.
+    commits: u64,
     demand_since: Option<u64>,
     /// Whether the current batch was executed (commit refuses an unexecuted non-empty batch).
     executed: bool,
@@ -219,8 +223,11 @@ impl<B: KvBackend> Engine<B> {
         batcher_cfg.engine = id;
         // Donations asked of an earlier engine on this id (dropped before it took them) are
         // not this engine's to shed: discarded. None can be asked of this one yet: a donor is
-        // picked by the load it publishes, which it does first at a commit.
+        // picked by the load it publishes, which it does first at a commit. A request the
+        // earlier engine made and did not withdraw (it was leaked, not dropped) is not this
+        // one's either.
         let _ = shared.take_donations(id);
+        let _ = shared.withdraw_donation(id);
         coordinator.recompute();
         let batcher = Batcher::new(batcher_cfg, shared.pool().clone());
         let mut batcher = match batcher {
@@ -261,6 +268,7 @@ impl<B: KvBackend> Engine<B> {
             pairs: Vec::new(),
             report: StepReport::default(),
             steps: 0,
+            commits: 0,
             demand_since: None,
             executed: true,
             exec_failed: false,
@@ -429,14 +437,21 @@ impl<B: KvBackend> Engine<B> {
                     d != donor || self.shared.donations_taken(donor) != taken
                 }) =>
             {
-                self.shared.ask_donation(donor, pages);
+                self.shared.ask_donation(self.id, donor, pages);
                 // Read after asking: a take racing the ask may count as the one this request
                 // waits for (the next ask then waits a donor step longer), never the reverse.
                 self.donation_asked = Some((donor, self.shared.donations_taken(donor)));
                 self.report.asked_donation = true;
             }
             Some(_) => {}
-            None => self.donation_asked = None,
+            // The need went away (the request was admitted with pages freed elsewhere, or
+            // aborted): a request its donor has not taken yet is withdrawn, or the donor would
+            // preempt its own work for pages nobody waits for.
+            None => {
+                if self.donation_asked.take().is_some() {
+                    self.shared.withdraw_donation(self.id);
+                }
+            }
         }
         // Not their sum: a donation is asked only for pages that fit the asker's limit but not
         // the pool's free pages, pages lent out, and what a reclaim order gives back goes to the
@@ -537,13 +552,14 @@ impl<B: KvBackend> Engine<B> {
         }
         self.report.sampled = self.sampled.len() as u32;
         self.committed = true;
+        self.commits += 1;
         let coordinator = self.shared.coordinator();
         match self.batcher.preemptible_load() {
             Some((class, pages)) => coordinator.publish_load(self.id, class.rank(), pages),
             None => coordinator.clear_load(self.id),
         }
         let policy = self.cfg.recompute;
-        if policy.every_steps > 0 && self.steps % u64::from(policy.every_steps) == 0 {
+        if policy.every_steps > 0 && self.commits % u64::from(policy.every_steps) == 0 {
             coordinator.recompute();
         } else if policy.when_dirty {
             coordinator.maybe_recompute();
@@ -632,7 +648,10 @@ impl<B: KvBackend> Drop for Engine<B> {
         // SAFETY: the batcher is dropped once, here, and never used after (this is the
         // engine's drop; no other code path drops it).
         unsafe { ManuallyDrop::drop(&mut self.batcher) };
-        // The batcher gave every page back; the engine's share now goes to the others.
+        // The batcher gave every page back; the engine's share now goes to the others. A
+        // donation it asked for and its donor has not taken goes with it: the donor would
+        // otherwise preempt its own work, at its next step, for pages nobody waits for.
+        let _ = self.shared.withdraw_donation(self.id);
         self.shared.coordinator().clear_load(self.id);
         let _ = self.shared.coordinator().deregister(self.id);
         self.shared.coordinator().recompute();

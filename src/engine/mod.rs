@@ -23,6 +23,7 @@
 
 #[cfg(feature = "cuda")]
 mod device;
+mod donations;
 mod driver;
 mod exec;
 mod host;

@@ -1,12 +1,13 @@
 //! What every engine of one device shares: the block pool, the KV arena it indexes, the budget
 //! coordinator, and the donation board through which engines ask each other for pages.
 
+use super::donations::DonationBoard;
 use crate::block::{BlockPool, EngineId, PoolConfig};
 use crate::budget::{BudgetConfig, BudgetCoordinator};
 use crate::error::EngineError;
 use crate::kv::KvArena;
 use crate::prefix::{PrefixCache, PrefixConfig};
-use crate::sync::{Arc, AtomicU32, AtomicU64, CachePadded, Ordering};
+use crate::sync::Arc;
 
 /// One device's shared KV state. Built once, then shared by every [`Engine`](super::Engine)
 /// through `Arc`. The pool and the arena are built together, so a page id from the pool always
@@ -21,12 +22,9 @@ pub struct SharedArena {
     page_bytes: usize,
     /// The prefix cache every engine of the arena shares, if enabled.
     prefix: Option<Arc<PrefixCache>>,
-    /// Pages other engines asked each engine to give back for their latency-critical work,
-    /// taken (and zeroed) by the engine at the start of its next step.
-    donations: Box<[CachePadded<AtomicU32>]>,
-    /// How many times each engine took its donation requests (one per step): a requester
-    /// asks a donor again only once the donor has taken its last request.
-    donation_takes: Box<[CachePadded<AtomicU64>]>,
+    /// Pages engines asked each other to give back for their latency-critical work, one
+    /// request per requester, taken by the donor at the start of its next step.
+    donations: DonationBoard,
 }
 
 impl SharedArena {
@@ -76,12 +74,6 @@ impl SharedArena {
             max_engines: budget.max_engines,
         })?);
         let coordinator = Arc::new(BudgetCoordinator::new(budget)?);
-        let donations = (0..budget.max_engines)
-            .map(|_| CachePadded::new(AtomicU32::new(0)))
-            .collect();
-        let donation_takes = (0..budget.max_engines)
-            .map(|_| CachePadded::new(AtomicU64::new(0)))
-            .collect();
         Ok(Self {
             pool,
             coordinator,
@@ -90,8 +82,7 @@ impl SharedArena {
             device: None,
             page_bytes,
             prefix: None,
-            donations,
-            donation_takes,
+            donations: DonationBoard::new(budget.max_engines),
         })
     }
 
@@ -141,45 +132,37 @@ impl SharedArena {
         u64::from(self.pool.total()) * self.page_bytes as u64
     }
 
-    /// Asks `donor` to give back `pages` pages at the start of its next step (one wait-free
-    /// `fetch_add`; requests add up). A request larger than the pool is clamped to it. The sum
-    /// would wrap only past 2^32 pages asked between two steps of the donor; shedding is
-    /// advisory, so a wrapped sum only makes the donor give back fewer pages.
-    pub fn ask_donation(&self, donor: EngineId, pages: u32) {
-        if let Some(slot) = self.donations.get(donor.index()) {
-            // SeqCst, like the take's count and swap and the requester's read of the count
-            // after this (`donations_taken`): see `take_donations`. The pages themselves are
-            // handed over through the pool.
-            slot.fetch_add(pages.min(self.pool.total()), Ordering::SeqCst);
-        }
+    /// `requester` asks `donor` to give back `pages` pages at the start of its next step (a
+    /// wait-free pair of swaps). A request larger than the pool is clamped to it. Each
+    /// engine has one request outstanding at most: this replaces any earlier one of
+    /// `requester`'s that its donor has not taken (its need now is this one), and 0 pages
+    /// withdraws it.
+    pub fn ask_donation(&self, requester: EngineId, donor: EngineId, pages: u32) {
+        self.donations
+            .ask(requester, donor, pages.min(self.pool.total()));
     }
 
-    /// Takes the pages other engines asked `engine` to give back (one wait-free `swap`), and
-    /// counts the take ([`donations_taken`](Self::donations_taken)).
+    /// Withdraws `requester`'s outstanding request ([`ask_donation`](Self::ask_donation)) if
+    /// its donor has not taken it, and returns its pages (0: none). An engine does this as it
+    /// leaves, so that its donor does not shed pages for nobody. Wait-free: one swap.
+    pub fn withdraw_donation(&self, requester: EngineId) -> u32 {
+        self.donations.withdraw(requester)
+    }
+
+    /// Takes the pages other engines asked `engine` to give back, and counts the take
+    /// ([`donations_taken`](Self::donations_taken)). Wait-free: O(1) when nobody asked it,
+    /// else one load and at most one compare-exchange per engine slot.
     pub fn take_donations(&self, engine: EngineId) -> u32 {
-        // Counted before the swap, and all four operations (the requester's ask and its read
-        // of the count after it, this count and this swap) SeqCst: if the requester's read
-        // comes before this count in their single total order, its ask comes before this
-        // swap, which takes it. So a requester that asks again only once the count moved past
-        // the one it read never has two requests outstanding with this donor.
-        if let Some(takes) = self.donation_takes.get(engine.index()) {
-            takes.fetch_add(1, Ordering::SeqCst);
-        }
-        self.donations
-            .get(engine.index())
-            .map_or(0, |slot| slot.swap(0, Ordering::SeqCst))
+        self.donations.take(engine)
     }
 
     /// How many times `engine` took its donation requests
     /// ([`take_donations`](Self::take_donations), once per step of an
     /// [`Engine`](super::Engine)). A requester that reads this after
-    /// [`ask_donation`](Self::ask_donation) and asks again only once it changed has at most
-    /// one request outstanding with that donor: a waiting engine that steps faster than its
-    /// donor does not pile up requests for the same pages.
+    /// [`ask_donation`](Self::ask_donation) knows, once it changed, that the donor has taken
+    /// that request (or the one replacing it): an engine asks again only then, not at each of
+    /// its steps while the donor has not stepped.
     pub fn donations_taken(&self, engine: EngineId) -> u64 {
-        self.donation_takes
-            .get(engine.index())
-            // SeqCst: see `take_donations`.
-            .map_or(0, |slot| slot.load(Ordering::SeqCst))
+        self.donations.taken(engine)
     }
 }

@@ -548,6 +548,29 @@ fn max_context_is_enforced_in_tokens() {
     }
 }
 
+/// A `max_context` of 0 is refused by name, before registering: the batcher would refuse the
+/// zero pages per sequence it implies too, but its message names a setting the caller never
+/// gave.
+#[test]
+fn a_zero_max_context_is_refused_by_name() {
+    let (shape, heads) = shapes()[0];
+    let page_bytes = page_bytes_for(&[shape], 16).unwrap();
+    let shared = SharedArena::host(BudgetConfig::new(2, 128, 32), page_bytes).unwrap();
+    let mut bad = engine_config(PreemptionMode::Recompute);
+    bad.max_context = 0;
+    let epoch = shared.coordinator().epoch();
+    let err = Engine::<HostBackend<f32>>::host(&shared, bad, &shape, heads).unwrap_err();
+    assert!(
+        matches!(&err, EngineError::InvalidConfig(m) if m.contains("max_context")),
+        "{err:?}"
+    );
+    assert_eq!(
+        shared.coordinator().epoch(),
+        epoch,
+        "a refused engine published shares"
+    );
+}
+
 /// Steps until a schedule has rows (the first steps may be empty until the coordinator has
 /// seen the engine active); that batch is left scheduled, not executed.
 fn schedule_first_rows(engine: &mut Engine<HostBackend<f32>>, model: &mut ClosedForm) {
@@ -2401,4 +2424,68 @@ fn a_donation_no_longer_needed_is_withdrawn() {
         0,
         "the donor shed pages for an aborted request"
     );
+}
+
+/// A latency-critical request whose first chunk needs exactly what its engine's limit leaves
+/// (here the whole 16-page quota, lent out) is within the limit, so it asks the borrower for a
+/// donation at once. Counted as over the limit (`<` for `<=` in the driver's check), it would
+/// wait for a reclaim order instead, and its reclaim latency would go untracked.
+#[test]
+fn a_request_needing_exactly_the_rest_of_its_share_asks_a_donation() {
+    // Quotas 16 and 16 pages of 32 tokens; a 512-token prompt in one chunk is 16 pages.
+    let (shared, _) = build_weighted(32, &[], 2, 1000);
+    let mut engines: Vec<Driven> = (0..2)
+        .map(|_| {
+            let (shape, heads) = shapes()[0];
+            let mut cfg = engine_config(PreemptionMode::Recompute);
+            cfg.prefix_cache = false;
+            cfg.max_prefill_chunk = 512;
+            let engine = Engine::host(&shared, cfg, &shape, heads).unwrap();
+            (
+                engine,
+                ClosedForm::new(heads, shape.num_kv_heads, shape.head_dim),
+            )
+        })
+        .collect();
+    let c = shared.coordinator().clone();
+    // B fills the pool while A is idle.
+    for s in 0..8 {
+        add(&mut engines[1], request(100 + s, 40, 200));
+    }
+    let b = engines[1].0.id();
+    for _ in 0..200 {
+        let (e, m) = &mut engines[1];
+        e.step(m).unwrap();
+        if c.blocks_held(b) == u64::from(c.block_limit(b)) {
+            break;
+        }
+    }
+    assert_eq!(shared.pool().free_count(), 0, "{:?}", c.snapshot());
+    let mut urgent = request(1, 512, 1);
+    urgent.priority = Priority::LatencyCritical;
+    add(&mut engines[0], urgent);
+    let a = engines[0].0.id();
+    let (class, need) = engines[0].0.batcher().next_admission_need().unwrap();
+    assert_eq!(class, Priority::LatencyCritical);
+    assert_eq!(
+        c.blocks_held(a) + u64::from(need),
+        u64::from(c.block_limit(a)),
+        "not the boundary: {:?}",
+        c.snapshot()
+    );
+    let (a_engine, m) = &mut engines[0];
+    let report = a_engine.step(m).unwrap();
+    assert!(
+        report.asked_donation,
+        "A asked no donation: {:?}",
+        c.snapshot()
+    );
+    for _ in 0..2000 {
+        for (e, m) in engines.iter_mut().filter(|(e, _)| e.has_work()) {
+            e.step(m).unwrap();
+        }
+    }
+    assert!(engines.iter().all(|(e, _)| !e.has_work()));
+    drop(engines);
+    assert_no_leak(&shared);
 }

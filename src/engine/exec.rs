@@ -329,6 +329,48 @@ mod tests {
         assert!(run(&[0, 3], false, None).0.contains(&"prefill"));
     }
 
+    /// A step of page moves and no tokens still ends: on a device, `end` is what waits for the
+    /// swaps and copies, before the batcher hands the pages they read to other sequences.
+    #[test]
+    fn a_step_of_no_tokens_still_ends() {
+        let (calls, ok) = run(&[0], true, None);
+        assert!(ok);
+        assert_eq!(calls, ["copy_blocks", "end"]);
+    }
+
+    /// A step's stats count its new tokens, every context token's K and V in every layer, and
+    /// every page it copied or swapped (the figures behind the engines' bandwidth reports).
+    #[test]
+    fn a_steps_stats_count_tokens_kv_bytes_and_pages_moved() {
+        let b = Batch {
+            // Two rows: one token, then two.
+            query_start_loc: vec![0, 1, 3],
+            seq_ids: vec![0, 1],
+            input_tokens: vec![1; 3],
+            context_lens: vec![5, 2],
+            swap_out: vec![(2, 0)],
+            swap_in: vec![(1, 3)],
+            copies: vec![(0, 1), (2, 3)],
+            ..Default::default()
+        };
+        let mut backend = Recorder {
+            // 2 layers, 2 KV heads of 8 f32: 2 x 2 x 2 x 8 x 4 = 256 bytes of K and V a token.
+            cfg: KvCacheConfig::new(2, 2, 8, 4, 4, KvDtype::F32).unwrap(),
+            calls: Vec::new(),
+            fail_at: None,
+            out: Vec::new(),
+        };
+        let stats = run_batch(&mut backend, &mut Model(Vec::new()), &b, &mut Vec::new()).unwrap();
+        assert_eq!(
+            stats,
+            StepStats {
+                tokens: 3,
+                kv_bytes_read: 7 * 256,
+                pages_moved: 4,
+            }
+        );
+    }
+
     /// A step that fails after queuing work waits for it (`end`) before returning the error.
     #[test]
     fn a_failed_step_still_ends() {

@@ -561,10 +561,26 @@ fn bad_inputs_are_typed_errors_and_leave_outputs_untouched() {
             decode(&case.seqs(), &p3, &q, &mut out),
             Err(AttnError::HeadsNotMultiple { .. })
         ));
+        // No heads at all, with the empty query and output that no length check refuses: a
+        // typed error, not a GQA group of 0 (a division by zero in the work split).
+        let p0 = AttnParams { num_heads: 0, ..p };
+        let r = decode(&case.seqs(), &p0, &[], &mut []);
+        assert!(
+            matches!(r, Err(AttnError::HeadsNotMultiple { num_heads: 0, .. })),
+            "decode, 0 heads: {r:?}"
+        );
         // Bad scalars.
         for bad in [
             AttnParams {
                 scale: f32::NAN,
+                ..p
+            },
+            AttnParams {
+                scale: f32::INFINITY,
+                ..p
+            },
+            AttnParams {
+                scale: f32::NEG_INFINITY,
                 ..p
             },
             AttnParams { softcap: -1.0, ..p },
@@ -574,6 +590,10 @@ fn bad_inputs_are_typed_errors_and_leave_outputs_untouched() {
             },
             AttnParams {
                 alibi_slopes: Some(&[f32::NAN, 0.0, 0.0, 0.0]),
+                ..p
+            },
+            AttnParams {
+                alibi_slopes: Some(&[0.0, 0.0, 0.0, f32::NEG_INFINITY]),
                 ..p
             },
         ] {
@@ -633,6 +653,12 @@ fn bad_inputs_are_typed_errors_and_leave_outputs_untouched() {
             let r = paged_attention_prefill(&mut ws, kv, &q, &qsl, &case.seqs(), &p, &mut out);
             assert_eq!(r, Err(AttnError::QueryStartLoc { seq: want_seq }));
         }
+        let p0 = AttnParams { num_heads: 0, ..p };
+        let r = paged_attention_prefill(&mut ws, kv, &[], &[0, 1, 2], &case.seqs(), &p0, &mut []);
+        assert!(
+            matches!(r, Err(AttnError::HeadsNotMultiple { num_heads: 0, .. })),
+            "prefill, 0 heads: {r:?}"
+        );
         let qlong: Vec<f32> = rand_vals(&mut rng, 7 * nh * d);
         let mut olong = vec![f32::NAN; qlong.len()];
         let r = paged_attention_prefill(
@@ -1252,4 +1278,181 @@ fn the_scale_multiplies_the_dot_product_not_the_query() {
             assert!(pre.iter().all(|x| x.is_nan()), "{what}: prefill {pre:?}");
         }
     }
+}
+
+/// A row whose every visible score is -inf has nothing to attend to and is all zero, like
+/// padding (crate::attn; the CUDA kernels do the same), not the formula's 0 / 0: both keys
+/// overflowed to +inf and the query is negative, so each score is -inf and the weights' sum is
+/// 0. Rows that also see a finite key are the formula's. Decode and prefill.
+#[test]
+fn a_row_whose_every_score_is_minus_infinity_is_zero() {
+    let (ctx, d) = (3, 8);
+    let mut rng = SmallRng::seed_from_u64(73);
+    // Keys 0 and 1 infinite, key 2 finite; values finite.
+    let mut k: Vec<f32> = rand_vals(&mut rng, ctx * d);
+    k[..2 * d].fill(f32::INFINITY);
+    let v: Vec<f32> = rand_vals(&mut rng, ctx * d);
+    let (cache, table) = dense_cache(&k, &v, ctx);
+    let ctxs = [ctx as i32];
+    let seqs = PagedSeqs {
+        block_tables: &table,
+        max_blocks_per_seq: table.len(),
+        context_lens: &ctxs,
+    };
+    let view = cache.view::<f32>().unwrap();
+    let q: Vec<f32> = rand_vals::<f32>(&mut rng, ctx * d)
+        .iter()
+        .map(|x| -x.abs())
+        .collect();
+    let p = AttnParams::new(1, d);
+    let mut ws = AttnWorkspace::new();
+    // Prefill of all three tokens: rows 0 and 1 see only infinite keys (zero), row 2 sees key
+    // 2 too (its value: the other two weigh 0).
+    let mut out = vec![f32::NAN; ctx * d];
+    paged_attention_prefill(
+        &mut ws,
+        view.layer(0).unwrap(),
+        &q,
+        &[0, ctx as i32],
+        &seqs,
+        &p,
+        &mut out,
+    )
+    .unwrap();
+    assert!(
+        out[..2 * d].iter().all(|&x| x == 0.0),
+        "prefill rows 0 and 1: {:?}",
+        &out[..2 * d]
+    );
+    let want = dense_reference(&q[2 * d..], &k, &v, 2, p.scale).expect("row 2 sees key 2");
+    check_row(&out[2 * d..], &want, "prefill row 2");
+    // Decode of a sequence of the first two tokens only.
+    let short = [2];
+    let seqs = PagedSeqs {
+        context_lens: &short,
+        ..seqs
+    };
+    let mut out = vec![f32::NAN; d];
+    paged_attention_decode(
+        &mut ws,
+        view.layer(0).unwrap(),
+        &q[d..2 * d],
+        &seqs,
+        &p,
+        &mut out,
+    )
+    .unwrap();
+    assert!(out.iter().all(|&x| x == 0.0), "decode: {out:?}");
+}
+
+/// A half-precision output is the f32 kernels' result rounded once, to nearest even: the walk
+/// widens every key, value and query exactly and does the same f32 arithmetic whatever the
+/// dtype, so an f16 / bf16 cache must give, bit for bit, `T::from_f32` of what the same values
+/// in an f32 cache give. (The reference grid's 1e-2 tolerance cannot tell rounding from
+/// truncation, which is up to one bf16 ulp, 2^-8 relative, off.) Decode and prefill, every
+/// feature on.
+#[test]
+fn a_half_precision_output_is_the_f32_result_rounded_to_nearest_even() {
+    fn run<T: KvElem>(seed: u64) {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let (d, gqa, bs) = (64, 4, 8);
+        let ctx = [1, bs - 1, bs + 1, 3 * bs + 5];
+        let case = Case::<T>::new(&mut rng, d, gqa, bs, &ctx, Features::from_bits(7));
+        // The same cache in f32: every element widened (exact), NaN poison included.
+        let wide_cfg = KvCacheConfig::new(
+            NUM_LAYERS,
+            NUM_KV_HEADS,
+            d,
+            bs,
+            case.cfg.num_blocks(),
+            KvDtype::F32,
+        )
+        .unwrap();
+        let mut wide = HostKvCache::new(wide_cfg).unwrap();
+        let half_view = case.cache.view::<T>().unwrap();
+        for (w, h) in wide
+            .view_mut::<f32>()
+            .unwrap()
+            .data_mut()
+            .iter_mut()
+            .zip(half_view.data())
+        {
+            *w = h.to_f32();
+        }
+        let wide_view = wide.view::<f32>().unwrap();
+        let nh = case.num_heads;
+        let q: Vec<T> = rand_vals(&mut rng, ctx.len() * nh * d);
+        let q32: Vec<f32> = q.iter().map(|x| x.to_f32()).collect();
+        let mut ws = AttnWorkspace::new();
+        let check = |got: &[T], want: &[f32], what: &str| {
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    w.is_finite() && g.to_f32().to_bits() == T::from_f32(*w).to_f32().to_bits(),
+                    "{what} {:?}: element {i}: got {}, want {w} rounded to nearest, {}",
+                    T::DTYPE,
+                    g.to_f32(),
+                    T::from_f32(*w).to_f32()
+                );
+            }
+        };
+        let (mut out, mut want) = (
+            vec![T::from_f32(f32::NAN); q.len()],
+            vec![f32::NAN; q.len()],
+        );
+        let (seqs, p) = (case.seqs(), case.params());
+        paged_attention_decode(
+            &mut ws,
+            half_view.layer(LAYER).unwrap(),
+            &q,
+            &seqs,
+            &p,
+            &mut out,
+        )
+        .unwrap();
+        paged_attention_decode(
+            &mut ws,
+            wide_view.layer(LAYER).unwrap(),
+            &q32,
+            &seqs,
+            &p,
+            &mut want,
+        )
+        .unwrap();
+        check(&out, &want, "decode");
+        // Prefill: the whole context of every sequence.
+        let mut qsl = vec![0i32];
+        for &c in &ctx {
+            qsl.push(qsl.last().unwrap() + c as i32);
+        }
+        let ntok = *qsl.last().unwrap() as usize;
+        let q: Vec<T> = rand_vals(&mut rng, ntok * nh * d);
+        let q32: Vec<f32> = q.iter().map(|x| x.to_f32()).collect();
+        let (mut out, mut want) = (
+            vec![T::from_f32(f32::NAN); q.len()],
+            vec![f32::NAN; q.len()],
+        );
+        paged_attention_prefill(
+            &mut ws,
+            half_view.layer(LAYER).unwrap(),
+            &q,
+            &qsl,
+            &seqs,
+            &p,
+            &mut out,
+        )
+        .unwrap();
+        paged_attention_prefill(
+            &mut ws,
+            wide_view.layer(LAYER).unwrap(),
+            &q32,
+            &qsl,
+            &seqs,
+            &p,
+            &mut want,
+        )
+        .unwrap();
+        check(&out, &want, "prefill");
+    }
+    run::<f16>(31);
+    run::<bf16>(32);
 }

@@ -92,6 +92,34 @@ fn offset_formula_is_row_major_over_the_documented_order() {
     assert_eq!(expected, c.total_elems());
 }
 
+/// With a page stride, block `b` starts `b` pages in, each block laid out as in a dense cache
+/// (the padding at the end of each page). Every kernel, CPU and CUDA, and `reshape_and_cache`
+/// address through `offset`, so a formula that stepped blocks by the dense block size would
+/// agree with itself everywhere and still put block 1 inside block 0's page padding.
+#[test]
+fn offset_steps_blocks_by_the_page_stride() {
+    let dense = KvCacheConfig::new(3, 2, 16, 4, 5, KvDtype::F32).unwrap();
+    let page_bytes = dense.bytes_per_block() + 48;
+    let c = dense.with_page_stride(page_bytes).unwrap();
+    let page_elems = page_bytes / 4;
+    for b in 0..5 {
+        for l in 0..3 {
+            for part in [KvPart::Key, KvPart::Value] {
+                for t in 0..4 {
+                    for h in 0..2 {
+                        assert_eq!(
+                            c.offset(b, l, part, t, h),
+                            b * page_elems + dense.offset(0, l, part, t, h),
+                            "block {b} layer {l} {part:?} token {t} head {h}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(c.total_elems(), 5 * page_elems);
+}
+
 #[test]
 fn block_is_one_contiguous_run_of_bytes_per_block() {
     let c = KvCacheConfig::new(4, 2, 64, 8, 6, KvDtype::Bf16).unwrap();

@@ -541,3 +541,43 @@ fn a_failed_step_keeps_the_finished_outputs() {
     assert!(!engine.has_work());
     assert!(!rest.outputs.contains_key(&1), "{:?}", rest.outputs);
 }
+
+/// The RMSNorm epsilon is `layer_norm_rms_epsilon` (what candle and llama.cpp read for a
+/// llama) even when the file also has a LayerNorm `layer_norm_epsilon`, which a llama's norms
+/// never use.
+#[test]
+fn the_rms_epsilon_wins_over_a_layer_norm_epsilon() {
+    let bytes = with_extra(
+        &[("llama.attention.layer_norm_epsilon", MetaValue::F32(0.5))],
+        &[],
+    );
+    let model = load(&bytes).unwrap();
+    assert_eq!(
+        model.config().params.norm_eps,
+        TinyLlama::f32().rms_eps,
+        "the norm epsilon read"
+    );
+}
+
+/// A model deeper than the engine's cache is refused too: the engine calls only the layers
+/// its cache has, so the model would run its first layers alone and sample from them.
+#[test]
+fn a_model_on_a_shallower_engine_is_refused() {
+    let shallow = load(
+        &TinyLlama {
+            layers: 1,
+            ..TinyLlama::f32()
+        }
+        .write(9)
+        .unwrap(),
+    )
+    .unwrap();
+    let mut deep = load(&TinyLlama::f32().write(9).unwrap()).unwrap();
+    let mut engine = build_engine(shallow.config(), &EngineSetup::default()).unwrap();
+    engine.add(request(1, vec![1, 2, 3])).unwrap();
+    let err = failing_step(&mut engine, &mut deep);
+    assert!(
+        matches!(err, EngineError::Model(ref m) if m.contains("1 layers") && m.contains("2 layers")),
+        "{err}"
+    );
+}

@@ -136,3 +136,23 @@ fn quantized_tied_matches_candle_with_recompute_preemption() {
     };
     check(spec, 6, PreemptionMode::Recompute, Q_TOL);
 }
+
+/// The file's RMSNorm epsilon and RoPE base are the ones run, in every norm (each layer's two
+/// and the final one) and rotation: the f32 file with an epsilon of 1e-2 (ten times the tied
+/// embedding's mean square, about 8e-4) and a base of 1e6. The default fixtures cannot tell:
+/// the f32 one has llama.cpp's usual 1e-5, and the mixed one's 1e-6 is lost in the quantized
+/// bound (the final norm run at a fixed 1e-5 passed every other test; here it misses by over
+/// ten times the f32 tolerance).
+#[test]
+fn the_files_norm_epsilon_and_rope_base_match_candle() {
+    check(
+        TinyLlama {
+            rms_eps: 1e-2,
+            rope_base: 1e6,
+            ..TinyLlama::f32()
+        },
+        7,
+        PreemptionMode::Recompute,
+        F32_TOL,
+    );
+}

@@ -119,3 +119,64 @@ fn accepted_and_rejected_drafts_match_candle() {
     );
     println!("{proposed} proposals, {multi} multi-token steps: {c}");
 }
+
+/// A draft after a rejected one is never accepted, even when it is the token the model samples
+/// after the rejected draft (that sample was conditioned on a token the sequence does not
+/// hold). The drafts are built to make exactly that happen: a wrong first draft, then the
+/// model's own greedy choice after it; the step must keep only the correction.
+#[test]
+fn a_draft_after_a_rejected_one_is_never_accepted() {
+    let bytes = TinyLlama::f32().write(4).unwrap();
+    let mut model =
+        PagedLlama::from_gguf(&Gguf::parse(&bytes).unwrap(), MatMulMode::Quantized).unwrap();
+    let vocab = model.config().vocab_size as u32;
+    let prompt = prompts(&[9], vocab as usize, 41).remove(0);
+    let setup = EngineSetup::default();
+    let run = |model: &mut PagedLlama, prompt: Vec<u32>, n: u32| {
+        let mut engine = build_engine(model.config(), &setup).unwrap();
+        let mut req = requests(&[prompt]).remove(0);
+        req.stop.max_new_tokens = n;
+        generate(&mut engine, model, [req], 100).unwrap().outputs[&0].clone()
+    };
+    // Plain greedy: t0 (sampled by the prompt's step), t1, t2, ...
+    let want = run(&mut model, prompt.clone(), 6);
+    // A wrong draft in place of t1, and the model's greedy token after it; one whose token
+    // after it is not t2 (accepting it would then change the output).
+    let (wrong, after_wrong) = (1..vocab)
+        .map(|delta| {
+            let wrong = (want[1] + delta) % vocab;
+            let mut off_path = prompt.clone();
+            off_path.extend([want[0], wrong]);
+            (wrong, run(&mut model, off_path, 1)[0])
+        })
+        .find(|&(_, after)| after != want[2])
+        .unwrap();
+
+    let mut engine = build_engine(model.config(), &setup).unwrap();
+    let mut req = requests(&[prompt]).remove(0);
+    req.stop.max_new_tokens = 6;
+    engine.add(req).unwrap();
+    let mut got: Vec<u32> = Vec::new();
+    let mut proposed = false;
+    while engine.has_work() {
+        if got.len() == 1 && !proposed {
+            engine.propose(0, &[wrong, after_wrong]).unwrap();
+            proposed = true;
+        }
+        engine.step(&mut model).unwrap();
+        let res = engine.results();
+        for u in &res.updates {
+            let toks = &res.tokens[u.tokens.clone()];
+            if proposed && got.len() == 1 {
+                assert_eq!(
+                    toks,
+                    &want[1..2],
+                    "drafts {wrong}, {after_wrong}: only the correction of the first is kept"
+                );
+            }
+            got.extend_from_slice(toks);
+        }
+    }
+    assert!(proposed, "the sequence never decoded");
+    assert_eq!(got, want, "the drafts changed the greedy outputs");
+}

@@ -581,3 +581,29 @@ fn a_model_on_a_shallower_engine_is_refused() {
         "{err}"
     );
 }
+
+/// A model run on an engine built for another query-head count (same KV shape: 4 heads of 32
+/// dims beside 8) is refused by name at its first step: the query rows it would write are
+/// sized for the other model's heads.
+#[test]
+fn a_model_on_an_engine_of_other_query_heads_is_refused() {
+    let narrow = load(
+        &TinyLlama {
+            dim: 128,
+            heads: 4,
+            ..TinyLlama::f32()
+        }
+        .write(9)
+        .unwrap(),
+    )
+    .unwrap();
+    let mut wide = load(&TinyLlama::f32().write(9).unwrap()).unwrap();
+    assert_eq!(narrow.config().kv_shape(), wide.config().kv_shape());
+    let mut engine = build_engine(narrow.config(), &EngineSetup::default()).unwrap();
+    engine.add(request(1, vec![1, 2, 3])).unwrap();
+    let err = failing_step(&mut engine, &mut wide);
+    assert!(
+        matches!(err, EngineError::Model(ref m) if m.contains("4 query heads") && m.contains("8 query heads")),
+        "{err}"
+    );
+}

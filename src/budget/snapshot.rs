@@ -105,3 +105,29 @@ impl BudgetCoordinator {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{BudgetConfig, BudgetCoordinator};
+    use crate::sync::Ordering;
+
+    /// A snapshot taken while a publisher is stalled in its write phase (the epoch odd) is
+    /// reported torn: every attempt saw the odd epoch, so its figures may mix two
+    /// publications. The stress test reaches this only when the timing falls that way.
+    #[test]
+    fn a_snapshot_taken_while_a_publisher_writes_is_not_consistent() {
+        let c = BudgetCoordinator::new(BudgetConfig::new(2, 8, 8)).unwrap();
+        c.register(1).unwrap();
+        let even = c.epoch();
+        assert_eq!(even % 2, 0);
+        assert!(c.snapshot().consistent);
+        c.epoch.store(even + 1, Ordering::Relaxed);
+        let s = c.snapshot();
+        assert_eq!(s.epoch, even + 1);
+        assert!(
+            !s.consistent,
+            "a snapshot under an odd epoch read as consistent"
+        );
+        c.epoch.store(even, Ordering::Relaxed);
+    }
+}

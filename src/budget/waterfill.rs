@@ -351,6 +351,8 @@ mod tests {
         assert_eq!(lifted(out, 512), vec![510, 1, 1]);
         // Donors by largest amount, ties to the lower index; sums kept.
         assert_eq!(lifted(vec![0, 3, 3, 0, 0], 9), vec![1, 1, 2, 1, 1]);
+        // Exactly one each (the boundary): every claim gets its one.
+        assert_eq!(lifted(vec![3, 0, 0], 3), vec![1, 1, 1]);
         // Not enough for one each, or a cap of 0: unchanged.
         assert_eq!(lifted(vec![2, 0, 0], 5), vec![2, 0, 0]);
         assert_eq!(lifted(vec![0, 0], 0), vec![0, 0]);

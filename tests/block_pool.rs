@@ -1,7 +1,7 @@
 //! Block pool: smoke, error paths (state unchanged after each refusal), reference counting and
 //! per-engine accounting.
 
-use pagedkv::block::{BlockId, BlockPool, EngineId, PoolConfig};
+use pagedkv::block::{BlockId, BlockPool, EngineId, PoolConfig, MAX_REFS};
 use pagedkv::error::PoolError;
 
 const E0: EngineId = EngineId(0);
@@ -351,4 +351,52 @@ fn free_n_fast_and_general_paths_agree() {
     assert_eq!(p.free_n(&b[1..]), Ok(2));
     assert_eq!(p.free_count(), 16);
     assert_eq!(p.stats().held, vec![0; 4]);
+}
+
+/// A batch that starts with one of this pool's ids and goes on with another pool's id naming
+/// the same index, generation and owner is refused as foreign, and neither pool changes:
+/// `free_n`'s one-pass path must check the tag of every id, not only the first one's (else it
+/// frees this pool's block through the other pool's id).
+#[test]
+fn free_n_refuses_a_foreign_id_after_the_first() {
+    let p = pool(4);
+    let q = pool(4);
+    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    p.alloc_n(E0, 2, &mut ours).unwrap();
+    q.alloc_n(E0, 2, &mut theirs).unwrap();
+    // Only the pool tag tells the two apart.
+    assert_eq!(
+        (ours[1].index(), ours[1].generation()),
+        (theirs[1].index(), theirs[1].generation())
+    );
+    assert!(matches!(
+        p.free_n(&[ours[0], theirs[1]]),
+        Err(PoolError::ForeignBlock { id, .. }) if id == theirs[1]
+    ));
+    assert_eq!((p.ref_count(ours[0]), p.ref_count(ours[1])), (Ok(1), Ok(1)));
+    assert_eq!((p.free_count(), p.held(E0)), (2, 2));
+    assert_eq!(q.ref_count(theirs[1]), Ok(1));
+    assert_eq!(p.free_n(&ours), Ok(2));
+    assert_eq!(q.free_n(&theirs), Ok(2));
+}
+
+/// A block's reference count stops at `MAX_REFS`: the share past it is refused with the block
+/// unchanged (an unchecked one would carry into the generation bits and free the block), and
+/// every reference taken is still released, the last one freeing the block.
+#[test]
+fn share_past_max_refs_is_refused_with_the_block_unchanged() {
+    let p = pool(2);
+    let a = p.alloc(E0).unwrap();
+    for _ in 1..MAX_REFS {
+        p.share(a).unwrap();
+    }
+    assert_eq!(p.ref_count(a), Ok(MAX_REFS));
+    assert_eq!(p.share(a), Err(PoolError::TooManyRefs { id: a }));
+    assert_eq!((p.ref_count(a), p.owner(a)), (Ok(MAX_REFS), Ok(E0)));
+    assert_eq!((p.free_count(), p.held(E0)), (1, 1));
+    for _ in 1..MAX_REFS {
+        assert_eq!(p.release(a), Ok(false));
+    }
+    assert_eq!(p.release(a), Ok(true));
+    assert_eq!((p.free_count(), p.held(E0)), (2, 0));
 }

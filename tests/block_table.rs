@@ -478,3 +478,31 @@ fn a_cleared_table_refills_its_engines_magazine() {
     p.free_n(&again).unwrap();
     assert_eq!(p.free_count(), 64);
 }
+
+/// A fork belongs to its parent's engine: blocks it grows by are charged to that engine.
+#[test]
+fn a_fork_grows_for_its_parents_engine() {
+    let p = pool(8);
+    let mut scratch = Vec::new();
+    let mut a = BlockTable::new(p.clone(), EngineId(1), 4).unwrap();
+    a.grow(1, &mut scratch).unwrap();
+    let mut b = a.fork().unwrap();
+    assert_eq!(b.engine(), EngineId(1));
+    b.grow(2, &mut scratch).unwrap();
+    assert_eq!((p.held(EngineId(0)), p.held(EngineId(1))), (0, 3));
+    drop((a, b));
+    assert_eq!((p.free_count(), p.held(EngineId(1))), (8, 0));
+}
+
+/// A truncation of more blocks than one release batch (64) frees, and counts, every one of them.
+#[test]
+fn truncating_more_than_one_batch_frees_and_counts_every_block() {
+    let p = pool(200);
+    let mut scratch = Vec::new();
+    let mut t = BlockTable::new(p.clone(), EngineId(0), 150).unwrap();
+    t.grow(150, &mut scratch).unwrap();
+    assert_eq!(t.truncate(10), 140);
+    assert_eq!((p.free_count(), p.held(EngineId(0))), (190, 10));
+    assert_eq!(t.clear(), 10);
+    assert_eq!((p.free_count(), p.held(EngineId(0))), (200, 0));
+}

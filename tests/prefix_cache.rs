@@ -588,3 +588,131 @@ fn lookup_counts_revived_pages() {
     assert_eq!(cache.clear(), 3);
     assert_eq!(pool.free_count(), 8);
 }
+
+/// A partial last block is never matched, even when a page is cached under that partial
+/// block's hash (a caller that hashed one): lookup and peek walk full blocks only.
+#[test]
+fn a_partial_block_is_not_matched_even_when_its_hash_is_cached() {
+    let (pool, cache) = setup(8, 1);
+    let root = cache.hasher().root(&key(0));
+    let partial = cache.hasher().block(root, &[1, 2, 3]);
+    let id = pool.alloc(EngineId(0)).unwrap();
+    assert_eq!(
+        cache.insert(EngineId(0), partial, id),
+        Ok(Inserted::Inserted)
+    );
+    let mut got = Vec::new();
+    let hit = cache.lookup(&key(0), &[1, 2, 3], &mut got).unwrap();
+    assert_eq!(
+        (hit.blocks, got.len()),
+        (0, 0),
+        "a partial block was matched"
+    );
+    assert_eq!(cache.peek(&key(0), &[1, 2, 3]).unwrap().blocks, 0);
+    release(&pool, &[id]);
+}
+
+/// The seed is the hasher's secret: caches built with one seed name blocks alike (a router
+/// predicting hits), another seed or a drawn one names them differently.
+#[test]
+fn the_seed_decides_the_hashes() {
+    let (pool, a) = setup(4, 1);
+    let with = |seed| PrefixCache::new(pool.clone(), PrefixConfig { seed });
+    let chain = |cache: &PrefixCache| {
+        let mut out = Vec::new();
+        cache.hasher().chain(&key(0), &toks(0..8), &mut out);
+        out
+    };
+    assert_eq!(chain(&a), chain(&with(Some(7))), "one seed, one naming");
+    for other in [with(Some(8)), with(None), with(None)] {
+        let (x, y) = (chain(&a), chain(&other));
+        assert!(x.iter().zip(&y).all(|(x, y)| x != y), "{x:?} vs {y:?}");
+    }
+    assert_ne!(chain(&with(None)), chain(&with(None)), "drawn seeds differ");
+}
+
+/// Models never share a page even under a hash collision: a page cached for engine 0 under the
+/// very hash engine 1's lookup computes is not handed to engine 1 (the engine is checked on
+/// every hit), and engine 1 caches its own page under that hash.
+#[test]
+fn a_hit_checks_the_engine_not_only_the_hash() {
+    let (pool, cache) = setup(8, 2);
+    let t = [1, 2, 3, 4];
+    let mut chain1 = Vec::new();
+    cache.hasher().chain(&key(1), &t, &mut chain1);
+    let of0 = pool.alloc(EngineId(0)).unwrap();
+    assert_eq!(
+        cache.insert(EngineId(0), chain1[0], of0),
+        Ok(Inserted::Inserted)
+    );
+    let mut got = Vec::new();
+    let hit = cache.lookup(&key(1), &t, &mut got).unwrap();
+    assert_eq!(
+        (hit.blocks, got.len()),
+        (0, 0),
+        "engine 0's page served to engine 1"
+    );
+    assert_eq!(cache.peek(&key(1), &t).unwrap().blocks, 0);
+    assert!(!cache.contains(EngineId(1), chain1[0]));
+    let of1 = pool.alloc(EngineId(1)).unwrap();
+    assert_eq!(
+        cache.insert(EngineId(1), chain1[0], of1),
+        Ok(Inserted::Inserted)
+    );
+    assert_eq!(cache.lookup(&key(1), &t, &mut got).unwrap().blocks, 1);
+    assert_eq!(got, [of1]);
+    release(&pool, &[of0, of1, of1]);
+}
+
+/// The slot's tag is only a filter: a page cached under a hash that shares the looked-up hash's
+/// home slot and tag but differs in the other bits is not a hit (all 128 bits are compared).
+#[test]
+fn a_tag_collision_is_not_a_hit() {
+    let (pool, cache) = setup(8, 1);
+    let t = [1, 2, 3, 4];
+    let mut chain = Vec::new();
+    cache.hasher().chain(&key(0), &t, &mut chain);
+    // Same low lane (home slot), same high bits (tag); the lowest bit of the high lane differs.
+    let twin = BlockHash {
+        lo: chain[0].lo,
+        hi: chain[0].hi ^ 1,
+    };
+    let id = pool.alloc(EngineId(0)).unwrap();
+    assert_eq!(cache.insert(EngineId(0), twin, id), Ok(Inserted::Inserted));
+    let mut got = Vec::new();
+    let hit = cache.lookup(&key(0), &t, &mut got).unwrap();
+    assert_eq!((hit.blocks, got.len()), (0, 0), "a tag collision was a hit");
+    assert_eq!(cache.peek(&key(0), &t).unwrap().blocks, 0);
+    assert!(!cache.contains(EngineId(0), chain[0]));
+    let real = pool.alloc(EngineId(0)).unwrap();
+    assert_eq!(
+        cache.insert(EngineId(0), chain[0], real),
+        Ok(Inserted::Inserted)
+    );
+    cache.lookup(&key(0), &t, &mut got).unwrap();
+    assert_eq!(got, [real]);
+    release(&pool, &[id, real, real]);
+}
+
+/// A forget is reported like an eviction: a router's mirror must drop the page before its
+/// holder rewrites it with other tokens.
+#[test]
+fn forget_emits_a_removed_event() {
+    let (pool, cache) = setup(4, 1);
+    let (tx, rx) = std::sync::mpsc::sync_channel(8);
+    let cache = cache.with_events(Box::new(tx));
+    let ids = prefill(&cache, &key(0), &[1, 2, 3, 4]);
+    let mut chain = Vec::new();
+    cache.hasher().chain(&key(0), &[1, 2, 3, 4], &mut chain);
+    assert_eq!(cache.forget(ids[0]), Ok(true));
+    let (engine, hash, page) = (EngineId(0), chain[0], ids[0]);
+    let got: Vec<CacheEvent> = rx.try_iter().collect();
+    assert_eq!(
+        got,
+        [
+            CacheEvent::Stored { engine, hash, page },
+            CacheEvent::Removed { engine, hash, page }
+        ]
+    );
+    release(&pool, &ids);
+}

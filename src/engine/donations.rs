@@ -60,9 +60,9 @@ impl DonationBoard {
         // after them, and the take's count, flag swap and scan): see `take`.
         cell.swap(word, Ordering::SeqCst);
         if word != 0 {
-            // A swap, not a store: loom 0.7.2 models a plain store racing the donor's swap
-            // wrongly (a later swap, after joining the storer, can still read `false`: two
-            // bare threads reproduce it), which fails tests/loom/donations.rs spuriously.
+            // A swap, not a store (the same ordering argument): with a plain store, loom
+            // 0.7.2 let a swap made after joining the storing thread still read `false`
+            // (seen with two bare threads too), failing tests/loom/donations.rs spuriously.
             flag.swap(true, Ordering::SeqCst);
         }
     }
@@ -89,8 +89,8 @@ impl DonationBoard {
             return 0;
         };
         // Counted before the flag swap and the scan, and all of them SeqCst with the
-        // requester's swap, flag store and read of the count: if the requester's read comes
-        // before this count in their single total order, its ask (swap, then flag store)
+        // requester's two swaps and its read of the count: if the requester's read comes
+        // before this count in their single total order, its ask (the cell, then the flag)
         // comes before this flag swap, which then reads it set, and before the scan's load of
         // its cell, which sees the request (or the requester's later replacement of it). So a
         // requester that asks again only once the count moved past the one it read never has

@@ -1189,6 +1189,26 @@ fn build_weighted(
     (shared, engines)
 }
 
+/// Two engines of weight 1 on 32 pages (quotas of 16; pages of 32 tokens in `shapes()[0]`'s
+/// geometry; block demand quantum 1), no prefix cache, prefill chunks of at most `chunk`.
+fn two_engines_of_chunk(chunk: u32) -> (Arc<SharedArena>, Vec<Driven>) {
+    let (shared, _) = build_weighted(32, &[], 2, 1000);
+    let engines = (0..2)
+        .map(|_| {
+            let (shape, heads) = shapes()[0];
+            let mut cfg = engine_config(PreemptionMode::Recompute);
+            cfg.prefix_cache = false;
+            cfg.max_prefill_chunk = chunk;
+            let engine = Engine::host(&shared, cfg, &shape, heads).unwrap();
+            (
+                engine,
+                ClosedForm::new(heads, shape.num_kv_heads, shape.head_dim),
+            )
+        })
+        .collect();
+    (shared, engines)
+}
+
 /// An engine of weight `weight` and geometry `shapes()[shape]` on `shared`.
 fn weighted_engine(shared: &Arc<SharedArena>, weight: u32, shape: usize) -> Driven {
     let (shape, heads) = shapes()[shape];
@@ -2247,20 +2267,7 @@ fn a_latency_critical_request_preempts_its_own_throughput_work_before_asking_a_d
 #[test]
 fn a_borrower_asked_to_donate_and_to_give_back_sheds_the_pages_once() {
     // Quotas 16 and 16 pages of 32 tokens; block demand quantum 1; whole prompts in one chunk.
-    let (shared, _) = build_weighted(32, &[], 2, 1000);
-    let mut engines: Vec<Driven> = (0..2)
-        .map(|_| {
-            let (shape, heads) = shapes()[0];
-            let mut cfg = engine_config(PreemptionMode::Recompute);
-            cfg.prefix_cache = false;
-            cfg.max_prefill_chunk = 128;
-            let engine = Engine::host(&shared, cfg, &shape, heads).unwrap();
-            (
-                engine,
-                ClosedForm::new(heads, shape.num_kv_heads, shape.head_dim),
-            )
-        })
-        .collect();
+    let (shared, mut engines) = two_engines_of_chunk(128);
     let c = shared.coordinator().clone();
     let ids: Vec<_> = engines.iter().map(|(e, _)| e.id()).collect();
     // A: one short latency-critical sequence, decoding: its block demand is two pages.
@@ -2433,20 +2440,7 @@ fn a_donation_no_longer_needed_is_withdrawn() {
 #[test]
 fn a_request_needing_exactly_the_rest_of_its_share_asks_a_donation() {
     // Quotas 16 and 16 pages of 32 tokens; a 512-token prompt in one chunk is 16 pages.
-    let (shared, _) = build_weighted(32, &[], 2, 1000);
-    let mut engines: Vec<Driven> = (0..2)
-        .map(|_| {
-            let (shape, heads) = shapes()[0];
-            let mut cfg = engine_config(PreemptionMode::Recompute);
-            cfg.prefix_cache = false;
-            cfg.max_prefill_chunk = 512;
-            let engine = Engine::host(&shared, cfg, &shape, heads).unwrap();
-            (
-                engine,
-                ClosedForm::new(heads, shape.num_kv_heads, shape.head_dim),
-            )
-        })
-        .collect();
+    let (shared, mut engines) = two_engines_of_chunk(512);
     let c = shared.coordinator().clone();
     // B fills the pool while A is idle.
     for s in 0..8 {

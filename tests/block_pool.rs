@@ -143,11 +143,18 @@ fn foreign_and_out_of_range_ids_are_refused() {
         Err(PoolError::ForeignBlock { device: 0, .. })
     ));
     assert_eq!(q.ref_count(theirs), Ok(1));
-    let far = BlockId::from_bits((u64::from(p.tag()) << 48) | (1 << 24) | 100);
-    assert_eq!(
-        p.free(far),
-        Err(PoolError::OutOfRange { id: far, total: 4 })
-    );
+    // Far past the end, and one past it (index == total: the boundary).
+    for index in [100, 4] {
+        let far = BlockId::from_bits((u64::from(p.tag()) << 48) | (1 << 24) | index);
+        assert_eq!(
+            p.free(far),
+            Err(PoolError::OutOfRange { id: far, total: 4 })
+        );
+        assert_eq!(
+            p.ref_count(far),
+            Err(PoolError::OutOfRange { id: far, total: 4 })
+        );
+    }
     assert!(matches!(
         p.alloc(EngineId(4)),
         Err(PoolError::UnknownEngine { max_engines: 4, .. })

@@ -17,6 +17,20 @@ fn queues(workers: usize, cap: usize, policy: OverflowPolicy) -> Admission<u32, 
     Admission::new(AdmissionConfig::new(workers, cap, policy)).expect("valid config")
 }
 
+/// Joins `h`, failing with `what` if it has not finished within 10 s: a waiter that is never
+/// woken fails the test with a message instead of hanging the test run.
+fn join_within<R>(what: &str, h: thread::JoinHandle<R>) -> R {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !h.is_finished() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not woken within 10 s"
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+    h.join().unwrap()
+}
+
 #[test]
 fn config_is_validated() {
     let bad = [
@@ -166,9 +180,12 @@ fn close_refuses_wakes_blocked_and_drains() {
     let idle = thread::spawn(move || q3.pop_blocking(1).map(|j| *j.payload()));
     thread::sleep(Duration::from_millis(50));
     q.close();
-    let r = blocked.join().unwrap().unwrap_err();
+    let r = join_within("the blocked submitter after close", blocked).unwrap_err();
     assert_eq!((r.error, r.payload), (AdmissionError::Closed, 8));
-    assert_eq!(idle.join().unwrap(), Err(AdmissionError::Closed));
+    assert_eq!(
+        join_within("the idle pop_wait after close", idle),
+        Err(AdmissionError::Closed)
+    );
     assert_eq!(
         q.try_submit(9, HI, Route::LeastLoaded).unwrap_err().error,
         AdmissionError::Closed
@@ -346,7 +363,7 @@ fn pop_wait_is_woken_by_submit_and_ticket_by_completion() {
         assert_eq!(t.wait(), Ok(i + 1));
     }
     q.close();
-    assert_eq!(worker.join().unwrap(), 200);
+    assert_eq!(join_within("the idle worker after close", worker), 200);
 }
 
 /// A queue shape whose slots cannot fit in memory is refused with a typed error (it aborted

@@ -223,6 +223,31 @@ fn the_router_routes_finishes_and_lists_sequences_to_abort() {
     );
 }
 
+/// Every sequence whose reader went away is listed, not just the first the router finds (the
+/// router test above drops one reader only, so a `find` in place of the `filter` passed it);
+/// sequences whose readers live are not listed.
+#[test]
+fn closed_into_lists_every_dropped_reader() {
+    let mut router = StreamRouter::new();
+    let mut readers = Vec::new();
+    for id in 0..5 {
+        let (tx, rx) = token_stream(4).unwrap();
+        router.insert(id, tx).unwrap();
+        readers.push(Some(rx));
+    }
+    for id in [0, 2, 3] {
+        readers[id] = None;
+    }
+    let mut abort = vec![99];
+    router.closed_into(&mut abort);
+    abort[1..].sort_unstable();
+    assert_eq!(
+        abort,
+        vec![99, 0, 2, 3],
+        "appended, every dropped reader once"
+    );
+}
+
 // ---- proptest against a sequential model ----
 
 #[derive(Debug, Clone)]

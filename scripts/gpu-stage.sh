@@ -52,4 +52,9 @@ kernel_tests() {
   if [ -x "$bin/test-cuda_raw_engine" ]; then
     stage test-cuda_raw_engine 90 "$bin/test-cuda_raw_engine" --nocapture
   fi
+  # The device upload (a refused upload's stats among them), when bundled
+  # (BUNDLE='...|^test-gguf_upload$').
+  if [ -x "$bin/test-gguf_upload" ]; then
+    stage test-gguf_upload 90 "$bin/test-gguf_upload"
+  fi
 }

@@ -1189,6 +1189,16 @@ fn build_weighted(
     (shared, engines)
 }
 
+/// Steps every engine that has work, round after round (2000 at most), as engine threads
+/// that step while `has_work()` do.
+fn step_while_working(engines: &mut [Driven]) {
+    for _ in 0..2000 {
+        for (e, m) in engines.iter_mut().filter(|(e, _)| e.has_work()) {
+            e.step(m).unwrap();
+        }
+    }
+}
+
 /// Two engines of weight 1 on 32 pages (quotas of 16; pages of 32 tokens in `shapes()[0]`'s
 /// geometry; block demand quantum 1), no prefix cache, prefill chunks of at most `chunk`.
 fn two_engines_of_chunk(chunk: u32) -> (Arc<SharedArena>, Vec<Driven>) {
@@ -2248,11 +2258,7 @@ fn a_latency_critical_request_preempts_its_own_throughput_work_before_asking_a_d
         "A's own work gave way"
     );
     assert!(!report.asked_donation, "a donor was asked for pages A had");
-    for _ in 0..2000 {
-        for (e, m) in engines.iter_mut().filter(|(e, _)| e.has_work()) {
-            e.step(m).unwrap();
-        }
-    }
+    step_while_working(&mut engines);
     assert!(engines.iter().all(|(e, _)| !e.has_work()));
     drop(engines);
     assert_no_leak(&shared);
@@ -2332,11 +2338,7 @@ fn a_borrower_asked_to_donate_and_to_give_back_sheds_the_pages_once() {
         "{:?}",
         c.snapshot()
     );
-    for _ in 0..2000 {
-        for (e, m) in engines.iter_mut().filter(|(e, _)| e.has_work()) {
-            e.step(m).unwrap();
-        }
-    }
+    step_while_working(&mut engines);
     assert!(engines.iter().all(|(e, _)| !e.has_work()));
     drop(engines);
     assert_no_leak(&shared);
@@ -2402,11 +2404,7 @@ fn a_lenders_rows_waiting_for_lent_pages_report_their_reclaim() {
         "A's rows waited {waits} steps: {:?}",
         c.snapshot()
     );
-    for _ in 0..2000 {
-        for (e, m) in engines.iter_mut().filter(|(e, _)| e.has_work()) {
-            e.step(m).unwrap();
-        }
-    }
+    step_while_working(&mut engines);
     drop(engines);
     assert_no_leak(&shared);
 }
@@ -2474,11 +2472,7 @@ fn a_request_needing_exactly_the_rest_of_its_share_asks_a_donation() {
         "A asked no donation: {:?}",
         c.snapshot()
     );
-    for _ in 0..2000 {
-        for (e, m) in engines.iter_mut().filter(|(e, _)| e.has_work()) {
-            e.step(m).unwrap();
-        }
-    }
+    step_while_working(&mut engines);
     assert!(engines.iter().all(|(e, _)| !e.has_work()));
     drop(engines);
     assert_no_leak(&shared);

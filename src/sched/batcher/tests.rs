@@ -4,19 +4,24 @@ use super::*;
 use crate::block::PoolConfig;
 use crate::sched::{PreemptionMode, Priority, SeqRequest, StopRules};
 
+/// A pool of `num_blocks` blocks for one engine.
+fn one_engine_pool(num_blocks: u32) -> Arc<BlockPool> {
+    Arc::new(
+        BlockPool::new(PoolConfig {
+            device: 0,
+            num_blocks,
+            max_engines: 1,
+        })
+        .unwrap(),
+    )
+}
+
 /// Sequences made by `fork` reuse free storage slots as `add`'s do: a server doing parallel
 /// sampling for ever keeps storage bounded by the sequences alive at once (before, every
 /// fork pushed a new slot: 1000 rounds of one request and 3 forks left 3001 slots).
 #[test]
 fn forked_sequences_reuse_free_slots() {
-    let pool = Arc::new(
-        BlockPool::new(PoolConfig {
-            device: 0,
-            num_blocks: 64,
-            max_engines: 1,
-        })
-        .unwrap(),
-    );
+    let pool = one_engine_pool(64);
     let cfg = BatcherConfig {
         engine: EngineId(0),
         block_size: 4,
@@ -206,14 +211,7 @@ impl EngineBudget for LentOut {
 /// fourth preempted).
 #[test]
 fn the_lent_page_wait_bound_counts_steps_in_a_row() {
-    let pool = Arc::new(
-        BlockPool::new(PoolConfig {
-            device: 0,
-            num_blocks: 64,
-            max_engines: 1,
-        })
-        .unwrap(),
-    );
+    let pool = one_engine_pool(64);
     // One token a page: every decode row needs a page.
     let cfg = BatcherConfig {
         engine: EngineId(0),
@@ -295,14 +293,7 @@ impl EngineBudget for CappedBlocks {
 /// for while it could not run).
 #[test]
 fn a_swapped_sequence_keeps_its_slot_out_of_the_block_demand() {
-    let pool = Arc::new(
-        BlockPool::new(PoolConfig {
-            device: 0,
-            num_blocks: 256,
-            max_engines: 1,
-        })
-        .unwrap(),
-    );
+    let pool = one_engine_pool(256);
     // One token a page; 12 pages for the engine: two growing sequences swap one out.
     let cfg = BatcherConfig {
         engine: EngineId(0),
